@@ -1,0 +1,225 @@
+"""Records which embedding rows each rank's shards modify.
+
+A :class:`RowTracker` hangs on one sharded embedding module
+(``ShardedEmbeddingBagCollection`` or ``ShardedEmbeddingCollection``). It
+registers a forward pre-hook on every TBE kernel module inside the module's
+lookups. The hook receives the ``KeyedJaggedTensor`` of ids *after* input
+distribution, so the ids are already shard-local row offsets for every sharding
+type (row-wise sharding bucketizes them; table- and column-wise shards hold all
+rows). With a fused sparse optimizer a row changes exactly when it is looked
+up, so setting its bit is enough.
+
+Kernels that are not fused (their optimizer is the user's dense one, which may
+touch every row) are reported as fully modified. Data-parallel tables are
+replicated plain tensors and travel with the dense state instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchrec_cnr.tracking import bitmap
+
+__all__ = ["LocalShard", "RowTracker", "ShardSpec", "TRACKER_ATTR"]
+
+TRACKER_ATTR = "_cnr_tracker"
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where one table shard lives; the unit the manifest describes."""
+
+    table: str
+    """Fully qualified table name, e.g. ``sparse_arch.ebc.t_user``."""
+    rank: int
+    """Rank holding the shard."""
+    sharding: str
+    """TorchRec sharding type, e.g. ``table_wise``."""
+    row_offset: int
+    """First global row of the shard."""
+    col_offset: int
+    """First global column of the shard."""
+    rows: int
+    """Rows in the shard."""
+    cols: int
+    """Columns in the shard."""
+    num_embeddings: int
+    """Rows of the whole table."""
+    embedding_dim: int
+    """Columns of the whole table."""
+
+    def to_json(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, object]) -> ShardSpec:
+        return cls(**{k: raw[k] for k in cls.__dataclass_fields__})  # type: ignore[arg-type]
+
+
+@dataclass
+class LocalShard:
+    """A shard held by this rank, with live views into its kernel's memory."""
+
+    spec: ShardSpec
+    weight: torch.Tensor
+    """``(rows, cols)`` view of the kernel's weights."""
+    states: dict[str, torch.Tensor]
+    """Optimizer state views whose first dim is ``rows`` (e.g. row-wise Adagrad ``(rows,)``)."""
+    optimizer: str
+    """Name of the fused optimizer, or ``"dense"`` when the kernel is not fused."""
+    words: torch.Tensor | None
+    """``(ceil(rows / 64),)`` int64 modified-row bitmap; ``None`` means every row counts as modified."""
+    kernel: Any = field(repr=False)
+    """The TBE kernel module; restore flushes and syncs through it."""
+
+    def modified_mask(self) -> torch.Tensor:
+        """``(rows,)`` bool mask of rows modified since the bits were last cleared."""
+        if self.words is None:
+            return torch.ones(self.spec.rows, dtype=torch.bool, device=self.weight.device)
+        return bitmap.to_mask(self.words, self.spec.rows)
+
+
+def _unwrap(module: Any) -> Any:
+    # Data-parallel lookups are wrapped in DistributedDataParallel.
+    return module.module if hasattr(module, "module") else module
+
+
+class _KernelHook:
+    """Forward pre-hook of one TBE kernel module: sets the bits of looked-up rows."""
+
+    def __init__(self, words: torch.Tensor, key_base: torch.Tensor) -> None:
+        self.words = words
+        self.key_base = key_base
+        self._segment_base: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        features = args[0] if args else kwargs["features"]
+        values = features.values()
+        if values.numel() == 0:
+            return
+        strides = tuple(features.stride_per_key())
+        base = self._segment_base.get(strides)
+        if base is None:
+            counts = torch.tensor(strides, device=self.key_base.device)
+            base = self.key_base.repeat_interleave(counts)
+            self._segment_base[strides] = base
+        lengths = features.lengths()
+        offsets = base.repeat_interleave(lengths.to(torch.int64), output_size=values.numel())
+        bitmap.set_bits(self.words, values.to(torch.int64) + offsets)
+
+
+class RowTracker:
+    """Modified-row bitmaps of every local shard of one sharded embedding module.
+
+    Args:
+        sharded: a ``ShardedEmbeddingBagCollection`` or ``ShardedEmbeddingCollection``.
+        sharding_types: table name -> sharding type, from the module's plan.
+        rank: this rank.
+
+    Example::
+
+        tracker = RowTracker(sharded_ebc, {"t0": "table_wise"}, rank=0)
+        model(batch).backward()
+        for shard in tracker.shards("sparse.ebc"):
+            print(shard.spec.table, shard.modified_mask().sum())
+    """
+
+    def __init__(self, sharded: nn.Module, sharding_types: dict[str, str], rank: int) -> None:
+        self._rank = rank
+        self._sharding_types = dict(sharding_types)
+        self._entries: list[tuple[Any, int, Any, torch.Tensor | None]] = []
+        self._handles: list[Any] = []
+        self._words: list[torch.Tensor] = []
+        for lookup in getattr(sharded, "_lookups", []):
+            for kernel in getattr(_unwrap(lookup), "_emb_modules", []):
+                self._track_kernel(kernel)
+
+    def _track_kernel(self, kernel: Any) -> None:
+        config = kernel.config
+        tables = list(config.embedding_tables)
+        if any(t.local_metadata is None for t in tables):
+            return  # data parallel: replicated, saved with the dense state
+        emb = kernel.emb_module
+        fused = hasattr(emb, "split_optimizer_states") and hasattr(kernel, "fused_optimizer")
+        if not fused:
+            for i in range(len(tables)):
+                self._entries.append((tables[i], i, kernel, None))
+            return
+        # One flat bitmap per kernel; each table starts on a word boundary so
+        # that its bits are a plain slice of the flat tensor.
+        word_starts, total = [], 0
+        for t in tables:
+            word_starts.append(total)
+            total += bitmap.num_words(t.local_rows)
+        device = next(iter(emb.split_embedding_weights()), torch.empty(0)).device
+        words = torch.zeros(total, dtype=torch.int64, device=device)
+        self._words.append(words)
+        key_base = torch.tensor(
+            [word_starts[i] * 64 for i, t in enumerate(tables) for _ in range(t.num_features())],
+            dtype=torch.int64,
+            device=device,
+        )
+        hook = _KernelHook(words, key_base)
+        self._handles.append(kernel.register_forward_pre_hook(hook, with_kwargs=True))
+        for i, t in enumerate(tables):
+            view = words[word_starts[i] : word_starts[i] + bitmap.num_words(t.local_rows)]
+            self._entries.append((t, i, kernel, view))
+
+    def shards(self, prefix: str = "") -> list[LocalShard]:
+        """The local shards with live views into weights, optimizer states and bitmaps.
+
+        Args:
+            prefix: module path of the sharded module inside the user's model;
+                table names are qualified with it.
+        """
+        out = []
+        weights_cache: dict[int, list[torch.Tensor]] = {}
+        states_cache: dict[int, list[list[torch.Tensor]]] = {}
+        for table, index, kernel, words in self._entries:
+            emb = kernel.emb_module
+            key = id(kernel)
+            if key not in weights_cache:
+                weights_cache[key] = list(kernel.split_embedding_weights())
+                states_cache[key] = emb.split_optimizer_states() if words is not None else []
+            meta = table.local_metadata
+            rows, cols = int(meta.shard_sizes[0]), int(meta.shard_sizes[1])
+            spec = ShardSpec(
+                table=f"{prefix}.{table.name}" if prefix else table.name,
+                rank=self._rank,
+                sharding=self._sharding_types.get(table.name, "unknown"),
+                row_offset=int(meta.shard_offsets[0]),
+                col_offset=int(meta.shard_offsets[1]),
+                rows=rows,
+                cols=cols,
+                num_embeddings=int(table.num_embeddings),
+                embedding_dim=int(table.embedding_dim),
+            )
+            states = {}
+            if words is not None:
+                for j, state in enumerate(states_cache[key][index]):
+                    if state.dim() >= 1 and state.shape[0] == rows:
+                        states[f"state{j}"] = state
+            optimizer = emb.optimizer.name if words is not None else "dense"
+            weight = weights_cache[key][index]
+            assert weight.shape == (rows, cols), (weight.shape, rows, cols)
+            out.append(LocalShard(spec, weight, states, optimizer, words, kernel))
+        return out
+
+    def clear(self) -> None:
+        """Clears every bit."""
+        for words in self._words:
+            words.zero_()
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the bitmaps."""
+        return sum(w.numel() * w.element_size() for w in self._words)
+
+    def remove(self) -> None:
+        """Removes the hooks; the bitmaps stop changing."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

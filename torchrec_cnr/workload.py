@@ -1,0 +1,188 @@
+"""A small sharded DLRM on synthetic Zipf data, for the demo, the tests and the benchmarks.
+
+Batches are a pure function of ``(seed, rank, step)``, so a resumed job sees
+exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.models.dlrm import DLRM
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from torchrec_cnr.tracking import tracking_sharders
+
+__all__ = ["Batch", "TableSpec", "ZipfBatches", "build_model", "dense_optimizer"]
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table of the synthetic model."""
+
+    name: str
+    rows: int
+    dim: int
+    sharding: str | None = None
+    """Forced sharding type, or ``None`` to let the planner choose."""
+
+
+@dataclass
+class Batch:
+    dense: torch.Tensor
+    """``(B, num_dense)`` float features."""
+    sparse: KeyedJaggedTensor
+    labels: torch.Tensor
+    """``(B,)`` float 0/1 labels."""
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(self.dense.to(device), self.sparse.to(device), self.labels.to(device))
+
+
+class ZipfBatches:
+    """Deterministic synthetic batches with Zipf-distributed ids.
+
+    Args:
+        tables: one feature per table, named ``f_<table>``.
+        batch_size: samples per rank per step.
+        num_dense: dense features per sample.
+        alpha: Zipf exponent; higher concentrates lookups on fewer rows.
+        pooling: ids per feature per sample.
+        seed: base seed.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        batch_size: int,
+        num_dense: int = 4,
+        alpha: float = 1.1,
+        pooling: int = 2,
+        seed: int = 0,
+    ) -> None:
+        self.tables = list(tables)
+        self.batch_size = batch_size
+        self.num_dense = num_dense
+        self.pooling = pooling
+        self.seed = seed
+        self.position = 0
+        self._cdfs = []
+        self._perms = []
+        g = torch.Generator().manual_seed(seed)
+        for t in self.tables:
+            p = 1.0 / torch.arange(1, t.rows + 1, dtype=torch.float64) ** alpha
+            self._cdfs.append(torch.cumsum(p / p.sum(), 0))
+            # Hot ids are spread over the id space, as hashing does in practice.
+            self._perms.append(torch.randperm(t.rows, generator=g))
+
+    def batch(self, rank: int, step: int) -> Batch:
+        """The batch rank ``rank`` trains on at ``step``."""
+        g = torch.Generator().manual_seed(
+            ((self.seed * 1_000_003 + rank) * 1_000_033 + step) % (2**62)
+        )
+        n = self.batch_size * self.pooling
+        ids = []
+        for cdf, perm in zip(self._cdfs, self._perms):
+            u = torch.rand(n, generator=g, dtype=torch.float64)
+            ranks = torch.searchsorted(cdf, u).clamp_max(len(perm) - 1)
+            ids.append(perm[ranks])
+        values = torch.cat(ids)
+        lengths = torch.full((len(self.tables) * self.batch_size,), self.pooling, dtype=torch.int32)
+        sparse = KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f_{t.name}" for t in self.tables], values=values, lengths=lengths
+        )
+        dense = torch.randn(self.batch_size, self.num_dense, generator=g)
+        # A planted rule on the first dense feature and the first ids makes the labels learnable.
+        logits = dense[:, 0] + 0.5 * (ids[0].view(self.batch_size, -1)[:, 0] % 2 * 2 - 1)
+        labels = (logits > 0).float()
+        return Batch(dense, sparse, labels)
+
+    def next(self, rank: int) -> Batch:
+        """The next batch in order; the position is part of the state dict."""
+        self.position += 1
+        return self.batch(rank, self.position)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+
+def build_model(
+    tables: Sequence[TableSpec],
+    num_dense: int = 4,
+    device: torch.device | None = None,
+    learning_rate: float = 0.05,
+    seed: int = 0,
+    pg: dist.ProcessGroup | None = None,
+) -> DistributedModelParallel:
+    """A DLRM sharded over ``pg`` with tracking sharders and fused row-wise Adagrad.
+
+    Every table must have the same ``dim`` (DLRM's interaction needs it).
+    """
+    device = device or torch.device("cpu")
+    dims = {t.dim for t in tables}
+    if len(dims) != 1:
+        raise ValueError(f"DLRM needs one embedding dim for every table, got {sorted(dims)}")
+    dim = dims.pop()
+    torch.manual_seed(seed)
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                name=t.name,
+                embedding_dim=t.dim,
+                num_embeddings=t.rows,
+                feature_names=[f"f_{t.name}"],
+            )
+            for t in tables
+        ],
+        device=torch.device("meta"),
+    )
+    module = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=num_dense,
+        dense_arch_layer_sizes=[16, dim],
+        over_arch_layer_sizes=[16, 1],
+        dense_device=device,
+    )
+    sharders = tracking_sharders(
+        {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": learning_rate}
+    )
+    constraints = {
+        t.name: ParameterConstraints(sharding_types=[t.sharding]) for t in tables if t.sharding
+    }
+    pg = pg or dist.GroupMember.WORLD
+    topology = Topology(world_size=dist.get_world_size(pg), compute_device=device.type)
+    plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
+        module, sharders, pg
+    )
+    model = DistributedModelParallel(module, plan=plan, sharders=sharders, device=device)
+    # Sharded tables are initialised by their kernels from the global RNG; seed again
+    # per rank so that two builds with one seed are identical.
+    torch.manual_seed(seed + 1)
+    return model
+
+
+def dense_optimizer(model: nn.Module, lr: float = 0.05) -> torch.optim.Optimizer:
+    """Adagrad over the parameters the fused optimizer does not own."""
+    params = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
+    return torch.optim.Adagrad(params, lr=lr)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> float:
+    """One step of BCE training; the fused optimizer updates rows during backward."""
+    optimizer.zero_grad()
+    logits = model(batch.dense, batch.sparse).squeeze(-1)
+    loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
