@@ -16,6 +16,10 @@ TABLES = [
     TableSpec("t_cw", 400, 32, "column_wise"),
     TableSpec("t_twcw", 300, 32, "table_column_wise"),
     TableSpec("t_dp", 100, 32, "data_parallel"),
+    # Three table-wise tables on two ranks: some kernel holds several tables,
+    # so ids need per-table offsets into its bitmap.
+    TableSpec("t_tw2", 200, 32, "table_wise"),
+    TableSpec("t_tw3", 250, 32, "table_wise"),
 ]
 
 
@@ -41,6 +45,9 @@ def _bitmaps_equal_ids_seen(tables: list[TableSpec], steps: int, device_type: st
                 ] = True
     shards = model_state.local_shards(model)
     assert shards, "rank holds no tracked shard"
+    kernels = torch.tensor([max(len(s.kernel.config.embedding_tables) for s in shards)])
+    dist.all_reduce(kernels, op=dist.ReduceOp.MAX)
+    assert device_type == "cuda" or kernels.item() > 1, "no kernel holds several tables"
     assert not any(s.spec.table.endswith("t_dp") for s in shards), (
         "data-parallel tables travel as dense state"
     )

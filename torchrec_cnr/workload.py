@@ -15,6 +15,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.models.dlrm import DLRM
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -124,10 +125,12 @@ def build_model(
     learning_rate: float = 0.05,
     seed: int = 0,
     pg: dist.ProcessGroup | None = None,
+    tracking: bool = True,
 ) -> DistributedModelParallel:
-    """A DLRM sharded over ``pg`` with tracking sharders and fused row-wise Adagrad.
+    """A DLRM sharded over ``pg`` with fused row-wise Adagrad.
 
     Every table must have the same ``dim`` (DLRM's interaction needs it).
+    ``tracking=False`` uses TorchRec's own sharders (for benchmarks).
     """
     device = device or torch.device("cpu")
     dims = {t.dim for t in tables}
@@ -154,8 +157,11 @@ def build_model(
         over_arch_layer_sizes=[16, 1],
         dense_device=device,
     )
-    sharders = tracking_sharders(
-        {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": learning_rate}
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": learning_rate}
+    sharders = (
+        tracking_sharders(fused)
+        if tracking
+        else [EmbeddingBagCollectionSharder(fused_params=fused)]
     )
     constraints = {
         t.name: ParameterConstraints(sharding_types=[t.sharding]) for t in tables if t.sharding

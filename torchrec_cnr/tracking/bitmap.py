@@ -26,7 +26,14 @@ def set_bits(words: torch.Tensor, rows: torch.Tensor) -> None:
     """
     if rows.numel() == 0:
         return
-    unique_rows = torch.unique(rows.to(torch.int64))
+    rows = rows.to(torch.int64)
+    # Skewed (Zipf) traffic mostly repeats rows whose bit is already set; a
+    # gather drops them before the sort, which is the costly step.
+    known = torch.bitwise_right_shift(words[rows >> 6], rows & (_WORD - 1)) & 1
+    rows = rows[known == 0]
+    if rows.numel() == 0:
+        return
+    unique_rows = torch.unique(rows)
     word_idx = unique_rows >> 6
     bits = torch.bitwise_left_shift(torch.ones_like(unique_rows), unique_rows & (_WORD - 1))
     touched, inverse = torch.unique_consecutive(word_idx, return_inverse=True)

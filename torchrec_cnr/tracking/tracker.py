@@ -94,22 +94,26 @@ class _KernelHook:
     def __init__(self, words: torch.Tensor, key_base: torch.Tensor) -> None:
         self.words = words
         self.key_base = key_base
-        self._segment_base: dict[tuple[int, ...], torch.Tensor] = {}
+        # A kernel holding one table needs no per-key offset into its bitmap.
+        self.single_table = bool((key_base == 0).all())
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         features = args[0] if args else kwargs["features"]
         values = features.values()
         if values.numel() == 0:
             return
-        strides = tuple(features.stride_per_key())
-        base = self._segment_base.get(strides)
-        if base is None:
-            counts = torch.tensor(strides, device=self.key_base.device)
-            base = self.key_base.repeat_interleave(counts)
-            self._segment_base[strides] = base
-        lengths = features.lengths()
-        offsets = base.repeat_interleave(lengths.to(torch.int64), output_size=values.numel())
-        bitmap.set_bits(self.words, values.to(torch.int64) + offsets)
+        rows = values.to(torch.int64)
+        if not self.single_table:
+            lengths = features.lengths().to(torch.int64)
+            if features.variable_stride_per_key():
+                strides = torch.tensor(features.stride_per_key(), device=lengths.device)
+                per_sample = self.key_base.repeat_interleave(strides)
+                rows = rows + per_sample.repeat_interleave(lengths, output_size=rows.numel())
+            else:
+                # Values of one key are contiguous: offsets repeat per key, not per sample.
+                per_key = lengths.view(len(self.key_base), -1).sum(1)
+                rows = rows + self.key_base.repeat_interleave(per_key, output_size=rows.numel())
+        bitmap.set_bits(self.words, rows)
 
 
 class RowTracker:

@@ -1,0 +1,147 @@
+"""Bytes written and bytes stored at each interval, per policy (Check-N-Run Figs. 15 and 16).
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 scripts/bench_policies.py \
+        --json out/bench_policies.json
+
+Each policy trains the same model on the same Zipf batches and checkpoints at
+every interval with ``keep_last=1``, so the root holds only what restoring the
+latest checkpoint needs: "stored" is measured on disk after each commit.
+"Written" is the bytes of the checkpoint just committed. Both are relative to
+one full checkpoint of the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch.distributed as dist
+
+from torchrec_cnr import CheckpointConfig, CheckpointManager
+from torchrec_cnr.manifest import Manifest, tree_bytes
+from torchrec_cnr.policy import POLICIES
+from torchrec_cnr.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
+
+
+def _run_policy(policy: str, root: Path, args: argparse.Namespace) -> list[dict[str, float]]:
+    rank = dist.get_rank()
+    if rank == 0 and root.exists():
+        shutil.rmtree(root)
+    dist.barrier()
+    tables = [TableSpec(f"t{i}", args.rows, args.dim, "table_wise") for i in range(args.tables)]
+    model = build_model(tables, seed=0)
+    opt = dense_optimizer(model)
+    data = ZipfBatches(tables, args.batch_size, alpha=args.alpha, pooling=args.pooling, seed=0)
+    ckpt = CheckpointManager(
+        model,
+        CheckpointConfig(path=str(root), policy=policy, keep_last=1),
+        {"reader": data, "dense_opt": opt},
+    )
+    rows = []
+    for interval in range(1, args.intervals + 1):
+        for _ in range(args.steps_per_interval):
+            train_step(model, opt, data.next(rank))
+        ckpt.save(interval * args.steps_per_interval)
+        if rank == 0:
+            entry = Manifest.load(root).latest()
+            assert entry is not None
+            modified = sum(s["saved_rows"] * s["spec"]["cols"] for s in entry["shards"]) / sum(
+                s["spec"]["rows"] * s["spec"]["cols"] for s in entry["shards"]
+            )
+            rows.append(
+                {
+                    "interval": interval,
+                    "kind": entry["kind"],
+                    "rows_saved_frac": modified,
+                    "written_bytes": entry["bytes"],
+                    "stored_bytes": tree_bytes(root),
+                    "chain_len": len(entry["chain"]),
+                }
+            )
+        dist.barrier()
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--pooling", type=int, default=2)
+    p.add_argument("--alpha", type=float, default=1.1)
+    p.add_argument("--intervals", type=int, default=12)
+    p.add_argument("--steps-per-interval", type=int, default=20)
+    p.add_argument(
+        "--root", type=Path, default=None, help="scratch directory (default: a temp dir)"
+    )
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    scratch = None
+    try:
+        if args.root is None:
+            name = [tempfile.mkdtemp(prefix="bench_policies_")] if dist.get_rank() == 0 else [None]
+            dist.broadcast_object_list(name)
+            scratch = args.root = Path(name[0])
+        results = {policy: _run_policy(policy, args.root / policy, args) for policy in POLICIES}
+        if dist.get_rank() == 0:
+            full = results["full"][0]["written_bytes"]
+            print(
+                f"\n{args.tables} tables x {args.rows} rows x dim {args.dim} on {dist.get_world_size()} ranks, "
+                f"batch {args.batch_size}/rank, pooling {args.pooling}, Zipf {args.alpha}, "
+                f"{args.steps_per_interval} steps/interval; one full checkpoint = {full / 1e6:.1f} MB"
+            )
+            print("\nwritten per interval / full checkpoint (kind: F full, d delta)")
+            print("| interval | rows modified | " + " | ".join(f"{p:>12}" for p in POLICIES) + " |")
+            print("|---:|---:|" + "---:|" * len(POLICIES))
+            for i in range(args.intervals):
+                cells = [
+                    f"{results[p][i]['written_bytes'] / full:>10.3f} {results[p][i]['kind'][0].upper() if results[p][i]['kind'] == 'full' else 'd'}"
+                    for p in POLICIES
+                ]
+                print(
+                    f"| {i + 1:>8} | {results['consecutive'][i]['rows_saved_frac']:>12.1%} | "
+                    + " | ".join(cells)
+                    + " |"
+                )
+            print("\nstored after each interval / full checkpoint")
+            print("| interval | " + " | ".join(f"{p:>12}" for p in POLICIES) + " |")
+            print("|---:|" + "---:|" * len(POLICIES))
+            for i in range(args.intervals):
+                cells = [f"{results[p][i]['stored_bytes'] / full:>12.3f}" for p in POLICIES]
+                print(f"| {i + 1:>8} | " + " | ".join(cells) + " |")
+            print("\ntotals over all intervals (x = full policy / this policy)")
+            total_full = sum(r["written_bytes"] for r in results["full"])
+            for p in POLICIES:
+                written = sum(r["written_bytes"] for r in results[p])
+                peak = max(r["stored_bytes"] for r in results[p])
+                print(
+                    f"  {p:<13} written {written / 1e6:8.1f} MB ({total_full / written:5.2f}x less than full), peak stored {peak / full:5.2f} full checkpoints"
+                )
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(
+                    json.dumps(
+                        {
+                            "args": {k: str(v) for k, v in vars(args).items()},
+                            "full_bytes": full,
+                            "results": results,
+                        },
+                        indent=1,
+                    )
+                )
+        dist.barrier()  # leave together: gloo aborts a rank whose peer tears down first
+    finally:
+        if scratch is not None and dist.get_rank() == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

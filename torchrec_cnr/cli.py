@@ -1,0 +1,68 @@
+"""The ``cnr`` command line tool.
+
+cnr inspect ROOT            # the chain: steps, kinds, rows saved, bytes, what a restore needs
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+
+from torchrec_cnr.manifest import Manifest, ManifestError
+
+
+def _inspect(root: str) -> int:
+    manifest = Manifest.load(root)
+    if not manifest.checkpoints:
+        print(f"{root}: no committed checkpoint")
+        return 1
+    latest = manifest.checkpoints[-1]
+    print(
+        f"{root}: {len(manifest.checkpoints)} committed checkpoint(s), {manifest.restores} restore(s)"
+    )
+    print(
+        f"{'step':>8} {'kind':>6} {'policy':>13} {'ranks':>5} {'rows saved':>11} {'MB':>9}  restore needs"
+    )
+    for e in manifest.checkpoints:
+        saved = sum(s["saved_rows"] for s in e["shards"])
+        total = sum(s["spec"]["rows"] for s in e["shards"])
+        needs = ", ".join(str(manifest.by_id(i)["step"]) for i in e["chain"])
+        print(
+            f"{e['step']:>8} {e['kind']:>6} {e['policy']:>13} {e['world_size']:>5} "
+            f"{saved:>11} {e['bytes'] / 1e6:>9.2f}  steps {needs}"
+        )
+    print(f"\nlatest (step {latest['step']}) per table:")
+    per_table: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for s in latest["shards"]:
+        acc = per_table[s["spec"]["table"]]
+        acc[0] += s["saved_rows"] * s["spec"]["cols"]
+        acc[1] += s["spec"]["rows"] * s["spec"]["cols"]
+        acc[2] += s["nbytes"]
+        acc[3] += 1
+    for table, (saved, total, nbytes, shards) in sorted(per_table.items()):
+        print(
+            f"  {table:<40} {100 * saved / max(total, 1):6.1f}% of rows  {shards} shard(s)  "
+            f"{nbytes / 1e6:8.2f} MB  fp32"
+        )
+    print(
+        f"restoring it reads {manifest.chain_bytes(latest) / 1e6:.2f} MB from {len(latest['chain'])} checkpoint(s)"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cnr", description="Inspect torchrec_cnr checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_inspect = sub.add_parser("inspect", help="print the chain of a checkpoint root")
+    p_inspect.add_argument("root")
+    args = parser.parse_args(argv)
+    try:
+        return _inspect(args.root)
+    except ManifestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
