@@ -46,6 +46,7 @@ def _run_policy(policy: str, root: Path, args: argparse.Namespace) -> list[dict[
         for _ in range(args.steps_per_interval):
             train_step(model, opt, data.next(rank))
         ckpt.save(interval * args.steps_per_interval)
+        ckpt.wait()
         if rank == 0:
             entry = Manifest.load(root).latest()
             assert entry is not None

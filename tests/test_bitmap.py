@@ -32,3 +32,12 @@ def test_bit_63_of_a_word_round_trips() -> None:
 
 def test_bitmap_costs_one_bit_per_row() -> None:
     assert bitmap.num_words(1_000_000) * 8 == 125_000
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 500), st.lists(st.integers(0, 10_000), max_size=300))
+def test_to_indices_lists_exactly_the_set_rows_in_order(num_rows: int, raw: list[int]) -> None:
+    rows = sorted({r % num_rows for r in raw})
+    words = torch.zeros(bitmap.num_words(num_rows), dtype=torch.int64)
+    bitmap.set_bits(words, torch.tensor(rows, dtype=torch.int64))
+    assert bitmap.to_indices(words, num_rows).tolist() == rows

@@ -23,6 +23,8 @@ def _entry(seq: int, step: int, chain: list[str], nbytes: int) -> dict:
         tables={},
         dense={},
         shards=[],
+        dense_checksums={},
+        app_checksums=[],
         nbytes=nbytes,
     )
 

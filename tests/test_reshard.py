@@ -49,6 +49,7 @@ def _save(tables, root: str, refs: str, steps: tuple[int, ...]) -> None:
         if step in steps:
             ckpt.save(step)
             reference.save(reference.take(model, app), Path(refs), step)
+    ckpt.wait()
 
 
 def _restore_and_compare(tables, root: str, refs: str, step: int, check_states: bool) -> None:

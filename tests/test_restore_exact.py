@@ -44,6 +44,7 @@ def _train(model, opt, data, app, ckpt, refs: Path, first: int, last: int) -> No
         train_step(model, opt, data.next(rank))
         if ckpt.maybe_save(step):
             reference.save(reference.take(model, app), refs, step)
+    ckpt.wait()
 
 
 def _policy_case(policy: str, root: str, refs: str) -> None:

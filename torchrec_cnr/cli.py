@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
+from pathlib import Path
 
+from torchrec_cnr.integrity import verify_entry
 from torchrec_cnr.manifest import Manifest, ManifestError
 
 
@@ -34,19 +36,58 @@ def _inspect(root: str) -> int:
         )
     print(f"\nlatest (step {latest['step']}) per table:")
     per_table: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    formats: dict[str, str] = {}
     for s in latest["shards"]:
         acc = per_table[s["spec"]["table"]]
         acc[0] += s["saved_rows"] * s["spec"]["cols"]
         acc[1] += s["spec"]["rows"] * s["spec"]["cols"]
         acc[2] += s["nbytes"]
         acc[3] += 1
+        fmt = s["format"]
+        formats[s["spec"]["table"]] = (
+            "fp32" if fmt["method"] == "none" else f"{fmt['method']} {fmt['bits']}-bit"
+        )
     for table, (saved, total, nbytes, shards) in sorted(per_table.items()):
         print(
             f"  {table:<40} {100 * saved / max(total, 1):6.1f}% of rows  {shards} shard(s)  "
-            f"{nbytes / 1e6:8.2f} MB  fp32"
+            f"{nbytes / 1e6:8.2f} MB  {formats[table]}"
         )
     print(
         f"restoring it reads {manifest.chain_bytes(latest) / 1e6:.2f} MB from {len(latest['chain'])} checkpoint(s)"
+    )
+    return 0
+
+
+def _verify(root: str, step: int | None) -> int:
+    manifest = Manifest.load(root)
+    if not manifest.checkpoints:
+        print(f"{root}: no committed checkpoint")
+        return 1
+    if step is None:
+        entries = manifest.checkpoints
+    else:
+        found = manifest.find(step)
+        if found is None:
+            print(
+                f"{root}: no committed checkpoint of step {step}; committed steps: {manifest.steps()}"
+            )
+            return 1
+        entries = [found]
+    problems: list[str] = []
+    checked: set[str] = set()
+    for entry in entries:
+        # Each checkpoint is checked once, even when several chains need it.
+        todo = dict(entry, chain=[i for i in entry["chain"] if i not in checked])
+        checked.update(entry["chain"])
+        for problem in verify_entry(Path(root), manifest, todo):
+            problems.append(f"step {entry['step']}: {problem}")
+    if problems:
+        print(f"{root}: {len(problems)} problem(s)")
+        for problem in problems:
+            print(f"  {problem}")
+        return 1
+    print(
+        f"{root}: {len(checked)} checkpoint(s) verified, every chain complete and every checksum matches"
     )
     return 0
 
@@ -56,8 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="print the chain of a checkpoint root")
     p_inspect.add_argument("root")
+    p_verify = sub.add_parser("verify", help="check every checksum and the chain's completeness")
+    p_verify.add_argument("root")
+    p_verify.add_argument("--step", type=int, default=None, help="only the chain of this step")
     args = parser.parse_args(argv)
     try:
+        if args.command == "verify":
+            return _verify(args.root, args.step)
         return _inspect(args.root)
     except ManifestError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -2,9 +2,82 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torchrec_cnr.policy import BASELINE_RULES, POLICIES
+
+ON_BUSY = ("wait", "skip")
+QUANT_METHODS = ("none", "fp16", "bf16", "symmetric", "asymmetric", "kmeans", "adaptive")
+QUANT_BITS = (2, 3, 4, 8)
+STATE_DTYPES = ("none", "fp16", "bf16")
+
+
+def _check_method_bits(where: str, method: str, bits: int | str) -> None:
+    if method not in QUANT_METHODS:
+        raise ValueError(f"{where} method must be one of {QUANT_METHODS}, got {method!r}")
+    if bits != "auto" and bits not in QUANT_BITS:
+        raise ValueError(f"{where} bits must be one of {QUANT_BITS} or 'auto', got {bits!r}")
+
+
+def parse_table_override(spec: str) -> tuple[str, int | str]:
+    """``"adaptive:4"`` -> ``("adaptive", 4)``; ``"none"`` -> ``("none", "auto")``."""
+    method, _, bits = spec.partition(":")
+    value: int | str = "auto"
+    if bits:
+        value = bits if bits == "auto" else int(bits) if bits.isdigit() else bits
+    _check_method_bits(f"quantize.tables entry {spec!r}:", method, value)
+    return method, value
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """Per-row quantization of the embedding rows a checkpoint stores (training stays fp32)."""
+
+    method: str = "none"
+    """``none`` (fp32), ``fp16``, ``bf16``, ``symmetric``, ``asymmetric``, ``kmeans`` or ``adaptive``."""
+    bits: int | str = 4
+    """2, 3, 4 or 8, or ``"auto"`` to choose from ``expected_restores``."""
+    expected_restores: float = 1
+    """Restores a checkpoint is expected to serve (Check-N-Run's L), for ``bits="auto"``."""
+    thresholds: list[list[int]] = field(default_factory=lambda: [[1, 2], [3, 3], [20, 4]])
+    """``[max_restores, bits]`` pairs for ``bits="auto"``; above the last, 8 bits."""
+    n_bins: int = 200
+    """Step of the adaptive range search: range / n_bins."""
+    ratio: float = 0.16
+    """How far the adaptive search may shrink the range."""
+    min_rows: int = 1024
+    """Tables with fewer rows stay fp32 unless named in ``tables``."""
+    tables: dict[str, str] = field(default_factory=dict)
+    """Per-table override, by table name or qualified name: ``"adaptive:8"``, ``"none"``, ``"fp16"``."""
+    optimizer_state: str = "none"
+    """Optimizer state storage: ``none`` keeps fp32; ``fp16`` or ``bf16`` casts it."""
+
+    def __post_init__(self) -> None:
+        _check_method_bits("quantize.", self.method, self.bits)
+        for spec in self.tables.values():
+            parse_table_override(spec)
+        if self.expected_restores < 0:
+            raise ValueError(
+                f"quantize.expected_restores must be >= 0, got {self.expected_restores}"
+            )
+        if self.n_bins < 2 or not 0 < self.ratio < 1:
+            raise ValueError(
+                f"quantize.n_bins must be >= 2 and ratio in (0, 1), got {self.n_bins}, {self.ratio}"
+            )
+        if self.min_rows < 0:
+            raise ValueError(f"quantize.min_rows must be >= 0, got {self.min_rows}")
+        if self.optimizer_state not in STATE_DTYPES:
+            raise ValueError(
+                f"quantize.optimizer_state must be one of {STATE_DTYPES}, got {self.optimizer_state!r}"
+            )
+        last = -1.0
+        for pair in self.thresholds:
+            if len(pair) != 2 or pair[1] not in QUANT_BITS or pair[0] <= last:
+                raise ValueError(
+                    f"quantize.thresholds must be increasing [max_restores, bits] pairs with bits in "
+                    f"{QUANT_BITS}, got {self.thresholds}"
+                )
+            last = pair[0]
 
 
 @dataclass(frozen=True)
@@ -13,7 +86,8 @@ class CheckpointConfig:
 
     Example::
 
-        CheckpointConfig(path="/ckpt/run1", policy="intermittent", interval_steps=500)
+        CheckpointConfig(path="/ckpt/run1", policy="intermittent", interval_steps=500,
+                         quantize=QuantizeConfig(method="adaptive", bits="auto"))
     """
 
     path: str
@@ -26,6 +100,14 @@ class CheckpointConfig:
     """Rule deciding when ``intermittent`` takes a new baseline (see ``policy.BASELINE_RULES``)."""
     keep_last: int | None = None
     """Keep only what restoring the last N checkpoints needs; ``None`` keeps everything."""
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+    """Per-row quantization of stored embedding rows."""
+    on_busy: str = "wait"
+    """When a save arrives while the previous one is still writing: ``wait`` for it, or ``skip`` (with a warning)."""
+    staging_memory_mb: int | None = None
+    """Most host memory kept for staging buffers between checkpoints; ``None`` for no limit."""
+    verify_checksums: bool = True
+    """Check every tensor a restore reads against the checksum recorded at save time."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -46,3 +128,9 @@ class CheckpointConfig:
             not isinstance(self.keep_last, int) or self.keep_last < 1
         ):
             raise ValueError(f"keep_last must be a positive int or None, got {self.keep_last!r}")
+        if self.on_busy not in ON_BUSY:
+            raise ValueError(f"on_busy must be one of {ON_BUSY}, got {self.on_busy!r}")
+        if self.staging_memory_mb is not None and self.staging_memory_mb < 0:
+            raise ValueError(
+                f"staging_memory_mb must be >= 0 or None, got {self.staging_memory_mb}"
+            )

@@ -30,3 +30,33 @@ def restore_chunk_rows() -> int:
 def collective_timeout_s() -> int:
     """Seconds a rank waits for the others at a checkpoint barrier."""
     return _int("TORCHREC_CNR_COLLECTIVE_TIMEOUT_S", 600)
+
+
+def inject_fault(step: int, rank: int) -> None:
+    """Fault injection for tests: ``TORCHREC_CNR_INJECT_FAULT=KIND@STEP:RANK[,...]``.
+
+    Called by the background writer after the snapshot files are written and
+    before they are fsynced and committed. KIND is ``oserror`` (raise ENOSPC),
+    ``sigkill`` (kill this process) or ``delay`` (sleep 3 s). STEP and RANK may
+    be ``*``.
+    """
+    raw = os.environ.get("TORCHREC_CNR_INJECT_FAULT")
+    if not raw:
+        return
+    import errno
+    import signal
+    import time
+
+    for item in raw.split(","):
+        kind, _, where = item.partition("@")
+        at_step, _, at_rank = where.partition(":")
+        if at_step not in ("*", str(step)) or at_rank not in ("*", str(rank)):
+            continue
+        if kind == "oserror":
+            raise OSError(
+                errno.ENOSPC, f"injected: no space left on device (step {step}, rank {rank})"
+            )
+        if kind == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "delay":
+            time.sleep(3.0)

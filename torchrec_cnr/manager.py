@@ -1,11 +1,21 @@
 """The checkpoint manager: a thin orchestrator over tracking, policy, staging,
-writing, manifest and restore."""
+encoding, writing, manifest and restore.
+
+``save`` runs on the training thread only until the checkpoint is staged in
+host memory. A single background thread per rank then encodes (quantizes),
+writes and commits it, talking to the other ranks over a process group of its
+own so that its collectives never interleave with training's.
+"""
 
 from __future__ import annotations
 
 import logging
 import shutil
+import warnings
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +23,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchrec_cnr import model_state
+from torchrec_cnr import knobs, model_state
 from torchrec_cnr.config import CheckpointConfig
-from torchrec_cnr.manifest import Manifest, ShardRecord, checkpoint_id, tree_bytes
+from torchrec_cnr.encoding import FormatResolver
+from torchrec_cnr.manifest import Manifest, checkpoint_id, tree_bytes
 from torchrec_cnr.policy import ChainState, Decision, Policy
 from torchrec_cnr.restore import check_compatible, dense_signature, model_signature, restore_chain
-from torchrec_cnr.staging import stage
+from torchrec_cnr.staging import StagedCheckpoint, StagingPool, stage
 from torchrec_cnr.tracking import bitmap
-from torchrec_cnr.writer import write_snapshot
+from torchrec_cnr.writer import write_checkpoint
 
 logger = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A background checkpoint failed; the previous committed checkpoint stays the restore target."""
+
+
+@dataclass
+class _InFlight:
+    step: int
+    future: Future[ChainState]
+    pending_bits: list[torch.Tensor]
+    """Bits cleared when this checkpoint was staged; OR-ed back if it fails."""
 
 
 class CheckpointManager:
@@ -71,15 +94,26 @@ class CheckpointManager:
         self.world_size = dist.get_world_size(pg)
         self.root = Path(config.path)
         self.policy = Policy(config.policy, config.baseline_rule)
-        self._trackers = model_state.trackers(model)
         self._shards = model_state.local_shards(model)
+        self._dense = model_state.dense_state(model)
         self._state = ChainState()
         self._last_saved_step: int | None = None
+        self._in_flight: _InFlight | None = None
+        on_gpu = any(s.weight.device.type == "cuda" for s in self._shards)
+        budget = None if config.staging_memory_mb is None else config.staging_memory_mb << 20
+        self._pool = StagingPool(budget, pin=on_gpu)
+        ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(self.world_size))
+        self._bg_pg = dist.new_group(
+            ranks, backend="gloo", timeout=timedelta(seconds=knobs.collective_timeout_s())
+        )
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-writer")
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-        self._barrier()
+        manifest = self._load_manifest_agreed()
+        self._next_seq = manifest.next_seq()
+        self._restores = manifest.restores
 
-    # -- collectives -------------------------------------------------------
+    # -- collectives on the training thread --------------------------------
 
     def _barrier(self) -> None:
         dist.barrier(group=self.pg)
@@ -89,12 +123,17 @@ class CheckpointManager:
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
-    def _all_ok(self, ok: bool) -> bool:
-        flag = torch.tensor([0 if ok else 1])
-        dist.all_reduce(flag, group=self.pg)
-        return int(flag.item()) == 0
+    def _any(self, flag: bool) -> bool:
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        return bool(t.item())
 
-    # -- bits --------------------------------------------------------------
+    def _load_manifest_agreed(self) -> Manifest:
+        # Rank 0's view of the manifest, so every rank picks the same ids.
+        box = [Manifest.load(self.root) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        assert box[0] is not None
+        return box[0]
 
     def _words(self) -> list[torch.Tensor]:
         return [s.words for s in self._shards if s.words is not None]
@@ -106,74 +145,118 @@ class CheckpointManager:
         interval = self.config.interval_steps
         if interval is None or step <= 0 or step % interval or step == self._last_saved_step:
             return False
-        self.save(step)
-        return True
+        return self.save(step)
 
-    def save(self, step: int) -> None:
-        """Checkpoints the model, its optimizer state and ``app_state`` at ``step``.
+    def save(self, step: int) -> bool:
+        """Stages a checkpoint of the model, its optimizer state and ``app_state`` at ``step``.
 
-        Collective: every rank calls it with the same ``step``. When it returns,
-        the checkpoint is committed.
+        Collective: every rank calls it with the same ``step``. It returns once
+        the checkpoint is in host memory; encoding, writing and the commit run
+        in the background (see :meth:`wait`).
+
+        Returns:
+            True if a checkpoint was started; False if it was skipped because
+            the previous one is still writing and ``config.on_busy == "skip"``.
 
         Raises:
             ValueError: ``step`` is negative or not an int.
-            RuntimeError: writing failed on some rank. The previous checkpoint
-                stays the restore target and no modified row is forgotten.
+            CheckpointError: the previous background checkpoint failed. Its
+                rows are carried into the next checkpoint.
         """
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        manifest = Manifest.load(self.root)
+        busy = self._in_flight is not None and not self._in_flight.future.done()
+        if self._any(busy) and self.config.on_busy == "skip":
+            warnings.warn(
+                f"checkpoint of step {step} skipped: step {self._in_flight.step if self._in_flight else '?'} "
+                "is still being written (on_busy='skip'); its rows go into the next checkpoint",
+                stacklevel=2,
+            )
+            return False
+        self._settle()
         decision = self.policy.decide(self._state)
         for kernel in {id(s.kernel): s.kernel for s in self._shards}.values():
             kernel.flush()  # caching kernels write their cache back first
-        staged = stage(
-            step, decision.kind, self._shards, model_state.dense_state(self.model), self.app_state
-        )
+        staged = stage(step, decision.kind, self._shards, self._dense, self.app_state, self._pool)
         # Bits restart at staging time; rows modified while the write runs
         # belong to the next checkpoint. On failure the staged bits go back.
         pending = [w.clone() for w in self._words()] if decision.clear_bits else []
         if decision.clear_bits:
             for w in self._words():
                 w.zero_()
-        try:
-            self._write_and_commit(manifest, decision, staged)
-        except BaseException:
-            for w, p in zip(self._words(), pending):
-                w |= p
-            raise
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        resolver = FormatResolver(self.config.quantize, self._restores)
+        future = self._executor.submit(
+            self._write_and_commit, seq, decision, staged, self._state, resolver
+        )
+        self._in_flight = _InFlight(step, future, pending)
         self._last_saved_step = step
+        return True
 
-    def _write_and_commit(self, manifest: Manifest, decision: Decision, staged: Any) -> None:
-        seq = manifest.next_seq()
+    def wait(self) -> None:
+        """Blocks until the pending checkpoint is committed.
+
+        Raises:
+            CheckpointError: it failed; the previous committed checkpoint stays
+                the restore target and its rows go into the next checkpoint.
+        """
+        self._settle()
+
+    def _settle(self) -> None:
+        job, self._in_flight = self._in_flight, None
+        if job is None:
+            return
+        try:
+            self._state = job.future.result()
+        except BaseException as e:
+            for w, p in zip(self._words(), job.pending_bits):
+                w |= p
+            raise CheckpointError(
+                f"checkpoint of step {job.step} failed: {e}; the previous checkpoint stays the restore "
+                "target and its rows will be saved by the next checkpoint"
+            ) from e
+
+    def _write_and_commit(
+        self,
+        seq: int,
+        decision: Decision,
+        staged: StagedCheckpoint,
+        state: ChainState,
+        resolver: FormatResolver,
+    ) -> ChainState:
+        """Background thread: encode, write, agree, commit. Collective over the writer group."""
+        pg = self._bg_pg
         ckpt_id = checkpoint_id(seq, staged.step)
         path = self.root / ckpt_id
         if self.rank == 0 and path.exists():
             shutil.rmtree(path)  # left by an attempt that never committed
-        self._barrier()
+        dist.barrier(group=pg)
         error: BaseException | None = None
+        result = None
         try:
-            write_snapshot(path, staged, self.pg)
+            result = write_checkpoint(path, staged, resolver, pg)
         except Exception as e:  # every rank must learn of it before anyone commits
             error = e
-        records = [s.record() for s in staged.shards]
-        gathered = self._gather(
-            (error is None, [r.to_json() for r in records], model_signature(self._shards))
-        )
-        failed = [r for r, (ok, _, _) in enumerate(gathered) if not ok]
+        gathered: list[Any] = [None] * self.world_size
+        report = None if error is None else f"{type(error).__name__}: {error}"
+        dist.all_gather_object(gathered, (report, result), group=pg)
+        failed = {r: err for r, (err, _) in enumerate(gathered) if err is not None}
         if failed:
-            raise RuntimeError(
-                f"checkpoint of step {staged.step} failed on rank(s) {failed}; "
-                "the previous checkpoint stays the restore target"
-            ) from error
-        shard_records = [rec for _, recs, _ in gathered for rec in recs]
-        tables: dict[str, dict[str, int]] = {}
-        for _, _, sig in gathered:
-            tables.update(sig)
-        full_elems = sum(r["spec"]["rows"] * r["spec"]["cols"] for r in shard_records)
-        saved_elems = sum(r["saved_rows"] * r["spec"]["cols"] for r in shard_records)
+            raise CheckpointError(f"writing failed on rank(s) {failed}") from error
+        writes = [w for _, w in gathered]
+        shards = [rec for w in writes for rec in w.shards]
+        full_elems = sum(r["spec"]["rows"] * r["spec"]["cols"] for r in shards)
+        saved_elems = sum(r["saved_rows"] * r["spec"]["cols"] for r in shards)
         size = saved_elems / full_elems if full_elems else 0.0
-        new_state = self.policy.advance(self._state, decision, ckpt_id, size)
+        new_state = self.policy.advance(state, decision, ckpt_id, size)
         if self.rank == 0:
+            tables: dict[str, dict[str, int]] = {}
+            for r in shards:
+                tables[r["spec"]["table"]] = {
+                    "num_embeddings": r["spec"]["num_embeddings"],
+                    "embedding_dim": r["spec"]["embedding_dim"],
+                }
+            manifest = Manifest.load(self.root)
             entry = Manifest.entry(
                 seq=seq,
                 step=staged.step,
@@ -184,19 +267,22 @@ class CheckpointManager:
                 world_size=self.world_size,
                 tables=tables,
                 dense=dense_signature(staged.dense),
-                shards=[ShardRecord(**r) for r in shard_records],
+                shards=shards,
+                dense_checksums=writes[0].dense_checksums,
+                app_checksums=[w.app_checksum for w in writes],
                 nbytes=tree_bytes(path),
+                extra={"restores_before": resolver.restores, "staged_bytes": staged.nbytes},
             )
             manifest.checkpoints.append(entry)
             # IMPORTANT: the manifest names the checkpoint only after every
             # rank reported its files durable (the gather above).
             manifest.save(self.root)
             self._collect_garbage(manifest)
-        self._barrier()
-        self._state = new_state
+        dist.barrier(group=pg)
         logger.info(
             "checkpoint %s committed (%s, %.1f%% of rows)", ckpt_id, decision.kind, 100 * size
         )
+        return new_state
 
     def _collect_garbage(self, manifest: Manifest) -> None:
         if self.config.keep_last is None:
@@ -210,8 +296,18 @@ class CheckpointManager:
         for ckpt_id in dropped:
             shutil.rmtree(self.root / ckpt_id, ignore_errors=True)
 
-    def wait(self) -> None:
-        """Blocks until the pending checkpoint is committed (saves are synchronous for now)."""
+    def close(self) -> None:
+        """Waits for the pending checkpoint and stops the background thread."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- restore -----------------------------------------------------------
 
@@ -227,9 +323,14 @@ class CheckpointManager:
         Raises:
             ValueError: no committed checkpoint has ``step``.
             ModelMismatchError: the checkpoint belongs to another model; nothing changed.
-            CheckpointReadError: a file of the chain is missing or unreadable; nothing changed.
+            CheckpointReadError: a checkpoint directory of the chain is missing; nothing changed.
+            ChecksumError: a stored tensor is corrupt (the message names it).
         """
-        manifest = Manifest.load(self.root)
+        try:
+            self._settle()
+        except CheckpointError as e:
+            logger.warning("restoring after a failed checkpoint: %s", e)
+        manifest = self._load_manifest_agreed()
         entry = manifest.find(step)
         if entry is None:
             if step is None:
@@ -240,19 +341,36 @@ class CheckpointManager:
         tables: dict[str, dict[str, int]] = {}
         for sig in self._gather(model_signature(self._shards)):
             tables.update(sig)
-        dense = model_state.dense_state(self.model)
-        check_compatible(entry, tables, dense_signature(dense), str(self.root))
+        check_compatible(entry, tables, dense_signature(self._dense), str(self.root))
         error: BaseException | None = None
         try:
             touched = restore_chain(
-                self.root, manifest, entry, self._shards, dense, self.app_state, self.rank
+                self.root,
+                manifest,
+                entry,
+                self._shards,
+                self._dense,
+                self.app_state,
+                self.rank,
+                verify=self.config.verify_checksums,
             )
         except Exception as e:  # every rank must leave restore together
             error = e
-        if not self._all_ok(error is None):
+        failures = [
+            (r, f)
+            for r, f in enumerate(
+                self._gather(None if error is None else (type(error), str(error)))
+            )
+            if f
+        ]
+        if failures:
             if error is not None:
                 raise error
-            raise RuntimeError(f"restore of step {entry['step']} failed on another rank")
+            rank, (kind, message) = failures[0]
+            # Same exception type on every rank, naming where it happened.
+            raise (kind if issubclass(kind, Exception) else RuntimeError)(
+                f"on rank {rank}: {message}"
+            )
         for w in self._words():
             w.zero_()
         if entry["policy"] == self.policy.name:
@@ -266,9 +384,11 @@ class CheckpointManager:
         else:
             self._state = ChainState()  # another policy wrote it: start a new baseline
         self._barrier()
+        self._restores = manifest.restores + 1
         if self.rank == 0:
-            manifest.restores += 1
+            manifest.restores = self._restores
             manifest.save(self.root)
+        self._next_seq = manifest.next_seq()
         self._barrier()
         self._last_saved_step = entry["step"]
         return int(entry["step"])

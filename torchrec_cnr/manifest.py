@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "ManifestError", "ShardRecord"]
+__all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "ManifestError"]
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -24,29 +24,6 @@ MANIFEST_NAME = "manifest.json"
 
 class ManifestError(ValueError):
     """The manifest is missing, corrupt, or of an unknown format."""
-
-
-@dataclass
-class ShardRecord:
-    """What one checkpoint stores of one table shard."""
-
-    spec: dict[str, Any]
-    """The shard's :class:`~torchrec_cnr.tracking.ShardSpec` as JSON."""
-    key: str
-    """Name of the shard's tensors inside its rank's snapshot entries."""
-    saved_rows: int
-    """Rows stored."""
-    all_rows: bool
-    """Whether every row is stored (then no ids are stored)."""
-    states: list[str]
-    """Names of the stored per-row optimizer states."""
-    optimizer: str
-    """Fused optimizer of the shard, or ``"dense"``."""
-    nbytes: int
-    """Bytes of the stored tensors."""
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -137,8 +114,11 @@ class Manifest:
         world_size: int,
         tables: dict[str, dict[str, int]],
         dense: dict[str, dict[str, Any]],
-        shards: list[ShardRecord],
+        shards: list[dict[str, Any]],
+        dense_checksums: dict[str, int],
+        app_checksums: list[int],
         nbytes: int,
+        extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """A manifest entry for one committed checkpoint."""
         ckpt_id = chain[-1]
@@ -153,9 +133,12 @@ class Manifest:
             "world_size": world_size,
             "tables": tables,
             "dense": dense,
-            "shards": [s.to_json() for s in shards],
+            "shards": shards,
+            "dense_checksums": dense_checksums,
+            "app_checksums": app_checksums,
             "bytes": nbytes,
             "committed_at": time.time(),
+            **(extra or {}),
         }
 
     def chain_bytes(self, entry: dict[str, Any]) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from torchrec_cnr.encoding import decode_weight
 from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.tracking.tracker import LocalShard
 from torchrec_cnr.writer import SnapshotReader
@@ -107,7 +108,7 @@ def _apply_checkpoint(
             if rows is None or cols is None or rec["saved_rows"] == 0:
                 continue
             key, rank = rec["key"], ss["rank"]
-            values = reader.rows(rank, f"{key}.w")
+            values = decode_weight(lambda name, rank=rank: reader.rows(rank, name), rec)
             if rec["all_rows"]:
                 ids = torch.arange(ss["row_offset"], ss["row_offset"] + ss["rows"])
             else:
@@ -152,6 +153,7 @@ def restore_chain(
     dense: Mapping[str, torch.Tensor],
     app_state: Mapping[str, Any],
     rank: int,
+    verify: bool = True,
 ) -> list[torch.Tensor]:
     """Applies ``entry``'s chain to this rank's shards, dense tensors and app_state.
 
@@ -161,11 +163,12 @@ def restore_chain(
 
     Raises:
         CheckpointReadError: a checkpoint file of the chain is missing or unreadable.
+        ChecksumError: a stored tensor does not match its recorded checksum.
     """
     chain = [manifest.by_id(i) for i in entry["chain"]]
     # Open every checkpoint of the chain before writing anything, so a missing
     # one leaves the model untouched.
-    readers = [SnapshotReader(root / e["id"]) for e in chain]
+    readers = [SnapshotReader(root / e["id"], e if verify else None) for e in chain]
     touched = [torch.zeros(s.spec.rows, dtype=torch.bool, device=s.weight.device) for s in shards]
     for n, (reader, e) in enumerate(zip(readers, chain)):
         with torch.no_grad():

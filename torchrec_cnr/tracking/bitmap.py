@@ -7,6 +7,7 @@ a lookup batch sets its bits with one sort and one scatter.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _WORD = 64
@@ -56,6 +57,23 @@ def to_mask(words: torch.Tensor, num_rows: int) -> torch.Tensor:
     shifts = torch.arange(_WORD, device=words.device, dtype=torch.int64)
     bits = torch.bitwise_right_shift(words.unsqueeze(1), shifts) & 1
     return bits.reshape(-1)[:num_rows].bool()
+
+
+def to_indices(words: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Rows whose bit is set.
+
+    Args:
+        words: ``(num_words,)`` int64 bitmap.
+        num_rows: number of valid rows.
+
+    Returns:
+        ``(n,)`` int64 row indices, ascending, on ``words``' device.
+    """
+    if words.device.type != "cpu":
+        return to_mask(words, num_rows).nonzero().flatten()
+    # numpy unpacks 8 bits per byte in C; torch would materialise 64 int64 per word.
+    bits = np.unpackbits(words.numpy().view(np.uint8), bitorder="little")[:num_rows]
+    return torch.from_numpy(bits.view(np.bool_)).nonzero().flatten()
 
 
 def from_mask(mask: torch.Tensor) -> torch.Tensor:
