@@ -94,6 +94,7 @@ class CheckpointManager:
         self.world_size = dist.get_world_size(pg)
         self.root = Path(config.path)
         self.policy = Policy(config.policy, config.baseline_rule)
+        self._trackers = list(model_state.trackers(model).values())
         self._shards = model_state.local_shards(model)
         self._dense = model_state.dense_state(model)
         self._state = ChainState()
@@ -136,6 +137,9 @@ class CheckpointManager:
         return box[0]
 
     def _words(self) -> list[torch.Tensor]:
+        """The bitmaps, once the tracker threads have caught up with training."""
+        for tracker in self._trackers:
+            tracker.drain()
         return [s.words for s in self._shards if s.words is not None]
 
     # -- save --------------------------------------------------------------
@@ -177,6 +181,7 @@ class CheckpointManager:
         decision = self.policy.decide(self._state)
         for kernel in {id(s.kernel): s.kernel for s in self._shards}.values():
             kernel.flush()  # caching kernels write their cache back first
+        self._words()  # every lookup so far must be in the bits being staged
         staged = stage(step, decision.kind, self._shards, self._dense, self.app_state, self._pool)
         # Bits restart at staging time; rows modified while the write runs
         # belong to the next checkpoint. On failure the staged bits go back.

@@ -16,6 +16,9 @@ replicated plain tensors and travel with the dense state instead.
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,10 +77,13 @@ class LocalShard:
     words: torch.Tensor | None
     """``(ceil(rows / 64),)`` int64 modified-row bitmap; ``None`` means every row counts as modified."""
     kernel: Any = field(repr=False)
-    """The TBE kernel module; restore flushes and syncs through it."""
+    """The TBE kernel module; staging flushes it."""
+    drain: Callable[[], None] = field(repr=False, default=lambda: None)
+    """Waits until pending lookups are in ``words``; call before reading or writing them."""
 
     def modified_mask(self) -> torch.Tensor:
         """``(rows,)`` bool mask of rows modified since the bits were last cleared."""
+        self.drain()
         if self.words is None:
             return torch.ones(self.spec.rows, dtype=torch.bool, device=self.weight.device)
         return bitmap.to_mask(self.words, self.spec.rows)
@@ -88,12 +94,56 @@ def _unwrap(module: Any) -> Any:
     return module.module if hasattr(module, "module") else module
 
 
+class _Marker:
+    """Sets bits on a worker thread, off the training thread's critical path.
+
+    Torch ops release the GIL, so the sort behind :func:`bitmap.set_bits` runs
+    while the training thread waits in collectives or runs Python. Readers
+    call :meth:`drain` first; the queue is bounded so memory cannot grow.
+    """
+
+    def __init__(self, max_pending: int = 16) -> None:
+        self._queue: queue.SimpleQueue[tuple[torch.Tensor, torch.Tensor]] = queue.SimpleQueue()
+        self._pending = 0
+        self._max_pending = max_pending
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, name="cnr-tracker", daemon=True).start()
+
+    def submit(self, words: torch.Tensor, rows: torch.Tensor) -> None:
+        with self._cv:
+            if self._pending >= self._max_pending:
+                self._cv.wait_for(lambda: self._pending < self._max_pending)
+            self._pending += 1
+        self._queue.put((words, rows))
+
+    def _run(self) -> None:
+        while True:
+            words, rows = self._queue.get()
+            try:
+                bitmap.set_bits(words, rows)
+            except BaseException as e:  # surfaced by drain(), never swallowed
+                self._error = e
+            with self._cv:
+                self._pending -= 1
+                self._cv.notify_all()
+
+    def drain(self) -> None:
+        """Blocks until every submitted batch is in the bitmaps."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._pending == 0)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("row tracking failed") from error
+
+
 class _KernelHook:
     """Forward pre-hook of one TBE kernel module: sets the bits of looked-up rows."""
 
-    def __init__(self, words: torch.Tensor, key_base: torch.Tensor) -> None:
+    def __init__(self, words: torch.Tensor, key_base: torch.Tensor, marker: _Marker | None) -> None:
         self.words = words
         self.key_base = key_base
+        self.marker = marker
         # A kernel holding one table needs no per-key offset into its bitmap.
         self.single_table = bool((key_base == 0).all())
 
@@ -113,7 +163,11 @@ class _KernelHook:
                 # Values of one key are contiguous: offsets repeat per key, not per sample.
                 per_key = lengths.view(len(self.key_base), -1).sum(1)
                 rows = rows + self.key_base.repeat_interleave(per_key, output_size=rows.numel())
-        bitmap.set_bits(self.words, rows)
+        if self.marker is None:
+            bitmap.set_bits(self.words, rows)
+        else:
+            # The KJT's values may be reused by TorchRec; hand the worker its own tensor.
+            self.marker.submit(self.words, rows if rows is not values else rows.clone())
 
 
 class RowTracker:
@@ -137,6 +191,8 @@ class RowTracker:
         self._sharding_types = dict(sharding_types)
         self._entries: list[tuple[Any, int, Any, torch.Tensor | None]] = []
         self._handles: list[Any] = []
+        self._hooks: list[tuple[Any, _KernelHook]] = []
+        self._marker: _Marker | None = None
         self._words: list[torch.Tensor] = []
         for lookup in getattr(sharded, "_lookups", []):
             for kernel in getattr(_unwrap(lookup), "_emb_modules", []):
@@ -167,11 +223,19 @@ class RowTracker:
             dtype=torch.int64,
             device=device,
         )
-        hook = _KernelHook(words, key_base)
+        if device.type == "cpu" and self._marker is None:
+            self._marker = _Marker()
+        hook = _KernelHook(words, key_base, self._marker if device.type == "cpu" else None)
+        self._hooks.append((kernel, hook))
         self._handles.append(kernel.register_forward_pre_hook(hook, with_kwargs=True))
         for i, t in enumerate(tables):
             view = words[word_starts[i] : word_starts[i] + bitmap.num_words(t.local_rows)]
             self._entries.append((t, i, kernel, view))
+
+    def drain(self) -> None:
+        """Waits until every looked-up row so far is in the bitmaps."""
+        if self._marker is not None:
+            self._marker.drain()
 
     def shards(self, prefix: str = "") -> list[LocalShard]:
         """The local shards with live views into weights, optimizer states and bitmaps.
@@ -210,11 +274,12 @@ class RowTracker:
             optimizer = emb.optimizer.name if words is not None else "dense"
             weight = weights_cache[key][index]
             assert weight.shape == (rows, cols), (weight.shape, rows, cols)
-            out.append(LocalShard(spec, weight, states, optimizer, words, kernel))
+            out.append(LocalShard(spec, weight, states, optimizer, words, kernel, self.drain))
         return out
 
     def clear(self) -> None:
         """Clears every bit."""
+        self.drain()
         for words in self._words:
             words.zero_()
 
@@ -222,8 +287,18 @@ class RowTracker:
         """Bytes held by the bitmaps."""
         return sum(w.numel() * w.element_size() for w in self._words)
 
-    def remove(self) -> None:
-        """Removes the hooks; the bitmaps stop changing."""
+    def set_enabled(self, enabled: bool) -> None:
+        """Removes (``False``) or re-installs (``True``) the hooks; while removed, bits stop changing.
+
+        A checkpoint taken while tracking is off misses the rows modified meanwhile.
+        """
         for handle in self._handles:
             handle.remove()
-        self._handles.clear()
+        self._handles = (
+            [
+                kernel.register_forward_pre_hook(hook, with_kwargs=True)
+                for kernel, hook in self._hooks
+            ]
+            if enabled
+            else []
+        )
