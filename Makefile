@@ -9,7 +9,7 @@ setup:
 	@bash scripts/setup_env.sh
 
 demo: setup
-	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) scripts/train.py --config configs/demo.yaml
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) --max-restarts=1 scripts/train.py --config configs/demo.yaml
 
 lint: setup
 	$(PY) -m ruff check torchrec_cnr tests scripts

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from torchrec_cnr import config_file
 from torchrec_cnr.job import JobConfig, run
+from torchrec_cnr.launch import init_distributed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    init_distributed()
     try:
         run(config)
         dist.barrier()  # leave together: gloo aborts a rank whose peer tears down first

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,11 +18,12 @@ REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
-def _train(*overrides: str) -> subprocess.CompletedProcess[str]:
+def _train(*overrides: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
     cmd = [
         str(TORCHRUN),
         "--standalone",
         "--nproc_per_node=2",
+        f"--max-restarts={restarts}",
         "scripts/train.py",
         "--config",
         "configs/demo.yaml",
@@ -31,29 +33,56 @@ def _train(*overrides: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
 
 
+SMALL = (
+    "model.max_rows=2000",
+    "train.steps=60",
+    "checkpoint.interval_steps=20",
+    "eval.batches=4",
+    "failure.steps=[]",
+)
+
+
 @pytest.mark.dist
 def test_demo_config_trains_checkpoints_and_restores_bit_exact_under_torchrun(
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "ckpt"
-    proc = _train(f"checkpoint.path={root}", "train.steps=60", "checkpoint.interval_steps=20")
+    proc = _train(f"checkpoint.path={root}", *SMALL, f"train.metrics_path={tmp_path / 'm.json'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "restore check: step 60 into a fresh model: bit-exact" in proc.stdout
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert 0.5 < metrics["auc"] <= 1 and metrics["logloss"] > 0
     manifest = Manifest.load(root)
     assert manifest.steps() == [20, 40, 60]
     assert [e["kind"] for e in manifest.checkpoints][0] == "full"
 
     # A second run resumes from the committed step 60 and goes on to 80.
-    proc = _train(
-        f"checkpoint.path={root}",
-        "train.steps=80",
-        "checkpoint.interval_steps=20",
-        "train.clean_start=false",
-        "train.resume=true",
-    )
+    proc = _train(f"checkpoint.path={root}", *SMALL, "train.steps=80", "train.clean_start=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step 60" in proc.stdout
     assert Manifest.load(root).steps() == [20, 40, 60, 80]
+
+
+@pytest.mark.dist
+def test_run_with_injected_failure_ends_bit_identical_to_uninterrupted_run(tmp_path: Path) -> None:
+    clean = _train(
+        f"checkpoint.path={tmp_path / 'a'}", *SMALL, f"train.metrics_path={tmp_path / 'a.json'}"
+    )
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    failed = _train(
+        f"checkpoint.path={tmp_path / 'b'}",
+        *SMALL,
+        "failure.steps=[50]",
+        f"train.metrics_path={tmp_path / 'b.json'}",
+        restarts=1,
+    )
+    assert failed.returncode == 0, failed.stderr[-3000:]
+    assert "injected failure after step 50" in failed.stdout
+    assert "resumed from step 40 (restart 1)" in failed.stdout
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    assert b["resumed_from"] == 40 and a["resumed_from"] == 0
+    assert a["digest"] == b["digest"], "the resumed run must end in the same state, bit for bit"
+    assert a["auc"] == b["auc"] and a["logloss"] == b["logloss"]
 
 
 def test_unknown_config_key_stops_the_script_naming_it() -> None:
@@ -79,7 +108,7 @@ def test_config_file_maps_yaml_and_overrides_onto_dataclasses() -> None:
         JobConfig, REPO / "configs/demo.yaml", ["checkpoint.policy=consecutive", "train.steps=7"]
     )
     assert cfg.checkpoint.policy == "consecutive" and cfg.train.steps == 7
-    assert cfg.model.shardings[1] == "column_wise"
+    assert cfg.sharding.types[1] == "column_wise" and cfg.failure.steps == [230]
 
 
 @pytest.mark.parametrize(
@@ -87,7 +116,7 @@ def test_config_file_maps_yaml_and_overrides_onto_dataclasses() -> None:
     [
         ("train.steps=many", "train.steps must be int"),
         ("checkpoint.policy=weekly", "policy must be one of"),
-        ("model.rows=0", "model.rows must be >= 1"),
+        ("model.max_rows=0", "model.max_rows must be >= 1"),
         ("data.nope=1", "data.nope"),
         ("train", "must look like key.path=value"),
     ],

@@ -1,23 +1,37 @@
-"""The training job behind ``scripts/train.py``: a config-driven DLRM run with checkpoints."""
+"""The training job behind ``scripts/train.py``: a config-driven DLRM run with
+checkpoints, failure injection, automatic resume and evaluation."""
 
 from __future__ import annotations
 
-import dataclasses
+import json
+import os
 import shutil
+import signal
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from tqdm import tqdm
 
 from torchrec_cnr import model_state
 from torchrec_cnr.config import CheckpointConfig
+from torchrec_cnr.integrity import crc32
 from torchrec_cnr.manager import CheckpointManager
 from torchrec_cnr.manifest import Manifest
-from torchrec_cnr.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
+from torchrec_cnr.workload import (
+    CRITEO_NUM_DENSE,
+    TableSpec,
+    ZipfBatches,
+    build_model,
+    criteo_tables,
+    dense_optimizer,
+    train_step,
+)
 
 SHARDINGS = (
     "table_wise",
@@ -31,53 +45,52 @@ SHARDINGS = (
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The synthetic DLRM."""
+    """The DLRM: embedding tables and MLP sizes."""
 
+    tables: str = "criteo"
+    """``criteo``: the 26 Criteo Kaggle tables capped at ``max_rows``; ``uniform``: ``num_tables`` x ``max_rows``."""
+    max_rows: int = 20_000
+    """Rows per table (cap for ``criteo``)."""
     num_tables: int = 8
-    """Embedding tables, one sparse feature each."""
-    rows: int = 20_000
-    """Rows per table."""
+    """Tables when ``tables: uniform``."""
     dim: int = 16
     """Embedding dim of every table."""
-    num_dense: int = 4
-    """Dense input features."""
-    shardings: list[str] = field(default_factory=list)
-    """Sharding type per table, cycled; empty lets the planner choose."""
 
     def __post_init__(self) -> None:
+        if self.tables not in ("criteo", "uniform"):
+            raise ValueError(f"tables must be 'criteo' or 'uniform', got {self.tables!r}")
         for name, value in (
+            ("max_rows", self.max_rows),
             ("num_tables", self.num_tables),
-            ("rows", self.rows),
             ("dim", self.dim),
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        bad = [s for s in self.shardings if s not in SHARDINGS]
-        if bad:
-            raise ValueError(f"shardings entries must be in {SHARDINGS}, got {bad}")
 
-    def tables(self) -> list[TableSpec]:
-        return [
-            TableSpec(
-                f"t{i}",
-                self.rows,
-                self.dim,
-                self.shardings[i % len(self.shardings)] if self.shardings else None,
-            )
-            for i in range(self.num_tables)
-        ]
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """How tables are sharded."""
+
+    types: list[str] = field(default_factory=list)
+    """Sharding type per table, cycled; empty lets the planner choose."""
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.types if s not in SHARDINGS]
+        if bad:
+            raise ValueError(f"types entries must be in {SHARDINGS}, got {bad}")
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Synthetic Zipf batches."""
+    """Synthetic Criteo-like batches with Zipf ids and teacher labels."""
 
     batch_size: int = 256
     """Samples per rank per step."""
-    alpha: float = 1.1
+    alpha: float = 1.05
     """Zipf exponent of the ids."""
-    pooling: int = 2
-    """Ids per feature per sample."""
+    pooling: int = 1
+    """Ids per feature per sample (Criteo has one)."""
     seed: int = 0
     """Seed of the data; batches depend only on (seed, rank, step)."""
 
@@ -89,39 +102,86 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class OptimizerConfig:
+    """Fused row-wise Adagrad for the tables, Adagrad for the dense part."""
+
+    sparse_lr: float = 0.05
+    """Learning rate of the fused embedding optimizer."""
+    dense_lr: float = 0.05
+    """Learning rate of the dense optimizer."""
+
+    def __post_init__(self) -> None:
+        if self.sparse_lr <= 0 or self.dense_lr <= 0:
+            raise ValueError("sparse_lr and dense_lr must be > 0")
+
+
+@dataclass(frozen=True)
+class FailureConfig:
+    """Injected failures: a rank kills itself with SIGKILL after the given steps.
+
+    Run under ``torchrun --max-restarts=N``: the restarted job resumes from the
+    latest committed checkpoint. Each failure fires once (a marker in the
+    checkpoint root remembers it across restarts).
+    """
+
+    steps: list[int] = field(default_factory=list)
+    """Steps after which ``rank`` dies."""
+    rank: int = 1
+    """The rank that dies."""
+
+    def __post_init__(self) -> None:
+        if any(s < 1 for s in self.steps):
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation: AUC and log loss."""
+
+    batches: int = 20
+    """Held-out batches per rank (a stream disjoint from training)."""
+
+
+@dataclass(frozen=True)
 class TrainConfig:
-    """The training loop."""
+    """The loop."""
 
     steps: int = 400
     """Training steps."""
-    learning_rate: float = 0.05
-    """Learning rate of the fused (sparse) and dense Adagrad."""
     seed: int = 0
     """Seed of the model initialisation."""
     resume: bool = True
     """Restore the latest committed checkpoint before training."""
     clean_start: bool = False
-    """Delete checkpoint.path before training (the demo starts from scratch)."""
+    """Delete checkpoint.path before the first attempt (not on torchrun restarts)."""
     verify_restore: bool = True
     """After training, restore the last checkpoint into a fresh model and compare bit for bit."""
+    metrics_path: str | None = None
+    """JSON file for the final metrics; ``None`` writes none."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if self.clean_start and self.resume:
-            raise ValueError("clean_start and resume exclude each other")
 
 
 @dataclass(frozen=True)
 class JobConfig:
-    """A training job: model, data, loop and checkpointing."""
+    """A training job: model, data, sharding, optimizer, checkpointing, failures, evaluation."""
 
     checkpoint: CheckpointConfig
     """Where and how to checkpoint."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model."""
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    """The sharding."""
     data: DataConfig = field(default_factory=DataConfig)
     """The data."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The optimizers."""
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    """Injected failures."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The loop."""
 
@@ -131,7 +191,80 @@ def _say(*args: Any) -> None:
         print(*args, flush=True)
 
 
-def _states_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+def job_tables(config: JobConfig) -> list[TableSpec]:
+    m, types = config.model, config.sharding.types
+    if m.tables == "criteo":
+        return criteo_tables(m.max_rows, m.dim, types)
+    return [
+        TableSpec(f"t{i}", m.max_rows, m.dim, types[i % len(types)] if types else None)
+        for i in range(m.num_tables)
+    ]
+
+
+def num_dense(config: JobConfig) -> int:
+    return CRITEO_NUM_DENSE if config.model.tables == "criteo" else 4
+
+
+@dataclass
+class Trainer:
+    """One rank's model, optimizers, data and checkpoint manager."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    data: ZipfBatches
+    ckpt: CheckpointManager
+
+    @classmethod
+    def build(
+        cls, config: JobConfig, seed: int, checkpoint: CheckpointConfig | None = None
+    ) -> Trainer:
+        tables = job_tables(config)
+        nd = num_dense(config)
+        model = build_model(tables, nd, learning_rate=config.optimizer.sparse_lr, seed=seed)
+        opt = dense_optimizer(model, config.optimizer.dense_lr)
+        d = config.data
+        data = ZipfBatches(tables, d.batch_size, nd, d.alpha, d.pooling, d.seed)
+        ckpt = CheckpointManager(
+            model, checkpoint or config.checkpoint, {"reader": data, "dense_opt": opt}
+        )
+        return cls(model, opt, data, ckpt)
+
+
+def evaluate(model: nn.Module, data: ZipfBatches, batches: int) -> dict[str, float]:
+    """AUC and log loss on held-out batches, gathered over every rank."""
+    from torchmetrics.functional.classification import binary_auroc
+
+    rank = dist.get_rank()
+    preds, labels = [], []
+    with torch.no_grad():
+        for i in range(batches):
+            b = data.batch(1000 + rank, i)
+            preds.append(torch.sigmoid(model(b.dense, b.sparse).squeeze(-1)))
+            labels.append(b.labels)
+    local = torch.stack([torch.cat(preds), torch.cat(labels)])
+    everything = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(everything, local)
+    p, y = torch.cat(everything, dim=1)
+    auc = float(binary_auroc(p, y.long()))
+    logloss = float(nn.functional.binary_cross_entropy(p.clamp(1e-7, 1 - 1e-7), y))
+    return {"auc": auc, "logloss": logloss}
+
+
+def state_digest(model: nn.Module, data: ZipfBatches) -> str:
+    """CRC32 over every rank's shards, optimizer state, dense state and reader position."""
+    crc = 0
+    for s in model_state.local_shards(model):
+        for t in (s.weight, *s.states.values()):
+            crc = zlib.crc32(crc.to_bytes(4, "little") + crc32(t).to_bytes(4, "little"))
+    for key, t in sorted(model_state.dense_state(model).items()):
+        crc = zlib.crc32(key.encode() + crc32(t).to_bytes(4, "little"), crc)
+    crc = zlib.crc32(data.position.to_bytes(8, "little"), crc)
+    crcs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(crcs, crc)
+    return "-".join(f"{c:08x}" for c in crcs)
+
+
+def _states_equal(a: nn.Module, b: nn.Module) -> bool:
     for x, y in zip(model_state.local_shards(a), model_state.local_shards(b), strict=True):
         if x.spec != y.spec or not torch.equal(x.weight, y.weight):
             return False
@@ -141,11 +274,30 @@ def _states_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return da.keys() == db.keys() and all(torch.equal(v, db[k]) for k, v in da.items())
 
 
-def _report(root: Path) -> None:
+def _maybe_fail(config: JobConfig, step: int) -> None:
+    """Kills this rank after ``step`` if a failure is configured there and has not fired yet."""
+    f = config.failure
+    if step not in f.steps:
+        return
+    marker = Path(config.checkpoint.path) / ".failures" / f"step-{step}"
+    dist.barrier()  # every rank checks the marker before the victim writes it
+    fired = marker.exists()
+    dist.barrier()
+    if fired or dist.get_rank() != f.rank:
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(time.time()))
+    print(f"[rank {f.rank}] injected failure after step {step}: SIGKILL", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def report(root: Path) -> dict[str, float]:
+    """Prints the checkpoints written and returns byte totals."""
     manifest = Manifest.load(root)
     if not manifest.checkpoints:
-        return
-    full = max(e["bytes"] for e in manifest.checkpoints if e["kind"] == "full")
+        return {}
+    fulls = [e["bytes"] for e in manifest.checkpoints if e["kind"] == "full"]
+    full = max(fulls) if fulls else 0
     _say(f"\n{'step':>6} {'kind':>6} {'rows saved':>10} {'MB':>8}  chain")
     for e in manifest.checkpoints:
         saved = sum(s["saved_rows"] * s["spec"]["cols"] for s in e["shards"])
@@ -157,68 +309,83 @@ def _report(root: Path) -> None:
     written = sum(e["bytes"] for e in manifest.checkpoints)
     n = len(manifest.checkpoints)
     _say(
-        f"\nwritten: {written / 1e6:.2f} MB in {n} checkpoints; full checkpoints every time: "
+        f"\nwritten: {written / 1e6:.2f} MB in {n} checkpoints; a full checkpoint every time: "
         f"{n * full / 1e6:.2f} MB ({n * full / max(written, 1):.2f}x more)"
     )
     latest = manifest.checkpoints[-1]
     _say(
         f"latest restore reads {manifest.chain_bytes(latest) / 1e6:.2f} MB ({len(latest['chain'])} checkpoint(s))"
     )
+    return {
+        "bytes_written": written,
+        "full_bytes_each": full,
+        "checkpoints": n,
+        "restores": manifest.restores,
+    }
 
 
 def run(config: JobConfig) -> dict[str, Any]:
-    """Trains, checkpoints, and (optionally) checks that the last checkpoint restores exactly."""
+    """Trains, checkpoints, injects failures, evaluates; checks the last checkpoint restores exactly."""
     rank = dist.get_rank()
     root = Path(config.checkpoint.path)
-    if config.train.clean_start and rank == 0 and root.exists():
+    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    if config.train.clean_start and first_attempt and rank == 0 and root.exists():
         shutil.rmtree(root)
     dist.barrier()
-    tables = config.model.tables()
-
-    def make(seed: int) -> tuple[Any, Any, ZipfBatches, CheckpointManager]:
-        model = build_model(
-            tables, config.model.num_dense, learning_rate=config.train.learning_rate, seed=seed
-        )
-        opt = dense_optimizer(model, config.train.learning_rate)
-        d = config.data
-        data = ZipfBatches(tables, d.batch_size, config.model.num_dense, d.alpha, d.pooling, d.seed)
-        app = {"reader": data, "dense_opt": opt}
-        return model, opt, data, CheckpointManager(model, config.checkpoint, app)
-
-    model, opt, data, ckpt = make(config.train.seed)
-    start = (ckpt.restore() or 0) if config.train.resume else 0
+    t = Trainer.build(config, config.train.seed)
+    start = (t.ckpt.restore() or 0) if config.train.resume else 0
     if start:
-        _say(f"resumed from step {start}")
+        _say(
+            f"resumed from step {start} (restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})"
+        )
     bar = tqdm(
-        total=config.train.steps, initial=start, disable=rank != 0, desc="train", unit="step"
+        total=config.train.steps,
+        initial=start,
+        disable=rank != 0,
+        desc="train",
+        unit="step",
+        mininterval=1,
     )
     began, loss = time.perf_counter(), float("nan")
     for step in range(start + 1, config.train.steps + 1):
-        loss = train_step(model, opt, data.next(rank))
-        if ckpt.maybe_save(step):
+        loss = train_step(t.model, t.opt, t.data.next(rank))
+        if t.ckpt.maybe_save(step):
             bar.set_postfix(loss=f"{loss:.4f}", ckpt=step)
         bar.update(1)
+        _maybe_fail(config, step)
     bar.close()
-    ckpt.wait()
-    elapsed = time.perf_counter() - began
-    _report(root)
-    result: dict[str, Any] = {"loss": loss, "seconds": elapsed}
+    t.ckpt.wait()
+    result: dict[str, Any] = {
+        "loss": loss,
+        "seconds": time.perf_counter() - began,
+        "resumed_from": start,
+    }
+    result.update(evaluate(t.model, t.data, config.eval.batches))
+    _say(
+        f"eval: AUC {result['auc']:.4f}, log loss {result['logloss']:.4f} ({config.eval.batches} batches/rank)"
+    )
+    result.update(report(root))
+    result["digest"] = state_digest(t.model, t.data)
     if config.train.verify_restore and Manifest.load(root).latest() is not None:
-        fresh, _, _, fresh_ckpt = make(config.train.seed + 1000)
-        restored = fresh_ckpt.restore()
-        live_is_saved = restored == config.train.steps
-        ok = torch.tensor([int(_states_equal(model, fresh)) if live_is_saved else 1])
+        fresh = Trainer.build(config, config.train.seed + 1000)
+        restored = fresh.ckpt.restore()
+        saved_last = restored == config.train.steps
+        ok = torch.tensor([int(_states_equal(t.model, fresh.model)) if saved_last else 1])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        verdict = "bit-exact" if ok.item() else "MISMATCH"
-        if not live_is_saved:
-            verdict = f"skipped (last step {config.train.steps} was not checkpointed; latest is {restored})"
+        if not saved_last:
+            verdict = (
+                f"skipped (step {config.train.steps} was not checkpointed; latest is {restored})"
+            )
+        else:
+            verdict = "bit-exact" if ok.item() else "MISMATCH"
         _say(f"restore check: step {restored} into a fresh model: {verdict}")
         result["restore_exact"] = bool(ok.item())
+        fresh.ckpt.close()
         if not ok.item():
             raise SystemExit("restore check failed")
+    t.ckpt.close()
+    if config.train.metrics_path and rank == 0:
+        path = Path(config.train.metrics_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
     return result
-
-
-def with_checkpoint(config: JobConfig, **changes: Any) -> JobConfig:
-    """A copy of ``config`` with checkpoint fields replaced."""
-    return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, **changes))

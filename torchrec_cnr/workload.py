@@ -48,8 +48,58 @@ class Batch:
         return Batch(self.dense.to(device), self.sparse.to(device), self.labels.to(device))
 
 
+# Rows of the 26 categorical features of the Criteo Kaggle (Display Advertising
+# Challenge) data set, as used by TorchRec's DLRM example.
+CRITEO_KAGGLE_CARDINALITIES = (
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
+)
+CRITEO_NUM_DENSE = 13
+
+
+def criteo_tables(max_rows: int, dim: int, shardings: Sequence[str] = ()) -> list[TableSpec]:
+    """The 26 Criteo Kaggle tables, each capped at ``max_rows`` rows."""
+    return [
+        TableSpec(
+            f"cat_{i}",
+            min(card, max_rows),
+            dim,
+            shardings[i % len(shardings)] if shardings else None,
+        )
+        for i, card in enumerate(CRITEO_KAGGLE_CARDINALITIES)
+    ]
+
+
 class ZipfBatches:
-    """Deterministic synthetic batches with Zipf-distributed ids.
+    """Deterministic synthetic batches with Zipf-distributed ids and teacher labels.
+
+    Labels come from a planted teacher: a logistic model over the dense
+    features and one hidden score per embedding row. A model that learns the
+    rows' scores reaches a high AUC, so AUC measures learning.
 
     Args:
         tables: one feature per table, named ``f_<table>``.
@@ -57,7 +107,7 @@ class ZipfBatches:
         num_dense: dense features per sample.
         alpha: Zipf exponent; higher concentrates lookups on fewer rows.
         pooling: ids per feature per sample.
-        seed: base seed.
+        seed: base seed; batches are a pure function of (seed, rank, step).
     """
 
     def __init__(
@@ -77,33 +127,37 @@ class ZipfBatches:
         self.position = 0
         self._cdfs = []
         self._perms = []
+        self._scores = []
         g = torch.Generator().manual_seed(seed)
         for t in self.tables:
             p = 1.0 / torch.arange(1, t.rows + 1, dtype=torch.float64) ** alpha
             self._cdfs.append(torch.cumsum(p / p.sum(), 0))
             # Hot ids are spread over the id space, as hashing does in practice.
             self._perms.append(torch.randperm(t.rows, generator=g))
+            self._scores.append(torch.randn(t.rows, generator=g) * (2.0 / len(self.tables)) ** 0.5)
+        self._dense_w = torch.randn(num_dense, generator=g) / num_dense**0.5
 
     def batch(self, rank: int, step: int) -> Batch:
-        """The batch rank ``rank`` trains on at ``step``."""
+        """The batch rank ``rank`` trains on at ``step`` (use ranks >= 1000 for held-out data)."""
         g = torch.Generator().manual_seed(
             ((self.seed * 1_000_003 + rank) * 1_000_033 + step) % (2**62)
         )
         n = self.batch_size * self.pooling
         ids = []
-        for cdf, perm in zip(self._cdfs, self._perms):
+        logits = torch.zeros(self.batch_size)
+        for cdf, perm, score in zip(self._cdfs, self._perms, self._scores):
             u = torch.rand(n, generator=g, dtype=torch.float64)
-            ranks = torch.searchsorted(cdf, u).clamp_max(len(perm) - 1)
-            ids.append(perm[ranks])
+            picked = perm[torch.searchsorted(cdf, u).clamp_max(len(perm) - 1)]
+            ids.append(picked)
+            logits += score[picked].view(self.batch_size, self.pooling).mean(1)
         values = torch.cat(ids)
         lengths = torch.full((len(self.tables) * self.batch_size,), self.pooling, dtype=torch.int32)
         sparse = KeyedJaggedTensor.from_lengths_sync(
             keys=[f"f_{t.name}" for t in self.tables], values=values, lengths=lengths
         )
         dense = torch.randn(self.batch_size, self.num_dense, generator=g)
-        # A planted rule on the first dense feature and the first ids makes the labels learnable.
-        logits = dense[:, 0] + 0.5 * (ids[0].view(self.batch_size, -1)[:, 0] % 2 * 2 - 1)
-        labels = (logits > 0).float()
+        logits += dense @ self._dense_w
+        labels = (torch.rand(self.batch_size, generator=g) < torch.sigmoid(2.0 * logits)).float()
         return Batch(dense, sparse, labels)
 
     def next(self, rank: int) -> Batch:
