@@ -67,7 +67,72 @@ def _run_policy(policy: str, root: Path, args: argparse.Namespace) -> list[dict[
     return rows
 
 
-def main() -> int:
+def _write_figures(
+    args: argparse.Namespace, results: dict[str, list[dict[str, float]]], full: float
+) -> None:
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(
+            [
+                "policy",
+                "interval",
+                "kind",
+                "rows_saved_frac",
+                "written_bytes",
+                "stored_bytes",
+                "written_rel",
+                "stored_rel",
+            ]
+        )
+        for policy, rows in results.items():
+            for r in rows:
+                w.writerow(
+                    [
+                        policy,
+                        r["interval"],
+                        r["kind"],
+                        r["rows_saved_frac"],
+                        r["written_bytes"],
+                        r["stored_bytes"],
+                        r["written_bytes"] / full,
+                        r["stored_bytes"] / full,
+                    ]
+                )
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for policy, rows in results.items():
+        xs = [r["interval"] for r in rows]
+        axes[0].plot(xs, [r["written_bytes"] / full for r in rows], marker="o", label=policy)
+        axes[1].plot(xs, [r["stored_bytes"] / full for r in rows], marker="o", label=policy)
+    axes[0].set_title("Fig. 15: written per interval")
+    axes[1].set_title("Fig. 16: stored after each interval")
+    for ax in axes:
+        ax.set_xlabel("interval")
+        ax.set_ylabel("x one full checkpoint")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "fig15_16.png", dpi=110)
+    total_full = sum(r["written_bytes"] for r in results["full"])
+    lines = [
+        "| policy | written (x less than full) | peak stored (full checkpoints) |",
+        "|---|---:|---:|",
+    ]
+    for policy, rows in results.items():
+        written = sum(r["written_bytes"] for r in rows)
+        lines.append(
+            f"| {policy} | {total_full / written:.2f}x | {max(r['stored_bytes'] for r in rows) / full:.2f} |"
+        )
+    (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tables", type=int, default=8)
     p.add_argument("--rows", type=int, default=100_000)
@@ -81,7 +146,10 @@ def main() -> int:
         "--root", type=Path, default=None, help="scratch directory (default: a temp dir)"
     )
     p.add_argument("--json", type=Path)
-    args = p.parse_args()
+    p.add_argument(
+        "--out", type=Path, help="also write results.csv, fig15_16.png and summary.md here"
+    )
+    args = p.parse_args(argv)
     dist.init_process_group("gloo")
     scratch = None
     try:
@@ -124,6 +192,8 @@ def main() -> int:
                 print(
                     f"  {p:<13} written {written / 1e6:8.1f} MB ({total_full / written:5.2f}x less than full), peak stored {peak / full:5.2f} full checkpoints"
                 )
+            if args.out:
+                _write_figures(args, results, full)
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(

@@ -85,6 +85,33 @@ def test_run_with_injected_failure_ends_bit_identical_to_uninterrupted_run(tmp_p
     assert a["auc"] == b["auc"] and a["logloss"] == b["logloss"]
 
 
+@pytest.mark.dist
+def test_auto_interval_records_cpr_decision_and_saves_at_that_interval(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    proc = _train(
+        f"checkpoint.path={root}",
+        *SMALL,
+        "train.steps=80",
+        "checkpoint.interval_steps=auto",
+        "checkpoint.recovery.probe_step=10",
+        "checkpoint.recovery.mtbf_s=4.0",
+        "checkpoint.recovery.pls_target=0.05",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "interval auto:" in proc.stderr
+    entries = Manifest.load(root).checkpoints
+    assert entries[0]["step"] == 10
+    decision = entries[-1]["interval_decision"]
+    assert decision["mode"] in ("partial", "full")
+    assert decision["interval_s"] == pytest.approx(
+        decision["partial_interval_s"]
+        if decision["mode"] == "partial"
+        else decision["full_interval_s"]
+    )
+    every = decision["interval_steps"]
+    assert [e["step"] for e in entries[1:]] == list(range(every, 81, every))[: len(entries) - 1]
+
+
 def test_unknown_config_key_stops_the_script_naming_it() -> None:
     proc = subprocess.run(
         [

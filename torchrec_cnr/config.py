@@ -81,6 +81,34 @@ class QuantizeConfig:
 
 
 @dataclass(frozen=True)
+class RecoveryConfig:
+    """CPR inputs for ``interval_steps: auto``."""
+
+    mtbf_s: float = 8 * 3600.0
+    """Mean time between failures of the job, in seconds."""
+    pls_target: float = 0.01
+    """Largest acceptable portion of lost samples under partial recovery."""
+    reschedule_s: float = 0.0
+    """Seconds to replace a failed node."""
+    load_cost_s: float | None = None
+    """Seconds a full restore costs; ``None`` uses the measured commit time of a full checkpoint."""
+    probe_step: int = 20
+    """Step of the first checkpoint, which measures the save cost and the step time."""
+
+    def __post_init__(self) -> None:
+        if (
+            self.mtbf_s <= 0
+            or not 0 < self.pls_target < 1
+            or self.reschedule_s < 0
+            or self.probe_step < 2
+        ):
+            raise ValueError(
+                "recovery needs mtbf_s > 0, pls_target in (0, 1), reschedule_s >= 0 and probe_step >= 2, got "
+                f"{self.mtbf_s}, {self.pls_target}, {self.reschedule_s}, {self.probe_step}"
+            )
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """How, where and when to checkpoint.
 
@@ -94,8 +122,8 @@ class CheckpointConfig:
     """Root directory holding every checkpoint of the run and the chain manifest."""
     policy: str = "intermittent"
     """Row-selection policy: ``full``, ``one_shot``, ``consecutive`` or ``intermittent``."""
-    interval_steps: int | None = None
-    """``maybe_save(step)`` saves when ``step`` is a positive multiple of this; ``None`` never."""
+    interval_steps: int | str | None = None
+    """``maybe_save(step)`` saves at positive multiples of this; ``"auto"`` lets CPR choose; ``None`` never."""
     baseline_rule: str = "average_write"
     """Rule deciding when ``intermittent`` takes a new baseline (see ``policy.BASELINE_RULES``)."""
     keep_last: int | None = None
@@ -108,17 +136,21 @@ class CheckpointConfig:
     """Most host memory kept for staging buffers between checkpoints; ``None`` for no limit."""
     verify_checksums: bool = True
     """Check every tensor a restore reads against the checksum recorded at save time."""
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    """CPR inputs for ``interval_steps: auto``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"path must be a non-empty string, got {self.path!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.interval_steps is not None and (
-            not isinstance(self.interval_steps, int) or self.interval_steps < 1
+        if (
+            self.interval_steps is not None
+            and self.interval_steps != "auto"
+            and (not isinstance(self.interval_steps, int) or self.interval_steps < 1)
         ):
             raise ValueError(
-                f"interval_steps must be a positive int or None, got {self.interval_steps!r}"
+                f"interval_steps must be a positive int, 'auto' or None, got {self.interval_steps!r}"
             )
         if self.baseline_rule not in BASELINE_RULES:
             raise ValueError(

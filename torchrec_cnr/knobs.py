@@ -22,11 +22,6 @@ def _int(name: str, default: int) -> int:
     return value
 
 
-def restore_chunk_rows() -> int:
-    """Rows scattered into a local shard per step of a restore (bounds temporary memory)."""
-    return _int("TORCHREC_CNR_RESTORE_CHUNK_ROWS", 1 << 20)
-
-
 def collective_timeout_s() -> int:
     """Seconds a rank waits for the others at a checkpoint barrier."""
     return _int("TORCHREC_CNR_COLLECTIVE_TIMEOUT_S", 600)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,9 +29,11 @@ from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.encoding import FormatResolver
 from torchrec_cnr.manifest import Manifest, checkpoint_id, tree_bytes
 from torchrec_cnr.policy import ChainState, Decision, Policy
+from torchrec_cnr.recovery import choose_interval
 from torchrec_cnr.restore import check_compatible, dense_signature, model_signature, restore_chain
 from torchrec_cnr.staging import StagedCheckpoint, StagingPool, stage
 from torchrec_cnr.tracking import bitmap
+from torchrec_cnr.tracking.tracker import LocalShard
 from torchrec_cnr.writer import write_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -100,6 +103,10 @@ class CheckpointManager:
         self._state = ChainState()
         self._last_saved_step: int | None = None
         self._in_flight: _InFlight | None = None
+        self._auto_interval: int | None = None
+        self._first_step: tuple[int, float] | None = None
+        self._decision: dict[str, Any] | None = None
+        """CPR's interval decision, recorded in every manifest entry once made."""
         on_gpu = any(s.weight.device.type == "cuda" for s in self._shards)
         budget = None if config.staging_memory_mb is None else config.staging_memory_mb << 20
         self._pool = StagingPool(budget, pin=on_gpu)
@@ -145,11 +152,68 @@ class CheckpointManager:
     # -- save --------------------------------------------------------------
 
     def maybe_save(self, step: int) -> bool:
-        """Saves if ``step`` is a multiple of ``config.interval_steps``; returns whether it did."""
+        """Saves if ``step`` is a multiple of the interval; returns whether it did.
+
+        With ``interval_steps="auto"`` the first checkpoint is taken at
+        ``recovery.probe_step``; its measured cost sets the interval (CPR).
+        """
         interval = self.config.interval_steps
-        if interval is None or step <= 0 or step % interval or step == self._last_saved_step:
+        if interval == "auto":
+            if self._auto_interval is None:
+                return self._probe(step)
+            interval = self._auto_interval
+        if interval is None or step <= 0 or step == self._last_saved_step:
+            return False
+        assert isinstance(interval, int)
+        if step % interval:
             return False
         return self.save(step)
+
+    def _probe(self, step: int) -> bool:
+        rc = self.config.recovery
+        now = time.perf_counter()
+        if self._first_step is None:
+            self._first_step = (step, now)
+        if step != rc.probe_step:
+            return False
+        first_step, first_time = self._first_step
+        step_s = (now - first_time) / max(step - first_step, 1)
+        began = time.perf_counter()
+        self.save(step)
+        stall = time.perf_counter() - began
+        self.wait()
+        commit = time.perf_counter() - began
+        costs = torch.tensor([step_s, stall, commit], dtype=torch.float64)
+        dist.all_reduce(costs, op=dist.ReduceOp.MAX, group=self.pg)
+        step_s, stall, commit = costs.tolist()
+        decision = choose_interval(
+            mtbf_s=rc.mtbf_s,
+            num_shards=self.world_size,
+            pls_target=rc.pls_target,
+            save_cost_s=max(stall, 1e-6),
+            load_cost_s=commit if rc.load_cost_s is None else rc.load_cost_s,
+            reschedule_s=rc.reschedule_s,
+        )
+        self._auto_interval = max(1, round(decision.interval_s / step_s))
+        self._decision = decision.to_json() | {
+            "step_s": step_s,
+            "interval_steps": self._auto_interval,
+        }
+        logger.warning(
+            "interval auto: %s recovery, every %d steps (%.0f s); overhead partial %.4f%% vs full %.4f%%; "
+            "save stall %.3f s, step %.4f s, MTBF %.0f s, %d shards, PLS %.4f",
+            decision.mode,
+            self._auto_interval,
+            decision.interval_s,
+            100 * decision.partial_overhead,
+            100 * decision.full_overhead,
+            stall,
+            step_s,
+            rc.mtbf_s,
+            self.world_size,
+            decision.pls,
+        )
+        return True
 
     def save(self, step: int) -> bool:
         """Stages a checkpoint of the model, its optimizer state and ``app_state`` at ``step``.
@@ -276,7 +340,11 @@ class CheckpointManager:
                 dense_checksums=writes[0].dense_checksums,
                 app_checksums=[w.app_checksum for w in writes],
                 nbytes=tree_bytes(path),
-                extra={"restores_before": resolver.restores, "staged_bytes": staged.nbytes},
+                extra={
+                    "restores_before": resolver.restores,
+                    "staged_bytes": staged.nbytes,
+                    "interval_decision": self._decision,
+                },
             )
             manifest.checkpoints.append(entry)
             # IMPORTANT: the manifest names the checkpoint only after every
@@ -316,11 +384,24 @@ class CheckpointManager:
 
     # -- restore -----------------------------------------------------------
 
-    def restore(self, step: int | None = None) -> int | None:
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        ranks: list[int] | None = None,
+        tables: list[str] | None = None,
+    ) -> int | None:
         """Loads a committed checkpoint into the model, its optimizer state and ``app_state``.
+
+        With ``ranks`` or ``tables`` it is a partial recovery (CPR): only the
+        named ranks' shards of the named tables reload; every other shard, the
+        dense state and ``app_state`` keep their current values, and training
+        goes on from the current step.
 
         Args:
             step: the step to restore; the latest committed checkpoint if ``None``.
+            ranks: reload only the shards these ranks hold.
+            tables: reload only these tables (short or qualified names).
 
         Returns:
             The restored step, or ``None`` if the root holds no checkpoint.
@@ -343,19 +424,21 @@ class CheckpointManager:
             raise ValueError(
                 f"no committed checkpoint of step {step} in {self.root}; committed steps: {manifest.steps()}"
             )
-        tables: dict[str, dict[str, int]] = {}
+        signature: dict[str, dict[str, int]] = {}
         for sig in self._gather(model_signature(self._shards)):
-            tables.update(sig)
-        check_compatible(entry, tables, dense_signature(self._dense), str(self.root))
+            signature.update(sig)
+        check_compatible(entry, signature, dense_signature(self._dense), str(self.root))
+        partial = ranks is not None or tables is not None
+        chosen = self._select_shards(ranks, tables, signature)
         error: BaseException | None = None
         try:
             touched = restore_chain(
                 self.root,
                 manifest,
                 entry,
-                self._shards,
-                self._dense,
-                self.app_state,
+                chosen,
+                {} if partial else self._dense,
+                {} if partial else self.app_state,
                 self.rank,
                 verify=self.config.verify_checksums,
             )
@@ -376,6 +459,11 @@ class CheckpointManager:
             raise (kind if issubclass(kind, Exception) else RuntimeError)(
                 f"on rank {rank}: {message}"
             )
+        if partial:
+            # The live chain goes on: the reloaded rows now hold checkpointed
+            # values, and their bits stay set, so the next checkpoint saves them.
+            self._count_restore(manifest)
+            return int(entry["step"])
         for w in self._words():
             w.zero_()
         if entry["policy"] == self.policy.name:
@@ -388,12 +476,37 @@ class CheckpointManager:
                         bitmap.set_bits(shard.words, mask.nonzero().flatten())
         else:
             self._state = ChainState()  # another policy wrote it: start a new baseline
+        self._count_restore(manifest)
+        self._next_seq = manifest.next_seq()
+        self._last_saved_step = entry["step"]
+        return int(entry["step"])
+
+    def _select_shards(
+        self,
+        ranks: list[int] | None,
+        tables: list[str] | None,
+        signature: dict[str, dict[str, int]],
+    ) -> list[LocalShard]:
+        if ranks is not None:
+            bad = [r for r in ranks if not 0 <= r < self.world_size]
+            if bad:
+                raise ValueError(f"ranks {bad} are outside 0..{self.world_size - 1}")
+            if self.rank not in ranks:
+                return []
+        if tables is None:
+            return list(self._shards)
+        short = {name.rsplit(".", 1)[-1]: name for name in signature}
+        unknown = [t for t in tables if t not in signature and t not in short]
+        if unknown:
+            raise ValueError(f"tables {unknown} are not in the model; tables: {sorted(signature)}")
+        wanted = {short.get(t, t) for t in tables}
+        return [s for s in self._shards if s.spec.table in wanted]
+
+    def _count_restore(self, manifest: Manifest) -> None:
+        # Restores compound quantization error: bits="auto" reads this count.
         self._barrier()
         self._restores = manifest.restores + 1
         if self.rank == 0:
             manifest.restores = self._restores
             manifest.save(self.root)
-        self._next_seq = manifest.next_seq()
         self._barrier()
-        self._last_saved_step = entry["step"]
-        return int(entry["step"])

@@ -57,20 +57,21 @@ def _run(
         if restores
         else set()
     )
-    peak_stored = 0
+    peak_stored = written = 0
     for step in range(1, args.steps + 1):
         train_step(t.model, t.opt, t.data.next(rank))
         if t.ckpt.maybe_save(step):
             t.ckpt.wait()
             if rank == 0:
+                # keep_last=1 drops old entries from the manifest: count each commit as it lands.
                 manifest = Manifest.load(root)
+                written += manifest.checkpoints[-1]["bytes"]
                 peak_stored = max(peak_stored, manifest.chain_bytes(manifest.checkpoints[-1]))
             if step in restore_at:
                 assert t.ckpt.restore() == step
     metrics = evaluate(t.model, t.data, args.eval_batches)
     manifest = Manifest.load(root)
     t.ckpt.close()
-    written = sum(e["bytes"] for e in manifest.checkpoints) if rank == 0 else 0
     box = [(written, peak_stored, manifest.restores)]
     dist.broadcast_object_list(box, src=0)
     written, peak_stored, done = box[0]
