@@ -138,6 +138,9 @@ class CheckpointConfig:
     """Check every tensor a restore reads against the checksum recorded at save time."""
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     """CPR inputs for ``interval_steps: auto``."""
+    priority_budget_mb: float | None = None
+    """CPR prioritized saves: deltas hold the highest-priority modified rows up to this many MB per rank.
+    Needs ``policy: consecutive`` and ``tracking_sharders(mode="mfu" | "ssu")``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -162,6 +165,15 @@ class CheckpointConfig:
             raise ValueError(f"keep_last must be a positive int or None, got {self.keep_last!r}")
         if self.on_busy not in ON_BUSY:
             raise ValueError(f"on_busy must be one of {ON_BUSY}, got {self.on_busy!r}")
+        if self.priority_budget_mb is not None:
+            if self.priority_budget_mb <= 0:
+                raise ValueError(
+                    f"priority_budget_mb must be > 0 or None, got {self.priority_budget_mb}"
+                )
+            if self.policy != "consecutive":
+                raise ValueError(
+                    f"priority_budget_mb needs policy 'consecutive', got {self.policy!r}"
+                )
         if self.staging_memory_mb is not None and self.staging_memory_mb < 0:
             raise ValueError(
                 f"staging_memory_mb must be >= 0 or None, got {self.staging_memory_mb}"

@@ -31,7 +31,7 @@ from torchrec_cnr.manifest import Manifest, checkpoint_id, tree_bytes
 from torchrec_cnr.policy import ChainState, Decision, Policy
 from torchrec_cnr.recovery import choose_interval
 from torchrec_cnr.restore import check_compatible, dense_signature, model_signature, restore_chain
-from torchrec_cnr.staging import StagedCheckpoint, StagingPool, stage
+from torchrec_cnr.staging import StagedCheckpoint, StagingPool, prioritize, stage
 from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.tracker import LocalShard
 from torchrec_cnr.writer import write_checkpoint
@@ -99,6 +99,10 @@ class CheckpointManager:
         self.policy = Policy(config.policy, config.baseline_rule)
         self._trackers = list(model_state.trackers(model).values())
         self._shards = model_state.local_shards(model)
+        if config.priority_budget_mb is not None and any(
+            t.mode == "bitmap" for t in self._trackers
+        ):
+            raise ValueError("priority_budget_mb needs tracking_sharders(mode='mfu' or 'ssu')")
         self._dense = model_state.dense_state(model)
         self._state = ChainState()
         self._last_saved_step: int | None = None
@@ -246,13 +250,30 @@ class CheckpointManager:
         for kernel in {id(s.kernel): s.kernel for s in self._shards}.values():
             kernel.flush()  # caching kernels write their cache back first
         self._words()  # every lookup so far must be in the bits being staged
-        staged = stage(step, decision.kind, self._shards, self._dense, self.app_state, self._pool)
+        selected = None
+        if self.config.priority_budget_mb is not None and decision.kind == "delta":
+            selected = prioritize(self._shards, int(self.config.priority_budget_mb * (1 << 20)))
+        staged = stage(
+            step, decision.kind, self._shards, self._dense, self.app_state, self._pool, selected
+        )
         # Bits restart at staging time; rows modified while the write runs
         # belong to the next checkpoint. On failure the staged bits go back.
         pending = [w.clone() for w in self._words()] if decision.clear_bits else []
-        if decision.clear_bits:
+        if decision.clear_bits and selected is not None:
+            # A prioritized delta clears only what it saved; the rest waits for the next one.
+            for shard, rows in zip(self._shards, selected):
+                assert shard.words is not None and shard.priority is not None
+                bitmap.clear_bits(shard.words, rows)
+                if shard.priority.dtype == torch.int64:
+                    bitmap.clear_bits(shard.priority, rows)
+                else:
+                    shard.priority[rows] = 0
+        elif decision.clear_bits:
             for w in self._words():
                 w.zero_()
+            for shard in self._shards:
+                if shard.priority is not None:
+                    shard.priority.zero_()  # MFU counts and SSU samples restart with the bits
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         resolver = FormatResolver(self.config.quantize, self._restores)
         future = self._executor.submit(

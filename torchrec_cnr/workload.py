@@ -180,6 +180,7 @@ def build_model(
     seed: int = 0,
     pg: dist.ProcessGroup | None = None,
     tracking: bool = True,
+    tracking_mode: str = "bitmap",
 ) -> DistributedModelParallel:
     """A DLRM sharded over ``pg`` with fused row-wise Adagrad.
 
@@ -213,7 +214,7 @@ def build_model(
     )
     fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": learning_rate}
     sharders = (
-        tracking_sharders(fused)
+        tracking_sharders(fused, mode=tracking_mode)
         if tracking
         else [EmbeddingBagCollectionSharder(fused_params=fused)]
     )

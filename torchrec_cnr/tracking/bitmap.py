@@ -18,6 +18,16 @@ def num_words(num_rows: int) -> int:
     return (num_rows + _WORD - 1) // _WORD
 
 
+def _word_masks(words: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For unique ``rows``: the words they fall in and, per word, the OR of their bits."""
+    word_idx = rows >> 6
+    bits = torch.bitwise_left_shift(torch.ones_like(rows), rows & (_WORD - 1))
+    touched, inverse = torch.unique_consecutive(word_idx, return_inverse=True)
+    # Rows are unique, so adding their distinct powers of two within a word is
+    # the same as OR-ing them (two's complement wrap-around keeps bit 63 right).
+    return touched, torch.zeros_like(touched).scatter_add_(0, inverse, bits)
+
+
 def set_bits(words: torch.Tensor, rows: torch.Tensor) -> None:
     """Sets the bits of ``rows`` in ``words``.
 
@@ -34,14 +44,16 @@ def set_bits(words: torch.Tensor, rows: torch.Tensor) -> None:
     rows = rows[known == 0]
     if rows.numel() == 0:
         return
-    unique_rows = torch.unique(rows)
-    word_idx = unique_rows >> 6
-    bits = torch.bitwise_left_shift(torch.ones_like(unique_rows), unique_rows & (_WORD - 1))
-    touched, inverse = torch.unique_consecutive(word_idx, return_inverse=True)
-    # Rows are unique, so adding their distinct powers of two within a word is
-    # the same as OR-ing them (two's complement wrap-around keeps bit 63 right).
-    merged = torch.zeros_like(touched).scatter_add_(0, inverse, bits)
+    touched, merged = _word_masks(words, torch.unique(rows))
     words[touched] |= merged
+
+
+def clear_bits(words: torch.Tensor, rows: torch.Tensor) -> None:
+    """Clears the bits of ``rows`` (duplicates allowed) in ``words``."""
+    if rows.numel() == 0:
+        return
+    touched, merged = _word_masks(words, torch.unique(rows.to(torch.int64)))
+    words[touched] &= ~merged
 
 
 def to_mask(words: torch.Tensor, num_rows: int) -> torch.Tensor:

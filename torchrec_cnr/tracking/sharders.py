@@ -17,13 +17,20 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec_cnr.tracking.tracker import TRACKER_ATTR, RowTracker
 
 
-def _attach(sharded: nn.Module, params: dict[str, ParameterSharding], env: ShardingEnv) -> None:
+def _attach(
+    sharded: nn.Module,
+    params: dict[str, ParameterSharding],
+    env: ShardingEnv,
+    options: dict[str, Any],
+) -> None:
     types = {name: p.sharding_type for name, p in params.items()}
-    setattr(sharded, TRACKER_ATTR, RowTracker(sharded, types, rank=env.rank))
+    setattr(sharded, TRACKER_ATTR, RowTracker(sharded, types, rank=env.rank, **options))
 
 
 class TrackingEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """``EmbeddingBagCollectionSharder`` whose sharded modules track modified rows."""
+
+    tracking_options: dict[str, Any] = {}  # noqa: RUF012 - replaced per instance by tracking_sharders()
 
     def shard(
         self,
@@ -34,13 +41,15 @@ class TrackingEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         module_fqn: str | None = None,
     ) -> Any:
         sharded = super().shard(module, params, env, device, module_fqn)
-        _attach(sharded, params, env)
+        _attach(sharded, params, env, self.tracking_options)
         return sharded
 
 
 class TrackingEmbeddingCollectionSharder(EmbeddingCollectionSharder):
     """``EmbeddingCollectionSharder`` whose sharded modules track modified rows."""
 
+    tracking_options: dict[str, Any] = {}  # noqa: RUF012 - replaced per instance by tracking_sharders()
+
     def shard(
         self,
         module: Any,
@@ -50,16 +59,22 @@ class TrackingEmbeddingCollectionSharder(EmbeddingCollectionSharder):
         module_fqn: str | None = None,
     ) -> Any:
         sharded = super().shard(module, params, env, device, module_fqn)
-        _attach(sharded, params, env)
+        _attach(sharded, params, env, self.tracking_options)
         return sharded
 
 
-def tracking_sharders(fused_params: dict[str, Any] | None = None) -> list[Any]:
+def tracking_sharders(
+    fused_params: dict[str, Any] | None = None, mode: str = "bitmap", ssu_rate: float = 0.1
+) -> list[Any]:
     """Sharders for ``EmbeddingBagCollection`` and ``EmbeddingCollection`` that track rows.
 
     Args:
         fused_params: passed to TorchRec's sharders, e.g. the fused optimizer
             ``{"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}``.
+        mode: ``bitmap`` (modified rows), ``mfu`` (also an access count per
+            row) or ``ssu`` (also the rows a ``ssu_rate`` subsample touched),
+            for CPR's prioritized saves.
+        ssu_rate: sampling rate of ``ssu``.
 
     Returns:
         A list to pass to the planner and to ``DistributedModelParallel``.
@@ -70,7 +85,10 @@ def tracking_sharders(fused_params: dict[str, Any] | None = None) -> list[Any]:
         plan = EmbeddingShardingPlanner(topology=topology).collective_plan(module, sharders, pg)
         model = DistributedModelParallel(module, plan=plan, sharders=sharders, device=device)
     """
-    return [
+    sharders: list[Any] = [
         TrackingEmbeddingBagCollectionSharder(fused_params=fused_params),
         TrackingEmbeddingCollectionSharder(fused_params=fused_params),
     ]
+    for sharder in sharders:
+        sharder.tracking_options = {"mode": mode, "ssu_rate": ssu_rate}
+    return sharders

@@ -27,9 +27,10 @@ from torch import nn
 
 from torchrec_cnr.tracking import bitmap
 
-__all__ = ["LocalShard", "RowTracker", "ShardSpec", "TRACKER_ATTR"]
+__all__ = ["LocalShard", "RowTracker", "ShardSpec", "TRACKER_ATTR", "TRACKING_MODES"]
 
 TRACKER_ATTR = "_cnr_tracker"
+TRACKING_MODES = ("bitmap", "mfu", "ssu")
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,8 @@ class LocalShard:
     """``(ceil(rows / 64),)`` int64 modified-row bitmap; ``None`` means every row counts as modified."""
     kernel: Any = field(repr=False)
     """The TBE kernel module; staging flushes it."""
+    priority: torch.Tensor | None = None
+    """CPR priority: ``(rows,)`` int32 access counts (MFU) or an int64 bitmap of sampled rows (SSU)."""
     drain: Callable[[], None] = field(repr=False, default=lambda: None)
     """Waits until pending lookups are in ``words``; call before reading or writing them."""
 
@@ -103,25 +106,25 @@ class _Marker:
     """
 
     def __init__(self, max_pending: int = 16) -> None:
-        self._queue: queue.SimpleQueue[tuple[torch.Tensor, torch.Tensor]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._pending = 0
         self._max_pending = max_pending
         self._cv = threading.Condition()
         self._error: BaseException | None = None
         threading.Thread(target=self._run, name="cnr-tracker", daemon=True).start()
 
-    def submit(self, words: torch.Tensor, rows: torch.Tensor) -> None:
+    def submit(self, work: Callable[[], None]) -> None:
         with self._cv:
             if self._pending >= self._max_pending:
                 self._cv.wait_for(lambda: self._pending < self._max_pending)
             self._pending += 1
-        self._queue.put((words, rows))
+        self._queue.put(work)
 
     def _run(self) -> None:
         while True:
-            words, rows = self._queue.get()
+            work = self._queue.get()
             try:
-                bitmap.set_bits(words, rows)
+                work()
             except BaseException as e:  # surfaced by drain(), never swallowed
                 self._error = e
             with self._cv:
@@ -138,12 +141,27 @@ class _Marker:
 
 
 class _KernelHook:
-    """Forward pre-hook of one TBE kernel module: sets the bits of looked-up rows."""
+    """Forward pre-hook of one TBE kernel module: sets the bits of looked-up rows.
 
-    def __init__(self, words: torch.Tensor, key_base: torch.Tensor, marker: _Marker | None) -> None:
+    With ``mode="mfu"`` it also counts every access per row; with ``"ssu"`` it
+    sets a second bitmap from a random subsample of the ids (rate ``ssu_rate``).
+    """
+
+    def __init__(
+        self,
+        words: torch.Tensor,
+        key_base: torch.Tensor,
+        marker: _Marker | None,
+        priority: torch.Tensor | None = None,
+        mode: str = "bitmap",
+        ssu_rate: float = 0.0,
+    ) -> None:
         self.words = words
         self.key_base = key_base
         self.marker = marker
+        self.priority = priority
+        self.mode = mode
+        self.ssu_rate = ssu_rate
         # A kernel holding one table needs no per-key offset into its bitmap.
         self.single_table = bool((key_base == 0).all())
 
@@ -164,10 +182,21 @@ class _KernelHook:
                 per_key = lengths.view(len(self.key_base), -1).sum(1)
                 rows = rows + self.key_base.repeat_interleave(per_key, output_size=rows.numel())
         if self.marker is None:
-            bitmap.set_bits(self.words, rows)
+            self._record(rows)
         else:
             # The KJT's values may be reused by TorchRec; hand the worker its own tensor.
-            self.marker.submit(self.words, rows if rows is not values else rows.clone())
+            mine = rows if rows is not values else rows.clone()
+            self.marker.submit(lambda: self._record(mine))
+
+    def _record(self, rows: torch.Tensor) -> None:
+        bitmap.set_bits(self.words, rows)
+        if self.mode == "mfu":
+            assert self.priority is not None
+            self.priority.index_add_(0, rows, torch.ones_like(rows, dtype=self.priority.dtype))
+        elif self.mode == "ssu":
+            assert self.priority is not None
+            sampled = rows[torch.rand(rows.numel(), device=rows.device) < self.ssu_rate]
+            bitmap.set_bits(self.priority, sampled)
 
 
 class RowTracker:
@@ -186,7 +215,21 @@ class RowTracker:
             print(shard.spec.table, shard.modified_mask().sum())
     """
 
-    def __init__(self, sharded: nn.Module, sharding_types: dict[str, str], rank: int) -> None:
+    def __init__(
+        self,
+        sharded: nn.Module,
+        sharding_types: dict[str, str],
+        rank: int,
+        mode: str = "bitmap",
+        ssu_rate: float = 0.1,
+    ) -> None:
+        if mode not in TRACKING_MODES:
+            raise ValueError(f"tracking mode must be one of {TRACKING_MODES}, got {mode!r}")
+        if mode == "ssu" and not 0 < ssu_rate <= 1:
+            raise ValueError(f"ssu_rate must be in (0, 1], got {ssu_rate}")
+        self.mode = mode
+        self._ssu_rate = ssu_rate
+        self._priority: dict[tuple[int, int], torch.Tensor] = {}
         self._rank = rank
         self._sharding_types = dict(sharding_types)
         self._entries: list[tuple[Any, int, Any, torch.Tensor | None]] = []
@@ -225,12 +268,25 @@ class RowTracker:
         )
         if device.type == "cpu" and self._marker is None:
             self._marker = _Marker()
-        hook = _KernelHook(words, key_base, self._marker if device.type == "cpu" else None)
+        priority = None
+        if self.mode == "mfu":
+            priority = torch.zeros(total * 64, dtype=torch.int32, device=device)
+        elif self.mode == "ssu":
+            priority = torch.zeros(total, dtype=torch.int64, device=device)
+        marker = self._marker if device.type == "cpu" else None
+        hook = _KernelHook(words, key_base, marker, priority, self.mode, self._ssu_rate)
         self._hooks.append((kernel, hook))
         self._handles.append(kernel.register_forward_pre_hook(hook, with_kwargs=True))
         for i, t in enumerate(tables):
             view = words[word_starts[i] : word_starts[i] + bitmap.num_words(t.local_rows)]
             self._entries.append((t, i, kernel, view))
+            if priority is not None and self.mode == "mfu":
+                start = word_starts[i] * 64
+                self._priority[(id(kernel), i)] = priority[start : start + t.local_rows]
+            elif priority is not None:
+                self._priority[(id(kernel), i)] = priority[
+                    word_starts[i] : word_starts[i] + bitmap.num_words(t.local_rows)
+                ]
 
     def drain(self) -> None:
         """Waits until every looked-up row so far is in the bitmaps."""
@@ -274,7 +330,10 @@ class RowTracker:
             optimizer = emb.optimizer.name if words is not None else "dense"
             weight = weights_cache[key][index]
             assert weight.shape == (rows, cols), (weight.shape, rows, cols)
-            out.append(LocalShard(spec, weight, states, optimizer, words, kernel, self.drain))
+            priority = self._priority.get((id(kernel), index))
+            out.append(
+                LocalShard(spec, weight, states, optimizer, words, kernel, priority, self.drain)
+            )
         return out
 
     def clear(self) -> None:
