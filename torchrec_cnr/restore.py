@@ -89,6 +89,20 @@ def _overlap(a0: int, an: int, b0: int, bn: int) -> tuple[int, int] | None:
     return (lo, hi) if lo < hi else None
 
 
+def _same_layout(rec: dict[str, Any], local: LocalShard) -> bool:
+    ss, ls = rec["spec"], local.spec
+    return (
+        rec["all_rows"]
+        and rec["format"]["method"] == "none"
+        and (ss["row_offset"], ss["col_offset"], ss["rows"], ss["cols"])
+        == (ls.row_offset, ls.col_offset, ls.rows, ls.cols)
+        and local.weight.device.type == "cpu"
+        and local.weight.is_contiguous()
+        and rec["optimizer"] == local.optimizer
+        and set(rec["states"]) == set(local.states)
+    )
+
+
 def _apply_checkpoint(
     reader: SnapshotReader,
     entry: dict[str, Any],
@@ -108,6 +122,14 @@ def _apply_checkpoint(
             if rows is None or cols is None or rec["saved_rows"] == 0:
                 continue
             key, rank = rec["key"], ss["rank"]
+            if _same_layout(rec, local):
+                # A whole fp32 shard saved with this very layout: read it in place.
+                reader.rows_into(rank, f"{key}.w", local.weight)
+                for name, state in local.states.items():
+                    reader.rows_into(rank, f"{key}.{name}", state)
+                if touched is not None:
+                    touched[i][:] = True
+                continue
             values = decode_weight(lambda name, rank=rank: reader.rows(rank, name), rec)
             if rec["all_rows"]:
                 ids = torch.arange(ss["row_offset"], ss["row_offset"] + ss["rows"])

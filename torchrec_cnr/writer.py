@@ -121,11 +121,18 @@ class SnapshotReader:
             for rank, crc in enumerate(entry["app_checksums"]):
                 self._sums[f"{rank}/app/blob"] = crc
 
-    def _read(self, logical: str) -> Any:
+    def rows_into(self, rank: int, name: str, out: torch.Tensor) -> None:
+        """Reads a stored tensor straight into ``out`` (same shape and dtype), e.g. a kernel's weights."""
+        self._read(f"{rank}/rows/{name}", out)
+
+    def _read(self, logical: str, out: torch.Tensor | None = None) -> Any:
         try:
-            value: Any = self._snapshot.read_object(logical)
+            value: Any = self._snapshot.read_object(logical, obj_out=out)
         except Exception as e:  # torchsnapshot raises bare Exceptions and OSErrors
             raise CheckpointReadError(f"cannot read {logical!r} from {self.path}: {e}") from e
+        if out is not None and value is not out:
+            out.copy_(value)
+            value = out
         check(value, self._sums.get(logical), f"{self.path.name}/{logical}")
         return value
 
