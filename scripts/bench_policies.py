@@ -22,7 +22,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from torchrec_cnr import CheckpointConfig, CheckpointManager
-from torchrec_cnr.manifest import Manifest, tree_bytes
+from torchrec_cnr.manifest import Manifest, saved_fraction, tree_bytes
 from torchrec_cnr.policy import POLICIES
 from torchrec_cnr.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
 
@@ -50,9 +50,7 @@ def _run_policy(policy: str, root: Path, args: argparse.Namespace) -> list[dict[
         if rank == 0:
             entry = Manifest.load(root).latest()
             assert entry is not None
-            modified = sum(s["saved_rows"] * s["spec"]["cols"] for s in entry["shards"]) / sum(
-                s["spec"]["rows"] * s["spec"]["cols"] for s in entry["shards"]
-            )
+            modified = saved_fraction(entry["shards"])
             rows.append(
                 {
                     "interval": interval,

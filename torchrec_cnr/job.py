@@ -22,7 +22,7 @@ from torchrec_cnr import model_state
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.integrity import crc32
 from torchrec_cnr.manager import CheckpointManager
-from torchrec_cnr.manifest import Manifest
+from torchrec_cnr.manifest import Manifest, saved_fraction
 from torchrec_cnr.workload import (
     CRITEO_NUM_DENSE,
     TableSpec,
@@ -300,10 +300,8 @@ def report(root: Path) -> dict[str, float]:
     full = max(fulls) if fulls else 0
     _say(f"\n{'step':>6} {'kind':>6} {'rows saved':>10} {'MB':>8}  chain")
     for e in manifest.checkpoints:
-        saved = sum(s["saved_rows"] * s["spec"]["cols"] for s in e["shards"])
-        total = sum(s["spec"]["rows"] * s["spec"]["cols"] for s in e["shards"])
         _say(
-            f"{e['step']:>6} {e['kind']:>6} {100 * saved / max(total, 1):>9.1f}% "
+            f"{e['step']:>6} {e['kind']:>6} {100 * saved_fraction(e['shards']):>9.1f}% "
             f"{e['bytes'] / 1e6:>8.2f}  {len(e['chain'])} checkpoint(s)"
         )
     written = sum(e["bytes"] for e in manifest.checkpoints)

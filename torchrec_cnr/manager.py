@@ -27,7 +27,7 @@ from torch import nn
 from torchrec_cnr import knobs, model_state
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.encoding import FormatResolver
-from torchrec_cnr.manifest import Manifest, checkpoint_id, tree_bytes
+from torchrec_cnr.manifest import Manifest, checkpoint_id, saved_fraction, tree_bytes
 from torchrec_cnr.policy import ChainState, Decision, Policy
 from torchrec_cnr.recovery import choose_interval
 from torchrec_cnr.restore import check_compatible, dense_signature, model_signature, restore_chain
@@ -335,9 +335,7 @@ class CheckpointManager:
             raise CheckpointError(f"writing failed on rank(s) {failed}") from error
         writes = [w for _, w in gathered]
         shards = [rec for w in writes for rec in w.shards]
-        full_elems = sum(r["spec"]["rows"] * r["spec"]["cols"] for r in shards)
-        saved_elems = sum(r["saved_rows"] * r["spec"]["cols"] for r in shards)
-        size = saved_elems / full_elems if full_elems else 0.0
+        size = saved_fraction(shards)
         new_state = self.policy.advance(state, decision, ckpt_id, size)
         if self.rank == 0:
             tables: dict[str, dict[str, int]] = {}

@@ -151,6 +151,13 @@ class Manifest:
         return {i for e in entries for i in e["chain"]}
 
 
+def saved_fraction(shards: list[dict[str, Any]]) -> float:
+    """Elements stored by these shard records, as a fraction of the whole shards (S_i of BRIEF 1.3)."""
+    total = sum(s["spec"]["rows"] * s["spec"]["cols"] for s in shards)
+    saved = sum(s["saved_rows"] * s["spec"]["cols"] for s in shards)
+    return saved / total if total else 0.0
+
+
 def checkpoint_id(seq: int, step: int) -> str:
     """Directory name of a checkpoint; unique even when a step is saved twice."""
     return f"{seq:06d}-step{step:010d}"

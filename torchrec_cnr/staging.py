@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -93,7 +93,6 @@ class StagedCheckpoint:
     shards: list[StagedShard]
     dense: dict[str, torch.Tensor]
     app_state: bytes
-    meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
