@@ -92,6 +92,7 @@ def _refuses(tables, root: str, expected: type[Exception], needles: list[str]) -
         assert all(torch.equal(v, shard.states[k]) for k, v in states.items())
     dense = model_state.dense_state(model)
     assert all(torch.equal(v, dense[k]) for k, v in before["dense"].items())
+    ckpt.close()
 
 
 @pytest.mark.dist

@@ -138,6 +138,12 @@ def test_config_file_maps_yaml_and_overrides_onto_dataclasses() -> None:
     assert cfg.sharding.types[1] == "column_wise" and cfg.failure.steps == [230]
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_builds_a_job_config(path: Path) -> None:
+    cfg = config_file.load(JobConfig, path)
+    assert cfg.checkpoint.path and cfg.train.steps >= 1
+
+
 @pytest.mark.parametrize(
     "override,needle",
     [
@@ -146,6 +152,7 @@ def test_config_file_maps_yaml_and_overrides_onto_dataclasses() -> None:
         ("model.max_rows=0", "model.max_rows must be >= 1"),
         ("data.nope=1", "data.nope"),
         ("train", "must look like key.path=value"),
+        ("data.eval_path=/x", "eval_path needs path"),
     ],
 )
 def test_invalid_config_values_raise_config_error_naming_the_key(
@@ -153,3 +160,10 @@ def test_invalid_config_values_raise_config_error_naming_the_key(
 ) -> None:
     with pytest.raises(config_file.ConfigError, match=needle.replace(".", r"\.")):
         config_file.load(JobConfig, REPO / "configs/demo.yaml", [override])
+
+
+def test_real_data_needs_the_26_criteo_tables() -> None:
+    with pytest.raises(config_file.ConfigError, match="data.path needs model.tables: criteo"):
+        config_file.load(
+            JobConfig, REPO / "configs/demo.yaml", ["model.tables=uniform", "data.path=/x.txt"]
+        )

@@ -1,6 +1,8 @@
 """The ``cnr`` command line tool.
 
 cnr inspect ROOT            # the chain: steps, kinds, rows saved, bytes, what a restore needs
+cnr verify ROOT [--step N]  # every checksum and the chain's completeness
+cnr criteo-convert PATH... --cache-dir DIR   # Criteo TSV -> the .npy cache that data.path reads
 """
 
 from __future__ import annotations
@@ -92,15 +94,36 @@ def _verify(root: str, step: int | None) -> int:
     return 0
 
 
+def _criteo_convert(paths: list[str], cache_dir: str) -> int:
+    from torchrec_cnr import criteo
+
+    try:
+        for entry in criteo.convert(paths, cache_dir):
+            print(f"{entry.stem}_{{dense,sparse,labels}}.npy: {entry.rows} samples")
+    except (OSError, criteo.CriteoFormatError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cnr", description="Inspect torchrec_cnr checkpoints.")
+    parser = argparse.ArgumentParser(
+        prog="cnr", description="Inspect torchrec_cnr checkpoints; prepare Criteo data."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="print the chain of a checkpoint root")
     p_inspect.add_argument("root")
     p_verify = sub.add_parser("verify", help="check every checksum and the chain's completeness")
     p_verify.add_argument("root")
     p_verify.add_argument("--step", type=int, default=None, help="only the chain of this step")
+    p_criteo = sub.add_parser(
+        "criteo-convert", help="convert Criteo TSV files into the cache that data.path reads"
+    )
+    p_criteo.add_argument("paths", nargs="+", help="TSV files or globs (train.txt, day_*)")
+    p_criteo.add_argument("--cache-dir", default="runs/criteo_npy", help="as data.cache_dir")
     args = parser.parse_args(argv)
+    if args.command == "criteo-convert":
+        return _criteo_convert(args.paths, args.cache_dir)
     try:
         if args.command == "verify":
             return _verify(args.root, args.step)

@@ -18,13 +18,14 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from torchrec_cnr import model_state
+from torchrec_cnr import criteo, model_state
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.integrity import crc32
 from torchrec_cnr.manager import CheckpointManager
 from torchrec_cnr.manifest import Manifest, saved_fraction
 from torchrec_cnr.workload import (
     CRITEO_NUM_DENSE,
+    BatchStream,
     TableSpec,
     ZipfBatches,
     build_model,
@@ -83,22 +84,32 @@ class ShardingConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Synthetic Criteo-like batches with Zipf ids and teacher labels."""
+    """Real Criteo files, or synthetic Criteo-like batches with Zipf ids and teacher labels."""
 
     batch_size: int = 256
     """Samples per rank per step."""
+    path: str | list[str] | None = None
+    """Criteo Kaggle or Terabyte TSV file(s) or globs (``train.txt``, ``day_*``); ``None``: synthetic."""
+    eval_path: str | list[str] | None = None
+    """Held-out Criteo file(s) with labels; ``None`` holds out the last samples of ``path``."""
+    cache_dir: str = "runs/criteo_npy"
+    """Where ``path`` is converted to ``.npy`` once; shared by the ranks."""
     alpha: float = 1.05
-    """Zipf exponent of the ids."""
+    """Synthetic: Zipf exponent of the ids."""
     pooling: int = 1
-    """Ids per feature per sample (Criteo has one)."""
+    """Synthetic: ids per feature per sample (Criteo has one)."""
     seed: int = 0
-    """Seed of the data; batches depend only on (seed, rank, step)."""
+    """Synthetic: seed of the data; batches depend only on (seed, rank, step)."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.pooling < 1:
             raise ValueError("batch_size and pooling must be >= 1")
         if self.alpha <= 0:
             raise ValueError(f"alpha must be > 0, got {self.alpha}")
+        if self.path is not None and self.pooling != 1:
+            raise ValueError("pooling must be 1 with a path: Criteo has one id per feature")
+        if self.eval_path is not None and self.path is None:
+            raise ValueError("eval_path needs path (the synthetic stream holds out its own)")
 
 
 @dataclass(frozen=True)
@@ -185,6 +196,12 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     """The loop."""
 
+    def __post_init__(self) -> None:
+        if self.data.path is not None and self.model.tables != "criteo":
+            raise ValueError(
+                f"data.path needs model.tables: criteo (26 tables), got {self.model.tables!r}"
+            )
+
 
 def _say(*args: Any) -> None:
     if dist.get_rank() == 0:
@@ -211,7 +228,7 @@ class Trainer:
 
     model: nn.Module
     opt: torch.optim.Optimizer
-    data: ZipfBatches
+    data: BatchStream
     ckpt: CheckpointManager
 
     @classmethod
@@ -222,15 +239,34 @@ class Trainer:
         nd = num_dense(config)
         model = build_model(tables, nd, learning_rate=config.optimizer.sparse_lr, seed=seed)
         opt = dense_optimizer(model, config.optimizer.dense_lr)
-        d = config.data
-        data = ZipfBatches(tables, d.batch_size, nd, d.alpha, d.pooling, d.seed)
+        data = make_data(config, tables)
         ckpt = CheckpointManager(
             model, checkpoint or config.checkpoint, {"reader": data, "dense_opt": opt}
         )
         return cls(model, opt, data, ckpt)
 
 
-def evaluate(model: nn.Module, data: ZipfBatches, batches: int) -> dict[str, float]:
+def make_data(config: JobConfig, tables: list[TableSpec]) -> BatchStream:
+    """The job's batches: Criteo files when ``data.path`` is set, else synthetic."""
+    d = config.data
+    if d.path is None:
+        return ZipfBatches(tables, d.batch_size, num_dense(config), d.alpha, d.pooling, d.seed)
+    # One converter per node; the other ranks wait for its completion markers.
+    converter = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    world = dist.get_world_size()
+    train = criteo.convert(d.path, d.cache_dir, converter, progress=dist.get_rank() == 0)
+    heldout = criteo.convert(d.eval_path, d.cache_dir, converter) if d.eval_path else None
+    data = criteo.CriteoBatches(
+        train, tables, d.batch_size, world, heldout, config.eval.batches * world * d.batch_size
+    )
+    _say(
+        f"criteo: {data.samples} training samples from {d.path}; "
+        f"{config.train.steps} steps make {data.epochs(config.train.steps):.2f} epoch(s)"
+    )
+    return data
+
+
+def evaluate(model: nn.Module, data: BatchStream, batches: int) -> dict[str, float]:
     """AUC and log loss on held-out batches, gathered over every rank."""
     from torchmetrics.functional.classification import binary_auroc
 
@@ -238,7 +274,7 @@ def evaluate(model: nn.Module, data: ZipfBatches, batches: int) -> dict[str, flo
     preds, labels = [], []
     with torch.no_grad():
         for i in range(batches):
-            b = data.batch(1000 + rank, i)
+            b = data.heldout(rank, i)
             preds.append(torch.sigmoid(model(b.dense, b.sparse).squeeze(-1)))
             labels.append(b.labels)
     local = torch.stack([torch.cat(preds), torch.cat(labels)])
@@ -250,7 +286,7 @@ def evaluate(model: nn.Module, data: ZipfBatches, batches: int) -> dict[str, flo
     return {"auc": auc, "logloss": logloss}
 
 
-def state_digest(model: nn.Module, data: ZipfBatches) -> str:
+def state_digest(model: nn.Module, data: BatchStream) -> str:
     """CRC32 over every rank's shards, optimizer state, dense state and reader position."""
     crc = 0
     for s in model_state.local_shards(model):

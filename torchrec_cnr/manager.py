@@ -115,7 +115,7 @@ class CheckpointManager:
         budget = None if config.staging_memory_mb is None else config.staging_memory_mb << 20
         self._pool = StagingPool(budget, pin=on_gpu)
         ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(self.world_size))
-        self._bg_pg = dist.new_group(
+        self._bg_pg: dist.ProcessGroup | None = dist.new_group(
             ranks, backend="gloo", timeout=timedelta(seconds=knobs.collective_timeout_s())
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-writer")
@@ -316,6 +316,7 @@ class CheckpointManager:
     ) -> ChainState:
         """Background thread: encode, write, agree, commit. Collective over the writer group."""
         pg = self._bg_pg
+        assert pg is not None, "save after close"
         ckpt_id = checkpoint_id(seq, staged.step)
         path = self.root / ckpt_id
         if self.rank == 0 and path.exists():
@@ -389,11 +390,16 @@ class CheckpointManager:
             shutil.rmtree(self.root / ckpt_id, ignore_errors=True)
 
     def close(self) -> None:
-        """Waits for the pending checkpoint and stops the background thread."""
+        """Waits for the pending checkpoint, stops the background thread and frees its group."""
         try:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
+            # Tear the writer's gloo group down here, while its peers are alive, rather
+            # than at interpreter exit, where gloo can abort on sockets already closed.
+            if self._bg_pg is not None:
+                dist.destroy_process_group(self._bg_pg)
+                self._bg_pg = None
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -6,6 +6,7 @@ exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from torchrec_cnr.tracking import tracking_sharders
 
-__all__ = ["Batch", "TableSpec", "ZipfBatches", "build_model", "dense_optimizer"]
+__all__ = ["Batch", "BatchStream", "TableSpec", "ZipfBatches", "build_model", "dense_optimizer"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,45 @@ def criteo_tables(max_rows: int, dim: int, shardings: Sequence[str] = ()) -> lis
     ]
 
 
-class ZipfBatches:
+class BatchStream(abc.ABC):
+    """Training batches that are a pure function of ``(rank, step)``, plus held-out batches.
+
+    Only the position is state, so a stream restored from a checkpoint reads on
+    exactly where an uninterrupted one would.
+    """
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    @abc.abstractmethod
+    def batch(self, rank: int, step: int) -> Batch:
+        """The batch rank ``rank`` trains on at ``step`` (from 1)."""
+
+    @abc.abstractmethod
+    def heldout(self, rank: int, index: int) -> Batch:
+        """Held-out batch ``index`` of rank ``rank``, disjoint from training."""
+
+    def _identity(self) -> dict[str, int]:
+        """What must match for a checkpointed position to mean the same batches."""
+        return {}
+
+    def next(self, rank: int) -> Batch:
+        """The next batch in order; the position is part of the state dict."""
+        self.position += 1
+        return self.batch(rank, self.position)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, **self._identity()}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        mine = self._identity()
+        theirs = {k: state[k] for k in mine if k in state}
+        if theirs != {k: mine[k] for k in theirs}:
+            raise ValueError(f"the checkpoint's data reader had {theirs}, this one has {mine}")
+        self.position = int(state["position"])
+
+
+class ZipfBatches(BatchStream):
     """Deterministic synthetic batches with Zipf-distributed ids and teacher labels.
 
     Labels come from a planted teacher: a logistic model over the dense
@@ -119,12 +158,12 @@ class ZipfBatches:
         pooling: int = 2,
         seed: int = 0,
     ) -> None:
+        super().__init__()
         self.tables = list(tables)
         self.batch_size = batch_size
         self.num_dense = num_dense
         self.pooling = pooling
         self.seed = seed
-        self.position = 0
         self._cdfs = []
         self._perms = []
         self._scores = []
@@ -138,7 +177,7 @@ class ZipfBatches:
         self._dense_w = torch.randn(num_dense, generator=g) / num_dense**0.5
 
     def batch(self, rank: int, step: int) -> Batch:
-        """The batch rank ``rank`` trains on at ``step`` (use ranks >= 1000 for held-out data)."""
+        """The batch rank ``rank`` trains on at ``step``."""
         g = torch.Generator().manual_seed(
             ((self.seed * 1_000_003 + rank) * 1_000_033 + step) % (2**62)
         )
@@ -160,16 +199,12 @@ class ZipfBatches:
         labels = (torch.rand(self.batch_size, generator=g) < torch.sigmoid(2.0 * logits)).float()
         return Batch(dense, sparse, labels)
 
-    def next(self, rank: int) -> Batch:
-        """The next batch in order; the position is part of the state dict."""
-        self.position += 1
-        return self.batch(rank, self.position)
+    def heldout(self, rank: int, index: int) -> Batch:
+        # Ranks from 1000 on never train: their stream is held out.
+        return self.batch(1000 + rank, index)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"position": self.position, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.position = int(state["position"])
+    def _identity(self) -> dict[str, int]:
+        return {"seed": self.seed}
 
 
 def build_model(
