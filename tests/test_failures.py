@@ -169,6 +169,7 @@ def _restore_fails(root: str, error: type[Exception], needle: str) -> None:
     _, _, _, ckpt = _job(root, seed=3, policy="consecutive")
     with pytest.raises(error, match=needle):
         ckpt.restore()
+    ckpt.close()
 
 
 def _damage(path: Path, byte_range: list[int], how: str) -> None:

@@ -177,6 +177,16 @@ def test_adaptive_mean_error_is_below_asymmetric_on_gaussian_rows(bits: int) -> 
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
+def test_adaptive_requantizing_a_restored_row_adds_almost_no_error(bits: int) -> None:
+    # A restored row that training leaves alone is quantized again by the next
+    # baseline; the error of restores must not compound on such rows.
+    x = _gaussian(2000, 64, seed=3) * 0.05
+    once = quantize(x, "adaptive", bits).dequantize()
+    twice = quantize(once, "adaptive", bits).dequantize()
+    assert _row_l2(twice, once).mean() < 0.01 * _row_l2(once, x).mean()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_kmeans_mean_error_is_below_asymmetric_on_gaussian_rows(bits: int) -> None:
     x = _gaussian(2000, 64, seed=2)
     kmeans = _row_l2(quantize(x, "kmeans", bits).dequantize(), x).mean()

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,15 +64,18 @@ def test_demo_config_trains_checkpoints_and_restores_bit_exact_under_torchrun(
     assert Manifest.load(root).steps() == [20, 40, 60, 80]
 
 
-@pytest.mark.dist
-def test_run_with_injected_failure_ends_bit_identical_to_uninterrupted_run(tmp_path: Path) -> None:
+def assert_failed_run_matches_clean_run(tmp_path: Path, *overrides: str) -> dict[str, Any]:
+    """Runs the job uninterrupted and with rank 1 killed after step 50 (resuming from step 40).
+
+    Asserts both end in the same state, bit for bit; returns the clean run's metrics and stdout.
+    """
     clean = _train(
-        f"checkpoint.path={tmp_path / 'a'}", *SMALL, f"train.metrics_path={tmp_path / 'a.json'}"
+        f"checkpoint.path={tmp_path / 'a'}", *overrides, f"train.metrics_path={tmp_path / 'a.json'}"
     )
     assert clean.returncode == 0, clean.stderr[-3000:]
     failed = _train(
         f"checkpoint.path={tmp_path / 'b'}",
-        *SMALL,
+        *overrides,
         "failure.steps=[50]",
         f"train.metrics_path={tmp_path / 'b.json'}",
         restarts=1,
@@ -83,6 +87,12 @@ def test_run_with_injected_failure_ends_bit_identical_to_uninterrupted_run(tmp_p
     assert b["resumed_from"] == 40 and a["resumed_from"] == 0
     assert a["digest"] == b["digest"], "the resumed run must end in the same state, bit for bit"
     assert a["auc"] == b["auc"] and a["logloss"] == b["logloss"]
+    return {**a, "stdout": clean.stdout}
+
+
+@pytest.mark.dist
+def test_run_with_injected_failure_ends_bit_identical_to_uninterrupted_run(tmp_path: Path) -> None:
+    assert_failed_run_matches_clean_run(tmp_path, *SMALL)
 
 
 @pytest.mark.dist

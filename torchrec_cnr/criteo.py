@@ -33,6 +33,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,17 +80,7 @@ def expand_paths(patterns: str | Sequence[str]) -> list[Path]:
 
 def _natural_key(name: str) -> list[object]:
     # day_2 before day_10
-    return [int(p) if p.isdigit() else p for p in _split_digits(name)]
-
-
-def _split_digits(name: str) -> list[str]:
-    parts, current = [], ""
-    for ch in name:
-        if current and ch.isdigit() != current[-1].isdigit():
-            parts.append(current)
-            current = ""
-        current += ch
-    return [*parts, current]
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 @dataclass(frozen=True)

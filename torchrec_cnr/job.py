@@ -256,14 +256,9 @@ def make_data(config: JobConfig, tables: list[TableSpec]) -> BatchStream:
     world = dist.get_world_size()
     train = criteo.convert(d.path, d.cache_dir, converter, progress=dist.get_rank() == 0)
     heldout = criteo.convert(d.eval_path, d.cache_dir, converter) if d.eval_path else None
-    data = criteo.CriteoBatches(
+    return criteo.CriteoBatches(
         train, tables, d.batch_size, world, heldout, config.eval.batches * world * d.batch_size
     )
-    _say(
-        f"criteo: {data.samples} training samples from {d.path}; "
-        f"{config.train.steps} steps make {data.epochs(config.train.steps):.2f} epoch(s)"
-    )
-    return data
 
 
 def evaluate(model: nn.Module, data: BatchStream, batches: int) -> dict[str, float]:
@@ -367,6 +362,12 @@ def run(config: JobConfig) -> dict[str, Any]:
         shutil.rmtree(root)
     dist.barrier()
     t = Trainer.build(config, config.train.seed)
+    if isinstance(t.data, criteo.CriteoBatches):
+        steps = config.train.steps
+        _say(
+            f"criteo: {t.data.samples} training samples from {config.data.path}; "
+            f"{steps} steps make {t.data.epochs(steps):.2f} epoch(s)"
+        )
     start = (t.ckpt.restore() or 0) if config.train.resume else 0
     if start:
         _say(
