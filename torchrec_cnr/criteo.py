@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from torchrec_cnr.workload import Batch, BatchStream, TableSpec
 
-__all__ = ["CriteoBatches", "CriteoFormatError", "convert", "expand_paths"]
+__all__ = ["ConvertedFile", "CriteoBatches", "CriteoFormatError", "convert", "expand_paths"]
 
 _COLUMNS = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
 _CHUNK_ROWS = 1 << 16
@@ -84,7 +84,7 @@ def _natural_key(name: str) -> list[object]:
 
 
 @dataclass(frozen=True)
-class _Converted:
+class ConvertedFile:
     """The cached arrays of one source file."""
 
     stem: Path
@@ -106,7 +106,7 @@ def _fingerprint(source: Path) -> dict[str, object]:
     return {"source": str(source.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _cached(source: Path, cache_dir: Path) -> _Converted | None:
+def _cached(source: Path, cache_dir: Path) -> ConvertedFile | None:
     stem = _cache_stem(source, cache_dir)
     try:
         meta = json.loads(Path(f"{stem}.json").read_text())
@@ -114,7 +114,7 @@ def _cached(source: Path, cache_dir: Path) -> _Converted | None:
         return None
     if meta.get("fingerprint") != _fingerprint(source):
         return None
-    return _Converted(stem, int(meta["rows"]))
+    return ConvertedFile(stem, int(meta["rows"]))
 
 
 def _count_lines(source: Path) -> int:
@@ -177,7 +177,7 @@ def _parse_chunk(rows: list[list[str]], where: str, first_line: int) -> dict[str
     }
 
 
-def _convert_one(source: Path, cache_dir: Path, progress: bool) -> _Converted:
+def _convert_one(source: Path, cache_dir: Path, progress: bool) -> ConvertedFile:
     stem = _cache_stem(source, cache_dir)
     rows = _count_lines(source)
     if rows == 0:
@@ -228,7 +228,7 @@ def _convert_one(source: Path, cache_dir: Path, progress: bool) -> _Converted:
     finally:
         for p in paths.values():
             p.unlink(missing_ok=True)
-    return _Converted(stem, rows)
+    return ConvertedFile(stem, rows)
 
 
 def convert(
@@ -236,7 +236,7 @@ def convert(
     cache_dir: str | Path,
     converter: bool = True,
     progress: bool = True,
-) -> list[_Converted]:
+) -> list[ConvertedFile]:
     """Converts Criteo TSV files to cached ``.npy`` arrays, reusing a valid cache.
 
     Args:
@@ -269,7 +269,7 @@ def convert(
 class _Rows:
     """Samples ``[start, stop)`` of the concatenated files, gathered by index."""
 
-    def __init__(self, files: Sequence[_Converted], start: int = 0, stop: int | None = None):
+    def __init__(self, files: Sequence[ConvertedFile], start: int = 0, stop: int | None = None):
         self._arrays = {k: [f.array(k) for f in files] for k in _ARRAYS}
         self._offsets = np.cumsum([0, *(f.rows for f in files)])
         self.start = start
@@ -310,11 +310,11 @@ class CriteoBatches(BatchStream):
 
     def __init__(
         self,
-        train: Sequence[_Converted],
+        train: Sequence[ConvertedFile],
         tables: Sequence[TableSpec],
         batch_size: int,
         world_size: int,
-        heldout: Sequence[_Converted] | None = None,
+        heldout: Sequence[ConvertedFile] | None = None,
         heldout_rows: int = 0,
     ) -> None:
         super().__init__()
