@@ -223,10 +223,11 @@ def _convert_one(source: Path, cache_dir: Path, progress: bool) -> ConvertedFile
             os.replace(paths[k], f"{stem}_{k}.npy")
         # IMPORTANT: the marker goes last; it is what makes the cached arrays valid.
         meta = {"fingerprint": _fingerprint(source), "rows": rows}
-        Path(f"{stem}.json{tmp}").write_text(json.dumps(meta))
-        os.replace(f"{stem}.json{tmp}", f"{stem}.json")
+        marker = Path(f"{stem}.json{tmp}")
+        marker.write_text(json.dumps(meta))
+        os.replace(marker, f"{stem}.json")
     finally:
-        for p in paths.values():
+        for p in [*paths.values(), Path(f"{stem}.json{tmp}")]:
             p.unlink(missing_ok=True)
     return ConvertedFile(stem, rows)
 
