@@ -61,8 +61,9 @@ def assert_model_matches(
     """Asserts every element of every local shard, the dense state and this rank's
     app_state equal the references bit for bit.
 
-    Per-row optimizer state is compared against the saved shard holding the
-    local shard's first column, the one restore takes it from.
+    Per-element optimizer states are compared by column like the weights; a per-row
+    state against the saved shard holding the local shard's first column, the one
+    restore takes it from.
     ``expected_rows(table, weight)`` maps a reference shard's rows to what a
     restore must produce (e.g. their quantize-dequantize round trip).
     """
@@ -96,16 +97,25 @@ def assert_model_matches(
             covered[
                 r0 - ls.row_offset : r1 - ls.row_offset, c0 - ls.col_offset : c1 - ls.col_offset
             ] = True
-            if check_states and spec.col_offset <= ls.col_offset < spec.col_offset + spec.cols:
-                assert local.states.keys() == states.keys(), (
-                    ls.table,
-                    local.states.keys(),
-                    states.keys(),
-                )
-                for name, value in local.states.items():
-                    want_state = states[name][r0 - spec.row_offset : r1 - spec.row_offset]
-                    got_state = value[r0 - ls.row_offset : r1 - ls.row_offset]
-                    assert torch.equal(got_state, want_state), f"{ls.table} {name} differs"
+            if not check_states:
+                continue
+            assert local.states.keys() == states.keys(), (
+                ls.table,
+                local.states.keys(),
+                states.keys(),
+            )
+            holds_first_col = spec.col_offset <= ls.col_offset < spec.col_offset + spec.cols
+            for name, value in local.states.items():
+                # Per-element states map by column like the weights; a per-row state comes
+                # from the saved shard holding the local shard's first column.
+                got_state = value[r0 - ls.row_offset : r1 - ls.row_offset]
+                want_state = states[name][r0 - spec.row_offset : r1 - spec.row_offset]
+                if value.dim() == 2:
+                    got_state = got_state[:, c0 - ls.col_offset : c1 - ls.col_offset]
+                    want_state = want_state[:, c0 - spec.col_offset : c1 - spec.col_offset]
+                elif not holds_first_col:
+                    continue
+                assert torch.equal(got_state, want_state), f"{ls.table} {name} differs"
         assert bool(covered.all()), f"{ls.table}: some elements have no reference"
     dense = model_state.dense_state(model)
     assert dense.keys() == refs[0]["dense"].keys()

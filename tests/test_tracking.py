@@ -23,7 +23,9 @@ TABLES = [
 ]
 
 
-def _bitmaps_equal_ids_seen(tables: list[TableSpec], steps: int, device_type: str = "cpu") -> None:
+def _bitmaps_equal_ids_seen(
+    tables: list[TableSpec], steps: int, several_per_kernel: bool, device_type: str = "cpu"
+) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -47,7 +49,7 @@ def _bitmaps_equal_ids_seen(tables: list[TableSpec], steps: int, device_type: st
     assert shards, "rank holds no tracked shard"
     kernels = torch.tensor([max(len(s.kernel.config.embedding_tables) for s in shards)])
     dist.all_reduce(kernels, op=dist.ReduceOp.MAX)
-    assert device_type == "cuda" or kernels.item() > 1, "no kernel holds several tables"
+    assert not several_per_kernel or kernels.item() > 1, "no kernel holds several tables"
     assert not any(s.spec.table.endswith("t_dp") for s in shards), (
         "data-parallel tables travel as dense state"
     )
@@ -66,21 +68,32 @@ def _bitmaps_equal_ids_seen(tables: list[TableSpec], steps: int, device_type: st
 
 @pytest.mark.dist
 def test_bitmaps_equal_ids_seen_for_table_column_and_table_column_wise() -> None:
-    run_ranks(2, _bitmaps_equal_ids_seen, TABLES, 6)
+    run_ranks(2, _bitmaps_equal_ids_seen, TABLES, 6, True)
+
+
+ROW_WISE = [
+    # 4001 rows: the row-wise blocks of the two ranks differ in size.
+    TableSpec("t_rw", 4001, 16, "row_wise"),
+    TableSpec("t_twrw", 4001, 16, "table_row_wise"),
+    TableSpec("t_grid", 4001, 16, "grid_shard"),
+]
+
+
+@pytest.mark.dist
+def test_bitmaps_equal_ids_seen_for_row_wise_table_row_wise_and_grid() -> None:
+    # The ids a row-wise shard's kernel receives are bucketized to offsets in its block.
+    run_ranks(2, _bitmaps_equal_ids_seen, ROW_WISE, 6, False)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="row-wise sharding needs CUDA")
-def test_bitmaps_equal_ids_seen_for_row_wise_on_cuda() -> None:
-    tables = [
-        TableSpec("t_rw", 1000, 16, "row_wise"),
-        TableSpec("t_twrw", 800, 16, "table_row_wise"),
-    ]
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bitmaps_equal_ids_seen_on_cuda_with_nccl() -> None:
     run_ranks(
         min(2, torch.cuda.device_count()),
         _bitmaps_equal_ids_seen,
-        tables,
+        [*TABLES[:3], *ROW_WISE],
         6,
+        False,
         "cuda",
         backend="nccl",
     )

@@ -26,6 +26,9 @@ from torchrec_cnr.quantization import QuantizedRows, quantize, select_bits
 from torchrec_cnr.staging import StagedShard
 
 _STATE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Only moments may be cast: prev_iter and row_counter are step counts kept in fp32,
+# which fp16 would round beyond 2048.
+_CASTABLE_STATES = ("momentum1", "momentum2")
 
 
 @dataclass(frozen=True)
@@ -119,15 +122,24 @@ def encode_shard(staged: StagedShard, fmt: Format, config: QuantizeConfig) -> En
             parts.append(part)
     if staged.ids is not None:
         tensors[f"{key}.ids"] = staged.ids
-    state_dtype = _STATE_DTYPES[config.optimizer_state]
+    cast = _STATE_DTYPES[config.optimizer_state]
+    states = {}
     for name, value in staged.states.items():
-        tensors[f"{key}.{name}"] = value if state_dtype is None else value.to(state_dtype)
+        if cast is not None and name in _CASTABLE_STATES:
+            value = value.to(cast)
+        tensors[f"{key}.{name}"] = value
+        states[name] = {
+            "tensor": f"{key}.{name}",
+            "layout": "row" if value.dim() == 1 else "element",
+            "dtype": str(value.dtype).removeprefix("torch."),
+        }
     record = {
         "spec": spec.to_json(),
         "key": key,
         "saved_rows": int(staged.weight.shape[0]),
         "all_rows": staged.ids is None,
-        "states": sorted(staged.states),
+        "states": states,
+        "scalars": staged.scalars,
         "optimizer": staged.shard.optimizer,
         "format": fmt.to_json() | {"parts": parts},
         "nbytes": sum(t.numel() * t.element_size() for t in tensors.values()),

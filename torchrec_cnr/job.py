@@ -25,6 +25,7 @@ from torchrec_cnr.manager import CheckpointManager
 from torchrec_cnr.manifest import Manifest, saved_fraction
 from torchrec_cnr.workload import (
     CRITEO_NUM_DENSE,
+    LAYOUTS,
     BatchStream,
     TableSpec,
     ZipfBatches,
@@ -32,15 +33,6 @@ from torchrec_cnr.workload import (
     criteo_tables,
     dense_optimizer,
     train_step,
-)
-
-SHARDINGS = (
-    "table_wise",
-    "column_wise",
-    "table_column_wise",
-    "data_parallel",
-    "row_wise",
-    "table_row_wise",
 )
 
 
@@ -77,9 +69,9 @@ class ShardingConfig:
     """Sharding type per table, cycled; empty lets the planner choose."""
 
     def __post_init__(self) -> None:
-        bad = [s for s in self.types if s not in SHARDINGS]
+        bad = [s for s in self.types if s not in LAYOUTS]
         if bad:
-            raise ValueError(f"types entries must be in {SHARDINGS}, got {bad}")
+            raise ValueError(f"types entries must be in {LAYOUTS}, got {bad}")
 
 
 @dataclass(frozen=True)
@@ -287,6 +279,7 @@ def state_digest(model: nn.Module, data: BatchStream) -> str:
     for s in model_state.local_shards(model):
         for t in (s.weight, *s.states.values()):
             crc = zlib.crc32(crc.to_bytes(4, "little") + crc32(t).to_bytes(4, "little"))
+        crc = zlib.crc32(repr(sorted(s.scalar_states().items())).encode(), crc)
     for key, t in sorted(model_state.dense_state(model).items()):
         crc = zlib.crc32(key.encode() + crc32(t).to_bytes(4, "little"), crc)
     crc = zlib.crc32(data.position.to_bytes(8, "little"), crc)
@@ -300,6 +293,8 @@ def _states_equal(a: nn.Module, b: nn.Module) -> bool:
         if x.spec != y.spec or not torch.equal(x.weight, y.weight):
             return False
         if any(not torch.equal(v, y.states[k]) for k, v in x.states.items()):
+            return False
+        if x.scalar_states() != y.scalar_states():
             return False
     da, db = model_state.dense_state(a), model_state.dense_state(b)
     return da.keys() == db.keys() and all(torch.equal(v, db[k]) for k, v in da.items())
@@ -395,12 +390,8 @@ def run(config: JobConfig) -> dict[str, Any]:
         "seconds": time.perf_counter() - began,
         "resumed_from": start,
     }
-    result.update(evaluate(t.model, t.data, config.eval.batches))
-    _say(
-        f"eval: AUC {result['auc']:.4f}, log loss {result['logloss']:.4f} ({config.eval.batches} batches/rank)"
-    )
-    result.update(report(root))
-    result["digest"] = state_digest(t.model, t.data)
+    # Before evaluating: FBGEMM counts every forward, evaluation's too, in the kernels'
+    # step counters, which the last checkpoint holds as they were at its step.
     if config.train.verify_restore and Manifest.load(root).latest() is not None:
         fresh = Trainer.build(config, config.train.seed + 1000)
         restored = fresh.ckpt.restore()
@@ -418,6 +409,12 @@ def run(config: JobConfig) -> dict[str, Any]:
         fresh.ckpt.close()
         if not ok.item():
             raise SystemExit("restore check failed")
+    result.update(evaluate(t.model, t.data, config.eval.batches))
+    _say(
+        f"eval: AUC {result['auc']:.4f}, log loss {result['logloss']:.4f} ({config.eval.batches} batches/rank)"
+    )
+    result.update(report(root))
+    result["digest"] = state_digest(t.model, t.data)
     t.ckpt.close()
     if config.train.metrics_path and rank == 0:
         path = Path(config.train.metrics_path)

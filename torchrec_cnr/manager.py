@@ -466,6 +466,7 @@ class CheckpointManager:
                 {} if partial else self.app_state,
                 self.rank,
                 verify=self.config.verify_checksums,
+                scalars=not partial,
             )
         except Exception as e:  # every rank must leave restore together
             error = e

@@ -18,8 +18,31 @@ from typing import Any
 
 __all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "ManifestError"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: optimizer states by FBGEMM name with layout and dtype, and the kernels' step counters."""
 MANIFEST_NAME = "manifest.json"
+
+# Version 1 named each shard's states state0, state1, ... in FBGEMM's order.
+_V1_STATE_ORDER = {
+    "EXACT_ADAGRAD": ["momentum1"],
+    "EXACT_ROWWISE_ADAGRAD": ["momentum1", "prev_iter", "row_counter"],
+    "ADAM": ["momentum1", "momentum2"],
+    "PARTIAL_ROWWISE_ADAM": ["momentum1", "momentum2"],
+    "LAMB": ["momentum1", "momentum2"],
+    "PARTIAL_ROWWISE_LAMB": ["momentum1", "momentum2"],
+}
+
+
+def _upgrade_v1(entry: dict[str, Any]) -> None:
+    for rec in entry["shards"]:
+        order = _V1_STATE_ORDER.get(rec["optimizer"], [])
+        states = {}
+        for j, old in enumerate(rec["states"]):
+            # The dtype was not recorded; "unknown" keeps restore off its in-place path.
+            name = order[j] if j < len(order) else old
+            states[name] = {"tensor": f"{rec['key']}.{old}", "layout": None, "dtype": "unknown"}
+        rec["states"] = states
+        rec["scalars"] = {}
 
 
 class ManifestError(ValueError):
@@ -54,13 +77,15 @@ class Manifest:
         except (OSError, json.JSONDecodeError) as e:
             raise ManifestError(f"cannot read checkpoint manifest {path}: {e}") from e
         version = raw.get("format_version") if isinstance(raw, dict) else None
-        if version != FORMAT_VERSION:
+        if version not in (1, FORMAT_VERSION):
             raise ManifestError(
-                f"{path} has format_version {version!r}; this torchrec_cnr reads {FORMAT_VERSION}"
+                f"{path} has format_version {version!r}; this torchrec_cnr reads 1 to {FORMAT_VERSION}"
             )
-        return cls(
-            checkpoints=list(raw.get("checkpoints", [])), restores=int(raw.get("restores", 0))
-        )
+        checkpoints = list(raw.get("checkpoints", []))
+        if version == 1:
+            for entry in checkpoints:
+                _upgrade_v1(entry)
+        return cls(checkpoints=checkpoints, restores=int(raw.get("restores", 0)))
 
     def save(self, root: str | os.PathLike[str]) -> None:
         """Atomically replaces the manifest on disk."""

@@ -89,6 +89,15 @@ def _overlap(a0: int, an: int, b0: int, bn: int) -> tuple[int, int] | None:
     return (lo, hi) if lo < hi else None
 
 
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _states_fit(rec: dict[str, Any], local: LocalShard) -> bool:
+    """Whether the saved optimizer state can be loaded into ``local``'s kernel."""
+    return rec["optimizer"] == local.optimizer and set(rec["states"]) == set(local.states)
+
+
 def _same_layout(rec: dict[str, Any], local: LocalShard) -> bool:
     ss, ls = rec["spec"], local.spec
     return (
@@ -98,8 +107,11 @@ def _same_layout(rec: dict[str, Any], local: LocalShard) -> bool:
         == (ls.row_offset, ls.col_offset, ls.rows, ls.cols)
         and local.weight.device.type == "cpu"
         and local.weight.is_contiguous()
-        and rec["optimizer"] == local.optimizer
-        and set(rec["states"]) == set(local.states)
+        and _states_fit(rec, local)
+        and all(
+            rec["states"][name]["dtype"] == _dtype_name(state) and state.is_contiguous()
+            for name, state in local.states.items()
+        )
     )
 
 
@@ -108,11 +120,11 @@ def _apply_checkpoint(
     entry: dict[str, Any],
     shards: list[LocalShard],
     touched: list[torch.Tensor] | None,
+    warned: set[str],
 ) -> None:
     by_table: dict[str, list[dict[str, Any]]] = {}
     for rec in entry["shards"]:
         by_table.setdefault(rec["spec"]["table"], []).append(rec)
-    warned = False
     for i, local in enumerate(shards):
         ls = local.spec
         for rec in by_table.get(ls.table, []):
@@ -126,7 +138,7 @@ def _apply_checkpoint(
                 # A whole fp32 shard saved with this very layout: read it in place.
                 reader.rows_into(rank, f"{key}.w", local.weight)
                 for name, state in local.states.items():
-                    reader.rows_into(rank, f"{key}.{name}", state)
+                    reader.rows_into(rank, rec["states"][name]["tensor"], state)
                 if touched is not None:
                     touched[i][:] = True
                 continue
@@ -142,29 +154,57 @@ def _apply_checkpoint(
                 ids, values = ids[sel], values[sel]
             device = local.weight.device
             local_rows = (ids - ls.row_offset).to(device)
-            src = values[:, cols[0] - ss["col_offset"] : cols[1] - ss["col_offset"]]
-            dst = local.weight[:, cols[0] - ls.col_offset : cols[1] - ls.col_offset]
-            dst.index_copy_(0, local_rows, src.to(device=device, dtype=dst.dtype))
+            saved_cols = slice(cols[0] - ss["col_offset"], cols[1] - ss["col_offset"])
+            local_cols = slice(cols[0] - ls.col_offset, cols[1] - ls.col_offset)
+            dst = local.weight[:, local_cols]
+            dst.index_copy_(0, local_rows, values[:, saved_cols].to(device=device, dtype=dst.dtype))
             if touched is not None:
                 touched[i][local_rows] = True
-            holds_first_col = ss["col_offset"] <= ls.col_offset < ss["col_offset"] + ss["cols"]
-            if not holds_first_col or not local.states:
-                continue
-            if rec["optimizer"] != local.optimizer or set(rec["states"]) != set(local.states):
-                if not warned:
+            if not _states_fit(rec, local):
+                if ls.table not in warned:
                     warnings.warn(
-                        f"table {ls.table!r}: optimizer state saved for {rec['optimizer']} "
-                        f"{rec['states']} does not fit {local.optimizer} {sorted(local.states)}; "
-                        "the optimizer state is not restored",
+                        f"table {ls.table!r}: the checkpoint holds {rec['optimizer']} state "
+                        f"{sorted(rec['states'])}, the model trains with {local.optimizer} "
+                        f"{sorted(local.states)}; its weights are restored, its optimizer state "
+                        "is left as initialized",
                         stacklevel=3,
                     )
-                    warned = True
+                    warned.add(ls.table)
                 continue
+            # Per-element states map by column like the weights. A per-row state belongs to a
+            # whole saved shard: it comes from the one holding the local shard's first column.
+            holds_first_col = ss["col_offset"] <= ls.col_offset < ss["col_offset"] + ss["cols"]
             for name, state in local.states.items():
-                saved = reader.rows(rank, f"{key}.{name}")
+                per_element = state.dim() == 2
+                if not per_element and not holds_first_col:
+                    continue
+                saved = reader.rows(rank, rec["states"][name]["tensor"])
                 if sel is not None:
                     saved = saved[sel]
-                state.index_copy_(0, local_rows, saved.to(device=device, dtype=state.dtype))
+                if per_element:
+                    state[:, local_cols].index_copy_(
+                        0, local_rows, saved[:, saved_cols].to(device=device, dtype=state.dtype)
+                    )
+                else:
+                    state.index_copy_(0, local_rows, saved.to(device=device, dtype=state.dtype))
+
+
+def _load_scalars(entry: dict[str, Any], shards: list[LocalShard]) -> None:
+    """Sets each kernel's step counters to the saved ones of the tables it holds.
+
+    After resharding, a kernel may hold tables that sat in different kernels; those
+    counted the same steps, and the largest value is taken.
+    """
+    by_kernel: dict[int, tuple[LocalShard, dict[str, float]]] = {}
+    for local in shards:
+        for rec in entry["shards"]:
+            if rec["spec"]["table"] != local.spec.table or not _states_fit(rec, local):
+                continue
+            _, merged = by_kernel.setdefault(id(local.kernel), (local, {}))
+            for name, value in rec.get("scalars", {}).items():
+                merged[name] = max(value, merged.get(name, value))
+    for local, merged in by_kernel.values():
+        local.load_scalar_states(merged)
 
 
 def restore_chain(
@@ -176,8 +216,12 @@ def restore_chain(
     app_state: Mapping[str, Any],
     rank: int,
     verify: bool = True,
+    scalars: bool = True,
 ) -> list[torch.Tensor]:
     """Applies ``entry``'s chain to this rank's shards, dense tensors and app_state.
+
+    ``scalars=False`` leaves the kernels' step counters as they are (a partial restore
+    goes on from the live step).
 
     Returns:
         For each local shard, a ``(rows,)`` bool mask of rows that came from a
@@ -192,9 +236,12 @@ def restore_chain(
     # one leaves the model untouched.
     readers = [SnapshotReader(root / e["id"], e if verify else None) for e in chain]
     touched = [torch.zeros(s.spec.rows, dtype=torch.bool, device=s.weight.device) for s in shards]
+    warned: set[str] = set()
     for n, (reader, e) in enumerate(zip(readers, chain)):
         with torch.no_grad():
-            _apply_checkpoint(reader, e, shards, touched if n > 0 else None)
+            _apply_checkpoint(reader, e, shards, touched if n > 0 else None, warned)
+    if scalars:
+        _load_scalars(entry, shards)
     last = readers[-1]
     with torch.no_grad():
         for name, tensor in dense.items():

@@ -74,7 +74,9 @@ class StagedShard:
     weight: torch.Tensor
     """``(n, cols)`` row values."""
     states: dict[str, torch.Tensor]
-    """Per-row optimizer states of the staged rows, each ``(n, ...)``."""
+    """Optimizer states of the staged rows, each ``(n,)`` or ``(n, cols)``."""
+    scalars: dict[str, float]
+    """The kernel's step counters at staging time (see ``LocalShard.scalar_states``)."""
 
     @property
     def nbytes(self) -> int:
@@ -141,7 +143,7 @@ def stage_shard(
         ids = (rows + spec.row_offset).to(device="cpu", dtype=ids_dtype)
     weight = _gather_rows(shard.weight, rows, f"{key}.w", pool)
     states = {n: _gather_rows(s, rows, f"{key}.{n}", pool) for n, s in shard.states.items()}
-    return StagedShard(shard, key, ids, weight, states)
+    return StagedShard(shard, key, ids, weight, states, shard.scalar_states())
 
 
 def serialize_app_state(app_state: Mapping[str, Any]) -> bytes:

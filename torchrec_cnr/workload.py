@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,12 +19,42 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    grid_shard,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.models.dlrm import DLRM
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from torchrec_cnr.tracking import tracking_sharders
 
-__all__ = ["Batch", "BatchStream", "TableSpec", "ZipfBatches", "build_model", "dense_optimizer"]
+__all__ = [
+    "LAYOUTS",
+    "Batch",
+    "BatchStream",
+    "TableSpec",
+    "ZipfBatches",
+    "build_model",
+    "dense_optimizer",
+    "hand_plan",
+]
+
+LAYOUTS = (
+    "table_wise",
+    "column_wise",
+    "table_column_wise",
+    "data_parallel",
+    "row_wise",
+    "table_row_wise",
+    "grid_shard",
+)
+"""Every TorchRec sharding type; :func:`hand_plan` places any of them on CPU."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +238,70 @@ class ZipfBatches(BatchStream):
         return {"seed": self.seed}
 
 
+def hand_plan(
+    model: nn.Module,
+    layouts: dict[str, str],
+    world_size: int,
+    sharders: Sequence[ModuleSharder[nn.Module]],
+) -> ShardingPlan:
+    """A plan that shards every table of ``model`` with the layout named in ``layouts``.
+
+    TorchRec's CPU planner proposes only data_parallel, table_wise, column_wise and
+    table_column_wise, but TorchRec itself shards row_wise, table_row_wise and
+    grid_shard on CPU with gloo. Every layout but data_parallel gets the fused kernel,
+    so the sharders' ``fused_params`` optimizer trains it, as the planner would choose.
+    Table-wise tables go to ranks in turn; the others span all ``world_size`` ranks of
+    one host.
+
+    Args:
+        model: the unsharded model (embedding modules may be on the meta device).
+        layouts: table name -> one of :data:`LAYOUTS`, for every table of every
+            module that one of ``sharders`` shards.
+        world_size: ranks of the job, all on one host.
+        sharders: the sharders that DistributedModelParallel gets.
+    """
+    plan: dict[str, Any] = {}
+    placed = 0
+    for path, module in model.named_modules():
+        sharder = next((s for s in sharders if type(module) is s.module_type), None)
+        if sharder is None:
+            continue
+        generators = {}
+        for name in sharder.shardable_parameters(module):
+            layout = layouts[name]
+            if layout == "table_wise":
+                generators[name] = table_wise(rank=placed % world_size)
+                placed += 1
+            elif layout in ("column_wise", "table_column_wise"):
+                generators[name] = column_wise(ranks=list(range(world_size)))
+            elif layout == "data_parallel":
+                generators[name] = data_parallel()
+            elif layout == "row_wise":
+                generators[name] = row_wise()
+            elif layout == "table_row_wise":
+                generators[name] = table_row_wise(host_index=0)
+            elif layout == "grid_shard":
+                generators[name] = grid_shard(host_indexes=[0])
+            else:
+                raise ValueError(f"table {name!r}: layout must be one of {LAYOUTS}, got {layout!r}")
+        module_plan = construct_module_sharding_plan(
+            module,
+            generators,
+            sharder=sharder,
+            local_size=world_size,
+            world_size=world_size,
+            device_type="cpu",
+        )
+        for name, sharding in module_plan.items():
+            # TorchRec has no generator for table_column_wise: it is column-wise
+            # shards placed within one host, which column_wise() already builds.
+            sharding.sharding_type = layouts[name]
+            if layouts[name] != "data_parallel":
+                sharding.compute_kernel = "fused"
+        plan[path] = module_plan
+    return ShardingPlan(plan)
+
+
 def build_model(
     tables: Sequence[TableSpec],
     num_dense: int = 4,
@@ -253,14 +348,18 @@ def build_model(
         if tracking
         else [EmbeddingBagCollectionSharder(fused_params=fused)]
     )
-    constraints = {
-        t.name: ParameterConstraints(sharding_types=[t.sharding]) for t in tables if t.sharding
-    }
     pg = pg or dist.GroupMember.WORLD
-    topology = Topology(world_size=dist.get_world_size(pg), compute_device=device.type)
-    plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
-        module, sharders, pg
-    )
+    world = dist.get_world_size(pg)
+    if device.type == "cpu" and all(t.sharding for t in tables):
+        plan = hand_plan(module, {t.name: str(t.sharding) for t in tables}, world, sharders)
+    else:
+        constraints = {
+            t.name: ParameterConstraints(sharding_types=[t.sharding]) for t in tables if t.sharding
+        }
+        topology = Topology(world_size=world, compute_device=device.type)
+        plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
+            module, sharders, pg
+        )
     model = DistributedModelParallel(module, plan=plan, sharders=sharders, device=device)
     # Sharded tables are initialised by their kernels from the global RNG; seed again
     # per rank so that two builds with one seed are identical.

@@ -27,10 +27,55 @@ from torch import nn
 
 from torchrec_cnr.tracking import bitmap
 
-__all__ = ["LocalShard", "RowTracker", "ShardSpec", "TRACKER_ATTR", "TRACKING_MODES"]
+__all__ = [
+    "SCALAR_STATES",
+    "TRACKER_ATTR",
+    "TRACKING_MODES",
+    "LocalShard",
+    "RowTracker",
+    "ShardSpec",
+    "optimizer_state_names",
+]
 
 TRACKER_ATTR = "_cnr_tracker"
 TRACKING_MODES = ("bitmap", "mfu", "ssu")
+
+SCALAR_STATES = ("iter", "max_counter")
+"""One-element buffers of an FBGEMM TBE that its optimizers read besides the per-row states:
+the step counter (Adam's and LAMB's bias correction, counter and global weight decay) and
+the largest row counter (counter weight decay)."""
+
+# Optimizers whose TBE keeps a second moment (``momentum2``).
+_SECOND_MOMENT = {
+    "ADAM",
+    "PARTIAL_ROWWISE_ADAM",
+    "LAMB",
+    "PARTIAL_ROWWISE_LAMB",
+    "ENSEMBLE_ROWWISE_ADAGRAD",
+}
+
+
+def optimizer_state_names(emb: Any) -> list[str]:
+    """Names of the per-table states ``emb.split_optimizer_states()`` returns, in its order.
+
+    FBGEMM returns, for each table, ``momentum1`` (every optimizer but EXACT_SGD), then
+    ``momentum2`` (Adam and LAMB variants), ``prev_iter`` (row-wise Adagrad with counter or
+    global weight decay) and ``row_counter`` (counter weight decay, Adam with row-wise bias
+    correction). The names are FBGEMM's own buffer prefixes.
+    """
+    optimizer = emb.optimizer.name
+    counter = bool(getattr(emb, "_used_rowwise_adagrad_with_counter", False))
+    global_decay = bool(getattr(emb, "_used_rowwise_adagrad_with_global_weight_decay", False))
+    names = []
+    if optimizer != "EXACT_SGD":
+        names.append("momentum1")
+    if optimizer in _SECOND_MOMENT:
+        names.append("momentum2")
+    if counter or global_decay:
+        names.append("prev_iter")
+    if counter or (optimizer == "ADAM" and getattr(emb, "use_rowwise_bias_correction", False)):
+        names.append("row_counter")
+    return names
 
 
 @dataclass(frozen=True)
@@ -72,7 +117,9 @@ class LocalShard:
     weight: torch.Tensor
     """``(rows, cols)`` view of the kernel's weights."""
     states: dict[str, torch.Tensor]
-    """Optimizer state views whose first dim is ``rows`` (e.g. row-wise Adagrad ``(rows,)``)."""
+    """Fused optimizer states by FBGEMM name: per row ``(rows,)`` (row-wise Adagrad's
+    ``momentum1``, ``prev_iter``, ``row_counter``) or per element ``(rows, cols)`` (Adagrad's and
+    Adam's moments)."""
     optimizer: str
     """Name of the fused optimizer, or ``"dense"`` when the kernel is not fused."""
     words: torch.Tensor | None
@@ -83,6 +130,30 @@ class LocalShard:
     """CPR priority: ``(rows,)`` int32 access counts (MFU) or an int64 bitmap of sampled rows (SSU)."""
     drain: Callable[[], None] = field(repr=False, default=lambda: None)
     """Waits until pending lookups are in ``words``; call before reading or writing them."""
+
+    def scalar_states(self) -> dict[str, float]:
+        """The kernel's one-element optimizer buffers (:data:`SCALAR_STATES`) that it has."""
+        if self.words is None:
+            return {}
+        emb = self.kernel.emb_module
+        found = {}
+        for name in SCALAR_STATES:
+            value = getattr(emb, name, None)
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                found[name] = value.item()
+        return found
+
+    def load_scalar_states(self, values: dict[str, float]) -> None:
+        """Writes :meth:`scalar_states` back into the kernel."""
+        emb = self.kernel.emb_module
+        for name, value in values.items():
+            buffer = getattr(emb, name, None)
+            if isinstance(buffer, torch.Tensor) and buffer.numel() == 1:
+                buffer.fill_(value)
+        if "iter" in values and isinstance(getattr(emb, "iter_cpu", None), torch.Tensor):
+            # The TBE copies iter into iter_cpu only while iter_cpu is 0, i.e. in a fresh
+            # kernel; a live one would go on counting from its own value.
+            emb.iter_cpu.fill_(int(values["iter"]))
 
     def modified_mask(self) -> torch.Tensor:
         """``(rows,)`` bool mask of rows modified since the bits were last cleared."""
@@ -308,7 +379,9 @@ class RowTracker:
             key = id(kernel)
             if key not in weights_cache:
                 weights_cache[key] = list(kernel.split_embedding_weights())
-                states_cache[key] = emb.split_optimizer_states() if words is not None else []
+                # EXACT_SGD keeps no state: FBGEMM returns [] rather than one [] per table.
+                per_table = emb.split_optimizer_states() if words is not None else []
+                states_cache[key] = per_table or [[] for _ in weights_cache[key]]
             meta = table.local_metadata
             rows, cols = int(meta.shard_sizes[0]), int(meta.shard_sizes[1])
             spec = ShardSpec(
@@ -324,9 +397,13 @@ class RowTracker:
             )
             states = {}
             if words is not None:
-                for j, state in enumerate(states_cache[key][index]):
-                    if state.dim() >= 1 and state.shape[0] == rows:
-                        states[f"state{j}"] = state
+                found = states_cache[key][index]
+                names = optimizer_state_names(emb)
+                if len(names) != len(found):  # an FBGEMM whose order we do not know
+                    names = [f"state{j}" for j in range(len(found))]
+                for name, state in zip(names, found):
+                    assert state.shape[0] == rows, (name, state.shape, rows)
+                    states[name] = state
             optimizer = emb.optimizer.name if words is not None else "dense"
             weight = weights_cache[key][index]
             assert weight.shape == (rows, cols), (weight.shape, rows, cols)
