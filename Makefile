@@ -12,8 +12,8 @@ demo: setup
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) --max-restarts=1 scripts/train.py --config configs/demo.yaml
 
 lint: setup
-	$(PY) -m ruff check torchrec_cnr tests scripts
-	$(PY) -m ruff format --check torchrec_cnr tests scripts
+	$(PY) -m ruff check torchrec_cnr cnr_train tests scripts
+	$(PY) -m ruff format --check torchrec_cnr cnr_train tests scripts
 	$(PY) -m mypy
 
 test: lint

@@ -53,162 +53,46 @@ intermittent fp32 chain restores in <= 1.5 x torchsnapshot's full restore.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torchsnapshot import Snapshot
-from torchsnapshot.io_preparers.tensor import TensorBufferStager
-from torchsnapshot.serialization import Serializer
 
-from torchrec_cnr import CheckpointConfig, CheckpointManager, model_state
-from torchrec_cnr.config import QuantizeConfig
-from torchrec_cnr.manifest import Manifest, fsync_tree, tree_bytes
-from torchrec_cnr.policy import POLICIES
+from cnr_train.bench.common import (
+    GB,
+    bcast,
+    disk_bandwidth,
+    log,
+    max_over_ranks,
+    memcpy_s,
+    modify,
+    rmtree,
+    scratch_dir,
+    timed_restores,
+)
+from cnr_train.bench.peers import run_peers
+from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
+from torchrec_cnr import CheckpointConfig, CheckpointManager, QuantizeConfig
+from torchrec_cnr.commit import Entry, Manifest
+from torchrec_cnr.selection import POLICIES
+from torchrec_cnr.selection.policy import PolicyName
 from torchrec_cnr.staging import serialize_app_state
-from torchrec_cnr.tracking import bitmap
-from torchrec_cnr.tracking.tracker import LocalShard
-from torchrec_cnr.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
+from torchrec_cnr.tracking import model_state
+from torchrec_cnr.tracking.shard import LocalShard
 
 COMMAND = (
     "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 scripts/bench_checkpoint.py "
     "--json out/bench_checkpoint.json"
 )
 QUANTS = {"fp32": QuantizeConfig(), "4-bit": QuantizeConfig(method="adaptive", bits=4)}
-GB = 1e9
-_T0 = time.perf_counter()
-
-
-def _log(msg: str) -> None:
-    if dist.get_rank() == 0:
-        print(f"[bench_checkpoint {time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr)
-        sys.stderr.flush()
-
-
-def _max(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Runs ``fn`` on every rank at once; its time is the slowest rank's."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    out = fn()
-    dt = time.perf_counter() - t0
-    return _max(dt), out
-
-
-def _bcast(obj: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _rmtree(path: Path) -> None:
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-    dist.barrier()
-
-
-def _drop_cache(path: Path) -> None:
-    """Makes every file under ``path`` durable, then drops it from the page cache."""
-    if dist.get_rank() == 0:
-        for d, _, names in os.walk(path):
-            for n in names:
-                fd = os.open(os.path.join(d, n), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-    dist.barrier()
-
-
-def _disk_pass(path: Path, nbytes: int, chunk: int) -> dict[str, float]:
-    buf = memoryview(os.urandom(chunk))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        t0 = time.perf_counter()
-        written = 0
-        while written < nbytes:
-            done = 0
-            while done < chunk:
-                done += os.write(fd, buf[done:])
-            written += chunk
-        os.fsync(fd)
-        write_s = time.perf_counter() - t0
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    rbuf = bytearray(chunk)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        t0 = time.perf_counter()
-        read = 0
-        while n := os.readv(fd, [rbuf]):
-            read += n
-        read_s = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-    path.unlink()
-    return {"bytes": written, "write_s": write_s, "read_s": read_s}
-
-
-def _disk_bandwidth(bench: Path, nbytes: int, chunk: int, passes: int) -> dict[str, Any]:
-    """Rank 0 writes ``nbytes`` sequentially and fsyncs, then reads them back cold; best pass.
-
-    The first pass also pays for first-touching host memory (page cache), so
-    the best of several passes is the disk's figure.
-    """
-    result: dict[str, Any] = {}
-    if dist.get_rank() == 0:
-        runs = [_disk_pass(bench / "disk_bandwidth.bin", nbytes, chunk) for _ in range(passes)]
-        result = {
-            "bytes": nbytes,
-            "passes": runs,
-            "write_gb_s": max(nbytes / r["write_s"] for r in runs) / GB,
-            "read_gb_s": max(nbytes / r["read_s"] for r in runs) / GB,
-        }
-    dist.barrier()
-    return _bcast(result)
-
-
-_MEMCPY: dict[tuple[Any, ...], float] = {}
-
-
-def _memcpy_s(local_bytes: int) -> float:
-    """Slowest rank's time to copy its ``local_bytes`` between warm host buffers (median of 3)."""
-    sizes = [None] * dist.get_world_size()
-    dist.all_gather_object(sizes, local_bytes)
-    key = tuple(sizes)
-    if key not in _MEMCPY:
-        src = torch.ones(max(local_bytes, 1), dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        dst.copy_(src)  # warm-up: every page touched, as the staging pool's are
-        times = []
-        for _ in range(3):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(_max(time.perf_counter() - t0))
-        del src, dst
-        _MEMCPY[key] = statistics.median(times)
-    return _MEMCPY[key]
 
 
 def _staged_bytes(
@@ -228,239 +112,7 @@ def _staged_bytes(
     return total
 
 
-def _modify(shards: list[LocalShard], sel: list[torch.Tensor]) -> None:
-    """Exactly ``sel`` is modified since the last checkpoint: bits set, weights nudged."""
-    with torch.no_grad():
-        for s, rows in zip(shards, sel):
-            s.drain()
-            s.weight[rows] += 1e-3
-            if s.words is not None:
-                s.words.zero_()
-                bitmap.set_bits(s.words, rows)
-
-
-class _RestoreCheck:
-    """Corrupts the check rows before a restore; after it, how far they are from the saved values."""
-
-    def __init__(self, shards: list[LocalShard], sel: list[torch.Tensor]) -> None:
-        self.shards, self.sel = shards, sel
-        self.ref = [s.weight[r].clone() for s, r in zip(shards, sel)]
-        with torch.no_grad():
-            for s, r in zip(shards, sel):
-                s.weight[r] += 1.0
-
-    def max_abs_err(self) -> float:
-        err = 0.0
-        for s, r, ref in zip(self.shards, self.sel, self.ref):
-            if r.numel():
-                err = max(err, float((s.weight[r] - ref).abs().max()))
-        self.ref = []
-        return _max(err)
-
-
-RESTORE_REPEATS = 2
-
-
-def _restore(
-    path: Path, shards: list[LocalShard], check_sel: list[torch.Tensor], fn: Callable[[], Any]
-) -> tuple[float, float]:
-    """Median time of ``RESTORE_REPEATS`` cold restores, and the worst check error."""
-    times, err = [], 0.0
-    for _ in range(RESTORE_REPEATS):
-        _drop_cache(path)
-        check = _RestoreCheck(shards, check_sel)
-        dt, _ = _timed(fn)
-        dist.barrier()
-        times.append(dt)
-        err = max(err, check.max_abs_err())
-    return statistics.median(times), err
-
-
-@contextlib.contextmanager
-def _ts_async_copies(enabled: bool) -> Iterator[None]:
-    """Makes torchsnapshot's async_take copy CPU tensors, as its code intends.
-
-    torchsnapshot 0.1.0's ``TensorBufferStager._should_copy_cpu_tensor``
-    compares the entry's serializer (a str) with the ``Serializer.BUFFER_PROTOCOL``
-    enum member, which is never equal, so ``async_take`` keeps memoryviews of
-    the live CPU tensors and returns before writing them: training that runs
-    on tears the snapshot. This patch compares with ``.value``.
-    """
-    if not enabled:
-        yield
-        return
-    original = TensorBufferStager._should_copy_cpu_tensor
-
-    def fixed(self: TensorBufferStager) -> bool:
-        if self.entry.serializer == Serializer.BUFFER_PROTOCOL.value and (
-            self.is_async_snapshot or not self.tensor.is_contiguous()
-        ):
-            return True
-        return original(self)
-
-    TensorBufferStager._should_copy_cpu_tensor = fixed  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        TensorBufferStager._should_copy_cpu_tensor = original  # type: ignore[method-assign]
-
-
-def _ts_async(
-    model: torch.nn.Module,
-    path: Path,
-    shards: list[LocalShard],
-    check_sel: list[torch.Tensor],
-    copy: bool,
-) -> dict[str, Any]:
-    """torchsnapshot async_take; training goes on (+1 on the check rows) while it writes."""
-    rank = dist.get_rank()
-    method = "torchsnapshot async_take" + (" (copy fix)" if copy else " (as shipped)")
-    ref = [s.weight[r].clone() for s, r in zip(shards, check_sel)]
-    with _ts_async_copies(copy):
-        dist.barrier()
-        t0 = time.perf_counter()
-        pending = Snapshot.async_take(str(path), app_state={"model": model}, replicated=["**"])
-        t1 = time.perf_counter()
-        with torch.no_grad():
-            for s, r in zip(shards, check_sel):
-                s.weight[r] += 1.0
-        pending.wait()
-        t2 = time.perf_counter()
-    stall, commit = _max(t1 - t0), _max(t2 - t0)
-    del pending
-    nbytes = _bcast(tree_bytes(path) if rank == 0 else None)
-    fsync_s, _ = _timed(lambda: fsync_tree(path) if rank == 0 else None)
-    _drop_cache(path)
-    restore_s, _ = _timed(lambda: Snapshot(str(path)).restore(app_state={"model": model}))
-    torn = 0.0
-    for s, r, v in zip(shards, check_sel, ref):
-        if r.numel():
-            torn = max(torn, float((s.weight[r] - v).abs().max()))
-    torn = _max(torn)
-    with torch.no_grad():  # the model as it was, whatever the snapshot held
-        for s, r, v in zip(shards, check_sel, ref):
-            s.weight[r] = v
-    _log(
-        f"{method}: stall {stall:.3f}s, commit {commit:.2f}s (+{fsync_s:.2f}s fsync), "
-        f"{nbytes / GB:.2f} GB, restore {restore_s:.2f}s; rows modified after it returned "
-        f"{'leaked into the snapshot (torn)' if torn else 'stayed out (consistent)'}: max abs err {torn:.3g}"
-    )
-    _rmtree(path)
-    return {
-        "method": method,
-        "stall_s": stall,
-        "commit_s": commit,
-        "fsync_after_s": fsync_s,
-        "bytes": nbytes,
-        "restore_s": restore_s,
-        "restore_max_abs_err": torn,
-        "consistent": torn == 0.0,
-    }
-
-
-def _peers(
-    model: torch.nn.Module,
-    bench: Path,
-    shards: list[LocalShard],
-    check_sel: list[torch.Tensor],
-) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    rank = dist.get_rank()
-
-    # torchsnapshot, synchronous
-    path = bench / "ts_take"
-    dt, _ = _timed(lambda: Snapshot.take(str(path), app_state={"model": model}, replicated=["**"]))
-    nbytes = _bcast(tree_bytes(path) if rank == 0 else None)
-    fsync_s, _ = _timed(lambda: fsync_tree(path) if rank == 0 else None)
-    restore_s, err = _restore(
-        path,
-        shards,
-        check_sel,
-        lambda: Snapshot(str(path)).restore(app_state={"model": model}),
-    )
-    rows.append(
-        {
-            "method": "torchsnapshot take",
-            "stall_s": dt,
-            "commit_s": dt,
-            "fsync_after_s": fsync_s,
-            "bytes": nbytes,
-            "restore_s": restore_s,
-            "restore_max_abs_err": err,
-        }
-    )
-    _log(
-        f"torchsnapshot take: {dt:.2f}s, {nbytes / GB:.2f} GB (+{fsync_s:.2f}s fsync), "
-        f"restore {restore_s:.2f}s (err {err:.2g})"
-    )
-    _rmtree(path)
-    gc.collect()
-
-    for copy in (False, True):
-        rows.append(_ts_async(model, bench / f"ts_async_{copy}", shards, check_sel, copy))
-        gc.collect()
-
-    # DCP, synchronous (FileSystemWriter fsyncs by default)
-    path = bench / "dcp_save"
-    row: dict[str, Any] = {"method": "DCP save", "restore_s": None}
-    try:
-        dt, _ = _timed(lambda: dcp.save(model.state_dict(), checkpoint_id=str(path)))
-        row.update(stall_s=dt, commit_s=dt, bytes=_bcast(tree_bytes(path) if rank == 0 else None))
-
-        def load() -> None:
-            sd = model.state_dict()
-            dcp.load(sd, checkpoint_id=str(path))
-            model.load_state_dict(sd)
-
-        restore_s, err = _restore(path, shards, check_sel, load)
-        row.update(restore_s=restore_s, restore_max_abs_err=err)
-        _log(
-            f"DCP save: {dt:.2f}s, {row['bytes'] / GB:.2f} GB, restore {restore_s:.2f}s (err {err:.2g})"
-        )
-    except Exception as e:  # reported, not fatal: the other methods still run
-        row["error"] = f"{type(e).__name__}: {e}"
-        _log(f"DCP save failed: {row['error']}")
-    rows.append(row)
-    _rmtree(path)
-    gc.collect()
-
-    # DCP, asynchronous, on a group of its own so a failure cannot tangle the default one
-    path = bench / "dcp_async"
-    row = {"method": "DCP async_save", "restore_s": None}
-    dcp_pg = dist.new_group(backend="gloo")
-    error = None
-    dist.barrier()
-    t0 = time.perf_counter()
-    try:
-        response = dcp.async_save(model.state_dict(), checkpoint_id=str(path), process_group=dcp_pg)
-        t1 = time.perf_counter()
-        getattr(response, "upload_completion", response).result()
-        t2 = time.perf_counter()
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-    if failed:
-        row["error"] = "; ".join(failed)
-        _log(f"DCP async_save failed: {row['error']}")
-    else:
-        row.update(
-            stall_s=_max(t1 - t0),
-            commit_s=_max(t2 - t0),
-            bytes=_bcast(tree_bytes(path) if rank == 0 else None),
-        )
-        _log(
-            f"DCP async_save: stall {row['stall_s']:.2f}s, commit {row['commit_s']:.2f}s, "
-            f"{row['bytes'] / GB:.2f} GB"
-        )
-    rows.append(row)
-    _rmtree(path)
-    gc.collect()
-    return rows
-
-
-def _save(ckpt: CheckpointManager, root: Path, step: int) -> tuple[float, float, dict[str, Any]]:
+def _save(ckpt: CheckpointManager, root: Path, step: int) -> tuple[float, float, Entry | None]:
     """stall (inside save) and commit (until wait returns) of one checkpoint, and its manifest entry."""
     dist.barrier()
     t0 = time.perf_counter()
@@ -469,42 +121,43 @@ def _save(ckpt: CheckpointManager, root: Path, step: int) -> tuple[float, float,
     ckpt.wait()
     t2 = time.perf_counter()
     entry = Manifest.load(root).latest() if dist.get_rank() == 0 else None
-    return _max(t1 - t0), _max(t2 - t0), _bcast(entry)
+    return max_over_ranks(t1 - t0), max_over_ranks(t2 - t0), bcast(entry)
 
 
 def _cnr(
     model: torch.nn.Module,
     bench: Path,
     shards: list[LocalShard],
-    policy: str,
+    policy: PolicyName,
     quant: str,
     frac: float,
     sel: list[torch.Tensor],
     check_sel: list[torch.Tensor],
     step_bytes: dict[str, int],
     repeats: int,
+    restore_repeats: int,
 ) -> dict[str, Any]:
     rank = dist.get_rank()
     root = bench / f"cnr_{policy}_{quant}_{round(frac * 100)}"
-    _rmtree(root)
+    rmtree(root)
     cfg = CheckpointConfig(path=str(root), policy=policy, on_busy="wait", quantize=QUANTS[quant])
     ckpt = CheckpointManager(model, cfg)
 
     b_stall, b_commit, base = _save(ckpt, root, 1)
-    assert base is not None and base["kind"] == "full"
-    saves = []
+    assert base is not None and base.kind == "full"
+    saves: list[dict[str, Any]] = []
     for rep in range(repeats):
-        _modify(shards, sel)
+        modify(shards, sel)
         stall, commit, entry = _save(ckpt, root, 2 + rep)
         assert entry is not None
         saves.append(
             {
                 "stall_s": stall,
                 "commit_s": commit,
-                "kind": entry["kind"],
-                "bytes": entry["bytes"],
-                "staged_bytes_rank0": entry["staged_bytes"],
-                "chain_len": len(entry["chain"]),
+                "kind": entry.kind,
+                "bytes": entry.bytes,
+                "staged_bytes_rank0": entry.staged_bytes,
+                "chain_len": len(entry.chain),
             }
         )
     ckpt.close()
@@ -517,14 +170,14 @@ def _cnr(
             f"WARNING: computed staged bytes {local_staged} != manifest {saves[-1]['staged_bytes_rank0']}",
             file=sys.stderr,
         )
-    memcpy = _memcpy_s(local_staged)
+    memcpy = memcpy_s(local_staged)
 
     restorer = CheckpointManager(model, cfg)
-    restore_s, err = _restore(root, shards, check_sel, restorer.restore)
+    restore_s, err = timed_restores(root, shards, check_sel, restorer.restore, restore_repeats)
     restorer.close()
     del restorer
     gc.collect()
-    _rmtree(root)
+    rmtree(root)
     row = {
         "method": f"torchrec_cnr {policy} {quant}",
         "policy": policy,
@@ -534,15 +187,15 @@ def _cnr(
         "commit_s": statistics.median(s["commit_s"] for s in saves),
         "bytes": statistics.median(s["bytes"] for s in saves),
         "staged_bytes_rank0": saves[-1]["staged_bytes_rank0"],
-        "staged_bytes_local_max": _max(local_staged),
+        "staged_bytes_local_max": max_over_ranks(local_staged),
         "memcpy_s": memcpy,
         "restore_s": restore_s,
         "restore_chain_len": saves[-1]["chain_len"],
         "restore_max_abs_err": err,
-        "baseline": {"stall_s": b_stall, "commit_s": b_commit, "bytes": base["bytes"]},
+        "baseline": {"stall_s": b_stall, "commit_s": b_commit, "bytes": base.bytes},
         "saves": saves,
     }
-    _log(
+    log(
         f"{row['method']} {frac:.0%}: stall {row['stall_s']:.3f}s (memcpy {memcpy:.4f}s), "
         f"commit {row['commit_s']:.2f}s, {row['bytes'] / GB:.3f} GB ({saves[-1]['kind']}), "
         f"restore {restore_s:.2f}s of {row['restore_chain_len']} (err {err:.2g}); "
@@ -706,16 +359,13 @@ def main() -> int:
     )
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    global RESTORE_REPEATS
-    RESTORE_REPEATS = args.restore_repeats
     dist.init_process_group("gloo")
+    began = time.perf_counter()
     scratch = None
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         if args.root is None:
-            name = [tempfile.mkdtemp(prefix="bench_checkpoint_")] if rank == 0 else [None]
-            dist.broadcast_object_list(name)
-            scratch = args.root = Path(name[0])
+            scratch = args.root = scratch_dir("bench_checkpoint_")
         bench = args.root
         if rank == 0:
             bench.mkdir(parents=True, exist_ok=True)
@@ -723,8 +373,8 @@ def main() -> int:
 
         chunk = 64 << 20
         nbytes = max(chunk, int(args.disk_gb * GB) // chunk * chunk)
-        disk = _disk_bandwidth(bench, nbytes, chunk, args.disk_passes)
-        _log(
+        disk = disk_bandwidth(bench, nbytes, chunk, args.disk_passes)
+        log(
             f"disk ({nbytes / GB:.2f} GB, best of {args.disk_passes}): write {disk['write_gb_s']:.3f} GB/s, "
             f"read {disk['read_gb_s']:.3f} GB/s; passes "
             + ", ".join(f"{r['write_s']:.2f}s/{r['read_s']:.2f}s" for r in disk["passes"])
@@ -739,13 +389,13 @@ def main() -> int:
                 train_step(model, opt, data.batch(rank, step))
             del data
         shards = model_state.local_shards(model)
-        emb_bytes = _max(sum(s.weight.numel() * s.weight.element_size() for s in shards))
+        emb_bytes = max_over_ranks(sum(s.weight.numel() * s.weight.element_size() for s in shards))
         total_emb = args.tables * args.rows * args.dim * 4
         model_desc = (
             f"{args.tables} tables x {args.rows} rows x dim {args.dim} = {total_emb / GB:.2f} GB fp32 "
             f"on {world} ranks (table_wise, largest rank {emb_bytes / GB:.2f} GB)"
         )
-        _log(f"model built: {model_desc}")
+        log(f"model built: {model_desc}")
 
         g = torch.Generator().manual_seed(1234 + rank)
         perms = [torch.randperm(s.spec.rows, generator=g) for s in shards]
@@ -760,13 +410,13 @@ def main() -> int:
         )
         app_bytes = len(serialize_app_state({}))
         full_bytes = _staged_bytes(shards, None, dense_bytes, app_bytes)
-        memcpy_full = {"bytes": int(_max(full_bytes)), "s": _memcpy_s(full_bytes)}
-        _log(
+        memcpy_full = {"bytes": int(max_over_ranks(full_bytes)), "s": memcpy_s(full_bytes)}
+        log(
             f"memcpy of {full_bytes / GB:.2f} GB per rank: {memcpy_full['s']:.3f}s "
             f"({full_bytes / memcpy_full['s'] / GB:.2f} GB/s)"
         )
 
-        peers = _peers(model, bench, shards, check_sel)
+        peers = run_peers(model, bench, shards, check_sel, args.restore_repeats)
         cnr = []
         for policy in args.policies:
             for quant in QUANTS:
@@ -787,9 +437,10 @@ def main() -> int:
                             check_sel,
                             step_bytes,
                             args.repeats,
+                            args.restore_repeats,
                         )
                     )
-        wall = time.perf_counter() - _T0
+        wall = time.perf_counter() - began
         results = {
             "command": COMMAND,
             "args": {k: str(v) for k, v in vars(args).items()},

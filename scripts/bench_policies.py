@@ -16,18 +16,22 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
+from cnr_train.bench.common import scratch_dir
+from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
 from torchrec_cnr import CheckpointConfig, CheckpointManager
-from torchrec_cnr.manifest import Manifest, saved_fraction, tree_bytes
-from torchrec_cnr.policy import POLICIES
-from torchrec_cnr.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
+from torchrec_cnr.commit import Manifest, saved_fraction
+from torchrec_cnr.selection import POLICIES
+from torchrec_cnr.selection.policy import PolicyName
+from torchrec_cnr.storage.fs import tree_bytes
 
 
-def _run_policy(policy: str, root: Path, args: argparse.Namespace) -> list[dict[str, float]]:
+def _run_policy(policy: PolicyName, root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     rank = dist.get_rank()
     if rank == 0 and root.exists():
         shutil.rmtree(root)
@@ -41,7 +45,7 @@ def _run_policy(policy: str, root: Path, args: argparse.Namespace) -> list[dict[
         CheckpointConfig(path=str(root), policy=policy, keep_last=1),
         {"reader": data, "dense_opt": opt},
     )
-    rows = []
+    rows: list[dict[str, Any]] = []
     for interval in range(1, args.intervals + 1):
         for _ in range(args.steps_per_interval):
             train_step(model, opt, data.next(rank))
@@ -50,15 +54,15 @@ def _run_policy(policy: str, root: Path, args: argparse.Namespace) -> list[dict[
         if rank == 0:
             entry = Manifest.load(root).latest()
             assert entry is not None
-            modified = saved_fraction(entry["shards"])
+            modified = saved_fraction(entry.shards)
             rows.append(
                 {
                     "interval": interval,
-                    "kind": entry["kind"],
+                    "kind": entry.kind,
                     "rows_saved_frac": modified,
-                    "written_bytes": entry["bytes"],
+                    "written_bytes": entry.bytes,
                     "stored_bytes": tree_bytes(root),
-                    "chain_len": len(entry["chain"]),
+                    "chain_len": len(entry.chain),
                 }
             )
         dist.barrier()
@@ -66,7 +70,7 @@ def _run_policy(policy: str, root: Path, args: argparse.Namespace) -> list[dict[
 
 
 def _write_figures(
-    args: argparse.Namespace, results: dict[str, list[dict[str, float]]], full: float
+    args: argparse.Namespace, results: Mapping[str, list[dict[str, Any]]], full: float
 ) -> None:
     import csv
 
@@ -131,31 +135,31 @@ def _write_figures(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=100_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--pooling", type=int, default=2)
-    p.add_argument("--alpha", type=float, default=1.1)
-    p.add_argument("--intervals", type=int, default=12)
-    p.add_argument("--steps-per-interval", type=int, default=20)
-    p.add_argument(
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tables", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--pooling", type=int, default=2)
+    parser.add_argument("--alpha", type=float, default=1.1)
+    parser.add_argument("--intervals", type=int, default=12)
+    parser.add_argument("--steps-per-interval", type=int, default=20)
+    parser.add_argument(
         "--root", type=Path, default=None, help="scratch directory (default: a temp dir)"
     )
-    p.add_argument("--json", type=Path)
-    p.add_argument(
+    parser.add_argument("--json", type=Path)
+    parser.add_argument(
         "--out", type=Path, help="also write results.csv, fig15_16.png and summary.md here"
     )
-    args = p.parse_args(argv)
+    args = parser.parse_args(argv)
     dist.init_process_group("gloo")
     scratch = None
     try:
         if args.root is None:
-            name = [tempfile.mkdtemp(prefix="bench_policies_")] if dist.get_rank() == 0 else [None]
-            dist.broadcast_object_list(name)
-            scratch = args.root = Path(name[0])
-        results = {policy: _run_policy(policy, args.root / policy, args) for policy in POLICIES}
+            scratch = args.root = scratch_dir("bench_policies_")
+        results: dict[str, list[dict[str, Any]]] = {
+            policy: _run_policy(policy, args.root / policy, args) for policy in POLICIES
+        }
         if dist.get_rank() == 0:
             full = results["full"][0]["written_bytes"]
             print(

@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
 
-from torchrec_cnr import model_state
-from torchrec_cnr.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
+from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
+from torchrec_cnr.tracking import model_state
+from torchrec_cnr.tracking.priority import KernelPriority
 
 
 def _mdt_bytes(tracker: Any) -> int:
@@ -52,8 +53,8 @@ class _MdtSwitch:
 
     def set_enabled(self, enabled: bool) -> None:
         for module, lookup_fn, odist_fn in self.modules:
-            module.post_lookup_tracker_fn = lookup_fn if enabled else None
-            module.post_odist_tracker_fn = odist_fn if enabled else None
+            setattr(module, "post_lookup_tracker_fn", lookup_fn if enabled else None)  # noqa: B010
+            setattr(module, "post_odist_tracker_fn", odist_fn if enabled else None)  # noqa: B010
 
 
 def main() -> int:
@@ -79,15 +80,21 @@ def main() -> int:
         )
         ours = list(model_state.trackers(model).values())
         hooks = [hook for t in ours for _, hook in t._hooks]
-        counters = {id(h): h.priority for h in hooks}
-        samples = {id(h): torch.zeros(h.words.numel(), dtype=torch.int64) for h in hooks}
+        priorities: dict[str, dict[int, KernelPriority | None]] = {
+            "bitmap": {id(h): None for h in hooks},
+            "mfu": {id(h): h.priority for h in hooks},
+            "ssu": {
+                id(h): KernelPriority("ssu", h.words.numel(), h.words.device, 0.1) for h in hooks
+            },
+        }
 
         def set_mode(mode: str) -> None:
             # One model for every mode: the hooks switch what they record besides the bits.
             for h in hooks:
-                h.mode = mode
-                h.priority = counters[id(h)] if mode == "mfu" else samples[id(h)]
-                h.ssu_rate = 0.1
+                h.priority = priorities[mode][id(h)]
+
+        def priority_bytes(mode: str) -> int:
+            return sum(p.nbytes for p in priorities[mode].values() if p is not None)
 
         theirs = _MdtSwitch(model)
         variants = {
@@ -120,14 +127,14 @@ def main() -> int:
         mem = {
             "none": 0,
             "torchrec_cnr": bits,
-            "torchrec_cnr MFU": bits + sum(c.numel() * c.element_size() for c in counters.values()),
-            "torchrec_cnr SSU 10%": 2 * bits,
+            "torchrec_cnr MFU": bits + priority_bytes("mfu"),
+            "torchrec_cnr SSU 10%": bits + priority_bytes("ssu"),
             "ModelDeltaTracker": _mdt_bytes(mdt),
         }
         emb_bytes = sum(
             s.weight.numel() * s.weight.element_size() for s in model_state.local_shards(model)
         )
-        rows = [
+        rows: list[dict[str, Any]] = [
             {
                 "variant": n,
                 "iter_ms": 1e3 * med[n],

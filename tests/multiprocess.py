@@ -92,8 +92,9 @@ class _Pool:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            for conn in wait(list(pending.values()), timeout=left):
-                rank = next(r for r, c in pending.items() if c is conn)
+            for ready in wait(list(pending.values()), timeout=left):
+                rank = next(r for r, c in pending.items() if c is ready)
+                conn = pending[rank]
                 del pending[rank]
                 try:
                     report = conn.recv()

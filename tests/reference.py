@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchrec_cnr import model_state
+from torchrec_cnr.tracking import model_state
 
 
 def take(model: torch.nn.Module, app_state: dict[str, Any]) -> dict[str, Any]:

@@ -1,25 +1,35 @@
-"""Configuration of a :class:`~torchrec_cnr.CheckpointManager`."""
+"""Configuration of a :class:`~torchrec_cnr.CheckpointManager`.
+
+Each component owns a frozen dataclass, validated on construction: a bad value raises
+``ValueError`` naming the field and what it allows. The allowed values come from the
+module that owns each concept (policies from :mod:`torchrec_cnr.selection.policy`,
+methods, bit widths and thresholds from :mod:`torchrec_cnr.quantization`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from torchrec_cnr.policy import BASELINE_RULES, POLICIES
+from torchrec_cnr.quantization import BITS, CAST_METHODS, DEFAULT_THRESHOLDS, METHODS
+from torchrec_cnr.selection.policy import BASELINE_RULES, POLICIES, PolicyName
 
-ON_BUSY = ("wait", "skip")
-QUANT_METHODS = ("none", "fp16", "bf16", "symmetric", "asymmetric", "kmeans", "adaptive")
-QUANT_BITS = (2, 3, 4, 8)
-STATE_DTYPES = ("none", "fp16", "bf16")
+__all__ = ["ON_BUSY", "CheckpointConfig", "OnBusy", "QuantizeConfig", "RecoveryConfig"]
+
+OnBusy = Literal["wait", "skip"]
+ON_BUSY: tuple[OnBusy, ...] = ("wait", "skip")
+StateDtype = Literal["none", "fp16", "bf16"]
+STATE_DTYPES: tuple[StateDtype, ...] = ("none", "fp16", "bf16")
 
 
 def _check_method_bits(where: str, method: str, bits: int | str) -> None:
-    if method not in QUANT_METHODS:
-        raise ValueError(f"{where} method must be one of {QUANT_METHODS}, got {method!r}")
-    if bits != "auto" and bits not in QUANT_BITS:
-        raise ValueError(f"{where} bits must be one of {QUANT_BITS} or 'auto', got {bits!r}")
+    if method not in METHODS:
+        raise ValueError(f"{where} method must be one of {METHODS}, got {method!r}")
+    if bits != "auto" and bits not in BITS:
+        raise ValueError(f"{where} bits must be one of {BITS} or 'auto', got {bits!r}")
 
 
-def parse_table_override(spec: str) -> tuple[str, int | str]:
+def _parse_override(spec: str) -> tuple[str, int | str]:
     """``"adaptive:4"`` -> ``("adaptive", 4)``; ``"none"`` -> ``("none", "auto")``."""
     method, _, bits = spec.partition(":")
     value: int | str = "auto"
@@ -39,7 +49,9 @@ class QuantizeConfig:
     """2, 3, 4 or 8, or ``"auto"`` to choose from ``expected_restores``."""
     expected_restores: float = 1
     """Restores a checkpoint is expected to serve (Check-N-Run's L), for ``bits="auto"``."""
-    thresholds: list[list[int]] = field(default_factory=lambda: [[1, 2], [3, 3], [20, 4]])
+    thresholds: list[list[int]] = field(
+        default_factory=lambda: [list(p) for p in DEFAULT_THRESHOLDS]
+    )
     """``[max_restores, bits]`` pairs for ``bits="auto"``; above the last, 8 bits."""
     n_bins: int = 200
     """Step of the adaptive range search: range / n_bins."""
@@ -49,13 +61,13 @@ class QuantizeConfig:
     """Tables with fewer rows stay fp32 unless named in ``tables``."""
     tables: dict[str, str] = field(default_factory=dict)
     """Per-table override, by table name or qualified name: ``"adaptive:8"``, ``"none"``, ``"fp16"``."""
-    optimizer_state: str = "none"
+    optimizer_state: StateDtype = "none"
     """Optimizer state storage: ``none`` keeps fp32; ``fp16`` or ``bf16`` casts it."""
 
     def __post_init__(self) -> None:
         _check_method_bits("quantize.", self.method, self.bits)
         for spec in self.tables.values():
-            parse_table_override(spec)
+            _parse_override(spec)
         if self.expected_restores < 0:
             raise ValueError(
                 f"quantize.expected_restores must be >= 0, got {self.expected_restores}"
@@ -72,12 +84,26 @@ class QuantizeConfig:
             )
         last = -1.0
         for pair in self.thresholds:
-            if len(pair) != 2 or pair[1] not in QUANT_BITS or pair[0] <= last:
+            if len(pair) != 2 or pair[1] not in BITS or pair[0] <= last:
                 raise ValueError(
                     f"quantize.thresholds must be increasing [max_restores, bits] pairs with bits in "
-                    f"{QUANT_BITS}, got {self.thresholds}"
+                    f"{BITS}, got {self.thresholds}"
                 )
             last = pair[0]
+
+    def table_format(self, table: str, num_rows: int) -> tuple[str, int | str]:
+        """``(method, bits)`` for ``table`` (qualified name) of ``num_rows`` rows in all.
+
+        A per-table override wins; tables under ``min_rows`` stay fp32; casts report
+        ``bits="auto"``, which they ignore.
+        """
+        short = table.rsplit(".", 1)[-1]
+        override = self.tables.get(table, self.tables.get(short))
+        if override is not None:
+            return _parse_override(override)
+        if num_rows < self.min_rows:
+            return "none", "auto"
+        return self.method, "auto" if self.method in CAST_METHODS else self.bits
 
 
 @dataclass(frozen=True)
@@ -120,7 +146,7 @@ class CheckpointConfig:
 
     path: str
     """Root directory holding every checkpoint of the run and the chain manifest."""
-    policy: str = "intermittent"
+    policy: PolicyName = "intermittent"
     """Row-selection policy: ``full``, ``one_shot``, ``consecutive`` or ``intermittent``."""
     interval_steps: int | str | None = None
     """``maybe_save(step)`` saves at positive multiples of this; ``"auto"`` lets CPR choose; ``None`` never."""
@@ -130,7 +156,7 @@ class CheckpointConfig:
     """Keep only what restoring the last N checkpoints needs; ``None`` keeps everything."""
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     """Per-row quantization of stored embedding rows."""
-    on_busy: str = "wait"
+    on_busy: OnBusy = "wait"
     """When a save arrives while the previous one is still writing: ``wait`` for it, or ``skip`` (with a warning)."""
     staging_memory_mb: int | None = None
     """Most host memory kept for staging buffers between checkpoints; ``None`` for no limit."""

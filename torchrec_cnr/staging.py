@@ -1,6 +1,7 @@
-"""Staging: copy what a checkpoint needs out of the live model into host memory.
+"""Stage 3: copy what a checkpoint needs out of the live model into host memory.
 
-This is the only part of a save that stalls training. After :func:`stage`
+Check-N-Run (NSDI'22, Sec. 4.1) decouples checkpointing from training: this is the
+only part of a save that stalls training. After :func:`stage`
 returns, training may modify the model freely; the staged tensors are the
 checkpoint. Buffers come from a :class:`StagingPool` and are reused across
 checkpoints: fresh host memory costs a page fault per 4 KiB on first touch,
@@ -16,8 +17,8 @@ from typing import Any
 
 import torch
 
-from torchrec_cnr.tracking import bitmap
-from torchrec_cnr.tracking.tracker import LocalShard
+from torchrec_cnr.selection.policy import Kind
+from torchrec_cnr.tracking.shard import LocalShard
 
 _INT32_MAX = 2**31 - 1
 
@@ -91,10 +92,12 @@ class StagedCheckpoint:
     """Everything one rank writes for one checkpoint."""
 
     step: int
-    kind: str
+    kind: Kind
     shards: list[StagedShard]
     dense: dict[str, torch.Tensor]
     app_state: bytes
+    stall_s: float = 0.0
+    """How long training was blocked to stage it, set once staging is done."""
 
     @property
     def nbytes(self) -> int:
@@ -121,22 +124,17 @@ def _gather_rows(
 
 
 def stage_shard(
-    shard: LocalShard, key: str, full: bool, pool: StagingPool, rows: torch.Tensor | None = None
+    shard: LocalShard, key: str, rows: torch.Tensor | None, pool: StagingPool
 ) -> StagedShard:
-    """Copies the rows of ``shard`` that the checkpoint holds.
+    """Copies ``rows`` of ``shard`` (every row if ``None``) and their optimizer state.
 
     Args:
         shard: the live shard.
-        key: its name inside the snapshot.
-        full: stage every row, not only the modified ones.
+        key: its name inside the checkpoint.
+        rows: ``(k,)`` ascending local rows, from :func:`~torchrec_cnr.selection.rows.select_rows`.
         pool: where the host buffers come from.
-        rows: stage exactly these local rows (a prioritized selection) instead.
     """
     spec = shard.spec
-    if rows is None and not full and shard.words is not None:
-        rows = bitmap.to_indices(shard.words, spec.rows)
-    if rows is not None and rows.numel() == spec.rows:
-        rows = None
     ids = None
     if rows is not None:
         ids_dtype = torch.int32 if spec.num_embeddings <= _INT32_MAX else torch.int64
@@ -153,60 +151,20 @@ def serialize_app_state(app_state: Mapping[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-def _row_bytes(shard: LocalShard) -> int:
-    states = sum(s[0].numel() * s.element_size() for s in shard.states.values() if s.shape[0])
-    return shard.weight.shape[1] * shard.weight.element_size() + states + 4
-
-
-def prioritize(shards: list[LocalShard], budget_bytes: int) -> list[torch.Tensor]:
-    """CPR's prioritized save: the modified rows with the highest priority that fit the budget.
-
-    Priority is the access count (MFU) or whether a sampled lookup touched the
-    row (SSU, ties broken by row order). Rows are ranked across all of this
-    rank's shards.
-
-    Returns:
-        For each shard, the ``(k,)`` ascending local rows to save.
-    """
-    cand, scores, costs, owner = [], [], [], []
-    for i, shard in enumerate(shards):
-        assert shard.words is not None and shard.priority is not None, (
-            "prioritized saves need mfu/ssu tracking"
-        )
-        rows = bitmap.to_indices(shard.words, shard.spec.rows)
-        if shard.priority.dtype == torch.int64:  # SSU: sampled-row bitmap
-            score = bitmap.to_mask(shard.priority, shard.spec.rows)[rows].to(torch.float64)
-        else:  # MFU: access counts
-            score = shard.priority[rows].to(torch.float64)
-        cand.append(rows)
-        scores.append(score)
-        costs.append(torch.full_like(score, float(_row_bytes(shard))))
-        owner.append(torch.full_like(rows, i))
-    if not cand:
-        return []
-    order = torch.argsort(torch.cat(scores), descending=True, stable=True)
-    keep = order[torch.cumsum(torch.cat(costs)[order], 0) <= budget_bytes]
-    rows_all, owner_all = torch.cat(cand)[keep], torch.cat(owner)[keep]
-    return [rows_all[owner_all == i].sort().values for i in range(len(shards))]
-
-
 def stage(
     step: int,
-    kind: str,
+    kind: Kind,
     shards: list[LocalShard],
+    rows: list[torch.Tensor | None],
     dense: Mapping[str, torch.Tensor],
     app_state: Mapping[str, Any],
     pool: StagingPool,
-    selected: list[torch.Tensor] | None = None,
 ) -> StagedCheckpoint:
-    """Stages a checkpoint of ``kind`` (``"full"`` or ``"delta"``) at ``step``.
-
-    ``selected`` gives each shard's rows for a prioritized delta (see :func:`prioritize`).
-    """
-    staged = [
-        stage_shard(s, f"s{i}", kind == "full", pool, None if selected is None else selected[i])
-        for i, s in enumerate(shards)
-    ]
+    """Stages a checkpoint of ``kind`` at ``step``: each shard's ``rows``, the dense state
+    and the serialized ``app_state``."""
+    for kernel in {id(s.kernel): s.kernel for s in shards}.values():
+        kernel.flush()  # caching kernels write their cache back first
+    staged = [stage_shard(s, f"s{i}", r, pool) for i, (s, r) in enumerate(zip(shards, rows))]
     host_dense = {k: v.detach().to("cpu", copy=True) for k, v in dense.items()}
     if any(s.weight.device.type == "cuda" for s in shards):
         torch.cuda.synchronize()  # the non-blocking copies above must land before training resumes

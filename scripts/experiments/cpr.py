@@ -41,7 +41,6 @@ import math
 import random
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -49,21 +48,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchrec_cnr.config import CheckpointConfig
-from torchrec_cnr.job import (
-    DataConfig,
-    JobConfig,
-    ModelConfig,
-    Trainer,
-    evaluate,
-    job_tables,
-    num_dense,
-)
-from torchrec_cnr.launch import init_distributed
-from torchrec_cnr.manager import CheckpointManager
-from torchrec_cnr.manifest import Manifest
+from cnr_train.bench.common import bcast, scratch_dir
+from cnr_train.config import DataConfig, JobConfig, ModelConfig, OptimizerConfig
+from cnr_train.job import Trainer, evaluate
+from cnr_train.launch import init_distributed
+from cnr_train.workload import train_step
+from torchrec_cnr import CheckpointConfig
+from torchrec_cnr.commit import Manifest
 from torchrec_cnr.recovery.interval import pls, young_interval
-from torchrec_cnr.workload import ZipfBatches, build_model, dense_optimizer, train_step
+from torchrec_cnr.tracking.tracker import TrackingMode
 
 LR = 0.05
 
@@ -74,20 +67,17 @@ def _max(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def _trainer(args: argparse.Namespace, ckpt_cfg: CheckpointConfig, tracking_mode: str) -> Trainer:
-    """Trainer.build with a chosen tracking mode (same seeds and data for every arm)."""
+def _trainer(
+    args: argparse.Namespace, ckpt_cfg: CheckpointConfig, tracking_mode: TrackingMode
+) -> Trainer:
+    """The same model, seeds and data for every arm; only checkpointing differs."""
     job = JobConfig(
         checkpoint=ckpt_cfg,
         model=ModelConfig(tables="criteo", max_rows=args.max_rows, dim=args.dim),
         data=DataConfig(batch_size=args.batch_size),
+        optimizer=OptimizerConfig(sparse_lr=LR, dense_lr=LR),
     )
-    tables, nd = job_tables(job), num_dense(job)
-    model = build_model(tables, nd, learning_rate=LR, seed=0, tracking_mode=tracking_mode)
-    opt = dense_optimizer(model, LR)
-    d = job.data
-    data = ZipfBatches(tables, d.batch_size, nd, d.alpha, d.pooling, d.seed)
-    ckpt = CheckpointManager(model, ckpt_cfg, {"reader": data, "dense_opt": opt})
-    return Trainer(model, opt, data, ckpt)
+    return Trainer.build(job, seed=0, tracking_mode=tracking_mode)
 
 
 def _fresh(root: Path) -> None:
@@ -114,9 +104,8 @@ def _probe(args: argparse.Namespace, root: Path) -> dict[str, float]:
     commit = time.perf_counter() - began
     step_s, stall, commit = _max([step_s, stall, commit])
     t.ckpt.close()
-    box = [Manifest.load(root).checkpoints[-1]["bytes"] if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return {"step_s": step_s, "save_s": stall, "commit_s": commit, "full_bytes": float(box[0])}
+    full_bytes = bcast(Manifest.load(root).checkpoints[-1].bytes if rank == 0 else None)
+    return {"step_s": step_s, "save_s": stall, "commit_s": commit, "full_bytes": float(full_bytes)}
 
 
 def _failures(args: argparse.Namespace, world: int) -> list[tuple[int, int]]:
@@ -140,7 +129,7 @@ def _run_arm(
     name: str,
     mode: str,
     ckpt_cfg: CheckpointConfig,
-    tracking_mode: str,
+    tracking_mode: TrackingMode,
     failures: list[tuple[int, int]],
 ) -> dict[str, Any]:
     _fresh(root)
@@ -193,7 +182,7 @@ def _run_arm(
     manifest = box[0]
     assert manifest is not None
     saves = len(manifest.checkpoints)
-    written = sum(e["bytes"] for e in manifest.checkpoints)
+    written = sum(e.bytes for e in manifest.checkpoints)
     train_s, save_s, load_s, lost_s = _max([train_s, save_s, load_s, lost_s])
     resched_s = args.reschedule_s * len(failures)
     interval = ckpt_cfg.interval_steps
@@ -271,9 +260,7 @@ def main() -> int:
     t0 = time.perf_counter()
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        box = [tempfile.mkdtemp(prefix="cnr_cpr_") if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        scratch = Path(box[0])
+        scratch = scratch_dir("cnr_cpr_")
         probe = _probe(args, scratch / "probe")
         mtbf_s = args.mtbf_steps * probe["step_s"]
         o_save = probe["save_s"] if args.young_cost == "stall" else probe["commit_s"]
@@ -292,9 +279,9 @@ def main() -> int:
                 flush=True,
             )
             print(f"failures (step, rank): {failures}", flush=True)
-        intermittent = {"policy": "intermittent"}
-        prio = {"policy": "consecutive", "priority_budget_mb": budget}
-        specs = {
+        intermittent: dict[str, Any] = {"policy": "intermittent"}
+        prio: dict[str, Any] = {"policy": "consecutive", "priority_budget_mb": budget}
+        specs: dict[str, tuple[str, int, dict[str, Any], TrackingMode]] = {
             "full": ("full", full_interval, intermittent, "bitmap"),
             "partial": ("partial", partial_interval, intermittent, "bitmap"),
             "partial+mfu": ("partial", prio_interval, prio, "mfu"),

@@ -24,22 +24,24 @@ import argparse
 import csv
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from torchrec_cnr.config import CheckpointConfig, QuantizeConfig
-from torchrec_cnr.job import JobConfig, ModelConfig, Trainer, evaluate
-from torchrec_cnr.launch import init_distributed
-from torchrec_cnr.manifest import Manifest, saved_fraction
+from cnr_train.bench.common import scratch_dir
+from cnr_train.config import JobConfig, ModelConfig
+from cnr_train.job import Trainer, evaluate
+from cnr_train.launch import init_distributed
+from cnr_train.workload import train_step
+from torchrec_cnr import CheckpointConfig, QuantizeConfig
+from torchrec_cnr.commit import Manifest, saved_fraction
 from torchrec_cnr.quantization import select_bits
-from torchrec_cnr.workload import train_step
+from torchrec_cnr.selection.policy import PolicyName
 
 
 def _run(
-    args: argparse.Namespace, root: Path, policy: str, quant: QuantizeConfig, restores: int
+    args: argparse.Namespace, root: Path, policy: PolicyName, quant: QuantizeConfig, restores: int
 ) -> dict[str, Any]:
     rank = dist.get_rank()
     if rank == 0 and root.exists():
@@ -70,11 +72,11 @@ def _run(
                 # keep_last=1 drops old entries from the manifest: count each commit as it lands.
                 manifest = Manifest.load(root)
                 entry = manifest.checkpoints[-1]
-                written += entry["bytes"]
+                written += entry.bytes
                 peak_stored = max(peak_stored, manifest.chain_bytes(entry))
-                shards = entry["shards"]
-                rows_saved += sum(s["saved_rows"] * s["spec"]["cols"] for s in shards) / args.dim
-                if entry["kind"] != "full" and len(entry["chain"]) == 2:
+                shards = entry.shards
+                rows_saved += sum(s.saved_rows * s.spec.cols for s in shards) / args.dim
+                if entry.kind != "full" and len(entry.chain) == 2:
                     # It holds the rows modified in the one interval since its baseline.
                     one_interval.append(saved_fraction(shards))
             if step in restore_at:
@@ -115,13 +117,11 @@ def main() -> int:
     init_distributed()
     try:
         rank = dist.get_rank()
-        box = [tempfile.mkdtemp(prefix="cnr_exp_") if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        scratch = Path(box[0])
+        scratch = scratch_dir("cnr_exp_")
         rows: list[dict[str, Any]] = []
 
         def record(
-            name: str, policy: str, quant: QuantizeConfig, bits: Any, restores: int
+            name: str, policy: PolicyName, quant: QuantizeConfig, bits: Any, restores: int
         ) -> dict[str, Any]:
             r = _run(args, scratch / name, policy, quant, restores)
             r.update(run=name, policy=policy, method=quant.method, bits=bits, L=restores)

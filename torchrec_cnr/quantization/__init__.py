@@ -18,11 +18,12 @@ from __future__ import annotations
 from ._adaptive import search_ranges
 from ._config import (
     BITS,
+    CAST_DTYPES,
     CAST_METHODS,
     CODE_METHODS,
+    DEFAULT_THRESHOLDS,
     METHODS,
     UNIFORM_METHODS,
-    QuantizationConfig,
     select_bits,
 )
 from ._packing import pack_codes, packed_nbytes, padded_dim, unpack_codes
@@ -30,11 +31,12 @@ from ._rows import QuantizedRows, quantize
 
 __all__ = [
     "BITS",
+    "CAST_DTYPES",
     "CAST_METHODS",
     "CODE_METHODS",
+    "DEFAULT_THRESHOLDS",
     "METHODS",
     "UNIFORM_METHODS",
-    "QuantizationConfig",
     "QuantizedRows",
     "pack_codes",
     "packed_nbytes",

@@ -9,13 +9,8 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from ._rows import QuantizedRows
 
 #: Uniform (affine) quantizers: fused rowwise layout, per-row scale and bias.
 UNIFORM_METHODS: tuple[str, ...] = ("symmetric", "asymmetric", "adaptive")
@@ -23,6 +18,12 @@ UNIFORM_METHODS: tuple[str, ...] = ("symmetric", "asymmetric", "adaptive")
 CODE_METHODS: tuple[str, ...] = (*UNIFORM_METHODS, "kmeans")
 #: Plain dtype casts; ``bits`` is ignored for these.
 CAST_METHODS: tuple[str, ...] = ("fp16", "bf16", "none")
+#: The dtype each cast stores.
+CAST_DTYPES: dict[str, torch.dtype] = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "none": torch.float32,
+}
 #: All accepted values of ``method``.
 METHODS: tuple[str, ...] = (*CODE_METHODS, *CAST_METHODS)
 #: Bit widths accepted by the code methods.
@@ -162,32 +163,3 @@ def select_bits(
         if expected_restores <= limit:
             return int(bits)
     return 8
-
-
-@dataclass(frozen=True)
-class QuantizationConfig:
-    """A validated (method, bits, search parameters) bundle for one table.
-
-    Attributes:
-        method: One of :data:`METHODS`.
-        bits: Bit width for code methods (ignored for casts).
-        n_bins: Adaptive search granularity (range / n_bins per step).
-        ratio: Fraction of the range the adaptive search may shrink.
-    """
-
-    method: str = "adaptive"
-    bits: int = 4
-    n_bins: int = 200
-    ratio: float = 0.16
-
-    def __post_init__(self) -> None:
-        check_method_bits(self.method, self.bits)
-        check_search_params(self.n_bins, self.ratio)
-
-    def quantize(self, rows: torch.Tensor, name: str = "rows") -> QuantizedRows:
-        """Apply this configuration to (N, D) ``rows``; see :func:`quantize`."""
-        from ._rows import quantize  # deferred: _rows imports this module
-
-        return quantize(
-            rows, self.method, self.bits, n_bins=self.n_bins, ratio=self.ratio, name=name
-        )

@@ -8,6 +8,7 @@ import torch
 
 from ._adaptive import search_ranges
 from ._config import (
+    CAST_DTYPES,
     CAST_METHODS,
     UNIFORM_METHODS,
     check_finite,
@@ -18,8 +19,6 @@ from ._config import (
 from ._kmeans import kmeans_dequantize, kmeans_quantize
 from ._packing import packed_nbytes
 from ._uniform import decode, encode_minmax, encode_range, fused_row_bytes
-
-_CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": torch.float32}
 
 
 def _expected_layout(
@@ -34,7 +33,7 @@ def _expected_layout(
             "codes": ((n, packed_nbytes(dim, bits)), torch.uint8),
             "codebook": ((n, 1 << bits), torch.float16),
         }
-    return {"values": ((n, dim), _CAST_DTYPES[method])}
+    return {"values": ((n, dim), CAST_DTYPES[method])}
 
 
 @dataclass(frozen=True, eq=False)
@@ -213,7 +212,7 @@ def quantize(
     check_finite(rows, name)
 
     if method in CAST_METHODS:
-        values = rows.to(_CAST_DTYPES[method])
+        values = rows.to(CAST_DTYPES[method])
         if values.data_ptr() == rows.data_ptr():
             values = values.clone()  # the caller keeps training these rows
         if method == "fp16":

@@ -1,4 +1,4 @@
-"""Choosing the checkpoint interval (CPR, BRIEF 2.2).
+"""Choosing the checkpoint interval (CPR, Maeng et al., MLSys'21, Sec. 4.2).
 
 With N embedding shards, a mean time between failures ``T_fail`` (of the job:
 any failure) that each hits one shard, and a save interval ``T_save``, a

@@ -1,6 +1,14 @@
-"""Tracking: which rows of each local shard changed since the bits were cleared."""
+"""Stage 1: which rows changed. Bitmaps, kernel hooks, drop-in sharders, CPR's MFU/SSU."""
 
+from torchrec_cnr.tracking.shard import LocalShard, ShardSpec
 from torchrec_cnr.tracking.sharders import tracking_sharders
-from torchrec_cnr.tracking.tracker import TRACKER_ATTR, LocalShard, RowTracker, ShardSpec
+from torchrec_cnr.tracking.tracker import TRACKER_ATTR, TRACKING_MODES, RowTracker
 
-__all__ = ["LocalShard", "RowTracker", "ShardSpec", "TRACKER_ATTR", "tracking_sharders"]
+__all__ = [
+    "TRACKER_ATTR",
+    "TRACKING_MODES",
+    "LocalShard",
+    "RowTracker",
+    "ShardSpec",
+    "tracking_sharders",
+]

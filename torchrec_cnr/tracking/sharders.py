@@ -14,7 +14,7 @@ from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
-from torchrec_cnr.tracking.tracker import TRACKER_ATTR, RowTracker
+from torchrec_cnr.tracking.tracker import TRACKER_ATTR, RowTracker, TrackingMode
 
 
 def _attach(
@@ -64,7 +64,9 @@ class TrackingEmbeddingCollectionSharder(EmbeddingCollectionSharder):
 
 
 def tracking_sharders(
-    fused_params: dict[str, Any] | None = None, mode: str = "bitmap", ssu_rate: float = 0.1
+    fused_params: dict[str, Any] | None = None,
+    mode: TrackingMode = "bitmap",
+    ssu_rate: float = 0.1,
 ) -> list[Any]:
     """Sharders for ``EmbeddingBagCollection`` and ``EmbeddingCollection`` that track rows.
 

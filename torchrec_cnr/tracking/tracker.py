@@ -1,4 +1,4 @@
-"""Records which embedding rows each rank's shards modify.
+"""Records which embedding rows each rank's shards modify (Check-N-Run, NSDI'22, Sec. 4.2).
 
 A :class:`RowTracker` hangs on one sharded embedding module
 (``ShardedEmbeddingBagCollection`` or ``ShardedEmbeddingCollection``). It
@@ -19,148 +19,21 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from torchrec_cnr.tracking import bitmap
+from torchrec_cnr.tracking.priority import KernelPriority
+from torchrec_cnr.tracking.shard import LocalShard, ShardSpec, optimizer_state_names
 
-__all__ = [
-    "SCALAR_STATES",
-    "TRACKER_ATTR",
-    "TRACKING_MODES",
-    "LocalShard",
-    "RowTracker",
-    "ShardSpec",
-    "optimizer_state_names",
-]
+__all__ = ["TRACKER_ATTR", "TRACKING_MODES", "RowTracker", "TrackingMode"]
 
 TRACKER_ATTR = "_cnr_tracker"
-TRACKING_MODES = ("bitmap", "mfu", "ssu")
-
-SCALAR_STATES = ("iter", "max_counter")
-"""One-element buffers of an FBGEMM TBE that its optimizers read besides the per-row states:
-the step counter (Adam's and LAMB's bias correction, counter and global weight decay) and
-the largest row counter (counter weight decay)."""
-
-# Optimizers whose TBE keeps a second moment (``momentum2``).
-_SECOND_MOMENT = {
-    "ADAM",
-    "PARTIAL_ROWWISE_ADAM",
-    "LAMB",
-    "PARTIAL_ROWWISE_LAMB",
-    "ENSEMBLE_ROWWISE_ADAGRAD",
-}
-
-
-def optimizer_state_names(emb: Any) -> list[str]:
-    """Names of the per-table states ``emb.split_optimizer_states()`` returns, in its order.
-
-    FBGEMM returns, for each table, ``momentum1`` (every optimizer but EXACT_SGD), then
-    ``momentum2`` (Adam and LAMB variants), ``prev_iter`` (row-wise Adagrad with counter or
-    global weight decay) and ``row_counter`` (counter weight decay, Adam with row-wise bias
-    correction). The names are FBGEMM's own buffer prefixes.
-    """
-    optimizer = emb.optimizer.name
-    counter = bool(getattr(emb, "_used_rowwise_adagrad_with_counter", False))
-    global_decay = bool(getattr(emb, "_used_rowwise_adagrad_with_global_weight_decay", False))
-    names = []
-    if optimizer != "EXACT_SGD":
-        names.append("momentum1")
-    if optimizer in _SECOND_MOMENT:
-        names.append("momentum2")
-    if counter or global_decay:
-        names.append("prev_iter")
-    if counter or (optimizer == "ADAM" and getattr(emb, "use_rowwise_bias_correction", False)):
-        names.append("row_counter")
-    return names
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """Where one table shard lives; the unit the manifest describes."""
-
-    table: str
-    """Fully qualified table name, e.g. ``sparse_arch.ebc.t_user``."""
-    rank: int
-    """Rank holding the shard."""
-    sharding: str
-    """TorchRec sharding type, e.g. ``table_wise``."""
-    row_offset: int
-    """First global row of the shard."""
-    col_offset: int
-    """First global column of the shard."""
-    rows: int
-    """Rows in the shard."""
-    cols: int
-    """Columns in the shard."""
-    num_embeddings: int
-    """Rows of the whole table."""
-    embedding_dim: int
-    """Columns of the whole table."""
-
-    def to_json(self) -> dict[str, object]:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_json(cls, raw: dict[str, object]) -> ShardSpec:
-        return cls(**{k: raw[k] for k in cls.__dataclass_fields__})  # type: ignore[arg-type]
-
-
-@dataclass
-class LocalShard:
-    """A shard held by this rank, with live views into its kernel's memory."""
-
-    spec: ShardSpec
-    weight: torch.Tensor
-    """``(rows, cols)`` view of the kernel's weights."""
-    states: dict[str, torch.Tensor]
-    """Fused optimizer states by FBGEMM name: per row ``(rows,)`` (row-wise Adagrad's
-    ``momentum1``, ``prev_iter``, ``row_counter``) or per element ``(rows, cols)`` (Adagrad's and
-    Adam's moments)."""
-    optimizer: str
-    """Name of the fused optimizer, or ``"dense"`` when the kernel is not fused."""
-    words: torch.Tensor | None
-    """``(ceil(rows / 64),)`` int64 modified-row bitmap; ``None`` means every row counts as modified."""
-    kernel: Any = field(repr=False)
-    """The TBE kernel module; staging flushes it."""
-    priority: torch.Tensor | None = None
-    """CPR priority: ``(rows,)`` int32 access counts (MFU) or an int64 bitmap of sampled rows (SSU)."""
-    drain: Callable[[], None] = field(repr=False, default=lambda: None)
-    """Waits until pending lookups are in ``words``; call before reading or writing them."""
-
-    def scalar_states(self) -> dict[str, float]:
-        """The kernel's one-element optimizer buffers (:data:`SCALAR_STATES`) that it has."""
-        if self.words is None:
-            return {}
-        emb = self.kernel.emb_module
-        found = {}
-        for name in SCALAR_STATES:
-            value = getattr(emb, name, None)
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                found[name] = value.item()
-        return found
-
-    def load_scalar_states(self, values: dict[str, float]) -> None:
-        """Writes :meth:`scalar_states` back into the kernel."""
-        emb = self.kernel.emb_module
-        for name, value in values.items():
-            buffer = getattr(emb, name, None)
-            if isinstance(buffer, torch.Tensor) and buffer.numel() == 1:
-                buffer.fill_(value)
-        if "iter" in values and isinstance(getattr(emb, "iter_cpu", None), torch.Tensor):
-            # The TBE copies iter into iter_cpu only while iter_cpu is 0, i.e. in a fresh
-            # kernel; a live one would go on counting from its own value.
-            emb.iter_cpu.fill_(int(values["iter"]))
-
-    def modified_mask(self) -> torch.Tensor:
-        """``(rows,)`` bool mask of rows modified since the bits were last cleared."""
-        self.drain()
-        if self.words is None:
-            return torch.ones(self.spec.rows, dtype=torch.bool, device=self.weight.device)
-        return bitmap.to_mask(self.words, self.spec.rows)
+TrackingMode = Literal["bitmap", "mfu", "ssu"]
+TRACKING_MODES: tuple[TrackingMode, ...] = ("bitmap", "mfu", "ssu")
+"""``bitmap``: modified rows only; ``mfu``/``ssu``: also CPR's priority of each row."""
 
 
 def _unwrap(module: Any) -> Any:
@@ -212,27 +85,20 @@ class _Marker:
 
 
 class _KernelHook:
-    """Forward pre-hook of one TBE kernel module: sets the bits of looked-up rows.
-
-    With ``mode="mfu"`` it also counts every access per row; with ``"ssu"`` it
-    sets a second bitmap from a random subsample of the ids (rate ``ssu_rate``).
-    """
+    """Forward pre-hook of one TBE kernel module: sets the bits of looked-up rows, and
+    records their priority when the kernel keeps one."""
 
     def __init__(
         self,
         words: torch.Tensor,
         key_base: torch.Tensor,
         marker: _Marker | None,
-        priority: torch.Tensor | None = None,
-        mode: str = "bitmap",
-        ssu_rate: float = 0.0,
+        priority: KernelPriority | None,
     ) -> None:
         self.words = words
         self.key_base = key_base
         self.marker = marker
         self.priority = priority
-        self.mode = mode
-        self.ssu_rate = ssu_rate
         # A kernel holding one table needs no per-key offset into its bitmap.
         self.single_table = bool((key_base == 0).all())
 
@@ -261,13 +127,8 @@ class _KernelHook:
 
     def _record(self, rows: torch.Tensor) -> None:
         bitmap.set_bits(self.words, rows)
-        if self.mode == "mfu":
-            assert self.priority is not None
-            self.priority.index_add_(0, rows, torch.ones_like(rows, dtype=self.priority.dtype))
-        elif self.mode == "ssu":
-            assert self.priority is not None
-            sampled = rows[torch.rand(rows.numel(), device=rows.device) < self.ssu_rate]
-            bitmap.set_bits(self.priority, sampled)
+        if self.priority is not None:
+            self.priority.record(rows)
 
 
 class RowTracker:
@@ -277,6 +138,8 @@ class RowTracker:
         sharded: a ``ShardedEmbeddingBagCollection`` or ``ShardedEmbeddingCollection``.
         sharding_types: table name -> sharding type, from the module's plan.
         rank: this rank.
+        mode: ``bitmap``, or ``mfu``/``ssu`` to also keep CPR's row priorities.
+        ssu_rate: the sampled share of lookups for ``ssu``.
 
     Example::
 
@@ -291,7 +154,7 @@ class RowTracker:
         sharded: nn.Module,
         sharding_types: dict[str, str],
         rank: int,
-        mode: str = "bitmap",
+        mode: TrackingMode = "bitmap",
         ssu_rate: float = 0.1,
     ) -> None:
         if mode not in TRACKING_MODES:
@@ -300,10 +163,11 @@ class RowTracker:
             raise ValueError(f"ssu_rate must be in (0, 1], got {ssu_rate}")
         self.mode = mode
         self._ssu_rate = ssu_rate
-        self._priority: dict[tuple[int, int], torch.Tensor] = {}
         self._rank = rank
         self._sharding_types = dict(sharding_types)
-        self._entries: list[tuple[Any, int, Any, torch.Tensor | None]] = []
+        # (table config, its index in the kernel, kernel, bitmap view or None, first word)
+        self._entries: list[tuple[Any, int, Any, torch.Tensor | None, int]] = []
+        self._priorities: dict[int, KernelPriority] = {}
         self._handles: list[Any] = []
         self._hooks: list[tuple[Any, _KernelHook]] = []
         self._marker: _Marker | None = None
@@ -321,7 +185,7 @@ class RowTracker:
         fused = hasattr(emb, "split_optimizer_states") and hasattr(kernel, "fused_optimizer")
         if not fused:
             for i in range(len(tables)):
-                self._entries.append((tables[i], i, kernel, None))
+                self._entries.append((tables[i], i, kernel, None, 0))
             return
         # One flat bitmap per kernel; each table starts on a word boundary so
         # that its bits are a plain slice of the flat tensor.
@@ -340,24 +204,16 @@ class RowTracker:
         if device.type == "cpu" and self._marker is None:
             self._marker = _Marker()
         priority = None
-        if self.mode == "mfu":
-            priority = torch.zeros(total * 64, dtype=torch.int32, device=device)
-        elif self.mode == "ssu":
-            priority = torch.zeros(total, dtype=torch.int64, device=device)
+        if self.mode != "bitmap":
+            priority = KernelPriority(self.mode, total, device, self._ssu_rate)
+            self._priorities[id(kernel)] = priority
         marker = self._marker if device.type == "cpu" else None
-        hook = _KernelHook(words, key_base, marker, priority, self.mode, self._ssu_rate)
+        hook = _KernelHook(words, key_base, marker, priority)
         self._hooks.append((kernel, hook))
         self._handles.append(kernel.register_forward_pre_hook(hook, with_kwargs=True))
         for i, t in enumerate(tables):
             view = words[word_starts[i] : word_starts[i] + bitmap.num_words(t.local_rows)]
-            self._entries.append((t, i, kernel, view))
-            if priority is not None and self.mode == "mfu":
-                start = word_starts[i] * 64
-                self._priority[(id(kernel), i)] = priority[start : start + t.local_rows]
-            elif priority is not None:
-                self._priority[(id(kernel), i)] = priority[
-                    word_starts[i] : word_starts[i] + bitmap.num_words(t.local_rows)
-                ]
+            self._entries.append((t, i, kernel, view, word_starts[i]))
 
     def drain(self) -> None:
         """Waits until every looked-up row so far is in the bitmaps."""
@@ -374,7 +230,7 @@ class RowTracker:
         out = []
         weights_cache: dict[int, list[torch.Tensor]] = {}
         states_cache: dict[int, list[list[torch.Tensor]]] = {}
-        for table, index, kernel, words in self._entries:
+        for table, index, kernel, words, first_word in self._entries:
             emb = kernel.emb_module
             key = id(kernel)
             if key not in weights_cache:
@@ -407,7 +263,8 @@ class RowTracker:
             optimizer = emb.optimizer.name if words is not None else "dense"
             weight = weights_cache[key][index]
             assert weight.shape == (rows, cols), (weight.shape, rows, cols)
-            priority = self._priority.get((id(kernel), index))
+            kernel_priority = self._priorities.get(key)
+            priority = None if kernel_priority is None else kernel_priority.table(first_word, rows)
             out.append(
                 LocalShard(spec, weight, states, optimizer, words, kernel, priority, self.drain)
             )

@@ -1,0 +1,82 @@
+"""The training application's command line: ``cnr-train``.
+
+    torchrun --standalone --nproc_per_node=2 -m cnr_train run --config configs/demo.yaml
+    torchrun --standalone --nproc_per_node=2 scripts/train.py --config configs/demo.yaml \\
+        checkpoint.policy=consecutive train.steps=200
+    cnr-train criteo-convert /data/criteo/day_* --cache-dir runs/criteo_npy
+
+Every ``key.path=value`` after the options overrides the YAML file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from cnr_train.quiet import quiet_third_party
+
+quiet_third_party()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from cnr_train import config_file, criteo  # noqa: E402
+from cnr_train.config import JobConfig  # noqa: E402
+from cnr_train.job import run  # noqa: E402
+from cnr_train.launch import init_distributed  # noqa: E402
+
+
+def train(config_path: str | None, overrides: list[str]) -> int:
+    """Trains under torchrun (or as one process), as configured."""
+    try:
+        config = config_file.load(JobConfig, config_path, overrides)
+    except config_file.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    init_distributed()
+    try:
+        run(config)
+        dist.barrier()  # leave together: gloo aborts a rank whose peer tears down first
+    except RuntimeError as e:
+        if "by peer" not in str(e):
+            raise
+        # Another rank died (an injected failure, or a real one): torchrun restarts the job.
+        print(f"[rank {dist.get_rank()}] lost a peer: {str(e).splitlines()[0][:120]}", flush=True)
+        return 1
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def criteo_convert(paths: list[str], cache_dir: str) -> int:
+    """Converts Criteo TSV files into the ``.npy`` cache that ``data.path`` reads."""
+    try:
+        for entry in criteo.convert(paths, cache_dir):
+            print(f"{entry.stem}_{{dense,sparse,labels}}.npy: {entry.rows} samples")
+    except (OSError, criteo.CriteoFormatError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="cnr-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="train, checkpoint, inject failures, evaluate")
+    p_run.add_argument("--config", help="YAML file mapping onto JobConfig")
+    p_run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
+    p_conv = sub.add_parser("criteo-convert", help="Criteo TSV -> the cache data.path reads")
+    p_conv.add_argument("paths", nargs="+", help="TSV files or globs (train.txt, day_*)")
+    p_conv.add_argument("--cache-dir", default="runs/criteo_npy", help="as data.cache_dir")
+    args = parser.parse_args(argv)
+    if args.command == "criteo-convert":
+        return criteo_convert(args.paths, args.cache_dir)
+    return train(args.config, args.overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""The training job behind ``scripts/train.py``: a config-driven DLRM run with
+checkpoints, failure injection, automatic resume and evaluation."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm import tqdm
+
+from cnr_train import criteo
+from cnr_train.config import JobConfig
+from cnr_train.report import check_restore, full_fp32_bytes, plot_bytes, say, summarize
+from cnr_train.workload import (
+    CRITEO_NUM_DENSE,
+    BatchStream,
+    TableSpec,
+    ZipfBatches,
+    build_model,
+    criteo_tables,
+    dense_optimizer,
+    train_step,
+)
+from torchrec_cnr import CheckpointConfig, CheckpointManager
+from torchrec_cnr.commit import Entry, Manifest
+from torchrec_cnr.encoding import crc32
+from torchrec_cnr.tracking import model_state
+from torchrec_cnr.tracking.tracker import TrackingMode
+
+
+def job_tables(config: JobConfig) -> list[TableSpec]:
+    m, types = config.model, config.sharding.types
+    if m.tables == "criteo":
+        return criteo_tables(m.max_rows, m.dim, types)
+    return [
+        TableSpec(f"t{i}", m.max_rows, m.dim, types[i % len(types)] if types else None)
+        for i in range(m.num_tables)
+    ]
+
+
+def num_dense(config: JobConfig) -> int:
+    return CRITEO_NUM_DENSE if config.model.tables == "criteo" else 4
+
+
+@dataclass
+class Trainer:
+    """One rank's model, optimizers, data and checkpoint manager."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    data: BatchStream
+    ckpt: CheckpointManager
+
+    @property
+    def app_state(self) -> dict[str, Any]:
+        return {"reader": self.data, "dense_opt": self.opt}
+
+    @classmethod
+    def build(
+        cls,
+        config: JobConfig,
+        seed: int,
+        checkpoint: CheckpointConfig | None = None,
+        tracking_mode: TrackingMode = "bitmap",
+    ) -> Trainer:
+        """Builds the model (seeded with ``seed``), optimizers, data and manager.
+
+        ``checkpoint`` replaces ``config.checkpoint``; ``tracking_mode`` is CPR's
+        ``mfu``/``ssu`` for prioritized saves.
+        """
+        tables = job_tables(config)
+        nd = num_dense(config)
+        model = build_model(
+            tables,
+            nd,
+            learning_rate=config.optimizer.sparse_lr,
+            seed=seed,
+            tracking_mode=tracking_mode,
+        )
+        opt = dense_optimizer(model, config.optimizer.dense_lr)
+        data = make_data(config, tables)
+        app_state = {"reader": data, "dense_opt": opt}
+        return cls(
+            model, opt, data, CheckpointManager(model, checkpoint or config.checkpoint, app_state)
+        )
+
+
+def make_data(config: JobConfig, tables: list[TableSpec]) -> BatchStream:
+    """The job's batches: Criteo files when ``data.path`` is set, else synthetic."""
+    d = config.data
+    if d.path is None:
+        return ZipfBatches(tables, d.batch_size, num_dense(config), d.alpha, d.pooling, d.seed)
+    # One converter per node; the other ranks wait for its completion markers.
+    converter = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    world = dist.get_world_size()
+    train = criteo.convert(d.path, d.cache_dir, converter, progress=dist.get_rank() == 0)
+    heldout = criteo.convert(d.eval_path, d.cache_dir, converter) if d.eval_path else None
+    return criteo.CriteoBatches(
+        train, tables, d.batch_size, world, heldout, config.eval.batches * world * d.batch_size
+    )
+
+
+def evaluate(model: nn.Module, data: BatchStream, batches: int) -> dict[str, float]:
+    """AUC and log loss on held-out batches, gathered over every rank."""
+    from torchmetrics.functional.classification import binary_auroc
+
+    rank = dist.get_rank()
+    preds, labels = [], []
+    with torch.no_grad():
+        for i in range(batches):
+            b = data.heldout(rank, i)
+            preds.append(torch.sigmoid(model(b.dense, b.sparse).squeeze(-1)))
+            labels.append(b.labels)
+    local = torch.stack([torch.cat(preds), torch.cat(labels)])
+    everything = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(everything, local)
+    p, y = torch.cat(everything, dim=1)
+    auc = float(binary_auroc(p, y.long()))
+    logloss = float(nn.functional.binary_cross_entropy(p.clamp(1e-7, 1 - 1e-7), y))
+    return {"auc": auc, "logloss": logloss}
+
+
+def state_digest(model: nn.Module, data: BatchStream) -> str:
+    """CRC32 over every rank's shards, optimizer state, dense state and reader position."""
+    crc = 0
+    for s in model_state.local_shards(model):
+        for t in (s.weight, *s.states.values()):
+            crc = zlib.crc32(crc.to_bytes(4, "little") + crc32(t).to_bytes(4, "little"))
+        crc = zlib.crc32(repr(sorted(s.scalar_states().items())).encode(), crc)
+    for key, t in sorted(model_state.dense_state(model).items()):
+        crc = zlib.crc32(key.encode() + crc32(t).to_bytes(4, "little"), crc)
+    crc = zlib.crc32(data.position.to_bytes(8, "little"), crc)
+    crcs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(crcs, crc)
+    return "-".join(f"{c:08x}" for c in crcs)
+
+
+def _restore_check(config: JobConfig, t: Trainer, latest: Entry) -> dict[str, Any]:
+    """Restores the last checkpoint into a fresh model and compares it with the live one."""
+    fresh = Trainer.build(config, config.train.seed + 1000)
+    restored = fresh.ckpt.restore()
+    if restored != config.train.steps:
+        say(
+            f"restore check: skipped (step {config.train.steps} was not checkpointed; latest is {restored})"
+        )
+        fresh.ckpt.close()
+        return {}
+    ok, err = check_restore(t.model, fresh.model, latest, config.checkpoint.quantize)
+    fresh.ckpt.close()
+    quantized = any(r.format.method != "none" for r in latest.shards)
+    if not quantized:
+        verdict = "bit-exact" if ok else "MISMATCH"
+    else:
+        verdict = (
+            "every row is the quantizer's round trip of the live row, state bit-exact"
+            if ok
+            else "MISMATCH"
+        ) + f"; max abs error {err:.3g}"
+    say(f"restore check: step {restored} into a fresh model: {verdict}")
+    if not ok:
+        raise SystemExit("restore check failed")
+    return {
+        "restore_exact": ok and not quantized,
+        "restore_checked": ok,
+        "restore_max_abs_err": err,
+    }
+
+
+def _maybe_fail(config: JobConfig, step: int) -> None:
+    """Kills this rank after ``step`` if a failure is configured there and has not fired yet."""
+    f = config.failure
+    if step not in f.steps:
+        return
+    marker = Path(config.checkpoint.path) / ".failures" / f"step-{step}"
+    dist.barrier()  # every rank checks the marker before the victim writes it
+    fired = marker.exists()
+    dist.barrier()
+    if fired or dist.get_rank() != f.rank:
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(time.time()))
+    print(f"[rank {f.rank}] injected failure after step {step}: SIGKILL", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run(config: JobConfig) -> dict[str, Any]:
+    """Trains, checkpoints, injects failures, evaluates; checks the last checkpoint restores exactly."""
+    rank = dist.get_rank()
+    root = Path(config.checkpoint.path)
+    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    if config.train.clean_start and first_attempt and rank == 0 and root.exists():
+        shutil.rmtree(root)
+    dist.barrier()
+    t = Trainer.build(config, config.train.seed)
+    if isinstance(t.data, criteo.CriteoBatches):
+        steps = config.train.steps
+        say(
+            f"criteo: {t.data.samples} training samples from {config.data.path}; "
+            f"{steps} steps make {t.data.epochs(steps):.2f} epoch(s)"
+        )
+    start = (t.ckpt.restore() or 0) if config.train.resume else 0
+    if start:
+        say(
+            f"resumed from step {start} (restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})"
+        )
+    bar = tqdm(
+        total=config.train.steps,
+        initial=start,
+        disable=rank != 0,
+        desc="train",
+        unit="step",
+        mininterval=1,
+    )
+    began, loss = time.perf_counter(), float("nan")
+    for step in range(start + 1, config.train.steps + 1):
+        loss = train_step(t.model, t.opt, t.data.next(rank))
+        if t.ckpt.maybe_save(step):
+            bar.set_postfix(loss=f"{loss:.4f}", ckpt=step)
+        bar.update(1)
+        _maybe_fail(config, step)
+    bar.close()
+    t.ckpt.wait()
+    result: dict[str, Any] = {
+        "loss": loss,
+        "seconds": time.perf_counter() - began,
+        "resumed_from": start,
+    }
+    # Before evaluating: FBGEMM counts every forward, evaluation's too, in the kernels'
+    # step counters, which the last checkpoint holds as they were at its step.
+    latest = Manifest.load(root).latest()
+    if config.train.verify_restore and latest is not None:
+        result.update(_restore_check(config, t, latest))
+    result.update(evaluate(t.model, t.data, config.eval.batches))
+    say(
+        f"eval: AUC {result['auc']:.4f}, log loss {result['logloss']:.4f} ({config.eval.batches} batches/rank)"
+    )
+    manifest = Manifest.load(root)
+    if manifest.checkpoints:
+        full = full_fp32_bytes(t.model, t.app_state, root.with_name(root.name + "-fp32-reference"))
+        result.update(summarize(manifest, full))
+        if config.train.figure_path and rank == 0:
+            plot_bytes(manifest, full, Path(config.train.figure_path))
+            say(f"bytes per interval: {config.train.figure_path}")
+    result["digest"] = state_digest(t.model, t.data)
+    t.ckpt.close()
+    if config.train.metrics_path and rank == 0:
+        path = Path(config.train.metrics_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+    return result

@@ -1,0 +1,94 @@
+"""Quantized checkpoints end to end: every policy's chain restores each row as
+the quantizer's round trip of its saved value; bit widths follow the restores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cnr_train.workload import TableSpec
+from tests import reference
+from tests.jobs import Job, make_job
+from tests.multiprocess import run_ranks
+from torchrec_cnr import QuantizeConfig
+from torchrec_cnr.commit import Manifest
+from torchrec_cnr.encoding import FP32, FormatResolver
+from torchrec_cnr.quantization import quantize
+from torchrec_cnr.selection import POLICIES
+from torchrec_cnr.tracking import model_state
+
+TABLES = [
+    TableSpec("big", 600, 16, "table_wise"),
+    TableSpec("cw", 500, 16, "column_wise"),
+    TableSpec("small", 100, 16, "table_wise"),
+]
+QUANT = QuantizeConfig(method="adaptive", bits=4, min_rows=200, tables={"cw": "asymmetric:3"})
+
+
+def _job(root: str, policy: str, seed: int) -> Job:
+    return make_job(
+        TABLES, root, seed=seed, data_seed=6, policy=policy, interval_steps=2, quantize=QUANT
+    )
+
+
+def _round_trip(table: str, rows: torch.Tensor) -> torch.Tensor:
+    fmt = FormatResolver(QUANT, restores=0).resolve(
+        table, {"big": 600, "cw": 500, "small": 100}[table.rsplit(".", 1)[-1]]
+    )
+    if fmt == FP32:
+        return rows
+    return quantize(rows, fmt.method, fmt.bits, n_bins=QUANT.n_bins, ratio=QUANT.ratio).dequantize()
+
+
+def _quantized_chain(root: str, refs: str, policy: str) -> None:
+    job = _job(root, policy, seed=1)
+    for step in range(1, 13):
+        job.train(1)
+        if job.ckpt.maybe_save(step):
+            reference.save(reference.take(job.model, job.app), Path(refs), step)
+    job.ckpt.wait()
+    for step in (6, 12):
+        fresh = _job(root, policy, seed=40 + step)
+        assert fresh.ckpt.restore(step=step) == step
+        refs_at = reference.load_all(Path(refs), step)
+        reference.assert_model_matches(fresh.model, fresh.app, refs_at, expected_rows=_round_trip)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("policy", POLICIES)
+def test_quantized_chain_restores_the_quantizer_round_trip_of_saved_rows(
+    policy: str, root: str, refs: Path
+) -> None:
+    run_ranks(2, _quantized_chain, root, str(refs), policy)
+    manifest = Manifest.load(root)
+    formats = {
+        (r.spec.table.rsplit(".", 1)[-1], r.format.method, r.format.bits)
+        for e in manifest.checkpoints
+        for r in e.shards
+    }
+    assert formats == {("big", "adaptive", 4), ("cw", "asymmetric", 3), ("small", "none", 32)}
+    big = [r for r in manifest.checkpoints[0].shards if r.spec.table.endswith("big")]
+    fp32_bytes = sum(r.saved_rows * r.spec.cols * 4 for r in big)
+    stored = sum(r.nbytes for r in big)
+    assert stored < fp32_bytes / 2, (
+        "4-bit rows plus fp32 optimizer state must be well under fp32 rows"
+    )
+
+
+def _nan_row_fails_the_checkpoint(root: str) -> None:
+    job = _job(root, "full", seed=1)
+    job.train(1)
+    for shard in model_state.local_shards(job.model):
+        if shard.spec.table.endswith("big"):
+            shard.weight[7, 0] = float("nan")
+    job.ckpt.save(1)
+    with pytest.raises(Exception, match=r"table '.*big' row 7 contains NaN or Inf"):
+        job.ckpt.wait()
+    assert Manifest.load(root).steps() == []
+
+
+@pytest.mark.dist
+def test_nan_row_fails_the_checkpoint_naming_table_and_row(root: str) -> None:
+    run_ranks(2, _nan_row_fails_the_checkpoint, root)

@@ -1,0 +1,143 @@
+"""The contract: with fp32, a job restored from a committed checkpoint in the middle of a
+chain and trained on ends bit-identical to one that never stopped.
+
+Run for every policy, every layout (all in one model), every fused optimizer FBGEMM runs
+on CPU, TorchRec's TestSparseNN (an EmbeddingBagCollection and a weighted one) and a
+sequence model on an EmbeddingCollection. "Bit-identical" covers every shard's weights,
+every fused optimizer state including the kernels' step counters, the dense parameters
+and the dense optimizer in ``app_state``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from tests import reference
+from tests.contract.models import MODEL_LAYOUTS, OPTIMIZERS, build, capture, differences
+from tests.multiprocess import run_ranks
+from torchrec_cnr import CheckpointConfig, CheckpointManager
+from torchrec_cnr.commit import Manifest
+from torchrec_cnr.selection import POLICIES
+from torchrec_cnr.selection.policy import PolicyName
+from torchrec_cnr.tracking import model_state
+
+STEPS = 12
+EVERY = 3
+RESUME_AT = 9
+"""A checkpoint in the middle of the chain: a delta over the step-3 baseline for every
+policy but ``full`` (consecutive: 3, 6, 9)."""
+
+
+def _train(job, ckpt: CheckpointManager, first: int, last: int) -> None:
+    for step in range(first, last + 1):
+        job.step(step)
+        ckpt.maybe_save(step)
+    ckpt.wait()
+
+
+def _resume_equals_uninterrupted(kind: str, optimizer: str, policy: PolicyName, root: str) -> None:
+    config = CheckpointConfig(path=root, policy=policy, interval_steps=EVERY)
+    job = build(kind, optimizer, seed=1)
+    with CheckpointManager(job.model, config, job.app_state) as ckpt:
+        _train(job, ckpt, 1, STEPS)
+    uninterrupted = capture(job)
+
+    entry = Manifest.load(root).find(RESUME_AT)
+    assert entry is not None
+    assert policy == "full" or len(entry.chain) >= 2, entry.chain
+    for rec, shard in zip(
+        [r for r in entry.shards if r.spec.rank == dist.get_rank()],
+        model_state.local_shards(job.model),
+        strict=True,
+    ):
+        # The manifest names the optimizer, its states and the step counters it saved.
+        assert rec.optimizer == shard.optimizer
+        assert set(rec.states) == set(shard.states)
+        assert set(rec.scalars) == set(shard.scalar_states())
+
+    resumed = build(kind, optimizer, seed=2)
+    assert differences(uninterrupted, capture(resumed)), "a fresh model must differ"
+    with CheckpointManager(resumed.model, config, resumed.app_state) as ckpt:
+        assert ckpt.restore(step=RESUME_AT) == RESUME_AT
+        _train(resumed, ckpt, RESUME_AT + 1, STEPS)
+    diff = differences(uninterrupted, capture(resumed))
+    assert not diff, f"resumed run differs from the uninterrupted one at {diff[:5]}"
+
+    # The resumed run continued the chain; its last checkpoint restores the same state.
+    latest = build(kind, optimizer, seed=3)
+    with CheckpointManager(latest.model, config, latest.app_state) as ckpt:
+        assert ckpt.restore() == STEPS
+    diff = differences(uninterrupted, capture(latest))
+    assert not diff, f"continued chain restores differently at {diff[:5]}"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_resume_equals_uninterrupted_on_every_layout(
+    optimizer: str, policy: str, tmp_path: Path
+) -> None:
+    run_ranks(2, _resume_equals_uninterrupted, "ebc", optimizer, policy, str(tmp_path / "ckpt"))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("policy", POLICIES)
+def test_resume_equals_uninterrupted_with_sequence_embeddings(policy: str, tmp_path: Path) -> None:
+    run_ranks(
+        2, _resume_equals_uninterrupted, "ec", "exact_adagrad", policy, str(tmp_path / "ckpt")
+    )
+
+
+# -- resharding ---------------------------------------------------------------------
+
+
+def _layouts(layout: str) -> dict[str, str]:
+    # Data-parallel tables stay replicated: they travel with the dense state.
+    return {
+        f"{prefix}_{x}": layout
+        for prefix in ("t", "w")
+        for x in MODEL_LAYOUTS["ebc"]
+        if x != "data_parallel"
+    }
+
+
+def _save_chain(layout: str, root: str, refs: str) -> None:
+    job = build("ebc", "exact_adagrad", seed=1, layouts=_layouts(layout))
+    config = CheckpointConfig(path=root, policy="intermittent")
+    with CheckpointManager(job.model, config, job.app_state) as ckpt:
+        for step in range(1, 7):
+            job.step(step)
+            if step in (3, 6):
+                ckpt.save(step)
+                reference.save(reference.take(job.model, job.app_state), Path(refs), step)
+
+
+def _restore_matches(layout: str, root: str, refs: str) -> None:
+    job = build("ebc", "exact_adagrad", seed=9, layouts=_layouts(layout))
+    with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
+        assert ckpt.restore() == 6
+    reference.assert_model_matches(job.model, job.app_state, reference.load_all(Path(refs), 6))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "saved,saved_ranks,restored,restored_ranks",
+    [
+        ("row_wise", 2, "table_wise", 1),
+        ("table_wise", 1, "row_wise", 2),
+        ("row_wise", 2, "column_wise", 2),
+        ("column_wise", 2, "row_wise", 2),
+    ],
+)
+def test_row_wise_chain_restores_exactly_onto_other_layouts_and_back(
+    saved: str, saved_ranks: int, restored: str, restored_ranks: int, tmp_path: Path
+) -> None:
+    root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
+    refs.mkdir()
+    run_ranks(saved_ranks, _save_chain, saved, root, str(refs))
+    latest = Manifest.load(root).latest()
+    assert latest is not None and len(latest.chain) == 2  # a baseline and a delta
+    run_ranks(restored_ranks, _restore_matches, restored, root, str(refs))

@@ -1,0 +1,115 @@
+"""Restore maps rows by global id onto another sharding or world size, and
+refuses a checkpoint of another model or with missing files without changing anything."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from cnr_train.workload import TableSpec
+from tests import reference
+from tests.jobs import Job, make_job
+from tests.multiprocess import run_ranks
+from torchrec_cnr import CheckpointReadError, ModelMismatchError
+from torchrec_cnr.tracking import model_state
+
+MIXED = [
+    TableSpec("a", 400, 16, "table_wise"),
+    TableSpec("b", 300, 16, "column_wise"),
+    TableSpec("c", 250, 16, "table_column_wise"),
+    TableSpec("d", 120, 16, "data_parallel"),
+]
+
+
+def _resharded(tables: list[TableSpec], sharding: str) -> list[TableSpec]:
+    return [dataclasses.replace(t, sharding=sharding) for t in tables]
+
+
+def _job(tables: list[TableSpec], root: str, seed: int) -> Job:
+    return make_job(tables, root, seed=seed, data_seed=2, policy="intermittent")
+
+
+def _save(tables, root: str, refs: str, steps: tuple[int, ...]) -> None:
+    job = _job(tables, root, seed=1)
+    for step in range(1, max(steps) + 1):
+        job.train(1)
+        if step in steps:
+            job.ckpt.save(step)
+            reference.save(reference.take(job.model, job.app), Path(refs), step)
+    job.ckpt.wait()
+
+
+def _restore_and_compare(tables, root: str, refs: str, step: int, check_states: bool) -> None:
+    job = _job(tables, root, seed=50)
+    assert job.ckpt.restore(step=step) == step
+    reference.assert_model_matches(
+        job.model, job.app, reference.load_all(Path(refs), step), check_states
+    )
+
+
+@pytest.mark.dist
+def test_two_rank_chain_restores_on_one_rank(tmp_path: Path) -> None:
+    root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
+    refs.mkdir()
+    run_ranks(2, _save, MIXED, root, str(refs), (2, 4, 6))
+    run_ranks(1, _restore_and_compare, MIXED, root, str(refs), 6, True)
+    run_ranks(1, _restore_and_compare, MIXED, root, str(refs), 4, True)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "saved,restored", [("table_wise", "column_wise"), ("column_wise", "table_wise")]
+)
+def test_chain_restores_onto_other_sharding(saved: str, restored: str, tmp_path: Path) -> None:
+    tables = _resharded(MIXED[:3], saved)
+    root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
+    refs.mkdir()
+    run_ranks(2, _save, tables, root, str(refs), (2, 4))
+    run_ranks(2, _restore_and_compare, _resharded(tables, restored), root, str(refs), 4, True)
+
+
+def _refuses(tables, root: str, expected: type[Exception], needles: list[str]) -> None:
+    job = _job(tables, root, seed=77)
+    before = reference.take(job.model, job.app)
+    with pytest.raises(expected) as info:
+        job.ckpt.restore()
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+    after = model_state.local_shards(job.model)
+    for (spec, weight, states), shard in zip(before["shards"], after):
+        assert spec == shard.spec and torch.equal(weight, shard.weight)
+        assert all(torch.equal(v, shard.states[k]) for k, v in states.items())
+    dense = model_state.dense_state(job.model)
+    assert all(torch.equal(v, dense[k]) for k, v in before["dense"].items())
+    job.ckpt.close()
+
+
+@pytest.mark.dist
+def test_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
+    refs.mkdir()
+    run_ranks(2, _save, MIXED, root, str(refs), (2,))
+    other = [
+        dataclasses.replace(MIXED[0], rows=410),
+        *MIXED[1:],
+        TableSpec("e", 50, 16, "table_wise"),
+    ]
+    needles = [
+        "embedding_bag_collection.a' is 400x16 in the checkpoint but 410x16",
+        "'sparse_arch.embedding_bag_collection.e' is in the model but not",
+    ]
+    run_ranks(2, _refuses, other, root, ModelMismatchError, needles)
+
+
+@pytest.mark.dist
+def test_missing_checkpoint_files_are_named_and_change_nothing(tmp_path: Path) -> None:
+    root, refs = tmp_path / "ckpt", tmp_path / "refs"
+    refs.mkdir()
+    run_ranks(2, _save, MIXED, str(root), str(refs), (2, 4))
+    baseline = sorted(p for p in root.iterdir() if p.is_dir())[0]
+    shutil.rmtree(baseline)
+    run_ranks(2, _refuses, MIXED, str(root), CheckpointReadError, [baseline.name])

@@ -1,0 +1,98 @@
+"""The tracker's bitmaps equal the set of ids each shard was asked for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
+from tests.multiprocess import run_ranks
+from torchrec_cnr.tracking import bitmap, model_state
+
+TABLES = [
+    TableSpec("t_tw", 500, 32, "table_wise"),
+    TableSpec("t_cw", 400, 32, "column_wise"),
+    TableSpec("t_twcw", 300, 32, "table_column_wise"),
+    TableSpec("t_dp", 100, 32, "data_parallel"),
+    # Three table-wise tables on two ranks: some kernel holds several tables,
+    # so ids need per-table offsets into its bitmap.
+    TableSpec("t_tw2", 200, 32, "table_wise"),
+    TableSpec("t_tw3", 250, 32, "table_wise"),
+]
+
+
+def _bitmaps_equal_ids_seen(
+    tables: list[TableSpec], steps: int, several_per_kernel: bool, device_type: str = "cpu"
+) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = build_model(tables, seed=3, device=device)
+    opt = dense_optimizer(model)
+    data = ZipfBatches(tables, batch_size=32, alpha=1.05, seed=11)
+    for step in range(1, steps + 1):
+        train_step(model, opt, data.batch(rank, step).to(device))
+    # Every rank's input reaches the shards owning its ids, so the union over
+    # ranks and steps is what each shard must have recorded.
+    seen: dict[str, torch.Tensor] = {}
+    for r in range(world):
+        for step in range(1, steps + 1):
+            kjt = data.batch(r, step).sparse.to_dict()
+            for t in tables:
+                seen.setdefault(t.name, torch.zeros(t.rows, dtype=torch.bool))[
+                    kjt[f"f_{t.name}"].values()
+                ] = True
+    shards = model_state.local_shards(model)
+    assert shards, "rank holds no tracked shard"
+    kernels = torch.tensor([max(len(s.kernel.config.embedding_tables) for s in shards)])
+    dist.all_reduce(kernels, op=dist.ReduceOp.MAX)
+    assert not several_per_kernel or kernels.item() > 1, "no kernel holds several tables"
+    assert not any(s.spec.table.endswith("t_dp") for s in shards), (
+        "data-parallel tables travel as dense state"
+    )
+    for shard in shards:
+        spec = shard.spec
+        name = spec.table.rsplit(".", 1)[-1]
+        want = seen[name][spec.row_offset : spec.row_offset + spec.rows]
+        got = shard.modified_mask().cpu()
+        assert 0 < int(want.sum()) < spec.rows, "workload must touch some but not all rows"
+        assert torch.equal(got, want), (
+            f"{spec.table} ({spec.sharding}) bitmap differs from ids seen"
+        )
+        assert shard.words is not None and bitmap.count(shard.words) == int(want.sum())
+    dist.barrier()
+
+
+@pytest.mark.dist
+def test_bitmaps_equal_ids_seen_for_table_column_and_table_column_wise() -> None:
+    run_ranks(2, _bitmaps_equal_ids_seen, TABLES, 6, True)
+
+
+ROW_WISE = [
+    # 4001 rows: the row-wise blocks of the two ranks differ in size.
+    TableSpec("t_rw", 4001, 16, "row_wise"),
+    TableSpec("t_twrw", 4001, 16, "table_row_wise"),
+    TableSpec("t_grid", 4001, 16, "grid_shard"),
+]
+
+
+@pytest.mark.dist
+def test_bitmaps_equal_ids_seen_for_row_wise_table_row_wise_and_grid() -> None:
+    # The ids a row-wise shard's kernel receives are bucketized to offsets in its block.
+    run_ranks(2, _bitmaps_equal_ids_seen, ROW_WISE, 6, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bitmaps_equal_ids_seen_on_cuda_with_nccl() -> None:
+    run_ranks(
+        min(2, torch.cuda.device_count()),
+        _bitmaps_equal_ids_seen,
+        [*TABLES[:3], *ROW_WISE],
+        6,
+        False,
+        "cuda",
+        backend="nccl",
+    )

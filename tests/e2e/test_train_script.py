@@ -1,0 +1,205 @@
+"""scripts/train.py under a real torchrun, and its config handling."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cnr_train import config_file
+from cnr_train.config import JobConfig
+from torchrec_cnr.commit import Manifest
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def _train(*overrides: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        str(TORCHRUN),
+        "--standalone",
+        "--nproc_per_node=2",
+        f"--max-restarts={restarts}",
+        "scripts/train.py",
+        "--config",
+        "configs/demo.yaml",
+        *overrides,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+
+
+SMALL = (
+    "model.max_rows=2000",
+    "model.dim=16",
+    "train.steps=60",
+    "checkpoint.interval_steps=20",
+    "checkpoint.quantize.method=none",
+    "eval.batches=4",
+    "failure.steps=[]",
+    "train.figure_path=null",
+)
+
+
+@pytest.mark.dist
+def test_demo_config_trains_checkpoints_and_restores_bit_exact_under_torchrun(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "ckpt"
+    proc = _train(f"checkpoint.path={root}", *SMALL, f"train.metrics_path={tmp_path / 'm.json'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "restore check: step 60 into a fresh model: bit-exact" in proc.stdout
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert 0.5 < metrics["auc"] <= 1 and metrics["logloss"] > 0
+    manifest = Manifest.load(root)
+    assert manifest.steps() == [20, 40, 60]
+    assert [e.kind for e in manifest.checkpoints][0] == "full"
+
+    assert "x |" in proc.stdout and "one full fp32 checkpoint is" in proc.stdout
+
+    # A second run resumes from the committed step 60 and goes on to 80.
+    proc = _train(f"checkpoint.path={root}", *SMALL, "train.steps=80", "train.clean_start=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step 60" in proc.stdout
+    assert Manifest.load(root).steps() == [20, 40, 60, 80]
+
+
+@pytest.mark.dist
+def test_quantized_demo_restores_the_quantizer_round_trip_and_draws_the_bytes(
+    tmp_path: Path,
+) -> None:
+    figure = tmp_path / "bytes.png"
+    proc = _train(
+        f"checkpoint.path={tmp_path / 'ckpt'}",
+        *(o for o in SMALL if not o.startswith(("checkpoint.quantize", "train.figure"))),
+        f"train.figure_path={figure}",
+        f"train.metrics_path={tmp_path / 'm.json'}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rows stored as adaptive 2-bit" in proc.stdout, proc.stdout
+    assert "every row is the quantizer's round trip of the live row, state bit-exact" in proc.stdout
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert metrics["restore_checked"] and not metrics["restore_exact"]
+    assert metrics["written_reduction"] > 1 and metrics["stored_reduction"] > 1
+    assert figure.read_bytes()[:4] == b"\x89PNG"
+
+
+def assert_failed_run_matches_clean_run(tmp_path: Path, *overrides: str) -> dict[str, Any]:
+    """Runs the job uninterrupted and with rank 1 killed after step 50 (resuming from step 40).
+
+    Asserts both end in the same state, bit for bit; returns the clean run's metrics and stdout.
+    """
+    clean = _train(
+        f"checkpoint.path={tmp_path / 'a'}", *overrides, f"train.metrics_path={tmp_path / 'a.json'}"
+    )
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    failed = _train(
+        f"checkpoint.path={tmp_path / 'b'}",
+        *overrides,
+        "failure.steps=[50]",
+        f"train.metrics_path={tmp_path / 'b.json'}",
+        restarts=1,
+    )
+    assert failed.returncode == 0, failed.stderr[-3000:]
+    assert "injected failure after step 50" in failed.stdout
+    assert "resumed from step 40 (restart 1)" in failed.stdout
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    assert b["resumed_from"] == 40 and a["resumed_from"] == 0
+    assert a["digest"] == b["digest"], "the resumed run must end in the same state, bit for bit"
+    assert a["auc"] == b["auc"] and a["logloss"] == b["logloss"]
+    return {**a, "stdout": clean.stdout}
+
+
+@pytest.mark.dist
+def test_run_with_injected_failure_ends_bit_identical_to_uninterrupted_run(tmp_path: Path) -> None:
+    assert_failed_run_matches_clean_run(tmp_path, *SMALL)
+
+
+@pytest.mark.dist
+def test_auto_interval_records_cpr_decision_and_saves_at_that_interval(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    proc = _train(
+        f"checkpoint.path={root}",
+        *SMALL,
+        "train.steps=80",
+        "checkpoint.interval_steps=auto",
+        "checkpoint.recovery.probe_step=10",
+        "checkpoint.recovery.mtbf_s=4.0",
+        "checkpoint.recovery.pls_target=0.05",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "interval auto:" in proc.stderr
+    entries = Manifest.load(root).checkpoints
+    assert entries[0].step == 10
+    decision = entries[-1].interval_decision
+    assert decision is not None
+    assert decision["mode"] in ("partial", "full")
+    assert decision["interval_s"] == pytest.approx(
+        decision["partial_interval_s"]
+        if decision["mode"] == "partial"
+        else decision["full_interval_s"]
+    )
+    every = decision["interval_steps"]
+    assert [e.step for e in entries[1:]] == list(range(every, 81, every))[: len(entries) - 1]
+
+
+def test_unknown_config_key_stops_the_script_naming_it() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/train.py",
+            "--config",
+            "configs/demo.yaml",
+            "checkpoint.polcy=full",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "checkpoint.polcy" in proc.stderr
+
+
+def test_config_file_maps_yaml_and_overrides_onto_dataclasses() -> None:
+    cfg = config_file.load(
+        JobConfig, REPO / "configs/demo.yaml", ["checkpoint.policy=consecutive", "train.steps=7"]
+    )
+    assert cfg.checkpoint.policy == "consecutive" and cfg.train.steps == 7
+    assert cfg.sharding.types[1] == "column_wise" and cfg.failure.steps == [230]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_builds_a_job_config(path: Path) -> None:
+    cfg = config_file.load(JobConfig, path)
+    assert cfg.checkpoint.path and cfg.train.steps >= 1
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.steps=many", "train.steps must be int"),
+        ("checkpoint.policy=weekly", "policy must be one of"),
+        ("model.max_rows=0", "model.max_rows must be >= 1"),
+        ("data.nope=1", "data.nope"),
+        ("train", "must look like key.path=value"),
+        ("data.eval_path=/x", "eval_path needs path"),
+    ],
+)
+def test_invalid_config_values_raise_config_error_naming_the_key(
+    override: str, needle: str
+) -> None:
+    with pytest.raises(config_file.ConfigError, match=needle.replace(".", r"\.")):
+        config_file.load(JobConfig, REPO / "configs/demo.yaml", [override])
+
+
+def test_real_data_needs_the_26_criteo_tables() -> None:
+    with pytest.raises(config_file.ConfigError, match="data.path needs model.tables: criteo"):
+        config_file.load(
+            JobConfig, REPO / "configs/demo.yaml", ["model.tables=uniform", "data.path=/x.txt"]
+        )

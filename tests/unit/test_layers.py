@@ -1,0 +1,102 @@
+"""The library reads as its pipeline: no import cycle, each stage imports only earlier
+stages, and nothing of the training application (YAML, progress bars, cnr_train)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "torchrec_cnr"
+
+# The pipeline, in order; a module may import its own stage and the stages before it.
+STAGES = [
+    ("errors", "knobs", "collectives", "quantization"),
+    ("tracking",),
+    ("selection",),
+    ("config",),
+    ("staging",),
+    ("encoding",),
+    ("storage",),
+    ("commit",),
+    ("restore",),
+    ("recovery",),
+    ("manager",),
+    ("cli", "__init__"),
+]
+RANK = {name: i for i, names in enumerate(STAGES) for name in names}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """Modules and packages ``path`` imports, anywhere in it (functions included).
+
+    ``from pkg import mod`` counts as importing ``pkg.mod`` when that is one of ``modules``.
+    """
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = {f"{node.module}.{alias.name}" for alias in node.names} & set(modules)
+            found.update(subs or {node.module})
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {
+        name: {m for m in _imports(path, set(modules)) if m in modules and m != name}
+        for name, path in modules.items()
+    }
+
+
+def _stage(module: str) -> int:
+    parts = module.split(".")
+    return RANK[parts[1] if len(parts) > 1 else "__init__"]
+
+
+def test_no_module_of_the_library_imports_itself_back() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep) :] + [dep]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, [*path, dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_each_stage_imports_only_itself_and_earlier_stages() -> None:
+    late = [
+        f"{module} (stage {_stage(module)}) imports {dep} (stage {_stage(dep)})"
+        for module, deps in _graph().items()
+        if module != "torchrec_cnr"
+        for dep in deps
+        if dep != "torchrec_cnr" and _stage(dep) > _stage(module)
+    ]
+    assert not late, "\n".join(late)
+
+
+def test_the_library_needs_no_yaml_no_progress_bar_and_no_training_application() -> None:
+    banned = ("yaml", "tqdm", "matplotlib", "cnr_train")
+    found = {
+        f"{path.relative_to(PACKAGE.parent)}: {m}"
+        for path in PACKAGE.rglob("*.py")
+        for m in _imports(path, set())
+        if m.split(".")[0] in banned
+    }
+    assert not found, sorted(found)

@@ -1,0 +1,81 @@
+"""Collectives over one process group, and the one way ranks agree on a failure.
+
+Checkpointing is collective: when one rank fails (a full disk, a NaN row, a damaged
+file), every rank must learn of it at the same point, raise, and leave together. A rank
+that raised alone would leave the others waiting in the next collective until its
+timeout. :meth:`Collective.agree` is that point: every rank says whether it failed, and
+if any did, all raise the same exception type with the failing rank's message.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Collective"]
+
+T = TypeVar("T")
+
+
+class Collective:
+    """The collectives torchrec_cnr uses, bound to one process group.
+
+    Args:
+        pg: the process group; the default group if ``None``.
+    """
+
+    def __init__(self, pg: dist.ProcessGroup | None = None) -> None:
+        self.pg = pg
+        self.rank = dist.get_rank(pg)
+        self.world_size = dist.get_world_size(pg)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.pg)
+
+    def gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def broadcast(self, obj: T | None, src: int = 0) -> T:
+        """Rank ``src``'s ``obj`` on every rank."""
+        box: list[Any] = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.pg)
+        return box[0]
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank."""
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        return bool(t.item())
+
+    def max(self, values: list[float]) -> list[float]:
+        """Element-wise maximum over ranks."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        return [float(v) for v in t.tolist()]
+
+    def agree(self, error: BaseException | None) -> None:
+        """Raises on every rank if any rank passes an error; returns on every rank otherwise.
+
+        A failing rank re-raises its own error, traceback included. The others raise
+        the same exception type (``RuntimeError`` if it cannot be built from a message)
+        whose message names the rank and repeats its message; with several failures,
+        the lowest rank's.
+        """
+        report = None if error is None else (type(error), str(error))
+        failures = [(r, f) for r, f in enumerate(self.gather(report)) if f is not None]
+        if not failures:
+            return
+        if error is not None:
+            raise error
+        rank, (kind, message) = failures[0]
+        text = f"on rank {rank}: {message}"
+        try:
+            raised = kind(text) if issubclass(kind, Exception) else RuntimeError(text)
+        except Exception:  # an exception type whose constructor wants more than a message
+            raised = RuntimeError(f"{kind.__name__} {text}")
+        raise raised

@@ -1,0 +1,15 @@
+"""Stage 6: the typed chain manifest, the commit that makes a checkpoint exist, retention."""
+
+from torchrec_cnr.commit.commit import commit, count_restore
+from torchrec_cnr.commit.manifest import FORMAT_VERSION, Entry, Manifest, saved_fraction
+from torchrec_cnr.commit.retention import retire
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Entry",
+    "Manifest",
+    "commit",
+    "count_restore",
+    "retire",
+    "saved_fraction",
+]

@@ -1,0 +1,14 @@
+"""Stage 7: applying a chain to a live model, compatibility checks, partial recovery, verify."""
+
+from torchrec_cnr.restore.apply import restore_chain
+from torchrec_cnr.restore.compat import check_compatible
+from torchrec_cnr.restore.partial import select_shards
+from torchrec_cnr.restore.verify import verify_chains, verify_checkpoint
+
+__all__ = [
+    "check_compatible",
+    "restore_chain",
+    "select_shards",
+    "verify_chains",
+    "verify_checkpoint",
+]

@@ -1,0 +1,113 @@
+"""Which rows of each local shard a checkpoint holds, and when their bits restart.
+
+Check-N-Run (NSDI'22, Sec. 4.2-4.3): a baseline holds every row; a delta holds the rows
+whose bit is set. Bits restart when a checkpoint is staged: at every checkpoint for
+``consecutive``, at baselines only for the cumulative policies. Rows modified while the
+write runs belong to the next checkpoint. If the write fails, the bits it cleared are
+put back, so that no update drops out of the chain.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchrec_cnr.selection.policy import ChainState, Decision, Policy
+from torchrec_cnr.selection.priority import prioritize
+from torchrec_cnr.tracking import bitmap
+from torchrec_cnr.tracking.shard import LocalShard
+
+__all__ = ["resume_chain", "restart_bits", "put_back_bits", "select_rows"]
+
+
+def select_rows(
+    shards: list[LocalShard], decision: Decision, budget_bytes: int | None = None
+) -> list[torch.Tensor | None]:
+    """For each shard, the ``(k,)`` ascending local rows the checkpoint holds.
+
+    ``None`` stands for every row: a baseline, a kernel whose every row counts as
+    modified, or a delta that happens to hold every row. With ``budget_bytes`` a delta
+    holds CPR's prioritized rows (see :func:`prioritize`).
+    """
+    for shard in shards:
+        shard.drain()  # every lookup so far must be in the bits
+    if decision.kind == "full":
+        return [None] * len(shards)
+    if budget_bytes is not None:
+        picked: list[torch.Tensor | None] = list(prioritize(shards, budget_bytes))
+    else:
+        picked = [
+            None if s.words is None else bitmap.to_indices(s.words, s.spec.rows) for s in shards
+        ]
+    return [
+        None if rows is not None and rows.numel() == s.spec.rows else rows
+        for s, rows in zip(shards, picked)
+    ]
+
+
+def restart_bits(
+    shards: list[LocalShard], decision: Decision, prioritized: list[torch.Tensor | None] | None
+) -> list[torch.Tensor]:
+    """Clears the bits (and CPR priorities) of the rows the staged checkpoint covers.
+
+    Args:
+        shards: the local shards.
+        decision: the staged checkpoint's decision.
+        prioritized: the rows a prioritized delta holds; only their bits clear, the
+            others wait for the next checkpoint. ``None`` clears every bit.
+
+    Returns:
+        A copy of each shard's bits before clearing, for :func:`put_back_bits`.
+    """
+    if not decision.clear_bits:
+        return []
+    tracked = [s for s in shards if s.words is not None]
+    pending = [s.words.clone() for s in tracked if s.words is not None]
+    for i, shard in enumerate(shards):
+        if shard.words is None:
+            continue
+        rows = None if prioritized is None else prioritized[i]
+        if rows is None:
+            shard.words.zero_()
+        else:
+            bitmap.clear_bits(shard.words, rows)
+        if shard.priority is not None:
+            # MFU counts and SSU samples restart with the bits.
+            shard.priority.clear(rows)
+    return pending
+
+
+def put_back_bits(shards: list[LocalShard], pending: list[torch.Tensor]) -> None:
+    """ORs back the bits :func:`restart_bits` cleared for a checkpoint that failed."""
+    tracked = [s for s in shards if s.words is not None]
+    for shard, words in zip(tracked, pending):
+        shard.drain()
+        assert shard.words is not None
+        shard.words |= words
+
+
+def resume_chain(
+    shards: list[LocalShard],
+    policy: Policy,
+    saved_policy: str,
+    chain: ChainState,
+    from_deltas: list[torch.Tensor],
+) -> ChainState:
+    """The chain state, and the bits, after a full restore of a committed checkpoint.
+
+    A checkpoint written with the same policy continues its chain. The bits restart,
+    except that a cumulative policy's next delta must hold every row changed since the
+    baseline, including those the restore took from the chain's deltas
+    (``from_deltas``: a ``(rows,)`` bool mask per shard). Another policy's checkpoint
+    starts a new baseline.
+    """
+    for shard in shards:
+        shard.drain()
+        if shard.words is not None:
+            shard.words.zero_()
+    if saved_policy != policy.name:
+        return ChainState()
+    if policy.cumulative:
+        for shard, mask in zip(shards, from_deltas):
+            if shard.words is not None:
+                bitmap.set_bits(shard.words, mask.nonzero().flatten())
+    return chain
