@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 import zlib
@@ -34,6 +33,7 @@ from cnr_train.workload import (
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.commit import Entry, Manifest
 from torchrec_cnr.encoding import crc32
+from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state
 from torchrec_cnr.tracking.tracker import TrackingMode
 
@@ -181,14 +181,14 @@ def _maybe_fail(config: JobConfig, step: int) -> None:
     f = config.failure
     if step not in f.steps:
         return
-    marker = Path(config.checkpoint.path) / ".failures" / f"step-{step}"
+    storage = open_storage(config.checkpoint.path)
+    marker = f".failures/step-{step}"
     dist.barrier()  # every rank checks the marker before the victim writes it
-    fired = marker.exists()
+    fired = storage.exists(marker)
     dist.barrier()
     if fired or dist.get_rank() != f.rank:
         return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(str(time.time()))
+    storage.write(marker, str(time.time()).encode())
     print(f"[rank {f.rank}] injected failure after step {step}: SIGKILL", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -196,10 +196,10 @@ def _maybe_fail(config: JobConfig, step: int) -> None:
 def run(config: JobConfig) -> dict[str, Any]:
     """Trains, checkpoints, injects failures, evaluates; checks the last checkpoint restores exactly."""
     rank = dist.get_rank()
-    root = Path(config.checkpoint.path)
+    root = config.checkpoint.path
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
-    if config.train.clean_start and first_attempt and rank == 0 and root.exists():
-        shutil.rmtree(root)
+    if config.train.clean_start and first_attempt and rank == 0:
+        open_storage(root).clear()
     dist.barrier()
     t = Trainer.build(config, config.train.seed)
     if isinstance(t.data, criteo.CriteoBatches):
@@ -246,7 +246,7 @@ def run(config: JobConfig) -> dict[str, Any]:
     )
     manifest = Manifest.load(root)
     if manifest.checkpoints:
-        full = full_fp32_bytes(t.model, t.app_state, root.with_name(root.name + "-fp32-reference"))
+        full = full_fp32_bytes(t.model, t.app_state, root.rstrip("/") + "-fp32-reference")
         result.update(summarize(manifest, full))
         if config.train.figure_path and rank == 0:
             plot_bytes(manifest, full, Path(config.train.figure_path))

@@ -3,7 +3,6 @@ full fp32 checkpoint at every interval would have cost, measured in the same run
 
 from __future__ import annotations
 
-import shutil
 import statistics
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from torchrec_cnr import CheckpointConfig, CheckpointManager, QuantizeConfig
 from torchrec_cnr.commit import Entry, Manifest, saved_fraction
 from torchrec_cnr.encoding import FP32, Format
 from torchrec_cnr.quantization import quantize
+from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state
 
 __all__ = ["check_restore", "full_fp32_bytes", "plot_bytes", "summarize"]
@@ -26,20 +26,20 @@ def say(*args: Any) -> None:
         print(*args, flush=True)
 
 
-def full_fp32_bytes(model: nn.Module, app_state: dict[str, Any], scratch: Path) -> int:
-    """Bytes on disk of one full fp32 checkpoint of ``model``: written to ``scratch``, then deleted."""
+def full_fp32_bytes(model: nn.Module, app_state: dict[str, Any], scratch: str) -> int:
+    """Bytes stored of one full fp32 checkpoint of ``model``: written to ``scratch``, then deleted."""
+    storage = open_storage(scratch)
     if dist.get_rank() == 0:
-        shutil.rmtree(scratch, ignore_errors=True)
-    with CheckpointManager(
-        model, CheckpointConfig(path=str(scratch), policy="full"), app_state
-    ) as ckpt:
+        storage.clear()
+    config = CheckpointConfig(path=scratch, policy="full")
+    with CheckpointManager(model, config, app_state) as ckpt:
         ckpt.save(0)
     dist.barrier()
-    entry = Manifest.load(scratch).latest()
+    entry = Manifest.load(storage).latest()
     assert entry is not None
     dist.barrier()
     if dist.get_rank() == 0:
-        shutil.rmtree(scratch, ignore_errors=True)
+        storage.clear()
     return entry.bytes
 
 

@@ -1,7 +1,21 @@
-"""Shared fixtures: a checkpoint root and a folder for reference copies per test."""
+"""Shared fixtures: checkpoint roots on a file system and on a real S3 server.
+
+The S3 server is moto's, started as a separate HTTP server process on a free loopback
+port for the whole session; each test gets a bucket of its own. Clients find it through
+``AWS_ENDPOINT_URL``, as they would a real store; the rank workers of
+:mod:`tests.multiprocess` see the test's environment.
+"""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -9,7 +23,7 @@ import pytest
 
 @pytest.fixture
 def root(tmp_path: Path) -> str:
-    """A fresh checkpoint root (not created: the manager creates it)."""
+    """A fresh checkpoint root on the local file system (not created: the manager does)."""
     return str(tmp_path / "ckpt")
 
 
@@ -19,3 +33,65 @@ def refs(tmp_path: Path) -> Path:
     path = tmp_path / "refs"
     path.mkdir()
     return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """The URL of a moto S3 server running in its own process on loopback."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        if server.poll() is not None:
+            pytest.fail(f"the moto S3 server exited with code {server.returncode}")
+        try:
+            urllib.request.urlopen(url + "/moto-api/", timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                server.kill()
+                pytest.fail("the moto S3 server did not answer within 30 s")
+            time.sleep(0.05)
+    yield url
+    server.terminate()
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+@pytest.fixture
+def s3_root(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``s3://<fresh bucket>/ckpt`` on the moto server, with the environment pointing at it."""
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)  # never a real profile or endpoint
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    import boto3
+
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/ckpt"
+
+
+@pytest.fixture(params=["fs", "s3"])
+def any_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh checkpoint root on each storage backend in turn."""
+    if request.param == "fs":
+        return str(tmp_path / "ckpt")
+    return str(request.getfixturevalue("s3_root"))

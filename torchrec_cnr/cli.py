@@ -1,7 +1,7 @@
-"""The ``cnr`` command line tool.
+"""The ``cnr`` command line tool. ROOT is a path or an ``s3://bucket/prefix`` URL.
 
 cnr inspect ROOT            # the chain: steps, kinds, rows saved, bytes, what a restore needs
-cnr verify ROOT [--step N]  # every checksum and the chain's completeness
+cnr verify ROOT [--step N]  # the manifest, every checksum and every chain's completeness
 """
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 from torchrec_cnr.commit import Manifest, saved_fraction
 from torchrec_cnr.errors import ManifestError
 from torchrec_cnr.restore import verify_chains
+from torchrec_cnr.storage import Storage, open_storage
 
 
 def _inspect(root: str) -> int:
-    manifest = Manifest.load(root)
+    manifest = Manifest.load(open_storage(root))
     latest = manifest.latest()
     if latest is None:
         print(f"{root}: no committed checkpoint")
@@ -52,29 +52,49 @@ def _inspect(root: str) -> int:
     return 0
 
 
-def _verify(root: str, step: int | None) -> int:
-    manifest = Manifest.load(root)
-    if not manifest.checkpoints:
-        print(f"{root}: no committed checkpoint")
-        return 1
+def _check(storage: Storage, manifest: Manifest, step: int | None) -> list[str] | None:
+    """The problems of the chains (of ``step``, or of every checkpoint); ``None`` if no such step."""
     entries = manifest.checkpoints
     if step is not None:
         found = manifest.find(step)
         if found is None:
-            print(
-                f"{root}: no committed checkpoint of step {step}; committed steps: {manifest.steps()}"
-            )
-            return 1
+            return None
         entries = [found]
-    checked, problems = verify_chains(Path(root), manifest, entries)
+    checked, problems = verify_chains(storage, manifest, entries)
+    print(f"{storage.url}: {checked} checkpoint(s) read")
+    return problems
+
+
+def _verify(root: str, step: int | None) -> int:
+    storage = open_storage(root)
+    try:
+        manifest = Manifest.load(storage)
+    except ManifestError as e:
+        print(f"{root}: the manifest is damaged: {e}")
+        previous = Manifest.previous(storage)
+        if previous is not None:
+            problems = _check(storage, previous, step)
+            state = "every checksum matches" if problems == [] else f"problems: {problems}"
+            print(
+                f"the previous committed manifest names steps {previous.steps()}; its chains: "
+                f"{state}. CheckpointConfig(manifest_fallback=True) restores from it"
+            )
+        return 1
+    if not manifest.checkpoints:
+        print(f"{root}: no committed checkpoint")
+        return 1
+    problems = _check(storage, manifest, step)
+    if problems is None:
+        print(
+            f"{root}: no committed checkpoint of step {step}; committed steps: {manifest.steps()}"
+        )
+        return 1
     if problems:
         print(f"{root}: {len(problems)} problem(s)")
         for problem in problems:
             print(f"  {problem}")
         return 1
-    print(
-        f"{root}: {checked} checkpoint(s) verified, every chain complete and every checksum matches"
-    )
+    print(f"{root}: every chain is complete and every checksum matches")
     return 0
 
 

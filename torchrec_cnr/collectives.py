@@ -9,6 +9,7 @@ if any did, all raise the same exception type with the failing rank's message.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -17,6 +18,16 @@ import torch.distributed as dist
 __all__ = ["Collective"]
 
 T = TypeVar("T")
+
+
+def _rebuild(kind: type[BaseException], message: str) -> Exception:
+    """The same exception type with ``message``; ``RuntimeError`` where that cannot be built."""
+    try:
+        if issubclass(kind, Exception):
+            return kind(message)
+    except Exception:  # an exception type whose constructor wants more than a message
+        pass
+    return RuntimeError(f"{kind.__name__}: {message}")
 
 
 class Collective:
@@ -73,9 +84,26 @@ class Collective:
         if error is not None:
             raise error
         rank, (kind, message) = failures[0]
-        text = f"on rank {rank}: {message}"
-        try:
-            raised = kind(text) if issubclass(kind, Exception) else RuntimeError(text)
-        except Exception:  # an exception type whose constructor wants more than a message
-            raised = RuntimeError(f"{kind.__name__} {text}")
-        raise raised
+        raise _rebuild(kind, f"on rank {rank}: {message}")
+
+    def on_rank0(self, fn: Callable[[], T]) -> T:
+        """Runs ``fn`` on rank 0 only; every rank gets its result, or raises its error.
+
+        No rank waits for a collective that rank 0 will never join: rank 0 broadcasts
+        whatever happened, and every other rank raises the same exception type with the
+        same message.
+        """
+        result: Any = None
+        error: Exception | None = None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except Exception as e:
+                error = e
+        report = (True, result) if error is None else (False, (type(error), str(error)))
+        ok, value = self.broadcast(report)
+        if ok:
+            return value  # type: ignore[no-any-return]
+        if error is not None:
+            raise error
+        raise _rebuild(*value)

@@ -145,7 +145,8 @@ class CheckpointConfig:
     """
 
     path: str
-    """Root directory holding every checkpoint of the run and the chain manifest."""
+    """Root of the run's checkpoints and chain manifest: a local or shared file system path,
+    or ``s3://bucket/prefix`` (any S3-compatible store, see the README)."""
     policy: PolicyName = "intermittent"
     """Row-selection policy: ``full``, ``one_shot``, ``consecutive`` or ``intermittent``."""
     interval_steps: int | str | None = None
@@ -162,6 +163,14 @@ class CheckpointConfig:
     """Most host memory kept for staging buffers between checkpoints; ``None`` for no limit."""
     verify_checksums: bool = True
     """Check every tensor a restore reads against the checksum recorded at save time."""
+    restore_memory_mb: int | None = None
+    """Host memory a restore may hold to read and verify the whole chain before it changes
+    the model; ``None`` for no limit. Past it, tensors are verified, dropped and read again."""
+    take_over: bool = False
+    """Claim the root even from another live job; that job's later commits are refused."""
+    manifest_fallback: bool = False
+    """If the manifest is damaged or missing, use the previous committed one (with a warning)
+    instead of failing."""
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     """CPR inputs for ``interval_steps: auto``."""
     priority_budget_mb: float | None = None
@@ -200,6 +209,10 @@ class CheckpointConfig:
                 raise ValueError(
                     f"priority_budget_mb needs policy 'consecutive', got {self.policy!r}"
                 )
+        if self.restore_memory_mb is not None and self.restore_memory_mb < 0:
+            raise ValueError(
+                f"restore_memory_mb must be >= 0 or None, got {self.restore_memory_mb}"
+            )
         if self.staging_memory_mb is not None and self.staging_memory_mb < 0:
             raise ValueError(
                 f"staging_memory_mb must be >= 0 or None, got {self.staging_memory_mb}"

@@ -27,6 +27,17 @@ def collective_timeout_s() -> int:
     return _int("TORCHREC_CNR_COLLECTIVE_TIMEOUT_S", 600)
 
 
+def io_threads() -> int:
+    """Threads that read the tensors of one checkpoint at once."""
+    return _int("TORCHREC_CNR_IO_THREADS", 8)
+
+
+def lease_ttl_s() -> int:
+    """Seconds after its last refresh that a root's lease stops counting as held by a live
+    job (the holder refreshes it every quarter of this)."""
+    return _int("TORCHREC_CNR_LEASE_TTL_S", 60)
+
+
 def inject_fault(step: int, rank: int) -> None:
     """Fault injection for tests: ``TORCHREC_CNR_INJECT_FAULT=KIND@STEP:RANK[,...]``.
 

@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,14 +26,16 @@ from torchrec_cnr import knobs
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit import Entry, Manifest, count_restore
 from torchrec_cnr.commit.commit import Pending, write_and_commit
+from torchrec_cnr.commit.lease import Lease
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.encoding import FormatResolver
 from torchrec_cnr.errors import CheckpointError
 from torchrec_cnr.recovery import IntervalProbe
-from torchrec_cnr.restore import check_compatible, restore_chain, select_shards
+from torchrec_cnr.restore import apply_chain, check_compatible, read_chain, select_shards
 from torchrec_cnr.selection import ChainState, Policy
 from torchrec_cnr.selection.rows import put_back_bits, restart_bits, resume_chain, select_rows
 from torchrec_cnr.staging import StagingPool, stage
+from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state
 
 __all__ = ["CheckpointError", "CheckpointManager"]
@@ -91,7 +92,7 @@ class CheckpointManager:
         self.model = model
         self.config = config
         self.app_state = dict(app_state or {})
-        self.root = Path(config.path)
+        self.storage = open_storage(config.path)
         self.policy = Policy(config.policy, config.baseline_rule)
         self._group = Collective(pg)
         self.rank, self.world_size = self._group.rank, self._group.world_size
@@ -112,15 +113,35 @@ class CheckpointManager:
             dist.new_group(ranks, backend="gloo", timeout=timeout)
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-writer")
-        if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
+        self._lease = Lease(self.storage, config.take_over, config.manifest_fallback)
+        self._generation = 0
+        self._blocked: str | None = None
+        self._claim()
         manifest = self._manifest()
         self._next_seq = manifest.next_seq()
         self._restores = manifest.restores
 
     def _manifest(self) -> Manifest:
-        # Rank 0's view of the manifest, so that every rank picks the same ids.
-        return self._group.broadcast(Manifest.load(self.root) if self.rank == 0 else None)
+        # Rank 0 reads it and every rank gets its view, or its error: none waits in vain.
+        fallback = self.config.manifest_fallback
+        return self._group.on_rank0(lambda: Manifest.load(self.storage, fallback=fallback))
+
+    def _claim(self) -> None:
+        """Claims the root for this job's writes (see ``commit.lease``)."""
+
+        def claim() -> tuple[int, str | None]:
+            self.storage.create()
+            blocker = self._lease.acquire()
+            if blocker is None:
+                assert self._lease.mine is not None
+                return self._lease.mine.generation, None
+            return 0, (
+                f"{self.storage.url} is held by another live job, {blocker.describe()}: stop "
+                "it, or pass CheckpointConfig(take_over=True) to take the root over "
+                "deliberately (that job's later commits are then refused)"
+            )
+
+        self._generation, self._blocked = self._group.on_rank0(claim)
 
     # -- save --------------------------------------------------------------
 
@@ -157,6 +178,10 @@ class CheckpointManager:
         """
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if self._blocked is not None:
+            self._claim()  # the other job may have gone since
+            if self._blocked is not None:
+                raise CheckpointError(self._blocked)
         began = time.perf_counter()
         busy = self._in_flight is not None and not self._in_flight.future.done()
         if self._group.any(busy) and self.config.on_busy == "skip":
@@ -181,7 +206,7 @@ class CheckpointManager:
         assert self._writer is not None, "save after close"
         job = Pending(seq, staged, decision, self._state, resolver)
         future = self._executor.submit(
-            write_and_commit, job, self._writer, self.root, self.policy,
+            write_and_commit, job, self._writer, self.storage, self.policy, self._generation,
             self.config.keep_last, self._probe.decision,
         )  # fmt: skip
         self._in_flight = _InFlight(step, future, pending)
@@ -216,6 +241,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
+            if self.rank == 0:
+                self._lease.release()
             # Tear the writer's gloo group down here, while its peers are alive, rather
             # than at interpreter exit, where gloo can abort on sockets already closed.
             if self._writer is not None:
@@ -268,39 +295,44 @@ class CheckpointManager:
             if step is None:
                 return None
             raise ValueError(
-                f"no committed checkpoint of step {step} in {self.root}; committed steps: {manifest.steps()}"
+                f"no committed checkpoint of step {step} in {self.storage.url}; committed steps: {manifest.steps()}"
             )
         tables_seen: dict[str, Any] = {}
         for part in self._group.gather(Entry.signature([s.spec for s in self._shards], {})[0]):
             tables_seen.update(part)
         _, dense = Entry.signature([], self._dense)
-        check_compatible(entry, tables_seen, dense, str(self.root))
+        check_compatible(entry, tables_seen, dense, self.storage.url)
         partial = ranks is not None or tables is not None
         chosen = select_shards(self._shards, self.rank, self.world_size, ranks, tables, tables_seen)
         error: BaseException | None = None
-        touched: list[torch.Tensor] = []
-        try:
-            touched = restore_chain(
-                self.root,
-                manifest,
-                entry,
-                chosen,
-                {} if partial else self._dense,
-                {} if partial else self.app_state,
-                self.rank,
-                verify=self.config.verify_checksums,
-                scalars=not partial,
-            )
-        except Exception as e:  # every rank must leave restore together
+        budget = self.config.restore_memory_mb
+        try:  # every tensor is read and verified before anything changes, on every rank
+            read = read_chain(
+                self.storage, manifest, entry, chosen,
+                [] if partial else list(self._dense),
+                None if partial or not self.app_state else self.rank,
+                self.config.verify_checksums, None if budget is None else budget << 20,
+            )  # fmt: skip
+        except Exception as e:
             error = e
+        self._group.agree(error)
+        try:
+            touched = apply_chain(
+                read, chosen, {} if partial else self._dense, {} if partial else self.app_state,
+                scalars=not partial,
+            )  # fmt: skip
+        except Exception as e:  # verified data that fails to apply: say what it means
+            error = CheckpointError(f"restore of step {entry.step} failed while applying: {e}")
         self._group.agree(error)
         if not partial:
             # A partial restore keeps the live chain: the reloaded rows hold checkpointed
             # values and their bits stay set, so the next checkpoint saves them.
             state = ChainState(list(entry.chain), list(entry.sizes))
             self._state = resume_chain(self._shards, self.policy, entry.policy, state, touched)
-            self._next_seq = manifest.next_seq()
+            self._next_seq = max(self._next_seq, manifest.next_seq())
             self._last_saved_step = entry.step
-        # Restores compound quantization error: bits="auto" reads this count.
-        self._restores = self._group.broadcast(count_restore(self.root) if self.rank == 0 else None)
+        if self._blocked is None:
+            # Restores compound quantization error: bits="auto" reads this count.
+            generation = self._generation
+            self._restores = self._group.on_rank0(lambda: count_restore(self.storage, generation))
         return entry.step

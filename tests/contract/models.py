@@ -218,11 +218,11 @@ def build(kind: str, optimizer: str, seed: int, layouts: dict[str, str] | None =
     return Job(model, torch.optim.Adagrad(params, lr=0.05), kind, tables, weighted)
 
 
-def capture(job: Job) -> dict[str, Any]:
+def capture(model: nn.Module, app_state: dict[str, Any]) -> dict[str, Any]:
     """A copy of everything the contract compares: every local shard's weights, fused
-    optimizer states and step counters, the dense state and the dense optimizer."""
+    optimizer states and step counters, the dense state and ``app_state``."""
     shards = {}
-    for s in model_state.local_shards(job.model):
+    for s in model_state.local_shards(model):
         key = f"{s.spec.table}@{s.spec.row_offset},{s.spec.col_offset}"
         shards[key] = {
             "weight": s.weight.detach().clone(),
@@ -230,8 +230,8 @@ def capture(job: Job) -> dict[str, Any]:
             "scalars": s.scalar_states(),
             "optimizer": s.optimizer,
         }
-    dense = {k: v.detach().clone() for k, v in model_state.dense_state(job.model).items()}
-    app = {k: copy.deepcopy(v.state_dict()) for k, v in job.app_state.items()}
+    dense = {k: v.detach().clone() for k, v in model_state.dense_state(model).items()}
+    app = {k: copy.deepcopy(v.state_dict()) for k, v in app_state.items()}
     return {"shards": shards, "dense": dense, "app": app}
 
 

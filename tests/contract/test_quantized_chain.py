@@ -77,6 +77,14 @@ def test_quantized_chain_restores_the_quantizer_round_trip_of_saved_rows(
     )
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("policy", ["one_shot", "intermittent"])
+def test_quantized_chain_on_an_s3_root_restores_the_quantizer_round_trip(
+    policy: str, s3_root: str, refs: Path
+) -> None:
+    run_ranks(2, _quantized_chain, s3_root, str(refs), policy)
+
+
 def _nan_row_fails_the_checkpoint(root: str) -> None:
     job = _job(root, "full", seed=1)
     job.train(1)

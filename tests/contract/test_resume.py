@@ -43,7 +43,7 @@ def _resume_equals_uninterrupted(kind: str, optimizer: str, policy: PolicyName, 
     job = build(kind, optimizer, seed=1)
     with CheckpointManager(job.model, config, job.app_state) as ckpt:
         _train(job, ckpt, 1, STEPS)
-    uninterrupted = capture(job)
+    uninterrupted = capture(job.model, job.app_state)
 
     entry = Manifest.load(root).find(RESUME_AT)
     assert entry is not None
@@ -59,18 +59,20 @@ def _resume_equals_uninterrupted(kind: str, optimizer: str, policy: PolicyName, 
         assert set(rec.scalars) == set(shard.scalar_states())
 
     resumed = build(kind, optimizer, seed=2)
-    assert differences(uninterrupted, capture(resumed)), "a fresh model must differ"
+    assert differences(uninterrupted, capture(resumed.model, resumed.app_state)), (
+        "a fresh model must differ"
+    )
     with CheckpointManager(resumed.model, config, resumed.app_state) as ckpt:
         assert ckpt.restore(step=RESUME_AT) == RESUME_AT
         _train(resumed, ckpt, RESUME_AT + 1, STEPS)
-    diff = differences(uninterrupted, capture(resumed))
+    diff = differences(uninterrupted, capture(resumed.model, resumed.app_state))
     assert not diff, f"resumed run differs from the uninterrupted one at {diff[:5]}"
 
     # The resumed run continued the chain; its last checkpoint restores the same state.
     latest = build(kind, optimizer, seed=3)
     with CheckpointManager(latest.model, config, latest.app_state) as ckpt:
         assert ckpt.restore() == STEPS
-    diff = differences(uninterrupted, capture(latest))
+    diff = differences(uninterrupted, capture(latest.model, latest.app_state))
     assert not diff, f"continued chain restores differently at {diff[:5]}"
 
 
@@ -81,6 +83,12 @@ def test_resume_equals_uninterrupted_on_every_layout(
     optimizer: str, policy: str, tmp_path: Path
 ) -> None:
     run_ranks(2, _resume_equals_uninterrupted, "ebc", optimizer, policy, str(tmp_path / "ckpt"))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("policy", ["consecutive", "intermittent"])
+def test_resume_equals_uninterrupted_on_an_s3_root(policy: str, s3_root: str) -> None:
+    run_ranks(2, _resume_equals_uninterrupted, "ebc", "exact_rowwise_adagrad", policy, s3_root)
 
 
 @pytest.mark.dist

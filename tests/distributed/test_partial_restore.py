@@ -79,7 +79,5 @@ def _partial(root: str, refs: str) -> None:
 
 
 @pytest.mark.dist
-def test_partial_restore_reloads_only_the_named_ranks_and_tables(tmp_path: Path) -> None:
-    refs = tmp_path / "refs"
-    refs.mkdir()
-    run_ranks(2, _partial, str(tmp_path / "ckpt"), str(refs))
+def test_partial_restore_reloads_only_the_named_ranks_and_tables(any_root: str, refs: Path) -> None:
+    run_ranks(2, _partial, any_root, str(refs))

@@ -11,6 +11,7 @@ import torch
 from torchrec_cnr import CheckpointConfig, ManifestError
 from torchrec_cnr.commit.manifest import FORMAT_VERSION, DenseInfo, Entry, Manifest, TableShape
 from torchrec_cnr.encoding import FP32, ShardRecord, StateInfo
+from torchrec_cnr.storage.fs import FsStorage
 from torchrec_cnr.tracking import ShardSpec
 
 
@@ -51,7 +52,7 @@ def test_manifest_round_trips_and_names_its_format_version(tmp_path: Path) -> No
     m = Manifest()
     m.checkpoints.append(_entry(0, 10, ["a"], 100))
     m.checkpoints.append(_entry(1, 20, ["a", "b"], 10))
-    m.save(tmp_path)
+    m.save(FsStorage(tmp_path))
     raw = json.loads((tmp_path / "manifest.json").read_text())
     assert raw["format_version"] == FORMAT_VERSION
     loaded = Manifest.load(tmp_path)

@@ -7,9 +7,7 @@ durable; until then the previous checkpoint stays the one a restart uses.
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from torchrec_cnr.collectives import Collective
@@ -19,8 +17,13 @@ from torchrec_cnr.encoding import FormatResolver
 from torchrec_cnr.errors import CheckpointError
 from torchrec_cnr.selection.policy import ChainState, Decision, Policy
 from torchrec_cnr.staging import StagedCheckpoint
-from torchrec_cnr.storage import RankWrite, checkpoint_id, write_checkpoint
-from torchrec_cnr.storage.fs import tree_bytes
+from torchrec_cnr.storage import (
+    PreconditionFailed,
+    RankWrite,
+    Storage,
+    checkpoint_id,
+    write_checkpoint,
+)
 
 __all__ = ["Pending", "commit", "count_restore", "write_and_commit"]
 
@@ -42,28 +45,27 @@ class Pending:
 def write_and_commit(
     pending: Pending,
     group: Collective,
-    root: Path,
+    storage: Storage,
     policy: Policy,
+    generation: int,
     keep_last: int | None,
     interval_decision: dict[str, Any] | None,
 ) -> ChainState:
     """Encodes, writes, agrees and commits one checkpoint; returns the chain it ends.
 
-    Runs on every rank's background writer, collectively over ``group``.
+    Runs on every rank's background writer, collectively over ``group``, for the writer
+    of ``generation`` (see :mod:`torchrec_cnr.commit.lease`).
 
     Raises:
-        CheckpointError: writing failed on some rank; nothing was committed.
+        CheckpointError: writing failed on some rank, or another job took the root over;
+            nothing was committed.
     """
     staged = pending.staged
-    ckpt_id = checkpoint_id(pending.seq, staged.step)
-    path = root / ckpt_id
-    if group.rank == 0 and path.exists():
-        shutil.rmtree(path)  # left by an attempt that never committed
-    group.barrier()
+    ckpt_id = checkpoint_id(pending.seq, staged.step, generation)
     error: BaseException | None = None
     write = None
     try:
-        write = write_checkpoint(path, staged, pending.resolver, group)
+        write = write_checkpoint(storage, ckpt_id, staged, pending.resolver, group)
     except Exception as e:  # every rank must learn of it before anyone commits
         error = e
     try:
@@ -73,19 +75,34 @@ def write_and_commit(
     writes = [w for w in group.gather(write) if w is not None]
     size = saved_fraction([r for w in writes for r in w.shards])
     chain = policy.advance(pending.chain, pending.decision, ckpt_id, size)
+    error = None
     if group.rank == 0:
-        manifest = commit(
-            root, ckpt_id, pending.seq, staged, policy.name, chain, writes,
-            pending.resolver.restores, interval_decision,
-        )  # fmt: skip
-        retire(root, manifest, keep_last)
-    group.barrier()
+        try:
+            manifest = commit(
+                storage, ckpt_id, pending.seq, staged, policy.name, chain, writes,
+                pending.resolver.restores, interval_decision, generation,
+            )  # fmt: skip
+            retire(storage, manifest, keep_last, generation)
+        except Exception as e:
+            error = e
+    group.agree(error)
     logger.info("checkpoint %s committed (%s)", ckpt_id, staged.kind)
     return chain
 
 
+def _stale(storage: Storage, generation: int, found: int) -> CheckpointError:
+    from torchrec_cnr.commit.lease import Lease
+
+    holder = Lease(storage, take_over=False, fallback=False).holder()
+    who = holder.describe() if holder is not None else f"generation {found}"
+    return CheckpointError(
+        f"{storage.url} was taken over: {who} writes it now, so this job's generation "
+        f"{generation} may not commit; this checkpoint is dropped and nothing was deleted"
+    )
+
+
 def commit(
-    root: Path,
+    storage: Storage,
     ckpt_id: str,
     seq: int,
     staged: StagedCheckpoint,
@@ -94,20 +111,38 @@ def commit(
     writes: list[RankWrite],
     restores_before: int,
     interval_decision: dict[str, Any] | None,
+    generation: int,
 ) -> Manifest:
     """Appends the checkpoint to the root's manifest and replaces it atomically (rank 0 only).
 
     IMPORTANT: call this only after every rank reported its files durable; the
-    manifest's rename is what makes the checkpoint exist.
+    manifest's rename (or PUT) is what makes the checkpoint exist.
 
     Args:
         staged: rank 0's staged checkpoint (step, kind, dense state for the signature).
         chain: the chain state this checkpoint ends.
         writes: every rank's report, in rank order.
+        generation: the committing writer's; the manifest must still name it.
 
     Returns:
         The manifest as committed.
+
+    Raises:
+        CheckpointError: another job took the root over (a newer generation).
     """
+    differ = sorted(
+        name
+        for w in writes[1:]
+        for name, crc in w.dense_checksums.items()
+        if writes[0].dense_checksums.get(name) != crc
+    )
+    if differ:
+        # torchsnapshot writes each replicated tensor once, from any rank: replicas that
+        # drifted apart would make a checkpoint that matches no rank.
+        raise CheckpointError(
+            f"dense tensors {differ} differ between ranks; replicated state (DDP parameters, "
+            "data-parallel tables) must be identical on every rank"
+        )
     shards = [rec for w in writes for rec in w.shards]
     tables, dense_info = Entry.signature([s.spec for s in shards], staged.dense)
     entry = Entry(
@@ -124,21 +159,28 @@ def commit(
         shards=shards,
         dense_checksums=writes[0].dense_checksums,
         app_checksums=[w.app_checksum for w in writes],
-        bytes=tree_bytes(root / ckpt_id),
+        bytes=storage.tree_bytes(ckpt_id),
         restores_before=restores_before,
         staged_bytes=writes[0].staged_bytes,
         stall_s=max(w.stall_s for w in writes),
         interval_decision=interval_decision,
     )
-    manifest = Manifest.load(root)
+    manifest = Manifest.load(storage)
+    if manifest.writer_generation != generation:
+        raise _stale(storage, generation, manifest.writer_generation)
     manifest.checkpoints.append(entry)
-    manifest.save(root)
+    try:
+        manifest.save(storage)
+    except PreconditionFailed as e:
+        raise _stale(storage, generation, Manifest.load(storage).writer_generation) from e
     return manifest
 
 
-def count_restore(root: Path) -> int:
-    """Adds one to the root's restore count (rank 0 only); returns the new count."""
-    manifest = Manifest.load(root)
+def count_restore(storage: Storage, generation: int) -> int:
+    """Adds one to the root's restore count (rank 0 of the root's writer); returns it."""
+    manifest = Manifest.load(storage)
+    if manifest.writer_generation != generation:
+        raise _stale(storage, generation, manifest.writer_generation)
     manifest.restores += 1
-    manifest.save(root)
+    manifest.save(storage)
     return manifest.restores

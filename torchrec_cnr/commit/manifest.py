@@ -11,12 +11,13 @@ module reads the JSON.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,8 +25,15 @@ import torch
 from torchrec_cnr.encoding import ShardRecord
 from torchrec_cnr.errors import ManifestError
 from torchrec_cnr.selection.policy import Kind
-from torchrec_cnr.storage.fs import fsync_dir
-from torchrec_cnr.storage.layout import MANIFEST_NAME, app_path, dense_path, rows_path
+from torchrec_cnr.storage.backend import PreconditionFailed, Storage
+from torchrec_cnr.storage.layout import (
+    MANIFEST_NAME,
+    PREVIOUS_MANIFEST_NAME,
+    app_path,
+    dense_path,
+    rows_path,
+)
+from torchrec_cnr.storage.root import as_storage
 from torchrec_cnr.tracking.shard import ShardSpec
 
 __all__ = [
@@ -37,8 +45,9 @@ __all__ = [
     "saved_fraction",
 ]
 
-FORMAT_VERSION = 2
-"""2: optimizer states by FBGEMM name with layout and dtype, and the kernels' step counters."""
+FORMAT_VERSION = 3
+"""2: optimizer states by FBGEMM name with layout and dtype, and the kernels' step counters.
+3: a checksum of the manifest itself, and the writer generation that may commit."""
 
 # Version 1 named each shard's states state0, state1, ... in FBGEMM's order.
 _V1_STATE_ORDER = {
@@ -86,6 +95,13 @@ class DenseInfo:
 
     def __str__(self) -> str:
         return f"{list(self.shape)} {self.dtype}"
+
+
+def _describe(manifest: Manifest) -> str:
+    latest = manifest.latest()
+    if latest is None:
+        return "no checkpoint"
+    return f"{len(manifest.checkpoints)} checkpoint(s), latest step {latest.step}"
 
 
 def saved_fraction(shards: list[ShardRecord]) -> float:
@@ -174,6 +190,11 @@ class Entry:
         )
 
 
+def _checksum(payload: dict[str, Any]) -> str:
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(canonical).hexdigest()
+
+
 @dataclass
 class Manifest:
     """The parsed manifest of a checkpoint root."""
@@ -182,51 +203,135 @@ class Manifest:
     """Committed checkpoints, oldest first."""
     restores: int = 0
     """Restores performed from this root."""
-
-    @staticmethod
-    def path(root: str | os.PathLike[str]) -> Path:
-        return Path(root) / MANIFEST_NAME
+    writer_generation: int = 0
+    """The generation of the job that may commit to this root (see ``commit.lease``)."""
+    version: str | None = field(default=None, compare=False)
+    """The storage version it was read at; a save replaces exactly that version."""
 
     @classmethod
-    def load(cls, root: str | os.PathLike[str]) -> Manifest:
-        """Reads the manifest; an empty one if the root has none yet.
+    def parse(cls, data: bytes, where: str) -> Manifest:
+        """Parses manifest bytes, checking their checksum.
 
         Raises:
-            ManifestError: the file is not valid JSON or has another format version.
+            ManifestError: the bytes are not a manifest this library reads, or are damaged.
         """
-        path = cls.path(root)
-        if not path.exists():
-            return cls()
         try:
-            raw = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ManifestError(f"cannot read checkpoint manifest {path}: {e}") from e
+            raw = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ManifestError(f"{where} is not valid JSON ({e})") from e
         version = raw.get("format_version") if isinstance(raw, dict) else None
-        if version not in (1, FORMAT_VERSION):
+        if version not in (1, 2, FORMAT_VERSION):
             raise ManifestError(
-                f"{path} has format_version {version!r}; this torchrec_cnr reads 1 to {FORMAT_VERSION}"
+                f"{where} has format_version {version!r}; this torchrec_cnr reads 1 to {FORMAT_VERSION}"
             )
+        if version >= 3:
+            recorded = raw.pop("checksum", None)
+            if recorded != _checksum(raw):
+                raise ManifestError(f"{where} is damaged: its checksum does not match its content")
         try:
-            checkpoints = [Entry.from_json(e, version) for e in raw.get("checkpoints", [])]
-            return cls(checkpoints=checkpoints, restores=int(raw.get("restores", 0)))
+            return cls(
+                checkpoints=[Entry.from_json(e, version) for e in raw.get("checkpoints", [])],
+                restores=int(raw.get("restores", 0)),
+                writer_generation=int(raw.get("writer_generation", 0)),
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise ManifestError(f"checkpoint manifest {path} is malformed: {e!r}") from e
+            raise ManifestError(f"{where} is malformed: {e!r}") from e
 
-    def save(self, root: str | os.PathLike[str]) -> None:
-        """Atomically replaces the manifest on disk."""
-        path = self.path(root)
-        tmp = path.with_name(f".{MANIFEST_NAME}.{os.getpid()}.tmp")
-        payload = {
+    def to_bytes(self) -> bytes:
+        payload: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
+            "writer_generation": self.writer_generation,
             "restores": self.restores,
             "checkpoints": [e.to_json() for e in self.checkpoints],
         }
-        with open(tmp, "w") as f:
-            json.dump(payload, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        payload["checksum"] = _checksum(payload)
+        return json.dumps(payload, indent=1).encode()
+
+    @classmethod
+    def load(cls, root: Storage | str | os.PathLike[str], *, fallback: bool = False) -> Manifest:
+        """Reads the root's manifest; an empty one if the root has none yet.
+
+        Args:
+            root: the root: a :class:`Storage`, a path or a URL.
+            fallback: if the manifest is damaged or missing while a previous committed
+                manifest exists, use that one (with a warning) instead of failing.
+
+        Raises:
+            ManifestError: the manifest is damaged, of another format version, or missing
+                while the root shows it had one; the message says whether the previous
+                committed manifest is intact.
+        """
+        storage = as_storage(root)
+        where = storage.path(MANIFEST_NAME)
+        got = storage.read(MANIFEST_NAME)
+        if got is None and not storage.exists(PREVIOUS_MANIFEST_NAME):
+            return cls()  # a fresh root
+        if got is not None:
+            try:
+                manifest = cls.parse(got[0], where)
+                manifest.version = got[1]
+                return manifest
+            except ManifestError as e:
+                problem = str(e)
+        else:
+            problem = f"{where} is missing, but the root holds a previous committed manifest"
+        previous = cls.previous(storage)
+        if previous is not None and fallback:
+            warnings.warn(
+                f"{problem}; using the previous committed manifest ({_describe(previous)})",
+                stacklevel=2,
+            )
+            # The next commit replaces what is there now, damaged or not.
+            previous.version = None if got is None else got[1]
+            return previous
+        hint = (
+            f"; the previous committed manifest {PREVIOUS_MANIFEST_NAME} is intact "
+            f"({_describe(previous)}): CheckpointConfig(manifest_fallback=True) uses it"
+            if previous is not None
+            else f"; no intact {PREVIOUS_MANIFEST_NAME} to fall back to"
+        )
+        raise ManifestError(problem + hint)
+
+    @classmethod
+    def previous(cls, root: Storage | str | os.PathLike[str]) -> Manifest | None:
+        """The previous committed manifest, if it exists and is intact."""
+        storage = as_storage(root)
+        got = storage.read(PREVIOUS_MANIFEST_NAME)
+        if got is None:
+            return None
+        try:
+            return cls.parse(got[0], storage.path(PREVIOUS_MANIFEST_NAME))
+        except ManifestError:
+            return None
+
+    def save(self, storage: Storage) -> None:
+        """Commits this manifest in place of the version it was read at.
+
+        The manifest it replaces stays readable as ``manifest.json.prev``, so one damaged
+        manifest never loses the chain. The replacement is one atomic, conditional write:
+        if another writer changed the manifest since this one was read, nothing changes.
+
+        Raises:
+            PreconditionFailed: the manifest is no longer at :attr:`version`.
+        """
+        current = storage.read(MANIFEST_NAME)
+        found = None if current is None else current[1]
+        if found != self.version:
+            raise PreconditionFailed(
+                f"{storage.path(MANIFEST_NAME)} changed since it was read (another writer?)"
+            )
+        if current is None:
+            if not storage.exists(PREVIOUS_MANIFEST_NAME):
+                # A first commit leaves an empty previous manifest: from now on a missing
+                # manifest means a lost one, not a fresh root.
+                storage.write(PREVIOUS_MANIFEST_NAME, Manifest().to_bytes())
+        else:
+            try:
+                Manifest.parse(current[0], MANIFEST_NAME)
+                storage.write(PREVIOUS_MANIFEST_NAME, current[0])
+            except ManifestError:
+                pass  # a damaged manifest never replaces the intact previous one
+        self.version = storage.write(MANIFEST_NAME, self.to_bytes(), expect=self.version)
 
     def latest(self) -> Entry | None:
         return self.checkpoints[-1] if self.checkpoints else None

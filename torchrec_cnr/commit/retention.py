@@ -1,32 +1,53 @@
-"""Retention: keep what restoring the last N checkpoints needs, delete the rest."""
+"""Retention: keep what restoring the last N checkpoints needs, delete the rest.
+
+Only the root's current writer deletes, and only right after its own commit succeeded:
+an older generation never deletes anything (see :mod:`torchrec_cnr.commit.lease`).
+"""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
+import re
 
 from torchrec_cnr.commit.manifest import Manifest
+from torchrec_cnr.storage.backend import Storage
 
 __all__ = ["retire"]
 
+_GENERATION = re.compile(r"^\d{6}-step\d{10}(?:-g(\d+))?$")
 
-def retire(root: Path, manifest: Manifest, keep_last: int | None) -> list[str]:
-    """Drops every checkpoint the chains of the last ``keep_last`` do not need (rank 0 only).
 
-    The manifest forgets them before their files go, so no committed manifest ever
+def _generation(name: str) -> int | None:
+    """The writer generation in a checkpoint directory's name; ``None`` if it is no checkpoint."""
+    match = _GENERATION.match(name)
+    if match is None:
+        return None
+    return int(match.group(1) or 0)
+
+
+def retire(
+    storage: Storage, manifest: Manifest, keep_last: int | None, generation: int
+) -> list[str]:
+    """Drops what the chains of the last ``keep_last`` checkpoints do not need (rank 0 only).
+
+    Also deletes directories that older generations started but never committed. The
+    manifest forgets checkpoints before their files go, so no committed manifest ever
     names a missing file.
 
     Returns:
-        The ids deleted.
+        The directories deleted.
     """
-    if keep_last is None:
-        return []
-    needed = manifest.needed_ids(keep_last)
-    dropped = [e.id for e in manifest.checkpoints if e.id not in needed]
-    if not dropped:
-        return []
-    manifest.checkpoints = [e for e in manifest.checkpoints if e.id in needed]
-    manifest.save(root)
+    dropped = []
+    if keep_last is not None:
+        needed = manifest.needed_ids(keep_last)
+        dropped = [e.id for e in manifest.checkpoints if e.id not in needed]
+        if dropped:
+            manifest.checkpoints = [e for e in manifest.checkpoints if e.id in needed]
+            manifest.save(storage)
+    named = {e.id for e in manifest.checkpoints}
+    for name in storage.children():
+        found = _generation(name)
+        if name not in named and found is not None and found < generation:
+            dropped.append(name)
     for ckpt_id in dropped:
-        shutil.rmtree(root / ckpt_id, ignore_errors=True)
+        storage.delete_tree(ckpt_id)
     return dropped

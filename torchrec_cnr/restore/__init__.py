@@ -1,13 +1,15 @@
 """Stage 7: applying a chain to a live model, compatibility checks, partial recovery, verify."""
 
-from torchrec_cnr.restore.apply import restore_chain
+from torchrec_cnr.restore.apply import ChainRead, apply_chain, read_chain
 from torchrec_cnr.restore.compat import check_compatible
 from torchrec_cnr.restore.partial import select_shards
 from torchrec_cnr.restore.verify import verify_chains, verify_checkpoint
 
 __all__ = [
+    "ChainRead",
+    "apply_chain",
     "check_compatible",
-    "restore_chain",
+    "read_chain",
     "select_shards",
     "verify_chains",
     "verify_checkpoint",

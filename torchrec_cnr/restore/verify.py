@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
+from functools import partial
+
+import torch
 
 from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.encoding import check
 from torchrec_cnr.errors import CheckpointReadError, ManifestError
-from torchrec_cnr.storage import SnapshotReader
+from torchrec_cnr.storage import SnapshotReader, Storage
 
 __all__ = ["verify_chains", "verify_checkpoint"]
 
 
-def verify_checkpoint(root: Path, ckpt: Entry) -> list[str]:
+def verify_checkpoint(storage: Storage, ckpt: Entry) -> list[str]:
     """Reads every tensor of one checkpoint and checks it; returns the problems found."""
     try:
-        reader = SnapshotReader(root / ckpt.id)
+        reader = SnapshotReader(storage, ckpt.id)
     except CheckpointReadError as e:
         return [str(e)]
     problems: list[str] = []
 
-    def attempt(read, expected: int, what: str) -> None:  # type: ignore[no-untyped-def]
+    def attempt(read: Callable[[], torch.Tensor | bytes], expected: int, what: str) -> None:
         try:
             check(read(), expected, what)
         except CheckpointReadError as e:  # ChecksumError included
@@ -30,15 +33,17 @@ def verify_checkpoint(root: Path, ckpt: Entry) -> list[str]:
         rank = rec.spec.rank
         for name, expected in rec.checksums.items():
             what = f"{ckpt.id}: rank {rank} {rec.spec.table} {name}"
-            attempt(lambda r=rank, n=name: reader.rows(r, n), expected, what)
+            attempt(partial(reader.rows, rank, name), expected, what)
     for name, expected in ckpt.dense_checksums.items():
-        attempt(lambda n=name: reader.dense(n), expected, f"{ckpt.id}: dense {name}")
+        attempt(partial(reader.dense, name), expected, f"{ckpt.id}: dense {name}")
     for rank, expected in enumerate(ckpt.app_checksums):
-        attempt(lambda r=rank: reader.app_state(r), expected, f"{ckpt.id}: rank {rank} app_state")
+        attempt(partial(reader.app_state, rank), expected, f"{ckpt.id}: rank {rank} app_state")
     return problems
 
 
-def verify_chains(root: Path, manifest: Manifest, entries: list[Entry]) -> tuple[int, list[str]]:
+def verify_chains(
+    storage: Storage, manifest: Manifest, entries: list[Entry]
+) -> tuple[int, list[str]]:
     """Verifies every checkpoint the chains of ``entries`` need, each once.
 
     Returns:
@@ -57,5 +62,5 @@ def verify_chains(root: Path, manifest: Manifest, entries: list[Entry]) -> tuple
             except ManifestError as e:
                 problems.append(f"step {entry.step}: {e}")
                 continue
-            problems += [f"step {entry.step}: {p}" for p in verify_checkpoint(root, ckpt)]
+            problems += [f"step {entry.step}: {p}" for p in verify_checkpoint(storage, ckpt)]
     return len(checked), problems

@@ -1,14 +1,26 @@
-"""Durability on a local or shared POSIX file system.
+"""A checkpoint root on a local or shared POSIX file system.
 
-torchsnapshot's fs plugin never fsyncs; a checkpoint is durable only once every file
-and directory under it is.
+torchsnapshot's fs plugin never fsyncs: a checkpoint is durable only once every file and
+directory under it is, which :meth:`FsStorage.make_durable` does. Small objects (the
+manifest, the lease) are replaced atomically: a temporary file, fsync, rename, fsync of
+the directory. Conditional writes compare the object's digest under an ``flock`` on
+``ROOT/.cnr.lock``, which serializes them across processes of one host and across hosts on
+file systems whose locks are coherent (local disks; not every NFS setup).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
-__all__ = ["fsync_dir", "fsync_tree", "tree_bytes"]
+from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage, _Any
+
+__all__ = ["FsStorage", "fsync_dir", "fsync_tree", "tree_bytes"]
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -34,3 +46,99 @@ def fsync_tree(path: str | os.PathLike[str]) -> None:
 def tree_bytes(path: str | os.PathLike[str]) -> int:
     """Bytes of every file under ``path``."""
     return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path) for n in names)
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class FsStorage(Storage):
+    """A root directory on a POSIX file system."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.root = Path(path)
+        self.url = str(path)
+
+    def path(self, name: str) -> str:
+        return str(self.root / name)
+
+    def create(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def read(self, name: str) -> tuple[bytes, str] | None:
+        try:
+            data = (self.root / name).read_bytes()
+        except FileNotFoundError:
+            return None
+        return data, _digest(data)
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        fd = os.open(self.root / name, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(out):
+                n = os.preadv(fd, [out[done:]], offset + done)
+                if n == 0:
+                    raise OSError(
+                        f"{self.root / name} ends at byte {offset + done}, "
+                        f"{len(out) - done} bytes short of {offset + len(out)}"
+                    )
+                done += n
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with open(self.root / ".cnr.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def write(self, name: str, data: bytes, expect: str | None | _Any = ANY) -> str:
+        target = self.root / name
+        with self._locked():
+            if expect is not ANY:
+                current = self.read(name)
+                found = None if current is None else current[1]
+                if found != expect:
+                    raise PreconditionFailed(
+                        f"{target}: expected version {expect}, found {found or 'no object'}"
+                    )
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+            fsync_dir(target.parent)
+        return _digest(data)
+
+    def exists(self, name: str) -> bool:
+        return (self.root / name).exists()
+
+    def children(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+
+    def delete(self, name: str) -> None:
+        (self.root / name).unlink(missing_ok=True)
+
+    def delete_tree(self, name: str) -> None:
+        shutil.rmtree(self.root / name, ignore_errors=True)
+
+    def clear(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def tree_bytes(self, name: str) -> int:
+        return tree_bytes(self.root / name)
+
+    def make_durable(self, name: str) -> None:
+        path = self.root / name
+        # torchsnapshot packs small tensors of any rank into shared "batched/" files, so
+        # each rank syncs the whole tree; fsync of an already clean file costs next to nothing.
+        fsync_tree(path)
+        fsync_dir(path.parent)

@@ -1,9 +1,12 @@
 """Names inside a checkpoint root: checkpoint directories and the tensors each holds.
 
-A root holds the chain manifest and one torchsnapshot snapshot per checkpoint::
+A root holds the chain manifest, the previous committed one, the writer's lease, and one
+torchsnapshot snapshot per checkpoint::
 
     ROOT/manifest.json
-    ROOT/000000-step0000000500/
+    ROOT/manifest.json.prev
+    ROOT/lease.json
+    ROOT/000000-step0000000500-g0001/
         <rank>/rows/<name>    a shard's stored tensors (see torchrec_cnr.encoding.codec)
         dense/<name>          replicated tensors, written once (read as 0/dense/<name>)
         <rank>/app/blob       the rank's app_state, serialized
@@ -11,14 +14,28 @@ A root holds the chain manifest and one torchsnapshot snapshot per checkpoint::
 
 from __future__ import annotations
 
-__all__ = ["MANIFEST_NAME", "app_path", "checkpoint_id", "dense_path", "rows_path"]
+__all__ = [
+    "LEASE_NAME",
+    "MANIFEST_NAME",
+    "PREVIOUS_MANIFEST_NAME",
+    "SNAPSHOT_MARKER",
+    "app_path",
+    "checkpoint_id",
+    "dense_path",
+    "rows_path",
+]
 
 MANIFEST_NAME = "manifest.json"
+PREVIOUS_MANIFEST_NAME = "manifest.json.prev"
+LEASE_NAME = "lease.json"
+SNAPSHOT_MARKER = ".snapshot_metadata"
+"""torchsnapshot writes it last: a checkpoint directory without it was never completed."""
 
 
-def checkpoint_id(seq: int, step: int) -> str:
-    """Directory name of a checkpoint; unique even when a step is saved twice."""
-    return f"{seq:06d}-step{step:010d}"
+def checkpoint_id(seq: int, step: int, generation: int) -> str:
+    """Directory name of a checkpoint: unique even when a step is saved twice, and never
+    shared by two writers (``generation`` is the writer's, see ``commit.lease``)."""
+    return f"{seq:06d}-step{step:010d}-g{generation:04d}"
 
 
 def rows_path(rank: int, name: str) -> str:

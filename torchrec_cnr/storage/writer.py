@@ -7,7 +7,6 @@ process group. Encoding (quantization, checksums) happens here, after the stall.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torchsnapshot import Snapshot, StateDict
@@ -16,7 +15,7 @@ from torchrec_cnr import knobs
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.encoding import FormatResolver, ShardRecord, crc32, crc32_bytes, encode_shard
 from torchrec_cnr.staging import StagedCheckpoint
-from torchrec_cnr.storage.fs import fsync_dir, fsync_tree
+from torchrec_cnr.storage.backend import Storage
 
 __all__ = ["RankWrite", "write_checkpoint"]
 
@@ -34,9 +33,13 @@ class RankWrite:
 
 
 def write_checkpoint(
-    path: Path, staged: StagedCheckpoint, resolver: FormatResolver, group: Collective
+    storage: Storage,
+    ckpt_id: str,
+    staged: StagedCheckpoint,
+    resolver: FormatResolver,
+    group: Collective,
 ) -> RankWrite:
-    """Encodes ``staged`` and collectively writes it to ``path``; makes this rank's part durable.
+    """Encodes ``staged`` and collectively writes it as ``ckpt_id``; makes this rank's part durable.
 
     Every rank of ``group`` calls it. On return, the files this rank wrote are fsynced;
     the caller still has to agree across ranks before committing.
@@ -63,12 +66,9 @@ def write_checkpoint(
         "dense": StateDict(staged.dense),
         "app": StateDict(blob=staged.app_state),
     }
-    Snapshot.take(str(path), app_state=app_state, pg=group.pg, replicated=["dense/**"])
+    Snapshot.take(storage.path(ckpt_id), app_state=app_state, pg=group.pg, replicated=["dense/**"])
     knobs.inject_fault(staged.step, group.rank)
-    # torchsnapshot packs small tensors of any rank into shared "batched/" files, so
-    # each rank syncs the whole tree; fsync of an already clean file costs next to nothing.
-    fsync_tree(path)
-    fsync_dir(path.parent)
+    storage.make_durable(ckpt_id)
     nbytes = sum(t.numel() * t.element_size() for t in rows.values()) + len(staged.app_state)
     return RankWrite(
         shards=records,

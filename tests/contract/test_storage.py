@@ -1,0 +1,70 @@
+"""Every storage backend keeps the same promises: a conditional write replaces exactly
+the version it expects, once, and folders list, measure and delete alike."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from torchrec_cnr.storage import PreconditionFailed, open_storage
+
+
+def test_a_conditional_write_replaces_only_the_version_it_expects(any_root: str) -> None:
+    storage = open_storage(any_root)
+    storage.create()
+    assert storage.read("m.json") is None and not storage.exists("m.json")
+    first = storage.write("m.json", b"one", expect=None)
+    with pytest.raises(PreconditionFailed):
+        storage.write("m.json", b"again", expect=None)
+    second = storage.write("m.json", b"two", expect=first)
+    assert second != first
+    with pytest.raises(PreconditionFailed):
+        storage.write("m.json", b"stale", expect=first)
+    assert storage.read("m.json") == (b"two", second)
+    storage.write("m.json", b"whatever")  # no precondition
+    assert storage.read("m.json") is not None and storage.exists("m.json")
+    storage.delete("m.json")
+    assert storage.read("m.json") is None
+
+
+def test_of_many_concurrent_conditional_writers_exactly_one_wins(any_root: str) -> None:
+    storage = open_storage(any_root)
+    storage.create()
+    base = storage.write("lease.json", b"0", expect=None)
+
+    def attempt(i: int) -> bool:
+        try:
+            storage.write("lease.json", str(i + 1).encode(), expect=base)
+        except PreconditionFailed:
+            return False
+        return True
+
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(attempt, range(16)))
+    assert sum(won) == 1
+    data, _ = storage.read("lease.json") or (b"", "")
+    assert data == str(won.index(True) + 1).encode()
+
+
+def test_folders_list_measure_and_delete(any_root: str) -> None:
+    storage = open_storage(any_root)
+    storage.create()
+    storage.write("a/x", b"12345")
+    storage.write("a/y/z", b"123")
+    storage.write("b/w", b"1")
+    storage.write("top", b"file, not a folder")
+    assert storage.children() == ["a", "b"]
+    assert storage.tree_bytes("a") == 8 and storage.tree_bytes("b") == 1
+    storage.make_durable("a")
+    storage.delete_tree("a")
+    assert storage.children() == ["b"] and storage.read("a/x") is None
+    storage.clear()
+    assert storage.children() == [] and storage.read("top") is None
+
+
+def test_unsupported_roots_are_refused_naming_what_works() -> None:
+    with pytest.raises(ValueError, match="s3://bucket/prefix"):
+        open_storage("gs://bucket/run")
+    with pytest.raises(ValueError, match="must look like s3://bucket/prefix"):
+        open_storage("s3://bucket-only")

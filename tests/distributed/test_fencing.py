@@ -1,0 +1,122 @@
+"""One writer per root: a second job is refused until it takes over deliberately; from
+then on the first may no longer commit or delete, and no committed checkpoint is ever
+damaged while both write, on every storage backend."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import reference
+from tests.distributed.other_job import TABLES
+from tests.jobs import make_job
+from tests.multiprocess import run_ranks
+from torchrec_cnr import CheckpointError
+from torchrec_cnr.cli import main as cnr
+from torchrec_cnr.commit import Manifest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _same_process_takes_over(root: str) -> None:
+    first = make_job(TABLES, root, seed=1, data_seed=3)
+    first.train(2)
+    first.ckpt.save(2)
+    first.ckpt.wait()
+    # A second manager in the same process (a job that rebuilt its model) takes over.
+    second = make_job(TABLES, root, seed=2, data_seed=3, keep_last=1, policy="full")
+    assert second.ckpt.restore() == 2
+    second.train(2)
+    second.ckpt.save(4)
+    second.ckpt.wait()
+    first.train(4)
+    first.ckpt.save(6)
+    with pytest.raises(
+        CheckpointError,
+        match=r"was taken over: generation 2 \(.*\) writes it now, so this job's generation 1 may not commit",
+    ):
+        first.ckpt.wait()
+    second.ckpt.close()
+    first.ckpt.close()
+
+
+@pytest.mark.dist
+def test_a_newer_manager_takes_over_and_the_older_may_no_longer_commit(any_root: str) -> None:
+    run_ranks(2, _same_process_takes_over, any_root)
+    assert Manifest.load(any_root).steps() == [4], "keep_last=1 of the newer writer"
+    assert cnr(["verify", any_root]) == 0
+
+
+def _refused_while_held(root: str, holder_pid: int) -> None:
+    job = make_job(TABLES, root, seed=2, data_seed=3)
+    assert job.ckpt.restore() is not None, "restores work while another job holds the root"
+    job.train(1)
+    with pytest.raises(
+        CheckpointError,
+        match=rf"held by another live job, generation 1 \(host .*, pid {holder_pid}, started .*\).*take_over=True",
+    ):
+        job.ckpt.save(1000)
+    job.ckpt.close()
+
+
+def _takes_over_and_saves(root: str, refs: str) -> None:
+    job = make_job(TABLES, root, seed=2, data_seed=3, take_over=True)
+    start = job.ckpt.restore()
+    assert start is not None
+    for step in range(start + 1, start + 6):
+        job.train(1)
+        job.ckpt.save(step)
+        job.ckpt.wait()
+        reference.save(reference.take(job.model, job.app), Path(refs), step)
+        time.sleep(0.1)  # the other job keeps trying meanwhile
+    job.ckpt.close()
+
+
+def _restores_exactly(root: str, refs: str, step: int) -> None:
+    job = make_job(TABLES, root, seed=7, data_seed=3)
+    assert job.ckpt.restore(step=step) == step
+    reference.assert_model_matches(job.model, job.app, reference.load_all(Path(refs), step))
+    job.ckpt.close()
+
+
+@pytest.mark.dist
+def test_a_second_live_job_is_refused_until_it_takes_over_and_nothing_committed_is_damaged(
+    any_root: str, refs: Path, tmp_path: Path
+) -> None:
+    control = tmp_path / "control"
+    control.mkdir()
+    other = subprocess.Popen(
+        [sys.executable, "-m", "tests.distributed.other_job", any_root, str(control)],
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (control / "ready").exists():
+            assert other.poll() is None, "the other job died"
+            assert time.monotonic() < deadline, "the other job never committed"
+            time.sleep(0.1)
+        run_ranks(2, _refused_while_held, any_root, other.pid)
+        run_ranks(2, _takes_over_and_saves, any_root, str(refs))
+        time.sleep(1)  # a few more attempts of the other job after the takeover
+        (control / "stop").write_text("")
+        assert other.wait(timeout=120) == 0
+    finally:
+        if other.poll() is None:
+            other.kill()
+    saves = (control / "saves").read_text().splitlines()
+    refused = [i for i, line in enumerate(saves) if "refused" in line]
+    assert refused, f"the other job was never refused: {saves[-3:]}"
+    assert all("refused" in line for line in saves[refused[0] :]), "refused once, refused always"
+    assert "was taken over: generation 2" in saves[refused[0]]
+    # Every committed checkpoint is intact, and the new writer's all restore exactly.
+    assert cnr(["verify", any_root]) == 0
+    ours = sorted(int(p.stem.split("-")[1]) for p in refs.glob("ref-*-0.pt"))
+    assert len(ours) == 5 and Manifest.load(any_root).steps()[-5:] == ours
+    for step in (ours[0], ours[-1]):
+        run_ranks(2, _restores_exactly, any_root, str(refs), step)

@@ -1,0 +1,204 @@
+"""One writer per root: a lease whose generation increases with every claim.
+
+When torchrun's agent is SIGKILLed its workers live on and keep saving; a restarted job,
+or a second job started on the same path by mistake, would then write into the same root
+and each side's retention would delete the other's checkpoints. Fencing prevents it:
+
+- A job that builds a :class:`~torchrec_cnr.CheckpointManager` claims the root: rank 0
+  writes ``lease.json`` with the next generation (a conditional write, so two claimers
+  cannot both win), then records that generation in the manifest. Checkpoint directories
+  carry their writer's generation, so two writers never share one.
+- A commit rewrites the manifest conditionally on the version it read, and only if the
+  manifest still names the committer's generation: a commit from an older generation is
+  refused, and an older generation never deletes anything (it deletes only after it
+  committed).
+- A claim succeeds over a lease that was released, has not been refreshed for
+  ``TORCHREC_CNR_LEASE_TTL_S``, belongs to the same torchrun job (a restart), to this very
+  process, or to a dead process on this host; or with ``CheckpointConfig(take_over=True)``.
+  Otherwise the root is held by a live job: restores still work, saves raise an error
+  naming it. The holder refreshes its lease every quarter of the TTL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+from torchrec_cnr import knobs
+from torchrec_cnr.commit.manifest import Manifest
+from torchrec_cnr.storage.backend import PreconditionFailed, Storage
+from torchrec_cnr.storage.layout import LEASE_NAME
+
+__all__ = ["Holder", "Lease"]
+
+logger = logging.getLogger(__name__)
+
+_STARTED = time.time()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Holder:
+    """The job that holds (or held) a root."""
+
+    generation: int
+    run_id: str
+    """torchrun's ``TORCHELASTIC_RUN_ID``, shared by the restarts of one job ("" without torchrun)."""
+    host: str
+    pid: int
+    """Rank 0's process id."""
+    started_at: float
+    heartbeat_at: float
+    released: bool = False
+
+    @classmethod
+    def me(cls, generation: int) -> Holder:
+        now = time.time()
+        return cls(
+            generation,
+            os.environ.get("TORCHELASTIC_RUN_ID", ""),
+            socket.gethostname(),
+            os.getpid(),
+            _STARTED,
+            now,
+        )
+
+    def describe(self) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started_at))
+        return f"generation {self.generation} (host {self.host}, pid {self.pid}, started {started})"
+
+    def gone(self) -> bool:
+        """Whether this holder no longer counts: released, silent past the TTL, or dead here."""
+        if self.released or time.time() - self.heartbeat_at > knobs.lease_ttl_s():
+            return True
+        return self.host == socket.gethostname() and not _pid_alive(self.pid)
+
+
+class Lease:
+    """Rank 0's claim on a root.
+
+    Args:
+        storage: the root.
+        take_over: claim even from a live holder (its later commits are then refused).
+        fallback: passed to :meth:`Manifest.load` when the claim records its generation.
+    """
+
+    def __init__(self, storage: Storage, take_over: bool, fallback: bool) -> None:
+        self.storage = storage
+        self.take_over = take_over
+        self.fallback = fallback
+        self.mine: Holder | None = None
+        self._version: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _read(self) -> tuple[Holder | None, str | None]:
+        got = self.storage.read(LEASE_NAME)
+        if got is None:
+            return None, None
+        try:
+            return Holder(**json.loads(got[0])), got[1]
+        except (ValueError, TypeError):
+            return None, got[1]  # unreadable: whoever wrote it can claim nothing by it
+
+    def _takeable(self, holder: Holder) -> bool:
+        me = Holder.me(0)
+        return (
+            self.take_over
+            or holder.gone()
+            or bool(holder.run_id and holder.run_id == me.run_id)
+            or (holder.host == me.host and holder.pid == me.pid)
+        )
+
+    def acquire(self) -> Holder | None:
+        """Claims the root with the next generation; returns the live holder that blocks it, if any."""
+        for _ in range(10):
+            holder, version = self._read()
+            if holder is not None and not self._takeable(holder):
+                return holder
+            mine = Holder.me((holder.generation if holder else 0) + 1)
+            try:
+                self._version = self.storage.write(
+                    LEASE_NAME, json.dumps(asdict(mine)).encode(), expect=version
+                )
+            except PreconditionFailed:
+                continue  # another job claimed at the same moment: look again
+            self.mine = mine
+            self._fence()
+            self._start_heartbeat()
+            return None
+        raise RuntimeError(f"could not claim {self.storage.url}: the lease keeps changing")
+
+    def _fence(self) -> None:
+        # From now on only this generation's commits match the manifest.
+        assert self.mine is not None
+        for _ in range(10):
+            manifest = Manifest.load(self.storage, fallback=self.fallback)
+            manifest.writer_generation = self.mine.generation
+            try:
+                manifest.save(self.storage)
+                return
+            except PreconditionFailed:
+                continue  # a stale writer committed meanwhile: fence its result too
+        raise RuntimeError(f"could not record the writer generation in {self.storage.url}")
+
+    def _start_heartbeat(self) -> None:
+        period = knobs.lease_ttl_s() / 4
+
+        def beat() -> None:
+            while not self._stop.wait(period):
+                try:
+                    if not self.refresh():
+                        return  # another job holds the root: its commits fence ours
+                except Exception as e:  # the store is unreachable for now: try again later
+                    logger.warning("cannot refresh the lease of %s: %s", self.storage.url, e)
+
+        self._thread = threading.Thread(target=beat, name="cnr-lease", daemon=True)
+        self._thread.start()
+
+    def refresh(self) -> bool:
+        """Renews the lease; ``False`` once another job has claimed the root."""
+        if self.mine is None:
+            return False
+        self.mine.heartbeat_at = time.time()
+        try:
+            self._version = self.storage.write(
+                LEASE_NAME, json.dumps(asdict(self.mine)).encode(), expect=self._version
+            )
+        except PreconditionFailed:
+            return False
+        return True
+
+    def holder(self) -> Holder | None:
+        """Whoever holds the root now."""
+        return self._read()[0]
+
+    def release(self) -> None:
+        """Gives the root up, so that the next job claims it at once."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.mine is None:
+            return
+        self.mine.released = True
+        try:
+            self.storage.write(
+                LEASE_NAME, json.dumps(asdict(self.mine)).encode(), expect=self._version
+            )
+        except PreconditionFailed:
+            pass  # another job holds it already
+        self.mine = None

@@ -1,0 +1,100 @@
+"""Everything the library does to a checkpoint root, behind one small interface.
+
+A root is a local or shared file system path, or an object store URL (``s3://bucket/prefix``).
+Checkpoint data goes through torchsnapshot's storage plugin for the same URL; the
+:class:`Storage` here does the rest: the manifest and lease objects (with conditional
+writes, so that a stale writer's commit fails instead of overwriting), listing, deleting,
+sizes, and durability where it means something.
+
+Names are relative to the root and use ``/``.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Final
+
+__all__ = ["ANY", "PreconditionFailed", "Storage"]
+
+
+class _Any:
+    def __repr__(self) -> str:
+        return "ANY"
+
+
+ANY: Final = _Any()
+"""``write(..., expect=ANY)``: write whatever the object holds now."""
+
+
+class PreconditionFailed(Exception):
+    """A conditional write found another version than the one it expected."""
+
+
+class Storage(abc.ABC):
+    """The operations on a checkpoint root.
+
+    Versions are opaque strings (an ETag on an object store, a content digest on a file
+    system) that change whenever an object is replaced.
+    """
+
+    url: str
+    """The root as the user gave it, e.g. ``/ckpt/run1`` or ``s3://bucket/run1``."""
+
+    @abc.abstractmethod
+    def path(self, name: str) -> str:
+        """The URL or path of ``name`` under the root, as torchsnapshot takes it."""
+
+    @abc.abstractmethod
+    def read(self, name: str) -> tuple[bytes, str] | None:
+        """The bytes of object ``name`` and their version; ``None`` if it does not exist."""
+
+    @abc.abstractmethod
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        """Fills ``out`` with the bytes of object ``name`` from ``offset`` on.
+
+        Raises:
+            OSError: the object is missing or shorter than ``offset + len(out)``.
+        """
+
+    @abc.abstractmethod
+    def write(self, name: str, data: bytes, expect: str | None | _Any = ANY) -> str:
+        """Replaces object ``name`` with ``data`` as one atomic step; returns the new version.
+
+        Args:
+            expect: the version the object must have now (a compare-and-swap), ``None`` if
+                it must not exist yet, or :data:`ANY`.
+
+        Raises:
+            PreconditionFailed: the object is not at ``expect``; nothing was written.
+        """
+
+    @abc.abstractmethod
+    def exists(self, name: str) -> bool:
+        """Whether object ``name`` exists."""
+
+    @abc.abstractmethod
+    def children(self) -> list[str]:
+        """Names of the folders (checkpoint directories) directly under the root."""
+
+    @abc.abstractmethod
+    def delete(self, name: str) -> None:
+        """Deletes object ``name`` if it exists."""
+
+    @abc.abstractmethod
+    def delete_tree(self, name: str) -> None:
+        """Deletes the folder ``name`` and everything under it, if it exists."""
+
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Deletes everything under the root."""
+
+    @abc.abstractmethod
+    def tree_bytes(self, name: str) -> int:
+        """Bytes of every object under folder ``name``."""
+
+    @abc.abstractmethod
+    def make_durable(self, name: str) -> None:
+        """Makes everything written under folder ``name`` survive a crash of this host."""
+
+    def create(self) -> None:  # noqa: B027 - most backends need nothing
+        """Creates the root if the backend needs it to exist."""

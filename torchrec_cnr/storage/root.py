@@ -1,0 +1,33 @@
+"""Opening a checkpoint root from the path or URL a user gives."""
+
+from __future__ import annotations
+
+import os
+
+from torchrec_cnr.storage.backend import Storage
+from torchrec_cnr.storage.fs import FsStorage
+from torchrec_cnr.storage.s3 import S3Storage
+
+__all__ = ["as_storage", "open_storage"]
+
+
+def as_storage(root: Storage | str | os.PathLike[str]) -> Storage:
+    """``root`` itself if it is a :class:`Storage`, else :func:`open_storage` of it."""
+    return root if isinstance(root, Storage) else open_storage(os.fspath(root))
+
+
+def open_storage(url: str) -> Storage:
+    """The :class:`Storage` of a root: ``s3://bucket/prefix``, or a local or shared path.
+
+    Raises:
+        ValueError: an unsupported URL scheme, or an S3 URL without a bucket or prefix.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme == "file":
+        return FsStorage(rest if sep else url)
+    if scheme == "s3":
+        return S3Storage(url)
+    raise ValueError(
+        f"checkpoint path {url!r}: supported roots are local or shared file system paths and "
+        "s3://bucket/prefix URLs (any S3-compatible store through AWS_ENDPOINT_URL)"
+    )

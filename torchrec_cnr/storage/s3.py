@@ -1,0 +1,148 @@
+"""A checkpoint root in an S3-compatible object store: ``s3://bucket/prefix``.
+
+Credentials, region and endpoint come from boto3's usual chain (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL`` for a store other
+than AWS, ``~/.aws``), as they do for torchsnapshot's S3 plugin, which writes the data.
+
+A PUT is atomic and durable when it returns, so :meth:`S3Storage.make_durable` has
+nothing to do. Conditional writes use S3's ``If-Match`` (compare-and-swap on the ETag) and
+``If-None-Match: *`` (create only), which AWS S3 and most compatible stores honour; a
+store that does not would return an error rather than overwrite silently.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage, _Any
+
+__all__ = ["S3Storage"]
+
+
+class S3Storage(Storage):
+    """A prefix in an S3 bucket.
+
+    Raises:
+        ValueError: the URL has no bucket or no prefix (torchsnapshot needs both).
+        RuntimeError: boto3 is not installed (``pip install torchrec_cnr[s3]``).
+    """
+
+    def __init__(self, url: str) -> None:
+        rest = url.removeprefix("s3://").strip("/")
+        bucket, _, prefix = rest.partition("/")
+        if not bucket or not prefix:
+            raise ValueError(f"checkpoint path {url!r} must look like s3://bucket/prefix")
+        self.url = url
+        self.bucket = bucket
+        self.prefix = prefix
+        self._local = threading.local()
+
+    @property
+    def _client(self) -> Any:
+        # One client per thread: boto3 clients are cheap to reuse and not to rebuild.
+        client = getattr(self._local, "client", None)
+        if client is None:
+            try:
+                import boto3
+            except ImportError as e:
+                raise RuntimeError(
+                    "s3:// checkpoint roots need boto3: pip install 'torchrec_cnr[s3]'"
+                ) from e
+            client = self._local.client = boto3.client("s3")
+        return client
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if name else self.prefix
+
+    def path(self, name: str) -> str:
+        return f"s3://{self.bucket}/{self._key(name)}"
+
+    def read(self, name: str) -> tuple[bytes, str] | None:
+        try:
+            response = self._client.get_object(Bucket=self.bucket, Key=self._key(name))
+        except self._client.exceptions.NoSuchKey:
+            return None
+        with response["Body"] as body:
+            return body.read(), response["ETag"]
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        if not len(out):
+            return
+        try:
+            response = self._client.get_object(
+                Bucket=self.bucket,
+                Key=self._key(name),
+                Range=f"bytes={offset}-{offset + len(out) - 1}",
+            )
+        except self._client.exceptions.NoSuchKey as e:
+            raise FileNotFoundError(f"{self.path(name)} does not exist") from e
+        with response["Body"] as body:
+            data = body.read()
+        if len(data) != len(out):
+            raise OSError(f"{self.path(name)}: {len(data)} bytes at {offset}, expected {len(out)}")
+        out[:] = data
+
+    def write(self, name: str, data: bytes, expect: str | None | _Any = ANY) -> str:
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(name), "Body": data}
+        if expect is None:
+            args["IfNoneMatch"] = "*"
+        elif expect is not ANY:
+            args["IfMatch"] = expect
+        try:
+            response = self._client.put_object(**args)
+        except self._client.exceptions.ClientError as e:
+            code = e.response.get("Error", {}).get("Code", "")
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            # 412: the precondition failed; 404 with If-Match: the object is gone.
+            if code in ("PreconditionFailed", "NoSuchKey") or status in (404, 412):
+                raise PreconditionFailed(
+                    f"{self.path(name)}: expected version {expect}, the store has another"
+                ) from e
+            raise
+        return str(response["ETag"])
+
+    def exists(self, name: str) -> bool:
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=self._key(name))
+        except self._client.exceptions.ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                return False
+            raise
+        return True
+
+    def _list(self, prefix: str, delimiter: str | None = None) -> list[dict[str, Any]]:
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=prefix, **({"Delimiter": delimiter} if delimiter else {})
+        )
+        return list(pages)
+
+    def children(self) -> list[str]:
+        start = f"{self.prefix}/"
+        names = [
+            p["Prefix"][len(start) :].rstrip("/")
+            for page in self._list(start, "/")
+            for p in page.get("CommonPrefixes", [])
+        ]
+        return sorted(names)
+
+    def _objects(self, name: str) -> list[dict[str, Any]]:
+        prefix = f"{self._key(name)}/" if name else f"{self.prefix}/"
+        return [o for page in self._list(prefix) for o in page.get("Contents", [])]
+
+    def delete(self, name: str) -> None:
+        self._client.delete_object(Bucket=self.bucket, Key=self._key(name))
+
+    def delete_tree(self, name: str) -> None:
+        keys = [{"Key": o["Key"]} for o in self._objects(name)]
+        for i in range(0, len(keys), 1000):  # the most one request may delete
+            self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys[i : i + 1000]})
+
+    def clear(self) -> None:
+        self.delete_tree("")
+
+    def tree_bytes(self, name: str) -> int:
+        return sum(int(o["Size"]) for o in self._objects(name))
+
+    def make_durable(self, name: str) -> None:
+        return None  # a PUT is durable once it returns
