@@ -125,3 +125,29 @@ def assert_model_matches(
     saved_app = refs[dist.get_rank() % len(refs)]["app"]
     for name, obj in app_state.items():
         assert _equal_state(obj.state_dict(), saved_app[name]), f"app_state {name} differs"
+
+
+def full_tables(refs: list[dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Each table's whole weight and optimizer states, assembled from every rank's reference.
+
+    Per-element states are assembled by column; a per-row state comes from the shards
+    that hold the table's first column, as a restore and ``read_optimizer_state`` take it.
+    """
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for ref in refs:
+        for spec, weight, states in ref["shards"]:
+            table = out.setdefault(
+                spec.table, {"weight": torch.zeros(spec.num_embeddings, spec.embedding_dim)}
+            )
+            rows = slice(spec.row_offset, spec.row_offset + spec.rows)
+            cols = slice(spec.col_offset, spec.col_offset + spec.cols)
+            table["weight"][rows, cols] = weight
+            for name, value in states.items():
+                if value.dim() == 2:
+                    full = table.setdefault(
+                        name, torch.zeros(spec.num_embeddings, spec.embedding_dim)
+                    )
+                    full[rows, cols] = value.float()
+                elif spec.col_offset == 0:
+                    table.setdefault(name, torch.zeros(spec.num_embeddings))[rows] = value.float()
+    return out

@@ -10,6 +10,7 @@ The package follows a checkpoint through its stages:
 6. ``commit``: the typed manifest, the commit, retention;
 7. ``restore``: applying a chain, compatibility, partial recovery, verification.
 
+``offline`` uses checkpoints outside training (reading tables, export, compaction);
 ``recovery`` holds CPR's interval choice; ``manager`` sequences the stages.
 """
 
@@ -22,6 +23,7 @@ from torchrec_cnr.errors import (
     ModelMismatchError,
 )
 from torchrec_cnr.manager import CheckpointManager
+from torchrec_cnr.offline import export_state_dict, read_optimizer_state, read_table
 from torchrec_cnr.quantization import QuantizedRows, quantize
 from torchrec_cnr.tracking import tracking_sharders
 
@@ -36,6 +38,9 @@ __all__ = [
     "QuantizeConfig",
     "QuantizedRows",
     "RecoveryConfig",
+    "export_state_dict",
     "quantize",
+    "read_optimizer_state",
+    "read_table",
     "tracking_sharders",
 ]

@@ -2,6 +2,10 @@
 
 cnr inspect ROOT            # the chain: steps, kinds, rows saved, bytes, what a restore needs
 cnr verify ROOT [--step N]  # the manifest, every checksum and every chain's completeness
+cnr export ROOT --out PATH [--step N] [--format torch|safetensors|dcp] [--tables T ...]
+                            # the unsharded model's state dict
+cnr compact ROOT [--step N] [--take-over]
+                            # merge a chain into one full checkpoint, committed like any other
 """
 
 from __future__ import annotations
@@ -10,9 +14,12 @@ import argparse
 import sys
 from collections import defaultdict
 
-from torchrec_cnr.commit import Manifest, saved_fraction
-from torchrec_cnr.errors import ManifestError
+from torchrec_cnr.commit import Manifest, Target, saved_fraction
+from torchrec_cnr.commit.lease import Lease
+from torchrec_cnr.errors import CheckpointError, CheckpointReadError, ManifestError
+from torchrec_cnr.offline import EXPORT_FORMATS, compact_entry, export_state_dict, save_export
 from torchrec_cnr.restore import verify_chains
+from torchrec_cnr.selection import Policy
 from torchrec_cnr.storage import Storage, open_storage
 
 
@@ -98,6 +105,55 @@ def _verify(root: str, step: int | None) -> int:
     return 0
 
 
+def _progress(key: str, done: int, total: int) -> None:
+    print(
+        f"\rexport: {done}/{total} tables ({key})",
+        end="\n" if done == total else "",
+        file=sys.stderr,
+    )
+
+
+def _export(root: str, step: int | None, out: str, fmt: str, tables: list[str] | None) -> int:
+    state_dict = export_state_dict(root, step, tables, progress=_progress)
+    save_export(state_dict, out, fmt)  # type: ignore[arg-type]
+    nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+    print(f"{out}: {len(state_dict)} tensors, {nbytes / 1e6:.1f} MB ({fmt})")
+    return 0
+
+
+def _compact(root: str, step: int | None, take_over: bool) -> int:
+    storage = open_storage(root)
+    latest = Manifest.load(storage).latest()
+    if latest is None:
+        print(f"{root}: no committed checkpoint")
+        return 1
+    lease = Lease(storage, take_over=take_over, fallback=False)
+    holder = lease.acquire()
+    if holder is not None:
+        print(
+            f"error: {root} is held by a live job, {holder.describe()}; stop it, compact from "
+            "inside it (CheckpointManager.compact()), or pass --take-over",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        assert lease.mine is not None
+        target = Target(storage, Policy(latest.policy), lease.mine.generation, keep_last=None)  # type: ignore[arg-type]
+        entry = compact_entry(target, step)
+    finally:
+        lease.release()
+    if entry is None:
+        print(
+            f"{root}: step {step if step is not None else latest.step} is already one full checkpoint"
+        )
+        return 0
+    print(
+        f"{root}: step {entry.step} compacted into {entry.id} ({entry.bytes / 1e6:.2f} MB); "
+        "restores of it now read one checkpoint"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cnr", description="Inspect torchrec_cnr checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,12 +162,36 @@ def main(argv: list[str] | None = None) -> int:
     p_verify = sub.add_parser("verify", help="check every checksum and the chain's completeness")
     p_verify.add_argument("root")
     p_verify.add_argument("--step", type=int, default=None, help="only the chain of this step")
+    p_export = sub.add_parser("export", help="write the unsharded model's state dict")
+    p_export.add_argument("root")
+    p_export.add_argument(
+        "--out", required=True, help="file (torch, safetensors) or directory (dcp)"
+    )
+    p_export.add_argument(
+        "--step", type=int, default=None, help="a committed step; the latest if absent"
+    )
+    p_export.add_argument("--format", choices=EXPORT_FORMATS, default="torch")
+    p_export.add_argument(
+        "--tables", nargs="+", default=None, help="only these tables, no dense state"
+    )
+    p_compact = sub.add_parser("compact", help="merge a chain into one full checkpoint")
+    p_compact.add_argument("root")
+    p_compact.add_argument(
+        "--step", type=int, default=None, help="a committed step; the latest if absent"
+    )
+    p_compact.add_argument(
+        "--take-over", action="store_true", help="even if a live job holds the root"
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "verify":
             return _verify(args.root, args.step)
+        if args.command == "export":
+            return _export(args.root, args.step, args.out, args.format, args.tables)
+        if args.command == "compact":
+            return _compact(args.root, args.step, args.take_over)
         return _inspect(args.root)
-    except ManifestError as e:
+    except (ManifestError, CheckpointError, CheckpointReadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -155,6 +155,9 @@ class CheckpointConfig:
     """Rule deciding when ``intermittent`` takes a new baseline (see ``policy.BASELINE_RULES``)."""
     keep_last: int | None = None
     """Keep only what restoring the last N checkpoints needs; ``None`` keeps everything."""
+    compact_every: int | None = None
+    """Merge a chain into one full checkpoint once it holds this many deltas (on the
+    background writer); ``None`` never compacts on its own."""
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     """Per-row quantization of stored embedding rows."""
     on_busy: OnBusy = "wait"
@@ -198,6 +201,12 @@ class CheckpointConfig:
             not isinstance(self.keep_last, int) or self.keep_last < 1
         ):
             raise ValueError(f"keep_last must be a positive int or None, got {self.keep_last!r}")
+        if self.compact_every is not None and (
+            not isinstance(self.compact_every, int) or self.compact_every < 1
+        ):
+            raise ValueError(
+                f"compact_every must be a positive int or None, got {self.compact_every!r}"
+            )
         if self.on_busy not in ON_BUSY:
             raise ValueError(f"on_busy must be one of {ON_BUSY}, got {self.on_busy!r}")
         if self.priority_budget_mb is not None:

@@ -38,13 +38,14 @@ def lease_ttl_s() -> int:
     return _int("TORCHREC_CNR_LEASE_TTL_S", 60)
 
 
-def inject_fault(step: int, rank: int) -> None:
-    """Fault injection for tests: ``TORCHREC_CNR_INJECT_FAULT=KIND@STEP:RANK[,...]``.
+def inject_fault(step: int, rank: int, phase: str = "write") -> None:
+    """Fault injection for tests: ``TORCHREC_CNR_INJECT_FAULT=KIND@WHEN:RANK[,...]``.
 
-    Called by the background writer after the snapshot files are written and
-    before they are fsynced and committed. KIND is ``oserror`` (raise ENOSPC),
-    ``sigkill`` (kill this process) or ``delay`` (sleep 3 s). STEP and RANK may
-    be ``*``.
+    Called by the background writer after a checkpoint's files are written and before
+    they are made durable and committed (``phase="write"``), and likewise during a
+    compaction (``phase="compact"``). KIND is ``oserror`` (raise ENOSPC), ``sigkill``
+    (kill this process) or ``delay`` (sleep 3 s). WHEN is a step or ``*`` for a save,
+    ``compact`` for a compaction; RANK may be ``*``.
     """
     raw = os.environ.get("TORCHREC_CNR_INJECT_FAULT")
     if not raw:
@@ -55,8 +56,9 @@ def inject_fault(step: int, rank: int) -> None:
 
     for item in raw.split(","):
         kind, _, where = item.partition("@")
-        at_step, _, at_rank = where.partition(":")
-        if at_step not in ("*", str(step)) or at_rank not in ("*", str(rank)):
+        when, _, at_rank = where.partition(":")
+        hit = when == "compact" if phase == "compact" else when in ("*", str(step))
+        if not hit or at_rank not in ("*", str(rank)):
             continue
         if kind == "oserror":
             raise OSError(

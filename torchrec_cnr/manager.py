@@ -13,27 +13,23 @@ import logging
 import time
 import warnings
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchrec_cnr import knobs
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.commit import Entry, Manifest, count_restore
-from torchrec_cnr.commit.commit import Pending, write_and_commit
+from torchrec_cnr.commit import Manifest, Pending, Target, count_restore, write_and_commit
+from torchrec_cnr.commit.background import BackgroundWriter, Outcome
 from torchrec_cnr.commit.lease import Lease
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.encoding import FormatResolver
 from torchrec_cnr.errors import CheckpointError
+from torchrec_cnr.offline.compact import compact
 from torchrec_cnr.recovery import IntervalProbe
-from torchrec_cnr.restore import apply_chain, check_compatible, read_chain, select_shards
+from torchrec_cnr.restore import restore_entry
 from torchrec_cnr.selection import ChainState, Policy
-from torchrec_cnr.selection.rows import put_back_bits, restart_bits, resume_chain, select_rows
+from torchrec_cnr.selection.rows import restart_bits, resume_chain, select_rows
 from torchrec_cnr.staging import StagingPool, stage
 from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state
@@ -41,14 +37,6 @@ from torchrec_cnr.tracking import model_state
 __all__ = ["CheckpointError", "CheckpointManager"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _InFlight:
-    step: int
-    future: Future[ChainState]
-    pending_bits: list[torch.Tensor]
-    """Bits cleared when this checkpoint was staged; OR-ed back if it fails."""
 
 
 class CheckpointManager:
@@ -100,19 +88,13 @@ class CheckpointManager:
         if config.priority_budget_mb is not None and any(s.priority is None for s in self._shards):
             raise ValueError("priority_budget_mb needs tracking_sharders(mode='mfu' or 'ssu')")
         self._dense = model_state.dense_state(model)
-        self._state = ChainState()
         self._last_saved_step: int | None = None
-        self._in_flight: _InFlight | None = None
         self._probe = IntervalProbe(config.recovery, self._group)
         on_gpu = any(s.weight.device.type == "cuda" for s in self._shards)
         budget = None if config.staging_memory_mb is None else config.staging_memory_mb << 20
         self._pool = StagingPool(budget, pin=on_gpu)
         ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(self.world_size))
-        timeout = timedelta(seconds=knobs.collective_timeout_s())
-        self._writer: Collective | None = Collective(
-            dist.new_group(ranks, backend="gloo", timeout=timeout)
-        )
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-writer")
+        self._writer = BackgroundWriter(ranks)
         self._lease = Lease(self.storage, config.take_over, config.manifest_fallback)
         self._generation = 0
         self._blocked: str | None = None
@@ -130,16 +112,8 @@ class CheckpointManager:
         """Claims the root for this job's writes (see ``commit.lease``)."""
 
         def claim() -> tuple[int, str | None]:
-            self.storage.create()
-            blocker = self._lease.acquire()
-            if blocker is None:
-                assert self._lease.mine is not None
-                return self._lease.mine.generation, None
-            return 0, (
-                f"{self.storage.url} is held by another live job, {blocker.describe()}: stop "
-                "it, or pass CheckpointConfig(take_over=True) to take the root over "
-                "deliberately (that job's later commits are then refused)"
-            )
+            blocked = self._lease.claim()
+            return (self._lease.mine.generation if self._lease.mine else 0), blocked
 
         self._generation, self._blocked = self._group.on_rank0(claim)
 
@@ -178,21 +152,20 @@ class CheckpointManager:
         """
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        if self._blocked is not None:
-            self._claim()  # the other job may have gone since
-            if self._blocked is not None:
-                raise CheckpointError(self._blocked)
+        self._check_writable()
         began = time.perf_counter()
-        busy = self._in_flight is not None and not self._in_flight.future.done()
-        if self._group.any(busy) and self.config.on_busy == "skip":
+        busy = self._writer.busy
+        if self._group.any(busy is not None) and self.config.on_busy == "skip":
+            what = busy or "previous checkpoint"
             warnings.warn(
-                f"checkpoint of step {step} skipped: step {self._in_flight.step if self._in_flight else '?'} "
-                "is still being written (on_busy='skip'); its rows go into the next checkpoint",
+                f"checkpoint of step {step} skipped: the {what} is still being written "
+                "(on_busy='skip'); its rows go into the next checkpoint",
                 stacklevel=2,
             )
             return False
         self._settle()
-        decision = self.policy.decide(self._state)
+        state = self._writer.state
+        decision = self.policy.decide(state)
         budget = self.config.priority_budget_mb
         rows = select_rows(self._shards, decision, None if budget is None else int(budget * 2**20))
         staged = stage(
@@ -203,15 +176,59 @@ class CheckpointManager:
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         resolver = FormatResolver(self.config.quantize, self._restores)
         staged.stall_s = time.perf_counter() - began
-        assert self._writer is not None, "save after close"
-        job = Pending(seq, staged, decision, self._state, resolver)
-        future = self._executor.submit(
-            write_and_commit, job, self._writer, self.storage, self.policy, self._generation,
-            self.config.keep_last, self._probe.decision,
-        )  # fmt: skip
-        self._in_flight = _InFlight(step, future, pending)
+        job = Pending(seq, staged, decision, state, resolver, self._probe.decision)
+        target, every = self._target(), self.config.compact_every
+
+        def write(group: Collective) -> Outcome:
+            # Write and commit; then compact if the chain has grown ``every`` deltas long.
+            written = write_and_commit(job, group, target)
+            if every is None:
+                return written, None
+            try:
+                return compact(group, target, every) or written, None
+            except Exception as e:  # the checkpoint itself is committed
+                return written, e
+
+        self._writer.submit(f"checkpoint of step {step}", write, pending)
         self._last_saved_step = step
         return True
+
+    def compact(self) -> bool:
+        """Merges the chain of the latest committed checkpoint into one full checkpoint.
+
+        Collective. It runs on the background writer, like a write: training goes on,
+        and the next ``save`` waits for it (or skips, with ``on_busy="skip"``). Once it
+        is committed, restores of that step read one checkpoint and ``keep_last`` can
+        retire the chain's older links; a quantized chain keeps its stored values.
+
+        Returns:
+            False if there is nothing to compact (no checkpoint, or a lone full one).
+
+        Raises:
+            CheckpointError: the previous background job failed, or another live job
+                holds the root.
+        """
+        self._check_writable()
+        self._settle()
+        latest = self._manifest().latest()
+        if latest is None or len(latest.chain) == 1:
+            return False
+        target, state = self._target(), self._writer.state
+
+        def job(group: Collective) -> Outcome:
+            return compact(group, target) or state, None
+
+        self._writer.submit(f"compaction of step {latest.step}", job, [])
+        return True
+
+    def _target(self) -> Target:
+        return Target(self.storage, self.policy, self._generation, self.config.keep_last)
+
+    def _check_writable(self) -> None:
+        if self._blocked is not None:
+            self._claim()  # the other job may have gone since
+            if self._blocked is not None:
+                raise CheckpointError(self._blocked)
 
     def wait(self) -> None:
         """Blocks until the pending checkpoint is committed.
@@ -223,31 +240,16 @@ class CheckpointManager:
         self._settle()
 
     def _settle(self) -> None:
-        job, self._in_flight = self._in_flight, None
-        if job is None:
-            return
-        try:
-            self._state = job.future.result()
-        except BaseException as e:
-            put_back_bits(self._shards, job.pending_bits)
-            raise CheckpointError(
-                f"checkpoint of step {job.step} failed: {e}; the previous checkpoint stays the restore "
-                "target and its rows will be saved by the next checkpoint"
-            ) from e
+        self._writer.settle(self._shards)
 
     def close(self) -> None:
         """Waits for the pending checkpoint, stops the background thread and frees its group."""
         try:
             self.wait()
         finally:
-            self._executor.shutdown(wait=True)
+            self._writer.close()
             if self.rank == 0:
                 self._lease.release()
-            # Tear the writer's gloo group down here, while its peers are alive, rather
-            # than at interpreter exit, where gloo can abort on sockets already closed.
-            if self._writer is not None:
-                dist.destroy_process_group(self._writer.pg)
-                self._writer = None
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -297,38 +299,19 @@ class CheckpointManager:
             raise ValueError(
                 f"no committed checkpoint of step {step} in {self.storage.url}; committed steps: {manifest.steps()}"
             )
-        tables_seen: dict[str, Any] = {}
-        for part in self._group.gather(Entry.signature([s.spec for s in self._shards], {})[0]):
-            tables_seen.update(part)
-        _, dense = Entry.signature([], self._dense)
-        check_compatible(entry, tables_seen, dense, self.storage.url)
-        partial = ranks is not None or tables is not None
-        chosen = select_shards(self._shards, self.rank, self.world_size, ranks, tables, tables_seen)
-        error: BaseException | None = None
         budget = self.config.restore_memory_mb
-        try:  # every tensor is read and verified before anything changes, on every rank
-            read = read_chain(
-                self.storage, manifest, entry, chosen,
-                [] if partial else list(self._dense),
-                None if partial or not self.app_state else self.rank,
-                self.config.verify_checksums, None if budget is None else budget << 20,
-            )  # fmt: skip
-        except Exception as e:
-            error = e
-        self._group.agree(error)
-        try:
-            touched = apply_chain(
-                read, chosen, {} if partial else self._dense, {} if partial else self.app_state,
-                scalars=not partial,
-            )  # fmt: skip
-        except Exception as e:  # verified data that fails to apply: say what it means
-            error = CheckpointError(f"restore of step {entry.step} failed while applying: {e}")
-        self._group.agree(error)
-        if not partial:
+        touched = restore_entry(
+            self._group, self.storage, manifest, entry, self._shards, self._dense, self.app_state,
+            ranks=ranks, tables=tables, verify=self.config.verify_checksums,
+            budget_bytes=None if budget is None else budget << 20,
+        )  # fmt: skip
+        if ranks is None and tables is None:
             # A partial restore keeps the live chain: the reloaded rows hold checkpointed
             # values and their bits stay set, so the next checkpoint saves them.
             state = ChainState(list(entry.chain), list(entry.sizes))
-            self._state = resume_chain(self._shards, self.policy, entry.policy, state, touched)
+            self._writer.state = resume_chain(
+                self._shards, self.policy, entry.policy, state, touched
+            )
             self._next_seq = max(self._next_seq, manifest.next_seq())
             self._last_saved_step = entry.step
         if self._blocked is None:

@@ -78,9 +78,9 @@ def _rows(layout: str) -> int:
 class SequenceModel(nn.Module):
     """Sums each sample's sequence embeddings over an EmbeddingCollection, then an MLP."""
 
-    def __init__(self, tables: list[EmbeddingConfig]) -> None:
+    def __init__(self, tables: list[EmbeddingConfig], device: torch.device) -> None:
         super().__init__()
-        self.ec = EmbeddingCollection(tables=tables, device=torch.device("meta"))
+        self.ec = EmbeddingCollection(tables=tables, device=device)
         self.dense = nn.Linear(NUM_FLOAT, DIM)
         self.over = nn.Linear(DIM, 1)
 
@@ -150,6 +150,46 @@ class Job:
         self.dense_opt.step()
 
 
+def unsharded(kind: str, device: str = "meta") -> tuple[nn.Module, list[Any], list[Any]]:
+    """The ``kind`` model before sharding, with its table configs (tables, weighted ones).
+
+    ``device="cpu"`` gives a model to load an exported state dict into.
+    """
+    weighted: list[Any] = []
+    if kind == "ebc":
+        config = EmbeddingBagConfig
+        weighted = [
+            EmbeddingBagConfig(
+                name=f"w_{layout}",
+                embedding_dim=DIM,
+                num_embeddings=_rows(layout),
+                feature_names=[f"wf_{layout}"],
+            )
+            for layout in MODEL_LAYOUTS[kind]
+        ]
+    else:
+        config = EmbeddingConfig
+    tables: list[Any] = [
+        config(
+            name=f"t_{layout}",
+            embedding_dim=DIM,
+            num_embeddings=_rows(layout),
+            feature_names=[f"f_{layout}"],
+        )
+        for layout in MODEL_LAYOUTS[kind]
+    ]
+    if kind == "ebc":
+        module: nn.Module = TestSparseNN(
+            tables=tables,
+            weighted_tables=weighted,
+            num_float_features=NUM_FLOAT,
+            sparse_device=torch.device(device),
+        )
+    else:
+        module = SequenceModel(tables, torch.device(device))
+    return module, tables, weighted
+
+
 def build(kind: str, optimizer: str, seed: int, layouts: dict[str, str] | None = None) -> Job:
     """Builds and shards the ``kind`` model on the current process group.
 
@@ -161,46 +201,9 @@ def build(kind: str, optimizer: str, seed: int, layouts: dict[str, str] | None =
     """
     fused = OPTIMIZERS[optimizer]
     torch.manual_seed(seed)
-    weighted: list[Any] = []
-    if kind == "ebc":
-        tables: list[Any] = [
-            EmbeddingBagConfig(
-                name=f"t_{layout}",
-                embedding_dim=DIM,
-                num_embeddings=_rows(layout),
-                feature_names=[f"f_{layout}"],
-            )
-            for layout in MODEL_LAYOUTS[kind]
-        ]
-        weighted = [
-            EmbeddingBagConfig(
-                name=f"w_{layout}",
-                embedding_dim=DIM,
-                num_embeddings=_rows(layout),
-                feature_names=[f"wf_{layout}"],
-            )
-            for layout in MODEL_LAYOUTS[kind]
-        ]
-        module: nn.Module = TestSparseNN(
-            tables=tables,
-            weighted_tables=weighted,
-            num_float_features=NUM_FLOAT,
-            sparse_device=torch.device("meta"),
-        )
-        sparse_arch: Any = module.sparse
-        sparse_modules: list[nn.Module] = [sparse_arch.ebc, sparse_arch.weighted_ebc]
-    else:
-        tables = [
-            EmbeddingConfig(
-                name=f"t_{layout}",
-                embedding_dim=DIM,
-                num_embeddings=_rows(layout),
-                feature_names=[f"f_{layout}"],
-            )
-            for layout in MODEL_LAYOUTS[kind]
-        ]
-        sequence = SequenceModel(tables)
-        module, sparse_modules = sequence, [sequence.ec]
+    module, tables, weighted = unsharded(kind)
+    sparse: Any = module.sparse if kind == "ebc" else module
+    sparse_modules = [sparse.ebc, sparse.weighted_ebc] if kind == "ebc" else [sparse.ec]
     if not fused:
         for m in sparse_modules:
             apply_optimizer_in_backward(RowWiseAdagrad, m.parameters(), {"lr": 0.05})

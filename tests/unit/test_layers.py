@@ -21,6 +21,7 @@ STAGES = [
     ("storage",),
     ("commit",),
     ("restore",),
+    ("offline",),
     ("recovery",),
     ("manager",),
     ("cli", "__init__"),

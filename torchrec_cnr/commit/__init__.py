@@ -1,6 +1,6 @@
 """Stage 6: the typed chain manifest, the commit that makes a checkpoint exist, retention."""
 
-from torchrec_cnr.commit.commit import commit, count_restore
+from torchrec_cnr.commit.commit import Pending, Target, append, count_restore, write_and_commit
 from torchrec_cnr.commit.manifest import FORMAT_VERSION, Entry, Manifest, saved_fraction
 from torchrec_cnr.commit.retention import retire
 
@@ -8,8 +8,11 @@ __all__ = [
     "FORMAT_VERSION",
     "Entry",
     "Manifest",
-    "commit",
+    "Pending",
+    "Target",
+    "append",
     "count_restore",
     "retire",
     "saved_fraction",
+    "write_and_commit",
 ]

@@ -25,9 +25,20 @@ from torchrec_cnr.storage import (
     write_checkpoint,
 )
 
-__all__ = ["Pending", "commit", "count_restore", "write_and_commit"]
+__all__ = ["Pending", "Target", "append", "count_restore", "write_and_commit"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and as whom a job commits."""
+
+    storage: Storage
+    policy: Policy
+    generation: int
+    """The writer generation the manifest must name (see ``commit.lease``)."""
+    keep_last: int | None
 
 
 @dataclass
@@ -40,32 +51,24 @@ class Pending:
     chain: ChainState
     """The chain before this checkpoint."""
     resolver: FormatResolver
+    interval_decision: dict[str, Any] | None = None
 
 
-def write_and_commit(
-    pending: Pending,
-    group: Collective,
-    storage: Storage,
-    policy: Policy,
-    generation: int,
-    keep_last: int | None,
-    interval_decision: dict[str, Any] | None,
-) -> ChainState:
+def write_and_commit(pending: Pending, group: Collective, target: Target) -> ChainState:
     """Encodes, writes, agrees and commits one checkpoint; returns the chain it ends.
 
-    Runs on every rank's background writer, collectively over ``group``, for the writer
-    of ``generation`` (see :mod:`torchrec_cnr.commit.lease`).
+    Runs on every rank's background writer, collectively over ``group``.
 
     Raises:
         CheckpointError: writing failed on some rank, or another job took the root over;
             nothing was committed.
     """
     staged = pending.staged
-    ckpt_id = checkpoint_id(pending.seq, staged.step, generation)
+    ckpt_id = checkpoint_id(pending.seq, staged.step, target.generation)
     error: BaseException | None = None
     write = None
     try:
-        write = write_checkpoint(storage, ckpt_id, staged, pending.resolver, group)
+        write = write_checkpoint(target.storage, ckpt_id, staged, pending.resolver, group)
     except Exception as e:  # every rank must learn of it before anyone commits
         error = e
     try:
@@ -74,15 +77,12 @@ def write_and_commit(
         raise CheckpointError(f"writing failed: {e}") from e
     writes = [w for w in group.gather(write) if w is not None]
     size = saved_fraction([r for w in writes for r in w.shards])
-    chain = policy.advance(pending.chain, pending.decision, ckpt_id, size)
+    chain = target.policy.advance(pending.chain, pending.decision, ckpt_id, size)
     error = None
     if group.rank == 0:
         try:
-            manifest = commit(
-                storage, ckpt_id, pending.seq, staged, policy.name, chain, writes,
-                pending.resolver.restores, interval_decision, generation,
-            )  # fmt: skip
-            retire(storage, manifest, keep_last, generation)
+            entry = _entry(ckpt_id, pending, chain, writes, target)
+            append(target, entry)
         except Exception as e:
             error = e
     group.agree(error)
@@ -90,46 +90,10 @@ def write_and_commit(
     return chain
 
 
-def _stale(storage: Storage, generation: int, found: int) -> CheckpointError:
-    from torchrec_cnr.commit.lease import Lease
-
-    holder = Lease(storage, take_over=False, fallback=False).holder()
-    who = holder.describe() if holder is not None else f"generation {found}"
-    return CheckpointError(
-        f"{storage.url} was taken over: {who} writes it now, so this job's generation "
-        f"{generation} may not commit; this checkpoint is dropped and nothing was deleted"
-    )
-
-
-def commit(
-    storage: Storage,
-    ckpt_id: str,
-    seq: int,
-    staged: StagedCheckpoint,
-    policy: str,
-    chain: ChainState,
-    writes: list[RankWrite],
-    restores_before: int,
-    interval_decision: dict[str, Any] | None,
-    generation: int,
-) -> Manifest:
-    """Appends the checkpoint to the root's manifest and replaces it atomically (rank 0 only).
-
-    IMPORTANT: call this only after every rank reported its files durable; the
-    manifest's rename (or PUT) is what makes the checkpoint exist.
-
-    Args:
-        staged: rank 0's staged checkpoint (step, kind, dense state for the signature).
-        chain: the chain state this checkpoint ends.
-        writes: every rank's report, in rank order.
-        generation: the committing writer's; the manifest must still name it.
-
-    Returns:
-        The manifest as committed.
-
-    Raises:
-        CheckpointError: another job took the root over (a newer generation).
-    """
+def _entry(
+    ckpt_id: str, pending: Pending, chain: ChainState, writes: list[RankWrite], target: Target
+) -> Entry:
+    staged = pending.staged
     differ = sorted(
         name
         for w in writes[1:]
@@ -145,12 +109,12 @@ def commit(
         )
     shards = [rec for w in writes for rec in w.shards]
     tables, dense_info = Entry.signature([s.spec for s in shards], staged.dense)
-    entry = Entry(
+    return Entry(
         id=ckpt_id,
-        seq=seq,
+        seq=pending.seq,
         step=staged.step,
         kind=staged.kind,
-        policy=policy,
+        policy=target.policy.name,
         chain=list(chain.chain),
         sizes=list(chain.sizes),
         world_size=len(writes),
@@ -159,12 +123,36 @@ def commit(
         shards=shards,
         dense_checksums=writes[0].dense_checksums,
         app_checksums=[w.app_checksum for w in writes],
-        bytes=storage.tree_bytes(ckpt_id),
-        restores_before=restores_before,
+        bytes=target.storage.tree_bytes(ckpt_id),
+        restores_before=pending.resolver.restores,
         staged_bytes=writes[0].staged_bytes,
         stall_s=max(w.stall_s for w in writes),
-        interval_decision=interval_decision,
+        interval_decision=pending.interval_decision,
     )
+
+
+def _stale(storage: Storage, generation: int, found: int) -> CheckpointError:
+    from torchrec_cnr.commit.lease import Lease
+
+    holder = Lease(storage, take_over=False, fallback=False).holder()
+    who = holder.describe() if holder is not None else f"generation {found}"
+    return CheckpointError(
+        f"{storage.url} was taken over: {who} writes it now, so this job's generation "
+        f"{generation} may not commit; this checkpoint is dropped and nothing was deleted"
+    )
+
+
+def append(target: Target, entry: Entry) -> Manifest:
+    """Commits ``entry`` to the root's manifest, then applies retention (rank 0 only).
+
+    IMPORTANT: call this only after every rank reported its files durable; the
+    manifest's rename (or PUT) is what makes the checkpoint exist.
+
+    Raises:
+        CheckpointError: another job took the root over (a newer generation): nothing
+            was committed and nothing deleted.
+    """
+    storage, generation = target.storage, target.generation
     manifest = Manifest.load(storage)
     if manifest.writer_generation != generation:
         raise _stale(storage, generation, manifest.writer_generation)
@@ -173,6 +161,7 @@ def commit(
         manifest.save(storage)
     except PreconditionFailed as e:
         raise _stale(storage, generation, Manifest.load(storage).writer_generation) from e
+    retire(storage, manifest, target.keep_last, generation)
     return manifest
 
 

@@ -143,6 +143,18 @@ class Lease:
             return None
         raise RuntimeError(f"could not claim {self.storage.url}: the lease keeps changing")
 
+    def claim(self) -> str | None:
+        """Creates the root and claims it; says why not if a live job holds it."""
+        self.storage.create()
+        blocker = self.acquire()
+        if blocker is None:
+            return None
+        return (
+            f"{self.storage.url} is held by another live job, {blocker.describe()}: stop "
+            "it, or pass CheckpointConfig(take_over=True) to take the root over "
+            "deliberately (that job's later commits are then refused)"
+        )
+
     def _fence(self) -> None:
         # From now on only this generation's commits match the manifest.
         assert self.mine is not None

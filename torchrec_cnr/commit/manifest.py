@@ -47,7 +47,8 @@ __all__ = [
 
 FORMAT_VERSION = 3
 """2: optimizer states by FBGEMM name with layout and dtype, and the kernels' step counters.
-3: a checksum of the manifest itself, and the writer generation that may commit."""
+3: a checksum of the manifest itself, the writer generation that may commit, each table's key
+in the unsharded module's state dict, and compacted checkpoints (``compacted_from``)."""
 
 # Version 1 named each shard's states state0, state1, ... in FBGEMM's order.
 _V1_STATE_ORDER = {
@@ -72,14 +73,15 @@ def _upgrade_v1(rec: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class TableShape:
-    """A whole table's shape, as the model defines it."""
+    """A whole table's shape, as the model defines it, and its unsharded state-dict key."""
 
     num_embeddings: int
     embedding_dim: int
+    state_dict_key: str = field(default="", compare=False)
 
     @classmethod
     def of(cls, spec: ShardSpec) -> TableShape:
-        return cls(spec.num_embeddings, spec.embedding_dim)
+        return cls(spec.num_embeddings, spec.embedding_dim, spec.state_dict_key)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,8 @@ class Entry:
     """Longest time any rank's training was blocked by this save."""
     interval_decision: dict[str, Any] | None = None
     """CPR's interval decision, once ``interval_steps: auto`` made it."""
+    compacted_from: str | None = None
+    """The checkpoint whose chain this full checkpoint merges (see ``offline.compact``)."""
 
     @staticmethod
     def signature(

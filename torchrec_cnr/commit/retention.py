@@ -13,7 +13,7 @@ from torchrec_cnr.storage.backend import Storage
 
 __all__ = ["retire"]
 
-_GENERATION = re.compile(r"^\d{6}-step\d{10}(?:-g(\d+))?$")
+_GENERATION = re.compile(r"^\d{6}-step\d{10}(?:-g(\d+))?(?:-c)?$")
 
 
 def _generation(name: str) -> int | None:

@@ -164,9 +164,10 @@ def encode_shard(staged: StagedShard, fmt: Format, config: QuantizeConfig) -> En
 
 
 def decode_weight(read: Callable[[str], torch.Tensor], rec: ShardRecord) -> torch.Tensor:
-    """The ``(saved_rows, cols)`` fp32 rows of a shard record; ``read(name)`` fetches a tensor."""
+    """The ``(n, cols)`` fp32 rows of a shard record; ``read(name)`` fetches a stored tensor
+    (all ``saved_rows`` rows, or any subset of them: every part is one row per row)."""
     if rec.format == FP32:
         return read(f"{rec.key}.w")
     parts = {p: read(f"{rec.key}.w.{p}") for p in rec.parts}
-    shape = (rec.saved_rows, rec.spec.cols)
+    shape = (next(iter(parts.values())).shape[0], rec.spec.cols)
     return QuantizedRows.from_tensors(parts, rec.format.method, rec.format.bits, shape).dequantize()

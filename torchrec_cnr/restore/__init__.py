@@ -3,6 +3,7 @@
 from torchrec_cnr.restore.apply import ChainRead, apply_chain, read_chain
 from torchrec_cnr.restore.compat import check_compatible
 from torchrec_cnr.restore.partial import select_shards
+from torchrec_cnr.restore.restore import restore_entry
 from torchrec_cnr.restore.verify import verify_chains, verify_checkpoint
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "apply_chain",
     "check_compatible",
     "read_chain",
+    "restore_entry",
     "select_shards",
     "verify_chains",
     "verify_checkpoint",

@@ -32,10 +32,17 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 
 def fsync_tree(path: str | os.PathLike[str]) -> None:
-    """fsyncs every file and directory under ``path``."""
+    """fsyncs every file and directory under ``path``.
+
+    A file that vanishes meanwhile is a temporary another writer renamed: that writer
+    syncs what it renamed.
+    """
     for dirpath, _, filenames in os.walk(path):
         for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
             try:
                 os.fsync(fd)
             finally:

@@ -32,10 +32,11 @@ SNAPSHOT_MARKER = ".snapshot_metadata"
 """torchsnapshot writes it last: a checkpoint directory without it was never completed."""
 
 
-def checkpoint_id(seq: int, step: int, generation: int) -> str:
+def checkpoint_id(seq: int, step: int, generation: int, compacted: bool = False) -> str:
     """Directory name of a checkpoint: unique even when a step is saved twice, and never
-    shared by two writers (``generation`` is the writer's, see ``commit.lease``)."""
-    return f"{seq:06d}-step{step:010d}-g{generation:04d}"
+    shared by two writers (``generation`` is the writer's, see ``commit.lease``). A
+    compaction of checkpoint ``seq`` takes its name with a ``-c``."""
+    return f"{seq:06d}-step{step:010d}-g{generation:04d}" + ("-c" if compacted else "")
 
 
 def rows_path(rank: int, name: str) -> str:

@@ -141,6 +141,38 @@ class SnapshotReader:
         assert isinstance(value, bytes)
         return value
 
+    def rows_subset(self, rank: int, name: str, index: torch.Tensor) -> torch.Tensor:
+        """Only the rows ``index`` (ascending) of a stored shard tensor, read alone.
+
+        Reads each run of consecutive rows with one request and nothing else, so no
+        checksum can be checked (it covers the whole tensor).
+        """
+        logical = rows_path(rank, name)
+        entry = self._entries.get(logical)
+        if entry is None or entry["type"] != "Tensor" or entry["serializer"] != "buffer_protocol":
+            return self.rows(rank, name)[index]  # chunked or pickled: read it whole
+        dtype = string_to_dtype(entry["dtype"])
+        shape = list(entry["shape"])
+        out = torch.empty([index.numel(), *shape[1:]], dtype=dtype)
+        if not index.numel():
+            return out
+        row_bytes = out[0].numel() * out.element_size()
+        start = (entry.get("byte_range") or (0, None))[0]
+        location = f"{self.name}/{entry['location']}"
+        # Runs of consecutive rows: one read each.
+        breaks = torch.nonzero(index[1:] != index[:-1] + 1).flatten() + 1
+        bounds = [0, *breaks.tolist(), index.numel()]
+        target = _as_bytes(out)
+        try:
+            for a, b in zip(bounds, bounds[1:]):
+                first = int(index[a])
+                self.storage.read_into(
+                    location, start + first * row_bytes, target[a * row_bytes : b * row_bytes]
+                )
+        except Exception as e:
+            raise CheckpointReadError(f"cannot read {logical!r} from {self.path}: {e}") from e
+        return out
+
     def read_many(self, wanted: list[tuple[int, str]]) -> dict[tuple[int, str], torch.Tensor]:
         """Reads many shard tensors ``(rank, name)`` at once, on ``TORCHREC_CNR_IO_THREADS`` threads."""
         if not wanted:

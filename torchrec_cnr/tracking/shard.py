@@ -80,13 +80,16 @@ class ShardSpec:
     """Rows of the whole table."""
     embedding_dim: int
     """Columns of the whole table."""
+    state_dict_key: str = ""
+    """The table's key in the *unsharded* module's ``state_dict()``, e.g.
+    ``sparse.ebc.embedding_bags.t0.weight`` ("" in checkpoints older than format 3)."""
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> ShardSpec:
-        return cls(**{k: raw[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
 
 
 @dataclass

@@ -164,6 +164,9 @@ class RowTracker:
         self.mode = mode
         self._ssu_rate = ssu_rate
         self._rank = rank
+        # Where the unsharded module keeps its tables: EmbeddingBagCollection.embedding_bags
+        # or EmbeddingCollection.embeddings.
+        self._container = "embedding_bags" if hasattr(sharded, "embedding_bags") else "embeddings"
         self._sharding_types = dict(sharding_types)
         # (table config, its index in the kernel, kernel, bitmap view or None, first word)
         self._entries: list[tuple[Any, int, Any, torch.Tensor | None, int]] = []
@@ -250,6 +253,9 @@ class RowTracker:
                 cols=cols,
                 num_embeddings=int(table.num_embeddings),
                 embedding_dim=int(table.embedding_dim),
+                state_dict_key=".".join(
+                    p for p in (prefix, self._container, table.name, "weight") if p
+                ),
             )
             states = {}
             if words is not None:

@@ -1,0 +1,255 @@
+"""Checkpoints outside training, for every policy: tables read without a model, the
+unsharded model's state dict exported (torch, safetensors, DCP), and chains compacted
+into one full checkpoint that restores exactly what the chain did."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from tests import reference
+from tests.contract.models import build, unsharded
+from tests.multiprocess import run_ranks
+from torchrec_cnr import (
+    CheckpointConfig,
+    CheckpointManager,
+    QuantizeConfig,
+    export_state_dict,
+    read_optimizer_state,
+    read_table,
+)
+from torchrec_cnr.cli import main as cnr
+from torchrec_cnr.commit import Manifest
+from torchrec_cnr.offline import save_export
+from torchrec_cnr.selection import POLICIES
+from torchrec_cnr.storage import open_storage
+
+STEPS, EVERY = 12, 3
+
+
+def _train(root: str, refs: str, policy: str, quant: dict | None = None, **config) -> None:
+    job = build("ebc", "exact_adagrad", seed=1)
+    cfg = CheckpointConfig(
+        path=root,
+        policy=policy,  # type: ignore[arg-type]
+        interval_steps=EVERY,
+        quantize=QuantizeConfig(**(quant or {})),
+        **config,
+    )
+    with CheckpointManager(job.model, cfg, job.app_state) as ckpt:
+        for step in range(1, STEPS + 1):
+            job.step(step)
+            if ckpt.maybe_save(step):
+                reference.save(reference.take(job.model, job.app_state), Path(refs), step)
+
+
+def _expected(refs: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
+    return reference.full_tables(reference.load_all(refs, step))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("policy", POLICIES)
+def test_tables_read_and_export_without_a_model_equal_the_live_model(
+    policy: str, root: str, refs: Path, tmp_path: Path
+) -> None:
+    run_ranks(2, _train, root, str(refs), policy)
+    for step in (EVERY, 9, STEPS):
+        want = _expected(refs, step)
+        for table, values in want.items():
+            assert torch.equal(read_table(root, table, step), values["weight"]), (table, step)
+            states = read_optimizer_state(root, table, step)
+            assert torch.equal(states["momentum1"], values["momentum1"]), (table, step)
+        # rows=: a subset, in any order, read whole (verified) or alone (not).
+        table = "sparse.ebc.t_row_wise"
+        rows = torch.tensor([4000, 3, 2000, 2001, 3, 17])
+        for verify in (True, False):
+            got = read_table(root, "t_row_wise", step, rows=rows, verify=verify)
+            assert torch.equal(got, want[table]["weight"][rows])
+        # The unsharded model's state dict, under the unsharded module's keys.
+        exported = export_state_dict(root, step)
+        model, _, _ = unsharded("ebc", "cpu")
+        assert set(exported) == set(model.state_dict())
+        model.load_state_dict(exported, strict=True)
+        for table, values in want.items():
+            key = table.replace(".ebc.", ".ebc.embedding_bags.").replace(
+                ".weighted_ebc.", ".weighted_ebc.embedding_bags."
+            )
+            assert torch.equal(model.state_dict()[f"{key}.weight"], values["weight"])
+        dense = reference.load_all(refs, step)[0]["dense"]
+        assert all(torch.equal(exported[k], v) for k, v in dense.items())
+    # Every file format reads back the same tensors.
+    for fmt, out in (("torch", "m.pt"), ("safetensors", "m.safetensors"), ("dcp", "m_dcp")):
+        save_export(exported, tmp_path / out, fmt)  # type: ignore[arg-type]
+    assert all(torch.equal(v, torch.load(tmp_path / "m.pt")[k]) for k, v in exported.items())
+    assert all(
+        torch.equal(v, load_file(tmp_path / "m.safetensors")[k]) for k, v in exported.items()
+    )
+    fresh, _, _ = unsharded("ebc", "cpu")
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=str(tmp_path / "m_dcp"), no_dist=True)
+    assert all(torch.equal(v, state[k]) for k, v in exported.items())
+
+
+def test_cnr_export_writes_the_state_dict_of_a_step(tmp_path: Path, capsys) -> None:
+    root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
+    refs.mkdir()
+    run_ranks(2, _train, root, str(refs), "intermittent")
+    out = tmp_path / "step9.pt"
+    assert cnr(["export", root, "--step", "9", "--out", str(out), "--tables", "t_row_wise"]) == 0
+    saved = torch.load(out)
+    assert list(saved) == ["sparse.ebc.embedding_bags.t_row_wise.weight"]
+    assert torch.equal(saved[list(saved)[0]], _expected(refs, 9)["sparse.ebc.t_row_wise"]["weight"])
+    assert cnr(["export", root, "--step", "10", "--out", str(out)]) == 2
+    assert "no committed checkpoint of step 10" in capsys.readouterr().err
+
+
+QUANT: dict = {"method": "adaptive", "bits": 4, "min_rows": 1000}
+
+
+@pytest.mark.dist
+def test_a_quantized_chain_reads_as_the_dequantized_stored_rows(root: str, refs: Path) -> None:
+    run_ranks(2, _train, root, str(refs), "consecutive", QUANT)
+    config = QuantizeConfig(**QUANT)
+    for step in (EVERY, STEPS):
+        manifest_entry = Manifest.load(root).find(step)
+        assert manifest_entry is not None
+        for table, values in _expected(refs, step).items():
+            got = read_table(root, table, step)
+            if manifest_entry.tables[table].num_embeddings < config.min_rows:
+                assert torch.equal(got, values["weight"])
+            else:  # quantized: within the quantizer's error, never exact
+                assert not torch.equal(got, values["weight"])
+                assert (got - values["weight"]).abs().max() < 0.1
+
+
+def _compact_in_job(root: str, refs: str, policy: str, quant: dict | None) -> None:
+    job = build("ebc", "exact_adagrad", seed=1)
+    cfg = CheckpointConfig(
+        path=root,
+        policy=policy,  # type: ignore[arg-type]
+        interval_steps=EVERY,
+        quantize=QuantizeConfig(**(quant or {})),
+    )
+    with CheckpointManager(job.model, cfg, job.app_state) as ckpt:
+        for step in range(1, STEPS + 1):
+            job.step(step)
+            if ckpt.maybe_save(step):
+                reference.save(reference.take(job.model, job.app_state), Path(refs), step)
+        ckpt.wait()
+        if policy != "full":
+            torch.save(
+                {t: read_table(root, t) for t in Manifest.load(root).latest().tables},  # type: ignore[union-attr]
+                Path(refs) / f"chain-{ckpt.rank}.pt",
+            )
+        assert ckpt.compact() == (policy != "full")
+        ckpt.wait()
+        # Training and checkpointing go on from the compacted checkpoint.
+        job.step(STEPS + 1)
+        ckpt.save(STEPS + 1)
+        reference.save(reference.take(job.model, job.app_state), Path(refs), STEPS + 1)
+
+
+def _restores_exactly(
+    root: str, refs: str, step: int, quantized: bool, optimizer: str = "exact_adagrad"
+) -> None:
+    job = build("ebc", optimizer, seed=5)
+    with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
+        assert ckpt.restore(step=step) == step
+    if not quantized:
+        reference.assert_model_matches(
+            job.model, job.app_state, reference.load_all(Path(refs), step)
+        )
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "4-bit"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_compacted_chain_restores_exactly_what_the_chain_did(
+    policy: str, quantized: bool, root: str, refs: Path
+) -> None:
+    run_ranks(2, _compact_in_job, root, str(refs), policy, QUANT if quantized else None)
+    manifest = Manifest.load(root)
+    at_12 = manifest.find(STEPS)
+    assert at_12 is not None
+    if policy == "full":
+        assert at_12.compacted_from is None
+        return
+    assert at_12.kind == "full" and at_12.chain == [at_12.id] and at_12.compacted_from
+    assert at_12.id.endswith("-c")
+    # The compacted checkpoint reads as the chain did, bit for bit: nothing re-quantized.
+    chain = torch.load(refs / "chain-0.pt")
+    for table, values in chain.items():
+        assert torch.equal(read_table(root, table, STEPS), values), table
+    assert cnr(["verify", root]) == 0
+    run_ranks(2, _restores_exactly, root, str(refs), STEPS, quantized)
+    # The next checkpoint builds on the compacted one.
+    after = manifest.find(STEPS + 1)
+    assert after is not None and after.chain[0] == at_12.id
+    run_ranks(2, _restores_exactly, root, str(refs), STEPS + 1, quantized)
+
+
+def _compact_every(root: str, refs: str) -> None:
+    job = build("ebc", "exact_sgd", seed=1)
+    cfg = CheckpointConfig(
+        path=root, policy="consecutive", interval_steps=1, compact_every=3, keep_last=1
+    )
+    with CheckpointManager(job.model, cfg, job.app_state) as ckpt:
+        for step in range(1, 11):
+            job.step(step)
+            ckpt.save(step)
+            ckpt.wait()
+            latest = Manifest.load(root).latest()
+            assert latest is not None
+            assert len(latest.chain) <= 3, latest.chain
+    reference.save(reference.take(job.model, job.app_state), Path(refs), 10)
+
+
+@pytest.mark.dist
+def test_compact_every_bounds_the_chain_and_keep_last_retires_the_links(
+    any_root: str, refs: Path
+) -> None:
+    run_ranks(2, _compact_every, any_root, str(refs))
+    manifest = Manifest.load(any_root)
+    assert any(e.compacted_from for e in manifest.checkpoints)
+    assert set(open_storage(any_root).children()) == manifest.needed_ids(1)
+    run_ranks(2, _restores_exactly, any_root, str(refs), 10, False, "exact_sgd")
+
+
+def _killed_mid_compaction(root: str, refs: str) -> None:
+    job = build("ebc", "exact_sgd", seed=1)
+    cfg = CheckpointConfig(path=root, policy="consecutive", interval_steps=EVERY)
+    ckpt = CheckpointManager(job.model, cfg, job.app_state)
+    for step in range(1, 7):
+        job.step(step)
+        if ckpt.maybe_save(step):
+            reference.save(reference.take(job.model, job.app_state), Path(refs), step)
+    ckpt.wait()
+    ckpt.compact()
+    ckpt.wait()  # rank 1 is SIGKILLed inside the compaction
+
+
+@pytest.mark.dist
+def test_a_compaction_killed_midway_leaves_the_chain_the_restore_target(
+    root: str, refs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("TORCHREC_CNR_INJECT_FAULT", "sigkill@compact:1")
+    monkeypatch.setenv("TORCHREC_CNR_COLLECTIVE_TIMEOUT_S", "30")
+    with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
+        run_ranks(2, _killed_mid_compaction, root, str(refs))
+    monkeypatch.delenv("TORCHREC_CNR_INJECT_FAULT")
+    latest = Manifest.load(root).latest()
+    assert latest is not None
+    assert latest.compacted_from is None and len(latest.chain) == 2
+    assert cnr(["verify", root]) == 0
+    run_ranks(2, _restores_exactly, root, str(refs), 6, False, "exact_sgd")
+    # Offline, the CLI compacts it (the job is gone and its lease with it).
+    assert cnr(["compact", root, "--take-over"]) == 0
+    latest = Manifest.load(root).latest()
+    assert latest is not None and latest.compacted_from and latest.chain == [latest.id]
+    run_ranks(2, _restores_exactly, root, str(refs), 6, False, "exact_sgd")

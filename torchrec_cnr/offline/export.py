@@ -1,0 +1,101 @@
+"""Exporting a committed checkpoint as the state dict of the *unsharded* model.
+
+The keys are those the unsharded module's ``state_dict()`` uses: each table under the key
+its EmbeddingBagCollection or EmbeddingCollection gives it
+(``sparse.ebc.embedding_bags.t0.weight``), the dense state under its own keys
+(``over.weight``). So ``unsharded_model.load_state_dict(export_state_dict(root))`` just
+works, on one GPU or CPU, for inference, publishing or transfer learning.
+
+Example::
+
+    model = TestSparseNN(tables=tables, weighted_tables=weighted)   # unsharded
+    model.load_state_dict(torchrec_cnr.export_state_dict("/ckpt/run1"))
+
+    # or from the command line, in a format other tools read:
+    #   cnr export /ckpt/run1 --out model.safetensors --format safetensors
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from torchrec_cnr.offline.tables import ChainReader, Root
+
+__all__ = ["EXPORT_FORMATS", "ExportFormat", "export_state_dict", "save_export"]
+
+ExportFormat = Literal["torch", "safetensors", "dcp"]
+EXPORT_FORMATS: tuple[ExportFormat, ...] = ("torch", "safetensors", "dcp")
+
+Progress = Callable[[str, int, int], None]
+"""Called after each table with its key, how many tables are done, and how many in all."""
+
+
+def export_state_dict(
+    root: Root,
+    step: int | None = None,
+    tables: Sequence[str] | None = None,
+    progress: Progress | None = None,
+) -> dict[str, torch.Tensor]:
+    """The unsharded model's state dict at a committed step.
+
+    Args:
+        root: the checkpoint root: a path, an ``s3://bucket/prefix`` URL or a ``Storage``.
+        step: the committed step; the latest if ``None``.
+        tables: only these tables (qualified or short names), and no dense state;
+            every table and the dense state if ``None``.
+        progress: called after each table is read.
+
+    Raises:
+        ValueError: no such step or table, or a checkpoint written before its format
+            recorded the tables' state-dict keys (format 3).
+    """
+    chain = ChainReader(root, step)
+    names = [chain.table_name(t) for t in tables] if tables is not None else sorted(chain.tables)
+    out: dict[str, torch.Tensor] = {}
+    for done, name in enumerate(names, 1):
+        key = chain.tables[name].state_dict_key
+        if not key:
+            raise ValueError(
+                f"table {name!r}: the checkpoint does not record its state-dict key "
+                "(written before format 3); read it with read_table() instead"
+            )
+        out[key] = chain.table(name)
+        if progress is not None:
+            progress(key, done, len(names))
+    if tables is None:
+        out.update(chain.dense())
+    return out
+
+
+def save_export(
+    state_dict: dict[str, torch.Tensor], out: str | os.PathLike[str], fmt: ExportFormat = "torch"
+) -> None:
+    """Writes an exported state dict.
+
+    ``torch`` writes one ``torch.save`` file; ``safetensors`` one safetensors file
+    (needs the ``safetensors`` package); ``dcp`` a ``torch.distributed.checkpoint``
+    directory, which ``dcp.load(state_dict, checkpoint_id=out)`` reads in one process.
+
+    Raises:
+        ValueError: an unknown format.
+    """
+    path = Path(out)
+    if fmt == "torch":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state_dict, path)
+    elif fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(path))
+    elif fmt == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state_dict, checkpoint_id=str(path), no_dist=True)
+    else:
+        raise ValueError(f"format must be one of {EXPORT_FORMATS}, got {fmt!r}")
