@@ -64,17 +64,22 @@ def rmtree(path: Path) -> None:
     dist.barrier()
 
 
-def drop_cache(path: Path) -> None:
+def evict(path: Path) -> None:
     """Makes every file under ``path`` durable, then drops it from the page cache."""
+    for d, _, names in os.walk(path):
+        for n in names:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def drop_cache(path: Path) -> None:
+    """:func:`evict`, by rank 0, for every rank."""
     if dist.get_rank() == 0:
-        for d, _, names in os.walk(path):
-            for n in names:
-                fd = os.open(os.path.join(d, n), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+        evict(path)
     dist.barrier()
 
 

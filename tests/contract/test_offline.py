@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
+from cnr_train.bench.common import modify
 from tests import reference
 from tests.contract.models import build, unsharded
 from tests.multiprocess import run_ranks
@@ -27,6 +28,7 @@ from torchrec_cnr.commit import Manifest
 from torchrec_cnr.offline import save_export
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.storage import open_storage
+from torchrec_cnr.tracking import model_state
 
 STEPS, EVERY = 12, 3
 
@@ -192,6 +194,36 @@ def test_a_compacted_chain_restores_exactly_what_the_chain_did(
     run_ranks(2, _restores_exactly, root, str(refs), STEPS + 1, quantized)
 
 
+def _whole_shard_deltas(root: str, refs: str) -> None:
+    job = build("ebc", "exact_sgd", seed=1)
+    with CheckpointManager(job.model, CheckpointConfig(path=root, policy="consecutive")) as ckpt:
+        job.step(1)
+        ckpt.save(1)
+        ckpt.wait()
+        # Every row of every other shard changes: those deltas hold whole shards (no ids).
+        shards = model_state.local_shards(job.model)
+        modify(
+            shards, [torch.arange(0, s.spec.rows, 1 if i % 2 else 7) for i, s in enumerate(shards)]
+        )
+        ckpt.save(2)
+        ckpt.wait()
+        reference.save(reference.take(job.model, {}), Path(refs), 2)
+        assert ckpt.compact()
+
+
+@pytest.mark.dist
+def test_deltas_that_hold_whole_shards_compact_exactly(root: str, refs: Path) -> None:
+    run_ranks(2, _whole_shard_deltas, root, str(refs))
+    manifest = Manifest.load(root)
+    delta = manifest.checkpoints[1]
+    assert delta.kind == "delta" and any(r.all_rows for r in delta.shards)
+    assert any(not r.all_rows and r.saved_rows for r in delta.shards)
+    latest = manifest.latest()
+    assert latest is not None and latest.compacted_from == delta.id
+    for table, values in _expected(refs, 2).items():
+        assert torch.equal(read_table(root, table), values["weight"]), table
+
+
 def _compact_every(root: str, refs: str) -> None:
     job = build("ebc", "exact_sgd", seed=1)
     cfg = CheckpointConfig(
@@ -250,6 +282,9 @@ def test_a_compaction_killed_midway_leaves_the_chain_the_restore_target(
     run_ranks(2, _restores_exactly, root, str(refs), 6, False, "exact_sgd")
     # Offline, the CLI compacts it (the job is gone and its lease with it).
     assert cnr(["compact", root, "--take-over"]) == 0
-    latest = Manifest.load(root).latest()
+    manifest = Manifest.load(root)
+    latest = manifest.latest()
     assert latest is not None and latest.compacted_from and latest.chain == [latest.id]
+    # The killed attempt's directory went with the next commit.
+    assert set(open_storage(root).children()) == {e.id for e in manifest.checkpoints}
     run_ranks(2, _restores_exactly, root, str(refs), 6, False, "exact_sgd")

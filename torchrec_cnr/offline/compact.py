@@ -69,8 +69,7 @@ def _merge_stored(
         for suffix in _stored_parts(base)
     }
     for n, rec in deltas:
-        ids = chain.readers[n].rows(rec.spec.rank, f"{rec.key}.ids").to(torch.int64)
-        local = ids - target.spec.row_offset
+        local = chain.saved_ids(n, rec) - target.spec.row_offset
         for suffix, tensor in merged.items():
             tensor[local] = chain.readers[n].rows(rec.spec.rank, f"{rec.key}{suffix}")
     return merged
@@ -86,7 +85,7 @@ def _merge_decoded(
     for n, rec in sources:
         ss = rec.spec
         reader = chain.readers[n]
-        ids, _, _ = chain._rows(rec, n, None)
+        ids = chain.saved_ids(n, rec)
         inside = (ids >= ts.row_offset) & (ids < ts.row_offset + ts.rows)
         rows = ids[inside] - ts.row_offset
         decoded = decode_weight(partial(reader.rows, ss.rank), rec)[inside]

@@ -83,17 +83,19 @@ class ChainReader:
     def _records(self, table: str) -> list[tuple[int, ShardRecord]]:
         return [(n, r) for n, e in enumerate(self.chain) for r in e.shards if r.spec.table == table]
 
+    def saved_ids(self, n: int, rec: ShardRecord) -> torch.Tensor:
+        """Global ids of the rows ``rec`` (of the chain's ``n``-th checkpoint) saved, in order."""
+        ss = rec.spec
+        if rec.all_rows:
+            return torch.arange(ss.row_offset, ss.row_offset + ss.rows)
+        return self.readers[n].rows(ss.rank, f"{rec.key}.ids").to(torch.int64)
+
     def _rows(
         self, rec: ShardRecord, n: int, wanted: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Global ids of the saved rows of ``rec`` to use, their positions in the saved
         tensors (``None``: all), and their positions in the output."""
-        ss = rec.spec
-        reader = self.readers[n]
-        if rec.all_rows:
-            ids = torch.arange(ss.row_offset, ss.row_offset + ss.rows)
-        else:
-            ids = reader.rows(ss.rank, f"{rec.key}.ids").to(torch.int64)
+        ids = self.saved_ids(n, rec)
         if wanted is None:
             return ids, None, ids
         if not wanted.numel():
