@@ -112,16 +112,36 @@ def test_cnr_export_writes_the_state_dict_of_a_step(tmp_path: Path, capsys) -> N
 QUANT: dict = {"method": "adaptive", "bits": 4, "min_rows": 1000}
 
 
+def _restored(root: str, out: str, step: int) -> None:
+    job = build("ebc", "exact_adagrad", seed=5)
+    with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
+        assert ckpt.restore(step=step) == step
+    reference.save(reference.take(job.model, job.app_state), Path(out), step)
+
+
 @pytest.mark.dist
-def test_a_quantized_chain_reads_as_the_dequantized_stored_rows(root: str, refs: Path) -> None:
+def test_a_quantized_chain_reads_as_the_dequantized_stored_rows(
+    root: str, refs: Path, tmp_path: Path
+) -> None:
     run_ranks(2, _train, root, str(refs), "consecutive", QUANT)
     config = QuantizeConfig(**QUANT)
     for step in (EVERY, STEPS):
-        manifest_entry = Manifest.load(root).find(step)
-        assert manifest_entry is not None
+        entry = Manifest.load(root).find(step)
+        assert entry is not None
+        # What a restore into a live model gives: the stored rows, dequantized.
+        restored_dir = tmp_path / f"restored-{step}"
+        restored_dir.mkdir()
+        run_ranks(2, _restored, root, str(restored_dir), step)
+        restored = _expected(restored_dir, step)
+        exported = export_state_dict(root, step)
         for table, values in _expected(refs, step).items():
             got = read_table(root, table, step)
-            if manifest_entry.tables[table].num_embeddings < config.min_rows:
+            assert torch.equal(got, restored[table]["weight"]), (table, step)
+            key = table.replace(".ebc.", ".ebc.embedding_bags.").replace(
+                ".weighted_ebc.", ".weighted_ebc.embedding_bags."
+            )
+            assert torch.equal(exported[f"{key}.weight"], got), (table, step)
+            if entry.tables[table].num_embeddings < config.min_rows:
                 assert torch.equal(got, values["weight"])
             else:  # quantized: within the quantizer's error, never exact
                 assert not torch.equal(got, values["weight"])
