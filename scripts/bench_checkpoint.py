@@ -65,17 +65,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchsnapshot import Snapshot
 
 from cnr_train.bench.common import (
     GB,
     bcast,
     disk_bandwidth,
+    fsync_tree,
     log,
     max_over_ranks,
     memcpy_s,
     modify,
     rmtree,
     scratch_dir,
+    timed,
     timed_restores,
 )
 from cnr_train.bench.peers import run_peers
@@ -92,6 +95,7 @@ COMMAND = (
     "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 scripts/bench_checkpoint.py "
     "--json out/bench_checkpoint.json"
 )
+ASYNC = "torchsnapshot async_take (copy fix)"
 QUANTS = {"fp32": QuantizeConfig(), "4-bit": QuantizeConfig(method="adaptive", bits=4)}
 
 
@@ -206,6 +210,113 @@ def _cnr(
     return row
 
 
+def _ts_take(model: torch.nn.Module, path: Path) -> float:
+    """torchsnapshot ``take`` plus the fsync of its tree it leaves out: its durable commit."""
+
+    def take() -> None:
+        Snapshot.take(str(path), app_state={"model": model}, replicated=["**"])
+        if dist.get_rank() == 0:
+            fsync_tree(path)
+
+    rmtree(path)
+    return timed(take)[0]
+
+
+def _side_by_side(
+    model: torch.nn.Module,
+    bench: Path,
+    shards: list[LocalShard],
+    sels: dict[float, list[torch.Tensor]],
+    check_sel: list[torch.Tensor],
+    rounds: int,
+) -> dict[str, Any]:
+    """The figures the targets compare, interleaved round by round so that a drift
+    of the disk hits every method alike: durable full commits (torchsnapshot
+    ``take`` + fsync, torchrec_cnr fp32 and 4-bit), then cold restores
+    (torchsnapshot's full snapshot, intermittent chains at each fraction, a
+    consecutive chain of 4)."""
+    fracs = sorted(sels)
+    ts_path = bench / "sbs_ts"
+    cfgs = {
+        q: CheckpointConfig(path=str(bench / f"sbs_full_{q}"), policy="full", quantize=QUANTS[q])
+        for q in QUANTS
+    }
+    writers = {q: CheckpointManager(model, cfg) for q, cfg in cfgs.items()}
+    commits: dict[str, list[float]] = {"torchsnapshot": [], **{q: [] for q in QUANTS}}
+    stalls: list[float] = []
+    full_bytes = 0
+    for r in range(rounds):
+        commits["torchsnapshot"].append(_ts_take(model, ts_path))
+        for q, ckpt in writers.items():
+            stall, commit, entry = _save(ckpt, Path(cfgs[q].path), 1 + r)
+            commits[q].append(commit)
+            if q == "fp32" and entry is not None:
+                stalls.append(stall)
+                full_bytes = entry.bytes
+        log(
+            f"side by side, round {r + 1}/{rounds}: durable full commit "
+            + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in commits.items())
+        )
+    for ckpt in writers.values():
+        ckpt.close()
+    del writers
+    for cfg in cfgs.values():
+        rmtree(Path(cfg.path))
+    gc.collect()
+
+    # Chains to restore: intermittent at each fraction (baseline + one delta), and a
+    # consecutive chain of 4 (baseline + three deltas) at the smallest fraction.
+    chains: dict[str, CheckpointConfig] = {}
+    plan: list[tuple[str, PolicyName, float, int]] = [
+        *((f"intermittent {f:.0%}", "intermittent", f, 1) for f in fracs),
+        (f"consecutive {fracs[0]:.0%} chain of 4", "consecutive", fracs[0], 3),
+    ]
+    for name, policy, frac, deltas in plan:
+        cfg = CheckpointConfig(path=str(bench / f"sbs_{policy}_{frac}"), policy=policy)
+        with CheckpointManager(model, cfg) as ckpt:
+            for step in range(1, deltas + 2):
+                if step > 1:
+                    modify(shards, sels[frac])
+                _save(ckpt, Path(cfg.path), step)
+        chains[name] = cfg
+        gc.collect()
+    restores: dict[str, list[float]] = {"torchsnapshot": [], **{k: [] for k in chains}}
+    errs: dict[str, float] = {}
+
+    def ts_restore() -> None:
+        Snapshot(str(ts_path)).restore(app_state={"model": model})
+
+    for r in range(rounds):
+        t, errs["torchsnapshot"] = timed_restores(ts_path, shards, check_sel, ts_restore, 1)
+        restores["torchsnapshot"].append(t)
+        for name, cfg in chains.items():
+            with CheckpointManager(model, cfg) as restorer:
+                t, errs[name] = timed_restores(
+                    Path(cfg.path), shards, check_sel, restorer.restore, 1
+                )
+            restores[name].append(t)
+            gc.collect()
+        log(
+            f"side by side, round {r + 1}/{rounds}: cold restore "
+            + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in restores.items())
+        )
+    rmtree(ts_path)
+    for cfg in chains.values():
+        rmtree(Path(cfg.path))
+    med = statistics.median
+    return {
+        "rounds": rounds,
+        "full_bytes": full_bytes,
+        "commit_s": {k: med(v) for k, v in commits.items()},
+        "commits": commits,
+        "first_full_stall_s": stalls[0],
+        "later_full_stall_s": med(stalls[1:]) if len(stalls) > 1 else stalls[0],
+        "restore_s": {k: med(v) for k, v in restores.items()},
+        "restores": restores,
+        "restore_max_abs_err": errs,
+    }
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return format("-", ">" + spec.lstrip(">").split(".")[0]) if x is None else format(x, spec)
 
@@ -276,67 +387,89 @@ def _report(results: dict[str, Any]) -> list[dict[str, Any]]:
 
     print()
     fracs = sorted({r["fraction"] for r in cnr})
-    needed = [(p, "fp32", f) for p in ("full", "consecutive", "intermittent") for f in fracs]
-    if len(fracs) != 2 or any(k not in by for k in needed) or "error" in peer["torchsnapshot take"]:
-        print("ratio lines need full, consecutive and intermittent fp32 at two fractions")
-        return ratios
-    async_stall = peer["torchsnapshot async_take (copy fix)"]["stall_s"]
-    shipped = peer["torchsnapshot async_take (as shipped)"]
-    for frac, div in zip(fracs, (10, 3)):
-        s = by[("intermittent", "fp32", frac)]["stall_s"]
-        line(
-            f"stall_intermittent_fp32_{frac:.0%}_vs_async_take",
-            s,
-            async_stall / div,
-            s <= async_stall / div,
-            f"stall intermittent fp32 {frac:.0%} {s:.3f}s vs torchsnapshot async_take (copy fix) "
-            f"{async_stall:.3f}s / {div} = {async_stall / div:.3f}s ({async_stall / s:.1f}x less)",
-        )
-        print(
-            f"  (info: vs async_take as shipped {shipped['stall_s']:.3f}s, {shipped['stall_s'] / s:.1f}x; "
-            f"its snapshot is {'consistent' if shipped['consistent'] else 'torn: it copies nothing'})"
-        )
-    for frac in fracs:
-        r = by[("intermittent", "fp32", frac)]
-        line(
-            f"stall_intermittent_fp32_{frac:.0%}_vs_memcpy",
-            r["stall_s"],
-            2 * r["memcpy_s"],
-            r["stall_s"] <= 2 * r["memcpy_s"],
-            f"stall intermittent fp32 {frac:.0%} {r['stall_s']:.3f}s vs 2 x memcpy of its "
-            f"{r['staged_bytes_local_max'] / 1e6:.0f} MB staged per rank ({r['memcpy_s']:.4f}s) = "
-            f"{2 * r['memcpy_s']:.4f}s",
-        )
-    full = [s for f in fracs for s in by[("full", "fp32", f)]["saves"]]
-    tput = statistics.median(s["bytes"] / s["commit_s"] for s in full) / GB
-    disk_bw = disk["write_gb_s"]
-    line(
-        "commit_throughput_full_fp32_vs_disk",
-        tput,
-        0.5 * disk_bw,
-        tput >= 0.5 * disk_bw,
-        f"commit throughput torchrec_cnr full fp32 {tput:.3f} GB/s vs 50% of disk write "
-        f"{disk_bw:.3f} GB/s = {0.5 * disk_bw:.3f} GB/s ({tput / disk_bw:.0%} of disk)",
-    )
-    each = sorted(s["bytes"] / s["commit_s"] / GB for s in full)
-    take = peer["torchsnapshot take"]
-    take_tput = take["bytes"] / (take["commit_s"] + take["fsync_after_s"]) / GB
-    print(
-        f"  (info: over its {len(each)} full saves {each[0]:.3f}..{each[-1]:.3f} GB/s; "
-        f"torchsnapshot take + fsync in this run {take_tput:.3f} GB/s)"
-    )
-    ts_restore = peer["torchsnapshot take"]["restore_s"]
-    for policy in ("consecutive", "intermittent"):
-        for frac in fracs:
-            r = by[(policy, "fp32", frac)]
+    have = {(r["policy"], r["quant"]) for r in cnr}
+    if len(fracs) == 2 and ("intermittent", "fp32") in have and "error" not in peer[ASYNC]:
+        async_stall = peer[ASYNC]["stall_s"]
+        shipped = peer["torchsnapshot async_take (as shipped)"]
+        for frac, div in zip(fracs, (10, 3)):
+            s = by[("intermittent", "fp32", frac)]["stall_s"]
             line(
-                f"restore_{policy}_fp32_{frac:.0%}_vs_torchsnapshot",
-                r["restore_s"],
-                1.5 * ts_restore,
-                r["restore_s"] <= 1.5 * ts_restore,
-                f"restore {policy} fp32 {frac:.0%} (chain of {r['restore_chain_len']}) {r['restore_s']:.2f}s "
-                f"vs 1.5 x torchsnapshot restore {ts_restore:.2f}s = {1.5 * ts_restore:.2f}s",
+                f"stall_intermittent_fp32_{frac:.0%}_vs_async_take",
+                s,
+                async_stall / div,
+                s <= async_stall / div,
+                f"stall intermittent fp32 {frac:.0%} {s:.3f}s vs torchsnapshot async_take (copy fix) "
+                f"{async_stall:.3f}s / {div} = {async_stall / div:.3f}s ({async_stall / s:.1f}x less)",
             )
+            print(
+                f"  (info: vs async_take as shipped {shipped['stall_s']:.3f}s, "
+                f"{shipped['stall_s'] / s:.1f}x; its snapshot is "
+                f"{'consistent' if shipped['consistent'] else 'torn: it copies nothing'})"
+            )
+    for r in cnr:
+        if r["policy"] != "full" and r["quant"] == "fp32":
+            line(
+                f"stall_{r['policy']}_fp32_{r['fraction']:.0%}_vs_memcpy",
+                r["stall_s"],
+                2 * r["memcpy_s"],
+                r["stall_s"] <= 2 * r["memcpy_s"],
+                f"stall {r['policy']} fp32 {r['fraction']:.0%} {r['stall_s']:.4f}s vs 2 x memcpy of "
+                f"its {r['staged_bytes_local_max'] / 1e6:.0f} MB staged per rank "
+                f"({r['memcpy_s']:.4f}s) = {2 * r['memcpy_s']:.4f}s ({r['stall_s'] / r['memcpy_s']:.2f}x)",
+            )
+
+    sbs = results["side_by_side"]
+    commit, restore = sbs["commit_s"], sbs["restore_s"]
+    print(
+        f"\nside by side, median of {sbs['rounds']} interleaved rounds "
+        f"(restores cold, checksums verified):"
+    )
+    disk_bw = disk["write_gb_s"]
+    tput = sbs["full_bytes"] / commit["fp32"] / GB
+    line(
+        "commit_full_fp32_vs_torchsnapshot_take_fsync",
+        commit["fp32"],
+        commit["torchsnapshot"],
+        commit["fp32"] <= commit["torchsnapshot"],
+        f"durable commit, full fp32: torchrec_cnr {commit['fp32']:.2f}s vs torchsnapshot take + "
+        f"fsync {commit['torchsnapshot']:.2f}s ({commit['torchsnapshot'] / commit['fp32']:.2f}x)",
+    )
+    line(
+        "commit_full_fp32_vs_disk",
+        tput,
+        0.7 * disk_bw,
+        tput >= 0.7 * disk_bw,
+        f"commit throughput full fp32 {tput:.3f} GB/s vs 70% of the disk's write "
+        f"{disk_bw:.3f} GB/s = {0.7 * disk_bw:.3f} GB/s ({tput / disk_bw:.0%} of disk)",
+    )
+    line(
+        "commit_full_4bit_vs_fp32",
+        commit["4-bit"],
+        commit["fp32"],
+        commit["4-bit"] <= commit["fp32"],
+        f"durable commit, full: 4-bit adaptive {commit['4-bit']:.2f}s vs fp32 {commit['fp32']:.2f}s",
+    )
+    first, later = sbs["first_full_stall_s"], sbs["later_full_stall_s"]
+    line(
+        "stall_first_full_vs_later",
+        first,
+        2 * later,
+        first <= 2 * later,
+        f"stall of the first full save {first:.3f}s vs 2 x later ones {later:.3f}s = {2 * later:.3f}s",
+    )
+    ts = restore["torchsnapshot"]
+    for name, took in restore.items():
+        if name == "torchsnapshot":
+            continue
+        bound = 1.5 if name.startswith("consecutive") else 1.0
+        line(
+            f"restore_{name.replace(' ', '_')}_vs_torchsnapshot",
+            took,
+            bound * ts,
+            took <= bound * ts,
+            f"restore {name}: {took:.2f}s vs {bound:g} x torchsnapshot full restore {ts:.2f}s "
+            f"= {bound * ts:.2f}s ({took / ts:.2f}x)",
+        )
     return ratios
 
 
@@ -350,6 +483,9 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed saves per method, median kept")
     p.add_argument(
         "--restore-repeats", type=int, default=2, help="cold restores per method, median kept"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds of the side-by-side targets"
     )
     p.add_argument("--warmup-steps", type=int, default=2, help="training steps before measuring")
     p.add_argument("--disk-gb", type=float, default=2.0, help="size of the disk bandwidth test")
@@ -416,6 +552,7 @@ def main() -> int:
             f"({full_bytes / memcpy_full['s'] / GB:.2f} GB/s)"
         )
 
+        side_by_side = _side_by_side(model, bench, shards, sels, check_sel, args.rounds)
         peers = run_peers(model, bench, shards, check_sel, args.restore_repeats)
         cnr = []
         for policy in args.policies:
@@ -452,6 +589,7 @@ def main() -> int:
             "memcpy_full": memcpy_full,
             "peers": peers,
             "cnr": cnr,
+            "side_by_side": side_by_side,
             "wall_s": wall,
         }
         if rank == 0:

@@ -5,6 +5,11 @@ Run from the repository root::
     .venv/bin/python scripts/bench_quantization.py --rows 200000 --dim 64 \
         --json out/bench_quantization.json
 
+or, for adaptive 4-bit against PyTorch's greedy on six kinds of rows::
+
+    .venv/bin/python scripts/bench_quantization.py --vs-greedy \
+        --json out/bench_quantization_vs_greedy.json
+
 Optionally add ``--rows-file PATH`` (a ``torch.save``'d fp32 (N, D) tensor of
 trained embedding rows) to benchmark those instead of Gaussian rows.
 
@@ -20,7 +25,18 @@ directly) and FBGEMM's
 ``FloatToFused8BitRowwiseQuantized``. It prints a markdown table, then the
 target ratios with PASS/MISS, and writes everything to ``--json``.
 
-Threads: torch's default intra-op thread count (not changed here).
+``--vs-greedy`` instead measures only adaptive 4-bit against PyTorch's greedy
+``embedding_bag_4bit_prepack(w, optimized_qparams=True)``, in six cells: dims
+16, 64 and 128 (``--vs-greedy-dims``), each on Gaussian rows (``torch.randn``)
+and on heavy-tailed rows (Student-t, 3 degrees of freedom). Every cell holds
+the same fp32 bytes (``--rows`` rows of width ``--dim``); the greedy runs on
+the first rows of it worth ``--peer-rows`` rows of width ``--dim`` (it is
+slow; MB/s is per byte so it compares directly), and both errors are taken on
+that same subset. A cell passes when adaptive is at least 50x faster and its
+error at most the greedy's. Seeds are fixed (``--seed``).
+
+Threads: ``--threads`` (default 1, as the checkpoint writer runs under
+``OMP_NUM_THREADS=1``); the command line is printed first.
 """
 
 from __future__ import annotations
@@ -79,6 +95,16 @@ def load_rows(args: argparse.Namespace) -> tuple[torch.Tensor, str]:
     return torch.randn(args.rows, args.dim, generator=g), "gaussian"
 
 
+def make_rows(dist: str, rows: int, dim: int, seed: int) -> torch.Tensor:
+    """Seeded (rows, dim) fp32 rows: ``gaussian`` or ``student_t3`` (heavy-tailed)."""
+    torch.manual_seed(seed)  # StudentT samples from the global generator
+    if dist == "gaussian":
+        return torch.randn(rows, dim)
+    if dist == "student_t3":
+        return torch.distributions.StudentT(3.0).sample((rows, dim)).float()
+    raise ValueError(f"unknown distribution {dist!r}")
+
+
 def bench_ours(x: torch.Tensor, method: str, bits: int, repeats: int) -> dict[str, Any]:
     secs = best_seconds(lambda: quantize(x, method, bits), repeats)
     q = quantize(x, method, bits)
@@ -120,27 +146,98 @@ def bench_peer(
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--rows", type=int, default=200_000, help="Gaussian rows (ignored with --rows-file)"
-    )
-    parser.add_argument("--dim", type=int, default=64, help="Gaussian row width")
-    parser.add_argument(
-        "--rows-file", default=None, help="torch.save'd fp32 (N, D) tensor of trained rows"
-    )
-    parser.add_argument(
-        "--peer-rows", type=int, default=20_000, help="rows given to PyTorch's slow greedy peers"
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=3, help="minimum timed runs per entry (best kept)"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--json", default="out/bench_quantization.json", help="where to write all results"
-    )
-    args = parser.parse_args()
+GREEDY_DISTS = ("gaussian", "student_t3")
+SPEED_TARGET = 50.0
 
+
+def command_line() -> str:
+    return " ".join([Path(sys.executable).name, *sys.argv])
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "command": command_line(),
+        "threads": torch.get_num_threads(),
+        "seed": args.seed,
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def write_json(path: str, record: dict[str, Any]) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2))
+    print(f"\nwrote {out}")
+
+
+def run_vs_greedy(args: argparse.Namespace) -> None:
+    """Adaptive 4-bit against PyTorch's greedy: six cells, one table."""
+    greedy = functools.partial(
+        torch.ops.quantized.embedding_bag_4bit_prepack, optimized_qparams=True
+    )
+    unpack = torch.ops.quantized.embedding_bag_4bit_unpack
+    elems = args.rows * args.dim
+    peer_elems = args.peer_rows * args.dim
+    print(
+        f"# adaptive 4-bit vs PyTorch greedy: {elems * 4 / 1e6:.1f} MB fp32 per cell, greedy on "
+        f"its first {peer_elems * 4 / 1e6:.1f} MB; seed {args.seed}; "
+        f"{torch.get_num_threads()} threads",
+        flush=True,
+    )
+    results: list[dict[str, Any]] = []
+    ratios: dict[str, dict[str, Any]] = {}
+    lines = []
+    for i, (dist, dim) in enumerate((d, k) for d in GREEDY_DISTS for k in args.vs_greedy_dims):
+        x = make_rows(dist, max(1, elems // dim), dim, seed=args.seed * 100 + i)
+        sub = x[: max(1, min(x.shape[0], peer_elems // dim))].contiguous()
+        ours = bench_ours(x, "adaptive", 4, args.repeats)
+        peer = bench_peer("pytorch_greedy_4bit", sub, greedy, unpack, 4, args.repeats)
+        # Same rows for both errors: adaptive works row by row, so its output
+        # on the first rows is what it gives those rows alone.
+        ours_err = rel_error(sub, ours["x_hat"][: sub.shape[0]])
+        speed = ours["mb_per_s"] / peer["mb_per_s"]
+        err_ratio = ours_err / peer["rel_error"]
+        ok = speed >= SPEED_TARGET and err_ratio <= 1.0
+        cell = f"{dist}_d{dim}"
+        ours.update(cell=cell, rel_error_on_peer_rows=ours_err)
+        peer.update(cell=cell)
+        results += [ours, peer]
+        ratios[cell] = {
+            "speed_ratio": speed,
+            "error_ratio": err_ratio,
+            "target": f">= {SPEED_TARGET:g}x and error ratio <= 1",
+            "pass": ok,
+        }
+        lines.append(
+            f"| {dist} | {dim} | {peer['mb_per_s']:.2f} | {peer['rel_error']:.5f} "
+            f"| {ours['mb_per_s']:.1f} | {ours_err:.5f} | {speed:.1f}x | {err_ratio:.4f} "
+            f"| {'PASS' if ok else 'MISS'} |"
+        )
+        print(f"  {cell} done", file=sys.stderr, flush=True)
+    print()
+    print(
+        "| rows | dim | greedy MB/s | greedy err | adaptive-4 MB/s | adaptive-4 err "
+        "| speed ratio | error ratio | >= 50x, err <= greedy |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("\n".join(lines))
+    passed = sum(r["pass"] for r in ratios.values())
+    print(f"\n{passed}/{len(ratios)} cells PASS")
+    record = {
+        **environment(args),
+        "mode": "vs_greedy",
+        "elems_per_cell": elems,
+        "peer_elems_per_cell": peer_elems,
+        "results": [{k: v for k, v in r.items() if k != "x_hat"} for r in results],
+        "ratios": ratios,
+    }
+    write_json(args.json or "out/bench_quantization_vs_greedy.json", record)
+
+
+def run_methods(args: argparse.Namespace) -> None:
+    """Every method and bit width on one set of rows, plus the peers."""
     x, source = load_rows(args)
     n, dim = x.shape
     print(
@@ -242,22 +339,67 @@ def main() -> None:
     for key, r in ratios.items():
         print(f"{key}: {r['value']:.3f} (target {r['target']}) {'PASS' if r['pass'] else 'MISS'}")
 
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
     record = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        **environment(args),
         "source": source,
         "shape": [n, dim],
         "peer_rows": sub.shape[0],
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
         "results": [{k: v for k, v in r.items() if k != "x_hat"} for r in results],
         "ratios": ratios,
     }
-    out.write_text(json.dumps(record, indent=2))
-    print(f"\nwrote {out}")
+    write_json(args.json or "out/bench_quantization.json", record)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=200_000,
+        help="Gaussian rows (ignored with --rows-file); with --vs-greedy, each cell holds "
+        "as many fp32 bytes as this many rows of width --dim",
+    )
+    parser.add_argument("--dim", type=int, default=64, help="Gaussian row width")
+    parser.add_argument(
+        "--rows-file", default=None, help="torch.save'd fp32 (N, D) tensor of trained rows"
+    )
+    parser.add_argument(
+        "--peer-rows",
+        type=int,
+        default=20_000,
+        help="rows given to PyTorch's slow greedy peers (with --vs-greedy: as many bytes)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="minimum timed runs per entry (best kept)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--vs-greedy",
+        action="store_true",
+        help="only adaptive 4-bit against PyTorch's greedy, Gaussian and Student-t rows",
+    )
+    parser.add_argument(
+        "--vs-greedy-dims",
+        type=int,
+        nargs="+",
+        default=[16, 64, 128],
+        metavar="D",
+        help="row widths for --vs-greedy",
+    )
+    parser.add_argument(
+        "--json",
+        default=None,
+        help="where to write all results (default out/bench_quantization.json, "
+        "or out/bench_quantization_vs_greedy.json with --vs-greedy)",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"$ {command_line()}", flush=True)
+    if args.vs_greedy:
+        run_vs_greedy(args)
+    else:
+        run_methods(args)
 
 
 if __name__ == "__main__":

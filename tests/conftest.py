@@ -1,5 +1,7 @@
 """Shared fixtures: checkpoint roots on a file system and on a real S3 server.
 
+Every test writes checkpoint objects of 64 KB (see below).
+
 The S3 server is moto's, started as a separate HTTP server process on a free loopback
 port for the whole session; each test gets a bucket of its own. Clients find it through
 ``AWS_ENDPOINT_URL``, as they would a real store; the rank workers of
@@ -19,6 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# Checkpoint objects of 64 KB instead of 64 MB: the test models' tensors are then written
+# and read in several pieces each, in parallel, as production-sized tensors are.
+os.environ.setdefault("TORCHREC_CNR_OBJECT_KB", "64")
 
 
 @pytest.fixture

@@ -162,8 +162,10 @@ class CheckpointConfig:
     """Per-row quantization of stored embedding rows."""
     on_busy: OnBusy = "wait"
     """When a save arrives while the previous one is still writing: ``wait`` for it, or ``skip`` (with a warning)."""
-    staging_memory_mb: int | None = None
-    """Most host memory kept for staging buffers between checkpoints; ``None`` for no limit."""
+    staging_memory_mb: float | None = None
+    """Most host memory a save holds for its staged rows (and keeps for reuse between saves);
+    ``None`` for no limit. A checkpoint larger than this is staged and written in chunks
+    during the stall: the stall grows, memory does not."""
     verify_checksums: bool = True
     """Check every tensor a restore reads against the checksum recorded at save time."""
     restore_memory_mb: int | None = None
@@ -222,7 +224,5 @@ class CheckpointConfig:
             raise ValueError(
                 f"restore_memory_mb must be >= 0 or None, got {self.restore_memory_mb}"
             )
-        if self.staging_memory_mb is not None and self.staging_memory_mb < 0:
-            raise ValueError(
-                f"staging_memory_mb must be >= 0 or None, got {self.staging_memory_mb}"
-            )
+        if self.staging_memory_mb is not None and not self.staging_memory_mb > 0:
+            raise ValueError(f"staging_memory_mb must be > 0 or None, got {self.staging_memory_mb}")

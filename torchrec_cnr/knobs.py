@@ -28,8 +28,14 @@ def collective_timeout_s() -> int:
 
 
 def io_threads() -> int:
-    """Threads that read the tensors of one checkpoint at once."""
+    """Threads per rank that encode, write and read a checkpoint's objects at once."""
     return _int("TORCHREC_CNR_IO_THREADS", 8)
+
+
+def object_bytes() -> int:
+    """Largest data object a checkpoint writes (whole rows): a tensor larger than this is
+    written as several objects, in parallel."""
+    return _int("TORCHREC_CNR_OBJECT_KB", 64 << 10) << 10
 
 
 def lease_ttl_s() -> int:

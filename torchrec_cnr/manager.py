@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -24,14 +25,14 @@ from torchrec_cnr.commit.background import BackgroundWriter, Outcome
 from torchrec_cnr.commit.lease import Lease
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.encoding import FormatResolver
-from torchrec_cnr.errors import CheckpointError
+from torchrec_cnr.errors import CheckpointError, CheckpointReadError
 from torchrec_cnr.offline.compact import compact
 from torchrec_cnr.recovery import IntervalProbe
 from torchrec_cnr.restore import restore_entry
 from torchrec_cnr.selection import ChainState, Policy
 from torchrec_cnr.selection.rows import restart_bits, resume_chain, select_rows
-from torchrec_cnr.staging import StagingPool, stage
-from torchrec_cnr.storage import open_storage
+from torchrec_cnr.staging import StagedCheckpoint, StagingPool, stage
+from torchrec_cnr.storage import ShardWriter, checkpoint_id, open_storage
 from torchrec_cnr.tracking import model_state
 
 __all__ = ["CheckpointError", "CheckpointManager"]
@@ -91,10 +92,11 @@ class CheckpointManager:
         self._last_saved_step: int | None = None
         self._probe = IntervalProbe(config.recovery, self._group)
         on_gpu = any(s.weight.device.type == "cuda" for s in self._shards)
-        budget = None if config.staging_memory_mb is None else config.staging_memory_mb << 20
+        budget = None if config.staging_memory_mb is None else int(config.staging_memory_mb * 2**20)
         self._pool = StagingPool(budget, pin=on_gpu)
+        self._pool.prefault(self._shards)  # so that the first full save stalls no longer
         ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(self.world_size))
-        self._writer = BackgroundWriter(ranks)
+        self._background = BackgroundWriter(ranks)
         self._lease = Lease(self.storage, config.take_over, config.manifest_fallback)
         self._generation = 0
         self._blocked: str | None = None
@@ -154,7 +156,7 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._check_writable()
         began = time.perf_counter()
-        busy = self._writer.busy
+        busy = self._background.busy
         if self._group.any(busy is not None) and self.config.on_busy == "skip":
             what = busy or "previous checkpoint"
             warnings.warn(
@@ -164,19 +166,29 @@ class CheckpointManager:
             )
             return False
         self._settle()
-        state = self._writer.state
+        state = self._background.state
         decision = self.policy.decide(state)
         budget = self.config.priority_budget_mb
         rows = select_rows(self._shards, decision, None if budget is None else int(budget * 2**20))
-        staged = stage(
-            step, decision.kind, self._shards, rows, self._dense, self.app_state, self._pool
-        )
-        # Rows modified while the write runs belong to the next checkpoint.
-        pending = restart_bits(self._shards, decision, rows if budget is not None else None)
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         resolver = FormatResolver(self.config.quantize, self._restores)
+        ckpt_id = checkpoint_id(seq, step, self._generation)
+        sink = ShardWriter(self.storage, ckpt_id, self.rank, resolver)
+        failure: Exception | None = None
+        pending: list[torch.Tensor] = []
+        try:
+            staged = stage(
+                step, decision.kind, self._shards, rows, self._dense, self.app_state,
+                self._pool, sink,
+            )  # fmt: skip
+            # Rows modified while the write runs belong to the next checkpoint.
+            pending = restart_bits(self._shards, decision, rows if budget is not None else None)
+        except Exception as e:  # e.g. a NaN row in a chunk: every rank learns of it below
+            sink.abandon()
+            failure = e
+            staged = StagedCheckpoint(step, decision.kind, {}, b"", 0)
         staged.stall_s = time.perf_counter() - began
-        job = Pending(seq, staged, decision, state, resolver, self._probe.decision)
+        job = Pending(seq, staged, sink, decision, state, resolver, self._probe.decision, failure)
         target, every = self._target(), self.config.compact_every
 
         def write(group: Collective) -> Outcome:
@@ -189,7 +201,7 @@ class CheckpointManager:
             except Exception as e:  # the checkpoint itself is committed
                 return written, e
 
-        self._writer.submit(f"checkpoint of step {step}", write, pending)
+        self._background.submit(f"checkpoint of step {step}", write, pending)
         self._last_saved_step = step
         return True
 
@@ -213,12 +225,12 @@ class CheckpointManager:
         latest = self._manifest().latest()
         if latest is None or len(latest.chain) == 1:
             return False
-        target, state = self._target(), self._writer.state
+        target, state = self._target(), self._background.state
 
         def job(group: Collective) -> Outcome:
             return compact(group, target) or state, None
 
-        self._writer.submit(f"compaction of step {latest.step}", job, [])
+        self._background.submit(f"compaction of step {latest.step}", job, [])
         return True
 
     def _target(self) -> Target:
@@ -240,14 +252,14 @@ class CheckpointManager:
         self._settle()
 
     def _settle(self) -> None:
-        self._writer.settle(self._shards)
+        self._background.settle(self._shards)
 
     def close(self) -> None:
         """Waits for the pending checkpoint, stops the background thread and frees its group."""
         try:
             self.wait()
         finally:
-            self._writer.close()
+            self._background.close()
             if self.rank == 0:
                 self._lease.release()
 
@@ -291,25 +303,37 @@ class CheckpointManager:
             self._settle()
         except CheckpointError as e:
             logger.warning("restoring after a failed checkpoint: %s", e)
-        manifest = self._manifest()
-        entry = manifest.find(step)
-        if entry is None:
-            if step is None:
-                return None
-            raise ValueError(
-                f"no committed checkpoint of step {step} in {self.storage.url}; committed steps: {manifest.steps()}"
-            )
         budget = self.config.restore_memory_mb
-        touched = restore_entry(
-            self._group, self.storage, manifest, entry, self._shards, self._dense, self.app_state,
-            ranks=ranks, tables=tables, verify=self.config.verify_checksums,
-            budget_bytes=None if budget is None else budget << 20,
-        )  # fmt: skip
+        for attempt in range(3):
+            manifest = self._manifest()
+            entry = manifest.find(step)
+            if entry is None:
+                if step is None:
+                    return None
+                raise ValueError(
+                    f"no committed checkpoint of step {step} in {self.storage.url}; "
+                    f"committed steps: {manifest.steps()}"
+                )
+            try:
+                touched = restore_entry(
+                    self._group, self.storage, manifest, entry, self._shards, self._dense,
+                    self.app_state, ranks=ranks, tables=tables,
+                    verify=self.config.verify_checksums,
+                    budget_bytes=None if budget is None else budget << 20,
+                )  # fmt: skip
+                break
+            except CheckpointReadError:
+                # Nothing changed yet. Another job's keep_last may have retired the
+                # checkpoint while it was read: then read what the manifest names now.
+                if attempt == 2 or self._manifest().find(entry.step) == entry:
+                    raise
+                logger.warning("checkpoint %s was retired while read; reading again", entry.id)
+        assert entry is not None
         if ranks is None and tables is None:
             # A partial restore keeps the live chain: the reloaded rows hold checkpointed
             # values and their bits stay set, so the next checkpoint saves them.
             state = ChainState(list(entry.chain), list(entry.sizes))
-            self._writer.state = resume_chain(
+            self._background.state = resume_chain(
                 self._shards, self.policy, entry.policy, state, touched
             )
             self._next_seq = max(self._next_seq, manifest.next_seq())

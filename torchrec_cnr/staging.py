@@ -1,19 +1,27 @@
 """Stage 3: copy what a checkpoint needs out of the live model into host memory.
 
 Check-N-Run (NSDI'22, Sec. 4.1) decouples checkpointing from training: this is the
-only part of a save that stalls training. After :func:`stage`
-returns, training may modify the model freely; the staged tensors are the
-checkpoint. Buffers come from a :class:`StagingPool` and are reused across
-checkpoints: fresh host memory costs a page fault per 4 KiB on first touch,
-which would double the stall.
+only part of a save that stalls training. After :func:`stage` returns, training may
+modify the model freely; the staged tensors are the checkpoint.
+
+Each shard goes to a :class:`Sink` (the writer) as soon as it is staged, so the writes of
+the first shards overlap the copy of the others. Buffers come from a
+:class:`StagingPool`, reused across checkpoints and faulted in when the manager is built
+(:meth:`StagingPool.prefault`): fresh host memory costs a page fault per 4 KiB on first
+touch, which would double the stall.
+
+``staging_memory_mb`` bounds the host memory a save holds. A checkpoint that fits is
+staged whole and written in the background. One that does not is staged in chunks of
+rows that fit: each chunk is written, and waited for, before the next is copied into the
+same buffers, so the stall grows while memory does not.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,8 +35,7 @@ class StagingPool:
     """Host buffers keyed by role, reused across checkpoints within a byte budget.
 
     Args:
-        budget_bytes: most bytes the pool keeps between checkpoints; ``None`` for no limit.
-            A request beyond it gets a one-off buffer.
+        budget_bytes: most bytes the pool holds; ``None`` for no limit.
         pin: allocate page-locked memory (CUDA sources only), so device-to-host
             copies run asynchronously at full bandwidth.
     """
@@ -37,47 +44,68 @@ class StagingPool:
         self.budget_bytes = budget_bytes
         self.pin = pin
         self._buffers: dict[str, torch.Tensor] = {}
+        self._in_use: set[str] = set()
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def begin(self) -> None:
+        """A new checkpoint: buffers it does not take may be given up for ones it does."""
+        self._in_use.clear()
 
     def take(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous ``shape`` tensor whose storage may be reused by the next checkpoint."""
         numel = 1
         for d in shape:
             numel *= d
+        self._in_use.add(key)
         buf = self._buffers.get(key)
         if buf is not None and buf.dtype == dtype and buf.numel() >= numel:
             return buf[:numel].view(shape)
+        self._buffers.pop(key, None)
         # Grow with headroom: deltas grow from one checkpoint to the next.
-        want = max(numel, int(numel * 1.25)) if numel else 0
-        old = buf.numel() * buf.element_size() if buf is not None else 0
-        fits = (
-            self.budget_bytes is None
-            or self.nbytes - old + want * dtype.itemsize <= self.budget_bytes
-        )
-        if not fits:
-            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+        want = int(numel * 1.25) if numel else 0
+        if self.budget_bytes is not None:
+            for stale in [k for k in self._buffers if k not in self._in_use]:
+                if self.nbytes + want * dtype.itemsize <= self.budget_bytes:
+                    break
+                del self._buffers[stale]
+            room = (self.budget_bytes - self.nbytes) // dtype.itemsize
+            want = max(numel, min(want, room))
         buf = torch.empty(want, dtype=dtype, pin_memory=self.pin)
         self._buffers[key] = buf
         return buf[:numel].view(shape)
 
+    def prefault(self, shards: list[LocalShard]) -> None:
+        """Allocates and touches the buffers a full checkpoint of ``shards`` will take."""
+        self.begin()
+        for key, shape, dtype in _buffers_of(shards, self.budget_bytes):
+            self.take(key, shape, dtype).zero_()
+
 
 @dataclass
 class StagedShard:
-    """Rows of one shard, copied to host memory."""
+    """Rows of one shard (or a chunk of them), copied to host memory."""
 
     shard: LocalShard
     key: str
     ids: torch.Tensor | None
-    """``(n,)`` global row ids, or ``None`` when every row is staged."""
+    """``(n,)`` global row ids, or ``None`` when every row of the shard is staged."""
     weight: torch.Tensor
     """``(n, cols)`` row values."""
     states: dict[str, torch.Tensor]
     """Optimizer states of the staged rows, each ``(n,)`` or ``(n, cols)``."""
     scalars: dict[str, float]
     """The kernel's step counters at staging time (see ``LocalShard.scalar_states``)."""
+    first_row: int = 0
+    """Local row of the first staged row when ``ids`` is ``None`` (a chunk of a full save)."""
+
+    def global_row(self, i: int) -> int:
+        """The table row of the ``i``-th staged row."""
+        if self.ids is not None:
+            return int(self.ids[i])
+        return self.shard.spec.row_offset + self.first_row + i
 
     @property
     def nbytes(self) -> int:
@@ -87,31 +115,69 @@ class StagedShard:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+class Sink(Protocol):
+    """Where staged shards go: the writer of this checkpoint."""
+
+    def add(self, shard: StagedShard, row0: int = 0, total: int | None = None) -> None:
+        """Takes ``shard``, whose rows start at ``row0`` of ``total`` (all if ``None``)."""
+
+    def wait(self) -> None:
+        """Returns once every shard taken so far is written: its buffers may be reused."""
+
+
 @dataclass
 class StagedCheckpoint:
-    """Everything one rank writes for one checkpoint."""
+    """What one rank's checkpoint holds besides its shards, which went to the sink."""
 
     step: int
     kind: Kind
-    shards: list[StagedShard]
     dense: dict[str, torch.Tensor]
     app_state: bytes
+    staged_bytes: int
+    """Bytes of shards staged (chunks count once each)."""
     stall_s: float = 0.0
     """How long training was blocked to stage it, set once staging is done."""
 
-    @property
-    def nbytes(self) -> int:
-        dense = sum(t.numel() * t.element_size() for t in self.dense.values())
-        return sum(s.nbytes for s in self.shards) + dense + len(self.app_state)
+
+def _ids_dtype(shard: LocalShard) -> torch.dtype:
+    return torch.int32 if shard.spec.num_embeddings <= _INT32_MAX else torch.int64
 
 
-def _gather_rows(
-    src: torch.Tensor, rows: torch.Tensor | None, out_key: str, pool: StagingPool
+def _row_bytes(shard: LocalShard, with_ids: bool) -> int:
+    per_row = shard.weight.shape[1] * shard.weight.element_size()
+    for s in shard.states.values():
+        per_row += (s.numel() // max(s.shape[0], 1)) * s.element_size()
+    return per_row + (_ids_dtype(shard).itemsize if with_ids else 0)
+
+
+def _chunk_rows(shard: LocalShard, with_ids: bool, budget: int | None) -> int | None:
+    """Rows per chunk within ``budget``; ``None`` for no chunking."""
+    return None if budget is None else max(1, budget // _row_bytes(shard, with_ids))
+
+
+def _buffers_of(
+    shards: list[LocalShard], budget: int | None
+) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The pool buffers a full checkpoint takes: one set per shard, or one chunk set."""
+    full = sum(s.spec.rows * _row_bytes(s, False) for s in shards)
+    chunked = budget is not None and full > budget
+    for i, s in enumerate(shards):
+        rows = min(s.spec.rows, _chunk_rows(s, False, budget) or s.spec.rows)
+        key = "chunk" if chunked else f"s{i}"
+        yield f"{key}.w", (rows, *s.weight.shape[1:]), s.weight.dtype
+        for name, state in s.states.items():
+            yield f"{key}.{name}", (rows, *state.shape[1:]), state.dtype
+
+
+def _gather(
+    src: torch.Tensor, rows: torch.Tensor | slice | None, key: str, pool: StagingPool
 ) -> torch.Tensor:
     """Copies ``src[rows]`` (all of ``src`` if ``rows`` is None) into a pooled host buffer."""
     src = src.detach()
+    if isinstance(rows, slice):
+        src, rows = src[rows], None
     n = src.shape[0] if rows is None else rows.numel()
-    out = pool.take(out_key, (n, *src.shape[1:]), src.dtype)
+    out = pool.take(key, (n, *src.shape[1:]), src.dtype)
     if src.device.type == "cpu":
         if rows is None:
             out.copy_(src)
@@ -124,24 +190,36 @@ def _gather_rows(
 
 
 def stage_shard(
-    shard: LocalShard, key: str, rows: torch.Tensor | None, pool: StagingPool
+    shard: LocalShard,
+    key: str,
+    rows: torch.Tensor | slice | None,
+    pool: StagingPool,
+    buffers: str | None = None,
 ) -> StagedShard:
-    """Copies ``rows`` of ``shard`` (every row if ``None``) and their optimizer state.
+    """Copies ``rows`` of ``shard`` and their optimizer state into pooled buffers.
 
     Args:
         shard: the live shard.
         key: its name inside the checkpoint.
-        rows: ``(k,)`` ascending local rows, from :func:`~torchrec_cnr.selection.rows.select_rows`.
+        rows: ``(k,)`` ascending local rows, from
+            :func:`~torchrec_cnr.selection.rows.select_rows`; a slice for a block of
+            every row (a chunk of a full save); ``None`` for every row.
         pool: where the host buffers come from.
+        buffers: the pool keys' prefix; ``key`` if ``None``.
     """
     spec = shard.spec
     ids = None
-    if rows is not None:
-        ids_dtype = torch.int32 if spec.num_embeddings <= _INT32_MAX else torch.int64
-        ids = (rows + spec.row_offset).to(device="cpu", dtype=ids_dtype)
-    weight = _gather_rows(shard.weight, rows, f"{key}.w", pool)
-    states = {n: _gather_rows(s, rows, f"{key}.{n}", pool) for n, s in shard.states.items()}
-    return StagedShard(shard, key, ids, weight, states, shard.scalar_states())
+    prefix = buffers or key
+    if isinstance(rows, torch.Tensor):
+        ids = pool.take(f"{prefix}.ids", (rows.numel(),), _ids_dtype(shard))
+        ids.copy_(rows)
+        ids += spec.row_offset
+    weight = _gather(shard.weight, rows, f"{prefix}.w", pool)
+    states = {n: _gather(s, rows, f"{prefix}.{n}", pool) for n, s in shard.states.items()}
+    if shard.weight.device.type == "cuda":
+        torch.cuda.current_stream(shard.weight.device).synchronize()  # the copies must land
+    first = rows.start or 0 if isinstance(rows, slice) else 0
+    return StagedShard(shard, key, ids, weight, states, shard.scalar_states(), first)
 
 
 def serialize_app_state(app_state: Mapping[str, Any]) -> bytes:
@@ -159,13 +237,34 @@ def stage(
     dense: Mapping[str, torch.Tensor],
     app_state: Mapping[str, Any],
     pool: StagingPool,
+    sink: Sink,
 ) -> StagedCheckpoint:
-    """Stages a checkpoint of ``kind`` at ``step``: each shard's ``rows``, the dense state
-    and the serialized ``app_state``."""
+    """Stages a checkpoint of ``kind`` at ``step`` into ``sink``: each shard's ``rows``
+    (every row where ``None``), then the dense state and the serialized ``app_state``."""
     for kernel in {id(s.kernel): s.kernel for s in shards}.values():
         kernel.flush()  # caching kernels write their cache back first
-    staged = [stage_shard(s, f"s{i}", r, pool) for i, (s, r) in enumerate(zip(shards, rows))]
+    pool.begin()
+    budget = pool.budget_bytes
+    need = sum(
+        (s.spec.rows if r is None else r.numel()) * _row_bytes(s, r is not None)
+        for s, r in zip(shards, rows)
+    )
+    chunked = budget is not None and need > budget
+    staged_bytes = 0
+    for i, (shard, r) in enumerate(zip(shards, rows)):
+        if not chunked:
+            staged = stage_shard(shard, f"s{i}", r, pool)
+            staged_bytes += staged.nbytes
+            sink.add(staged)
+            continue
+        total = shard.spec.rows if r is None else r.numel()
+        step_rows = _chunk_rows(shard, r is not None, budget) or total
+        for row0 in range(0, max(total, 1), step_rows):
+            block = slice(row0, min(row0 + step_rows, total))
+            part: torch.Tensor | slice = block if r is None else r[block]
+            staged = stage_shard(shard, f"s{i}", part, pool, buffers="chunk")
+            staged_bytes += staged.nbytes
+            sink.add(staged, row0, total)
+            sink.wait()  # the next chunk reuses these buffers
     host_dense = {k: v.detach().to("cpu", copy=True) for k, v in dense.items()}
-    if any(s.weight.device.type == "cuda" for s in shards):
-        torch.cuda.synchronize()  # the non-blocking copies above must land before training resumes
-    return StagedCheckpoint(step, kind, staged, host_dense, serialize_app_state(app_state))
+    return StagedCheckpoint(step, kind, host_dense, serialize_app_state(app_state), staged_bytes)

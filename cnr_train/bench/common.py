@@ -76,6 +76,17 @@ def evict(path: Path) -> None:
                 os.close(fd)
 
 
+def fsync_tree(path: Path) -> None:
+    """fsyncs every file and directory under ``path`` (what torchsnapshot leaves out)."""
+    for d, _, names in os.walk(path):
+        for name in [*names, "."]:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
 def drop_cache(path: Path) -> None:
     """:func:`evict`, by rank 0, for every rank."""
     if dist.get_rank() == 0:

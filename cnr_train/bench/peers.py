@@ -21,13 +21,14 @@ from cnr_train.bench.common import (
     GB,
     bcast,
     drop_cache,
+    fsync_tree,
     log,
     max_over_ranks,
     rmtree,
     timed,
     timed_restores,
 )
-from torchrec_cnr.storage.fs import fsync_tree, tree_bytes
+from torchrec_cnr.storage.fs import tree_bytes
 from torchrec_cnr.tracking.shard import LocalShard
 
 

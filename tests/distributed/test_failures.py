@@ -43,7 +43,7 @@ def _trains_while_writing(root: str, refs: str) -> None:
     job.train(2)
     assert job.ckpt.save(2)
     reference.save(reference.take(job.model, job.app), Path(refs), 2)
-    assert job.ckpt._writer.busy == "checkpoint of step 2", "save must return mid-write"
+    assert job.ckpt._background.busy == "checkpoint of step 2", "save must return mid-write"
     job.train(2)  # trains while step 2 is being written (3 s injected delay)
     with pytest.warns(UserWarning, match="checkpoint of step 4 skipped"):
         assert not job.ckpt.save(4)

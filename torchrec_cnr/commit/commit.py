@@ -17,13 +17,7 @@ from torchrec_cnr.encoding import FormatResolver
 from torchrec_cnr.errors import CheckpointError
 from torchrec_cnr.selection.policy import ChainState, Decision, Policy
 from torchrec_cnr.staging import StagedCheckpoint
-from torchrec_cnr.storage import (
-    PreconditionFailed,
-    RankWrite,
-    Storage,
-    checkpoint_id,
-    write_checkpoint,
-)
+from torchrec_cnr.storage import PreconditionFailed, RankWrite, ShardWriter, Storage, write_index
 
 __all__ = ["Pending", "Target", "append", "count_restore", "write_and_commit"]
 
@@ -47,11 +41,15 @@ class Pending:
 
     seq: int
     staged: StagedCheckpoint
+    writer: ShardWriter
+    """Where staging handed the shards; it names the checkpoint directory."""
     decision: Decision
     chain: ChainState
     """The chain before this checkpoint."""
     resolver: FormatResolver
     interval_decision: dict[str, Any] | None = None
+    failure: Exception | None = None
+    """Why staging failed on this rank, if it did: reported when every rank agrees."""
 
 
 def write_and_commit(pending: Pending, group: Collective, target: Target) -> ChainState:
@@ -64,11 +62,13 @@ def write_and_commit(pending: Pending, group: Collective, target: Target) -> Cha
             nothing was committed.
     """
     staged = pending.staged
-    ckpt_id = checkpoint_id(pending.seq, staged.step, target.generation)
+    ckpt_id = pending.writer.ckpt_id
     error: BaseException | None = None
     write = None
     try:
-        write = write_checkpoint(target.storage, ckpt_id, staged, pending.resolver, group)
+        if pending.failure is not None:
+            raise pending.failure
+        write = pending.writer.finish(staged)
     except Exception as e:  # every rank must learn of it before anyone commits
         error = e
     try:
@@ -82,6 +82,9 @@ def write_and_commit(pending: Pending, group: Collective, target: Target) -> Cha
     if group.rank == 0:
         try:
             entry = _entry(ckpt_id, pending, chain, writes, target)
+            # Every rank's part is durable: the index goes last, then the manifest.
+            write_index(target.storage, ckpt_id, [w.entries for w in writes], len(writes))
+            entry.bytes = target.storage.tree_bytes(ckpt_id)
             append(target, entry)
         except Exception as e:
             error = e
@@ -101,8 +104,8 @@ def _entry(
         if writes[0].dense_checksums.get(name) != crc
     )
     if differ:
-        # torchsnapshot writes each replicated tensor once, from any rank: replicas that
-        # drifted apart would make a checkpoint that matches no rank.
+        # Replicated tensors are written once, by rank 0: replicas that drifted apart
+        # would make a checkpoint that matches no rank.
         raise CheckpointError(
             f"dense tensors {differ} differ between ranks; replicated state (DDP parameters, "
             "data-parallel tables) must be identical on every rank"
@@ -123,7 +126,7 @@ def _entry(
         shards=shards,
         dense_checksums=writes[0].dense_checksums,
         app_checksums=[w.app_checksum for w in writes],
-        bytes=target.storage.tree_bytes(ckpt_id),
+        bytes=0,  # set once the index is written
         restores_before=pending.resolver.restores,
         staged_bytes=writes[0].staged_bytes,
         stall_s=max(w.stall_s for w in writes),

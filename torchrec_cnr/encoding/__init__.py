@@ -1,6 +1,13 @@
 """Stage 4: storage formats, per-row quantization of each table, checksums."""
 
-from torchrec_cnr.encoding.checksum import check, crc32, crc32_bytes
+from torchrec_cnr.encoding.checksum import (
+    as_bytes,
+    check,
+    crc32,
+    crc32_bytes,
+    crc32_combine,
+    mismatch,
+)
 from torchrec_cnr.encoding.codec import (
     EncodedShard,
     ShardRecord,
@@ -17,9 +24,12 @@ __all__ = [
     "FormatResolver",
     "ShardRecord",
     "StateInfo",
+    "as_bytes",
     "check",
     "crc32",
     "crc32_bytes",
+    "crc32_combine",
     "decode_weight",
     "encode_shard",
+    "mismatch",
 ]

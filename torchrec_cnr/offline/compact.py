@@ -26,13 +26,13 @@ import torch
 from torchrec_cnr import knobs
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit import Entry, Manifest, Target, append
-from torchrec_cnr.encoding import FP32, ShardRecord, StateInfo, crc32, decode_weight
+from torchrec_cnr.encoding import FP32, ShardRecord, StateInfo, decode_weight
 from torchrec_cnr.encoding.codec import dtype_name
 from torchrec_cnr.offline.tables import ChainReader
 from torchrec_cnr.selection.policy import ChainState
 from torchrec_cnr.storage import checkpoint_id
 from torchrec_cnr.storage.layout import app_path, dense_path, rows_path
-from torchrec_cnr.storage.writer import SnapshotParts, write_snapshot_metadata
+from torchrec_cnr.storage.snapshot import SnapshotWriter, write_index
 
 __all__ = ["compact", "compact_entry"]
 
@@ -163,7 +163,6 @@ def _compact_record(
         format=fmt,
         parts=parts,
         nbytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-        checksums={name: crc32(t) for name, t in tensors.items()},
     )
     return record, tensors
 
@@ -179,30 +178,39 @@ class _Part:
 def _write_part(chain: ChainReader, new_id: str, rank: int, world: int) -> _Part:
     """Compacts the shards of the storage ranks ``rank``, ``rank + world``, ... of the chain."""
     entry = chain.entry
-    parts = SnapshotParts(chain.storage, new_id, prefix=f"r{rank}")
+    writer = SnapshotWriter(chain.storage, new_id, prefix=f"r{rank}")
     out = _Part()
     for i, target in enumerate(entry.shards):
         if target.spec.rank % world != rank:
             continue
         record, tensors = _compact_record(chain, target, key=f"c{i}")
-        parts.add({rows_path(target.spec.rank, name): t for name, t in tensors.items()})
+        for name, t in tensors.items():
+            writer.write(rows_path(target.spec.rank, name), t)
+        writer.wait()  # one shard's merged rows in memory at a time
         out.records.append(record)
     if rank == 0:
-        dense = chain.dense()
-        if dense:
-            parts.add({dense_path(name): t for name, t in dense.items()})
+        for name, t in chain.dense().items():
+            writer.write(dense_path(name), t, replicated=True)
         for r in range(entry.world_size):
-            parts.add_bytes(app_path(r), chain.readers[-1].app_state(r))
+            writer.add_bytes(app_path(r), chain.readers[-1].app_state(r))
+    part = writer.finish()
+    for record in out.records:
+        prefix = rows_path(record.spec.rank, "")
+        record.checksums = {
+            logical.removeprefix(prefix): crc
+            for logical, crc in part.checksums.items()
+            if logical.startswith(f"{prefix}{record.key}.")
+        }
+    chain.storage.make_durable(new_id)
     knobs.inject_fault(entry.step, rank, phase="compact")
-    out.entries = parts.entries
+    out.entries = part.entries
     return out
 
 
 def _commit(chain: ChainReader, new_id: str, parts: list[_Part], target: Target) -> Entry:
     entry = chain.entry
-    entries = {k: v for p in parts for k, v in p.entries.items()}
-    chain.storage.make_durable(new_id)  # every writer is done: the index goes last
-    write_snapshot_metadata(chain.storage, new_id, entries, entry.world_size)
+    # Every writer's part is durable: the index goes last.
+    write_index(chain.storage, new_id, [p.entries for p in parts], entry.world_size)
     records = sorted((r for p in parts for r in p.records), key=lambda r: int(r.key[1:]))
     compacted = Entry(
         id=new_id,

@@ -1,10 +1,10 @@
 """Everything the library does to a checkpoint root, behind one small interface.
 
 A root is a local or shared file system path, or an object store URL (``s3://bucket/prefix``).
-Checkpoint data goes through torchsnapshot's storage plugin for the same URL; the
-:class:`Storage` here does the rest: the manifest and lease objects (with conditional
-writes, so that a stale writer's commit fails instead of overwriting), listing, deleting,
-sizes, and durability where it means something.
+The :class:`Storage` holds checkpoint data objects (written once, in parallel), the
+manifest and lease objects (with conditional writes, so that a stale writer's commit fails
+instead of overwriting), and does listing, deleting, sizes, and durability where it means
+something.
 
 Names are relative to the root and use ``/``.
 """
@@ -42,7 +42,7 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def path(self, name: str) -> str:
-        """The URL or path of ``name`` under the root, as torchsnapshot takes it."""
+        """The URL or path of ``name`` under the root, for messages."""
 
     @abc.abstractmethod
     def read(self, name: str) -> tuple[bytes, str] | None:
@@ -66,6 +66,15 @@ class Storage(abc.ABC):
 
         Raises:
             PreconditionFailed: the object is not at ``expect``; nothing was written.
+        """
+
+    @abc.abstractmethod
+    def write_object(self, name: str, data: memoryview) -> None:
+        """Writes a data object of a checkpoint directory that is not committed yet.
+
+        Durable when it returns (a file is fsynced; a PUT is durable), but not atomic:
+        a crash may leave part of it, which is harmless in a directory that no committed
+        manifest names. Called from many threads at once.
         """
 
     @abc.abstractmethod
@@ -94,7 +103,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def make_durable(self, name: str) -> None:
-        """Makes everything written under folder ``name`` survive a crash of this host."""
+        """Makes everything written under folder ``name`` survive a crash of this host
+        (data objects are durable as written; this is for what names them)."""
 
     def create(self) -> None:  # noqa: B027 - most backends need nothing
         """Creates the root if the backend needs it to exist."""

@@ -1,7 +1,8 @@
 """A checkpoint root on a local or shared POSIX file system.
 
-torchsnapshot's fs plugin never fsyncs: a checkpoint is durable only once every file and
-directory under it is, which :meth:`FsStorage.make_durable` does. Small objects (the
+A checkpoint is durable only once every file and directory under it is: data objects are
+fsynced as they are written (:meth:`FsStorage.write_object`), and
+:meth:`FsStorage.make_durable` syncs the rest. Small objects (the
 manifest, the lease) are replaced atomically: a temporary file, fsync, rename, fsync of
 the directory. Conditional writes compare the object's digest under an ``flock`` on
 ``ROOT/.cnr.lock``, which serializes them across processes of one host and across hosts on
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage, _Any
 
-__all__ = ["FsStorage", "fsync_dir", "fsync_tree", "tree_bytes"]
+__all__ = ["FsStorage", "fsync_dir", "tree_bytes"]
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -29,25 +30,6 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def fsync_tree(path: str | os.PathLike[str]) -> None:
-    """fsyncs every file and directory under ``path``.
-
-    A file that vanishes meanwhile is a temporary another writer renamed: that writer
-    syncs what it renamed.
-    """
-    for dirpath, _, filenames in os.walk(path):
-        for name in filenames:
-            try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(dirpath)
 
 
 def tree_bytes(path: str | os.PathLike[str]) -> int:
@@ -123,6 +105,18 @@ class FsStorage(Storage):
             fsync_dir(target.parent)
         return _digest(data)
 
+    def write_object(self, name: str, data: memoryview) -> None:
+        target = self.root / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def exists(self, name: str) -> bool:
         return (self.root / name).exists()
 
@@ -145,7 +139,8 @@ class FsStorage(Storage):
 
     def make_durable(self, name: str) -> None:
         path = self.root / name
-        # torchsnapshot packs small tensors of any rank into shared "batched/" files, so
-        # each rank syncs the whole tree; fsync of an already clean file costs next to nothing.
-        fsync_tree(path)
+        # Data objects were fsynced as they were written: what is left is the entries
+        # that name them, in every directory down from the root.
+        for dirpath, _, _ in os.walk(path):
+            fsync_dir(dirpath)
         fsync_dir(path.parent)

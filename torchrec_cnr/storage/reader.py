@@ -1,42 +1,56 @@
-"""Reading single tensors and objects out of one checkpoint, without a model.
+"""Reading tensors and objects out of one checkpoint, without a model.
 
 Checkpoints are torchsnapshot snapshots; this reads them without torchsnapshot's read
 path: its ``.snapshot_metadata`` (one JSON document, read once) says where each tensor's
 bytes lie, and the bytes are read straight into the tensor through the root's
-:class:`~torchrec_cnr.storage.Storage` (a ranged GET on an object store). That costs one
-request per tensor instead of torchsnapshot's new event loop, storage client and manifest
-walk per read, and lets :meth:`SnapshotReader.read_many` read in parallel.
-
-Every read can be checked against the checksum recorded at save time.
+:class:`~torchrec_cnr.storage.Storage` (a ranged GET on an object store). Every tensor is
+read in pieces of at most ``TORCHREC_CNR_OBJECT_KB`` on the I/O pool, many tensors at
+once; each piece's CRC32 is computed on the thread that read it, and the pieces' CRCs are
+combined into the tensor's and checked against the one recorded at save time.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-from concurrent.futures import ThreadPoolExecutor
+import zlib
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torchsnapshot.serialization import string_to_dtype, torch_load_from_bytes
 
 from torchrec_cnr import knobs
-from torchrec_cnr.encoding import check
+from torchrec_cnr.encoding import as_bytes, check, crc32_combine, mismatch
 from torchrec_cnr.errors import CheckpointReadError
 from torchrec_cnr.storage.backend import Storage
 from torchrec_cnr.storage.layout import SNAPSHOT_MARKER, app_path, dense_path, rows_path
+from torchrec_cnr.storage.snapshot import io_pool
 
 __all__ = ["SnapshotReader"]
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    """The writable bytes of a contiguous CPU tensor, whatever its dtype (bf16 included)."""
-    array: Any = t.view(-1).view(torch.uint8).numpy()
-    return memoryview(array).cast("B")
+def _get(storage: Storage, location: str, start: int, out: memoryview, crc: bool) -> int:
+    storage.read_into(location, start, out)
+    return zlib.crc32(out) if crc else 0
+
+
+@dataclass
+class _Read:
+    """One tensor being read: its pieces, in the order of its bytes."""
+
+    logical: str
+    value: torch.Tensor
+    pieces: list[tuple[Future[int], int]] = field(default_factory=list)
+    """(CRC32 of the piece, its length)."""
+    whole: bool = False
+    """The pieces do not cover the bytes in order (a pickled tensor, or one chunked along
+    another dim): the checksum is computed over the whole tensor once read."""
 
 
 class SnapshotReader:
-    """Reads single tensors and objects out of one checkpoint.
+    """Reads tensors and objects out of one checkpoint.
 
     Args:
         storage: the checkpoint root.
@@ -64,62 +78,113 @@ class SnapshotReader:
             raise CheckpointReadError(f"{self.path}/{SNAPSHOT_MARKER} is damaged: {e}") from e
         self._sums = checksums or {}
 
-    def _tensor(self, entry: dict[str, Any], out: torch.Tensor | None) -> torch.Tensor:
-        dtype = string_to_dtype(entry["dtype"])
-        shape = list(entry["shape"])
-        location = f"{self.name}/{entry['location']}"
-        start, end = entry.get("byte_range") or (0, None)
-        if entry["serializer"] != "buffer_protocol":
-            size = end - start if end is not None else None
-            if size is None:
-                data = self.storage.read(location)
-                blob = b"" if data is None else data[0]
-            else:
-                buf = bytearray(size)
-                self.storage.read_into(location, start, memoryview(buf))
-                blob = bytes(buf)
-            value = torch_load_from_bytes(blob)
-            if out is None:
-                return value
-            out.copy_(value)
-            return out
-        target = out if out is not None and out.is_contiguous() else torch.empty(shape, dtype=dtype)
-        if list(target.shape) != shape or target.dtype != dtype:
-            raise CheckpointReadError(
-                f"{location}: stored {dtype} {shape}, wanted {target.dtype} {list(target.shape)}"
-            )
-        self.storage.read_into(location, start, _as_bytes(target))
-        if out is not None and target is not out:
-            out.copy_(target)
-            return out
-        return target
-
-    def _read(self, logical: str, out: torch.Tensor | None = None) -> Any:
+    def _entry(self, logical: str) -> dict[str, Any]:
         entry = self._entries.get(logical)
         if entry is None:
             raise CheckpointReadError(f"{self.path} holds no {logical!r}")
-        try:
-            kind = entry["type"]
-            if kind == "Tensor":
-                value: Any = self._tensor(entry, out)
-            elif kind == "ChunkedTensor":
-                dtype = string_to_dtype(entry["dtype"])
-                value = out if out is not None else torch.empty(entry["shape"], dtype=dtype)
-                for chunk in entry["chunks"]:
-                    view = value
-                    for dim, (offset, size) in enumerate(zip(chunk["offsets"], chunk["sizes"])):
-                        view = view.narrow(dim, offset, size)
-                    self._tensor(chunk["tensor"], view)
-            elif kind == "bytes":
-                value = base64.b64decode(entry["serialized_value"])
+        return entry  # type: ignore[no-any-return]
+
+    def _start(self, read: _Read, entry: dict[str, Any], target: torch.Tensor) -> None:
+        """Queues the reads of one stored tensor entry into the contiguous ``target``."""
+        dtype, shape = string_to_dtype(entry["dtype"]), list(entry["shape"])
+        if list(target.shape) != shape or target.dtype != dtype:
+            raise CheckpointReadError(
+                f"{self.name}/{read.logical}: stored {dtype} {shape}, "
+                f"wanted {target.dtype} {list(target.shape)}"
+            )
+        location = f"{self.name}/{entry['location']}"
+        start = (entry.get("byte_range") or (0, None))[0]
+        data = as_bytes(target)
+        step = knobs.object_bytes()
+        crc = read.logical in self._sums
+        for offset in range(0, len(data), step):
+            view = data[offset : offset + step]
+            future = io_pool().submit(_get, self.storage, location, start + offset, view, crc)
+            read.pieces.append((future, len(view)))
+
+    def _begin(self, logical: str, out: torch.Tensor | None = None) -> _Read | Any:
+        """Starts reading ``logical`` (into ``out`` if given); a value if read at once."""
+        entry = self._entry(logical)
+        kind = entry["type"]
+        if kind == "bytes":
+            return base64.b64decode(entry["serialized_value"])
+        if kind not in ("Tensor", "ChunkedTensor"):
+            raise CheckpointReadError(f"{self.path}: {logical!r} is a {kind}, not a tensor")
+        dtype, shape = string_to_dtype(entry["dtype"]), list(entry["shape"])
+        if out is None or not out.is_contiguous():
+            value = torch.empty(shape, dtype=dtype)
+        else:
+            value = out
+        read = _Read(logical, value)
+        if kind == "Tensor" and entry["serializer"] == "buffer_protocol":
+            self._start(read, entry, value)
+            return read
+        read.whole = True
+        if kind == "Tensor":  # pickled by torchsnapshot: small, read at once
+            start, end = entry.get("byte_range") or (0, None)
+            location = f"{self.name}/{entry['location']}"
+            if end is None:
+                got = self.storage.read(location)
+                blob = b"" if got is None else got[0]
             else:
-                raise CheckpointReadError(f"{self.path}: {logical!r} is a {kind}, not a tensor")
+                buf = bytearray(end - start)
+                self.storage.read_into(location, start, memoryview(buf))
+                blob = bytes(buf)
+            value.copy_(torch_load_from_bytes(blob))
+            return read
+        read.whole = False
+        for chunk in sorted(entry["chunks"], key=lambda c: c["offsets"]):
+            view = value
+            for dim, (offset, size) in enumerate(zip(chunk["offsets"], chunk["sizes"])):
+                view = view.narrow(dim, offset, size)
+            if not view.is_contiguous():  # chunked along another dim: read each whole
+                part = self._finish(self._begin_tensor(logical, chunk["tensor"]), check=False)
+                view.copy_(part)
+                read.whole = True
+                continue
+            self._start(read, chunk["tensor"], view)
+        return read
+
+    def _begin_tensor(self, logical: str, entry: dict[str, Any]) -> _Read:
+        value = torch.empty(list(entry["shape"]), dtype=string_to_dtype(entry["dtype"]))
+        read = _Read(logical, value)
+        self._start(read, entry, value)
+        return read
+
+    def _finish(self, read: _Read | Any, check: bool = True) -> Any:
+        """Waits for ``read`` and checks its checksum; returns the value."""
+        if not isinstance(read, _Read):
+            return read
+        crc = 0
+        try:
+            for future, length in read.pieces:
+                crc = crc32_combine(crc, future.result(), length)
+        except Exception as e:  # a missing or short file, a broken connection, ...
+            raise CheckpointReadError(f"cannot read {read.logical!r} from {self.path}: {e}") from e
+        expected = self._sums.get(read.logical)
+        if check and expected is not None:
+            if read.whole:
+                crc = zlib.crc32(as_bytes(read.value.contiguous()))
+            mismatch(crc, expected, f"{self.name}/{read.logical}")
+        return read.value
+
+    def _read(self, logical: str, out: torch.Tensor | None = None) -> Any:
+        value = self._finish(self._begin_logical(logical, out))
+        if out is not None and value is not out:
+            out.copy_(value)
+            return out
+        return value
+
+    def _begin_logical(self, logical: str, out: torch.Tensor | None = None) -> _Read | Any:
+        try:
+            read = self._begin(logical, out)
         except CheckpointReadError:
             raise
-        except Exception as e:  # a missing or short file, a broken connection, ...
+        except Exception as e:
             raise CheckpointReadError(f"cannot read {logical!r} from {self.path}: {e}") from e
-        check(value, self._sums.get(logical), f"{self.name}/{logical}")
-        return value
+        if not isinstance(read, _Read):  # bytes: check now
+            check(read, self._sums.get(logical), f"{self.name}/{logical}")
+        return read
 
     def rows(self, rank: int, name: str) -> torch.Tensor:
         """A stored shard tensor of ``rank``."""
@@ -141,6 +206,23 @@ class SnapshotReader:
         assert isinstance(value, bytes)
         return value
 
+    def _segments(self, logical: str) -> list[tuple[int, int, dict[str, Any]]] | None:
+        """``(first row, rows, tensor entry)`` of each stored block of rows of a tensor;
+        ``None`` if it is not stored as blocks of whole rows."""
+        entry = self._entry(logical)
+        if entry["type"] == "Tensor" and entry["serializer"] == "buffer_protocol":
+            return [(0, entry["shape"][0], entry)]
+        if entry["type"] != "ChunkedTensor":
+            return None
+        out = []
+        for chunk in entry["chunks"]:
+            tensor = chunk["tensor"]
+            whole_rows = list(chunk["sizes"][1:]) == list(entry["shape"][1:])
+            if not whole_rows or tensor.get("serializer") != "buffer_protocol":
+                return None
+            out.append((chunk["offsets"][0], chunk["sizes"][0], tensor))
+        return sorted(out, key=lambda s: s[0])
+
     def rows_subset(self, rank: int, name: str, index: torch.Tensor) -> torch.Tensor:
         """Only the rows ``index`` (ascending) of a stored shard tensor, read alone.
 
@@ -148,35 +230,33 @@ class SnapshotReader:
         checksum can be checked (it covers the whole tensor).
         """
         logical = rows_path(rank, name)
-        entry = self._entries.get(logical)
-        if entry is None or entry["type"] != "Tensor" or entry["serializer"] != "buffer_protocol":
-            return self.rows(rank, name)[index]  # chunked or pickled: read it whole
+        segments = self._segments(logical)
+        if segments is None:
+            return self.rows(rank, name)[index]  # pickled or chunked by column: read it whole
+        entry = self._entry(logical)
         dtype = string_to_dtype(entry["dtype"])
-        shape = list(entry["shape"])
-        out = torch.empty([index.numel(), *shape[1:]], dtype=dtype)
+        out = torch.empty([index.numel(), *entry["shape"][1:]], dtype=dtype)
         if not index.numel():
             return out
         row_bytes = out[0].numel() * out.element_size()
-        start = (entry.get("byte_range") or (0, None))[0]
-        location = f"{self.name}/{entry['location']}"
-        # Runs of consecutive rows: one read each.
-        breaks = torch.nonzero(index[1:] != index[:-1] + 1).flatten() + 1
-        bounds = [0, *breaks.tolist(), index.numel()]
-        target = _as_bytes(out)
+        target = as_bytes(out)
+        bounds = [first for first, _, _ in segments[1:]]
+        # Runs of consecutive rows within one stored block: one read each.
+        cut = (index[1:] != index[:-1] + 1) | torch.isin(index[1:], torch.tensor(bounds))
+        starts = [0, *(torch.nonzero(cut).flatten() + 1).tolist(), index.numel()]
+        firsts = torch.tensor([first for first, _, _ in segments])
         try:
-            for a, b in zip(bounds, bounds[1:]):
-                first = int(index[a])
-                self.storage.read_into(
-                    location, start + first * row_bytes, target[a * row_bytes : b * row_bytes]
-                )
+            for a, b in zip(starts, starts[1:]):
+                row = int(index[a])
+                first, _, tensor = segments[int(torch.searchsorted(firsts, row, right=True)) - 1]
+                start = (tensor.get("byte_range") or (0, None))[0] + (row - first) * row_bytes
+                location = f"{self.name}/{tensor['location']}"
+                self.storage.read_into(location, start, target[a * row_bytes : b * row_bytes])
         except Exception as e:
             raise CheckpointReadError(f"cannot read {logical!r} from {self.path}: {e}") from e
         return out
 
     def read_many(self, wanted: list[tuple[int, str]]) -> dict[tuple[int, str], torch.Tensor]:
-        """Reads many shard tensors ``(rank, name)`` at once, on ``TORCHREC_CNR_IO_THREADS`` threads."""
-        if not wanted:
-            return {}
-        with ThreadPoolExecutor(min(knobs.io_threads(), len(wanted))) as pool:
-            values = list(pool.map(lambda key: self.rows(*key), wanted))
-        return dict(zip(wanted, values))
+        """Reads many shard tensors ``(rank, name)`` at once, every piece in parallel."""
+        reads = {key: self._begin_logical(rows_path(*key)) for key in wanted}
+        return {key: self._finish(read) for key, read in reads.items()}

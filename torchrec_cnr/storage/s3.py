@@ -2,7 +2,7 @@
 
 Credentials, region and endpoint come from boto3's usual chain (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL`` for a store other
-than AWS, ``~/.aws``), as they do for torchsnapshot's S3 plugin, which writes the data.
+than AWS, ``~/.aws``).
 
 A PUT is atomic and durable when it returns, so :meth:`S3Storage.make_durable` has
 nothing to do. Conditional writes use S3's ``If-Match`` (compare-and-swap on the ETag) and
@@ -24,7 +24,7 @@ class S3Storage(Storage):
     """A prefix in an S3 bucket.
 
     Raises:
-        ValueError: the URL has no bucket or no prefix (torchsnapshot needs both).
+        ValueError: the URL has no bucket or no prefix.
         RuntimeError: boto3 is not installed (``pip install torchrec_cnr[s3]``).
     """
 
@@ -101,6 +101,9 @@ class S3Storage(Storage):
                 ) from e
             raise
         return str(response["ETag"])
+
+    def write_object(self, name: str, data: memoryview) -> None:
+        self._client.put_object(Bucket=self.bucket, Key=self._key(name), Body=bytes(data))
 
     def exists(self, name: str) -> bool:
         try:

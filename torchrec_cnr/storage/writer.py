@@ -1,28 +1,28 @@
-"""Writing one encoded checkpoint through torchsnapshot (Check-N-Run's writer).
+"""Writing one rank's part of a checkpoint: encode each staged shard, write its tensors.
 
-Runs on the background writer thread of every rank, collectively over the writer's own
-process group. Encoding (quantization, checksums) happens here, after the stall.
+Staging hands each shard (or chunk of rows) to a :class:`ShardWriter` as soon as it is
+copied; its encoding (quantization) runs as a task on the I/O pool, which writes the
+encoded tensors as soon as they are ready. Encoding thus uses every core and overlaps the
+stall and the other shards' writes. The background writer then calls
+:meth:`ShardWriter.finish`. Nothing here is collective: each rank writes its own objects
+and reports them; the commit gathers the reports and writes the index and the manifest.
 """
 
 from __future__ import annotations
 
-import base64
-import json
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torchsnapshot import Snapshot, StateDict
-from torchsnapshot.serialization import dtype_to_string
-
 from torchrec_cnr import knobs
-from torchrec_cnr.collectives import Collective
-from torchrec_cnr.encoding import FormatResolver, ShardRecord, crc32, crc32_bytes, encode_shard
-from torchrec_cnr.staging import StagedCheckpoint
+from torchrec_cnr.encoding import FormatResolver, ShardRecord, crc32, encode_shard
+from torchrec_cnr.staging import StagedCheckpoint, StagedShard
 from torchrec_cnr.storage.backend import Storage
-from torchrec_cnr.storage.layout import SNAPSHOT_MARKER
+from torchrec_cnr.storage.layout import app_path, dense_path, rows_path
+from torchrec_cnr.storage.snapshot import SnapshotWriter, io_pool
 
-__all__ = ["RankWrite", "SnapshotParts", "write_checkpoint", "write_snapshot_metadata"]
+__all__ = ["RankWrite", "ShardWriter"]
 
 
 @dataclass
@@ -35,112 +35,105 @@ class RankWrite:
     nbytes: int
     staged_bytes: int
     stall_s: float
-
-
-def write_checkpoint(
-    storage: Storage,
-    ckpt_id: str,
-    staged: StagedCheckpoint,
-    resolver: FormatResolver,
-    group: Collective,
-) -> RankWrite:
-    """Encodes ``staged`` and collectively writes it as ``ckpt_id``; makes this rank's part durable.
-
-    Every rank of ``group`` calls it. On return, the files this rank wrote are fsynced;
-    the caller still has to agree across ranks before committing.
-
-    Raises:
-        ValueError: a row holds NaN or Inf, on this or another rank (every rank raises
-            before any enters torchsnapshot's collective write).
-    """
-    rows: dict[str, torch.Tensor] = {}
-    records = []
-    error: Exception | None = None
-    try:
-        for shard in staged.shards:
-            spec = shard.shard.spec
-            fmt = resolver.resolve(spec.table, spec.num_embeddings)
-            encoded = encode_shard(shard, fmt, resolver.config)
-            rows.update(encoded.tensors)
-            records.append(encoded.record)
-    except Exception as e:  # e.g. a NaN row: no rank may enter the collective write alone
-        error = e
-    group.agree(error)
-    app_state = {
-        "rows": StateDict(rows),
-        "dense": StateDict(staged.dense),
-        "app": StateDict(blob=staged.app_state),
-    }
-    Snapshot.take(storage.path(ckpt_id), app_state=app_state, pg=group.pg, replicated=["dense/**"])
-    knobs.inject_fault(staged.step, group.rank)
-    storage.make_durable(ckpt_id)
-    nbytes = sum(t.numel() * t.element_size() for t in rows.values()) + len(staged.app_state)
-    return RankWrite(
-        shards=records,
-        dense_checksums={k: crc32(v) for k, v in staged.dense.items()},
-        app_checksum=crc32_bytes(staged.app_state),
-        nbytes=nbytes,
-        staged_bytes=staged.nbytes,
-        stall_s=staged.stall_s,
-    )
-
-
-@dataclass
-class SnapshotParts:
-    """Tensors and objects written into one checkpoint directory in torchsnapshot's format,
-    without torchsnapshot: for checkpoints that do not come from a live model (compaction).
-
-    Each :meth:`add` writes one data object; :func:`write_snapshot_metadata` writes the
-    index last, as torchsnapshot does, so that the directory reads as complete only then.
-    """
-
-    storage: Storage
-    ckpt_id: str
-    prefix: str
-    """Names this writer's data objects apart from other writers' of the same checkpoint."""
     entries: dict[str, dict[str, Any]] = field(default_factory=dict)
-    _objects: int = 0
+    """This rank's torchsnapshot index entries."""
 
-    def add(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Writes ``tensors`` (logical path -> tensor) as one data object."""
-        location = f"data/{self.prefix}-{self._objects}"
-        self._objects += 1
-        chunks, offset = [], 0
-        for logical, tensor in tensors.items():
-            t = tensor.detach().contiguous().cpu()
-            data = t.view(-1).view(torch.uint8).numpy().tobytes()
-            self.entries[logical] = {
-                "type": "Tensor",
-                "location": location,
-                "serializer": "buffer_protocol",
-                "dtype": dtype_to_string(t.dtype),
-                "shape": list(t.shape),
-                "replicated": logical.startswith("0/dense/"),
-                "byte_range": [offset, offset + len(data)],
+
+class ShardWriter:
+    """Encodes and writes the staged shards of one rank: the :class:`~torchrec_cnr.staging.Sink`
+    that staging hands each shard (or chunk) to as soon as it is copied.
+
+    Args:
+        storage: the root.
+        ckpt_id: the checkpoint directory.
+        rank: this rank (names its objects and logical paths).
+        resolver: the stored format of each table.
+    """
+
+    def __init__(self, storage: Storage, ckpt_id: str, rank: int, resolver: FormatResolver) -> None:
+        self.ckpt_id = ckpt_id
+        self.rank = rank
+        self.resolver = resolver
+        self.snapshot = SnapshotWriter(storage, ckpt_id, prefix=str(rank))
+        self._records: dict[str, ShardRecord] = {}
+        self._encodes: list[Future[None]] = []
+        self._lock = threading.Lock()
+
+    def _encode(self, shard: StagedShard, row0: int, total: int | None) -> None:
+        spec = shard.shard.spec
+        fmt = self.resolver.resolve(spec.table, spec.num_embeddings)
+        encoded = encode_shard(shard, fmt, self.resolver.config)
+        with self._lock:
+            for name, tensor in encoded.tensors.items():
+                self.snapshot.write(rows_path(self.rank, name), tensor, row0, total)
+            known = self._records.get(shard.key)
+            if known is None:
+                self._records[shard.key] = encoded.record
+            else:  # a further chunk of the same shard
+                known.saved_rows += encoded.record.saved_rows
+                known.nbytes += encoded.record.nbytes
+
+    def add(self, shard: StagedShard, row0: int = 0, total: int | None = None) -> None:
+        """Encodes ``shard`` on the I/O pool and writes it once encoded; returns at once.
+
+        ``row0`` and ``total`` place a chunk: its rows start at ``row0`` of the ``total``
+        rows the shard stores (all of them if ``None``).
+        """
+        self._encodes.append(io_pool().submit(self._encode, shard, row0, total))
+
+    def wait(self) -> None:
+        """Blocks until everything added is durable: the staged buffers may be reused.
+
+        Raises:
+            ValueError: a row holds NaN or Inf (the message names table and row).
+            OSError: a write failed.
+        """
+        for future in self._encodes:
+            future.result()
+        self.snapshot.wait()
+
+    def finish(self, staged: StagedCheckpoint) -> RankWrite:
+        """Writes ``staged``'s dense state and ``app_state``; waits for every write."""
+        try:
+            for future in self._encodes:
+                future.result()
+            if self.rank == 0:  # replicated: written once, every rank checksums its own copy
+                for name, tensor in staged.dense.items():
+                    self.snapshot.write(dense_path(name), tensor, replicated=True)
+            self.snapshot.add_bytes(app_path(self.rank), staged.app_state)
+            part = self.snapshot.finish()
+        except BaseException:
+            self.abandon()
+            raise
+        records = list(self._records.values())
+        prefix = rows_path(self.rank, "")
+        for rec in records:
+            rec.checksums = {
+                logical.removeprefix(prefix): crc
+                for logical, crc in part.checksums.items()
+                if logical.startswith(f"{prefix}{rec.key}.")
             }
-            chunks.append(data)
-            offset += len(data)
-        self.storage.write(f"{self.ckpt_id}/{location}", b"".join(chunks))
+        self.snapshot.storage.make_durable(self.ckpt_id)
+        knobs.inject_fault(staged.step, self.rank)
+        dense_bytes = sum(t.numel() * t.element_size() for t in staged.dense.values())
+        return RankWrite(
+            shards=records,
+            dense_checksums={k: crc32(v) for k, v in staged.dense.items()},
+            app_checksum=part.checksums[app_path(self.rank)],
+            nbytes=part.nbytes,
+            staged_bytes=staged.staged_bytes + dense_bytes + len(staged.app_state),
+            stall_s=staged.stall_s,
+            entries=part.entries,
+        )
 
-    def add_bytes(self, logical: str, value: bytes) -> None:
-        """Stores ``value`` inline in the index, as torchsnapshot stores ``bytes``."""
-        self.entries[logical] = {
-            "type": "bytes",
-            "serialized_value": base64.b64encode(value).decode(),
-            "replicated": False,
-            "readable": None,
-        }
-
-
-def write_snapshot_metadata(
-    storage: Storage, ckpt_id: str, entries: dict[str, dict[str, Any]], world_size: int
-) -> None:
-    """Writes the index of a checkpoint assembled by :class:`SnapshotParts`; call it last,
-    once every data object is durable."""
-    manifest: dict[str, Any] = {}
-    for logical in sorted(entries):
-        parent, _, key = logical.rpartition("/")
-        manifest.setdefault(parent, {"type": "dict", "keys": []})["keys"].append(key)
-    manifest.update(entries)
-    document = {"version": "0.1.0", "world_size": world_size, "manifest": manifest}
-    storage.write(f"{ckpt_id}/{SNAPSHOT_MARKER}", json.dumps(document, indent=1).encode())
+    def abandon(self) -> None:
+        """After a failure: waits for the work in flight, so none outlives the checkpoint."""
+        for future in self._encodes:
+            try:
+                future.result()
+            except BaseException:  # the failure that brought us here is the one to report
+                pass
+        try:
+            self.snapshot.wait()
+        except BaseException:
+            pass

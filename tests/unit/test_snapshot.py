@@ -1,0 +1,117 @@
+"""The checkpoint directory format: written by our parallel writer, read by torchsnapshot's
+own reader and by ours, with whole-tensor checksums combined from the pieces'."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from torchsnapshot import Snapshot
+from torchsnapshot.manifest import ChunkedTensorEntry, TensorEntry
+
+from torchrec_cnr.encoding import crc32, crc32_combine
+from torchrec_cnr.errors import ChecksumError
+from torchrec_cnr.storage import SnapshotReader, SnapshotWriter, open_storage, write_index
+from torchrec_cnr.storage.layout import app_path, dense_path, rows_path
+
+
+@pytest.mark.parametrize("sizes", [(0, 5), (5, 0), (1, 1), (1000, 3333), (7, 1 << 20)])
+def test_combined_crc32_is_the_crc32_of_the_concatenation(sizes: tuple[int, int]) -> None:
+    a, b = os.urandom(sizes[0]), os.urandom(sizes[1])
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        rows_path(0, "s0.w"): torch.randn(3000, 16, generator=g),  # 192 KB: several objects
+        rows_path(0, "s0.ids"): torch.arange(7, 3007, dtype=torch.int32),
+        rows_path(1, "s1.w"): torch.randn(500, 8, generator=g).to(torch.bfloat16),
+        rows_path(1, "s1.momentum1"): torch.rand(500, generator=g),
+        dense_path("over.weight"): torch.randn(4, 3, generator=g),
+        dense_path("steps"): torch.tensor(12, dtype=torch.int64),  # 0-d
+    }
+
+
+def _write(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, int], str]:
+    """Two writers (ranks) of one directory; rank 1's momentum arrives in chunks, backwards."""
+    monkeypatch.setenv("TORCHREC_CNR_OBJECT_KB", "32")
+    storage = open_storage(str(root))
+    storage.create()
+    tensors = _tensors()
+    parts, checksums = [], {}
+    for rank in (0, 1):
+        writer = SnapshotWriter(storage, "ckpt", prefix=str(rank))
+        for logical, t in tensors.items():
+            if not logical.startswith(f"{rank}/") or logical.startswith("0/dense") and rank:
+                continue
+            if logical.endswith("momentum1"):
+                for row0 in (400, 200, 0):  # chunks staged one after another, any order
+                    writer.write(logical, t[row0 : row0 + 200], row0, total_rows=500)
+            else:
+                writer.write(logical, t, replicated=logical.startswith("0/dense"))
+        writer.add_bytes(app_path(rank), f"app of rank {rank}".encode())
+        part = writer.finish()
+        parts.append(part.entries)
+        checksums.update(part.checksums)
+    write_index(storage, "ckpt", parts, world_size=2)
+    return checksums, str(root / "ckpt")
+
+
+def test_what_the_writer_writes_torchsnapshot_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checksums, path = _write(tmp_path, monkeypatch)
+    tensors = _tensors()
+    snapshot = Snapshot(path)
+    for logical, t in tensors.items():
+        got: torch.Tensor = snapshot.read_object(logical)
+        assert got.dtype == t.dtype and torch.equal(got, t), logical
+        assert checksums[logical] == crc32(t), logical
+    assert snapshot.read_object(app_path(1)) == b"app of rank 1"
+    # Rank 0's big tensor went into several objects; small ones were packed together.
+    entry = snapshot.get_manifest()[rows_path(0, "s0.w")]
+    assert isinstance(entry, ChunkedTensorEntry) and len(entry.chunks) >= 6
+    locations = {e.location for e in snapshot.get_manifest().values() if isinstance(e, TensorEntry)}
+    assert len(locations) < len(tensors)
+
+
+def test_our_reader_checks_every_piece_and_reads_rows_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checksums, _ = _write(tmp_path, monkeypatch)
+    storage = open_storage(str(tmp_path))
+    reader = SnapshotReader(storage, "ckpt", checksums)
+    tensors = _tensors()
+    got = reader.read_many([(0, "s0.w"), (1, "s1.momentum1"), (0, "s0.ids")])
+    assert torch.equal(got[(0, "s0.w")], tensors[rows_path(0, "s0.w")])
+    assert torch.equal(got[(1, "s1.momentum1")], tensors[rows_path(1, "s1.momentum1")])
+    assert torch.equal(reader.dense("steps"), tensors[dense_path("steps")])
+    # Rows alone, across object boundaries (runs split where an object ends).
+    index = torch.tensor([0, 1, 2, 511, 512, 513, 2047, 2048, 2999])
+    assert torch.equal(reader.rows_subset(0, "s0.w", index), tensors[rows_path(0, "s0.w")][index])
+    # One flipped byte in one piece of one object.
+    entry = reader._entries[rows_path(0, "s0.w")]["chunks"][3]["tensor"]
+    target = tmp_path / "ckpt" / entry["location"]
+    data = bytearray(target.read_bytes())
+    data[entry["byte_range"][0] + 100] ^= 0x40
+    target.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match=r"ckpt/0/rows/s0.w is corrupt"):
+        SnapshotReader(storage, "ckpt", checksums).rows(0, "s0.w")
+    assert torch.equal(  # the other tensors are intact
+        SnapshotReader(storage, "ckpt", checksums).rows(1, "s1.w"),
+        tensors[rows_path(1, "s1.w")],
+    )
+
+
+def test_a_tensor_whose_chunks_leave_a_gap_is_refused(tmp_path: Path) -> None:
+    storage = open_storage(str(tmp_path))
+    storage.create()
+    writer = SnapshotWriter(storage, "ckpt", prefix="0")
+    writer.write("0/rows/s0.w", torch.zeros(10, 4), row0=0, total_rows=30)
+    writer.write("0/rows/s0.w", torch.zeros(10, 4), row0=20, total_rows=30)
+    with pytest.raises(ValueError, match=r"rows 10..20 were never written"):
+        writer.finish()

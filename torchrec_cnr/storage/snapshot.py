@@ -1,0 +1,277 @@
+"""One rank's part of a checkpoint directory, written in parallel, in torchsnapshot's format.
+
+Check-N-Run writes checkpoints as torchsnapshot snapshots, and so does this module: the
+directory's ``.snapshot_metadata`` is torchsnapshot's index, and torchsnapshot's own
+reader reads the tensors back (``tests/unit/test_snapshot.py`` checks it). The writing is
+ours: torchsnapshot 0.1.0 took 3-4 s to write and sync one rank's 1 GB where the disk
+needs 0.5 s. Here:
+
+- a tensor is cut into objects of at most ``TORCHREC_CNR_OBJECT_KB`` (whole rows), each
+  written on the process's I/O thread pool, with the CRC32 of its bytes computed and the
+  file fsynced on the thread that writes it;
+- tensors far smaller than that are packed into shared objects;
+- a tensor may arrive in several row chunks (a shard staged in chunks to bound memory);
+  its CRC32 combines those of its pieces, in row order.
+
+A directory is complete only once :func:`write_index` wrote the index, after every rank's
+part is durable; until a committed manifest names it, it does not exist for a restore.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torchsnapshot.serialization import dtype_to_string
+
+from torchrec_cnr import knobs
+from torchrec_cnr.encoding import as_bytes, crc32_combine
+from torchrec_cnr.storage.backend import Storage
+from torchrec_cnr.storage.layout import SNAPSHOT_MARKER
+
+__all__ = ["RankPart", "SnapshotWriter", "io_pool", "write_index"]
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def io_pool() -> ThreadPoolExecutor:
+    """The process's I/O thread pool (``TORCHREC_CNR_IO_THREADS``), for reads and writes.
+
+    Its tasks never wait for one another, so one pool serves every reader and writer.
+    """
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(knobs.io_threads(), thread_name_prefix="cnr-io")
+        return _pool
+
+
+def _put(storage: Storage, name: str, data: memoryview) -> int:
+    crc = zlib.crc32(data)
+    storage.write_object(name, data)
+    return crc
+
+
+@dataclass
+class _Piece:
+    row0: int
+    rows: int
+    location: str
+    start: int
+    nbytes: int
+    crc: Future[int] | int
+
+    def checksum(self) -> int:
+        return self.crc if isinstance(self.crc, int) else self.crc.result()
+
+
+@dataclass
+class _Logical:
+    dtype: torch.dtype
+    row_shape: list[int]
+    rows: int
+    replicated: bool
+    shape: list[int]
+    """As first written; ``[]`` for a 0-d tensor, which is written as one row."""
+    pieces: list[_Piece] = field(default_factory=list)
+
+
+@dataclass
+class RankPart:
+    """What one rank wrote into a checkpoint directory."""
+
+    entries: dict[str, dict[str, Any]]
+    """Logical path -> torchsnapshot index entry."""
+    checksums: dict[str, int]
+    """Logical path -> CRC32 of the whole tensor (or bytes)."""
+    nbytes: int
+
+
+class SnapshotWriter:
+    """Writes tensors into one checkpoint directory, as one writer (a rank) of it.
+
+    Args:
+        storage: the root.
+        ckpt_id: the checkpoint directory.
+        prefix: names this writer's data objects apart from other writers'.
+    """
+
+    def __init__(self, storage: Storage, ckpt_id: str, prefix: str) -> None:
+        self.storage = storage
+        self.ckpt_id = ckpt_id
+        self.prefix = prefix
+        self.object_bytes = knobs.object_bytes()
+        # Smaller tensors are packed into shared objects (copied: at most this much each).
+        self.small_bytes = min(1 << 20, self.object_bytes // 8)
+        self._objects = 0
+        self._futures: list[Future[int]] = []
+        self._tensors: dict[str, _Logical] = {}
+        self._inline: dict[str, bytes] = {}
+        self._batch: list[tuple[_Piece, bytes]] = []
+        self._batch_bytes = 0
+
+    def _location(self) -> str:
+        self._objects += 1
+        return f"data/{self.prefix}-{self._objects - 1}"
+
+    def _submit(self, location: str, data: memoryview) -> Future[int]:
+        future = io_pool().submit(_put, self.storage, f"{self.ckpt_id}/{location}", data)
+        self._futures.append(future)
+        return future
+
+    def write(
+        self,
+        logical: str,
+        tensor: torch.Tensor,
+        row0: int = 0,
+        total_rows: int | None = None,
+        replicated: bool = False,
+    ) -> None:
+        """Writes ``tensor`` as rows ``row0..`` of the logical tensor ``logical``.
+
+        A tensor written whole needs no ``row0`` or ``total_rows``. One written in row
+        chunks is given them with each chunk; the chunks must cover its rows exactly.
+        The tensor must stay unchanged until :meth:`wait` or :meth:`finish` returns.
+        """
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            raise ValueError(f"{logical}: a CPU tensor is needed")
+        shape = list(t.shape)
+        t = t.contiguous().reshape(-1) if t.dim() == 0 else t.contiguous()
+        rows = t.shape[0]
+        total = rows if total_rows is None else total_rows
+        known = self._tensors.setdefault(
+            logical, _Logical(t.dtype, list(t.shape[1:]), total, replicated, shape)
+        )
+        if (known.dtype, known.row_shape, known.rows) != (t.dtype, list(t.shape[1:]), total):
+            raise ValueError(f"{logical}: a chunk of another dtype or shape")
+        data = as_bytes(t)
+        if len(data) < self.small_bytes:
+            piece = _Piece(row0, rows, "", self._batch_bytes, len(data), zlib.crc32(data))
+            self._batch.append((piece, bytes(data)))
+            self._batch_bytes += len(data)
+            known.pieces.append(piece)
+            if self._batch_bytes >= self.object_bytes // 2:
+                self._flush_batch()
+            return
+        row_bytes = len(data) // max(rows, 1)
+        step = max(1, self.object_bytes // max(row_bytes, 1))
+        for first in range(0, rows, step):
+            n = min(step, rows - first)
+            location = self._location()
+            view = data[first * row_bytes : (first + n) * row_bytes]
+            future = self._submit(location, view)
+            known.pieces.append(_Piece(row0 + first, n, location, 0, len(view), future))
+
+    def add_bytes(self, logical: str, value: bytes) -> None:
+        """Stores ``value`` inline in the index, as torchsnapshot stores ``bytes``."""
+        self._inline[logical] = value
+
+    def _flush_batch(self) -> None:
+        if not self._batch:
+            return
+        location = self._location()
+        for piece, _ in self._batch:
+            piece.location = location
+        self._submit(location, memoryview(b"".join(data for _, data in self._batch)))
+        self._batch, self._batch_bytes = [], 0
+
+    def wait(self) -> None:
+        """Blocks until everything written so far is durable (so its buffers may be reused).
+
+        Raises:
+            OSError: a write failed (the first error).
+        """
+        self._flush_batch()
+        for future in self._futures:
+            future.result()
+
+    def finish(self) -> RankPart:
+        """Waits for every write; returns the index entries and checksums of this writer."""
+        self._flush_batch()
+        self.wait()
+        entries: dict[str, dict[str, Any]] = {}
+        checksums: dict[str, int] = {}
+        nbytes = 0
+        for logical, t in self._tensors.items():
+            pieces = sorted(t.pieces, key=lambda p: p.row0)
+            covered = 0
+            crc = 0
+            for piece in pieces:
+                if piece.row0 != covered:
+                    raise ValueError(f"{logical}: rows {covered}..{piece.row0} were never written")
+                covered += piece.rows
+                crc = crc32_combine(crc, piece.checksum(), piece.nbytes)
+            if covered != t.rows:
+                raise ValueError(f"{logical}: {covered} of {t.rows} rows written")
+            entries[logical] = _entry(t, pieces)
+            checksums[logical] = crc
+            nbytes += sum(p.nbytes for p in pieces)
+        for logical, value in self._inline.items():
+            entries[logical] = {
+                "type": "bytes",
+                "serialized_value": base64.b64encode(value).decode(),
+                "replicated": False,
+                "readable": None,
+            }
+            checksums[logical] = zlib.crc32(value)
+            nbytes += len(value)
+        return RankPart(entries, checksums, nbytes)
+
+
+def _tensor_entry(t: _Logical, piece: _Piece, shape: list[int]) -> dict[str, Any]:
+    return {
+        "type": "Tensor",
+        "location": piece.location,
+        "serializer": "buffer_protocol",
+        "dtype": dtype_to_string(t.dtype),
+        "shape": shape,
+        "replicated": t.replicated,
+        "byte_range": [piece.start, piece.start + piece.nbytes],
+    }
+
+
+def _entry(t: _Logical, pieces: list[_Piece]) -> dict[str, Any]:
+    if len(pieces) == 1:
+        return _tensor_entry(t, pieces[0], [t.rows, *t.row_shape] if t.shape else [])
+    return {
+        "type": "ChunkedTensor",
+        "dtype": dtype_to_string(t.dtype),
+        "shape": [t.rows, *t.row_shape],
+        "chunks": [
+            {
+                "offsets": [p.row0] + [0] * len(t.row_shape),
+                "sizes": [p.rows, *t.row_shape],
+                "tensor": _tensor_entry(t, p, [p.rows, *t.row_shape]),
+            }
+            for p in pieces
+        ],
+        "replicated": t.replicated,
+    }
+
+
+def write_index(
+    storage: Storage, ckpt_id: str, parts: list[dict[str, dict[str, Any]]], world_size: int
+) -> None:
+    """Writes the index of a checkpoint directory from its writers' entries; call it last,
+    once every writer's part is durable: the directory reads as complete only then."""
+    entries = {k: v for part in parts for k, v in part.items()}
+    manifest: dict[str, Any] = {}
+    for logical in sorted(entries):
+        path = logical
+        while "/" in path:
+            parent, _, key = path.rpartition("/")
+            keys = manifest.setdefault(parent, {"type": "dict", "keys": []})["keys"]
+            if key not in keys:
+                keys.append(key)
+            path = parent
+    manifest.update(entries)
+    document = {"version": "0.1.0", "world_size": world_size, "manifest": manifest}
+    storage.write(f"{ckpt_id}/{SNAPSHOT_MARKER}", json.dumps(document, indent=1).encode())
