@@ -320,6 +320,8 @@ class CheckpointManager:
                     self.app_state, ranks=ranks, tables=tables,
                     verify=self.config.verify_checksums,
                     budget_bytes=None if budget is None else budget << 20,
+                    # Unbounded staging buffers are a full checkpoint's: read into them.
+                    pool=self._pool if self._pool.budget_bytes is None else None,
                 )  # fmt: skip
                 break
             except CheckpointReadError:

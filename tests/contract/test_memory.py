@@ -70,8 +70,10 @@ def test_a_save_larger_than_the_budget_is_written_in_chunks_and_is_the_same_chec
     for budget, name in ((None, "whole"), (BUDGET_MB, "chunked")):
         refs[name].mkdir()
         run_ranks(2, _train, roots[name], str(refs[name]), policy, budget, quantized)
-    # Chunks of at most 31 KB make many more objects than whole tensors cut at 64 KB.
-    assert _objects(roots["chunked"]) > 1.5 * _objects(roots["whole"])
+    # fp32 chunks of at most 31 KB make many more objects than whole tensors cut at
+    # 64 KB (4-bit ones are too small to tell: "big" encodes to 36 KB in all).
+    if not quantized:
+        assert _objects(roots["chunked"]) > 1.5 * _objects(roots["whole"])
     steps = Manifest.load(roots["chunked"]).steps()
     assert steps == Manifest.load(roots["whole"]).steps() == [3, 6, 9]
     for step in steps:

@@ -27,6 +27,7 @@ import torch
 from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.encoding import FP32, ShardRecord, decode_weight
 from torchrec_cnr.encoding.codec import dtype_name
+from torchrec_cnr.staging import StagingPool
 from torchrec_cnr.storage import SnapshotReader, Storage
 from torchrec_cnr.tracking.shard import LocalShard
 
@@ -108,6 +109,7 @@ def read_chain(
     app_rank: int | None,
     verify: bool = True,
     budget_bytes: int | None = None,
+    pool: StagingPool | None = None,
 ) -> ChainRead:
     """Reads and verifies everything a restore of ``entry`` into ``shards`` needs.
 
@@ -119,6 +121,8 @@ def read_chain(
             rank, and a fresh one would let this rank's replica drift from the others.
         verify: check every tensor against the checksum recorded at save time.
         budget_bytes: host memory for read tensors; ``None`` keeps every one.
+        pool: the staging buffers, to read this rank's own baseline tensors into: a
+            fresh gigabyte costs a page fault per 4 KiB, about as long as reading it.
 
     Raises:
         CheckpointReadError: a checkpoint directory or file of the chain is missing or
@@ -140,7 +144,16 @@ def read_chain(
             )
         )
         if budget_bytes is None:  # hold everything: read it all at once, in parallel
-            read.cache.update({(n, *k): t for k, t in readers[n].read_many(wanted).items()})
+            alloc = None
+            if pool is not None and n == 0:
+                pool.begin()
+
+                def alloc(key: tuple[int, str], shape: list[int], dtype: torch.dtype) -> Any:
+                    own = key[0] == shards[0].spec.rank if shards else False
+                    return pool.take(key[1], tuple(shape), dtype) if own else None
+
+            got = readers[n].read_many(wanted, alloc)
+            read.cache.update({(n, *k): t for k, t in got.items()})
             continue
         for rank, name in wanted:  # one at a time, keeping what fits the budget
             tensor = readers[n].rows(rank, name)

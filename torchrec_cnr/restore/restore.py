@@ -17,6 +17,7 @@ from torchrec_cnr.errors import CheckpointError
 from torchrec_cnr.restore.apply import apply_chain, read_chain
 from torchrec_cnr.restore.compat import check_compatible
 from torchrec_cnr.restore.partial import select_shards
+from torchrec_cnr.staging import StagingPool
 from torchrec_cnr.storage import Storage
 from torchrec_cnr.tracking.shard import LocalShard
 
@@ -36,11 +37,13 @@ def restore_entry(
     tables: list[str] | None = None,
     verify: bool = True,
     budget_bytes: int | None = None,
+    pool: StagingPool | None = None,
 ) -> list[torch.Tensor]:
     """Restores ``entry`` into this rank's ``shards``, ``dense`` and ``app_state``.
 
     With ``ranks`` or ``tables`` it is a partial recovery: only those shards reload, and
     dense tensors, ``app_state`` and the kernels' step counters keep their live values.
+    ``pool``: staging buffers to read the baseline into (see :func:`read_chain`).
 
     Returns:
         For each local shard, a ``(rows,)`` bool mask of rows that came from a delta.
@@ -62,7 +65,7 @@ def restore_entry(
             storage, manifest, entry, chosen,
             [] if partial else list(dense),
             None if partial or not app_state else group.rank,
-            verify, budget_bytes,
+            verify, budget_bytes, pool,
         )  # fmt: skip
     except Exception as e:
         error = e

@@ -72,9 +72,10 @@ class Storage(abc.ABC):
     def write_object(self, name: str, data: memoryview) -> None:
         """Writes a data object of a checkpoint directory that is not committed yet.
 
-        Durable when it returns (a file is fsynced; a PUT is durable), but not atomic:
-        a crash may leave part of it, which is harmless in a directory that no committed
-        manifest names. Called from many threads at once.
+        Durable once :meth:`make_durable` of its folder returns (a PUT is durable when
+        it returns; a file is fsynced there), and not atomic: a crash may leave part of
+        it, which is harmless in a directory that no committed manifest names. Called
+        from many threads at once.
         """
 
     @abc.abstractmethod
@@ -103,8 +104,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def make_durable(self, name: str) -> None:
-        """Makes everything written under folder ``name`` survive a crash of this host
-        (data objects are durable as written; this is for what names them)."""
+        """Makes everything this process wrote under folder ``name`` survive a crash of
+        this host: its data objects and the entries that name them."""
 
     def create(self) -> None:  # noqa: B027 - most backends need nothing
         """Creates the root if the backend needs it to exist."""

@@ -12,8 +12,10 @@ combined into the tensor's and checked against the one recorded at save time.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,9 @@ from torchrec_cnr.storage.layout import SNAPSHOT_MARKER, app_path, dense_path, r
 from torchrec_cnr.storage.snapshot import io_pool
 
 __all__ = ["SnapshotReader"]
+
+Alloc = Callable[[list[int], torch.dtype], "torch.Tensor | None"]
+"""Gives the tensor of ``shape`` and ``dtype`` to read into, or ``None`` for a fresh one."""
 
 
 def _get(storage: Storage, location: str, start: int, out: memoryview, crc: bool) -> int:
@@ -102,8 +107,11 @@ class SnapshotReader:
             future = io_pool().submit(_get, self.storage, location, start + offset, view, crc)
             read.pieces.append((future, len(view)))
 
-    def _begin(self, logical: str, out: torch.Tensor | None = None) -> _Read | Any:
-        """Starts reading ``logical`` (into ``out`` if given); a value if read at once."""
+    def _begin(
+        self, logical: str, out: torch.Tensor | None = None, alloc: Alloc | None = None
+    ) -> _Read | Any:
+        """Starts reading ``logical`` (into ``out`` if given, else into ``alloc``'s tensor
+        if it gives one); a value if read at once."""
         entry = self._entry(logical)
         kind = entry["type"]
         if kind == "bytes":
@@ -111,6 +119,8 @@ class SnapshotReader:
         if kind not in ("Tensor", "ChunkedTensor"):
             raise CheckpointReadError(f"{self.path}: {logical!r} is a {kind}, not a tensor")
         dtype, shape = string_to_dtype(entry["dtype"]), list(entry["shape"])
+        if out is None and alloc is not None:
+            out = alloc(shape, dtype)
         if out is None or not out.is_contiguous():
             value = torch.empty(shape, dtype=dtype)
         else:
@@ -175,9 +185,11 @@ class SnapshotReader:
             return out
         return value
 
-    def _begin_logical(self, logical: str, out: torch.Tensor | None = None) -> _Read | Any:
+    def _begin_logical(
+        self, logical: str, out: torch.Tensor | None = None, alloc: Alloc | None = None
+    ) -> _Read | Any:
         try:
-            read = self._begin(logical, out)
+            read = self._begin(logical, out, alloc)
         except CheckpointReadError:
             raise
         except Exception as e:
@@ -256,7 +268,21 @@ class SnapshotReader:
             raise CheckpointReadError(f"cannot read {logical!r} from {self.path}: {e}") from e
         return out
 
-    def read_many(self, wanted: list[tuple[int, str]]) -> dict[tuple[int, str], torch.Tensor]:
-        """Reads many shard tensors ``(rank, name)`` at once, every piece in parallel."""
-        reads = {key: self._begin_logical(rows_path(*key)) for key in wanted}
+    def read_many(
+        self,
+        wanted: list[tuple[int, str]],
+        alloc: Callable[[tuple[int, str], list[int], torch.dtype], torch.Tensor | None]
+        | None = None,
+    ) -> dict[tuple[int, str], torch.Tensor]:
+        """Reads many shard tensors ``(rank, name)`` at once, every piece in parallel.
+
+        ``alloc(key, shape, dtype)``, if given, may give the tensor to read ``key`` into
+        (a reused buffer, whose pages are already faulted in).
+        """
+        reads = {
+            key: self._begin_logical(
+                rows_path(*key), alloc=None if alloc is None else functools.partial(alloc, key)
+            )
+            for key in wanted
+        }
         return {key: self._finish(read) for key, read in reads.items()}

@@ -1,10 +1,11 @@
 """Writing one rank's part of a checkpoint: encode each staged shard, write its tensors.
 
-Staging hands each shard (or chunk of rows) to a :class:`ShardWriter` as soon as it is
-copied; its encoding (quantization) runs as a task on the I/O pool, which writes the
-encoded tensors as soon as they are ready. Encoding thus uses every core and overlaps the
-stall and the other shards' writes. The background writer then calls
-:meth:`ShardWriter.finish`. Nothing here is collective: each rank writes its own objects
+Staging hands each shard (or chunk of rows) to a :class:`ShardWriter` as it is copied.
+Once staging is done (or a chunk of rows is staged), each shard's encoding
+(quantization) runs as a task on the I/O pool, which writes the encoded tensors as soon
+as they are ready: encoding uses every core and overlaps the other shards' writes. Nothing
+starts during the stall itself, where it would only compete with the copy for cores and
+memory bandwidth. The background writer then calls :meth:`ShardWriter.finish`. Nothing here is collective: each rank writes its own objects
 and reports them; the commit gathers the reports and writes the index and the manifest.
 """
 
@@ -56,6 +57,7 @@ class ShardWriter:
         self.resolver = resolver
         self.snapshot = SnapshotWriter(storage, ckpt_id, prefix=str(rank))
         self._records: dict[str, ShardRecord] = {}
+        self._queued: list[tuple[StagedShard, int, int | None]] = []
         self._encodes: list[Future[None]] = []
         self._lock = threading.Lock()
 
@@ -74,12 +76,18 @@ class ShardWriter:
                 known.nbytes += encoded.record.nbytes
 
     def add(self, shard: StagedShard, row0: int = 0, total: int | None = None) -> None:
-        """Encodes ``shard`` on the I/O pool and writes it once encoded; returns at once.
+        """Takes ``shard``, to be encoded and written by :meth:`start`; returns at once.
 
         ``row0`` and ``total`` place a chunk: its rows start at ``row0`` of the ``total``
         rows the shard stores (all of them if ``None``).
         """
-        self._encodes.append(io_pool().submit(self._encode, shard, row0, total))
+        self._queued.append((shard, row0, total))
+
+    def start(self) -> None:
+        """Encodes every shard taken so far on the I/O pool, each written once encoded."""
+        pool = io_pool()
+        self._encodes += [pool.submit(self._encode, *args) for args in self._queued]
+        self._queued.clear()
 
     def wait(self) -> None:
         """Blocks until everything added is durable: the staged buffers may be reused.
@@ -88,6 +96,7 @@ class ShardWriter:
             ValueError: a row holds NaN or Inf (the message names table and row).
             OSError: a write failed.
         """
+        self.start()
         for future in self._encodes:
             future.result()
         self.snapshot.wait()
@@ -95,8 +104,7 @@ class ShardWriter:
     def finish(self, staged: StagedCheckpoint) -> RankWrite:
         """Writes ``staged``'s dense state and ``app_state``; waits for every write."""
         try:
-            for future in self._encodes:
-                future.result()
+            self.wait()
             if self.rank == 0:  # replicated: written once, every rank checksums its own copy
                 for name, tensor in staged.dense.items():
                     self.snapshot.write(dense_path(name), tensor, replicated=True)
@@ -128,6 +136,7 @@ class ShardWriter:
 
     def abandon(self) -> None:
         """After a failure: waits for the work in flight, so none outlives the checkpoint."""
+        self._queued.clear()
         for future in self._encodes:
             try:
                 future.result()
