@@ -43,6 +43,7 @@ from cnr_train.bench.common import (
     max_over_ranks,
     memcpy_s,
     modify,
+    proc_status_mb,
     rmtree,
     scratch_dir,
     timed,
@@ -59,33 +60,25 @@ QUANTS = {"fp32": QuantizeConfig(), "4-bit": QuantizeConfig(method="adaptive", b
 FIGURES = ("stall_s", "commit_s", "restore_s", "peak_mb")
 
 
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def _reset_peak() -> float:
     """Resets the peak resident set size to the current one; returns it in MB."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return _status_mb("VmRSS")
+    return proc_status_mb("VmRSS")
 
 
 def _checkpoint(ckpt: CheckpointManager, root: Path, step: int, base_mb: float) -> dict[str, float]:
     """One save, timed, then its cold restore through the same manager."""
     stall, _ = timed(lambda: ckpt.save(step))
     commit, _ = timed(ckpt.wait)
-    save_peak = max_over_ranks(_status_mb("VmHWM") - base_mb)
+    save_peak = max_over_ranks(proc_status_mb("VmHWM") - base_mb)
     drop_cache(root)
     restore, _ = timed(lambda: ckpt.restore(step=step))
     return {
         "stall_s": stall,
         "commit_s": stall + commit,
         "restore_s": restore,
-        "peak_mb": max(save_peak, max_over_ranks(_status_mb("VmHWM") - base_mb)),
+        "peak_mb": max(save_peak, max_over_ranks(proc_status_mb("VmHWM") - base_mb)),
     }
 
 
@@ -119,6 +112,7 @@ def _size(args: argparse.Namespace, bench: Path, gb: float) -> list[dict[str, An
                     f"{local_gb:.2f} GB/rank {quant} {'full' if frac == 1 else f'{frac:.0%}'}: "
                     + ", ".join(f"{k} {got[k]:.3f}" for k in FIGURES)
                 )
+        del ckpt  # its staging buffers go before the next manager takes its own
         rmtree(root)
     del model, shards, perms
     gc.collect()

@@ -255,11 +255,13 @@ class CheckpointManager:
         self._background.settle(self._shards)
 
     def close(self) -> None:
-        """Waits for the pending checkpoint, stops the background thread and frees its group."""
+        """Waits for the pending checkpoint, stops the background thread, frees its group
+        and the staging buffers."""
         try:
             self.wait()
         finally:
             self._background.close()
+            self._pool.release()
             if self.rank == 0:
                 self._lease.release()
 

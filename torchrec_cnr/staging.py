@@ -77,6 +77,11 @@ class StagingPool:
         self._buffers[key] = buf
         return buf[:numel].view(shape)
 
+    def release(self) -> None:
+        """Gives every buffer back; the next checkpoint allocates afresh."""
+        self._buffers.clear()
+        self._in_use.clear()
+
     def prefault(self, shards: list[LocalShard]) -> None:
         """Allocates and touches the buffers a full checkpoint of ``shards`` will take."""
         self.begin()

@@ -76,6 +76,15 @@ def evict(path: Path) -> None:
                 os.close(fd)
 
 
+def proc_status_mb(field: str) -> float:
+    """A memory figure of this process (``VmRSS``, ``VmHWM``, ...) from ``/proc/self/status``, in MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def fsync_tree(path: Path) -> None:
     """fsyncs every file and directory under ``path`` (what torchsnapshot leaves out)."""
     for d, _, names in os.walk(path):

@@ -16,18 +16,11 @@ import tempfile
 
 import torch.distributed as dist
 
+from cnr_train.bench.common import proc_status_mb
 from cnr_train.workload import TableSpec, build_model, dense_optimizer
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 
 TABLES = [TableSpec("big", 250_000, 64, "table_wise"), TableSpec("small", 1000, 64, "table_wise")]
-
-
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def main(root: str, budget: str) -> None:
@@ -39,14 +32,14 @@ def main(root: str, budget: str) -> None:
         gc.collect()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current resident set size
-        before = _status_mb("VmRSS")
+        before = proc_status_mb("VmRSS")
         config = CheckpointConfig(
             path=root, policy="full", staging_memory_mb=None if budget == "none" else float(budget)
         )
         with CheckpointManager(model, config) as ckpt:
             ckpt.save(1)
             ckpt.wait()
-        print(json.dumps({"before_mb": before, "peak_mb": _status_mb("VmHWM")}))
+        print(json.dumps({"before_mb": before, "peak_mb": proc_status_mb("VmHWM")}))
     finally:
         dist.destroy_process_group()
         os.unlink(rendezvous)
