@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from cnr_train.bench.common import modify
 from tests import reference
-from tests.contract.models import build, unsharded
+from tests.contract.models import Job, build, unsharded
 from tests.multiprocess import run_ranks
 from torchrec_cnr import (
     CheckpointConfig,
@@ -33,20 +33,30 @@ from torchrec_cnr.tracking import model_state
 STEPS, EVERY = 12, 3
 
 
-def _train(root: str, refs: str, policy: str, quant: dict | None = None, **config) -> None:
-    job = build("ebc", "exact_adagrad", seed=1)
-    cfg = CheckpointConfig(
+def _config(root: str, policy: str, quant: dict | None, **config) -> CheckpointConfig:
+    return CheckpointConfig(
         path=root,
         policy=policy,  # type: ignore[arg-type]
         interval_steps=EVERY,
         quantize=QuantizeConfig(**(quant or {})),
         **config,
     )
-    with CheckpointManager(job.model, cfg, job.app_state) as ckpt:
-        for step in range(1, STEPS + 1):
-            job.step(step)
-            if ckpt.maybe_save(step):
-                reference.save(reference.take(job.model, job.app_state), Path(refs), step)
+
+
+def _train_and_save(job: Job, ckpt: CheckpointManager, refs: str) -> None:
+    """Steps 1..STEPS, saving every EVERY steps and keeping the reference state of each save."""
+    for step in range(1, STEPS + 1):
+        job.step(step)
+        if ckpt.maybe_save(step):
+            reference.save(reference.take(job.model, job.app_state), Path(refs), step)
+
+
+def _train(root: str, refs: str, policy: str, quant: dict | None = None, **config) -> None:
+    job = build("ebc", "exact_adagrad", seed=1)
+    with CheckpointManager(
+        job.model, _config(root, policy, quant, **config), job.app_state
+    ) as ckpt:
+        _train_and_save(job, ckpt, refs)
 
 
 def _expected(refs: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -150,17 +160,8 @@ def test_a_quantized_chain_reads_as_the_dequantized_stored_rows(
 
 def _compact_in_job(root: str, refs: str, policy: str, quant: dict | None) -> None:
     job = build("ebc", "exact_adagrad", seed=1)
-    cfg = CheckpointConfig(
-        path=root,
-        policy=policy,  # type: ignore[arg-type]
-        interval_steps=EVERY,
-        quantize=QuantizeConfig(**(quant or {})),
-    )
-    with CheckpointManager(job.model, cfg, job.app_state) as ckpt:
-        for step in range(1, STEPS + 1):
-            job.step(step)
-            if ckpt.maybe_save(step):
-                reference.save(reference.take(job.model, job.app_state), Path(refs), step)
+    with CheckpointManager(job.model, _config(root, policy, quant), job.app_state) as ckpt:
+        _train_and_save(job, ckpt, refs)
         ckpt.wait()
         if policy != "full":
             torch.save(

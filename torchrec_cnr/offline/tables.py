@@ -114,24 +114,24 @@ class ChainReader:
 
     def _wanted(
         self, rows: Sequence[int] | torch.Tensor | None, shape: TableShape
-    ) -> torch.Tensor | None:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The distinct requested rows, ascending, and where each requested row is among
+        them; ``(None, None)`` for every row."""
         if rows is None:
-            return None
+            return None, None
         wanted = torch.as_tensor(rows, dtype=torch.int64).flatten()
         bad = wanted[(wanted < 0) | (wanted >= shape.num_embeddings)]
         if bad.numel():
             raise ValueError(f"rows {bad[:5].tolist()} are outside 0..{shape.num_embeddings - 1}")
-        return wanted
+        unique, order = torch.unique(wanted, return_inverse=True)
+        return unique, order
 
     def table(self, table: str, rows: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
         """The ``(num_rows, dim)`` fp32 values of ``table``, or ``(len(rows), dim)`` of the
         given global rows, in the order given."""
         name = self.table_name(table)
         shape = self.entry.tables[name]
-        wanted = self._wanted(rows, shape)
-        order = None
-        if wanted is not None:
-            wanted, order = torch.unique(wanted, return_inverse=True)
+        wanted, order = self._wanted(rows, shape)
         out = torch.zeros(
             shape.num_embeddings if wanted is None else wanted.numel(), shape.embedding_dim
         )
@@ -158,10 +158,7 @@ class ChainReader:
         """
         name = self.table_name(table)
         shape = self.entry.tables[name]
-        wanted = self._wanted(rows, shape)
-        order = None
-        if wanted is not None:
-            wanted, order = torch.unique(wanted, return_inverse=True)
+        wanted, order = self._wanted(rows, shape)
         n_out = shape.num_embeddings if wanted is None else wanted.numel()
         out: dict[str, torch.Tensor] = {}
         for n, rec in self._records(name):
