@@ -59,8 +59,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if tp is bool and not isinstance(value, bool) or not isinstance(value, tp):
-        raise ConfigError(f"{path} must be {tp.__name__}, got {value!r}")
+    base = origin or tp  # e.g. Callable[[...], bool]: isinstance takes only the bare type
+    if tp is bool and not isinstance(value, bool) or not isinstance(value, base):
+        raise ConfigError(f"{path} must be {getattr(tp, '__name__', tp)}, got {value!r}")
     return value
 
 

@@ -32,7 +32,7 @@ from cnr_train.workload import (
 )
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.commit import Entry, Manifest
-from torchrec_cnr.encoding import crc32
+from torchrec_cnr.snapshot import crc32
 from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state
 from torchrec_cnr.tracking.tracker import TrackingMode

@@ -1,6 +1,6 @@
 """Shared fixtures: checkpoint roots on a file system and on a real S3 server.
 
-Every test writes checkpoint objects of 64 KB (see below).
+Every test writes checkpoint objects of 64 KB (see ``small_objects``).
 
 The S3 server is moto's, started as a separate HTTP server process on a free loopback
 port for the whole session; each test gets a bucket of its own. Clients find it through
@@ -22,9 +22,15 @@ from pathlib import Path
 
 import pytest
 
-# Checkpoint objects of 64 KB instead of 64 MB: the test models' tensors are then written
-# and read in several pieces each, in parallel, as production-sized tensors are.
-os.environ.setdefault("TORCHREC_CNR_OBJECT_KB", "64")
+
+@pytest.fixture(autouse=True)
+def small_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoint objects of 64 KB instead of 64 MB (``IOOptions.object_kb``'s default
+    comes from this variable): the test models' tensors are then written and read in
+    several pieces each, in parallel, as production-sized tensors are. The rank workers
+    of :mod:`tests.multiprocess` run each call with the test's environment."""
+    if "TORCHREC_CNR_OBJECT_KB" not in os.environ:
+        monkeypatch.setenv("TORCHREC_CNR_OBJECT_KB", "64")
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from torchrec.distributed import DistributedModelParallel
 
 from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
 from torchrec_cnr import CheckpointConfig, CheckpointManager
+from torchrec_cnr.storage import Storage
 from torchrec_cnr.tracking.tracker import TrackingMode
 
 
@@ -45,18 +46,23 @@ def make_job(
     batch_size: int = 16,
     alpha: float = 1.1,
     tracking_mode: TrackingMode = "bitmap",
+    storage: Storage | None = None,
     **config: Any,
 ) -> Job:
     """Builds the DLRM on ``tables`` (model seed ``seed``) with a manager on ``root``.
 
     Batches depend only on ``data_seed``, the rank and the step, so two jobs with one
     ``data_seed`` see the same data whatever their model seed. ``config`` holds the
-    remaining :class:`CheckpointConfig` fields.
+    remaining :class:`CheckpointConfig` fields; ``storage`` replaces the root's storage
+    (a :class:`tests.faults.FaultyStorage`).
     """
     model = build_model(tables, seed=seed, tracking_mode=tracking_mode)
     opt = dense_optimizer(model)
     data = ZipfBatches(tables, batch_size=batch_size, alpha=alpha, seed=data_seed)
     app = {"reader": data, "dense_opt": opt}
     return Job(
-        model, opt, data, CheckpointManager(model, CheckpointConfig(path=root, **config), app)
+        model,
+        opt,
+        data,
+        CheckpointManager(model, CheckpointConfig(path=root, **config), app, storage=storage),
     )

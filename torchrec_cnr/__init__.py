@@ -5,40 +5,59 @@ The package follows a checkpoint through its stages:
 1. ``tracking``: which rows changed (bitmaps, kernel hooks, sharders, MFU/SSU priority);
 2. ``selection``: which rows a checkpoint holds (policies, baseline rules, CPR's priority);
 3. ``staging``: the copy to host memory, the only stall;
-4. ``encoding``: formats, per-row quantization (``quantization``), checksums;
-5. ``storage``: names in a root, the writer, the model-free reader;
-6. ``commit``: the typed manifest, the commit, retention;
-7. ``restore``: applying a chain, compatibility, partial recovery, verification.
+4. ``encoding``: formats, per-row quantization (``quantization``) and
+   the shard writer;
+5. ``storage`` (backends: file systems, S3) and ``snapshot`` (the on-disk format: names
+   in a root, torchsnapshot's index, the parallel writer and reader, checksums);
+6. ``commit``: the typed manifest, the commit, the lease, retention;
+7. ``restore``: shard geometry, the chain reader, applying a chain, compatibility,
+   partial recovery, verification.
 
-``offline`` uses checkpoints outside training (reading tables, export, compaction);
-``recovery`` holds CPR's interval choice; ``manager`` sequences the stages.
+``offline`` uses checkpoints outside training (the catalog, reading tables, export,
+compaction); ``recovery`` holds CPR's interval choice; ``manager`` sequences the stages
+and owns the threads and buffers (``executors``, ``staging``).
 """
 
-from torchrec_cnr.config import CheckpointConfig, QuantizeConfig, RecoveryConfig
+from torchrec_cnr.config import CheckpointConfig, IOOptions, QuantizeConfig, RecoveryConfig
 from torchrec_cnr.errors import (
     CheckpointError,
     CheckpointReadError,
     ChecksumError,
+    CnrError,
     ManifestError,
     ModelMismatchError,
 )
 from torchrec_cnr.manager import CheckpointManager
-from torchrec_cnr.offline import export_state_dict, read_optimizer_state, read_table
+from torchrec_cnr.offline import (
+    CheckpointInfo,
+    TableInfo,
+    checkpoint_info,
+    export_state_dict,
+    list_checkpoints,
+    read_optimizer_state,
+    read_table,
+)
 from torchrec_cnr.quantization import QuantizedRows, quantize
 from torchrec_cnr.tracking import tracking_sharders
 
 __all__ = [
     "CheckpointConfig",
     "CheckpointError",
+    "CheckpointInfo",
     "CheckpointManager",
     "CheckpointReadError",
     "ChecksumError",
+    "CnrError",
+    "IOOptions",
     "ManifestError",
     "ModelMismatchError",
     "QuantizeConfig",
     "QuantizedRows",
     "RecoveryConfig",
+    "TableInfo",
+    "checkpoint_info",
     "export_state_dict",
+    "list_checkpoints",
     "quantize",
     "read_optimizer_state",
     "read_table",

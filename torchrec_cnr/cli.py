@@ -11,12 +11,14 @@ cnr compact ROOT [--step N] [--take-over]
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import defaultdict
 
 from torchrec_cnr.commit import Manifest, Target, saved_fraction
 from torchrec_cnr.commit.lease import Lease
-from torchrec_cnr.errors import CheckpointError, CheckpointReadError, ManifestError
+from torchrec_cnr.errors import CnrError, ManifestError
+from torchrec_cnr.executors import Executors
 from torchrec_cnr.offline import EXPORT_FORMATS, compact_entry, export_state_dict, save_export
 from torchrec_cnr.restore import verify_chains
 from torchrec_cnr.selection import Policy
@@ -139,7 +141,8 @@ def _compact(root: str, step: int | None, take_over: bool) -> int:
     try:
         assert lease.mine is not None
         target = Target(storage, Policy(latest.policy), lease.mine.generation, keep_last=None)  # type: ignore[arg-type]
-        entry = compact_entry(target, step)
+        with Executors(8, max(1, os.cpu_count() or 1), 64 << 20) as pools:
+            entry = compact_entry(target, pools, step)
     finally:
         lease.release()
     if entry is None:
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compact":
             return _compact(args.root, args.step, args.take_over)
         return _inspect(args.root)
-    except (ManifestError, CheckpointError, CheckpointReadError, ValueError) as e:
+    except (CnrError, ValueError) as e:  # ValueError: no such step, table or format
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -4,30 +4,58 @@ Checkpointing is collective: when one rank fails (a full disk, a NaN row, a dama
 file), every rank must learn of it at the same point, raise, and leave together. A rank
 that raised alone would leave the others waiting in the next collective until its
 timeout. :meth:`Collective.agree` is that point: every rank says whether it failed, and
-if any did, all raise the same exception type with the failing rank's message.
+if any did, all raise the same exception type with the failing rank's message; the
+error raised on behalf of another rank names it and carries its traceback (see
+:mod:`torchrec_cnr.errors`).
 """
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Collective"]
+from torchrec_cnr.errors import RemoteTraceback
+
+__all__ = ["Collective", "Failure"]
 
 T = TypeVar("T")
 
 
-def _rebuild(kind: type[BaseException], message: str) -> Exception:
-    """The same exception type with ``message``; ``RuntimeError`` where that cannot be built."""
-    try:
-        if issubclass(kind, Exception):
-            return kind(message)
-    except Exception:  # an exception type whose constructor wants more than a message
-        pass
-    return RuntimeError(f"{kind.__name__}: {message}")
+@dataclass(frozen=True)
+class Failure:
+    """What a failing rank tells the others: enough to raise the same error there."""
+
+    kind: type[BaseException]
+    message: str
+    traceback: str
+
+    @classmethod
+    def of(cls, error: BaseException) -> Failure:
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        return cls(type(error), str(error), text)
+
+    def rebuild(self, rank: int) -> Exception:
+        """The same exception type, its message prefixed with the failing ``rank``, with
+        ``rank`` and ``remote_traceback`` set; ``RuntimeError`` where the type cannot be
+        built from a message."""
+        message = f"on rank {rank}: {self.message}"
+        error: Exception | None = None
+        try:
+            if issubclass(self.kind, Exception):
+                error = self.kind(message)
+        except Exception:  # an exception type whose constructor wants more than a message
+            pass
+        if error is None:
+            error = RuntimeError(f"{self.kind.__name__}: {message}")
+        error.rank = rank  # type: ignore[attr-defined]
+        error.remote_traceback = self.traceback  # type: ignore[attr-defined]
+        error.__cause__ = RemoteTraceback(self.traceback)
+        return error
 
 
 class Collective:
@@ -74,17 +102,29 @@ class Collective:
 
         A failing rank re-raises its own error, traceback included. The others raise
         the same exception type (``RuntimeError`` if it cannot be built from a message)
-        whose message names the rank and repeats its message; with several failures,
-        the lowest rank's.
+        whose message names the rank and repeats its message, carrying its traceback
+        (:meth:`Failure.rebuild`); with several failures, the lowest rank's.
         """
-        report = None if error is None else (type(error), str(error))
+        report = None if error is None else Failure.of(error)
         failures = [(r, f) for r, f in enumerate(self.gather(report)) if f is not None]
         if not failures:
             return
         if error is not None:
             raise error
-        rank, (kind, message) = failures[0]
-        raise _rebuild(kind, f"on rank {rank}: {message}")
+        rank, failure = failures[0]
+        raise failure.rebuild(rank)
+
+    def agree_on(self, fn: Callable[[], T]) -> T:
+        """Runs ``fn`` on every rank; returns its result, or raises on every rank (see
+        :meth:`agree`) if it failed on any."""
+        result: Any = None
+        error: Exception | None = None
+        try:
+            result = fn()
+        except Exception as e:
+            error = e
+        self.agree(error)
+        return result  # type: ignore[no-any-return]
 
     def on_rank0(self, fn: Callable[[], T]) -> T:
         """Runs ``fn`` on rank 0 only; every rank gets its result, or raises its error.
@@ -100,10 +140,10 @@ class Collective:
                 result = fn()
             except Exception as e:
                 error = e
-        report = (True, result) if error is None else (False, (type(error), str(error)))
+        report = (True, result) if error is None else (False, Failure.of(error))
         ok, value = self.broadcast(report)
         if ok:
             return value  # type: ignore[no-any-return]
         if error is not None:
             raise error
-        raise _rebuild(*value)
+        raise value.rebuild(0)

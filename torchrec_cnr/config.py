@@ -8,13 +8,27 @@ methods, bit widths and thresholds from :mod:`torchrec_cnr.quantization`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from torchrec_cnr.quantization import BITS, CAST_METHODS, DEFAULT_THRESHOLDS, METHODS
-from torchrec_cnr.selection.policy import BASELINE_RULES, POLICIES, PolicyName
+from torchrec_cnr.quantization import (
+    BITS,
+    CAST_METHODS,
+    DEFAULT_THRESHOLDS,
+    METHODS,
+    check_thresholds,
+)
+from torchrec_cnr.selection.policy import BaselineRule, PolicyName, check_policy
 
-__all__ = ["ON_BUSY", "CheckpointConfig", "OnBusy", "QuantizeConfig", "RecoveryConfig"]
+__all__ = [
+    "ON_BUSY",
+    "CheckpointConfig",
+    "IOOptions",
+    "OnBusy",
+    "QuantizeConfig",
+    "RecoveryConfig",
+]
 
 OnBusy = Literal["wait", "skip"]
 ON_BUSY: tuple[OnBusy, ...] = ("wait", "skip")
@@ -82,14 +96,10 @@ class QuantizeConfig:
             raise ValueError(
                 f"quantize.optimizer_state must be one of {STATE_DTYPES}, got {self.optimizer_state!r}"
             )
-        last = -1.0
-        for pair in self.thresholds:
-            if len(pair) != 2 or pair[1] not in BITS or pair[0] <= last:
-                raise ValueError(
-                    f"quantize.thresholds must be increasing [max_restores, bits] pairs with bits in "
-                    f"{BITS}, got {self.thresholds}"
-                )
-            last = pair[0]
+        try:
+            check_thresholds(self.thresholds)
+        except ValueError as e:
+            raise ValueError(f"quantize.thresholds: {e}") from None
 
     def table_format(self, table: str, num_rows: int) -> tuple[str, int | str]:
         """``(method, bits)`` for ``table`` (qualified name) of ``num_rows`` rows in all.
@@ -134,6 +144,59 @@ class RecoveryConfig:
             )
 
 
+def _env_number(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} must be a number") from None
+
+
+@dataclass(frozen=True)
+class IOOptions:
+    """How a checkpoint's I/O runs: performance knobs, not behaviour (a checkpoint written
+    with one value restores with any other).
+
+    Each default comes from an environment variable when it is set, read once, when the
+    options are built; an argument always wins.
+    """
+
+    threads: int = field(default_factory=lambda: int(_env_number("TORCHREC_CNR_IO_THREADS", 8)))
+    """Threads per rank that write and read a checkpoint's objects at once
+    (``TORCHREC_CNR_IO_THREADS``)."""
+    encode_threads: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
+    """Threads per rank that quantize rows (CPU-bound work, apart from the I/O threads)."""
+    object_kb: int = field(
+        default_factory=lambda: int(_env_number("TORCHREC_CNR_OBJECT_KB", 64 << 10))
+    )
+    """Largest data object a checkpoint writes, in KiB (whole rows): a larger tensor is
+    written as several objects, in parallel, and read in pieces of this size
+    (``TORCHREC_CNR_OBJECT_KB``)."""
+    collective_timeout_s: float = field(
+        default_factory=lambda: _env_number("TORCHREC_CNR_COLLECTIVE_TIMEOUT_S", 600)
+    )
+    """Seconds a rank waits for the others at a checkpoint's collectives
+    (``TORCHREC_CNR_COLLECTIVE_TIMEOUT_S``)."""
+    lease_ttl_s: float = field(default_factory=lambda: _env_number("TORCHREC_CNR_LEASE_TTL_S", 60))
+    """Seconds after its last refresh that a root's lease stops counting as held by a live
+    job; the holder refreshes it every quarter of this (``TORCHREC_CNR_LEASE_TTL_S``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("threads", "encode_threads", "object_kb"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"io.{name} must be a positive int, got {value!r}")
+        for name in ("collective_timeout_s", "lease_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"io.{name} must be > 0, got {getattr(self, name)!r}")
+
+    @property
+    def object_bytes(self) -> int:
+        return self.object_kb << 10
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """How, where and when to checkpoint.
@@ -151,8 +214,9 @@ class CheckpointConfig:
     """Row-selection policy: ``full``, ``one_shot``, ``consecutive`` or ``intermittent``."""
     interval_steps: int | str | None = None
     """``maybe_save(step)`` saves at positive multiples of this; ``"auto"`` lets CPR choose; ``None`` never."""
-    baseline_rule: str = "average_write"
-    """Rule deciding when ``intermittent`` takes a new baseline (see ``policy.BASELINE_RULES``)."""
+    baseline_rule: str | BaselineRule = "average_write"
+    """Rule deciding when ``intermittent`` takes a new baseline: a name in
+    ``selection.BASELINE_RULES``, or a function of S_1..S_i returning True for a new baseline."""
     keep_last: int | None = None
     """Keep only what restoring the last N checkpoints needs; ``None`` keeps everything."""
     compact_every: int | None = None
@@ -181,12 +245,13 @@ class CheckpointConfig:
     priority_budget_mb: float | None = None
     """CPR prioritized saves: deltas hold the highest-priority modified rows up to this many MB per rank.
     Needs ``policy: consecutive`` and ``tracking_sharders(mode="mfu" | "ssu")``."""
+    io: IOOptions = field(default_factory=IOOptions)
+    """Threads, object size and timeouts of the I/O."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"path must be a non-empty string, got {self.path!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        check_policy(self.policy, self.baseline_rule)
         if (
             self.interval_steps is not None
             and self.interval_steps != "auto"
@@ -194,10 +259,6 @@ class CheckpointConfig:
         ):
             raise ValueError(
                 f"interval_steps must be a positive int, 'auto' or None, got {self.interval_steps!r}"
-            )
-        if self.baseline_rule not in BASELINE_RULES:
-            raise ValueError(
-                f"baseline_rule must be one of {sorted(BASELINE_RULES)}, got {self.baseline_rule!r}"
             )
         if self.keep_last is not None and (
             not isinstance(self.keep_last, int) or self.keep_last < 1

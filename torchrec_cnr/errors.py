@@ -1,7 +1,14 @@
 """The exceptions a user of torchrec_cnr can meet, in one place.
 
-Every one takes a single message, so that the rank that failed can send it and every
-other rank can raise the same type with the same text (see :mod:`torchrec_cnr.collectives`).
+Every one derives from :class:`CnrError`, so ``except CnrError`` catches whatever the
+library raises on purpose; each also keeps the built-in base it always had
+(``RuntimeError`` or ``ValueError``), so code that catches those still does.
+
+Checkpointing is collective: when one rank fails, every rank raises (see
+:meth:`torchrec_cnr.collectives.Collective.agree`). The failing rank raises its own
+error; the others raise the same type with a message naming that rank, and carry the
+failing rank's traceback text as :attr:`CnrError.remote_traceback` and as the
+exception's ``__cause__``.
 """
 
 from __future__ import annotations
@@ -10,20 +17,39 @@ __all__ = [
     "CheckpointError",
     "CheckpointReadError",
     "ChecksumError",
+    "CnrError",
     "ManifestError",
     "ModelMismatchError",
+    "RemoteTraceback",
 ]
 
 
-class CheckpointError(RuntimeError):
+class CnrError(Exception):
+    """The base of every exception torchrec_cnr defines."""
+
+    rank: int | None = None
+    """The rank that failed, when this error was raised on its behalf by another rank."""
+    remote_traceback: str | None = None
+    """That rank's traceback, as text."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback of a failure on another rank, attached as the ``__cause__`` of the
+    error this rank raises for it; its message is the traceback text."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class CheckpointError(CnrError, RuntimeError):
     """A checkpoint could not be written; the previous committed one stays the restore target."""
 
 
-class ManifestError(ValueError):
+class ManifestError(CnrError, ValueError):
     """The chain manifest is missing, corrupt, or of an unknown format."""
 
 
-class CheckpointReadError(RuntimeError):
+class CheckpointReadError(CnrError, RuntimeError):
     """A committed checkpoint's files are missing, unreadable or corrupt."""
 
 
@@ -31,5 +57,5 @@ class ChecksumError(CheckpointReadError):
     """A stored tensor's bytes do not match the checksum recorded at save time."""
 
 
-class ModelMismatchError(ValueError):
+class ModelMismatchError(CnrError, ValueError):
     """The checkpoint was written by a model with other tables or dense tensors."""

@@ -9,6 +9,7 @@ a process group of its own so that its collectives never interleave with trainin
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import warnings
@@ -21,18 +22,20 @@ from torch import nn
 
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit import Manifest, Pending, Target, count_restore, write_and_commit
-from torchrec_cnr.commit.background import BackgroundWriter, Outcome
+from torchrec_cnr.commit.background import BackgroundWriter, JobResult
 from torchrec_cnr.commit.lease import Lease
 from torchrec_cnr.config import CheckpointConfig
-from torchrec_cnr.encoding import FormatResolver
+from torchrec_cnr.encoding import FormatResolver, ShardWriter
 from torchrec_cnr.errors import CheckpointError, CheckpointReadError
+from torchrec_cnr.executors import Executors
 from torchrec_cnr.offline.compact import compact
 from torchrec_cnr.recovery import IntervalProbe
-from torchrec_cnr.restore import restore_entry
+from torchrec_cnr.restore import ChainReader, restore_entry
 from torchrec_cnr.selection import ChainState, Policy
 from torchrec_cnr.selection.rows import restart_bits, resume_chain, select_rows
+from torchrec_cnr.snapshot import checkpoint_id
 from torchrec_cnr.staging import StagedCheckpoint, StagingPool, stage
-from torchrec_cnr.storage import ShardWriter, checkpoint_id, open_storage
+from torchrec_cnr.storage import Storage, open_storage
 from torchrec_cnr.tracking import model_state
 
 __all__ = ["CheckpointError", "CheckpointManager"]
@@ -50,8 +53,16 @@ class CheckpointManager:
         model: a ``DistributedModelParallel`` sharded with :func:`tracking_sharders`.
         config: what, where and when to save.
         app_state: extra objects with ``state_dict()`` / ``load_state_dict()``
-            (data reader, dense optimizer, RNG holder, ...), saved per rank.
+            (data reader, dense optimizer, RNG holder, ...), saved per rank. A TorchRec
+            ``KeyedOptimizer`` whose state is still empty is initialized (``init_state()``)
+            before it loads its saved state.
         pg: process group of the model's ranks; the default group if ``None``.
+        storage: a :class:`~torchrec_cnr.storage.Storage` to use instead of opening
+            ``config.path`` (a backend of your own, or one wrapped for tests).
+
+    The manager owns its threads (background writer, I/O and encoding pools, lease
+    heartbeat), its staging buffers and the row tracker's worker thread: :meth:`close`
+    releases them all.
 
     Example::
 
@@ -70,6 +81,7 @@ class CheckpointManager:
         config: CheckpointConfig,
         app_state: Mapping[str, Any] | None = None,
         pg: dist.ProcessGroup | None = None,
+        storage: Storage | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -81,7 +93,7 @@ class CheckpointManager:
         self.model = model
         self.config = config
         self.app_state = dict(app_state or {})
-        self.storage = open_storage(config.path)
+        self.storage = storage if storage is not None else open_storage(config.path)
         self.policy = Policy(config.policy, config.baseline_rule)
         self._group = Collective(pg)
         self.rank, self.world_size = self._group.rank, self._group.world_size
@@ -90,18 +102,28 @@ class CheckpointManager:
             raise ValueError("priority_budget_mb needs tracking_sharders(mode='mfu' or 'ssu')")
         self._dense = model_state.dense_state(model)
         self._last_saved_step: int | None = None
+        self._chain = ChainState()
+        """The chain after the last committed checkpoint (or the restored one)."""
         self._probe = IntervalProbe(config.recovery, self._group)
+        io = config.io
+        self._pools = Executors(io.threads, io.encode_threads, io.object_bytes)
         on_gpu = any(s.weight.device.type == "cuda" for s in self._shards)
         budget = None if config.staging_memory_mb is None else int(config.staging_memory_mb * 2**20)
         self._pool = StagingPool(budget, pin=on_gpu)
         self._pool.prefault(self._shards)  # so that the first full save stalls no longer
         ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(self.world_size))
-        self._background = BackgroundWriter(ranks)
-        self._lease = Lease(self.storage, config.take_over, config.manifest_fallback)
+        self._background = BackgroundWriter(ranks, io.collective_timeout_s)
+        self._lease = Lease(
+            self.storage, config.take_over, config.manifest_fallback, io.lease_ttl_s
+        )
         self._generation = 0
         self._blocked: str | None = None
-        self._claim()
-        manifest = self._manifest()
+        try:
+            self._claim()
+            manifest = self._manifest()
+        except BaseException:
+            self._release()
+            raise
         self._next_seq = manifest.next_seq()
         self._restores = manifest.restores
 
@@ -118,6 +140,8 @@ class CheckpointManager:
             return (self._lease.mine.generation if self._lease.mine else 0), blocked
 
         self._generation, self._blocked = self._group.on_rank0(claim)
+        if self._blocked is not None:
+            logger.warning("%s: saves are refused: %s", self.storage.url, self._blocked)
 
     # -- save --------------------------------------------------------------
 
@@ -166,42 +190,43 @@ class CheckpointManager:
             )
             return False
         self._settle()
-        state = self._background.state
+        state = self._chain
         decision = self.policy.decide(state)
         budget = self.config.priority_budget_mb
         rows = select_rows(self._shards, decision, None if budget is None else int(budget * 2**20))
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         resolver = FormatResolver(self.config.quantize, self._restores)
         ckpt_id = checkpoint_id(seq, step, self._generation)
-        sink = ShardWriter(self.storage, ckpt_id, self.rank, resolver)
+        sink = ShardWriter(self.storage, ckpt_id, self.rank, resolver, self._pools)
         failure: Exception | None = None
-        pending: list[torch.Tensor] = []
+        staged: StagedCheckpoint | None = None
+        cleared: list[torch.Tensor] = []
         try:
             staged = stage(
                 step, decision.kind, self._shards, rows, self._dense, self.app_state,
                 self._pool, sink,
             )  # fmt: skip
             # Rows modified while the write runs belong to the next checkpoint.
-            pending = restart_bits(self._shards, decision, rows if budget is not None else None)
+            cleared = restart_bits(self._shards, decision, rows if budget is not None else None)
+            staged.stall_s = time.perf_counter() - began
         except Exception as e:  # e.g. a NaN row in a chunk: every rank learns of it below
             sink.abandon()
             failure = e
-            staged = StagedCheckpoint(step, decision.kind, {}, b"", 0)
-        staged.stall_s = time.perf_counter() - began
         job = Pending(seq, staged, sink, decision, state, resolver, self._probe.decision, failure)
-        target, every = self._target(), self.config.compact_every
+        target, every, pools = self._target(), self.config.compact_every, self._pools
+        what = f"checkpoint of step {step}"
 
-        def write(group: Collective) -> Outcome:
+        def write(group: Collective) -> JobResult:
             # Write and commit; then compact if the chain has grown ``every`` deltas long.
             written = write_and_commit(job, group, target)
             if every is None:
-                return written, None
+                return JobResult(written, what)
             try:
-                return compact(group, target, every) or written, None
+                return JobResult(compact(group, target, pools, every) or written, what)
             except Exception as e:  # the checkpoint itself is committed
-                return written, e
+                return JobResult(written, what, followup_error=e)
 
-        self._background.submit(f"checkpoint of step {step}", write, pending)
+        self._background.submit(what, write, cleared)
         self._last_saved_step = step
         return True
 
@@ -225,12 +250,13 @@ class CheckpointManager:
         latest = self._manifest().latest()
         if latest is None or len(latest.chain) == 1:
             return False
-        target, state = self._target(), self._background.state
+        target, state, pools = self._target(), self._chain, self._pools
+        what = f"compaction of step {latest.step}"
 
-        def job(group: Collective) -> Outcome:
-            return compact(group, target) or state, None
+        def job(group: Collective) -> JobResult:
+            return JobResult(compact(group, target, pools) or state, what)
 
-        self._background.submit(f"compaction of step {latest.step}", job, [])
+        self._background.submit(what, job, [])
         return True
 
     def _target(self) -> Target:
@@ -252,18 +278,46 @@ class CheckpointManager:
         self._settle()
 
     def _settle(self) -> None:
-        self._background.settle(self._shards)
+        result = self._background.settle(self._shards)
+        if result is None:
+            return
+        self._chain = result.chain
+        if result.followup_error is not None:
+            raise CheckpointError(
+                f"compaction after the {result.what} failed: {result.followup_error}; that "
+                "checkpoint is committed and its chain stays as it was"
+            ) from result.followup_error
 
     def close(self) -> None:
-        """Waits for the pending checkpoint, stops the background thread, frees its group
-        and the staging buffers."""
+        """Waits for the pending checkpoint, then releases everything the manager holds:
+        the background writer and its group, the I/O and encoding threads, the staging
+        buffers, the row tracker's thread and the root's lease.
+
+        Raises:
+            CheckpointError: the pending checkpoint failed (everything is released all
+                the same). A lease that cannot be written (a full disk) only warns: its
+                TTL frees the root.
+        """
         try:
             self.wait()
         finally:
-            self._background.close()
-            self._pool.release()
-            if self.rank == 0:
+            self._release()
+
+    def _release(self) -> None:
+        self._background.close()
+        self._pools.close()
+        self._pool.release()
+        for tracker in model_state.trackers(self.model).values():
+            tracker.close()
+        if self.rank == 0:
+            try:
                 self._lease.release()
+            except Exception as e:
+                warnings.warn(
+                    f"could not release the lease of {self.storage.url} ({e}); it expires "
+                    f"{self.config.io.lease_ttl_s:.0f} s after its last refresh",
+                    stacklevel=3,
+                )
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -317,10 +371,15 @@ class CheckpointManager:
                     f"committed steps: {manifest.steps()}"
                 )
             try:
+                chain = self._group.agree_on(
+                    functools.partial(
+                        ChainReader, self.storage, manifest, entry, self._pools.io,
+                        self._pools.object_bytes, self.config.verify_checksums,
+                    )
+                )  # fmt: skip
                 touched = restore_entry(
-                    self._group, self.storage, manifest, entry, self._shards, self._dense,
-                    self.app_state, ranks=ranks, tables=tables,
-                    verify=self.config.verify_checksums,
+                    self._group, chain, self._shards, self._dense, self.app_state,
+                    ranks=ranks, tables=tables,
                     budget_bytes=None if budget is None else budget << 20,
                     # Unbounded staging buffers are a full checkpoint's: read into them.
                     pool=self._pool if self._pool.budget_bytes is None else None,
@@ -337,9 +396,7 @@ class CheckpointManager:
             # A partial restore keeps the live chain: the reloaded rows hold checkpointed
             # values and their bits stay set, so the next checkpoint saves them.
             state = ChainState(list(entry.chain), list(entry.sizes))
-            self._background.state = resume_chain(
-                self._shards, self.policy, entry.policy, state, touched
-            )
+            self._chain = resume_chain(self._shards, self.policy, entry.policy, state, touched)
             self._next_seq = max(self._next_seq, manifest.next_seq())
             self._last_saved_step = entry.step
         if self._blocked is None:

@@ -106,11 +106,10 @@ class StagedShard:
     first_row: int = 0
     """Local row of the first staged row when ``ids`` is ``None`` (a chunk of a full save)."""
 
-    def global_row(self, i: int) -> int:
-        """The table row of the ``i``-th staged row."""
-        if self.ids is not None:
-            return int(self.ids[i])
-        return self.shard.spec.row_offset + self.first_row + i
+    def global_rows(self) -> torch.Tensor | int:
+        """The table row of each staged row: ``(n,)`` ids, or the first row's when the
+        staged rows are consecutive."""
+        return self.ids if self.ids is not None else self.shard.spec.row_offset + self.first_row
 
     @property
     def nbytes(self) -> int:
@@ -148,23 +147,16 @@ def _ids_dtype(shard: LocalShard) -> torch.dtype:
     return torch.int32 if shard.spec.num_embeddings <= _INT32_MAX else torch.int64
 
 
-def _row_bytes(shard: LocalShard, with_ids: bool) -> int:
-    per_row = shard.weight.shape[1] * shard.weight.element_size()
-    for s in shard.states.values():
-        per_row += (s.numel() // max(s.shape[0], 1)) * s.element_size()
-    return per_row + (_ids_dtype(shard).itemsize if with_ids else 0)
-
-
 def _chunk_rows(shard: LocalShard, with_ids: bool, budget: int | None) -> int | None:
     """Rows per chunk within ``budget``; ``None`` for no chunking."""
-    return None if budget is None else max(1, budget // _row_bytes(shard, with_ids))
+    return None if budget is None else max(1, budget // shard.row_bytes(with_ids))
 
 
 def _buffers_of(
     shards: list[LocalShard], budget: int | None
 ) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
     """The pool buffers a full checkpoint takes: one set per shard, or one chunk set."""
-    full = sum(s.spec.rows * _row_bytes(s, False) for s in shards)
+    full = sum(s.spec.rows * s.row_bytes(False) for s in shards)
     chunked = budget is not None and full > budget
     for i, s in enumerate(shards):
         rows = min(s.spec.rows, _chunk_rows(s, False, budget) or s.spec.rows)
@@ -251,7 +243,7 @@ def stage(
     pool.begin()
     budget = pool.budget_bytes
     need = sum(
-        (s.spec.rows if r is None else r.numel()) * _row_bytes(s, r is not None)
+        (s.spec.rows if r is None else r.numel()) * s.row_bytes(r is not None)
         for s, r in zip(shards, rows)
     )
     chunked = budget is not None and need > budget

@@ -8,16 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from cnr_train.bench.common import modify
 from tests import reference
 from tests.contract.models import Job, build, unsharded
+from tests.faults import Fault, FaultyStorage
 from tests.multiprocess import run_ranks
 from torchrec_cnr import (
     CheckpointConfig,
     CheckpointManager,
+    IOOptions,
     QuantizeConfig,
     export_state_dict,
     read_optimizer_state,
@@ -274,8 +277,15 @@ def test_compact_every_bounds_the_chain_and_keep_last_retires_the_links(
 
 def _killed_mid_compaction(root: str, refs: str) -> None:
     job = build("ebc", "exact_sgd", seed=1)
-    cfg = CheckpointConfig(path=root, policy="consecutive", interval_steps=EVERY)
-    ckpt = CheckpointManager(job.model, cfg, job.app_state)
+    cfg = CheckpointConfig(
+        path=root,
+        policy="consecutive",
+        interval_steps=EVERY,
+        io=IOOptions(collective_timeout_s=30),
+    )
+    kill = Fault("make_durable", "-c", "sigkill") if dist.get_rank() == 1 else None
+    storage = FaultyStorage(root, *filter(None, [kill]))
+    ckpt = CheckpointManager(job.model, cfg, job.app_state, storage=storage)
     for step in range(1, 7):
         job.step(step)
         if ckpt.maybe_save(step):
@@ -287,15 +297,12 @@ def _killed_mid_compaction(root: str, refs: str) -> None:
 
 @pytest.mark.dist
 def test_a_compaction_killed_midway_leaves_the_chain_the_restore_target(
-    root: str, refs: Path, monkeypatch: pytest.MonkeyPatch
+    root: str, refs: Path
 ) -> None:
     import torch.multiprocessing as mp
 
-    monkeypatch.setenv("TORCHREC_CNR_INJECT_FAULT", "sigkill@compact:1")
-    monkeypatch.setenv("TORCHREC_CNR_COLLECTIVE_TIMEOUT_S", "30")
     with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
         run_ranks(2, _killed_mid_compaction, root, str(refs))
-    monkeypatch.delenv("TORCHREC_CNR_INJECT_FAULT")
     latest = Manifest.load(root).latest()
     assert latest is not None
     assert latest.compacted_from is None and len(latest.chain) == 2

@@ -12,9 +12,10 @@ import torch.multiprocessing as mp
 
 from cnr_train.workload import TableSpec
 from tests import reference
+from tests.faults import Fault, FaultyStorage
 from tests.jobs import Job, make_job
 from tests.multiprocess import run_ranks
-from torchrec_cnr import CheckpointError
+from torchrec_cnr import CheckpointError, IOOptions
 from torchrec_cnr.commit import Manifest
 from torchrec_cnr.tracking import model_state
 
@@ -39,7 +40,8 @@ def _restore_matches(root: str, refs: str, step: int, policy: str = "consecutive
 
 
 def _trains_while_writing(root: str, refs: str) -> None:
-    job = _job(root, seed=1, policy="consecutive", on_busy="skip")
+    slow = FaultyStorage(root, Fault("make_durable", "step0000000002", "delay"))
+    job = _job(root, seed=1, policy="consecutive", on_busy="skip", storage=slow)
     job.train(2)
     assert job.ckpt.save(2)
     reference.save(reference.take(job.model, job.app), Path(refs), 2)
@@ -61,9 +63,7 @@ def test_training_continues_during_a_write_and_a_skipped_save_loses_nothing(
 ) -> None:
     root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
     refs.mkdir()
-    monkeypatch.setenv("TORCHREC_CNR_INJECT_FAULT", "delay@2:*")
     run_ranks(2, _trains_while_writing, root, str(refs))
-    monkeypatch.delenv("TORCHREC_CNR_INJECT_FAULT")
     run_ranks(2, _restore_matches, root, str(refs), 6)
 
 
@@ -71,7 +71,8 @@ def test_training_continues_during_a_write_and_a_skipped_save_loses_nothing(
 
 
 def _io_error_then_recover(root: str, refs: str, policy: str) -> None:
-    job = _job(root, seed=1, policy=policy)
+    full = Fault("make_durable", "step0000000004") if dist.get_rank() == 1 else None
+    job = _job(root, seed=1, policy=policy, storage=FaultyStorage(root, *filter(None, [full])))
     job.train(2)
     job.ckpt.save(2)
     job.ckpt.wait()
@@ -93,9 +94,7 @@ def test_injected_io_error_surfaces_keeps_previous_and_carries_rows(
 ) -> None:
     root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
     refs.mkdir()
-    monkeypatch.setenv("TORCHREC_CNR_INJECT_FAULT", "oserror@4:1")
     run_ranks(2, _io_error_then_recover, root, str(refs), policy)
-    monkeypatch.delenv("TORCHREC_CNR_INJECT_FAULT")
     assert Manifest.load(root).steps() == [2, 6]
     run_ranks(2, _restore_matches, root, str(refs), 6, policy)
 
@@ -104,13 +103,17 @@ def test_injected_io_error_surfaces_keeps_previous_and_carries_rows(
 
 
 def _save_then_get_killed(root: str, refs: str) -> None:
-    job = _job(root, seed=1, policy="consecutive")
+    # The whole job dies mid-write (a rank that survived would remove the files at once).
+    storage = FaultyStorage(root, Fault("make_durable", "step0000000004", "sigkill"))
+    job = _job(
+        root, seed=1, policy="consecutive", io=IOOptions(collective_timeout_s=30), storage=storage
+    )
     job.train(2)
     job.ckpt.save(2)
     reference.save(reference.take(job.model, job.app), Path(refs), 2)
     job.ckpt.wait()
     job.train(2)
-    job.ckpt.save(4)  # rank 1 is SIGKILLed inside the background write
+    job.ckpt.save(4)  # both ranks are SIGKILLed inside the background write
     job.ckpt.wait()
 
 
@@ -128,11 +131,8 @@ def _restore_then_save_again(root: str, refs: str) -> None:
 def test_rank_killed_mid_write_leaves_previous_checkpoint_exact(tmp_path, monkeypatch) -> None:
     root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
     refs.mkdir()
-    monkeypatch.setenv("TORCHREC_CNR_INJECT_FAULT", "sigkill@4:1")
-    monkeypatch.setenv("TORCHREC_CNR_COLLECTIVE_TIMEOUT_S", "30")
     with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
         run_ranks(2, _save_then_get_killed, root, str(refs))
-    monkeypatch.delenv("TORCHREC_CNR_INJECT_FAULT")
     assert Manifest.load(root).steps() == [2]
     assert any("step0000000004" in p.name for p in Path(root).iterdir()), (
         "the killed write left files"

@@ -138,13 +138,11 @@ def test_auto_interval_records_cpr_decision_and_saves_at_that_interval(tmp_path:
     assert entries[0].step == 10
     decision = entries[-1].interval_decision
     assert decision is not None
-    assert decision["mode"] in ("partial", "full")
-    assert decision["interval_s"] == pytest.approx(
-        decision["partial_interval_s"]
-        if decision["mode"] == "partial"
-        else decision["full_interval_s"]
+    assert decision.mode in ("partial", "full")
+    assert decision.interval_s == pytest.approx(
+        decision.partial_interval_s if decision.mode == "partial" else decision.full_interval_s
     )
-    every = decision["interval_steps"]
+    every = decision.interval_steps
     assert [e.step for e in entries[1:]] == list(range(every, 81, every))[: len(entries) - 1]
 
 

@@ -12,17 +12,18 @@ PACKAGE = Path(__file__).resolve().parents[2] / "torchrec_cnr"
 
 # The pipeline, in order; a module may import its own stage and the stages before it.
 STAGES = [
-    ("errors", "knobs", "collectives", "quantization"),
+    ("errors", "collectives", "executors", "quantization"),
     ("tracking",),
     ("selection",),
     ("config",),
+    ("recovery",),
+    ("storage",),
+    ("snapshot",),
     ("staging",),
     ("encoding",),
-    ("storage",),
     ("commit",),
     ("restore",),
     ("offline",),
-    ("recovery",),
     ("manager",),
     ("cli", "__init__"),
 ]
@@ -79,6 +80,24 @@ def test_no_module_of_the_library_imports_itself_back() -> None:
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+
+
+def test_every_module_of_the_library_belongs_to_a_stage() -> None:
+    unknown = sorted(m for m in _graph() if m != "torchrec_cnr" and m.split(".")[1] not in RANK)
+    assert not unknown, f"modules in no stage of STAGES: {unknown}"
+
+
+def test_storage_holds_backends_only() -> None:
+    """Storage knows nothing of the format or the pipeline: it imports no other stage."""
+    graph = _graph()
+    late = {
+        f"{module} imports {dep}"
+        for module, deps in graph.items()
+        if module.startswith("torchrec_cnr.storage")
+        for dep in deps
+        if not dep.startswith("torchrec_cnr.storage")
+    }
+    assert not late, sorted(late)
 
 
 def test_each_stage_imports_only_itself_and_earlier_stages() -> None:

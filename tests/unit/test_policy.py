@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from torchrec_cnr.selection.policy import (
     ChainState,
     Policy,
     average_write_rule,
-    register_baseline_rule,
 )
 
 
@@ -64,8 +65,10 @@ def test_intermittent_takes_a_new_baseline_when_the_rule_fires() -> None:
 
 
 def test_baseline_rule_is_pluggable() -> None:
-    register_baseline_rule("every_third", lambda sizes: len(sizes) >= 2)
-    kinds = [k for k, _, _ in _run(Policy("intermittent", "every_third"), [1, 0.1, 0.1, 1, 0.1])]
+    def every_third(sizes: Sequence[float]) -> bool:
+        return len(sizes) >= 2
+
+    kinds = [k for k, _, _ in _run(Policy("intermittent", every_third), [1, 0.1, 0.1, 1, 0.1])]
     assert kinds == ["full", "delta", "delta", "full", "delta"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,21 @@ import torch
 from torchsnapshot import Snapshot
 from torchsnapshot.manifest import ChunkedTensorEntry, TensorEntry
 
-from torchrec_cnr.encoding import crc32, crc32_combine
 from torchrec_cnr.errors import ChecksumError
-from torchrec_cnr.storage import SnapshotReader, SnapshotWriter, open_storage, write_index
-from torchrec_cnr.storage.layout import app_path, dense_path, rows_path
+from torchrec_cnr.snapshot import (
+    SnapshotReader,
+    SnapshotWriter,
+    app_path,
+    crc32,
+    crc32_combine,
+    dense_path,
+    rows_path,
+    write_index,
+)
+from torchrec_cnr.storage import open_storage
+
+IO = ThreadPoolExecutor(4, thread_name_prefix="test-io")
+PIECE = 32 << 10  # bytes per object and per read: the tensors below span several
 
 
 @pytest.mark.parametrize("sizes", [(0, 5), (5, 0), (1, 1), (1000, 3333), (7, 1 << 20)])
@@ -38,13 +50,12 @@ def _tensors() -> dict[str, torch.Tensor]:
 
 def _write(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, int], str]:
     """Two writers (ranks) of one directory; rank 1's momentum arrives in chunks, backwards."""
-    monkeypatch.setenv("TORCHREC_CNR_OBJECT_KB", "32")
     storage = open_storage(str(root))
     storage.create()
     tensors = _tensors()
     parts, checksums = [], {}
     for rank in (0, 1):
-        writer = SnapshotWriter(storage, "ckpt", prefix=str(rank))
+        writer = SnapshotWriter(storage, "ckpt", str(rank), IO, PIECE)
         for logical, t in tensors.items():
             if not logical.startswith(f"{rank}/") or logical.startswith("0/dense") and rank:
                 continue
@@ -84,7 +95,7 @@ def test_our_reader_checks_every_piece_and_reads_rows_alone(
 ) -> None:
     checksums, _ = _write(tmp_path, monkeypatch)
     storage = open_storage(str(tmp_path))
-    reader = SnapshotReader(storage, "ckpt", checksums)
+    reader = SnapshotReader(storage, "ckpt", IO, PIECE, checksums)
     tensors = _tensors()
     got = reader.read_many([(0, "s0.w"), (1, "s1.momentum1"), (0, "s0.ids")])
     assert torch.equal(got[(0, "s0.w")], tensors[rows_path(0, "s0.w")])
@@ -94,15 +105,18 @@ def test_our_reader_checks_every_piece_and_reads_rows_alone(
     index = torch.tensor([0, 1, 2, 511, 512, 513, 2047, 2048, 2999])
     assert torch.equal(reader.rows_subset(0, "s0.w", index), tensors[rows_path(0, "s0.w")][index])
     # One flipped byte in one piece of one object.
-    entry = reader._entries[rows_path(0, "s0.w")]["chunks"][3]["tensor"]
-    target = tmp_path / "ckpt" / entry["location"]
+    chunked = reader._entries[rows_path(0, "s0.w")]
+    assert isinstance(chunked, ChunkedTensorEntry)
+    entry = chunked.chunks[3].tensor
+    target = tmp_path / "ckpt" / entry.location
     data = bytearray(target.read_bytes())
-    data[entry["byte_range"][0] + 100] ^= 0x40
+    assert entry.byte_range is not None
+    data[entry.byte_range[0] + 100] ^= 0x40
     target.write_bytes(bytes(data))
     with pytest.raises(ChecksumError, match=r"ckpt/0/rows/s0.w is corrupt"):
-        SnapshotReader(storage, "ckpt", checksums).rows(0, "s0.w")
+        SnapshotReader(storage, "ckpt", IO, PIECE, checksums).rows(0, "s0.w")
     assert torch.equal(  # the other tensors are intact
-        SnapshotReader(storage, "ckpt", checksums).rows(1, "s1.w"),
+        SnapshotReader(storage, "ckpt", IO, PIECE, checksums).rows(1, "s1.w"),
         tensors[rows_path(1, "s1.w")],
     )
 
@@ -110,7 +124,7 @@ def test_our_reader_checks_every_piece_and_reads_rows_alone(
 def test_a_tensor_whose_chunks_leave_a_gap_is_refused(tmp_path: Path) -> None:
     storage = open_storage(str(tmp_path))
     storage.create()
-    writer = SnapshotWriter(storage, "ckpt", prefix="0")
+    writer = SnapshotWriter(storage, "ckpt", "0", IO, PIECE)
     writer.write("0/rows/s0.w", torch.zeros(10, 4), row0=0, total_rows=30)
     writer.write("0/rows/s0.w", torch.zeros(10, 4), row0=20, total_rows=30)
     with pytest.raises(ValueError, match=r"rows 10..20 were never written"):

@@ -1,6 +1,13 @@
 """Stage 6: the typed chain manifest, the commit that makes a checkpoint exist, retention."""
 
-from torchrec_cnr.commit.commit import Pending, Target, append, count_restore, write_and_commit
+from torchrec_cnr.commit.commit import (
+    Pending,
+    Target,
+    append,
+    count_restore,
+    remove_failed,
+    write_and_commit,
+)
 from torchrec_cnr.commit.manifest import FORMAT_VERSION, Entry, Manifest, saved_fraction
 from torchrec_cnr.commit.retention import retire
 
@@ -12,6 +19,7 @@ __all__ = [
     "Target",
     "append",
     "count_restore",
+    "remove_failed",
     "retire",
     "saved_fraction",
     "write_and_commit",

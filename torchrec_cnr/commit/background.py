@@ -15,26 +15,33 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from torchrec_cnr import knobs
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.errors import CheckpointError
 from torchrec_cnr.selection import ChainState
 from torchrec_cnr.selection.rows import put_back_bits
 from torchrec_cnr.tracking.shard import LocalShard
 
-__all__ = ["BackgroundWriter", "Outcome"]
+__all__ = ["BackgroundWriter", "JobResult"]
 
-Outcome = tuple[ChainState, Exception | None]
-"""What a job returns: the chain state after it, and the error of a follow-up (a
-compaction) that failed after the job's own checkpoint was committed."""
+
+@dataclass(frozen=True)
+class JobResult:
+    """What a background job leaves behind."""
+
+    chain: ChainState
+    """The chain after the job (the one before it, if it committed nothing new)."""
+    what: str = ""
+    """The job, for messages."""
+    followup_error: Exception | None = None
+    """A follow-up (a compaction) that failed after the job's own checkpoint was committed."""
 
 
 @dataclass
 class _Job:
     what: str
     """``checkpoint of step N`` or ``compaction of step N``, for messages."""
-    future: Future[Outcome]
-    pending_bits: list[torch.Tensor]
+    future: Future[JobResult]
+    cleared_bits: list[torch.Tensor]
     """Bits cleared when this checkpoint was staged; OR-ed back if it fails."""
 
 
@@ -43,16 +50,12 @@ class BackgroundWriter:
 
     Args:
         ranks: the global ranks of the model's process group.
-
-    Attributes:
-        state: the chain state after the last job that committed (a restore sets it).
+        timeout_s: how long its collectives wait for a rank.
     """
 
-    def __init__(self, ranks: list[int]) -> None:
-        self.state = ChainState()
-        timeout = timedelta(seconds=knobs.collective_timeout_s())
+    def __init__(self, ranks: list[int], timeout_s: float) -> None:
         self.group: Collective | None = Collective(
-            dist.new_group(ranks, backend="gloo", timeout=timeout)
+            dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-writer")
         self._job: _Job | None = None
@@ -64,37 +67,38 @@ class BackgroundWriter:
         return job.what if job is not None and not job.future.done() else None
 
     def submit(
-        self, what: str, fn: Callable[[Collective], Outcome], pending_bits: list[torch.Tensor]
-    ) -> None:
+        self,
+        what: str,
+        fn: Callable[[Collective], JobResult],
+        cleared_bits: list[torch.Tensor],
+    ) -> Future[JobResult]:
         """Starts ``fn(group)``; call :meth:`settle` first."""
         if self.group is None:
-            raise RuntimeError(f"{what} after close")
-        group = self.group
-        self._job = _Job(what, self._executor.submit(fn, group), pending_bits)
+            raise CheckpointError(f"{what} after close")
+        future = self._executor.submit(fn, self.group)
+        self._job = _Job(what, future, cleared_bits)
+        return future
 
-    def settle(self, shards: list[LocalShard]) -> None:
-        """Waits for the running job and takes the chain state it left.
+    def settle(self, shards: list[LocalShard]) -> JobResult | None:
+        """Waits for the running job; returns what it left (``None`` if none ran). A
+        follow-up's failure is in the result, for the caller to report.
 
         Raises:
-            CheckpointError: the job failed (its bits are put back into ``shards``, so
-                the next checkpoint saves its rows), or its follow-up compaction did.
+            CheckpointError: the job failed; its bits are put back into ``shards``, so the
+                next checkpoint saves its rows.
         """
         job, self._job = self._job, None
         if job is None:
-            return
+            return None
         try:
-            self.state, later = job.future.result()
+            result = job.future.result()
         except BaseException as e:
-            put_back_bits(shards, job.pending_bits)
+            put_back_bits(shards, job.cleared_bits)
             raise CheckpointError(
                 f"{job.what} failed: {e}; the previous checkpoint stays the restore target "
                 "and every row modified since it will be saved by the next checkpoint"
             ) from e
-        if later is not None:
-            raise CheckpointError(
-                f"compaction after the {job.what} failed: {later}; that checkpoint is "
-                "committed and its chain stays as it was"
-            ) from later
+        return result
 
     def close(self) -> None:
         """Stops the thread and frees the group; call :meth:`settle` first."""

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit.manifest import Entry, Manifest, saved_fraction
 from torchrec_cnr.commit.retention import retire
-from torchrec_cnr.encoding import FormatResolver
+from torchrec_cnr.encoding import FormatResolver, RankWrite, ShardWriter
 from torchrec_cnr.errors import CheckpointError
+from torchrec_cnr.recovery.interval import IntervalDecision
 from torchrec_cnr.selection.policy import ChainState, Decision, Policy
+from torchrec_cnr.snapshot import write_index
 from torchrec_cnr.staging import StagedCheckpoint
-from torchrec_cnr.storage import PreconditionFailed, RankWrite, ShardWriter, Storage, write_index
+from torchrec_cnr.storage import PreconditionFailed, Storage
 
-__all__ = ["Pending", "Target", "append", "count_restore", "write_and_commit"]
+__all__ = ["Pending", "Target", "append", "count_restore", "remove_failed", "write_and_commit"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +41,15 @@ class Pending:
     """A staged checkpoint on its way to storage."""
 
     seq: int
-    staged: StagedCheckpoint
+    staged: StagedCheckpoint | None
+    """What staging copied; ``None`` if staging failed on this rank."""
     writer: ShardWriter
     """Where staging handed the shards; it names the checkpoint directory."""
     decision: Decision
     chain: ChainState
     """The chain before this checkpoint."""
     resolver: FormatResolver
-    interval_decision: dict[str, Any] | None = None
+    interval_decision: IntervalDecision | None = None
     failure: Exception | None = None
     """Why staging failed on this rank, if it did: reported when every rank agrees."""
 
@@ -55,48 +57,84 @@ class Pending:
 def write_and_commit(pending: Pending, group: Collective, target: Target) -> ChainState:
     """Encodes, writes, agrees and commits one checkpoint; returns the chain it ends.
 
-    Runs on every rank's background writer, collectively over ``group``.
+    Runs on every rank's background writer, collectively over ``group``. If anything
+    fails, the checkpoint's files are removed at once (see :func:`remove_failed`).
 
     Raises:
         CheckpointError: writing failed on some rank, or another job took the root over;
             nothing was committed.
     """
-    staged = pending.staged
     ckpt_id = pending.writer.ckpt_id
     error: BaseException | None = None
     write = None
     try:
         if pending.failure is not None:
             raise pending.failure
-        write = pending.writer.finish(staged)
+        assert pending.staged is not None
+        write = pending.writer.finish(pending.staged)
     except Exception as e:  # every rank must learn of it before anyone commits
         error = e
     try:
         group.agree(error)
     except Exception as e:
+        _remove_on_rank0(group, target, ckpt_id)
         raise CheckpointError(f"writing failed: {e}") from e
+    assert pending.staged is not None
     writes = [w for w in group.gather(write) if w is not None]
     size = saved_fraction([r for w in writes for r in w.shards])
     chain = target.policy.advance(pending.chain, pending.decision, ckpt_id, size)
     error = None
     if group.rank == 0:
         try:
-            entry = _entry(ckpt_id, pending, chain, writes, target)
-            # Every rank's part is durable: the index goes last, then the manifest.
+            entry = _entry(ckpt_id, pending, pending.staged, chain, writes, target)
+            # IMPORTANT: every rank's part is durable: the index goes last, then the manifest.
             write_index(target.storage, ckpt_id, [w.entries for w in writes], len(writes))
             entry.bytes = target.storage.tree_bytes(ckpt_id)
             append(target, entry)
         except Exception as e:
             error = e
+            remove_failed(target, ckpt_id)
     group.agree(error)
-    logger.info("checkpoint %s committed (%s)", ckpt_id, staged.kind)
+    logger.info("checkpoint %s committed (%s)", ckpt_id, pending.staged.kind)
     return chain
 
 
+def _remove_on_rank0(group: Collective, target: Target, ckpt_id: str) -> None:
+    # Every rank agreed that the write failed, so none writes into the directory any more.
+    if group.rank == 0:
+        remove_failed(target, ckpt_id)
+
+
+def remove_failed(target: Target, ckpt_id: str) -> bool:
+    """Deletes the files of this writer's checkpoint ``ckpt_id`` that failed to commit,
+    so that a full disk gets its space back at once (rank 0 only).
+
+    Nothing is deleted unless the root's manifest can be read and does not name it: a
+    commit that failed after its manifest was written leaves a committed checkpoint.
+    A crash that leaves such files is cleaned up by the next writer's first commit.
+
+    Returns:
+        Whether the files were deleted.
+    """
+    try:
+        if Manifest.load(target.storage).find_id(ckpt_id) is not None:
+            return False
+        target.storage.delete_tree(ckpt_id)
+    except Exception as e:  # the root is unreadable now: the next commit cleans it up
+        logger.warning("could not remove the failed checkpoint %s: %s", ckpt_id, e)
+        return False
+    logger.warning("removed the files of the failed checkpoint %s", ckpt_id)
+    return True
+
+
 def _entry(
-    ckpt_id: str, pending: Pending, chain: ChainState, writes: list[RankWrite], target: Target
+    ckpt_id: str,
+    pending: Pending,
+    staged: StagedCheckpoint,
+    chain: ChainState,
+    writes: list[RankWrite],
+    target: Target,
 ) -> Entry:
-    staged = pending.staged
     differ = sorted(
         name
         for w in writes[1:]

@@ -13,7 +13,7 @@ and each side's retention would delete the other's checkpoints. Fencing prevents
   refused, and an older generation never deletes anything (it deletes only after it
   committed).
 - A claim succeeds over a lease that was released, has not been refreshed for
-  ``TORCHREC_CNR_LEASE_TTL_S``, belongs to the same torchrun job (a restart), to this very
+  the lease TTL, belongs to the same torchrun job (a restart), to this very
   process, or to a dead process on this host; or with ``CheckpointConfig(take_over=True)``.
   Otherwise the root is held by a live job: restores still work, saves raise an error
   naming it. The holder refreshes its lease every quarter of the TTL.
@@ -29,10 +29,9 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from torchrec_cnr import knobs
 from torchrec_cnr.commit.manifest import Manifest
-from torchrec_cnr.storage.backend import PreconditionFailed, Storage
-from torchrec_cnr.storage.layout import LEASE_NAME
+from torchrec_cnr.snapshot.layout import LEASE_NAME
+from torchrec_cnr.storage import PreconditionFailed, Storage
 
 __all__ = ["Holder", "Lease"]
 
@@ -81,9 +80,9 @@ class Holder:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started_at))
         return f"generation {self.generation} (host {self.host}, pid {self.pid}, started {started})"
 
-    def gone(self) -> bool:
-        """Whether this holder no longer counts: released, silent past the TTL, or dead here."""
-        if self.released or time.time() - self.heartbeat_at > knobs.lease_ttl_s():
+    def gone(self, ttl_s: float) -> bool:
+        """Whether this holder no longer counts: released, silent past ``ttl_s``, or dead here."""
+        if self.released or time.time() - self.heartbeat_at > ttl_s:
             return True
         return self.host == socket.gethostname() and not _pid_alive(self.pid)
 
@@ -95,12 +94,17 @@ class Lease:
         storage: the root.
         take_over: claim even from a live holder (its later commits are then refused).
         fallback: passed to :meth:`Manifest.load` when the claim records its generation.
+        ttl_s: seconds after its last refresh that a lease stops counting; the holder
+            refreshes it every quarter of this.
     """
 
-    def __init__(self, storage: Storage, take_over: bool, fallback: bool) -> None:
+    def __init__(
+        self, storage: Storage, take_over: bool, fallback: bool, ttl_s: float = 60.0
+    ) -> None:
         self.storage = storage
         self.take_over = take_over
         self.fallback = fallback
+        self.ttl_s = ttl_s
         self.mine: Holder | None = None
         self._version: str | None = None
         self._stop = threading.Event()
@@ -119,7 +123,7 @@ class Lease:
         me = Holder.me(0)
         return (
             self.take_over
-            or holder.gone()
+            or holder.gone(self.ttl_s)
             or bool(holder.run_id and holder.run_id == me.run_id)
             or (holder.host == me.host and holder.pid == me.pid)
         )
@@ -144,9 +148,17 @@ class Lease:
         raise RuntimeError(f"could not claim {self.storage.url}: the lease keeps changing")
 
     def claim(self) -> str | None:
-        """Creates the root and claims it; says why not if a live job holds it."""
-        self.storage.create()
-        blocker = self.acquire()
+        """Creates the root and claims it; says why not if a live job holds it, or if the
+        root cannot be written (no space left, a read-only file system, a bucket that
+        refuses writes): restores and reads work all the same."""
+        try:
+            self.storage.create()
+            blocker = self.acquire()
+        except PreconditionFailed:
+            raise
+        except Exception as e:
+            self._abandon()
+            return f"{self.storage.url} cannot be written ({type(e).__name__}: {e}), so this job cannot claim it for its checkpoints"
         if blocker is None:
             return None
         return (
@@ -169,7 +181,7 @@ class Lease:
         raise RuntimeError(f"could not record the writer generation in {self.storage.url}")
 
     def _start_heartbeat(self) -> None:
-        period = knobs.lease_ttl_s() / 4
+        period = self.ttl_s / 4
 
         def beat() -> None:
             while not self._stop.wait(period):
@@ -198,6 +210,15 @@ class Lease:
     def holder(self) -> Holder | None:
         """Whoever holds the root now."""
         return self._read()[0]
+
+    def _abandon(self) -> None:
+        """After a failed claim: stops the heartbeat and forgets the claim (its lease, if
+        it was written, expires after the TTL)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.mine = None
 
     def release(self) -> None:
         """Gives the root up, so that the next job claims it at once."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 import warnings
 from collections.abc import Mapping
@@ -24,16 +23,16 @@ import torch
 
 from torchrec_cnr.encoding import ShardRecord
 from torchrec_cnr.errors import ManifestError
+from torchrec_cnr.recovery.interval import IntervalDecision
 from torchrec_cnr.selection.policy import Kind
-from torchrec_cnr.storage.backend import PreconditionFailed, Storage
-from torchrec_cnr.storage.layout import (
+from torchrec_cnr.snapshot.layout import (
     MANIFEST_NAME,
     PREVIOUS_MANIFEST_NAME,
     app_path,
     dense_path,
     rows_path,
 )
-from torchrec_cnr.storage.root import as_storage
+from torchrec_cnr.storage import PreconditionFailed, Root, Storage, as_storage
 from torchrec_cnr.tracking.shard import ShardSpec
 
 __all__ = [
@@ -143,7 +142,7 @@ class Entry:
     """Bytes staged in host memory on rank 0."""
     stall_s: float = 0.0
     """Longest time any rank's training was blocked by this save."""
-    interval_decision: dict[str, Any] | None = None
+    interval_decision: IntervalDecision | None = None
     """CPR's interval decision, once ``interval_steps: auto`` made it."""
     compacted_from: str | None = None
     """The checkpoint whose chain this full checkpoint merges (see ``offline.compact``)."""
@@ -176,6 +175,8 @@ class Entry:
             k: {"shape": list(v.shape), "dtype": v.dtype} for k, v in self.dense.items()
         }
         raw["shards"] = [s.to_json() for s in self.shards]
+        if self.interval_decision is not None:
+            raw["interval_decision"] = self.interval_decision.to_json()
         return raw
 
     @classmethod
@@ -190,6 +191,9 @@ class Entry:
                     k: DenseInfo(tuple(v["shape"]), v["dtype"]) for k, v in raw["dense"].items()
                 },
                 "shards": [ShardRecord.from_json(s) for s in shards],
+                "interval_decision": None
+                if raw.get("interval_decision") is None
+                else IntervalDecision.from_json(raw["interval_decision"]),
             }
         )
 
@@ -252,7 +256,7 @@ class Manifest:
         return json.dumps(payload, indent=1).encode()
 
     @classmethod
-    def load(cls, root: Storage | str | os.PathLike[str], *, fallback: bool = False) -> Manifest:
+    def load(cls, root: Root, *, fallback: bool = False) -> Manifest:
         """Reads the root's manifest; an empty one if the root has none yet.
 
         Args:
@@ -297,7 +301,7 @@ class Manifest:
         raise ManifestError(problem + hint)
 
     @classmethod
-    def previous(cls, root: Storage | str | os.PathLike[str]) -> Manifest | None:
+    def previous(cls, root: Root) -> Manifest | None:
         """The previous committed manifest, if it exists and is intact."""
         storage = as_storage(root)
         got = storage.read(PREVIOUS_MANIFEST_NAME)
@@ -348,6 +352,10 @@ class Manifest:
             if entry.step == step:
                 return entry
         return None
+
+    def find_id(self, ckpt_id: str) -> Entry | None:
+        """The committed checkpoint of directory ``ckpt_id``, if the manifest names it."""
+        return next((e for e in self.checkpoints if e.id == ckpt_id), None)
 
     def by_id(self, ckpt_id: str) -> Entry:
         for entry in self.checkpoints:

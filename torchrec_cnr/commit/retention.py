@@ -6,22 +6,11 @@ an older generation never deletes anything (see :mod:`torchrec_cnr.commit.lease`
 
 from __future__ import annotations
 
-import re
-
 from torchrec_cnr.commit.manifest import Manifest
-from torchrec_cnr.storage.backend import Storage
+from torchrec_cnr.snapshot.layout import parse_checkpoint_id
+from torchrec_cnr.storage import Storage
 
 __all__ = ["retire"]
-
-_GENERATION = re.compile(r"^\d{6}-step\d{10}(?:-g(\d+))?(?:-c)?$")
-
-
-def _generation(name: str) -> int | None:
-    """The writer generation in a checkpoint directory's name; ``None`` if it is no checkpoint."""
-    match = _GENERATION.match(name)
-    if match is None:
-        return None
-    return int(match.group(1) or 0)
 
 
 def retire(
@@ -45,8 +34,8 @@ def retire(
             manifest.save(storage)
     named = {e.id for e in manifest.checkpoints}
     for name in storage.children():
-        found = _generation(name)
-        if name not in named and found is not None and found < generation:
+        found = parse_checkpoint_id(name)
+        if name not in named and found is not None and found.generation < generation:
             dropped.append(name)
     for ckpt_id in dropped:
         storage.delete_tree(ckpt_id)

@@ -1,35 +1,27 @@
-"""Stage 4: storage formats, per-row quantization of each table, checksums."""
+"""Stage 4: storage formats, per-row quantization of each table, and the shard writer
+that encodes staged rows and writes them in the checkpoint format."""
 
-from torchrec_cnr.encoding.checksum import (
-    as_bytes,
-    check,
-    crc32,
-    crc32_bytes,
-    crc32_combine,
-    mismatch,
-)
 from torchrec_cnr.encoding.codec import (
     EncodedShard,
     ShardRecord,
     StateInfo,
     decode_weight,
+    dtype_name,
     encode_shard,
 )
 from torchrec_cnr.encoding.formats import FP32, Format, FormatResolver
+from torchrec_cnr.encoding.writer import RankWrite, ShardWriter
 
 __all__ = [
     "FP32",
     "EncodedShard",
     "Format",
     "FormatResolver",
+    "RankWrite",
     "ShardRecord",
+    "ShardWriter",
     "StateInfo",
-    "as_bytes",
-    "check",
-    "crc32",
-    "crc32_bytes",
-    "crc32_combine",
     "decode_weight",
+    "dtype_name",
     "encode_shard",
-    "mismatch",
 ]

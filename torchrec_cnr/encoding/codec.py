@@ -4,7 +4,7 @@ Runs on the background writer. Embedding rows are quantized per row (Check-N-Run
 NSDI'22, Sec. 4.4) according to :class:`~torchrec_cnr.QuantizeConfig`; optimizer
 state stays fp32 unless configured. The writer checksums every stored tensor.
 
-Stored names of one shard ``key``:
+Stored names of one shard ``key`` (:class:`ShardRecord` builds them; nothing else does):
 
 - ``<key>.w``: fp32 rows, when the table is not quantized;
 - ``<key>.w.<part>``: quantized rows, parts as ``QuantizedRows.to_tensors()`` names them;
@@ -16,7 +16,6 @@ Stored names of one shard ``key``:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -26,10 +25,18 @@ import torch
 from torchrec_cnr.config import QuantizeConfig
 from torchrec_cnr.encoding.formats import FP32, Format
 from torchrec_cnr.quantization import CAST_DTYPES, QuantizedRows, quantize
+from torchrec_cnr.snapshot.layout import rows_path
 from torchrec_cnr.staging import StagedShard
 from torchrec_cnr.tracking.shard import ShardSpec
 
-__all__ = ["EncodedShard", "ShardRecord", "StateInfo", "decode_weight", "encode_shard"]
+__all__ = [
+    "EncodedShard",
+    "ShardRecord",
+    "StateInfo",
+    "decode_weight",
+    "dtype_name",
+    "encode_shard",
+]
 
 # Only moments may be cast: prev_iter and row_counter are step counts kept in fp32,
 # which fp16 would round beyond 2048.
@@ -74,6 +81,88 @@ class ShardRecord:
     checksums: dict[str, int] = field(default_factory=dict)
     """Stored name -> CRC32."""
 
+    @classmethod
+    def build(
+        cls,
+        spec: ShardSpec,
+        key: str,
+        *,
+        values: dict[str, torch.Tensor],
+        states: dict[str, torch.Tensor],
+        ids: torch.Tensor | None,
+        optimizer: str,
+        scalars: dict[str, float],
+        fmt: Format,
+    ) -> tuple[ShardRecord, dict[str, torch.Tensor]]:
+        """The record of a shard stored under ``key`` and its tensors by stored name.
+
+        Args:
+            values: ``{"": rows}`` for fp32 or a cast, else the quantized parts by name.
+            states: optimizer states by FBGEMM name, each ``(n,)`` or ``(n, cols)``.
+            ids: ``(n,)`` global row ids; ``None`` when every row of the shard is stored.
+        """
+        parts = [] if fmt == FP32 else list(values)
+        tensors = {
+            (cls.weight_name(key) if fmt == FP32 else cls.part_name(key, p)): t
+            for p, t in values.items()
+        }
+        if ids is not None:
+            tensors[cls.ids_name(key)] = ids
+        infos = {}
+        for name, value in states.items():
+            stored = f"{key}.{name}"
+            tensors[stored] = value
+            layout: Literal["row", "element"] = "row" if value.dim() == 1 else "element"
+            infos[name] = StateInfo(stored, layout, dtype_name(value))
+        record = cls(
+            spec=spec,
+            key=key,
+            saved_rows=int(next(iter(values.values())).shape[0]) if values else 0,
+            all_rows=ids is None,
+            optimizer=optimizer,
+            states=infos,
+            scalars=dict(scalars),
+            format=fmt,
+            parts=parts,
+            nbytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+        )
+        return record, tensors
+
+    @staticmethod
+    def weight_name(key: str) -> str:
+        return f"{key}.w"
+
+    @staticmethod
+    def part_name(key: str, part: str) -> str:
+        return f"{key}.w.{part}"
+
+    @staticmethod
+    def ids_name(key: str) -> str:
+        return f"{key}.ids"
+
+    @property
+    def value_names(self) -> list[str]:
+        """The stored tensors that hold the rows' values: one, or one per quantized part."""
+        if self.format == FP32:
+            return [self.weight_name(self.key)]
+        return [self.part_name(self.key, p) for p in self.parts]
+
+    @property
+    def row_names(self) -> list[str]:
+        """Every stored tensor with one entry per saved row: values, then states (not ids)."""
+        return self.value_names + [info.tensor for info in self.states.values()]
+
+    def take_checksums(self, checksums: dict[str, int]) -> None:
+        """Keeps the CRC32s of this record's tensors out of a writer's ``logical path ->
+        CRC32`` (the record's tensors are under its storage rank's ``rows`` folder)."""
+        prefix = rows_path(self.spec.rank, "")
+        own = f"{prefix}{self.key}."
+        self.checksums = {
+            logical.removeprefix(prefix): crc
+            for logical, crc in checksums.items()
+            if logical.startswith(own)
+        }
+
     def to_json(self) -> dict[str, Any]:
         return {
             "spec": self.spec.to_json(),
@@ -114,17 +203,6 @@ class EncodedShard:
     record: ShardRecord
 
 
-def _check_finite(staged: StagedShard) -> None:
-    """Quantized rows must be finite: names the table row of the first that is not."""
-    w = staged.weight
-    if w.numel() == 0 or math.isfinite(float(w.sum())):
-        return  # one sum covers the usual case; NaN and Inf survive it
-    bad = (~torch.isfinite(w)).any(dim=1).nonzero()
-    if bad.numel():
-        row = staged.global_row(int(bad[0, 0]))
-        raise ValueError(f"table {staged.shard.spec.table!r} row {row} contains NaN or Inf")
-
-
 def encode_shard(staged: StagedShard, fmt: Format, config: QuantizeConfig) -> EncodedShard:
     """Quantizes one staged shard (or a chunk of its rows); the writer checksums the
     stored tensors as it writes them.
@@ -133,12 +211,9 @@ def encode_shard(staged: StagedShard, fmt: Format, config: QuantizeConfig) -> En
         ValueError: a row holds NaN or Inf (the message names table and row).
     """
     key, spec = staged.key, staged.shard.spec
-    tensors: dict[str, torch.Tensor] = {}
-    parts: list[str] = []
     if fmt == FP32:
-        tensors[f"{key}.w"] = staged.weight
+        values = {"": staged.weight}
     else:
-        _check_finite(staged)
         q = quantize(
             staged.weight,
             fmt.method,
@@ -146,31 +221,23 @@ def encode_shard(staged: StagedShard, fmt: Format, config: QuantizeConfig) -> En
             n_bins=config.n_bins,
             ratio=config.ratio,
             name=spec.table,
+            row_ids=staged.global_rows(),
         )
-        for part, t in q.to_tensors().items():
-            tensors[f"{key}.w.{part}"] = t
-            parts.append(part)
-    if staged.ids is not None:
-        tensors[f"{key}.ids"] = staged.ids
+        values = q.to_tensors()
     cast = None if config.optimizer_state == "none" else CAST_DTYPES[config.optimizer_state]
-    states = {}
-    for name, value in staged.states.items():
-        if cast is not None and name in _CASTABLE_STATES:
-            value = value.to(cast)
-        tensors[f"{key}.{name}"] = value
-        layout: Literal["row", "element"] = "row" if value.dim() == 1 else "element"
-        states[name] = StateInfo(f"{key}.{name}", layout, dtype_name(value))
-    record = ShardRecord(
-        spec=spec,
-        key=key,
-        saved_rows=int(staged.weight.shape[0]),
-        all_rows=staged.ids is None,
-        optimizer=staged.shard.optimizer,
+    states = {
+        name: value.to(cast) if cast is not None and name in _CASTABLE_STATES else value
+        for name, value in staged.states.items()
+    }
+    record, tensors = ShardRecord.build(
+        spec,
+        key,
+        values=values,
         states=states,
+        ids=staged.ids,
+        optimizer=staged.shard.optimizer,
         scalars=staged.scalars,
-        format=fmt,
-        parts=parts,
-        nbytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+        fmt=fmt,
     )
     return EncodedShard(tensors, record)
 
@@ -179,7 +246,7 @@ def decode_weight(read: Callable[[str], torch.Tensor], rec: ShardRecord) -> torc
     """The ``(n, cols)`` fp32 rows of a shard record; ``read(name)`` fetches a stored tensor
     (all ``saved_rows`` rows, or any subset of them: every part is one row per row)."""
     if rec.format == FP32:
-        return read(f"{rec.key}.w")
-    parts = {p: read(f"{rec.key}.w.{p}") for p in rec.parts}
+        return read(rec.weight_name(rec.key))
+    parts = {p: read(rec.part_name(rec.key, p)) for p in rec.parts}
     shape = (next(iter(parts.values())).shape[0], rec.spec.cols)
     return QuantizedRows.from_tensors(parts, rec.format.method, rec.format.bits, shape).dequantize()

@@ -18,21 +18,25 @@ it; killed mid-compaction, the old chain stays the restore target.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any
 
 import torch
+from torchsnapshot.manifest import Entry as IndexEntry
 
-from torchrec_cnr import knobs
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.commit import Entry, Manifest, Target, append
-from torchrec_cnr.encoding import FP32, ShardRecord, StateInfo, decode_weight
-from torchrec_cnr.encoding.codec import dtype_name
-from torchrec_cnr.offline.tables import ChainReader
+from torchrec_cnr.commit import Entry, Manifest, Target, append, remove_failed
+from torchrec_cnr.encoding import FP32, ShardRecord, decode_weight
+from torchrec_cnr.executors import Executors
+from torchrec_cnr.restore.chain import ChainReader
+from torchrec_cnr.restore.geometry import overlaps, place, scatter, states_fit
 from torchrec_cnr.selection.policy import ChainState
-from torchrec_cnr.storage import checkpoint_id
-from torchrec_cnr.storage.layout import app_path, dense_path, rows_path
-from torchrec_cnr.storage.snapshot import SnapshotWriter, write_index
+from torchrec_cnr.snapshot import (
+    SnapshotWriter,
+    app_path,
+    checkpoint_id,
+    dense_path,
+    rows_path,
+    write_index,
+)
 
 __all__ = ["compact", "compact_entry"]
 
@@ -42,72 +46,44 @@ def _region(rec: ShardRecord) -> tuple[int, int, int, int]:
     return (s.row_offset, s.col_offset, s.rows, s.cols)
 
 
-def _overlaps(a: ShardRecord, b: ShardRecord) -> bool:
-    sa, sb = a.spec, b.spec
-    return (
-        sa.table == sb.table
-        and max(sa.row_offset, sb.row_offset)
-        < min(sa.row_offset + sa.rows, sb.row_offset + sb.rows)
-        and max(sa.col_offset, sb.col_offset)
-        < min(sa.col_offset + sa.cols, sb.col_offset + sb.cols)
-    )
-
-
-def _stored_parts(rec: ShardRecord) -> list[str]:
-    """Suffixes of the stored tensors that hold a record's rows (values and states)."""
-    values = [".w"] if rec.format == FP32 else [f".w.{p}" for p in rec.parts]
-    return values + [info.tensor.removeprefix(rec.key) for info in rec.states.values()]
-
-
 def _merge_stored(
     chain: ChainReader, target: ShardRecord, sources: list[tuple[int, ShardRecord]]
 ) -> dict[str, torch.Tensor]:
-    """Rows merged as stored: the baseline's tensors, overwritten row by row by each delta."""
+    """Rows merged as stored: the baseline's tensors, overwritten row by row by each
+    delta; keyed by the baseline's stored names."""
     (n0, base), deltas = sources[0], sources[1:]
-    merged = {
-        suffix: chain.readers[n0].rows(base.spec.rank, f"{base.key}{suffix}").clone()
-        for suffix in _stored_parts(base)
-    }
+    merged = {name: chain.tensor(n0, base.spec.rank, name).clone() for name in base.row_names}
     for n, rec in deltas:
         local = chain.saved_ids(n, rec) - target.spec.row_offset
-        for suffix, tensor in merged.items():
-            tensor[local] = chain.readers[n].rows(rec.spec.rank, f"{rec.key}{suffix}")
+        for name, theirs in _same_tensors(base, rec):
+            merged[name][local] = chain.tensor(n, rec.spec.rank, theirs)
     return merged
+
+
+def _same_tensors(base: ShardRecord, rec: ShardRecord) -> list[tuple[str, str]]:
+    """``(base's name, rec's name)`` of each stored tensor of two records of one format."""
+    pairs = list(zip(base.value_names, rec.value_names))
+    return pairs + [(info.tensor, rec.states[name].tensor) for name, info in base.states.items()]
 
 
 def _merge_decoded(
     chain: ChainReader, target: ShardRecord, sources: list[tuple[int, ShardRecord]]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Rows decoded to the values a restore gives, placed by global row and column."""
+    """Rows decoded to the values a restore gives, placed as a restore places them."""
     ts = target.spec
     values = torch.zeros(ts.rows, ts.cols)
     states: dict[str, torch.Tensor] = {}
     for n, rec in sources:
-        ss = rec.spec
-        reader = chain.readers[n]
-        ids = chain.saved_ids(n, rec)
-        inside = (ids >= ts.row_offset) & (ids < ts.row_offset + ts.rows)
-        rows = ids[inside] - ts.row_offset
-        decoded = decode_weight(partial(reader.rows, ss.rank), rec)[inside]
-        c0, c1 = (
-            max(ss.col_offset, ts.col_offset),
-            min(ss.col_offset + ss.cols, ts.col_offset + ts.cols),
-        )
-        values[rows, c0 - ts.col_offset : c1 - ts.col_offset] = decoded[
-            :, c0 - ss.col_offset : c1 - ss.col_offset
-        ].float()
-        if rec.optimizer != target.optimizer or set(rec.states) != set(target.states):
+        where = place(rec.spec, chain.saved_ids(n, rec), ts)
+        if where is None:
+            continue
+        scatter(values, where, decode_weight(chain.fetch(n, rec), rec).float())
+        if not states_fit(rec, target.optimizer, target.states):
             continue  # another optimizer's state does not carry over (as in a restore)
-        holds_first_col = ss.col_offset <= ts.col_offset < ss.col_offset + ss.cols
         for name, info in rec.states.items():
-            saved = reader.rows(ss.rank, info.tensor)[inside].float()
-            if saved.dim() == 2:
-                dst = states.setdefault(name, torch.zeros(ts.rows, ts.cols))
-                dst[rows, c0 - ts.col_offset : c1 - ts.col_offset] = saved[
-                    :, c0 - ss.col_offset : c1 - ss.col_offset
-                ]
-            elif holds_first_col:
-                states.setdefault(name, torch.zeros(ts.rows))[rows] = saved
+            saved = chain.tensor(n, rec.spec.rank, info.tensor).float()
+            shape = (ts.rows, ts.cols) if saved.dim() == 2 else (ts.rows,)
+            scatter(states.setdefault(name, torch.zeros(shape)), where, saved)
     return values, states
 
 
@@ -115,12 +91,7 @@ def _compact_record(
     chain: ChainReader, target: ShardRecord, key: str
 ) -> tuple[ShardRecord, dict[str, torch.Tensor]]:
     """The compacted record of one shard of the chain's last checkpoint, and its tensors."""
-    sources = [
-        (n, rec)
-        for n, e in enumerate(chain.chain)
-        for rec in e.shards
-        if rec.saved_rows > 0 and _overlaps(rec, target)
-    ]
+    sources = [(n, rec) for n, rec in chain.records() if overlaps(rec.spec, target.spec)]
     first = sources[0][1] if sources else target
     as_stored = (
         bool(sources)
@@ -135,36 +106,25 @@ def _compact_record(
     )
     if as_stored:
         merged = _merge_stored(chain, target, sources)
-        tensors = {f"{key}{suffix}": t for suffix, t in merged.items()}
-        fmt, parts = first.format, list(first.parts)
-        names = {
-            name: f"{key}{info.tensor.removeprefix(first.key)}"
-            for name, info in first.states.items()
+        values = {
+            ("" if first.format == FP32 else part): merged[name]
+            for part, name in zip(first.parts or [""], first.value_names)
         }
+        states = {name: merged[info.tensor] for name, info in first.states.items()}
+        fmt = first.format
     else:
-        values, decoded_states = _merge_decoded(chain, target, sources)
-        tensors = {f"{key}.w": values} | {f"{key}.{n}": t for n, t in decoded_states.items()}
-        fmt, parts = FP32, []
-        names = {name: f"{key}.{name}" for name in decoded_states}
-    states = {
-        name: StateInfo(
-            stored, "row" if tensors[stored].dim() == 1 else "element", dtype_name(tensors[stored])
-        )
-        for name, stored in names.items()
-    }
-    record = ShardRecord(
-        spec=target.spec,
-        key=key,
-        saved_rows=target.spec.rows,
-        all_rows=True,
-        optimizer=target.optimizer,
+        decoded, states = _merge_decoded(chain, target, sources)
+        values, fmt = {"": decoded}, FP32
+    return ShardRecord.build(
+        target.spec,
+        key,
+        values=values,
         states=states,
-        scalars=dict(target.scalars),
-        format=fmt,
-        parts=parts,
-        nbytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+        ids=None,
+        optimizer=target.optimizer,
+        scalars=target.scalars,
+        fmt=fmt,
     )
-    return record, tensors
 
 
 @dataclass
@@ -172,13 +132,13 @@ class _Part:
     """What one writer contributed to a compacted checkpoint."""
 
     records: list[ShardRecord] = field(default_factory=list)
-    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    entries: dict[str, IndexEntry] = field(default_factory=dict)
 
 
-def _write_part(chain: ChainReader, new_id: str, rank: int, world: int) -> _Part:
+def _write_part(chain: ChainReader, new_id: str, rank: int, world: int, pools: Executors) -> _Part:
     """Compacts the shards of the storage ranks ``rank``, ``rank + world``, ... of the chain."""
     entry = chain.entry
-    writer = SnapshotWriter(chain.storage, new_id, prefix=f"r{rank}")
+    writer = SnapshotWriter(chain.storage, new_id, f"r{rank}", pools.io, pools.object_bytes)
     out = _Part()
     for i, target in enumerate(entry.shards):
         if target.spec.rank % world != rank:
@@ -192,24 +152,18 @@ def _write_part(chain: ChainReader, new_id: str, rank: int, world: int) -> _Part
         for name, t in chain.dense().items():
             writer.write(dense_path(name), t, replicated=True)
         for r in range(entry.world_size):
-            writer.add_bytes(app_path(r), chain.readers[-1].app_state(r))
+            writer.add_bytes(app_path(r), chain.app_state(r))
     part = writer.finish()
     for record in out.records:
-        prefix = rows_path(record.spec.rank, "")
-        record.checksums = {
-            logical.removeprefix(prefix): crc
-            for logical, crc in part.checksums.items()
-            if logical.startswith(f"{prefix}{record.key}.")
-        }
+        record.take_checksums(part.checksums)
     chain.storage.make_durable(new_id)
-    knobs.inject_fault(entry.step, rank, phase="compact")
     out.entries = part.entries
     return out
 
 
 def _commit(chain: ChainReader, new_id: str, parts: list[_Part], target: Target) -> Entry:
     entry = chain.entry
-    # Every writer's part is durable: the index goes last.
+    # IMPORTANT: every writer's part is durable: the index goes last, then the manifest.
     write_index(chain.storage, new_id, [p.entries for p in parts], entry.world_size)
     records = sorted((r for p in parts for r in p.records), key=lambda r: int(r.key[1:]))
     compacted = Entry(
@@ -235,21 +189,30 @@ def _commit(chain: ChainReader, new_id: str, parts: list[_Part], target: Target)
     return compacted
 
 
-def compact_entry(target: Target, step: int | None = None) -> Entry | None:
+def compact_entry(target: Target, pools: Executors, step: int | None = None) -> Entry | None:
     """Compacts the chain of a committed checkpoint in this one process (``cnr compact``).
 
     Returns:
         The compacted checkpoint's entry; ``None`` if that checkpoint already is a lone full one.
     """
-    chain = ChainReader(target.storage, step)
-    if len(chain.chain) == 1:
+    manifest = Manifest.load(target.storage)
+    entry = manifest.find(step)
+    if entry is None:
+        raise ValueError(
+            f"no committed checkpoint of step {step} in {target.storage.url}; "
+            f"committed steps: {manifest.steps()}"
+        )
+    if len(entry.chain) == 1:
         return None
-    new_id = checkpoint_id(chain.entry.seq, chain.entry.step, target.generation, compacted=True)
-    part = _write_part(chain, new_id, rank=0, world=1)
+    chain = ChainReader(target.storage, manifest, entry, pools.io, pools.object_bytes)
+    new_id = checkpoint_id(entry.seq, entry.step, target.generation, compacted=True)
+    part = _write_part(chain, new_id, 0, 1, pools)
     return _commit(chain, new_id, [part], target)
 
 
-def compact(group: Collective, target: Target, every: int | None = None) -> ChainState | None:
+def compact(
+    group: Collective, target: Target, pools: Executors, every: int | None = None
+) -> ChainState | None:
     """Compacts the chain of the latest committed checkpoint, collectively over ``group``.
 
     Each rank merges the shards that its storage rank saved; rank 0 also copies the
@@ -273,12 +236,19 @@ def compact(group: Collective, target: Target, every: int | None = None) -> Chai
     new_id = checkpoint_id(latest.seq, latest.step, target.generation, compacted=True)
     error: Exception | None = None
     part = None
+    chain = None
     try:
-        chain = ChainReader(target.storage, latest.step)
-        part = _write_part(chain, new_id, group.rank, group.world_size)
+        chain = ChainReader(target.storage, manifest, latest, pools.io, pools.object_bytes)
+        part = _write_part(chain, new_id, group.rank, group.world_size, pools)
     except Exception as e:  # every rank learns of it before anyone commits
         error = e
-    group.agree(error)
+    try:
+        group.agree(error)
+    except Exception:
+        if group.rank == 0:  # no rank writes into it any more: give its space back
+            remove_failed(target, new_id)
+        raise
+    assert chain is not None
     parts = group.gather(part)
     group.on_rank0(lambda: _commit(chain, new_id, [p for p in parts if p is not None], target))
     return ChainState([new_id], [])

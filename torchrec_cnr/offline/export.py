@@ -24,7 +24,9 @@ from typing import Literal
 
 import torch
 
-from torchrec_cnr.offline.tables import ChainReader, Root
+from torchrec_cnr.offline.tables import table_name, table_values
+from torchrec_cnr.restore.chain import ChainReader
+from torchrec_cnr.storage import Root
 
 __all__ = ["EXPORT_FORMATS", "ExportFormat", "export_state_dict", "save_export"]
 
@@ -54,21 +56,22 @@ def export_state_dict(
         ValueError: no such step or table, or a checkpoint written before its format
             recorded the tables' state-dict keys (format 3).
     """
-    chain = ChainReader(root, step)
-    names = [chain.table_name(t) for t in tables] if tables is not None else sorted(chain.tables)
-    out: dict[str, torch.Tensor] = {}
-    for done, name in enumerate(names, 1):
-        key = chain.tables[name].state_dict_key
-        if not key:
-            raise ValueError(
-                f"table {name!r}: the checkpoint does not record its state-dict key "
-                "(written before format 3); read it with read_table() instead"
-            )
-        out[key] = chain.table(name)
-        if progress is not None:
-            progress(key, done, len(names))
-    if tables is None:
-        out.update(chain.dense())
+    with ChainReader.open(root, step) as chain:
+        tables_of = chain.entry.tables
+        names = [table_name(chain, t) for t in tables] if tables is not None else sorted(tables_of)
+        out: dict[str, torch.Tensor] = {}
+        for done, name in enumerate(names, 1):
+            key = tables_of[name].state_dict_key
+            if not key:
+                raise ValueError(
+                    f"table {name!r}: the checkpoint does not record its state-dict key "
+                    "(written before format 3); read it with read_table() instead"
+                )
+            out[key] = table_values(chain, name)
+            if progress is not None:
+                progress(key, done, len(names))
+        if tables is None:
+            out.update(chain.dense())
     return out
 
 

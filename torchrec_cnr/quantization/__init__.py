@@ -24,6 +24,7 @@ from ._config import (
     DEFAULT_THRESHOLDS,
     METHODS,
     UNIFORM_METHODS,
+    check_thresholds,
     select_bits,
 )
 from ._packing import pack_codes, packed_nbytes, padded_dim, unpack_codes
@@ -38,6 +39,7 @@ __all__ = [
     "METHODS",
     "UNIFORM_METHODS",
     "QuantizedRows",
+    "check_thresholds",
     "pack_codes",
     "packed_nbytes",
     "padded_dim",

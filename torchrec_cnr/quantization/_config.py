@@ -71,7 +71,18 @@ def check_search_params(n_bins: int, ratio: float) -> None:
         raise ValueError(f"ratio must be a number in [0, 1), got {ratio!r}")
 
 
-def check_finite(rows: torch.Tensor, name: str) -> None:
+RowIds = torch.Tensor | int | None
+"""Rows' ids in their table, for messages: a ``(N,)`` tensor, the id of the first of
+consecutive rows, or ``None`` for their index."""
+
+
+def _row_name(row: int, row_ids: RowIds) -> int:
+    if row_ids is None:
+        return row
+    return row_ids + row if isinstance(row_ids, int) else int(row_ids[row])
+
+
+def check_finite(rows: torch.Tensor, name: str, row_ids: RowIds = None) -> None:
     """Reject rows containing NaN or Inf.
 
     One full-tensor sum covers the common all-good case (NaN and Inf both
@@ -81,18 +92,20 @@ def check_finite(rows: torch.Tensor, name: str) -> None:
     Args:
         rows: (N, D) floating tensor.
         name: Table name used in error messages.
+        row_ids: the rows' ids in their table, for messages (see :data:`RowIds`).
 
     Raises:
-        ValueError: Naming ``name`` and the first offending row index.
+        ValueError: Naming ``name`` and the first offending row.
     """
     if rows.numel() == 0 or math.isfinite(float(rows.sum())):
         return
     bad = (~torch.isfinite(rows)).any(dim=1).nonzero()
     if bad.numel():
-        raise ValueError(f"table {name!r} row {int(bad[0, 0])} contains NaN or Inf")
+        row = _row_name(int(bad[0, 0]), row_ids)
+        raise ValueError(f"table {name!r} row {row} contains NaN or Inf")
 
 
-def check_fp16_stored(stored: torch.Tensor, name: str, what: str) -> None:
+def check_fp16_stored(stored: torch.Tensor, name: str, what: str, row_ids: RowIds = None) -> None:
     """Reject rows whose fp16 parameters (or values) overflowed to Inf.
 
     Checked on the small stored tensor after encoding instead of on the
@@ -103,6 +116,7 @@ def check_fp16_stored(stored: torch.Tensor, name: str, what: str) -> None:
         stored: (N, k) fp16 tensor the container will keep.
         name: Table name used in error messages.
         what: What ``stored`` holds, for the message.
+        row_ids: the rows' ids in their table, for messages (see :data:`RowIds`).
 
     Raises:
         ValueError: Naming ``name`` and the first row that overflowed.
@@ -113,11 +127,31 @@ def check_fp16_stored(stored: torch.Tensor, name: str, what: str) -> None:
         return
     ok = torch.isfinite(stored).all(dim=1)
     if not bool(ok.all()):
-        row = int((~ok).nonzero()[0, 0])
+        row = _row_name(int((~ok).nonzero()[0, 0]), row_ids)
         raise ValueError(
             f"table {name!r} row {row} overflows the fp16 {what} (values too large for fp16); "
             "use bits=8, 'bf16' or 'none' for this table"
         )
+
+
+def check_thresholds(thresholds: Sequence[Sequence[int | float]]) -> None:
+    """Checks ``(max_restores, bits)`` pairs: limits strictly increasing, bits in :data:`BITS`.
+
+    Raises:
+        ValueError: naming the malformed pair or the whole list.
+    """
+    previous = float("-inf")
+    for pair in thresholds:
+        if len(pair) != 2:
+            raise ValueError(f"each threshold must be (max_restores, bits), got {pair!r}")
+        limit, bits = pair
+        if not limit > previous:
+            raise ValueError(
+                f"threshold limits must be strictly increasing, got {list(thresholds)}"
+            )
+        if bits not in BITS:
+            raise ValueError(f"threshold bits must be one of {BITS}, got {bits!r}")
+        previous = limit
 
 
 def select_bits(
@@ -147,18 +181,7 @@ def select_bits(
         raise ValueError(f"expected_restores must be a number, got {expected_restores!r}")
     if not expected_restores >= 0:  # also rejects NaN
         raise ValueError(f"expected_restores must be >= 0, got {expected_restores!r}")
-    previous = float("-inf")
-    for pair in thresholds:
-        if len(pair) != 2:
-            raise ValueError(f"each threshold must be (max_restores, bits), got {pair!r}")
-        limit, bits = pair
-        if not limit > previous:
-            raise ValueError(
-                f"threshold limits must be strictly increasing, got {list(thresholds)}"
-            )
-        if bits not in BITS:
-            raise ValueError(f"threshold bits must be one of {BITS}, got {bits!r}")
-        previous = limit
+    check_thresholds(thresholds)
     for limit, bits in thresholds:
         if expected_restores <= limit:
             return int(bits)

@@ -171,6 +171,7 @@ def quantize(
     n_bins: int = 200,
     ratio: float = 0.16,
     name: str = "rows",
+    row_ids: torch.Tensor | int | None = None,
 ) -> QuantizedRows:
     """Quantize embedding rows for a checkpoint, row by row.
 
@@ -185,6 +186,9 @@ def quantize(
         ratio: Adaptive search shrinks the range by at most this fraction in
             its greedy phase.
         name: Table name for error messages.
+        row_ids: each row's id in its table, for error messages: an ``(N,)``
+            tensor, or the id of the first row of consecutive rows; the row
+            index if ``None``.
 
     Returns:
         A :class:`QuantizedRows` on ``rows``' device sharing no memory with
@@ -209,20 +213,20 @@ def quantize(
     n, dim = rows.shape
     if n == 0 or dim == 0:
         return _empty(method, stored_bits, (n, dim), rows.device)
-    check_finite(rows, name)
+    check_finite(rows, name, row_ids)
 
     if method in CAST_METHODS:
         values = rows.to(CAST_DTYPES[method])
         if values.data_ptr() == rows.data_ptr():
             values = values.clone()  # the caller keeps training these rows
         if method == "fp16":
-            check_fp16_stored(values, name, "values")
+            check_fp16_stored(values, name, "values", row_ids)
         return QuantizedRows(method, stored_bits, (n, dim), values.contiguous())
 
     x = rows.float().contiguous()
     if method == "kmeans":
         codes, codebook = kmeans_quantize(x, stored_bits)
-        check_fp16_stored(codebook, name, "codebook")
+        check_fp16_stored(codebook, name, "codebook", row_ids)
         return QuantizedRows(method, stored_bits, (n, dim), codes, codebook)
     if method == "asymmetric":
         data = encode_minmax(x, stored_bits)
@@ -238,5 +242,5 @@ def quantize(
             lo, hi = search_ranges(x, stored_bits, n_bins, ratio)
         data = encode_range(x, lo, hi, stored_bits)
     if stored_bits < 8:
-        check_fp16_stored(_scale_bias(data), name, "scale/bias")
+        check_fp16_stored(_scale_bias(data), name, "scale/bias", row_ids)
     return QuantizedRows(method, stored_bits, (n, dim), data)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 def pls(save_interval_s: float, mtbf_s: float, num_shards: int) -> float:
@@ -52,9 +53,17 @@ class IntervalDecision:
     """Expected fraction of training time lost with full recovery at Young's interval."""
     pls: float
     """Expected PLS of the partial interval (equals the target)."""
+    step_s: float = 0.0
+    """Measured seconds per training step."""
+    interval_steps: int = 0
+    """``interval_s`` in steps: the interval a job applies."""
 
     def to_json(self) -> dict[str, float | str]:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> IntervalDecision:
+        return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
 
 
 def choose_interval(

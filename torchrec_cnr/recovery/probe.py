@@ -8,14 +8,14 @@ records.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.config import RecoveryConfig
-from torchrec_cnr.recovery.interval import choose_interval
+from torchrec_cnr.recovery.interval import IntervalDecision, choose_interval
 
 __all__ = ["IntervalProbe"]
 
@@ -35,7 +35,7 @@ class IntervalProbe:
         self.group = group
         self.interval_steps: int | None = None
         """Steps between checkpoints, once chosen."""
-        self.decision: dict[str, Any] | None = None
+        self.decision: IntervalDecision | None = None
         """The decision and its numbers, for the manifest."""
         self._first: tuple[int, float] | None = None
 
@@ -69,10 +69,9 @@ class IntervalProbe:
             reschedule_s=rc.reschedule_s,
         )
         self.interval_steps = max(1, round(decision.interval_s / step_s))
-        self.decision = decision.to_json() | {
-            "step_s": step_s,
-            "interval_steps": self.interval_steps,
-        }
+        self.decision = dataclasses.replace(
+            decision, step_s=step_s, interval_steps=self.interval_steps
+        )
         logger.warning(
             "interval auto: %s recovery, every %d steps (%.0f s); overhead partial %.4f%% vs "
             "full %.4f%%; save stall %.3f s, step %.4f s, MTBF %.0f s, %d shards, PLS %.4f",

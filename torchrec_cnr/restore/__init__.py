@@ -1,15 +1,22 @@
-"""Stage 7: applying a chain to a live model, compatibility checks, partial recovery, verify."""
+"""Stage 7: applying a chain to a live model, compatibility checks, partial recovery, verify.
 
-from torchrec_cnr.restore.apply import ChainRead, apply_chain, read_chain
+``geometry`` is the one rule of where saved rows land in another shard; ``chain`` the one
+way a chain is read. Both also serve compaction and model-free reads (``offline``).
+"""
+
+from torchrec_cnr.restore.apply import PreparedRestore, apply_chain, read_chain
+from torchrec_cnr.restore.chain import ChainReader
 from torchrec_cnr.restore.compat import check_compatible
 from torchrec_cnr.restore.partial import select_shards
-from torchrec_cnr.restore.restore import restore_entry
+from torchrec_cnr.restore.restore import load_app_state, restore_entry
 from torchrec_cnr.restore.verify import verify_chains, verify_checkpoint
 
 __all__ = [
-    "ChainRead",
+    "ChainReader",
+    "PreparedRestore",
     "apply_chain",
     "check_compatible",
+    "load_app_state",
     "read_chain",
     "restore_entry",
     "select_shards",

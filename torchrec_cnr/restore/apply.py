@@ -1,145 +1,104 @@
 """Applying a chain of checkpoints to a live model, mapped by global row ids.
 
 A restore is all or nothing. :func:`read_chain` reads and verifies every tensor this
-rank needs from every checkpoint of the chain before anything changes; only when every
-rank has (the manager agrees on it) does :func:`apply_chain` write into the model. Read
-tensors are held in host memory up to a budget; past it they are verified and dropped,
-then read again (and verified again) while applying.
+rank needs from every link of the chain, deserializes ``app_state`` and plans where every
+saved row lands (:mod:`torchrec_cnr.restore.geometry`), checking each saved tensor's
+shape against its destination, before anything changes. Read tensors are held in host
+memory up to a budget; past it they are verified and dropped, then read again (and
+verified again) while applying. Only when every rank has read and planned (the caller
+agrees on it) does :func:`apply_chain` write into the model.
 
-The chain is applied in order, baseline first, later checkpoints winning. Each saved
-shard is scattered into every local shard it overlaps, so a checkpoint restores onto
-any sharding and world size: rows map by global row id, columns by global column offset.
-Per-element optimizer states map by column like the weights. A per-row state belongs to
-a whole saved shard: a local shard takes it from the saved shard that holds its first
-column, which is its own former self, and exact, whenever the column split is unchanged.
+The chain is applied in order, baseline first, later links winning, so a checkpoint
+restores onto any sharding and world size.
 """
 
 from __future__ import annotations
 
 import io
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from torchrec_cnr.commit.manifest import Entry, Manifest
-from torchrec_cnr.encoding import FP32, ShardRecord, decode_weight
-from torchrec_cnr.encoding.codec import dtype_name
+from torchrec_cnr.commit.manifest import Entry
+from torchrec_cnr.encoding import FP32, ShardRecord, decode_weight, dtype_name
+from torchrec_cnr.restore.chain import ChainReader
+from torchrec_cnr.restore.geometry import Placement, place, scatter, states_fit
 from torchrec_cnr.staging import StagingPool
-from torchrec_cnr.storage import SnapshotReader, Storage
 from torchrec_cnr.tracking.shard import LocalShard
 
-__all__ = ["ChainRead", "apply_chain", "read_chain"]
-
-
-def _overlap(a0: int, an: int, b0: int, bn: int) -> tuple[int, int] | None:
-    lo, hi = max(a0, b0), min(a0 + an, b0 + bn)
-    return (lo, hi) if lo < hi else None
-
-
-def _states_fit(rec: ShardRecord, local: LocalShard) -> bool:
-    """Whether the saved optimizer state can be loaded into ``local``'s kernel."""
-    return rec.optimizer == local.optimizer and set(rec.states) == set(local.states)
+__all__ = ["PreparedRestore", "apply_chain", "read_chain"]
 
 
 def _same_layout(rec: ShardRecord, local: LocalShard) -> bool:
+    """A whole fp32 shard saved with this very layout and state: copied as it is."""
     ss, ls = rec.spec, local.spec
     return (
         rec.all_rows
         and rec.format == FP32
         and (ss.row_offset, ss.col_offset, ss.rows, ss.cols)
         == (ls.row_offset, ls.col_offset, ls.rows, ls.cols)
-        and _states_fit(rec, local)
+        and states_fit(rec, local.optimizer, local.states)
         and all(rec.states[n].dtype == dtype_name(s) for n, s in local.states.items())
     )
 
 
-def _pairs(
-    entry: Entry, shards: list[LocalShard]
-) -> Iterator[tuple[int, LocalShard, ShardRecord, tuple[int, int], tuple[int, int]]]:
-    """Each local shard and each saved shard of ``entry`` that holds some of its elements."""
-    by_table: dict[str, list[ShardRecord]] = {}
-    for rec in entry.shards:
-        by_table.setdefault(rec.spec.table, []).append(rec)
-    for i, local in enumerate(shards):
-        ls = local.spec
-        for rec in by_table.get(ls.table, []):
-            ss = rec.spec
-            rows = _overlap(ls.row_offset, ls.rows, ss.row_offset, ss.rows)
-            cols = _overlap(ls.col_offset, ls.cols, ss.col_offset, ss.cols)
-            if rows is not None and cols is not None and rec.saved_rows > 0:
-                yield i, local, rec, rows, cols
-
-
 def _needs(rec: ShardRecord, local: LocalShard) -> list[str]:
     """The stored tensors of ``rec`` a restore into ``local`` reads."""
-    names = [f"{rec.key}.w"] if rec.format == FP32 else [f"{rec.key}.w.{p}" for p in rec.parts]
+    names = list(rec.value_names)
     if not rec.all_rows:
-        names.append(f"{rec.key}.ids")
-    if _states_fit(rec, local):
+        names.append(rec.ids_name(rec.key))
+    if states_fit(rec, local.optimizer, local.states):
         names += [rec.states[n].tensor for n in local.states]
     return names
 
 
 @dataclass
-class ChainRead:
-    """A chain whose every needed tensor was read and verified, ready to apply."""
+class _Step:
+    """One saved shard applied to one local shard."""
 
-    readers: list[SnapshotReader]
-    chain: list[Entry]
-    cache: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict)
-    """(checkpoint index, rank, stored name) -> tensor, for those that fit the budget."""
+    link: int
+    shard: int
+    """Index of the local shard."""
+    rec: ShardRecord
+    whole: bool
+    """Copy the saved tensors as they are (:func:`_same_layout`)."""
+    where: Placement | None
+    """Where the rows land, unless ``whole``."""
+
+
+@dataclass
+class PreparedRestore:
+    """A chain whose every needed tensor was read and verified, planned, ready to apply."""
+
+    chain: ChainReader
+    steps: list[_Step] = field(default_factory=list)
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
-    app_blob: bytes | None = None
-
-    def fetch(self, n: int, rank: int, name: str) -> torch.Tensor:
-        """A stored tensor: from memory, or read again (and verified again)."""
-        cached = self.cache.get((n, rank, name))
-        return cached if cached is not None else self.readers[n].rows(rank, name)
+    app_state: dict[str, Any] | None = None
+    """Each ``app_state`` object's saved state dict, by name."""
+    warnings: list[str] = field(default_factory=list)
+    """Optimizer states that do not carry over, one message per table."""
 
 
-def read_chain(
-    storage: Storage,
-    manifest: Manifest,
-    entry: Entry,
+def _hold(
+    chain: ChainReader,
     shards: list[LocalShard],
-    dense_names: list[str],
-    app_rank: int | None,
-    verify: bool = True,
-    budget_bytes: int | None = None,
-    pool: StagingPool | None = None,
-) -> ChainRead:
-    """Reads and verifies everything a restore of ``entry`` into ``shards`` needs.
-
-    Args:
-        dense_names: dense tensors to restore (from the chain's last checkpoint).
-        app_rank: this rank, to restore its ``app_state``; ``None`` for none. A rank
-            beyond the checkpoint's world size takes that of ``app_rank % world_size``:
-            replicated state (the dense optimizer of DDP replicas) is the same on every
-            rank, and a fresh one would let this rank's replica drift from the others.
-        verify: check every tensor against the checksum recorded at save time.
-        budget_bytes: host memory for read tensors; ``None`` keeps every one.
-        pool: the staging buffers, to read this rank's own baseline tensors into: a
-            fresh gigabyte costs a page fault per 4 KiB, about as long as reading it.
-
-    Raises:
-        CheckpointReadError: a checkpoint directory or file of the chain is missing or
-            unreadable, or a checkpoint is not in the manifest.
-        ChecksumError: a stored tensor does not match its recorded checksum.
-    """
-    chain = [manifest.by_id(i) for i in entry.chain]
-    readers = [
-        SnapshotReader(storage, e.id, e.checksums_by_path() if verify else None) for e in chain
-    ]
-    read = ChainRead(readers, chain)
+    budget_bytes: int | None,
+    pool: StagingPool | None,
+) -> None:
+    """Reads every tensor the restore needs into ``chain.held``, within the budget."""
     held = 0
-    for n, e in enumerate(chain):
+    own_rank = shards[0].spec.rank if shards else -1
+    for n, link in enumerate(chain.links):
         wanted = list(
             dict.fromkeys(
                 (rec.spec.rank, name)
-                for _, local, rec, _, _ in _pairs(e, shards)
+                for rec in link.shards
+                if rec.saved_rows > 0
+                for local in shards
+                if local.spec.table == rec.spec.table
                 for name in _needs(rec, local)
             )
         )
@@ -149,92 +108,101 @@ def read_chain(
                 pool.begin()
 
                 def alloc(key: tuple[int, str], shape: list[int], dtype: torch.dtype) -> Any:
-                    own = key[0] == shards[0].spec.rank if shards else False
+                    own = key[0] == own_rank
                     return pool.take(key[1], tuple(shape), dtype) if own else None
 
-            got = readers[n].read_many(wanted, alloc)
-            read.cache.update({(n, *k): t for k, t in got.items()})
+            chain.hold_many(n, wanted, alloc)
             continue
         for rank, name in wanted:  # one at a time, keeping what fits the budget
-            tensor = readers[n].rows(rank, name)
+            tensor = chain.hold(n, rank, name)
             nbytes = tensor.numel() * tensor.element_size()
-            if held + nbytes <= budget_bytes:
-                read.cache[(n, rank, name)] = tensor
+            if held + nbytes > budget_bytes:
+                del chain.held[(n, rank, name)]  # verified; read again while applying
+            else:
                 held += nbytes
-    read.dense = {name: readers[-1].dense(name) for name in dense_names}
-    if app_rank is not None:
-        source = app_rank % entry.world_size
-        read.app_blob = readers[-1].app_state(source)
-        if source != app_rank:
-            warnings.warn(
-                f"rank {app_rank} takes the app_state of rank {source}: the checkpoint was "
-                f"written by {entry.world_size} rank(s)",
-                stacklevel=2,
-            )
-    return read
 
 
-def _apply_checkpoint(
-    read: ChainRead,
-    n: int,
-    shards: list[LocalShard],
-    touched: list[torch.Tensor] | None,
-    warned: set[str],
-) -> None:
-    for i, local, rec, rows, cols in _pairs(read.chain[n], shards):
-        ls, ss = local.spec, rec.spec
-        fetch = lambda name, rank=ss.rank: read.fetch(n, rank, name)  # noqa: E731
-        if _same_layout(rec, local):
-            # A whole fp32 shard saved with this very layout: copy it as it is.
-            local.weight.copy_(fetch(f"{rec.key}.w"))
-            for name, state in local.states.items():
-                state.copy_(fetch(rec.states[name].tensor))
-            if touched is not None:
-                touched[i][:] = True
-            continue
-        values = decode_weight(fetch, rec)
-        if rec.all_rows:
-            ids = torch.arange(ss.row_offset, ss.row_offset + ss.rows)
-        else:
-            ids = fetch(f"{rec.key}.ids").to(torch.int64)
-        inside = (ids >= rows[0]) & (ids < rows[1])
-        sel: torch.Tensor | None = None
-        if not bool(inside.all()):
-            sel = inside
-            ids, values = ids[sel], values[sel]
-        device = local.weight.device
-        local_rows = (ids - ls.row_offset).to(device)
-        saved_cols = slice(cols[0] - ss.col_offset, cols[1] - ss.col_offset)
-        local_cols = slice(cols[0] - ls.col_offset, cols[1] - ls.col_offset)
-        dst = local.weight[:, local_cols]
-        dst.index_copy_(0, local_rows, values[:, saved_cols].to(device=device, dtype=dst.dtype))
-        if touched is not None:
-            touched[i][local_rows] = True
-        if not _states_fit(rec, local):
-            if ls.table not in warned:
-                warnings.warn(
-                    f"table {ls.table!r}: the checkpoint holds {rec.optimizer} state "
+def _plan(chain: ChainReader, shards: list[LocalShard], prepared: PreparedRestore) -> None:
+    """Where every saved shard of the chain lands; checks each stored tensor's rows."""
+    warned: set[str] = set()
+    for n, rec in chain.records():
+        for i, local in enumerate(shards):
+            if local.spec.table != rec.spec.table:
+                continue
+            if _same_layout(rec, local):
+                prepared.steps.append(_Step(n, i, rec, True, None))
+                continue
+            where = place(rec.spec, chain.saved_ids(n, rec), local.spec)
+            if where is None:
+                continue
+            prepared.steps.append(_Step(n, i, rec, False, where))
+            if (
+                not states_fit(rec, local.optimizer, local.states)
+                and local.spec.table not in warned
+            ):
+                warned.add(local.spec.table)
+                prepared.warnings.append(
+                    f"table {local.spec.table!r}: the checkpoint holds {rec.optimizer} state "
                     f"{sorted(rec.states)}, the model trains with {local.optimizer} "
                     f"{sorted(local.states)}; its weights are restored, its optimizer state "
-                    "is left as initialized",
-                    stacklevel=3,
+                    "is left as initialized"
                 )
-                warned.add(ls.table)
-            continue
-        holds_first_col = ss.col_offset <= ls.col_offset < ss.col_offset + ss.cols
-        for name, state in local.states.items():
-            per_element = state.dim() == 2
-            if not per_element and not holds_first_col:
-                continue
-            saved = fetch(rec.states[name].tensor)
-            if sel is not None:
-                saved = saved[sel]
-            if per_element:
-                state[:, local_cols].index_copy_(
-                    0, local_rows, saved[:, saved_cols].to(device=device, dtype=state.dtype)
+    for step in prepared.steps:  # the stored tensors must fit where they go
+        rec, local = step.rec, shards[step.shard]
+        for name in _needs(step.rec, local):
+            if (step.link, rec.spec.rank, name) not in chain.held:
+                continue  # over the budget: checked when read again
+            rows = chain.held[(step.link, rec.spec.rank, name)].shape[0]
+            if rows != rec.saved_rows:
+                raise ValueError(
+                    f"{chain.links[step.link].id}: {name} holds {rows} rows, the manifest "
+                    f"records {rec.saved_rows}"
                 )
-            else:
-                state.index_copy_(0, local_rows, saved.to(device=device, dtype=state.dtype))
+
+
+def read_chain(
+    chain: ChainReader,
+    shards: list[LocalShard],
+    dense_names: list[str],
+    app_rank: int | None,
+    budget_bytes: int | None = None,
+    pool: StagingPool | None = None,
+) -> PreparedRestore:
+    """Reads, verifies and plans everything a restore of ``chain`` into ``shards`` needs.
+
+    Args:
+        chain: the chain to restore.
+        shards: this rank's shards to restore.
+        dense_names: dense tensors to restore (from the chain's last checkpoint).
+        app_rank: this rank, to restore its ``app_state``; ``None`` for none. A rank
+            beyond the checkpoint's world size takes that of ``app_rank % world_size``:
+            replicated state (the dense optimizer of DDP replicas) is the same on every
+            rank, and a fresh one would let this rank's replica drift from the others.
+        budget_bytes: host memory for read tensors; ``None`` keeps every one.
+        pool: the staging buffers, to read this rank's own baseline tensors into: a
+            fresh gigabyte costs a page fault per 4 KiB, about as long as reading it.
+
+    Raises:
+        CheckpointReadError: a checkpoint directory or file of the chain is missing or
+            unreadable.
+        ChecksumError: a stored tensor does not match its recorded checksum.
+        ValueError: a stored tensor does not fit where it goes.
+    """
+    _hold(chain, shards, budget_bytes, pool)
+    prepared = PreparedRestore(chain)
+    _plan(chain, shards, prepared)
+    prepared.dense = chain.dense(dense_names)
+    if app_rank is not None:
+        world = chain.entry.world_size
+        source = app_rank % world
+        blob = chain.app_state(source)
+        prepared.app_state = torch.load(io.BytesIO(blob), weights_only=False)
+        if source != app_rank:
+            prepared.warnings.append(
+                f"rank {app_rank} takes the app_state of rank {source}: the checkpoint was "
+                f"written by {world} rank(s)"
+            )
+    return prepared
 
 
 def _load_scalars(entry: Entry, shards: list[LocalShard]) -> None:
@@ -246,7 +214,9 @@ def _load_scalars(entry: Entry, shards: list[LocalShard]) -> None:
     by_kernel: dict[int, tuple[LocalShard, dict[str, float]]] = {}
     for local in shards:
         for rec in entry.shards:
-            if rec.spec.table != local.spec.table or not _states_fit(rec, local):
+            if rec.spec.table != local.spec.table or not states_fit(
+                rec, local.optimizer, local.states
+            ):
                 continue
             _, merged = by_kernel.setdefault(id(local.kernel), (local, {}))
             for name, value in rec.scalars.items():
@@ -256,37 +226,46 @@ def _load_scalars(entry: Entry, shards: list[LocalShard]) -> None:
 
 
 def apply_chain(
-    read: ChainRead,
+    prepared: PreparedRestore,
     shards: list[LocalShard],
     dense: Mapping[str, torch.Tensor],
-    app_state: Mapping[str, Any],
     scalars: bool = True,
 ) -> list[torch.Tensor]:
-    """Writes a read chain into this rank's shards, dense tensors and ``app_state``.
+    """Writes a read and planned chain into this rank's shards and dense tensors.
 
     ``scalars=False`` leaves the kernels' step counters as they are (a partial restore
-    goes on from the live step).
+    goes on from the live step). ``app_state`` is loaded apart, before this (see
+    :mod:`torchrec_cnr.restore.restore`).
 
     Returns:
         For each local shard, a ``(rows,)`` bool mask of rows that came from a delta
         rather than the baseline.
     """
+    for message in prepared.warnings:
+        warnings.warn(message, stacklevel=3)
+    chain = prepared.chain
     touched = [torch.zeros(s.spec.rows, dtype=torch.bool, device=s.weight.device) for s in shards]
-    warned: set[str] = set()
     with torch.no_grad():
-        for n in range(len(read.chain)):
-            _apply_checkpoint(read, n, shards, touched if n > 0 else None, warned)
+        for step in prepared.steps:
+            local, rec = shards[step.shard], step.rec
+            fetch = chain.fetch(step.link, rec)
+            if step.whole:
+                local.weight.copy_(fetch(rec.weight_name(rec.key)))
+                for name, state in local.states.items():
+                    state.copy_(fetch(rec.states[name].tensor))
+                if step.link > 0:
+                    touched[step.shard][:] = True
+                continue
+            where = step.where
+            assert where is not None
+            scatter(local.weight, where, decode_weight(fetch, rec))
+            if step.link > 0:
+                touched[step.shard][where.rows.to(local.weight.device)] = True
+            if states_fit(rec, local.optimizer, local.states):
+                for name, state in local.states.items():
+                    scatter(state, where, fetch(rec.states[name].tensor))
         if scalars:
-            _load_scalars(read.chain[-1], shards)
+            _load_scalars(chain.entry, shards)
         for name, tensor in dense.items():
-            tensor.copy_(read.dense[name])
-    if app_state and read.app_blob is not None:
-        saved = torch.load(io.BytesIO(read.app_blob), weights_only=False)
-        for name, obj in app_state.items():
-            if name in saved:
-                obj.load_state_dict(saved[name])
-            else:
-                warnings.warn(
-                    f"app_state {name!r} is not in the checkpoint; left as is", stacklevel=2
-                )
+            tensor.copy_(prepared.dense[name])
     return touched

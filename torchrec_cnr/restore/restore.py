@@ -1,45 +1,114 @@
 """The collective restore of one committed checkpoint into a live model.
 
-All or nothing, on every rank: the model must fit the checkpoint, and every rank reads
-and verifies all it needs before any rank changes anything.
+All or nothing, on every rank, in four steps, each agreed by every rank before the next:
+
+1. the model must fit the checkpoint (tables, shapes, dense tensors);
+2. every rank reads, verifies and plans all it needs (:func:`read_chain`);
+3. every rank loads its ``app_state`` objects, which may refuse their state; if any
+   refuses on any rank, every rank puts back the state its objects had;
+4. the shards, optimizer states, step counters and dense tensors are written.
+
+Nothing changes before step 3, and step 4 only copies data that was read, verified and
+checked against where it goes.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.commit.manifest import Entry, Manifest, TableShape
+from torchrec_cnr.commit.manifest import Entry, TableShape
 from torchrec_cnr.errors import CheckpointError
-from torchrec_cnr.restore.apply import apply_chain, read_chain
+from torchrec_cnr.restore.apply import PreparedRestore, apply_chain, read_chain
+from torchrec_cnr.restore.chain import ChainReader
 from torchrec_cnr.restore.compat import check_compatible
 from torchrec_cnr.restore.partial import select_shards
-from torchrec_cnr.staging import StagingPool
-from torchrec_cnr.storage import Storage
+from torchrec_cnr.staging import StagingPool, serialize_app_state
 from torchrec_cnr.tracking.shard import LocalShard
 
-__all__ = ["restore_entry"]
+__all__ = ["load_app_state", "restore_entry"]
+
+
+def _init_empty_optimizer(obj: Any) -> None:
+    """TorchRec's convention: a ``KeyedOptimizer`` (``CombinedOptimizer`` included) whose
+    state is still empty is initialized before it loads a state dict, which it otherwise
+    refuses (``Different parameter count``)."""
+    try:
+        from torchrec.optim.keyed import KeyedOptimizer
+    except ImportError:  # pragma: no cover - torchrec is a dependency of every caller
+        return
+    if isinstance(obj, KeyedOptimizer) and not obj.state:
+        obj.init_state()
+
+
+def load_app_state(
+    group: Collective,
+    app_state: Mapping[str, Any],
+    saved: dict[str, Any] | None,
+    dense: Mapping[str, torch.Tensor],
+) -> None:
+    """Loads ``saved`` into the ``app_state`` objects, on every rank or on none.
+
+    Objects missing from ``saved`` are left as they are, with a warning. If any object
+    refuses its state on any rank, every rank loads back what its objects held before,
+    and the dense tensors (which an optimizer's ``init_state`` may touch) too.
+
+    Raises:
+        CheckpointError: an object refused its state; the message names the rank and
+            the ``app_state`` key.
+    """
+    import warnings
+
+    error: Exception | None = None
+    before: bytes | None = None
+    dense_before: dict[str, torch.Tensor] = {}
+    if saved is not None and app_state:
+        before = serialize_app_state(app_state)
+        dense_before = {k: v.detach().clone() for k, v in dense.items()}
+        for name, obj in app_state.items():
+            if name not in saved:
+                warnings.warn(
+                    f"app_state {name!r} is not in the checkpoint; left as is", stacklevel=3
+                )
+                continue
+            try:
+                _init_empty_optimizer(obj)
+                obj.load_state_dict(saved[name])
+            except Exception as e:
+                error = CheckpointError(
+                    f"app_state {name!r} on rank {group.rank} refused its saved state: "
+                    f"{type(e).__name__}: {e}; nothing was restored"
+                )
+                error.__cause__ = e
+                break
+    failed = group.any(error is not None)
+    if failed and before is not None:
+        previous = torch.load(io.BytesIO(before), weights_only=False)
+        with torch.no_grad():
+            for name, obj in app_state.items():
+                obj.load_state_dict(previous[name])
+            for key, value in dense_before.items():
+                dense[key].copy_(value)
+    group.agree(error)
 
 
 def restore_entry(
     group: Collective,
-    storage: Storage,
-    manifest: Manifest,
-    entry: Entry,
+    chain: ChainReader,
     shards: list[LocalShard],
     dense: Mapping[str, torch.Tensor],
     app_state: Mapping[str, Any],
     *,
     ranks: list[int] | None = None,
     tables: list[str] | None = None,
-    verify: bool = True,
     budget_bytes: int | None = None,
     pool: StagingPool | None = None,
 ) -> list[torch.Tensor]:
-    """Restores ``entry`` into this rank's ``shards``, ``dense`` and ``app_state``.
+    """Restores ``chain`` into this rank's ``shards``, ``dense`` and ``app_state``.
 
     With ``ranks`` or ``tables`` it is a partial recovery: only those shards reload, and
     dense tensors, ``app_state`` and the kernels' step counters keep their live values.
@@ -51,32 +120,40 @@ def restore_entry(
     Raises:
         ModelMismatchError: the checkpoint belongs to another model; nothing changed.
         CheckpointReadError, ChecksumError: a file is missing or damaged; nothing changed.
-        CheckpointError: applying verified data failed (on any rank).
+        CheckpointError: an ``app_state`` object refused its state, or the data does not
+            fit the model; nothing changed.
     """
+    entry: Entry = chain.entry
     seen: dict[str, TableShape] = {}
     for part in group.gather(Entry.signature([s.spec for s in shards], {})[0]):
         seen.update(part)
-    check_compatible(entry, seen, Entry.signature([], dense)[1], storage.url)
+    check_compatible(entry, seen, Entry.signature([], dense)[1], chain.storage.url)
     partial = ranks is not None or tables is not None
     chosen = select_shards(shards, group.rank, group.world_size, ranks, tables, seen)
     error: BaseException | None = None
+    prepared: PreparedRestore | None = None
     try:
-        read = read_chain(
-            storage, manifest, entry, chosen,
+        prepared = read_chain(
+            chain, chosen,
             [] if partial else list(dense),
             None if partial or not app_state else group.rank,
-            verify, budget_bytes, pool,
+            budget_bytes, pool,
         )  # fmt: skip
+    except ValueError as e:  # read fine, but does not fit: say what it means
+        error = CheckpointError(f"restore of step {entry.step} failed before any change: {e}")
     except Exception as e:
         error = e
     group.agree(error)
+    assert prepared is not None
+    load_app_state(group, {} if partial else app_state, prepared.app_state, dense)
     touched: list[torch.Tensor] = []
+    error = None
     try:
-        touched = apply_chain(
-            read, chosen, {} if partial else dense, {} if partial else app_state,
-            scalars=not partial,
-        )  # fmt: skip
-    except Exception as e:  # verified data that fails to apply: say what it means
-        error = CheckpointError(f"restore of step {entry.step} failed while applying: {e}")
+        touched = apply_chain(prepared, chosen, {} if partial else dense, scalars=not partial)
+    except Exception as e:  # verified and checked data that fails to apply: a bug
+        error = CheckpointError(
+            f"restore of step {entry.step} failed while applying verified data: {e}; the "
+            "model is partly restored: restore again"
+        )
     group.agree(error)
     return touched

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
 
 import torch
 
 from torchrec_cnr.commit.manifest import Entry, Manifest
-from torchrec_cnr.encoding import check
 from torchrec_cnr.errors import CheckpointReadError, ManifestError
-from torchrec_cnr.storage import SnapshotReader, Storage
+from torchrec_cnr.snapshot import SnapshotReader, check
+from torchrec_cnr.storage import Storage
 
 __all__ = ["verify_chains", "verify_checkpoint"]
 
 
-def verify_checkpoint(storage: Storage, ckpt: Entry) -> list[str]:
+def verify_checkpoint(
+    storage: Storage, ckpt: Entry, executor: Executor, piece_bytes: int = 64 << 20
+) -> list[str]:
     """Reads every tensor of one checkpoint and checks it; returns the problems found."""
     try:
-        reader = SnapshotReader(storage, ckpt.id)
+        reader = SnapshotReader(storage, ckpt.id, executor, piece_bytes)
     except CheckpointReadError as e:
         return [str(e)]
     problems: list[str] = []
@@ -42,14 +45,22 @@ def verify_checkpoint(storage: Storage, ckpt: Entry) -> list[str]:
 
 
 def verify_chains(
-    storage: Storage, manifest: Manifest, entries: list[Entry]
+    storage: Storage, manifest: Manifest, entries: list[Entry], threads: int = 8
 ) -> tuple[int, list[str]]:
-    """Verifies every checkpoint the chains of ``entries`` need, each once.
+    """Verifies every checkpoint the chains of ``entries`` need, each once, reading on
+    ``threads`` threads of its own.
 
     Returns:
         How many checkpoints were read, and the problems found, each prefixed with the
         step whose chain needs it.
     """
+    with ThreadPoolExecutor(threads, thread_name_prefix="cnr-verify") as executor:
+        return _verify_chains(storage, manifest, entries, executor)
+
+
+def _verify_chains(
+    storage: Storage, manifest: Manifest, entries: list[Entry], executor: Executor
+) -> tuple[int, list[str]]:
     problems: list[str] = []
     checked: set[str] = set()
     for entry in entries:
@@ -62,5 +73,6 @@ def verify_chains(
             except ManifestError as e:
                 problems.append(f"step {entry.step}: {e}")
                 continue
-            problems += [f"step {entry.step}: {p}" for p in verify_checkpoint(storage, ckpt)]
+            found = verify_checkpoint(storage, ckpt, executor)
+            problems += [f"step {entry.step}: {p}" for p in found]
     return len(checked), problems

@@ -3,10 +3,11 @@
 from torchrec_cnr.selection.policy import (
     BASELINE_RULES,
     POLICIES,
+    BaselineRule,
     ChainState,
     Decision,
     Policy,
-    register_baseline_rule,
+    check_policy,
 )
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "POLICIES",
     "ChainState",
     "Decision",
+    "BaselineRule",
     "Policy",
-    "register_baseline_rule",
+    "check_policy",
 ]

@@ -17,8 +17,9 @@ A policy is pure logic over a :class:`ChainState`; the manager applies it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal
 
 __all__ = [
@@ -31,7 +32,7 @@ __all__ = [
     "Policy",
     "PolicyName",
     "average_write_rule",
-    "register_baseline_rule",
+    "check_policy",
 ]
 
 PolicyName = Literal["full", "one_shot", "consecutive", "intermittent"]
@@ -52,12 +53,28 @@ def average_write_rule(sizes: Sequence[float]) -> bool:
     return 1.0 + sum(sizes) <= (i + 1) * sizes[-1]
 
 
-BASELINE_RULES: dict[str, BaselineRule] = {"average_write": average_write_rule}
+BASELINE_RULES: Mapping[str, BaselineRule] = MappingProxyType({"average_write": average_write_rule})
+"""The built-in rules, by name; ``CheckpointConfig(baseline_rule=...)`` also takes your own
+function."""
 
 
-def register_baseline_rule(name: str, rule: BaselineRule) -> None:
-    """Makes ``rule`` selectable as ``CheckpointConfig(baseline_rule=name)``."""
-    BASELINE_RULES[name] = rule
+def check_policy(name: str, baseline_rule: str | BaselineRule) -> BaselineRule:
+    """Checks a policy name and a baseline rule (a name in :data:`BASELINE_RULES` or a
+    function); returns the rule's function.
+
+    Raises:
+        ValueError: an unknown policy or rule name.
+    """
+    if name not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
+    if callable(baseline_rule):
+        return baseline_rule
+    if baseline_rule not in BASELINE_RULES:
+        raise ValueError(
+            f"baseline_rule must be one of {sorted(BASELINE_RULES)} or a function, "
+            f"got {baseline_rule!r}"
+        )
+    return BASELINE_RULES[baseline_rule]
 
 
 @dataclass
@@ -85,18 +102,15 @@ class Policy:
 
     Args:
         name: one of :data:`POLICIES`.
-        baseline_rule: name in :data:`BASELINE_RULES`, used by ``intermittent``.
+        baseline_rule: a name in :data:`BASELINE_RULES` or a function, used by
+            ``intermittent``.
     """
 
-    def __init__(self, name: PolicyName, baseline_rule: str = "average_write") -> None:
-        if name not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
-        if baseline_rule not in BASELINE_RULES:
-            raise ValueError(
-                f"baseline_rule must be one of {sorted(BASELINE_RULES)}, got {baseline_rule!r}"
-            )
+    def __init__(
+        self, name: PolicyName, baseline_rule: str | BaselineRule = "average_write"
+    ) -> None:
+        self._rule = check_policy(name, baseline_rule)
         self.name = name
-        self._rule = BASELINE_RULES[baseline_rule]
 
     @property
     def cumulative(self) -> bool:

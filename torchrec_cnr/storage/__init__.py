@@ -1,24 +1,11 @@
-"""Stage 5: the names inside a root, writing a checkpoint, reading it back without a model."""
+"""Storage backends: the operations on a checkpoint root, and nothing about the format.
+
+A root is a local or shared file system path (:class:`~torchrec_cnr.storage.fs.FsStorage`)
+or an S3-compatible object store (:class:`~torchrec_cnr.storage.s3.S3Storage`); both
+implement :class:`Storage`. What the objects hold is :mod:`torchrec_cnr.snapshot`'s business.
+"""
 
 from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage
-from torchrec_cnr.storage.layout import MANIFEST_NAME, checkpoint_id
-from torchrec_cnr.storage.reader import SnapshotReader
-from torchrec_cnr.storage.root import as_storage, open_storage
-from torchrec_cnr.storage.snapshot import SnapshotWriter, io_pool, write_index
-from torchrec_cnr.storage.writer import RankWrite, ShardWriter
+from torchrec_cnr.storage.root import Root, as_storage, open_storage
 
-__all__ = [
-    "ANY",
-    "MANIFEST_NAME",
-    "PreconditionFailed",
-    "RankWrite",
-    "ShardWriter",
-    "SnapshotReader",
-    "SnapshotWriter",
-    "Storage",
-    "as_storage",
-    "checkpoint_id",
-    "io_pool",
-    "open_storage",
-    "write_index",
-]
+__all__ = ["ANY", "PreconditionFailed", "Root", "Storage", "as_storage", "open_storage"]

@@ -8,10 +8,13 @@ from torchrec_cnr.storage.backend import Storage
 from torchrec_cnr.storage.fs import FsStorage
 from torchrec_cnr.storage.s3 import S3Storage
 
-__all__ = ["as_storage", "open_storage"]
+__all__ = ["Root", "as_storage", "open_storage"]
+
+Root = Storage | str | os.PathLike[str]
+"""A checkpoint root as callers give it: a path, an ``s3://bucket/prefix`` URL or a :class:`Storage`."""
 
 
-def as_storage(root: Storage | str | os.PathLike[str]) -> Storage:
+def as_storage(root: Root) -> Storage:
     """``root`` itself if it is a :class:`Storage`, else :func:`open_storage` of it."""
     return root if isinstance(root, Storage) else open_storage(os.fspath(root))
 

@@ -19,10 +19,20 @@ import torch
 
 from torchrec_cnr.tracking import bitmap
 
-__all__ = ["PRIORITY_MODES", "KernelPriority", "TablePriority"]
+__all__ = ["PRIORITY_MODES", "KernelPriority", "TablePriority", "check_ssu_rate"]
 
 PriorityMode = Literal["mfu", "ssu"]
 PRIORITY_MODES: tuple[PriorityMode, ...] = ("mfu", "ssu")
+
+
+def check_ssu_rate(rate: float) -> None:
+    """SSU samples this share of lookups: it must lie in (0, 1].
+
+    Raises:
+        ValueError: it does not.
+    """
+    if not 0 < rate <= 1:
+        raise ValueError(f"ssu_rate must be in (0, 1], got {rate}")
 
 
 class TablePriority:
@@ -64,8 +74,8 @@ class KernelPriority:
     ) -> None:
         if mode not in PRIORITY_MODES:
             raise ValueError(f"priority mode must be one of {PRIORITY_MODES}, got {mode!r}")
-        if mode == "ssu" and not 0 < ssu_rate <= 1:
-            raise ValueError(f"ssu_rate must be in (0, 1], got {ssu_rate}")
+        if mode == "ssu":
+            check_ssu_rate(ssu_rate)
         self.mode = mode
         self.ssu_rate = ssu_rate
         if mode == "mfu":

@@ -145,7 +145,11 @@ class LocalShard:
             # kernel; a live one would go on counting from its own value.
             emb.iter_cpu.fill_(int(values["iter"]))
 
-    def row_bytes(self) -> int:
-        """Bytes one row of this shard takes in an fp32 checkpoint: values, states, id."""
-        states = sum(s[0].numel() * s.element_size() for s in self.states.values() if s.shape[0])
-        return self.weight.shape[1] * self.weight.element_size() + states + 4
+    def row_bytes(self, with_id: bool = True) -> int:
+        """Bytes one row of this shard takes in an fp32 checkpoint: values, optimizer
+        states, and its id (a delta stores each row's id; a full save stores none)."""
+        per_row = self.weight.shape[1] * self.weight.element_size()
+        for s in self.states.values():
+            per_row += (s.numel() // max(s.shape[0], 1)) * s.element_size()
+        id_bytes = 4 if self.spec.num_embeddings <= 2**31 - 1 else 8
+        return per_row + (id_bytes if with_id else 0)

@@ -19,13 +19,14 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from torchrec_cnr.tracking import bitmap
-from torchrec_cnr.tracking.priority import KernelPriority
+from torchrec_cnr.tracking.priority import KernelPriority, check_ssu_rate
 from torchrec_cnr.tracking.shard import LocalShard, ShardSpec, optimizer_state_names
 
 __all__ = ["TRACKER_ATTR", "TRACKING_MODES", "RowTracker", "TrackingMode"]
@@ -46,27 +47,36 @@ class _Marker:
 
     Torch ops release the GIL, so the sort behind :func:`bitmap.set_bits` runs
     while the training thread waits in collectives or runs Python. Readers
-    call :meth:`drain` first; the queue is bounded so memory cannot grow.
+    call :meth:`drain` first; the queue is bounded so memory cannot grow. The
+    thread starts with the first batch and stops in :meth:`close`; a later batch
+    starts it again.
     """
 
+    _STOP = object()
+
     def __init__(self, max_pending: int = 16) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending = 0
         self._max_pending = max_pending
         self._cv = threading.Condition()
         self._error: BaseException | None = None
-        threading.Thread(target=self._run, name="cnr-tracker", daemon=True).start()
+        self._thread: threading.Thread | None = None
 
     def submit(self, work: Callable[[], None]) -> None:
         with self._cv:
             if self._pending >= self._max_pending:
                 self._cv.wait_for(lambda: self._pending < self._max_pending)
             self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cnr-tracker", daemon=True)
+                self._thread.start()
         self._queue.put(work)
 
     def _run(self) -> None:
         while True:
             work = self._queue.get()
+            if work is self._STOP:
+                return
             try:
                 work()
             except BaseException as e:  # surfaced by drain(), never swallowed
@@ -82,6 +92,15 @@ class _Marker:
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError("row tracking failed") from error
+
+    def close(self) -> None:
+        """Drains, then stops the thread."""
+        self.drain()
+        with self._cv:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(self._STOP)
+            thread.join()
 
 
 class _KernelHook:
@@ -131,6 +150,21 @@ class _KernelHook:
             self.priority.record(rows)
 
 
+@dataclass
+class _TableEntry:
+    """One table of one kernel, as this rank holds it."""
+
+    table: Any
+    """TorchRec's ``ShardedEmbeddingTable`` config."""
+    index: int
+    """Its position among the kernel's tables."""
+    kernel: Any
+    words: torch.Tensor | None
+    """Its view into the kernel's bitmap; ``None`` when every row counts as modified."""
+    first_word: int
+    """Where that view starts in the kernel's bitmap (and priority)."""
+
+
 class RowTracker:
     """Modified-row bitmaps of every local shard of one sharded embedding module.
 
@@ -159,8 +193,8 @@ class RowTracker:
     ) -> None:
         if mode not in TRACKING_MODES:
             raise ValueError(f"tracking mode must be one of {TRACKING_MODES}, got {mode!r}")
-        if mode == "ssu" and not 0 < ssu_rate <= 1:
-            raise ValueError(f"ssu_rate must be in (0, 1], got {ssu_rate}")
+        if mode == "ssu":
+            check_ssu_rate(ssu_rate)
         self.mode = mode
         self._ssu_rate = ssu_rate
         self._rank = rank
@@ -169,7 +203,7 @@ class RowTracker:
         self._container = "embedding_bags" if hasattr(sharded, "embedding_bags") else "embeddings"
         self._sharding_types = dict(sharding_types)
         # (table config, its index in the kernel, kernel, bitmap view or None, first word)
-        self._entries: list[tuple[Any, int, Any, torch.Tensor | None, int]] = []
+        self._entries: list[_TableEntry] = []
         self._priorities: dict[int, KernelPriority] = {}
         self._handles: list[Any] = []
         self._hooks: list[tuple[Any, _KernelHook]] = []
@@ -188,7 +222,7 @@ class RowTracker:
         fused = hasattr(emb, "split_optimizer_states") and hasattr(kernel, "fused_optimizer")
         if not fused:
             for i in range(len(tables)):
-                self._entries.append((tables[i], i, kernel, None, 0))
+                self._entries.append(_TableEntry(tables[i], i, kernel, None, 0))
             return
         # One flat bitmap per kernel; each table starts on a word boundary so
         # that its bits are a plain slice of the flat tensor.
@@ -216,12 +250,18 @@ class RowTracker:
         self._handles.append(kernel.register_forward_pre_hook(hook, with_kwargs=True))
         for i, t in enumerate(tables):
             view = words[word_starts[i] : word_starts[i] + bitmap.num_words(t.local_rows)]
-            self._entries.append((t, i, kernel, view, word_starts[i]))
+            self._entries.append(_TableEntry(t, i, kernel, view, word_starts[i]))
 
     def drain(self) -> None:
         """Waits until every looked-up row so far is in the bitmaps."""
         if self._marker is not None:
             self._marker.drain()
+
+    def close(self) -> None:
+        """Stops the thread that sets bits, once every looked-up row is in the bitmaps;
+        tracking goes on, and the thread starts again with the next batch."""
+        if self._marker is not None:
+            self._marker.close()
 
     def shards(self, prefix: str = "") -> list[LocalShard]:
         """The local shards with live views into weights, optimizer states and bitmaps.
@@ -233,7 +273,8 @@ class RowTracker:
         out = []
         weights_cache: dict[int, list[torch.Tensor]] = {}
         states_cache: dict[int, list[list[torch.Tensor]]] = {}
-        for table, index, kernel, words, first_word in self._entries:
+        for entry in self._entries:
+            table, index, kernel, words = entry.table, entry.index, entry.kernel, entry.words
             emb = kernel.emb_module
             key = id(kernel)
             if key not in weights_cache:
@@ -270,7 +311,9 @@ class RowTracker:
             weight = weights_cache[key][index]
             assert weight.shape == (rows, cols), (weight.shape, rows, cols)
             kernel_priority = self._priorities.get(key)
-            priority = None if kernel_priority is None else kernel_priority.table(first_word, rows)
+            priority = (
+                None if kernel_priority is None else kernel_priority.table(entry.first_word, rows)
+            )
             out.append(
                 LocalShard(spec, weight, states, optimizer, words, kernel, priority, self.drain)
             )

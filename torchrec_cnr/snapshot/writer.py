@@ -1,56 +1,50 @@
-"""One rank's part of a checkpoint directory, written in parallel, in torchsnapshot's format.
+"""One writer's part of a checkpoint directory, written in parallel, in torchsnapshot's format.
 
 Check-N-Run writes checkpoints as torchsnapshot snapshots, and so does this module: the
-directory's ``.snapshot_metadata`` is torchsnapshot's index, and torchsnapshot's own
-reader reads the tensors back (``tests/unit/test_snapshot.py`` checks it). The writing is
-ours: torchsnapshot 0.1.0 took 3-4 s to write and sync one rank's 1 GB where the disk
-needs 0.5 s. Here:
+directory's ``.snapshot_metadata`` is torchsnapshot's index, built from its own typed
+entries (``torchsnapshot.manifest``), and torchsnapshot's reader reads the tensors back
+(``tests/unit/test_snapshot.py`` checks it). The writing is ours: torchsnapshot 0.1.0
+took 3-4 s to write and sync one rank's 1 GB where the disk needs 0.5 s. Here:
 
-- a tensor is cut into objects of at most ``TORCHREC_CNR_OBJECT_KB`` (whole rows), each
-  written on the process's I/O thread pool, with the CRC32 of its bytes computed and the
-  file fsynced on the thread that writes it;
+- a tensor is cut into objects of at most ``object_bytes`` (whole rows), each written on
+  the caller's I/O executor, with the CRC32 of its bytes computed on the thread that
+  writes it;
 - tensors far smaller than that are packed into shared objects;
 - a tensor may arrive in several row chunks (a shard staged in chunks to bound memory);
   its CRC32 combines those of its pieces, in row order.
 
-A directory is complete only once :func:`write_index` wrote the index, after every rank's
-part is durable; until a committed manifest names it, it does not exist for a restore.
+A directory is complete only once :func:`write_index` wrote the index, after every
+writer's part is durable; until a committed manifest names it, it does not exist for a
+restore.
 """
 
 from __future__ import annotations
 
 import base64
-import json
-import threading
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+from torchsnapshot.manifest import (
+    ChunkedTensorEntry,
+    DictEntry,
+    Entry,
+    PrimitiveEntry,
+    Shard,
+    SnapshotMetadata,
+    TensorEntry,
+)
 from torchsnapshot.serialization import dtype_to_string
 
-from torchrec_cnr import knobs
-from torchrec_cnr.encoding import as_bytes, crc32_combine
-from torchrec_cnr.storage.backend import Storage
-from torchrec_cnr.storage.layout import SNAPSHOT_MARKER
+from torchrec_cnr.snapshot.checksum import as_bytes, crc32_combine
+from torchrec_cnr.snapshot.layout import SNAPSHOT_MARKER
+from torchrec_cnr.storage import Storage
 
-__all__ = ["RankPart", "SnapshotWriter", "io_pool", "write_index"]
+__all__ = ["RankPart", "SnapshotWriter", "write_index"]
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def io_pool() -> ThreadPoolExecutor:
-    """The process's I/O thread pool (``TORCHREC_CNR_IO_THREADS``), for reads and writes.
-
-    Its tasks never wait for one another, so one pool serves every reader and writer.
-    """
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(knobs.io_threads(), thread_name_prefix="cnr-io")
-        return _pool
+SNAPSHOT_VERSION = "0.1.0"
+"""The torchsnapshot format version the index declares."""
 
 
 def _put(storage: Storage, name: str, data: memoryview) -> int:
@@ -87,7 +81,7 @@ class _Logical:
 class RankPart:
     """What one rank wrote into a checkpoint directory."""
 
-    entries: dict[str, dict[str, Any]]
+    entries: dict[str, Entry]
     """Logical path -> torchsnapshot index entry."""
     checksums: dict[str, int]
     """Logical path -> CRC32 of the whole tensor (or bytes)."""
@@ -101,13 +95,18 @@ class SnapshotWriter:
         storage: the root.
         ckpt_id: the checkpoint directory.
         prefix: names this writer's data objects apart from other writers'.
+        executor: runs the object writes; the caller owns it.
+        object_bytes: the largest data object (``IOOptions.object_kb``).
     """
 
-    def __init__(self, storage: Storage, ckpt_id: str, prefix: str) -> None:
+    def __init__(
+        self, storage: Storage, ckpt_id: str, prefix: str, executor: Executor, object_bytes: int
+    ) -> None:
         self.storage = storage
         self.ckpt_id = ckpt_id
         self.prefix = prefix
-        self.object_bytes = knobs.object_bytes()
+        self.executor = executor
+        self.object_bytes = object_bytes
         # Smaller tensors are packed into shared objects (copied: at most this much each).
         self.small_bytes = min(1 << 20, self.object_bytes // 8)
         self._objects = 0
@@ -122,7 +121,7 @@ class SnapshotWriter:
         return f"data/{self.prefix}-{self._objects - 1}"
 
     def _submit(self, location: str, data: memoryview) -> Future[int]:
-        future = io_pool().submit(_put, self.storage, f"{self.ckpt_id}/{location}", data)
+        future = self.executor.submit(_put, self.storage, f"{self.ckpt_id}/{location}", data)
         self._futures.append(future)
         return future
 
@@ -197,7 +196,7 @@ class SnapshotWriter:
         """Waits for every write; returns the index entries and checksums of this writer."""
         self._flush_batch()
         self.wait()
-        entries: dict[str, dict[str, Any]] = {}
+        entries: dict[str, Entry] = {}
         checksums: dict[str, int] = {}
         nbytes = 0
         for logical, t in self._tensors.items():
@@ -215,63 +214,58 @@ class SnapshotWriter:
             checksums[logical] = crc
             nbytes += sum(p.nbytes for p in pieces)
         for logical, value in self._inline.items():
-            entries[logical] = {
-                "type": "bytes",
-                "serialized_value": base64.b64encode(value).decode(),
-                "replicated": False,
-                "readable": None,
-            }
+            entries[logical] = PrimitiveEntry("bytes", base64.b64encode(value).decode(), False)
             checksums[logical] = zlib.crc32(value)
             nbytes += len(value)
         return RankPart(entries, checksums, nbytes)
 
 
-def _tensor_entry(t: _Logical, piece: _Piece, shape: list[int]) -> dict[str, Any]:
-    return {
-        "type": "Tensor",
-        "location": piece.location,
-        "serializer": "buffer_protocol",
-        "dtype": dtype_to_string(t.dtype),
-        "shape": shape,
-        "replicated": t.replicated,
-        "byte_range": [piece.start, piece.start + piece.nbytes],
-    }
+def _tensor_entry(t: _Logical, piece: _Piece, shape: list[int]) -> TensorEntry:
+    return TensorEntry(
+        location=piece.location,
+        serializer="buffer_protocol",
+        dtype=dtype_to_string(t.dtype),
+        shape=shape,
+        replicated=t.replicated,
+        byte_range=[piece.start, piece.start + piece.nbytes],
+    )
 
 
-def _entry(t: _Logical, pieces: list[_Piece]) -> dict[str, Any]:
+def _entry(t: _Logical, pieces: list[_Piece]) -> Entry:
     if len(pieces) == 1:
         return _tensor_entry(t, pieces[0], [t.rows, *t.row_shape] if t.shape else [])
-    return {
-        "type": "ChunkedTensor",
-        "dtype": dtype_to_string(t.dtype),
-        "shape": [t.rows, *t.row_shape],
-        "chunks": [
-            {
-                "offsets": [p.row0] + [0] * len(t.row_shape),
-                "sizes": [p.rows, *t.row_shape],
-                "tensor": _tensor_entry(t, p, [p.rows, *t.row_shape]),
-            }
-            for p in pieces
-        ],
-        "replicated": t.replicated,
-    }
+    chunks = [
+        Shard(
+            offsets=[p.row0] + [0] * len(t.row_shape),
+            sizes=[p.rows, *t.row_shape],
+            tensor=_tensor_entry(t, p, [p.rows, *t.row_shape]),
+        )
+        for p in pieces
+    ]
+    return ChunkedTensorEntry(
+        dtype_to_string(t.dtype), [t.rows, *t.row_shape], chunks, t.replicated
+    )
 
 
 def write_index(
-    storage: Storage, ckpt_id: str, parts: list[dict[str, dict[str, Any]]], world_size: int
+    storage: Storage, ckpt_id: str, parts: list[dict[str, Entry]], world_size: int
 ) -> None:
-    """Writes the index of a checkpoint directory from its writers' entries; call it last,
-    once every writer's part is durable: the directory reads as complete only then."""
+    """Writes the index of a checkpoint directory from its writers' entries.
+
+    IMPORTANT: call it last, once every writer's part is durable: the directory reads as
+    complete only then.
+    """
     entries = {k: v for part in parts for k, v in part.items()}
-    manifest: dict[str, Any] = {}
+    manifest: dict[str, Entry] = {}
     for logical in sorted(entries):
         path = logical
         while "/" in path:
             parent, _, key = path.rpartition("/")
-            keys = manifest.setdefault(parent, {"type": "dict", "keys": []})["keys"]
-            if key not in keys:
-                keys.append(key)
+            folder = manifest.setdefault(parent, DictEntry(keys=[]))
+            assert isinstance(folder, DictEntry)
+            if key not in folder.keys:
+                folder.keys.append(key)
             path = parent
     manifest.update(entries)
-    document = {"version": "0.1.0", "world_size": world_size, "manifest": manifest}
-    storage.write(f"{ckpt_id}/{SNAPSHOT_MARKER}", json.dumps(document, indent=1).encode())
+    metadata = SnapshotMetadata(SNAPSHOT_VERSION, world_size, manifest)
+    storage.write(f"{ckpt_id}/{SNAPSHOT_MARKER}", metadata.to_yaml().encode())

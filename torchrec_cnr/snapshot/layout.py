@@ -14,7 +14,11 @@ torchsnapshot snapshot per checkpoint::
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 __all__ = [
+    "CheckpointName",
     "LEASE_NAME",
     "MANIFEST_NAME",
     "PREVIOUS_MANIFEST_NAME",
@@ -22,6 +26,7 @@ __all__ = [
     "app_path",
     "checkpoint_id",
     "dense_path",
+    "parse_checkpoint_id",
     "rows_path",
 ]
 
@@ -35,8 +40,33 @@ SNAPSHOT_MARKER = ".snapshot_metadata"
 def checkpoint_id(seq: int, step: int, generation: int, compacted: bool = False) -> str:
     """Directory name of a checkpoint: unique even when a step is saved twice, and never
     shared by two writers (``generation`` is the writer's, see ``commit.lease``). A
-    compaction of checkpoint ``seq`` takes its name with a ``-c``."""
+    compaction of checkpoint ``seq`` takes its name with a ``-c``.
+
+    :func:`parse_checkpoint_id` reads it back."""
     return f"{seq:06d}-step{step:010d}-g{generation:04d}" + ("-c" if compacted else "")
+
+
+# Format 1 names carry no generation (it reads as 0).
+_CHECKPOINT_ID = re.compile(r"^(\d{6})-step(\d{10})(?:-g(\d+))?(-c)?$")
+
+
+@dataclass(frozen=True)
+class CheckpointName:
+    """The parts of a checkpoint directory's name."""
+
+    seq: int
+    step: int
+    generation: int
+    compacted: bool
+
+
+def parse_checkpoint_id(name: str) -> CheckpointName | None:
+    """The parts of a name :func:`checkpoint_id` made; ``None`` for any other name."""
+    match = _CHECKPOINT_ID.match(name)
+    if match is None:
+        return None
+    seq, step, generation, compacted = match.groups()
+    return CheckpointName(int(seq), int(step), int(generation or 0), compacted is not None)
 
 
 def rows_path(rank: int, name: str) -> str:

@@ -2,10 +2,11 @@
 
 Staging hands each shard (or chunk of rows) to a :class:`ShardWriter` as it is copied.
 Once staging is done (or a chunk of rows is staged), each shard's encoding
-(quantization) runs as a task on the I/O pool, which writes the encoded tensors as soon
-as they are ready: encoding uses every core and overlaps the other shards' writes. Nothing
-starts during the stall itself, where it would only compete with the copy for cores and
-memory bandwidth. The background writer then calls :meth:`ShardWriter.finish`. Nothing here is collective: each rank writes its own objects
+(quantization) runs as a task on the encoding pool, and its tensors go to the I/O pool
+as soon as they are ready: encoding uses every core and overlaps the other shards'
+writes. Nothing starts during the stall itself, where it would only compete with the copy
+for cores and memory bandwidth. The background writer then calls
+:meth:`ShardWriter.finish`. Nothing here is collective: each rank writes its own objects
 and reports them; the commit gathers the reports and writes the index and the manifest.
 """
 
@@ -14,14 +15,15 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
-from torchrec_cnr import knobs
-from torchrec_cnr.encoding import FormatResolver, ShardRecord, crc32, encode_shard
+from torchsnapshot.manifest import Entry as IndexEntry
+
+from torchrec_cnr.encoding.codec import ShardRecord, encode_shard
+from torchrec_cnr.encoding.formats import FormatResolver
+from torchrec_cnr.executors import Executors
+from torchrec_cnr.snapshot import SnapshotWriter, app_path, crc32, dense_path, rows_path
 from torchrec_cnr.staging import StagedCheckpoint, StagedShard
-from torchrec_cnr.storage.backend import Storage
-from torchrec_cnr.storage.layout import app_path, dense_path, rows_path
-from torchrec_cnr.storage.snapshot import SnapshotWriter, io_pool
+from torchrec_cnr.storage import Storage
 
 __all__ = ["RankWrite", "ShardWriter"]
 
@@ -36,7 +38,7 @@ class RankWrite:
     nbytes: int
     staged_bytes: int
     stall_s: float
-    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    entries: dict[str, IndexEntry] = field(default_factory=dict)
     """This rank's torchsnapshot index entries."""
 
 
@@ -49,13 +51,22 @@ class ShardWriter:
         ckpt_id: the checkpoint directory.
         rank: this rank (names its objects and logical paths).
         resolver: the stored format of each table.
+        pools: the encoding and I/O threads (the caller owns them).
     """
 
-    def __init__(self, storage: Storage, ckpt_id: str, rank: int, resolver: FormatResolver) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        ckpt_id: str,
+        rank: int,
+        resolver: FormatResolver,
+        pools: Executors,
+    ) -> None:
         self.ckpt_id = ckpt_id
         self.rank = rank
         self.resolver = resolver
-        self.snapshot = SnapshotWriter(storage, ckpt_id, prefix=str(rank))
+        self.pools = pools
+        self.snapshot = SnapshotWriter(storage, ckpt_id, str(rank), pools.io, pools.object_bytes)
         self._records: dict[str, ShardRecord] = {}
         self._queued: list[tuple[StagedShard, int, int | None]] = []
         self._encodes: list[Future[None]] = []
@@ -84,8 +95,8 @@ class ShardWriter:
         self._queued.append((shard, row0, total))
 
     def start(self) -> None:
-        """Encodes every shard taken so far on the I/O pool, each written once encoded."""
-        pool = io_pool()
+        """Encodes every shard taken so far on the encoding pool, each written once encoded."""
+        pool = self.pools.encode
         self._encodes += [pool.submit(self._encode, *args) for args in self._queued]
         self._queued.clear()
 
@@ -114,15 +125,9 @@ class ShardWriter:
             self.abandon()
             raise
         records = list(self._records.values())
-        prefix = rows_path(self.rank, "")
         for rec in records:
-            rec.checksums = {
-                logical.removeprefix(prefix): crc
-                for logical, crc in part.checksums.items()
-                if logical.startswith(f"{prefix}{rec.key}.")
-            }
+            rec.take_checksums(part.checksums)
         self.snapshot.storage.make_durable(self.ckpt_id)
-        knobs.inject_fault(staged.step, self.rank)
         dense_bytes = sum(t.numel() * t.element_size() for t in staged.dense.values())
         return RankWrite(
             shards=records,

@@ -1,36 +1,42 @@
 """Reading tensors and objects out of one checkpoint, without a model.
 
 Checkpoints are torchsnapshot snapshots; this reads them without torchsnapshot's read
-path: its ``.snapshot_metadata`` (one JSON document, read once) says where each tensor's
-bytes lie, and the bytes are read straight into the tensor through the root's
-:class:`~torchrec_cnr.storage.Storage` (a ranged GET on an object store). Every tensor is
-read in pieces of at most ``TORCHREC_CNR_OBJECT_KB`` on the I/O pool, many tensors at
-once; each piece's CRC32 is computed on the thread that read it, and the pieces' CRCs are
-combined into the tensor's and checked against the one recorded at save time.
+path: its ``.snapshot_metadata`` (one JSON document, read once, parsed into
+torchsnapshot's typed entries) says where each tensor's bytes lie, and the bytes are read
+straight into the tensor through the root's :class:`~torchrec_cnr.storage.Storage` (a
+ranged GET on an object store). Every tensor is read in pieces of at most
+``piece_bytes`` on the caller's I/O executor, many tensors at once; each piece's CRC32 is
+computed on the thread that read it, and the pieces' CRCs are combined into the tensor's
+and checked against the one recorded at save time.
 """
 
 from __future__ import annotations
 
-import base64
 import functools
 import json
 import zlib
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torchsnapshot.manifest import (
+    ChunkedTensorEntry,
+    DictEntry,
+    Entry,
+    ObjectEntry,
+    PrimitiveEntry,
+    TensorEntry,
+)
 from torchsnapshot.serialization import string_to_dtype, torch_load_from_bytes
 
-from torchrec_cnr import knobs
-from torchrec_cnr.encoding import as_bytes, check, crc32_combine, mismatch
 from torchrec_cnr.errors import CheckpointReadError
-from torchrec_cnr.storage.backend import Storage
-from torchrec_cnr.storage.layout import SNAPSHOT_MARKER, app_path, dense_path, rows_path
-from torchrec_cnr.storage.snapshot import io_pool
+from torchrec_cnr.snapshot.checksum import as_bytes, check, crc32_combine, mismatch
+from torchrec_cnr.snapshot.layout import SNAPSHOT_MARKER, app_path, dense_path, rows_path
+from torchrec_cnr.storage import Storage
 
-__all__ = ["SnapshotReader"]
+__all__ = ["SnapshotReader", "parse_index"]
 
 Alloc = Callable[[list[int], torch.dtype], "torch.Tensor | None"]
 """Gives the tensor of ``shape`` and ``dtype`` to read into, or ``None`` for a fresh one."""
@@ -39,6 +45,33 @@ Alloc = Callable[[list[int], torch.dtype], "torch.Tensor | None"]
 def _get(storage: Storage, location: str, start: int, out: memoryview, crc: bool) -> int:
     storage.read_into(location, start, out)
     return zlib.crc32(out) if crc else 0
+
+
+_ENTRY_TYPES: dict[str, Any] = {
+    "Tensor": TensorEntry,
+    "ChunkedTensor": ChunkedTensorEntry,
+    "dict": DictEntry,
+    "object": ObjectEntry,
+}
+
+
+def parse_index(data: bytes) -> dict[str, Entry]:
+    """torchsnapshot's index (``.snapshot_metadata``) as its typed entries, by logical path.
+
+    JSON is read with :mod:`json` (torchsnapshot writes JSON, a subset of the YAML its own
+    reader parses far more slowly); entry types this library never writes stay untyped
+    and are refused when read as tensors.
+    """
+    out: dict[str, Entry] = {}
+    for path, raw in json.loads(data)["manifest"].items():
+        kind = raw["type"]
+        if kind in PrimitiveEntry.supported_types:
+            out[path] = PrimitiveEntry.from_yaml_obj(raw)
+        elif kind in _ENTRY_TYPES:
+            out[path] = _ENTRY_TYPES[kind].from_yaml_obj(raw)
+        else:
+            out[path] = Entry(kind)
+    return out
 
 
 @dataclass
@@ -60,7 +93,9 @@ class SnapshotReader:
     Args:
         storage: the checkpoint root.
         ckpt_id: the checkpoint's directory.
-        checksums: logical path (see :mod:`torchrec_cnr.storage.layout`) -> CRC32;
+        executor: runs the piece reads; the caller owns it.
+        piece_bytes: the most one request reads (``IOOptions.object_kb``).
+        checksums: logical path (see :mod:`torchrec_cnr.snapshot.layout`) -> CRC32;
             every read of a listed path is checked.
 
     Raises:
@@ -69,42 +104,49 @@ class SnapshotReader:
     """
 
     def __init__(
-        self, storage: Storage, ckpt_id: str, checksums: dict[str, int] | None = None
+        self,
+        storage: Storage,
+        ckpt_id: str,
+        executor: Executor,
+        piece_bytes: int,
+        checksums: dict[str, int] | None = None,
     ) -> None:
         self.storage = storage
         self.name = ckpt_id
         self.path = storage.path(ckpt_id)
+        self.executor = executor
+        self.piece_bytes = piece_bytes
         got = storage.read(f"{ckpt_id}/{SNAPSHOT_MARKER}")
         if got is None:
             raise CheckpointReadError(f"checkpoint directory {self.path} is missing or incomplete")
         try:
-            self._entries: dict[str, Any] = json.loads(got[0])["manifest"]
+            self._entries = parse_index(got[0])
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointReadError(f"{self.path}/{SNAPSHOT_MARKER} is damaged: {e}") from e
+            raise CheckpointReadError(f"{self.path}/{SNAPSHOT_MARKER} is damaged: {e!r}") from e
         self._sums = checksums or {}
 
-    def _entry(self, logical: str) -> dict[str, Any]:
+    def _entry(self, logical: str) -> Entry:
         entry = self._entries.get(logical)
         if entry is None:
             raise CheckpointReadError(f"{self.path} holds no {logical!r}")
-        return entry  # type: ignore[no-any-return]
+        return entry
 
-    def _start(self, read: _Read, entry: dict[str, Any], target: torch.Tensor) -> None:
+    def _start(self, read: _Read, entry: TensorEntry, target: torch.Tensor) -> None:
         """Queues the reads of one stored tensor entry into the contiguous ``target``."""
-        dtype, shape = string_to_dtype(entry["dtype"]), list(entry["shape"])
+        dtype, shape = string_to_dtype(entry.dtype), list(entry.shape)
         if list(target.shape) != shape or target.dtype != dtype:
             raise CheckpointReadError(
                 f"{self.name}/{read.logical}: stored {dtype} {shape}, "
                 f"wanted {target.dtype} {list(target.shape)}"
             )
-        location = f"{self.name}/{entry['location']}"
-        start = (entry.get("byte_range") or (0, None))[0]
+        location = f"{self.name}/{entry.location}"
+        start = entry.byte_range[0] if entry.byte_range else 0
         data = as_bytes(target)
-        step = knobs.object_bytes()
+        step = self.piece_bytes
         crc = read.logical in self._sums
         for offset in range(0, len(data), step):
             view = data[offset : offset + step]
-            future = io_pool().submit(_get, self.storage, location, start + offset, view, crc)
+            future = self.executor.submit(_get, self.storage, location, start + offset, view, crc)
             read.pieces.append((future, len(view)))
 
     def _begin(
@@ -113,12 +155,11 @@ class SnapshotReader:
         """Starts reading ``logical`` (into ``out`` if given, else into ``alloc``'s tensor
         if it gives one); a value if read at once."""
         entry = self._entry(logical)
-        kind = entry["type"]
-        if kind == "bytes":
-            return base64.b64decode(entry["serialized_value"])
-        if kind not in ("Tensor", "ChunkedTensor"):
-            raise CheckpointReadError(f"{self.path}: {logical!r} is a {kind}, not a tensor")
-        dtype, shape = string_to_dtype(entry["dtype"]), list(entry["shape"])
+        if isinstance(entry, PrimitiveEntry) and entry.type == "bytes":
+            return entry.get_value()
+        if not isinstance(entry, TensorEntry | ChunkedTensorEntry):
+            raise CheckpointReadError(f"{self.path}: {logical!r} is a {entry.type}, not a tensor")
+        dtype, shape = string_to_dtype(entry.dtype), list(entry.shape)
         if out is None and alloc is not None:
             out = alloc(shape, dtype)
         if out is None or not out.is_contiguous():
@@ -126,13 +167,13 @@ class SnapshotReader:
         else:
             value = out
         read = _Read(logical, value)
-        if kind == "Tensor" and entry["serializer"] == "buffer_protocol":
+        if isinstance(entry, TensorEntry) and entry.serializer == "buffer_protocol":
             self._start(read, entry, value)
             return read
         read.whole = True
-        if kind == "Tensor":  # pickled by torchsnapshot: small, read at once
-            start, end = entry.get("byte_range") or (0, None)
-            location = f"{self.name}/{entry['location']}"
+        if isinstance(entry, TensorEntry):  # pickled by torchsnapshot: small, read at once
+            start, end = entry.byte_range or (0, None)
+            location = f"{self.name}/{entry.location}"
             if end is None:
                 got = self.storage.read(location)
                 blob = b"" if got is None else got[0]
@@ -143,20 +184,20 @@ class SnapshotReader:
             value.copy_(torch_load_from_bytes(blob))
             return read
         read.whole = False
-        for chunk in sorted(entry["chunks"], key=lambda c: c["offsets"]):
+        for chunk in sorted(entry.chunks, key=lambda c: c.offsets):
             view = value
-            for dim, (offset, size) in enumerate(zip(chunk["offsets"], chunk["sizes"])):
+            for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
                 view = view.narrow(dim, offset, size)
             if not view.is_contiguous():  # chunked along another dim: read each whole
-                part = self._finish(self._begin_tensor(logical, chunk["tensor"]), check=False)
+                part = self._finish(self._begin_tensor(logical, chunk.tensor), check=False)
                 view.copy_(part)
                 read.whole = True
                 continue
-            self._start(read, chunk["tensor"], view)
+            self._start(read, chunk.tensor, view)
         return read
 
-    def _begin_tensor(self, logical: str, entry: dict[str, Any]) -> _Read:
-        value = torch.empty(list(entry["shape"]), dtype=string_to_dtype(entry["dtype"]))
+    def _begin_tensor(self, logical: str, entry: TensorEntry) -> _Read:
+        value = torch.empty(list(entry.shape), dtype=string_to_dtype(entry.dtype))
         read = _Read(logical, value)
         self._start(read, entry, value)
         return read
@@ -218,21 +259,20 @@ class SnapshotReader:
         assert isinstance(value, bytes)
         return value
 
-    def _segments(self, logical: str) -> list[tuple[int, int, dict[str, Any]]] | None:
+    def _segments(self, logical: str) -> list[tuple[int, int, TensorEntry]] | None:
         """``(first row, rows, tensor entry)`` of each stored block of rows of a tensor;
         ``None`` if it is not stored as blocks of whole rows."""
         entry = self._entry(logical)
-        if entry["type"] == "Tensor" and entry["serializer"] == "buffer_protocol":
-            return [(0, entry["shape"][0], entry)]
-        if entry["type"] != "ChunkedTensor":
+        if isinstance(entry, TensorEntry) and entry.serializer == "buffer_protocol":
+            return [(0, entry.shape[0], entry)]
+        if not isinstance(entry, ChunkedTensorEntry):
             return None
         out = []
-        for chunk in entry["chunks"]:
-            tensor = chunk["tensor"]
-            whole_rows = list(chunk["sizes"][1:]) == list(entry["shape"][1:])
-            if not whole_rows or tensor.get("serializer") != "buffer_protocol":
+        for chunk in entry.chunks:
+            whole_rows = list(chunk.sizes[1:]) == list(entry.shape[1:])
+            if not whole_rows or chunk.tensor.serializer != "buffer_protocol":
                 return None
-            out.append((chunk["offsets"][0], chunk["sizes"][0], tensor))
+            out.append((chunk.offsets[0], chunk.sizes[0], chunk.tensor))
         return sorted(out, key=lambda s: s[0])
 
     def rows_subset(self, rank: int, name: str, index: torch.Tensor) -> torch.Tensor:
@@ -246,8 +286,9 @@ class SnapshotReader:
         if segments is None:
             return self.rows(rank, name)[index]  # pickled or chunked by column: read it whole
         entry = self._entry(logical)
-        dtype = string_to_dtype(entry["dtype"])
-        out = torch.empty([index.numel(), *entry["shape"][1:]], dtype=dtype)
+        assert isinstance(entry, TensorEntry | ChunkedTensorEntry)
+        dtype = string_to_dtype(entry.dtype)
+        out = torch.empty([index.numel(), *entry.shape[1:]], dtype=dtype)
         if not index.numel():
             return out
         row_bytes = out[0].numel() * out.element_size()
@@ -261,8 +302,8 @@ class SnapshotReader:
             for a, b in zip(starts, starts[1:]):
                 row = int(index[a])
                 first, _, tensor = segments[int(torch.searchsorted(firsts, row, right=True)) - 1]
-                start = (tensor.get("byte_range") or (0, None))[0] + (row - first) * row_bytes
-                location = f"{self.name}/{tensor['location']}"
+                start = (tensor.byte_range or (0, 0))[0] + (row - first) * row_bytes
+                location = f"{self.name}/{tensor.location}"
                 self.storage.read_into(location, start, target[a * row_bytes : b * row_bytes])
         except Exception as e:
             raise CheckpointReadError(f"cannot read {logical!r} from {self.path}: {e}") from e

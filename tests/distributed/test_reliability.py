@@ -1,0 +1,357 @@
+"""Failures that leave nothing behind: a full disk, a root that cannot be written, and
+restores that fail without touching the model.
+
+- A save that fails for lack of space raises ``CheckpointError`` on every rank, and its
+  files are gone at once; ``close()`` never raises for the lease; a manager on a root it
+  cannot write still restores exactly, and refuses saves naming the cause; saving
+  resumes once space returns. On a real tmpfs (root only) and, with injected ENOSPC at
+  an object, the manifest and the lease, on every backend.
+- A restore that fails (an ``app_state`` that refuses its state on one rank, data that
+  does not fit) leaves the weights, every optimizer state, the dense parameters and every
+  ``app_state`` object bit-identical; an uninitialized TorchRec ``KeyedOptimizer`` in
+  ``app_state`` is initialized before it loads.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cnr_train.workload import TableSpec
+from tests import reference
+from tests.contract.models import capture, differences
+from tests.faults import Fault, FaultyStorage
+from tests.jobs import Job, make_job
+from tests.multiprocess import run_ranks
+from torchrec_cnr import CheckpointConfig, CheckpointError, CheckpointManager
+from torchrec_cnr.commit import Manifest
+from torchrec_cnr.storage import open_storage
+
+TABLES = [
+    TableSpec("a", 400, 16, "table_wise"),
+    TableSpec("b", 300, 16, "column_wise"),
+    TableSpec("c", 200, 16, "row_wise"),
+]
+
+
+def _job(root: str, seed: int, **config: Any) -> Job:
+    return make_job(TABLES, root, seed=seed, data_seed=4, **config)
+
+
+def _uncommitted(root: str) -> list[str]:
+    """Checkpoint directories the manifest does not name."""
+    named = {e.id for e in Manifest.load(root).checkpoints}
+    return sorted(set(open_storage(root).children()) - named)
+
+
+def _restore_matches(root: str, refs: str, step: int) -> None:
+    job = _job(root, seed=90, policy="consecutive")
+    assert job.ckpt.restore() == step
+    reference.assert_model_matches(job.model, job.app, reference.load_all(Path(refs), step))
+    job.ckpt.close()
+
+
+# -- injected ENOSPC: an object, the manifest, the lease ------------------------
+
+
+def _object_or_manifest_write_fails(root: str, refs: str, where: str) -> None:
+    storage = FaultyStorage(root)
+    job = _job(root, seed=1, policy="consecutive", storage=storage)
+    job.train(2)
+    job.ckpt.save(2)
+    job.ckpt.wait()
+    failing_rank = 1 if where == "object" else 0  # rank 0 commits the manifest
+    if dist.get_rank() == failing_rank:
+        op, name = (
+            ("write_object", "step0000000004") if where == "object" else ("write", "manifest.json")
+        )
+        storage.faults.append(Fault(op, name, times=1))
+    job.train(2)
+    job.ckpt.save(4)
+    with pytest.raises(CheckpointError, match="step 4 failed.*No space left|no space left"):
+        job.ckpt.wait()
+    dist.barrier()
+    assert Manifest.load(root).steps() == [2], "a failed checkpoint must not commit"
+    assert _uncommitted(root) == [], "the failed checkpoint's files must be gone at once"
+    job.train(2)
+    job.ckpt.save(6)  # holds every row changed since step 2
+    reference.save(reference.take(job.model, job.app), Path(refs), 6)
+    job.ckpt.close()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("where", ["object", "manifest"])
+def test_enospc_fails_the_save_on_every_rank_and_removes_its_files(
+    where: str, any_root: str, refs: Path
+) -> None:
+    run_ranks(2, _object_or_manifest_write_fails, any_root, str(refs), where)
+    assert Manifest.load(any_root).steps() == [2, 6]
+    run_ranks(2, _restore_matches, any_root, str(refs), 6)
+
+
+def _save_two(root: str, refs: str) -> None:
+    job = _job(root, seed=1, policy="consecutive")
+    for step in (2, 4):
+        job.train(2)
+        job.ckpt.save(step)
+        reference.save(reference.take(job.model, job.app), Path(refs), step)
+    job.ckpt.close()
+
+
+def _lease_cannot_be_written(root: str, refs: str) -> None:
+    # The claim writes the lease first: a root with no space left (or read-only).
+    storage = FaultyStorage(root, Fault("write", "lease.json"))
+    job = _job(root, seed=7, policy="consecutive", storage=storage)
+    assert job.ckpt.restore() == 4
+    reference.assert_model_matches(job.model, job.app, reference.load_all(Path(refs), 4))
+    job.train(2)
+    with pytest.raises(CheckpointError, match=r"cannot be written \(OSError: .*no space left"):
+        job.ckpt.save(6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to release: not even a warning
+        job.ckpt.close()
+
+
+def _lease_release_fails(root: str) -> None:
+    storage = FaultyStorage(root)
+    job = _job(root, seed=7, policy="consecutive", storage=storage)
+    assert job.ckpt.restore() == 4
+    storage.faults.append(Fault("write", "lease.json"))
+    if dist.get_rank() == 0:
+        with pytest.warns(UserWarning, match="could not release the lease"):
+            job.ckpt.close()
+    else:
+        job.ckpt.close()
+
+
+@pytest.mark.dist
+def test_a_root_that_cannot_be_written_still_restores_and_close_never_raises(
+    any_root: str, refs: Path
+) -> None:
+    run_ranks(2, _save_two, any_root, str(refs))
+    run_ranks(2, _lease_cannot_be_written, any_root, str(refs))
+    run_ranks(2, _lease_release_fails, any_root)
+    assert Manifest.load(any_root).steps() == [2, 4]
+
+
+# -- a real full file system ---------------------------------------------------
+
+
+def _mount(path: Path, size: str, remount: bool = False) -> bool:
+    opts = f"remount,size={size}" if remount else f"size={size}"
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True
+    )
+    return done.returncode == 0
+
+
+def _fill(path: Path) -> None:
+    """Takes every byte left on the file system of ``path``."""
+    try:
+        with open(path / "filler", "ab") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+
+
+def _save_until_full(root: str, refs: str) -> None:
+    job = _job(root, seed=1, policy="full")
+    committed = 0
+    for step in range(2, 400, 2):
+        job.train(2)
+        job.ckpt.save(step)
+        try:
+            job.ckpt.wait()
+        except CheckpointError as e:  # on every rank, with the cause
+            assert "No space left on device" in str(e), e
+            break
+        committed = step
+        reference.save(reference.take(job.model, job.app), Path(refs), step)
+    else:
+        pytest.fail("the file system never filled up")
+    dist.barrier()
+    assert committed > 0 and Manifest.load(root).steps()[-1] == committed
+    assert _uncommitted(root) == [], "the failed checkpoint's files must be gone at once"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the lease may not be writable: a warning at most
+        job.ckpt.close()
+
+
+def _restore_on_full_disk(root: str, refs: str) -> None:
+    job = _job(root, seed=5, policy="full")
+    step = Manifest.load(root).steps()[-1]
+    assert job.ckpt.restore() == step
+    reference.assert_model_matches(job.model, job.app, reference.load_all(Path(refs), step))
+    job.train(2)
+    with pytest.raises(CheckpointError):
+        job.ckpt.save(step + 2)
+        job.ckpt.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        job.ckpt.close()
+
+
+def _save_after_growth(root: str, refs: str) -> None:
+    job = _job(root, seed=5, policy="full")
+    step = job.ckpt.restore()
+    assert step is not None
+    job.train(2)
+    job.ckpt.save(step + 2)
+    reference.save(reference.take(job.model, job.app), Path(refs), step + 2)
+    job.ckpt.close()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_a_real_full_tmpfs_fails_saves_cleanly_restores_and_recovers(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if not _mount(mnt, "1m"):
+        pytest.skip("this machine does not let root mount a tmpfs")
+    refs = tmp_path / "refs"
+    refs.mkdir()
+    root = str(mnt / "ckpt")
+    try:
+        run_ranks(2, _save_until_full, root, str(refs))
+        _fill(mnt)  # nothing left, not even for a lease
+        run_ranks(2, _restore_on_full_disk, root, str(refs))
+        assert _uncommitted(root) == []
+        assert _mount(mnt, "16m", remount=True)
+        (mnt / "filler").unlink(missing_ok=True)
+        run_ranks(2, _save_after_growth, root, str(refs))
+        last = Manifest.load(root).steps()[-1]
+        run_ranks(2, _restore_matches_full, root, str(refs), last)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        shutil.rmtree(mnt, ignore_errors=True)
+
+
+def _restore_matches_full(root: str, refs: str, step: int) -> None:
+    job = _job(root, seed=91, policy="full")
+    assert job.ckpt.restore() == step
+    reference.assert_model_matches(job.model, job.app, reference.load_all(Path(refs), step))
+    job.ckpt.close()
+
+
+# -- restores that fail change nothing ------------------------------------------
+
+
+class _Refuses:
+    """An app_state object that refuses its saved state on one rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.value = torch.zeros(3)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if dist.get_rank() == self.rank:
+            raise RuntimeError("this object refuses its state")
+        self.value.copy_(state["value"])
+
+
+def _save_with_extra(root: str) -> None:
+    job = _job(root, seed=1, policy="consecutive")
+    job.ckpt.close()
+    extra = _Refuses(rank=-1)
+    extra.value += dist.get_rank() + 1
+    app = {**job.app, "extra": extra}
+    ckpt = CheckpointManager(job.model, CheckpointConfig(path=root, policy="consecutive"), app)
+    for step in (2, 4):
+        job.train(2)
+        ckpt.save(step)
+    ckpt.close()
+
+
+def _app_state_refuses(root: str) -> None:
+    job = _job(root, seed=3, policy="consecutive")
+    job.train(1)  # a dense optimizer with state, so that its rollback is visible
+    job.ckpt.close()
+    extra = _Refuses(rank=1)
+    app = {**job.app, "extra": extra}
+    ckpt = CheckpointManager(job.model, CheckpointConfig(path=root, policy="consecutive"), app)
+    before = capture(job.model, app)
+    with pytest.raises(CheckpointError, match=r"app_state 'extra' on rank 1 refused"):
+        ckpt.restore()
+    assert not differences(before, capture(job.model, app)), "a failed restore changed the model"
+    ckpt.close()
+
+
+def _data_does_not_fit(root: str) -> None:
+    job = _job(root, seed=3, policy="consecutive", verify_checksums=False)
+    before = capture(job.model, job.app)
+    with pytest.raises(CheckpointError, match="failed before any change.*holds .* rows"):
+        job.ckpt.restore()
+    assert not differences(before, capture(job.model, job.app)), (
+        "a failed restore changed the model"
+    )
+    job.ckpt.close()
+
+
+@pytest.mark.dist
+def test_a_restore_that_fails_anywhere_leaves_model_and_app_state_bit_identical(
+    root: str,
+) -> None:
+    run_ranks(2, _save_with_extra, root)
+    run_ranks(2, _app_state_refuses, root)
+    # A manifest that promises more rows than a stored tensor holds: read, then refused.
+    manifest = Manifest.load(root)
+    last = manifest.checkpoints[-1]
+    rec = next(r for r in last.shards if not r.all_rows and r.saved_rows > 0)
+    rec.saved_rows += 1
+    manifest.save(open_storage(root))
+    run_ranks(2, _data_does_not_fit, root)
+
+
+def _keyed_optimizer_job(root: str, seed: int) -> tuple[Job, Any]:
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+
+    job = _job(root, seed=seed, policy="consecutive")
+    job.ckpt.close()
+    dense = {n: p for n, p in job.model.named_parameters() if "embedding" not in n}
+    keyed = KeyedOptimizerWrapper(dense, lambda params: torch.optim.Adagrad(params, lr=0.05))
+    return job, keyed
+
+
+def _keyed_optimizer_saves(root: str) -> None:
+    job, keyed = _keyed_optimizer_job(root, seed=1)
+    ckpt = CheckpointManager(job.model, CheckpointConfig(path=root), {"keyed": keyed})
+    job.train(2)
+    keyed.init_state()  # state to save
+    keyed.step()
+    ckpt.save(2)
+    ckpt.close()
+    torch.save(keyed.state_dict(), f"{root}-keyed-{dist.get_rank()}.pt")
+
+
+def _keyed_optimizer_restores(root: str) -> None:
+    job, keyed = _keyed_optimizer_job(root, seed=2)
+    assert not keyed.state, "a fresh KeyedOptimizer has no state"
+    ckpt = CheckpointManager(job.model, CheckpointConfig(path=root), {"keyed": keyed})
+    assert ckpt.restore() == 2
+    saved = torch.load(f"{root}-keyed-{dist.get_rank()}.pt", weights_only=False)
+    assert not differences(saved["state"], keyed.state_dict()["state"])
+    ckpt.close()
+
+
+@pytest.mark.dist
+def test_an_uninitialized_keyed_optimizer_in_app_state_is_initialized_before_it_loads(
+    root: str,
+) -> None:
+    run_ranks(2, _keyed_optimizer_saves, root)
+    run_ranks(2, _keyed_optimizer_restores, root)

@@ -1,0 +1,120 @@
+"""Fault injection for tests: a :class:`~torchrec_cnr.storage.Storage` that fails on cue.
+
+Production code has no fault hooks. A test wraps the root's storage in a
+:class:`FaultyStorage` on the ranks it wants to fail and passes it to
+``CheckpointManager(..., storage=...)``; each :class:`Fault` names the operation, a piece
+of the object's name, and what happens: ``oserror`` raises ENOSPC (a full disk),
+``sigkill`` kills the process, ``delay`` sleeps 3 s.
+
+The points used most:
+
+- ``Fault("make_durable", "step0000000004")``: after a checkpoint's files are written,
+  before they are durable and committed;
+- ``Fault("make_durable", "-c")``: the same, for a compaction;
+- ``Fault("write_object", ...)``, ``Fault("write", "manifest.json")``,
+  ``Fault("write", "lease.json")``: an object, the manifest, the lease.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torchrec_cnr.storage import ANY, Storage, open_storage
+from torchrec_cnr.storage.backend import _Any
+
+Action = Literal["oserror", "sigkill", "delay"]
+
+
+@dataclass
+class Fault:
+    op: str
+    """The :class:`Storage` method: ``write_object``, ``write``, ``make_durable``, ..."""
+    name: str = ""
+    """A piece of the object's (or folder's) name; ``""`` matches every name."""
+    action: Action = "oserror"
+    times: int | None = None
+    """How many times it fires; ``None`` for always."""
+
+    def hits(self, op: str, name: str) -> bool:
+        if op != self.op or self.name not in name or self.times == 0:
+            return False
+        if self.times is not None:
+            self.times -= 1
+        return True
+
+
+class FaultyStorage(Storage):
+    """``inner`` with ``faults`` injected; everything else is passed through.
+
+    Args:
+        inner: the real storage, or a root to open.
+        faults: what fails, in order; the first that matches an operation fires.
+    """
+
+    def __init__(self, inner: Storage | str, *faults: Fault) -> None:
+        self.inner = open_storage(inner) if isinstance(inner, str) else inner
+        self.url = self.inner.url
+        self.faults = list(faults)
+
+    def _maybe_fail(self, op: str, name: str) -> None:
+        for fault in self.faults:
+            if not fault.hits(op, name):
+                continue
+            if fault.action == "oserror":
+                raise OSError(errno.ENOSPC, f"injected: no space left on device ({op} {name})")
+            if fault.action == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault.action == "delay":
+                time.sleep(3.0)
+            return
+
+    def path(self, name: str) -> str:
+        return self.inner.path(name)
+
+    def read(self, name: str) -> tuple[bytes, str] | None:
+        return self.inner.read(name)
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        self.inner.read_into(name, offset, out)
+
+    def write(self, name: str, data: bytes, expect: str | None | _Any = ANY) -> str:
+        self._maybe_fail("write", name)
+        return self.inner.write(name, data, expect)
+
+    def write_object(self, name: str, data: memoryview) -> None:
+        self._maybe_fail("write_object", name)
+        self.inner.write_object(name, data)
+
+    def exists(self, name: str) -> bool:
+        return self.inner.exists(name)
+
+    def children(self) -> list[str]:
+        return self.inner.children()
+
+    def delete(self, name: str) -> None:
+        self.inner.delete(name)
+
+    def delete_tree(self, name: str) -> None:
+        self.inner.delete_tree(name)
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+    def tree_bytes(self, name: str) -> int:
+        return self.inner.tree_bytes(name)
+
+    def make_durable(self, name: str) -> None:
+        self._maybe_fail("make_durable", name)
+        self.inner.make_durable(name)
+
+    def create(self) -> None:
+        self._maybe_fail("create", "")
+        self.inner.create()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

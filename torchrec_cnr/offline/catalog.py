@@ -1,0 +1,144 @@
+"""A read-only view of a root's committed checkpoints: steps, kinds, chains, bytes, tables.
+
+This is the public way to look into a root without a model or a process group; the
+manifest it is read from (:mod:`torchrec_cnr.commit.manifest`) stays internal, so its
+format can change without breaking callers.
+
+Example::
+
+    for ckpt in torchrec_cnr.list_checkpoints("/ckpt/run1"):
+        print(ckpt.step, ckpt.kind, ckpt.chain, ckpt.bytes, ckpt.saved_fraction)
+    latest = torchrec_cnr.checkpoint_info("s3://bucket/run1")
+    print(latest.tables["sparse.ebc.t_user"].bits)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from torchrec_cnr.commit.manifest import Entry, Manifest, saved_fraction
+from torchrec_cnr.storage import as_storage
+from torchrec_cnr.storage.root import Root
+
+__all__ = ["CheckpointInfo", "TableInfo", "checkpoint_info", "list_checkpoints"]
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    """One table as a checkpoint stores it."""
+
+    name: str
+    """Qualified name, e.g. ``sparse.ebc.t_user``."""
+    num_embeddings: int
+    embedding_dim: int
+    state_dict_key: str
+    """Its key in the unsharded module's ``state_dict()`` ("" before format 3)."""
+    rows_saved: int
+    """Rows this checkpoint stores (over every shard; a column-split row counts per shard)."""
+    shards: int
+    nbytes: int
+    """Bytes of its stored tensors: values, ids and optimizer state."""
+    method: str
+    """``none`` (fp32), ``fp16``, ``bf16`` or a quantizer such as ``adaptive``."""
+    bits: int
+    """Stored bits per value: 32 for fp32, 16 for casts, 2/3/4/8 for quantizers."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One committed checkpoint of a root."""
+
+    id: str
+    """Its directory under the root."""
+    step: int
+    kind: str
+    """``full`` or ``delta``."""
+    policy: str
+    chain: tuple[int, ...]
+    """Steps of the checkpoints a restore of this one reads, baseline first."""
+    world_size: int
+    bytes: int
+    """Bytes it takes on storage."""
+    restore_bytes: int
+    """Bytes a restore of it reads: its whole chain."""
+    staged_bytes: int
+    """Bytes staged in host memory on rank 0 while training was blocked."""
+    stall_s: float
+    """Longest time any rank's training was blocked by this save."""
+    committed_at: float
+    """When it was committed (seconds since the epoch)."""
+    saved_fraction: float
+    """Elements stored, as a fraction of every table's elements (Check-N-Run's S_i)."""
+    rows_saved: int
+    compacted_from: str | None
+    """For a compacted checkpoint, the checkpoint whose chain it merges."""
+    tables: dict[str, TableInfo]
+
+
+def _info(manifest: Manifest, entry: Entry) -> CheckpointInfo:
+    by_table = defaultdict(list)
+    for rec in entry.shards:
+        by_table[rec.spec.table].append(rec)
+    tables = {}
+    for name, shape in entry.tables.items():
+        recs = by_table.get(name, [])
+        fmt = recs[0].format if recs else None
+        tables[name] = TableInfo(
+            name=name,
+            num_embeddings=shape.num_embeddings,
+            embedding_dim=shape.embedding_dim,
+            state_dict_key=shape.state_dict_key,
+            rows_saved=sum(r.saved_rows for r in recs),
+            shards=len(recs),
+            nbytes=sum(r.nbytes for r in recs),
+            method=fmt.method if fmt else "none",
+            bits=fmt.bits if fmt else 32,
+        )
+    return CheckpointInfo(
+        id=entry.id,
+        step=entry.step,
+        kind=entry.kind,
+        policy=entry.policy,
+        chain=tuple(manifest.by_id(i).step for i in entry.chain),
+        world_size=entry.world_size,
+        bytes=entry.bytes,
+        restore_bytes=manifest.chain_bytes(entry),
+        staged_bytes=entry.staged_bytes,
+        stall_s=entry.stall_s,
+        committed_at=entry.committed_at,
+        saved_fraction=saved_fraction(entry.shards),
+        rows_saved=sum(r.saved_rows for r in entry.shards),
+        compacted_from=entry.compacted_from,
+        tables=tables,
+    )
+
+
+def list_checkpoints(root: Root) -> list[CheckpointInfo]:
+    """Every committed checkpoint of ``root``, oldest first; ``[]`` for a fresh root.
+
+    Args:
+        root: a path, an ``s3://bucket/prefix`` URL or a ``Storage``.
+
+    Raises:
+        ManifestError: the manifest is damaged.
+    """
+    manifest = Manifest.load(as_storage(root))
+    return [_info(manifest, e) for e in manifest.checkpoints]
+
+
+def checkpoint_info(root: Root, step: int | None = None) -> CheckpointInfo:
+    """The committed checkpoint of ``step`` (the latest if ``None``).
+
+    Raises:
+        ValueError: no committed checkpoint has ``step``, or the root has none.
+        ManifestError: the manifest is damaged.
+    """
+    manifest = Manifest.load(as_storage(root))
+    entry = manifest.find(step)
+    if entry is None:
+        raise ValueError(
+            f"no committed checkpoint of step {step} in {as_storage(root).url}; "
+            f"committed steps: {manifest.steps()}"
+        )
+    return _info(manifest, entry)

@@ -1,0 +1,173 @@
+"""Reading the chain of one committed checkpoint: its links, baseline first.
+
+A restore, a compaction, a read of a table without a model and an export all read a
+chain the same way: one :class:`~torchrec_cnr.snapshot.SnapshotReader` per link, the
+saved row ids of each shard record, stored tensors fetched by (link, rank, name), and
+optionally held in memory once read (a restore reads and verifies everything before it
+changes anything).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from torchrec_cnr.commit.manifest import Entry, Manifest
+from torchrec_cnr.encoding import ShardRecord
+from torchrec_cnr.snapshot import SnapshotReader
+from torchrec_cnr.storage import Root, Storage, as_storage
+
+__all__ = ["ChainReader", "TensorKey"]
+
+TensorKey = tuple[int, int, str]
+"""(link index in the chain, storage rank, stored name)."""
+
+
+class ChainReader:
+    """The chain of one committed checkpoint, read link by link.
+
+    Args:
+        storage: the root.
+        manifest: the committed manifest that names ``entry``.
+        entry: the checkpoint whose chain is read.
+        executor: runs the reads; the caller owns it (see :meth:`open` for one that
+            owns its own).
+        piece_bytes: the most one request reads.
+        verify: check every tensor read whole against the checksum recorded at save time.
+
+    Raises:
+        ManifestError: a checkpoint of the chain is not in the manifest.
+        CheckpointReadError: a checkpoint of the chain is missing or incomplete.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        manifest: Manifest,
+        entry: Entry,
+        executor: Executor,
+        piece_bytes: int,
+        verify: bool = True,
+    ) -> None:
+        self.storage = storage
+        self.manifest = manifest
+        self.entry = entry
+        self.verify = verify
+        self.links = [manifest.by_id(i) for i in entry.chain]
+        self.readers = [
+            SnapshotReader(
+                storage, e.id, executor, piece_bytes, e.checksums_by_path() if verify else None
+            )
+            for e in self.links
+        ]
+        self.held: dict[TensorKey, torch.Tensor] = {}
+        """Tensors read ahead (:meth:`hold`, :meth:`hold_many`), served from memory."""
+        self._owned: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def open(
+        cls,
+        root: Root,
+        step: int | None = None,
+        verify: bool = True,
+        threads: int = 8,
+        piece_bytes: int = 64 << 20,
+    ) -> ChainReader:
+        """The chain of ``root``'s committed checkpoint of ``step`` (the latest if ``None``),
+        with an I/O executor of its own that :meth:`close` shuts down.
+
+        Raises:
+            ValueError: no committed checkpoint has ``step`` (or the root has none).
+            ManifestError: the manifest is damaged.
+            CheckpointReadError: a checkpoint of the chain is missing.
+        """
+        storage = as_storage(root)
+        manifest = Manifest.load(storage)
+        entry = manifest.find(step)
+        if entry is None:
+            raise ValueError(
+                f"no committed checkpoint of step {step} in {storage.url}; "
+                f"committed steps: {manifest.steps()}"
+            )
+        executor = ThreadPoolExecutor(threads, thread_name_prefix="cnr-read")
+        try:
+            reader = cls(storage, manifest, entry, executor, piece_bytes, verify)
+        except BaseException:
+            executor.shutdown()
+            raise
+        reader._owned = executor
+        return reader
+
+    def close(self) -> None:
+        """Shuts down the executor :meth:`open` made; nothing otherwise."""
+        if self._owned is not None:
+            self._owned.shutdown()
+            self._owned = None
+
+    def __enter__(self) -> ChainReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def records(self, table: str | None = None) -> list[tuple[int, ShardRecord]]:
+        """``(link index, shard record)`` of every saved shard (of ``table``) that saved
+        rows, baseline first: later links win."""
+        return [
+            (n, rec)
+            for n, e in enumerate(self.links)
+            for rec in e.shards
+            if rec.saved_rows > 0 and (table is None or rec.spec.table == table)
+        ]
+
+    def tensor(self, n: int, rank: int, name: str) -> torch.Tensor:
+        """A stored tensor of link ``n``: from memory if held, else read (and verified)."""
+        held = self.held.get((n, rank, name))
+        return held if held is not None else self.readers[n].rows(rank, name)
+
+    def fetch(self, n: int, rec: ShardRecord) -> Callable[[str], torch.Tensor]:
+        """``read(name)`` of ``rec``'s stored tensors, for :func:`~torchrec_cnr.encoding.decode_weight`."""
+        return lambda name: self.tensor(n, rec.spec.rank, name)
+
+    def subset(self, n: int, rec: ShardRecord, name: str, keep: torch.Tensor) -> torch.Tensor:
+        """Rows ``keep`` (ascending positions) of a stored tensor. Without verification
+        only their bytes are read; with it, the whole tensor is (its checksum covers it)."""
+        if self.verify or (n, rec.spec.rank, name) in self.held:
+            return self.tensor(n, rec.spec.rank, name)[keep]
+        return self.readers[n].rows_subset(rec.spec.rank, name, keep)
+
+    def saved_ids(self, n: int, rec: ShardRecord) -> torch.Tensor:
+        """``(saved_rows,)`` int64 global ids of the rows ``rec`` (of link ``n``) saved."""
+        ss = rec.spec
+        if rec.all_rows:
+            return torch.arange(ss.row_offset, ss.row_offset + ss.rows)
+        return self.tensor(n, ss.rank, rec.ids_name(rec.key)).to(torch.int64)
+
+    def hold(self, n: int, rank: int, name: str) -> torch.Tensor:
+        """Reads a stored tensor of link ``n`` and keeps it in memory."""
+        tensor = self.readers[n].rows(rank, name)
+        self.held[(n, rank, name)] = tensor
+        return tensor
+
+    def hold_many(
+        self,
+        n: int,
+        wanted: list[tuple[int, str]],
+        alloc: Callable[[tuple[int, str], list[int], torch.dtype], Any] | None = None,
+    ) -> None:
+        """Reads many stored tensors ``(rank, name)`` of link ``n`` at once, every piece in
+        parallel, and keeps them; ``alloc`` may give the tensor to read each into."""
+        got = self.readers[n].read_many(wanted, alloc)
+        self.held.update({(n, *key): t for key, t in got.items()})
+
+    def dense(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """The dense state (of the chain's last link), all of it or ``names``."""
+        wanted = list(self.entry.dense) if names is None else names
+        return {name: self.readers[-1].dense(name) for name in wanted}
+
+    def app_state(self, rank: int) -> bytes:
+        """The serialized ``app_state`` of ``rank``, from the chain's last link."""
+        return self.readers[-1].app_state(rank)

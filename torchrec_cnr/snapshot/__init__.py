@@ -1,0 +1,45 @@
+"""The on-disk format of one checkpoint: a torchsnapshot snapshot per checkpoint directory.
+
+``layout`` names what lies where in a root, ``writer`` writes one writer's (rank's) part
+of a directory and its index, ``reader`` reads tensors back without a model, and
+``checksum`` is the CRC32 every stored tensor carries. Storage itself (files, objects)
+is :mod:`torchrec_cnr.storage`'s.
+"""
+
+from torchrec_cnr.snapshot.checksum import as_bytes, check, crc32, crc32_combine, mismatch
+from torchrec_cnr.snapshot.layout import (
+    LEASE_NAME,
+    MANIFEST_NAME,
+    PREVIOUS_MANIFEST_NAME,
+    SNAPSHOT_MARKER,
+    CheckpointName,
+    app_path,
+    checkpoint_id,
+    dense_path,
+    parse_checkpoint_id,
+    rows_path,
+)
+from torchrec_cnr.snapshot.reader import SnapshotReader
+from torchrec_cnr.snapshot.writer import RankPart, SnapshotWriter, write_index
+
+__all__ = [
+    "LEASE_NAME",
+    "MANIFEST_NAME",
+    "PREVIOUS_MANIFEST_NAME",
+    "SNAPSHOT_MARKER",
+    "CheckpointName",
+    "RankPart",
+    "SnapshotReader",
+    "SnapshotWriter",
+    "app_path",
+    "as_bytes",
+    "check",
+    "checkpoint_id",
+    "crc32",
+    "crc32_combine",
+    "dense_path",
+    "mismatch",
+    "parse_checkpoint_id",
+    "rows_path",
+    "write_index",
+]
