@@ -30,8 +30,7 @@ from cnr_train.workload import (
     dense_optimizer,
     train_step,
 )
-from torchrec_cnr import CheckpointConfig, CheckpointManager
-from torchrec_cnr.commit import Entry, Manifest
+from torchrec_cnr import CheckpointConfig, CheckpointInfo, CheckpointManager, root_info
 from torchrec_cnr.snapshot import crc32
 from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state
@@ -145,7 +144,7 @@ def state_digest(model: nn.Module, data: BatchStream) -> str:
     return "-".join(f"{c:08x}" for c in crcs)
 
 
-def _restore_check(config: JobConfig, t: Trainer, latest: Entry) -> dict[str, Any]:
+def _restore_check(config: JobConfig, t: Trainer, latest: CheckpointInfo) -> dict[str, Any]:
     """Restores the last checkpoint into a fresh model and compares it with the live one."""
     fresh = Trainer.build(config, config.train.seed + 1000)
     restored = fresh.ckpt.restore()
@@ -157,7 +156,7 @@ def _restore_check(config: JobConfig, t: Trainer, latest: Entry) -> dict[str, An
         return {}
     ok, err = check_restore(t.model, fresh.model, latest, config.checkpoint.quantize)
     fresh.ckpt.close()
-    quantized = any(r.format.method != "none" for r in latest.shards)
+    quantized = any(t.method != "none" for t in latest.tables.values())
     if not quantized:
         verdict = "bit-exact" if ok else "MISMATCH"
     else:
@@ -237,19 +236,19 @@ def run(config: JobConfig) -> dict[str, Any]:
     }
     # Before evaluating: FBGEMM counts every forward, evaluation's too, in the kernels'
     # step counters, which the last checkpoint holds as they were at its step.
-    latest = Manifest.load(root).latest()
+    latest = root_info(root).latest
     if config.train.verify_restore and latest is not None:
         result.update(_restore_check(config, t, latest))
     result.update(evaluate(t.model, t.data, config.eval.batches))
     say(
         f"eval: AUC {result['auc']:.4f}, log loss {result['logloss']:.4f} ({config.eval.batches} batches/rank)"
     )
-    manifest = Manifest.load(root)
-    if manifest.checkpoints:
+    saved = root_info(root)
+    if saved.checkpoints:
         full = full_fp32_bytes(t.model, t.app_state, root.rstrip("/") + "-fp32-reference")
-        result.update(summarize(manifest, full))
+        result.update(summarize(saved, full))
         if config.train.figure_path and rank == 0:
-            plot_bytes(manifest, full, Path(config.train.figure_path))
+            plot_bytes(saved, full, Path(config.train.figure_path))
             say(f"bytes per interval: {config.train.figure_path}")
     result["digest"] = state_digest(t.model, t.data)
     t.ckpt.close()

@@ -11,9 +11,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchrec_cnr import CheckpointConfig, CheckpointManager, QuantizeConfig
-from torchrec_cnr.commit import Entry, Manifest, saved_fraction
-from torchrec_cnr.encoding import FP32, Format
+from torchrec_cnr import (
+    CheckpointConfig,
+    CheckpointInfo,
+    CheckpointManager,
+    QuantizeConfig,
+    RootInfo,
+    checkpoint_info,
+)
 from torchrec_cnr.quantization import quantize
 from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state
@@ -35,23 +40,22 @@ def full_fp32_bytes(model: nn.Module, app_state: dict[str, Any], scratch: str) -
     with CheckpointManager(model, config, app_state) as ckpt:
         ckpt.save(0)
     dist.barrier()
-    entry = Manifest.load(storage).latest()
-    assert entry is not None
+    entry = checkpoint_info(storage)
     dist.barrier()
     if dist.get_rank() == 0:
         storage.clear()
     return entry.bytes
 
 
-def _expected(weight: torch.Tensor, fmt: Format, config: QuantizeConfig) -> torch.Tensor:
-    if fmt == FP32:
+def _expected(weight: torch.Tensor, method: str, bits: int, config: QuantizeConfig) -> torch.Tensor:
+    if method == "none":
         return weight
-    q = quantize(weight, fmt.method, fmt.bits, n_bins=config.n_bins, ratio=config.ratio)
+    q = quantize(weight, method, bits, n_bins=config.n_bins, ratio=config.ratio)
     return q.dequantize()
 
 
 def check_restore(
-    live: nn.Module, restored: nn.Module, entry: Entry, config: QuantizeConfig
+    live: nn.Module, restored: nn.Module, entry: CheckpointInfo, config: QuantizeConfig
 ) -> tuple[bool, float]:
     """Whether ``restored`` holds exactly what the checkpoint must give for ``live``.
 
@@ -64,12 +68,12 @@ def check_restore(
         Whether every rank's state matches, and the largest absolute error of a restored
         embedding value against the live one.
     """
-    formats = {r.spec.table: r.format for r in entry.shards}
+    formats = {name: (t.method, t.bits) for name, t in entry.tables.items()}
     ok, err = True, 0.0
     for a, b in zip(
         model_state.local_shards(live), model_state.local_shards(restored), strict=True
     ):
-        want = _expected(a.weight, formats[a.spec.table], config)
+        want = _expected(a.weight, *formats[a.spec.table], config)
         ok &= a.spec == b.spec and torch.equal(want, b.weight)
         ok &= all(torch.equal(v, b.states[k]) for k, v in a.states.items())
         ok &= a.scalar_states() == b.scalar_states()
@@ -82,20 +86,20 @@ def check_restore(
     return bool(t[0].item()), -float(t[1].item())
 
 
-def summarize(manifest: Manifest, full_bytes: int) -> dict[str, Any]:
+def summarize(root: RootInfo, full_bytes: int) -> dict[str, Any]:
     """Prints each checkpoint and the totals against a full fp32 checkpoint every interval."""
-    entries = manifest.checkpoints
+    entries = root.checkpoints
     n = len(entries)
     say(f"\n{'step':>6} {'kind':>6} {'rows saved':>10} {'MB':>8} {'stall ms':>9}  chain")
     for e in entries:
         say(
-            f"{e.step:>6} {e.kind:>6} {100 * saved_fraction(e.shards):>9.1f}% "
+            f"{e.step:>6} {e.kind:>6} {100 * e.saved_fraction:>9.1f}% "
             f"{e.bytes / 1e6:>8.2f} {1e3 * e.stall_s:>9.1f}  {len(e.chain)} checkpoint(s)"
         )
     written = sum(e.bytes for e in entries)
-    stored = max(manifest.chain_bytes(e) for e in entries)
+    stored = max(e.restore_bytes for e in entries)
     stalls = [e.stall_s for e in entries]
-    fmt = {(r.format.method, r.format.bits) for r in entries[-1].shards}
+    fmt = {(t.method, t.bits) for t in entries[-1].tables.values()}
     kind = ", ".join(sorted("fp32" if m == "none" else f"{m} {b}-bit" for m, b in fmt))
     say(
         f"\n{n} checkpoints, {entries[-1].policy} policy, rows stored as {kind}; "
@@ -125,11 +129,11 @@ def summarize(manifest: Manifest, full_bytes: int) -> dict[str, Any]:
         "stored_reduction": full_bytes / max(stored, 1),
         "stall_median_s": statistics.median(stalls),
         "stall_max_s": max(stalls),
-        "restores": manifest.restores,
+        "restores": root.restores,
     }
 
 
-def plot_bytes(manifest: Manifest, full_bytes: int, path: Path) -> None:
+def plot_bytes(root: RootInfo, full_bytes: int, path: Path) -> None:
     """A PNG of the bytes each checkpoint wrote, against a full fp32 checkpoint every time."""
     import matplotlib
 
@@ -137,7 +141,7 @@ def plot_bytes(manifest: Manifest, full_bytes: int, path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    entries = manifest.checkpoints
+    entries = root.checkpoints
     steps = [e.step for e in entries]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     colors = ["tab:orange" if e.kind == "full" else "tab:blue" for e in entries]

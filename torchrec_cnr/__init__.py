@@ -30,12 +30,14 @@ from torchrec_cnr.errors import (
 from torchrec_cnr.manager import CheckpointManager
 from torchrec_cnr.offline import (
     CheckpointInfo,
+    RootInfo,
     TableInfo,
     checkpoint_info,
     export_state_dict,
     list_checkpoints,
     read_optimizer_state,
     read_table,
+    root_info,
 )
 from torchrec_cnr.quantization import QuantizedRows, quantize
 from torchrec_cnr.tracking import tracking_sharders
@@ -54,6 +56,7 @@ __all__ = [
     "QuantizeConfig",
     "QuantizedRows",
     "RecoveryConfig",
+    "RootInfo",
     "TableInfo",
     "checkpoint_info",
     "export_state_dict",
@@ -61,5 +64,6 @@ __all__ = [
     "quantize",
     "read_optimizer_state",
     "read_table",
+    "root_info",
     "tracking_sharders",
 ]

@@ -33,7 +33,7 @@ class CnrError(Exception):
     """That rank's traceback, as text."""
 
 
-class RemoteTraceback(Exception):
+class RemoteTraceback(CnrError):
     """The traceback of a failure on another rank, attached as the ``__cause__`` of the
     error this rank raises for it; its message is the traceback text."""
 

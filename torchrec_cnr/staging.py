@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from torchrec_cnr.selection.policy import Kind
+from torchrec_cnr.snapshot.layout import stored_ids, stored_state, stored_weight
 from torchrec_cnr.tracking.shard import LocalShard
 
 _INT32_MAX = 2**31 - 1
@@ -64,15 +65,15 @@ class StagingPool:
         if buf is not None and buf.dtype == dtype and buf.numel() >= numel:
             return buf[:numel].view(shape)
         self._buffers.pop(key, None)
-        # Grow with headroom: deltas grow from one checkpoint to the next.
-        want = int(numel * 1.25) if numel else 0
+        # Without a budget, grow with headroom: deltas grow from one checkpoint to the
+        # next. Within one, take exactly what is asked: the buffers a checkpoint takes
+        # after this one need the rest of the budget (stage() sizes chunks to fit it).
+        want = numel if self.budget_bytes is not None else int(numel * 1.25)
         if self.budget_bytes is not None:
             for stale in [k for k in self._buffers if k not in self._in_use]:
                 if self.nbytes + want * dtype.itemsize <= self.budget_bytes:
                     break
                 del self._buffers[stale]
-            room = (self.budget_bytes - self.nbytes) // dtype.itemsize
-            want = max(numel, min(want, room))
         buf = torch.empty(want, dtype=dtype, pin_memory=self.pin)
         self._buffers[key] = buf
         return buf[:numel].view(shape)
@@ -161,9 +162,9 @@ def _buffers_of(
     for i, s in enumerate(shards):
         rows = min(s.spec.rows, _chunk_rows(s, False, budget) or s.spec.rows)
         key = "chunk" if chunked else f"s{i}"
-        yield f"{key}.w", (rows, *s.weight.shape[1:]), s.weight.dtype
+        yield stored_weight(key), (rows, *s.weight.shape[1:]), s.weight.dtype
         for name, state in s.states.items():
-            yield f"{key}.{name}", (rows, *state.shape[1:]), state.dtype
+            yield stored_state(key, name), (rows, *state.shape[1:]), state.dtype
 
 
 def _gather(
@@ -208,11 +209,13 @@ def stage_shard(
     ids = None
     prefix = buffers or key
     if isinstance(rows, torch.Tensor):
-        ids = pool.take(f"{prefix}.ids", (rows.numel(),), _ids_dtype(shard))
+        ids = pool.take(stored_ids(prefix), (rows.numel(),), _ids_dtype(shard))
         ids.copy_(rows)
         ids += spec.row_offset
-    weight = _gather(shard.weight, rows, f"{prefix}.w", pool)
-    states = {n: _gather(s, rows, f"{prefix}.{n}", pool) for n, s in shard.states.items()}
+    # Buffers are keyed by the stored names, so that a restore reads a baseline straight
+    # into the buffers its save staged (their pages are faulted in already).
+    weight = _gather(shard.weight, rows, stored_weight(prefix), pool)
+    states = {n: _gather(s, rows, stored_state(prefix, n), pool) for n, s in shard.states.items()}
     if shard.weight.device.type == "cuda":
         torch.cuda.current_stream(shard.weight.device).synchronize()  # the copies must land
     first = rows.start or 0 if isinstance(rows, slice) else 0

@@ -4,7 +4,8 @@ Runs on the background writer. Embedding rows are quantized per row (Check-N-Run
 NSDI'22, Sec. 4.4) according to :class:`~torchrec_cnr.QuantizeConfig`; optimizer
 state stays fp32 unless configured. The writer checksums every stored tensor.
 
-Stored names of one shard ``key`` (:class:`ShardRecord` builds them; nothing else does):
+Stored names of one shard ``key`` (:mod:`torchrec_cnr.snapshot.layout` spells them;
+:class:`ShardRecord` knows which of them a shard has):
 
 - ``<key>.w``: fp32 rows, when the table is not quantized;
 - ``<key>.w.<part>``: quantized rows, parts as ``QuantizedRows.to_tensors()`` names them;
@@ -25,7 +26,13 @@ import torch
 from torchrec_cnr.config import QuantizeConfig
 from torchrec_cnr.encoding.formats import FP32, Format
 from torchrec_cnr.quantization import CAST_DTYPES, QuantizedRows, quantize
-from torchrec_cnr.snapshot.layout import rows_path
+from torchrec_cnr.snapshot.layout import (
+    rows_path,
+    stored_ids,
+    stored_part,
+    stored_state,
+    stored_weight,
+)
 from torchrec_cnr.staging import StagedShard
 from torchrec_cnr.tracking.shard import ShardSpec
 
@@ -110,7 +117,7 @@ class ShardRecord:
             tensors[cls.ids_name(key)] = ids
         infos = {}
         for name, value in states.items():
-            stored = f"{key}.{name}"
+            stored = stored_state(key, name)
             tensors[stored] = value
             layout: Literal["row", "element"] = "row" if value.dim() == 1 else "element"
             infos[name] = StateInfo(stored, layout, dtype_name(value))
@@ -128,17 +135,9 @@ class ShardRecord:
         )
         return record, tensors
 
-    @staticmethod
-    def weight_name(key: str) -> str:
-        return f"{key}.w"
-
-    @staticmethod
-    def part_name(key: str, part: str) -> str:
-        return f"{key}.w.{part}"
-
-    @staticmethod
-    def ids_name(key: str) -> str:
-        return f"{key}.ids"
+    weight_name = staticmethod(stored_weight)
+    part_name = staticmethod(stored_part)
+    ids_name = staticmethod(stored_ids)
 
     @property
     def value_names(self) -> list[str]:

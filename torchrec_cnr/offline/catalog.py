@@ -21,7 +21,14 @@ from torchrec_cnr.commit.manifest import Entry, Manifest, saved_fraction
 from torchrec_cnr.storage import as_storage
 from torchrec_cnr.storage.root import Root
 
-__all__ = ["CheckpointInfo", "TableInfo", "checkpoint_info", "list_checkpoints"]
+__all__ = [
+    "CheckpointInfo",
+    "RootInfo",
+    "TableInfo",
+    "checkpoint_info",
+    "list_checkpoints",
+    "root_info",
+]
 
 
 @dataclass(frozen=True)
@@ -114,8 +121,24 @@ def _info(manifest: Manifest, entry: Entry) -> CheckpointInfo:
     )
 
 
-def list_checkpoints(root: Root) -> list[CheckpointInfo]:
-    """Every committed checkpoint of ``root``, oldest first; ``[]`` for a fresh root.
+@dataclass(frozen=True)
+class RootInfo:
+    """A root's committed checkpoints and what the root records besides."""
+
+    checkpoints: list[CheckpointInfo]
+    """Oldest first."""
+    restores: int
+    """Restores performed from this root (they compound quantization error)."""
+    writer_generation: int
+    """The generation of the job that may commit to it (see the docs on one writer per root)."""
+
+    @property
+    def latest(self) -> CheckpointInfo | None:
+        return self.checkpoints[-1] if self.checkpoints else None
+
+
+def root_info(root: Root) -> RootInfo:
+    """What ``root`` holds; no checkpoint for a fresh root.
 
     Args:
         root: a path, an ``s3://bucket/prefix`` URL or a ``Storage``.
@@ -124,7 +147,20 @@ def list_checkpoints(root: Root) -> list[CheckpointInfo]:
         ManifestError: the manifest is damaged.
     """
     manifest = Manifest.load(as_storage(root))
-    return [_info(manifest, e) for e in manifest.checkpoints]
+    return RootInfo(
+        [_info(manifest, e) for e in manifest.checkpoints],
+        manifest.restores,
+        manifest.writer_generation,
+    )
+
+
+def list_checkpoints(root: Root) -> list[CheckpointInfo]:
+    """Every committed checkpoint of ``root``, oldest first; ``[]`` for a fresh root.
+
+    Raises:
+        ManifestError: the manifest is damaged.
+    """
+    return root_info(root).checkpoints
 
 
 def checkpoint_info(root: Root, step: int | None = None) -> CheckpointInfo:

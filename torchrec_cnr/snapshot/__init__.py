@@ -18,6 +18,10 @@ from torchrec_cnr.snapshot.layout import (
     dense_path,
     parse_checkpoint_id,
     rows_path,
+    stored_ids,
+    stored_part,
+    stored_state,
+    stored_weight,
 )
 from torchrec_cnr.snapshot.reader import SnapshotReader
 from torchrec_cnr.snapshot.writer import RankPart, SnapshotWriter, write_index
@@ -41,5 +45,9 @@ __all__ = [
     "mismatch",
     "parse_checkpoint_id",
     "rows_path",
+    "stored_ids",
+    "stored_part",
+    "stored_state",
+    "stored_weight",
     "write_index",
 ]

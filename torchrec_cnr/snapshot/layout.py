@@ -28,6 +28,10 @@ __all__ = [
     "dense_path",
     "parse_checkpoint_id",
     "rows_path",
+    "stored_ids",
+    "stored_part",
+    "stored_state",
+    "stored_weight",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -47,7 +51,7 @@ def checkpoint_id(seq: int, step: int, generation: int, compacted: bool = False)
 
 
 # Format 1 names carry no generation (it reads as 0).
-_CHECKPOINT_ID = re.compile(r"^(\d{6})-step(\d{10})(?:-g(\d+))?(-c)?$")
+_CHECKPOINT_ID = re.compile(r"^(\d{6,})-step(\d{10,})(?:-g(\d+))?(-c)?$")
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,26 @@ def parse_checkpoint_id(name: str) -> CheckpointName | None:
         return None
     seq, step, generation, compacted = match.groups()
     return CheckpointName(int(seq), int(step), int(generation or 0), compacted is not None)
+
+
+def stored_weight(key: str) -> str:
+    """Stored name of shard ``key``'s fp32 rows."""
+    return f"{key}.w"
+
+
+def stored_part(key: str, part: str) -> str:
+    """Stored name of one part of shard ``key``'s quantized rows (codes, scale, ...)."""
+    return f"{key}.w.{part}"
+
+
+def stored_ids(key: str) -> str:
+    """Stored name of the global ids of the rows shard ``key`` holds (absent: every row)."""
+    return f"{key}.ids"
+
+
+def stored_state(key: str, state: str) -> str:
+    """Stored name of one optimizer state of shard ``key``, by FBGEMM name."""
+    return f"{key}.{state}"
 
 
 def rows_path(rank: int, name: str) -> str:

@@ -1,1 +1,0 @@
-"""Shared pieces of the benchmark scripts in ``scripts/``."""

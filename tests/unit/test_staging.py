@@ -1,0 +1,433 @@
+"""Staging: pooled host buffers within a byte budget, and whole or chunked staging into a sink."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from torchrec_cnr.selection.policy import Kind
+from torchrec_cnr.staging import (
+    StagedCheckpoint,
+    StagedShard,
+    StagingPool,
+    _buffers_of,
+    _chunk_rows,
+    stage,
+)
+from torchrec_cnr.tracking import bitmap
+from torchrec_cnr.tracking.shard import LocalShard, ShardSpec
+
+F32 = torch.float32
+
+
+class _Kernel:
+    """Stands in for a TBE kernel: counts flushes and holds the step counter."""
+
+    def __init__(self, iteration: float = 7.0) -> None:
+        self.flushes = 0
+        self.emb_module = SimpleNamespace(iter=torch.tensor([iteration]))
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def _shard(
+    rows: int = 10,
+    cols: int = 4,
+    row_offset: int = 100,
+    kernel: _Kernel | None = None,
+    states: str = "row",
+    num_embeddings: int = 1000,
+    seed: int = 0,
+) -> LocalShard:
+    """A shard of ``rows`` rows starting at global row ``row_offset``, with row-wise
+    Adagrad's ``(rows,)`` momentum (``states="row"``), Adam's two ``(rows, cols)`` moments
+    (``"element"``) or no state (``"none"``)."""
+    g = torch.Generator().manual_seed(seed)
+    spec = ShardSpec(
+        "m.t", 0, "row_wise", row_offset, 0, rows, cols, num_embeddings, cols, "m.t.weight"
+    )
+    found: dict[str, torch.Tensor] = {}
+    if states == "row":
+        found["momentum1"] = torch.rand(rows, generator=g)
+    elif states == "element":
+        found["momentum1"] = torch.rand(rows, cols, generator=g)
+        found["momentum2"] = torch.rand(rows, cols, generator=g)
+    return LocalShard(
+        spec=spec,
+        weight=torch.randn(rows, cols, generator=g),
+        states=found,
+        optimizer="EXACT_ROWWISE_ADAGRAD" if states == "row" else "ADAM",
+        words=torch.zeros(bitmap.num_words(rows), dtype=torch.int64),
+        kernel=kernel if kernel is not None else _Kernel(),
+    )
+
+
+@dataclass
+class _Handed:
+    """What the sink saw of one ``add``: copies taken at once, and the buffers themselves."""
+
+    key: str
+    row0: int
+    total: int | None
+    first_row: int
+    global_rows: torch.Tensor | int
+    ids: torch.Tensor | None
+    weight: torch.Tensor
+    states: dict[str, torch.Tensor]
+    scalars: dict[str, float]
+    staged: StagedShard
+
+
+@dataclass
+class _RecordingSink:
+    """A writer that records what it is handed, and checks that no buffer it holds is
+    overwritten before its ``wait()``."""
+
+    events: list[str] = field(default_factory=list)
+    handed: list[_Handed] = field(default_factory=list)
+    pending: list[_Handed] = field(default_factory=list)
+
+    def add(self, shard: StagedShard, row0: int = 0, total: int | None = None) -> None:
+        for earlier in self.pending:
+            self._check_intact(earlier)
+        rows = shard.global_rows()
+        got = _Handed(
+            key=shard.key,
+            row0=row0,
+            total=total,
+            first_row=shard.first_row,
+            global_rows=rows.clone() if isinstance(rows, torch.Tensor) else rows,
+            ids=None if shard.ids is None else shard.ids.clone(),
+            weight=shard.weight.clone(),
+            states={n: s.clone() for n, s in shard.states.items()},
+            scalars=dict(shard.scalars),
+            staged=shard,
+        )
+        self.events.append("add")
+        self.handed.append(got)
+        self.pending.append(got)
+
+    def wait(self) -> None:
+        for got in self.pending:
+            self._check_intact(got)
+        self.pending.clear()
+        self.events.append("wait")
+
+    @staticmethod
+    def _check_intact(got: _Handed) -> None:
+        assert torch.equal(got.staged.weight, got.weight), "a buffer was reused before wait()"
+        for name, value in got.states.items():
+            assert torch.equal(got.staged.states[name], value)
+
+
+class _AppState:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+
+def _stage(
+    shards: list[LocalShard],
+    rows: list[torch.Tensor | None],
+    pool: StagingPool,
+    sink: _RecordingSink,
+    dense: dict[str, torch.Tensor] | None = None,
+) -> StagedCheckpoint:
+    kind: Kind = "full" if all(r is None for r in rows) else "delta"
+    return stage(3, kind, shards, rows, dense or {}, {"app": _AppState(5)}, pool, sink)
+
+
+# StagingPool
+
+
+def test_take_reuses_a_buffer_that_is_large_enough() -> None:
+    pool = StagingPool()
+    first = pool.take("a", (10, 4), F32)
+    again = pool.take("a", (8, 4), F32)
+    assert again.shape == (8, 4) and again.is_contiguous()
+    assert again.data_ptr() == first.data_ptr()
+    assert pool.nbytes == 50 * 4  # 40 elements with 25 % headroom
+
+
+def test_take_grows_with_headroom_and_replaces_the_smaller_buffer() -> None:
+    pool = StagingPool()
+    pool.take("a", (10,), F32)
+    grown = pool.take("a", (100,), F32)
+    assert grown.shape == (100,)
+    assert pool.nbytes == 125 * 4  # the old buffer is gone, the new one has 25 % headroom
+    assert pool.take("a", (125,), F32).data_ptr() == grown.data_ptr()
+
+
+def test_take_allocates_afresh_for_another_dtype() -> None:
+    pool = StagingPool()
+    pool.take("a", (10,), F32)
+    ids = pool.take("a", (10,), torch.int64)
+    assert ids.dtype == torch.int64
+    assert pool.nbytes == 12 * 8  # only the int64 buffer is kept under the key
+
+
+def test_take_of_zero_rows_gives_an_empty_tensor_of_the_shape() -> None:
+    pool = StagingPool(budget_bytes=100)
+    empty = pool.take("a", (0, 4), F32)
+    assert empty.shape == (0, 4) and pool.nbytes == 0
+
+
+def test_within_a_budget_buffers_take_no_headroom() -> None:
+    pool = StagingPool(budget_bytes=440)
+    pool.take("a", (100,), F32)
+    assert pool.nbytes == 400  # exactly what was asked: later buffers need the rest
+    unbounded = StagingPool()
+    unbounded.take("a", (100,), F32)
+    assert unbounded.nbytes == 500  # 125 elements: room for the next, larger delta
+
+
+def test_a_new_checkpoint_evicts_stale_buffers_oldest_first_only_as_far_as_needed() -> None:
+    pool = StagingPool(budget_bytes=1000)
+    pool.take("a", (125,), F32)  # 500 bytes
+    pool.begin()
+    pool.take("b", (125,), F32)  # fits beside the stale "a": nothing evicted
+    assert pool.nbytes == 1000
+    pool.begin()
+    kept_b = pool.take("b", (100,), F32)
+    pool.begin()
+    pool.take("c", (125,), F32)  # "a" and "b" are stale: evicting "a" makes room
+    assert pool.nbytes == 1000
+    assert pool.take("b", (125,), F32).data_ptr() == kept_b.data_ptr()  # "b" survived
+
+
+def test_buffers_in_use_by_this_checkpoint_are_never_evicted() -> None:
+    pool = StagingPool(budget_bytes=1000)
+    a = pool.take("a", (100,), F32)
+    b = pool.take("b", (100,), F32)
+    a.fill_(1.0)
+    b.fill_(2.0)
+    c = pool.take("c", (300,), F32)  # no room: over budget, but exactly the size asked
+    assert c.shape == (300,)
+    assert pool.nbytes == 800 + 1200
+    assert bool((a == 1.0).all()) and bool((b == 2.0).all())  # neither was given up
+
+
+def test_release_gives_every_buffer_back() -> None:
+    pool = StagingPool(budget_bytes=1000)
+    pool.take("a", (10,), F32)
+    pool.take("b", (10,), F32)
+    pool.release()
+    assert pool.nbytes == 0
+    pool.take("c", (100,), F32)  # the next checkpoint starts from an empty pool
+    assert pool.nbytes == 400
+
+
+# Chunk sizes and the buffers of a full checkpoint
+
+
+def test_row_bytes_counts_values_states_and_the_id_a_delta_stores() -> None:
+    row_state = _shard(cols=4, states="row")
+    assert row_state.row_bytes(False) == 4 * 4 + 4
+    assert row_state.row_bytes(True) == 4 * 4 + 4 + 4  # int32 id
+    element_state = _shard(cols=4, states="element")
+    assert element_state.row_bytes(False) == 3 * 4 * 4
+    assert _shard(cols=4, states="none").row_bytes() == 4 * 4 + 4
+
+
+def test_row_bytes_counts_an_int64_id_for_tables_past_int32() -> None:
+    huge = _shard(cols=2, states="none", num_embeddings=2**31)
+    assert huge.row_bytes(True) == 2 * 4 + 8
+
+
+def test_chunk_rows_fit_the_budget_and_never_drop_to_zero() -> None:
+    shard = _shard(cols=4, states="row")  # 20 bytes a row, 24 with its id
+    assert _chunk_rows(shard, False, None) is None
+    assert _chunk_rows(shard, False, 100) == 5
+    assert _chunk_rows(shard, True, 100) == 4
+    assert _chunk_rows(shard, False, 1) == 1  # a row larger than the budget still stages
+
+
+def test_a_checkpoint_within_budget_takes_one_buffer_set_per_shard() -> None:
+    shards = [_shard(rows=10, cols=4), _shard(rows=6, cols=2, states="element")]
+    assert list(_buffers_of(shards, None)) == [
+        ("s0.w", (10, 4), F32),
+        ("s0.momentum1", (10,), F32),
+        ("s1.w", (6, 2), F32),
+        ("s1.momentum1", (6, 2), F32),
+        ("s1.momentum2", (6, 2), F32),
+    ]
+    fits = 10 * 20 + 6 * 24
+    assert [key for key, _, _ in _buffers_of(shards, fits)][0] == "s0.w"
+
+
+def test_a_checkpoint_over_budget_takes_one_chunk_buffer_set_of_chunk_rows() -> None:
+    shards = [_shard(rows=10, cols=4), _shard(rows=2, cols=4)]
+    # 240 bytes in all, over the 100 of the budget: 5 rows of 20 bytes a chunk
+    assert list(_buffers_of(shards, 100)) == [
+        ("chunk.w", (5, 4), F32),
+        ("chunk.momentum1", (5,), F32),
+        ("chunk.w", (2, 4), F32),  # a shard smaller than a chunk takes its own rows
+        ("chunk.momentum1", (2,), F32),
+    ]
+
+
+def test_prefault_allocates_the_buffers_a_full_save_then_reuses() -> None:
+    shards = [_shard(rows=10), _shard(rows=6, seed=1)]
+    pool = StagingPool()
+    pool.prefault(shards)
+    allocated = pool.nbytes
+    pointers = {k: b.data_ptr() for k, b in pool._buffers.items()}
+    assert set(pointers) == {"s0.w", "s0.momentum1", "s1.w", "s1.momentum1"}
+    sink = _RecordingSink()
+    _stage(shards, [None, None], pool, sink)
+    assert pool.nbytes == allocated  # staging allocated nothing more
+    assert [h.staged.weight.data_ptr() for h in sink.handed] == [
+        pointers["s0.w"],
+        pointers["s1.w"],
+    ]
+
+
+# stage()
+
+
+def test_whole_staging_hands_over_each_shard_once_without_waiting() -> None:
+    kernel = _Kernel(iteration=11.0)
+    shards = [_shard(rows=10, kernel=kernel), _shard(rows=6, row_offset=40, kernel=kernel)]
+    sink = _RecordingSink()
+    staged = _stage(shards, [None, None], StagingPool(), sink)
+    assert sink.events == ["add", "add"]  # the writer waits later, training goes on now
+    assert kernel.flushes == 1  # one flush per kernel, however many shards it holds
+    for i, (got, shard) in enumerate(zip(sink.handed, shards)):
+        assert got.key == f"s{i}" and got.row0 == 0 and got.total is None
+        assert got.ids is None and got.global_rows == shard.spec.row_offset
+        assert torch.equal(got.weight, shard.weight)
+        assert torch.equal(got.states["momentum1"], shard.states["momentum1"])
+        assert got.scalars == {"iter": 11.0}
+    assert staged.step == 3 and staged.kind == "full"
+    assert staged.staged_bytes == (10 + 6) * shards[0].row_bytes(False)
+
+
+def test_staged_values_are_copies_that_training_may_then_modify() -> None:
+    shard = _shard()
+    before = shard.weight.clone()
+    sink = _RecordingSink()
+    _stage([shard], [None], StagingPool(), sink)
+    shard.weight.add_(1.0)
+    shard.states["momentum1"].zero_()
+    assert torch.equal(sink.handed[0].staged.weight, before)
+    assert not bool((sink.handed[0].staged.states["momentum1"] == 0).all())
+
+
+def test_delta_staging_stages_the_selected_rows_with_global_ids() -> None:
+    shard = _shard(rows=10, row_offset=100)
+    rows = torch.tensor([1, 4, 9])
+    sink = _RecordingSink()
+    staged = _stage([shard], [rows], StagingPool(), sink)
+    got = sink.handed[0]
+    assert got.ids is not None and got.ids.dtype == torch.int32
+    assert got.ids.tolist() == [101, 104, 109]
+    assert isinstance(got.global_rows, torch.Tensor)
+    assert got.global_rows.tolist() == [101, 104, 109]
+    assert torch.equal(got.weight, shard.weight[rows])
+    assert torch.equal(got.states["momentum1"], shard.states["momentum1"][rows])
+    assert staged.staged_bytes == 3 * shard.row_bytes(True)
+
+
+def test_staging_copies_the_dense_state_and_serializes_app_state() -> None:
+    dense = {"over.weight": torch.randn(2, 3)}
+    staged = _stage([_shard()], [None], StagingPool(), _RecordingSink(), dense)
+    assert torch.equal(staged.dense["over.weight"], dense["over.weight"])
+    assert staged.dense["over.weight"].data_ptr() != dense["over.weight"].data_ptr()
+    assert torch.load(io.BytesIO(staged.app_state)) == {"app": {"value": 5}}
+
+
+def test_a_shard_without_modified_row_bits_stages_no_step_counters() -> None:
+    shard = _shard()
+    shard.words = None  # a dense kernel: no counters to read
+    sink = _RecordingSink()
+    _stage([shard], [None], StagingPool(), sink)
+    assert sink.handed[0].scalars == {}
+
+
+def _rows_covered(sink: _RecordingSink, key: str) -> list[int]:
+    covered: list[int] = []
+    for got in sink.handed:
+        if got.key != key:
+            continue
+        n = got.weight.shape[0]
+        assert got.row0 == len(covered)  # chunks are handed over in order, back to back
+        if isinstance(got.global_rows, torch.Tensor):
+            covered += got.global_rows.tolist()
+        else:
+            covered += list(range(got.global_rows, got.global_rows + n))
+    return covered
+
+
+def test_chunked_staging_hands_over_each_chunk_before_reusing_buffers() -> None:
+    shards = [_shard(rows=10, row_offset=100), _shard(rows=7, row_offset=300, seed=1)]
+    pool = StagingPool(budget_bytes=60)  # 3 rows of 20 bytes: 340 bytes need chunks
+    sink = _RecordingSink()
+    staged = _stage(shards, [None, None], pool, sink)
+    # ceil(10 / 3) + ceil(7 / 3) chunks, each waited for before the next is copied
+    assert sink.events == ["add", "wait"] * 7
+    assert [h.weight.shape[0] for h in sink.handed] == [3, 3, 3, 1, 3, 3, 1]
+    assert len({h.staged.weight.data_ptr() for h in sink.handed}) == 1  # one buffer set
+    for i, shard in enumerate(shards):
+        chunks = [h for h in sink.handed if h.key == f"s{i}"]
+        assert all(h.total == shard.spec.rows and h.ids is None for h in chunks)
+        assert [h.first_row for h in chunks] == [h.row0 for h in chunks]
+        start = shard.spec.row_offset
+        assert _rows_covered(sink, f"s{i}") == list(range(start, start + shard.spec.rows))
+        assert torch.equal(torch.cat([h.weight for h in chunks]), shard.weight)
+        assert torch.equal(
+            torch.cat([h.states["momentum1"] for h in chunks]), shard.states["momentum1"]
+        )
+    assert staged.staged_bytes == 17 * 20  # each chunk counted once
+
+
+def test_chunked_delta_staging_covers_the_selected_rows_exactly_with_global_ids() -> None:
+    shard = _shard(rows=20, row_offset=1000)
+    rows = torch.tensor([0, 2, 3, 5, 8, 13, 19])
+    pool = StagingPool(budget_bytes=50)  # 2 rows of 24 bytes with their ids
+    sink = _RecordingSink()
+    _stage([shard], [rows], pool, sink)
+    assert sink.events == ["add", "wait"] * 4
+    assert all(h.total == 7 for h in sink.handed)
+    assert _rows_covered(sink, "s0") == (rows + 1000).tolist()
+    assert torch.equal(torch.cat([h.weight for h in sink.handed]), shard.weight[rows])
+    assert torch.equal(
+        torch.cat([h.states["momentum1"] for h in sink.handed]), shard.states["momentum1"][rows]
+    )
+
+
+def test_chunked_staging_of_a_shard_with_no_selected_rows_hands_over_one_empty_chunk() -> None:
+    shards = [_shard(rows=10), _shard(rows=10, row_offset=500, seed=1)]
+    sink = _RecordingSink()
+    _stage(
+        shards,
+        [torch.tensor([1, 2, 3]), torch.tensor([], dtype=torch.int64)],
+        StagingPool(30),
+        sink,
+    )
+    empty = [h for h in sink.handed if h.key == "s1"]
+    assert len(empty) == 1 and empty[0].weight.shape == (0, 4) and empty[0].total == 0
+
+
+def test_a_budget_the_checkpoint_fits_in_stages_it_whole() -> None:
+    shards = [_shard(rows=10), _shard(rows=6, seed=1)]
+    sink = _RecordingSink()
+    _stage(shards, [None, None], StagingPool(budget_bytes=16 * 20), sink)
+    assert sink.events == ["add", "add"]
+    assert [h.key for h in sink.handed] == ["s0", "s1"]
+
+
+@pytest.mark.parametrize("states", ["row", "element"])
+def test_chunked_staging_holds_no_more_than_the_budget(states: str) -> None:
+    shard = _shard(rows=1000, cols=16, states=states)
+    budget = 4096
+    pool = StagingPool(budget_bytes=budget)
+    _stage([shard], [None], pool, _RecordingSink())
+    assert pool.nbytes <= budget
