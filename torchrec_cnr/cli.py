@@ -20,6 +20,7 @@ from torchrec_cnr.commit.lease import Lease
 from torchrec_cnr.errors import CnrError, ManifestError
 from torchrec_cnr.executors import Executors
 from torchrec_cnr.offline import EXPORT_FORMATS, compact_entry, export_state_dict, save_export
+from torchrec_cnr.offline.catalog import changed_rows
 from torchrec_cnr.restore import verify_chains
 from torchrec_cnr.selection import Policy
 from torchrec_cnr.storage import Storage, open_storage
@@ -35,15 +36,18 @@ def _inspect(root: str) -> int:
         f"{root}: {len(manifest.checkpoints)} committed checkpoint(s), {manifest.restores} restore(s)"
     )
     print(
-        f"{'step':>8} {'kind':>6} {'policy':>13} {'ranks':>5} {'rows saved':>11} {'MB':>9}  restore needs"
+        f"{'step':>8} {'kind':>6} {'policy':>13} {'ranks':>5} {'rows saved':>11} "
+        f"{'changed':>9} {'MB':>9}  restore needs"
     )
     for e in manifest.checkpoints:
         saved = sum(s.saved_rows for s in e.shards)
+        changed = changed_rows(e)
         needs = ", ".join(str(manifest.by_id(i).step) for i in e.chain)
         print(
-            f"{e.step:>8} {e.kind:>6} {e.policy:>13} {e.world_size:>5} "
-            f"{saved:>11} {e.bytes / 1e6:>9.2f}  steps {needs}"
+            f"{e.step:>8} {e.kind:>6} {e.policy:>13} {e.world_size:>5} {saved:>11} "
+            f"{'?' if changed is None else changed:>9} {e.bytes / 1e6:>9.2f}  steps {needs}"
         )
+    print("changed: rows modified since the checkpoint before it (what a serving follower reads)")
     print(f"\nlatest (step {latest.step}) per table:")
     by_table = defaultdict(list)
     for s in latest.shards:

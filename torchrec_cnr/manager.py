@@ -16,7 +16,6 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -32,7 +31,13 @@ from torchrec_cnr.offline.compact import compact
 from torchrec_cnr.recovery import IntervalProbe
 from torchrec_cnr.restore import ChainReader, restore_entry
 from torchrec_cnr.selection import ChainState, Policy
-from torchrec_cnr.selection.rows import restart_bits, resume_chain, select_rows
+from torchrec_cnr.selection.rows import (
+    ClearedBits,
+    restart_bits,
+    resume_chain,
+    select_recent,
+    select_rows,
+)
 from torchrec_cnr.snapshot import checkpoint_id
 from torchrec_cnr.staging import StagedCheckpoint, StagingPool, stage
 from torchrec_cnr.storage import Storage, open_storage
@@ -200,11 +205,12 @@ class CheckpointManager:
         sink = ShardWriter(self.storage, ckpt_id, self.rank, resolver, self._pools)
         failure: Exception | None = None
         staged: StagedCheckpoint | None = None
-        cleared: list[torch.Tensor] = []
+        cleared = ClearedBits()
         try:
+            recent = select_recent(self._shards, decision, rows)
             staged = stage(
                 step, decision.kind, self._shards, rows, self._dense, self.app_state,
-                self._pool, sink,
+                self._pool, sink, recent,
             )  # fmt: skip
             # Rows modified while the write runs belong to the next checkpoint.
             cleared = restart_bits(self._shards, decision, rows if budget is not None else None)
@@ -256,7 +262,7 @@ class CheckpointManager:
         def job(group: Collective) -> JobResult:
             return JobResult(compact(group, target, pools) or state, what)
 
-        self._background.submit(what, job, [])
+        self._background.submit(what, job, ClearedBits())
         return True
 
     def _target(self) -> Target:

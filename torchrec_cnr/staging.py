@@ -106,6 +106,9 @@ class StagedShard:
     """The kernel's step counters at staging time (see ``LocalShard.scalar_states``)."""
     first_row: int = 0
     """Local row of the first staged row when ``ids`` is ``None`` (a chunk of a full save)."""
+    recent: torch.Tensor | None = None
+    """``(k,)`` global ids of the shard's stored rows modified since the last checkpoint,
+    when they are not all of them (given with a shard's first chunk only)."""
 
     def global_rows(self) -> torch.Tensor | int:
         """The table row of each staged row: ``(n,)`` ids, or the first row's when the
@@ -193,6 +196,7 @@ def stage_shard(
     rows: torch.Tensor | slice | None,
     pool: StagingPool,
     buffers: str | None = None,
+    recent: torch.Tensor | None = None,
 ) -> StagedShard:
     """Copies ``rows`` of ``shard`` and their optimizer state into pooled buffers.
 
@@ -204,6 +208,8 @@ def stage_shard(
             every row (a chunk of a full save); ``None`` for every row.
         pool: where the host buffers come from.
         buffers: the pool keys' prefix; ``key`` if ``None``.
+        recent: ``(k,)`` local rows modified since the last checkpoint, if not every
+            stored row (see :func:`~torchrec_cnr.selection.rows.select_recent`).
     """
     spec = shard.spec
     ids = None
@@ -219,7 +225,8 @@ def stage_shard(
     if shard.weight.device.type == "cuda":
         torch.cuda.current_stream(shard.weight.device).synchronize()  # the copies must land
     first = rows.start or 0 if isinstance(rows, slice) else 0
-    return StagedShard(shard, key, ids, weight, states, shard.scalar_states(), first)
+    changed = None if recent is None else (recent + spec.row_offset).to(_ids_dtype(shard))
+    return StagedShard(shard, key, ids, weight, states, shard.scalar_states(), first, changed)
 
 
 def serialize_app_state(app_state: Mapping[str, Any]) -> bytes:
@@ -238,9 +245,13 @@ def stage(
     app_state: Mapping[str, Any],
     pool: StagingPool,
     sink: Sink,
+    recent: list[torch.Tensor | None] | None = None,
 ) -> StagedCheckpoint:
     """Stages a checkpoint of ``kind`` at ``step`` into ``sink``: each shard's ``rows``
-    (every row where ``None``), then the dense state and the serialized ``app_state``."""
+    (every row where ``None``) and which of them changed since the last checkpoint
+    (``recent``, see :func:`~torchrec_cnr.selection.rows.select_recent`), then the dense
+    state and the serialized ``app_state``."""
+    changed = recent if recent is not None else [None] * len(shards)
     for kernel in {id(s.kernel): s.kernel for s in shards}.values():
         kernel.flush()  # caching kernels write their cache back first
     pool.begin()
@@ -253,7 +264,7 @@ def stage(
     staged_bytes = 0
     for i, (shard, r) in enumerate(zip(shards, rows)):
         if not chunked:
-            staged = stage_shard(shard, f"s{i}", r, pool)
+            staged = stage_shard(shard, f"s{i}", r, pool, recent=changed[i])
             staged_bytes += staged.nbytes
             sink.add(staged)
             continue
@@ -262,7 +273,8 @@ def stage(
         for row0 in range(0, max(total, 1), step_rows):
             block = slice(row0, min(row0 + step_rows, total))
             part: torch.Tensor | slice = block if r is None else r[block]
-            staged = stage_shard(shard, f"s{i}", part, pool, buffers="chunk")
+            first_chunk = changed[i] if row0 == 0 else None
+            staged = stage_shard(shard, f"s{i}", part, pool, "chunk", first_chunk)
             staged_bytes += staged.nbytes
             sink.add(staged, row0, total)
             sink.wait()  # the next chunk reuses these buffers

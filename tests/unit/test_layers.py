@@ -24,6 +24,7 @@ STAGES = [
     ("commit",),
     ("restore",),
     ("offline",),
+    ("serving",),
     ("manager",),
     ("cli", "__init__"),
 ]

@@ -12,13 +12,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.errors import CheckpointError
 from torchrec_cnr.selection import ChainState
-from torchrec_cnr.selection.rows import put_back_bits
+from torchrec_cnr.selection.rows import ClearedBits, put_back_bits
 from torchrec_cnr.tracking.shard import LocalShard
 
 __all__ = ["BackgroundWriter", "JobResult"]
@@ -41,7 +40,7 @@ class _Job:
     what: str
     """``checkpoint of step N`` or ``compaction of step N``, for messages."""
     future: Future[JobResult]
-    cleared_bits: list[torch.Tensor]
+    cleared_bits: ClearedBits
     """Bits cleared when this checkpoint was staged; OR-ed back if it fails."""
 
 
@@ -70,7 +69,7 @@ class BackgroundWriter:
         self,
         what: str,
         fn: Callable[[Collective], JobResult],
-        cleared_bits: list[torch.Tensor],
+        cleared_bits: ClearedBits,
     ) -> Future[JobResult]:
         """Starts ``fn(group)``; call :meth:`settle` first."""
         if self.group is None:

@@ -169,6 +169,7 @@ def _entry(
         staged_bytes=writes[0].staged_bytes,
         stall_s=max(w.stall_s for w in writes),
         interval_decision=pending.interval_decision,
+        since=pending.chain.chain[-1] if pending.chain.chain else None,
     )
 
 

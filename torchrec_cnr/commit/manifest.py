@@ -44,10 +44,12 @@ __all__ = [
     "saved_fraction",
 ]
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """2: optimizer states by FBGEMM name with layout and dtype, and the kernels' step counters.
 3: a checksum of the manifest itself, the writer generation that may commit, each table's key
-in the unsharded module's state dict, and compacted checkpoints (``compacted_from``)."""
+in the unsharded module's state dict, and compacted checkpoints (``compacted_from``).
+4: which rows changed since the previous checkpoint (``Entry.since``, ``ShardRecord.recent``
+and a ``<key>.recent`` tensor), so that a serving follower reads only those."""
 
 # Version 1 named each shard's states state0, state1, ... in FBGEMM's order.
 _V1_STATE_ORDER = {
@@ -146,6 +148,9 @@ class Entry:
     """CPR's interval decision, once ``interval_steps: auto`` made it."""
     compacted_from: str | None = None
     """The checkpoint whose chain this full checkpoint merges (see ``offline.compact``)."""
+    since: str | None = None
+    """The checkpoint its shards' ``recent`` rows changed since: the one this job committed
+    (or restored) before it; ``None`` for a job's first, or before format 4."""
 
     @staticmethod
     def signature(
@@ -228,7 +233,7 @@ class Manifest:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ManifestError(f"{where} is not valid JSON ({e})") from e
         version = raw.get("format_version") if isinstance(raw, dict) else None
-        if version not in (1, 2, FORMAT_VERSION):
+        if not isinstance(version, int) or version not in range(1, FORMAT_VERSION + 1):
             raise ManifestError(
                 f"{where} has format_version {version!r}; this torchrec_cnr reads 1 to {FORMAT_VERSION}"
             )

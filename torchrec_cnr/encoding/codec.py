@@ -10,7 +10,9 @@ Stored names of one shard ``key`` (:mod:`torchrec_cnr.snapshot.layout` spells th
 - ``<key>.w``: fp32 rows, when the table is not quantized;
 - ``<key>.w.<part>``: quantized rows, parts as ``QuantizedRows.to_tensors()`` names them;
 - ``<key>.ids``: global row ids, absent when all rows are stored;
-- ``<key>.<state>``: an optimizer state, by FBGEMM name.
+- ``<key>.<state>``: an optimizer state, by FBGEMM name;
+- ``<key>.recent``: global ids of the stored rows modified since the previous checkpoint,
+  absent when every stored row was (format 4).
 
 :class:`ShardRecord` is what the manifest records about one stored shard.
 """
@@ -30,14 +32,18 @@ from torchrec_cnr.snapshot.layout import (
     rows_path,
     stored_ids,
     stored_part,
+    stored_recent,
     stored_state,
     stored_weight,
 )
 from torchrec_cnr.staging import StagedShard
 from torchrec_cnr.tracking.shard import ShardSpec
 
+Recent = Literal["stored", "ids", "unknown"]
+
 __all__ = [
     "EncodedShard",
+    "Recent",
     "ShardRecord",
     "StateInfo",
     "decode_weight",
@@ -87,6 +93,12 @@ class ShardRecord:
     nbytes: int
     checksums: dict[str, int] = field(default_factory=dict)
     """Stored name -> CRC32."""
+    recent: Recent = "unknown"
+    """Which stored rows changed since the previous checkpoint (the entry's ``since``):
+    ``stored`` every one, ``ids`` those the ``<key>.recent`` tensor lists, ``unknown`` not
+    recorded (format 3 and older): any row may have."""
+    recent_rows: int = 0
+    """How many ids the ``<key>.recent`` tensor holds (``ids`` only)."""
 
     @classmethod
     def build(
@@ -100,6 +112,7 @@ class ShardRecord:
         optimizer: str,
         scalars: dict[str, float],
         fmt: Format,
+        recent: torch.Tensor | None | Literal["unknown"] = None,
     ) -> tuple[ShardRecord, dict[str, torch.Tensor]]:
         """The record of a shard stored under ``key`` and its tensors by stored name.
 
@@ -107,6 +120,8 @@ class ShardRecord:
             values: ``{"": rows}`` for fp32 or a cast, else the quantized parts by name.
             states: optimizer states by FBGEMM name, each ``(n,)`` or ``(n, cols)``.
             ids: ``(n,)`` global row ids; ``None`` when every row of the shard is stored.
+            recent: ``(k,)`` global ids of the stored rows that changed since the previous
+                checkpoint; ``None`` when every stored row did; ``"unknown"``.
         """
         parts = [] if fmt == FP32 else list(values)
         tensors = {
@@ -115,6 +130,8 @@ class ShardRecord:
         }
         if ids is not None:
             tensors[cls.ids_name(key)] = ids
+        if isinstance(recent, torch.Tensor):
+            tensors[stored_recent(key)] = recent
         infos = {}
         for name, value in states.items():
             stored = stored_state(key, name)
@@ -132,12 +149,18 @@ class ShardRecord:
             format=fmt,
             parts=parts,
             nbytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+            recent="unknown" if isinstance(recent, str) else "stored" if recent is None else "ids",
+            recent_rows=int(recent.numel()) if isinstance(recent, torch.Tensor) else 0,
         )
         return record, tensors
 
     weight_name = staticmethod(stored_weight)
     part_name = staticmethod(stored_part)
     ids_name = staticmethod(stored_ids)
+
+    @property
+    def recent_name(self) -> str:
+        return stored_recent(self.key)
 
     @property
     def value_names(self) -> list[str]:
@@ -174,6 +197,8 @@ class ShardRecord:
             "format": {"method": self.format.method, "bits": self.format.bits, "parts": self.parts},
             "nbytes": self.nbytes,
             "checksums": self.checksums,
+            "recent": self.recent,
+            "recent_rows": self.recent_rows,
         }
 
     @classmethod
@@ -191,6 +216,8 @@ class ShardRecord:
             parts=list(fmt.get("parts", [])),
             nbytes=int(raw["nbytes"]),
             checksums={k: int(v) for k, v in raw["checksums"].items()},
+            recent=raw.get("recent", "unknown"),
+            recent_rows=int(raw.get("recent_rows", 0)),
         )
 
 
@@ -237,6 +264,7 @@ def encode_shard(staged: StagedShard, fmt: Format, config: QuantizeConfig) -> En
         optimizer=staged.shard.optimizer,
         scalars=staged.scalars,
         fmt=fmt,
+        recent=staged.recent,
     )
     return EncodedShard(tensors, record)
 

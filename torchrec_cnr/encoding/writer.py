@@ -78,13 +78,19 @@ class ShardWriter:
         encoded = encode_shard(shard, fmt, self.resolver.config)
         with self._lock:
             for name, tensor in encoded.tensors.items():
-                self.snapshot.write(rows_path(self.rank, name), tensor, row0, total)
+                if name == encoded.record.recent_name:  # not one row per stored row: whole
+                    self.snapshot.write(rows_path(self.rank, name), tensor)
+                else:
+                    self.snapshot.write(rows_path(self.rank, name), tensor, row0, total)
             known = self._records.get(shard.key)
             if known is None:
                 self._records[shard.key] = encoded.record
             else:  # a further chunk of the same shard
                 known.saved_rows += encoded.record.saved_rows
                 known.nbytes += encoded.record.nbytes
+                if encoded.record.recent == "ids":  # the first chunk carries them
+                    known.recent = "ids"
+                    known.recent_rows = encoded.record.recent_rows
 
     def add(self, shard: StagedShard, row0: int = 0, total: int | None = None) -> None:
         """Takes ``shard``, to be encoded and written by :meth:`start`; returns at once.

@@ -78,9 +78,24 @@ class CheckpointInfo:
     saved_fraction: float
     """Elements stored, as a fraction of every table's elements (Check-N-Run's S_i)."""
     rows_saved: int
+    rows_changed: int | None
+    """Rows changed since the checkpoint before it (``since``): what a serving follower
+    reads to catch up by one checkpoint; ``None`` when not recorded (format 3 and older)."""
+    since: str | None
+    """The id of the checkpoint ``rows_changed`` counts from (``None``: the job's first)."""
     compacted_from: str | None
     """For a compacted checkpoint, the checkpoint whose chain it merges."""
     tables: dict[str, TableInfo]
+
+
+def changed_rows(entry: Entry) -> int | None:
+    """Rows of ``entry`` that changed since ``entry.since``; ``None`` if not recorded."""
+    total = 0
+    for rec in entry.shards:
+        if rec.recent == "unknown":
+            return None
+        total += rec.saved_rows if rec.recent == "stored" else rec.recent_rows
+    return total
 
 
 def _info(manifest: Manifest, entry: Entry) -> CheckpointInfo:
@@ -116,6 +131,8 @@ def _info(manifest: Manifest, entry: Entry) -> CheckpointInfo:
         committed_at=entry.committed_at,
         saved_fraction=saved_fraction(entry.shards),
         rows_saved=sum(r.saved_rows for r in entry.shards),
+        rows_changed=changed_rows(entry),
+        since=entry.since,
         compacted_from=entry.compacted_from,
         tables=tables,
     )

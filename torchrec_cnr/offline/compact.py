@@ -18,6 +18,7 @@ it; killed mid-compaction, the old chain stays the restore target.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torchsnapshot.manifest import Entry as IndexEntry
@@ -90,7 +91,10 @@ def _merge_decoded(
 def _compact_record(
     chain: ChainReader, target: ShardRecord, key: str
 ) -> tuple[ShardRecord, dict[str, torch.Tensor]]:
-    """The compacted record of one shard of the chain's last checkpoint, and its tensors."""
+    """The compacted record of one shard of the chain's last checkpoint, and its tensors.
+
+    It stands for that checkpoint, so it keeps which rows changed since the one before.
+    """
     sources = [(n, rec) for n, rec in chain.records() if overlaps(rec.spec, target.spec)]
     first = sources[0][1] if sources else target
     as_stored = (
@@ -115,6 +119,14 @@ def _compact_record(
     else:
         decoded, states = _merge_decoded(chain, target, sources)
         values, fmt = {"": decoded}, FP32
+    recent: torch.Tensor | None | Literal["unknown"] = "unknown"
+    if target.recent == "ids":
+        recent = chain.tensor(len(chain.links) - 1, target.spec.rank, target.recent_name)
+    elif target.recent == "stored":
+        # Every row the last link stored changed; the compacted record stores them all.
+        recent = None if target.all_rows else chain.saved_ids(len(chain.links) - 1, target)
+        if recent is not None and recent.numel() == target.spec.rows:
+            recent = None
     return ShardRecord.build(
         target.spec,
         key,
@@ -124,6 +136,7 @@ def _compact_record(
         optimizer=target.optimizer,
         scalars=target.scalars,
         fmt=fmt,
+        recent=recent,
     )
 
 
@@ -184,6 +197,7 @@ def _commit(chain: ChainReader, new_id: str, parts: list[_Part], target: Target)
         restores_before=entry.restores_before,
         interval_decision=entry.interval_decision,
         compacted_from=entry.id,
+        since=entry.since,
     )
     append(target, compacted)
     return compacted

@@ -9,6 +9,8 @@ put back, so that no update drops out of the chain.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from torchrec_cnr.selection.policy import ChainState, Decision, Policy
@@ -16,7 +18,14 @@ from torchrec_cnr.selection.priority import prioritize
 from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.shard import LocalShard
 
-__all__ = ["resume_chain", "restart_bits", "put_back_bits", "select_rows"]
+__all__ = [
+    "ClearedBits",
+    "put_back_bits",
+    "restart_bits",
+    "resume_chain",
+    "select_recent",
+    "select_rows",
+]
 
 
 def select_rows(
@@ -44,10 +53,44 @@ def select_rows(
     ]
 
 
+def select_recent(
+    shards: list[LocalShard], decision: Decision, rows: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """For each shard, the ``(k,)`` ascending local rows modified since the last checkpoint
+    among those this one stores; ``None`` where that is every stored row.
+
+    A serving follower reads these to catch up by one checkpoint. A consecutive delta
+    stores exactly them; a cumulative delta or a baseline stores more.
+
+    Args:
+        rows: what :func:`select_rows` chose for each shard.
+    """
+    out: list[torch.Tensor | None] = []
+    for shard, stored in zip(shards, rows):
+        if shard.recent is None or (decision.kind == "delta" and decision.clear_bits):
+            out.append(None)
+            continue
+        recent = bitmap.to_indices(shard.recent, shard.spec.rows)
+        whole = shard.spec.rows if stored is None else stored.numel()
+        out.append(None if recent.numel() == whole else recent)
+    return out
+
+
+@dataclass
+class ClearedBits:
+    """Each tracked shard's bits as they were before a checkpoint cleared them."""
+
+    words: list[torch.Tensor] = field(default_factory=list)
+    """The policy's bits, if this checkpoint cleared them."""
+    recent: list[torch.Tensor] = field(default_factory=list)
+    """The bits of rows modified since the previous checkpoint (every checkpoint clears them)."""
+
+
 def restart_bits(
     shards: list[LocalShard], decision: Decision, prioritized: list[torch.Tensor | None] | None
-) -> list[torch.Tensor]:
-    """Clears the bits (and CPR priorities) of the rows the staged checkpoint covers.
+) -> ClearedBits:
+    """Clears the bits (and CPR priorities) of the rows the staged checkpoint covers, and
+    every shard's bits of rows modified since the previous checkpoint.
 
     Args:
         shards: the local shards.
@@ -56,12 +99,16 @@ def restart_bits(
             others wait for the next checkpoint. ``None`` clears every bit.
 
     Returns:
-        A copy of each shard's bits before clearing, for :func:`put_back_bits`.
+        A copy of what was cleared, for :func:`put_back_bits`.
     """
+    cleared = ClearedBits()
+    for shard in shards:
+        if shard.recent is not None:
+            cleared.recent.append(shard.recent.clone())
+            shard.recent.zero_()
     if not decision.clear_bits:
-        return []
-    tracked = [s for s in shards if s.words is not None]
-    pending = [s.words.clone() for s in tracked if s.words is not None]
+        return cleared
+    cleared.words = [s.words.clone() for s in shards if s.words is not None]
     for i, shard in enumerate(shards):
         if shard.words is None:
             continue
@@ -73,16 +120,17 @@ def restart_bits(
         if shard.priority is not None:
             # MFU counts and SSU samples restart with the bits.
             shard.priority.clear(rows)
-    return pending
+    return cleared
 
 
-def put_back_bits(shards: list[LocalShard], pending: list[torch.Tensor]) -> None:
+def put_back_bits(shards: list[LocalShard], cleared: ClearedBits) -> None:
     """ORs back the bits :func:`restart_bits` cleared for a checkpoint that failed."""
-    tracked = [s for s in shards if s.words is not None]
-    for shard, words in zip(tracked, pending):
+    for shard in shards:
         shard.drain()
-        assert shard.words is not None
-        shard.words |= words
+    words = [s.words for s in shards if s.words is not None]
+    recent = [s.recent for s in shards if s.recent is not None]
+    for live, saved in [*zip(words, cleared.words), *zip(recent, cleared.recent)]:
+        live |= saved
 
 
 def resume_chain(
@@ -104,6 +152,8 @@ def resume_chain(
         shard.drain()
         if shard.words is not None:
             shard.words.zero_()
+        if shard.recent is not None:
+            shard.recent.zero_()  # the next checkpoint's changes are since this one
     if saved_policy != policy.name:
         return ChainState()
     if policy.cumulative:

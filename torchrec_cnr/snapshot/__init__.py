@@ -20,6 +20,7 @@ from torchrec_cnr.snapshot.layout import (
     rows_path,
     stored_ids,
     stored_part,
+    stored_recent,
     stored_state,
     stored_weight,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "rows_path",
     "stored_ids",
     "stored_part",
+    "stored_recent",
     "stored_state",
     "stored_weight",
     "write_index",

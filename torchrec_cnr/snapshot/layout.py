@@ -30,6 +30,7 @@ __all__ = [
     "rows_path",
     "stored_ids",
     "stored_part",
+    "stored_recent",
     "stored_state",
     "stored_weight",
 ]
@@ -86,6 +87,12 @@ def stored_part(key: str, part: str) -> str:
 def stored_ids(key: str) -> str:
     """Stored name of the global ids of the rows shard ``key`` holds (absent: every row)."""
     return f"{key}.ids"
+
+
+def stored_recent(key: str) -> str:
+    """Stored name of the global ids of shard ``key``'s stored rows that changed since the
+    previous checkpoint (absent: every stored row did)."""
+    return f"{key}.recent"
 
 
 def stored_state(key: str, state: str) -> str:

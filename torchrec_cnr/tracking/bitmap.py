@@ -48,6 +48,28 @@ def set_bits(words: torch.Tensor, rows: torch.Tensor) -> None:
     words[touched] |= merged
 
 
+def set_bits_in_both(words: torch.Tensor, recent: torch.Tensor, rows: torch.Tensor) -> None:
+    """Sets the bits of ``rows`` in two bitmaps of one shape, where every bit set in
+    ``recent`` is also set in ``words`` (``recent`` is cleared at least as often): one
+    sort serves both.
+
+    Args:
+        words: ``(num_words,)`` int64 bitmap, updated in place.
+        recent: ``(num_words,)`` int64 bitmap whose set bits are a subset of ``words``'.
+        rows: ``(n,)`` integer row indices, duplicates allowed.
+    """
+    if rows.numel() == 0:
+        return
+    rows = rows.to(torch.int64)
+    known = torch.bitwise_right_shift(recent[rows >> 6], rows & (_WORD - 1)) & 1
+    rows = rows[known == 0]
+    if rows.numel() == 0:
+        return
+    touched, merged = _word_masks(recent, torch.unique(rows))
+    recent[touched] |= merged
+    words[touched] |= merged
+
+
 def clear_bits(words: torch.Tensor, rows: torch.Tensor) -> None:
     """Clears the bits of ``rows`` (duplicates allowed) in ``words``."""
     if rows.numel() == 0:

@@ -113,6 +113,9 @@ class LocalShard:
     """CPR's MFU or SSU priority of the rows (see :mod:`torchrec_cnr.tracking.priority`)."""
     drain: Callable[[], None] = field(repr=False, default=lambda: None)
     """Waits until pending lookups are in ``words``; call before reading or writing them."""
+    recent: torch.Tensor | None = None
+    """``(ceil(rows / 64),)`` int64 bitmap of rows modified since the last checkpoint was
+    staged, whatever the policy; ``None`` means every row counts as modified."""
 
     def modified_mask(self) -> torch.Tensor:
         """``(rows,)`` bool mask of rows modified since the bits were last cleared."""

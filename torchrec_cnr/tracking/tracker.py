@@ -110,11 +110,13 @@ class _KernelHook:
     def __init__(
         self,
         words: torch.Tensor,
+        recent: torch.Tensor,
         key_base: torch.Tensor,
         marker: _Marker | None,
         priority: KernelPriority | None,
     ) -> None:
         self.words = words
+        self.recent = recent
         self.key_base = key_base
         self.marker = marker
         self.priority = priority
@@ -145,7 +147,7 @@ class _KernelHook:
             self.marker.submit(lambda: self._record(mine))
 
     def _record(self, rows: torch.Tensor) -> None:
-        bitmap.set_bits(self.words, rows)
+        bitmap.set_bits_in_both(self.words, self.recent, rows)
         if self.priority is not None:
             self.priority.record(rows)
 
@@ -161,6 +163,8 @@ class _TableEntry:
     kernel: Any
     words: torch.Tensor | None
     """Its view into the kernel's bitmap; ``None`` when every row counts as modified."""
+    recent: torch.Tensor | None
+    """Its view into the kernel's bitmap of rows modified since the last checkpoint."""
     first_word: int
     """Where that view starts in the kernel's bitmap (and priority)."""
 
@@ -222,7 +226,7 @@ class RowTracker:
         fused = hasattr(emb, "split_optimizer_states") and hasattr(kernel, "fused_optimizer")
         if not fused:
             for i in range(len(tables)):
-                self._entries.append(_TableEntry(tables[i], i, kernel, None, 0))
+                self._entries.append(_TableEntry(tables[i], i, kernel, None, None, 0))
             return
         # One flat bitmap per kernel; each table starts on a word boundary so
         # that its bits are a plain slice of the flat tensor.
@@ -232,7 +236,10 @@ class RowTracker:
             total += bitmap.num_words(t.local_rows)
         device = next(iter(emb.split_embedding_weights()), torch.empty(0)).device
         words = torch.zeros(total, dtype=torch.int64, device=device)
-        self._words.append(words)
+        # Rows modified since the last checkpoint, whatever the policy: what a serving
+        # follower must read to catch up by one checkpoint.
+        recent = torch.zeros(total, dtype=torch.int64, device=device)
+        self._words += [words, recent]
         key_base = torch.tensor(
             [word_starts[i] * 64 for i, t in enumerate(tables) for _ in range(t.num_features())],
             dtype=torch.int64,
@@ -245,12 +252,14 @@ class RowTracker:
             priority = KernelPriority(self.mode, total, device, self._ssu_rate)
             self._priorities[id(kernel)] = priority
         marker = self._marker if device.type == "cpu" else None
-        hook = _KernelHook(words, key_base, marker, priority)
+        hook = _KernelHook(words, recent, key_base, marker, priority)
         self._hooks.append((kernel, hook))
         self._handles.append(kernel.register_forward_pre_hook(hook, with_kwargs=True))
         for i, t in enumerate(tables):
-            view = words[word_starts[i] : word_starts[i] + bitmap.num_words(t.local_rows)]
-            self._entries.append(_TableEntry(t, i, kernel, view, word_starts[i]))
+            span = slice(word_starts[i], word_starts[i] + bitmap.num_words(t.local_rows))
+            self._entries.append(
+                _TableEntry(t, i, kernel, words[span], recent[span], word_starts[i])
+            )
 
     def drain(self) -> None:
         """Waits until every looked-up row so far is in the bitmaps."""
@@ -315,7 +324,17 @@ class RowTracker:
                 None if kernel_priority is None else kernel_priority.table(entry.first_word, rows)
             )
             out.append(
-                LocalShard(spec, weight, states, optimizer, words, kernel, priority, self.drain)
+                LocalShard(
+                    spec,
+                    weight,
+                    states,
+                    optimizer,
+                    words,
+                    kernel,
+                    priority,
+                    self.drain,
+                    entry.recent,
+                )
             )
         return out
 
