@@ -14,8 +14,9 @@ The package follows a checkpoint through its stages:
    partial recovery, verification.
 
 ``offline`` uses checkpoints outside training (the catalog, reading tables, export,
-compaction); ``recovery`` holds CPR's interval choice; ``manager`` sequences the stages
-and owns the threads and buffers (``executors``, ``staging``).
+compaction); ``serving`` keeps an inference model fresh from a root (the follower);
+``recovery`` holds CPR's interval choice; ``manager`` sequences the stages and owns the
+threads and buffers (``executors``, ``staging``).
 """
 
 from torchrec_cnr.config import CheckpointConfig, IOOptions, QuantizeConfig, RecoveryConfig
@@ -40,6 +41,7 @@ from torchrec_cnr.offline import (
     root_info,
 )
 from torchrec_cnr.quantization import QuantizedRows, quantize
+from torchrec_cnr.serving import FloatTarget, Follower, QuantizedTarget
 from torchrec_cnr.tracking import tracking_sharders
 
 __all__ = [
@@ -50,10 +52,13 @@ __all__ = [
     "CheckpointReadError",
     "ChecksumError",
     "CnrError",
+    "FloatTarget",
+    "Follower",
     "IOOptions",
     "ManifestError",
     "ModelMismatchError",
     "QuantizeConfig",
+    "QuantizedTarget",
     "QuantizedRows",
     "RecoveryConfig",
     "RootInfo",

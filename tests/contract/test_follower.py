@@ -1,0 +1,343 @@
+"""A follower keeps a serving model at the latest committed checkpoint, reading only the
+rows that changed, on every policy, module and layout, fp32 and quantized.
+
+- fp32 target: after every update, the served model's state dict equals
+  ``export_state_dict(root)`` bit for bit (it is what a full reload would load).
+- quantized target (TorchRec's ``quantize_embeddings``): the served rows dequantize to
+  what a restore gives for 4-bit checkpoints served as INT4.
+- An update reads only rows changed since the served step; a follower that fell behind
+  reads each row once; a cold one reads the chain once.
+- Robust: compaction and keep_last racing the follower, a rewind, a take-over, a damaged
+  file (the last good step stays served), a mismatched model (nothing changes).
+- Consistent: lookups served while updates apply see one committed step.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.contract.models import build, unsharded
+from tests.multiprocess import run_ranks
+from torchrec_cnr import (
+    CheckpointConfig,
+    CheckpointManager,
+    ModelMismatchError,
+    QuantizeConfig,
+    export_state_dict,
+    list_checkpoints,
+    quantize,
+)
+from torchrec_cnr.commit import Manifest
+from torchrec_cnr.selection import POLICIES
+from torchrec_cnr.selection.policy import PolicyName
+from torchrec_cnr.serving import FloatTarget, QuantizedTarget
+from torchrec_cnr.serving.follower import Follower
+from torchrec_cnr.storage import open_storage
+
+EVERY = 2
+
+
+def _train(root: str, kind: str, policy: PolicyName, last: int, config: dict[str, Any]) -> None:
+    """Trains from the root's latest checkpoint (or from scratch) to ``last``, saving every
+    ``EVERY`` steps: each call is a job that restores, as a restarted one does."""
+    job = build(kind, "exact_rowwise_adagrad", seed=1)
+    cfg = CheckpointConfig(path=root, policy=policy, interval_steps=EVERY, **config)
+    with CheckpointManager(job.model, cfg, job.app_state) as ckpt:
+        start = ckpt.restore() or 0
+        for step in range(start + 1, last + 1):
+            job.step(step)
+            ckpt.maybe_save(step)
+
+
+def _served(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_serves_the_root(model: nn.Module, root: str) -> None:
+    want = export_state_dict(root)
+    got = _served(model)
+    assert set(want) <= set(got), sorted(set(want) - set(got))
+    bad = [k for k, v in want.items() if not torch.equal(v, got[k])]
+    assert not bad, f"served tensors differ from the checkpoint: {bad}"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fp32_follower_serves_exactly_the_latest_checkpoint_after_every_update(
+    kind: str, policy: PolicyName, root: str
+) -> None:
+    model, _, _ = unsharded(kind, device="cpu")
+    follower = Follower(root, FloatTarget(model))
+    assert follower.poll() is None  # a fresh root: nothing to serve yet
+    for last in (4, 6, 12):
+        run_ranks(2, _train, root, kind, policy, last, {})
+        assert follower.poll() == last
+        _assert_serves_the_root(model, root)
+    reports = follower.reports
+    assert reports[0].cold and not any(r.cold for r in reports[1:])
+    latest = Manifest.load(root).latest()
+    assert latest is not None
+    total = sum(t.num_embeddings for t in latest.tables.values())
+    assert all(r.rows < total for r in reports[1:]), [r.rows for r in reports]
+    follower.close()
+
+
+@pytest.mark.dist
+def test_a_follower_reads_only_changed_rows_and_each_row_once_when_behind(root: str) -> None:
+    run_ranks(2, _train, root, "ebc", "intermittent", 4, {})
+    model, _, _ = unsharded("ebc", device="cpu")
+    follower = Follower(root, FloatTarget(model))
+    follower.poll()
+    run_ranks(2, _train, root, "ebc", "intermittent", 30, {})  # 13 checkpoints behind
+    follower.poll()
+    _assert_serves_the_root(model, root)
+    report = follower.reports[-1]
+    assert not report.cold
+    # Each changed row is read once, not once per checkpoint that changed it.
+    changed = [i.rows_changed or 0 for i in list_checkpoints(root) if i.step > 4]
+    assert max(changed) <= report.rows < sum(changed)
+    follower.close()
+
+
+@pytest.mark.dist
+def test_quantized_follower_serves_4_bit_checkpoint_rows_as_stored(root: str) -> None:
+    four_bit = {"quantize": QuantizeConfig(method="adaptive", bits=4, min_rows=0)}
+    from torchrec.inference.modules import quantize_embeddings
+
+    model, _, _ = unsharded("ebc", device="cpu")
+    served = quantize_embeddings(copy.deepcopy(model), dtype=torch.quint4x2, inplace=True)
+    target = QuantizedTarget(served)
+    follower = Follower(root, target)
+    for last in (4, 8):
+        run_ranks(2, _train, root, "ebc", "consecutive", last, four_bit)
+        assert follower.poll() == last
+        want = export_state_dict(root)
+        latest = Manifest.load(root).latest()
+        assert latest is not None
+        whole = {  # tables whose every stored row is a whole served row
+            shape.state_dict_key
+            for name, shape in latest.tables.items()
+            if all(
+                r.spec.cols == shape.embedding_dim for r in latest.shards if r.spec.table == name
+            )
+        }
+        assert len(whole) >= 4
+        for key, slot in target.tables().items():
+            got = target.read_rows(key, torch.arange(slot.num_embeddings))
+            if key in whole:  # the stored 4-bit row itself, no second rounding
+                assert torch.equal(got, want[key]), key
+            else:  # split by column, or fp32 (data parallel): our adaptive quantizer's
+                expected = quantize(want[key], "adaptive", 4).dequantize()
+                assert torch.equal(got, expected), key
+    follower.close()
+
+
+def _compact_and_retire(root: str) -> None:
+    job = build("ebc", "exact_rowwise_adagrad", seed=1)
+    cfg = CheckpointConfig(
+        path=root, policy="consecutive", interval_steps=1, keep_last=1, compact_every=2
+    )
+    with CheckpointManager(job.model, cfg, job.app_state) as ckpt:
+        start = ckpt.restore() or 0
+        for step in range(start + 1, start + 25):
+            job.step(step)
+            ckpt.maybe_save(step)
+
+
+@pytest.mark.dist
+def test_keep_last_and_compaction_racing_a_follower_never_break_it(root: str) -> None:
+    model, _, _ = unsharded("ebc", device="cpu")
+    follower = Follower(root, FloatTarget(model))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def poll_at_random() -> None:
+        import random
+
+        rnd = random.Random(3)
+        while not stop.is_set():
+            try:
+                follower.poll()
+            except Exception as e:  # a file retired between plan and read: next poll
+                errors.append(e)
+            stop.wait(rnd.uniform(0.0, 0.2))
+
+    thread = threading.Thread(target=poll_at_random)
+    thread.start()
+    try:
+        run_ranks(2, _compact_and_retire, root)
+    finally:
+        stop.set()
+        thread.join()
+    follower.poll()
+    _assert_serves_the_root(model, root)
+    assert len(follower.reports) >= 2
+    follower.close()
+
+
+def _rewind(root: str) -> None:
+    job = build("ebc", "exact_rowwise_adagrad", seed=1)
+    cfg = CheckpointConfig(path=root, policy="intermittent", interval_steps=EVERY)
+    with CheckpointManager(job.model, cfg, job.app_state) as ckpt:
+        assert ckpt.restore(step=4) == 4
+        for step in range(5, 7):
+            job.step(step + 100)  # other data: the job diverges from the served one
+            ckpt.maybe_save(step)
+
+
+def _take_over(root: str) -> None:
+    job = build("ebc", "exact_rowwise_adagrad", seed=2)
+    cfg = CheckpointConfig(path=root, policy="intermittent", interval_steps=EVERY, take_over=True)
+    with CheckpointManager(job.model, cfg, job.app_state) as ckpt:
+        for step in range(1, 5):  # a new job that starts afresh: a new baseline
+            job.step(step)
+            ckpt.maybe_save(step)
+
+
+@pytest.mark.dist
+def test_a_rewind_and_a_take_over_are_followed_exactly(root: str) -> None:
+    run_ranks(2, _train, root, "ebc", "intermittent", 10, {})
+    model, _, _ = unsharded("ebc", device="cpu")
+    follower = Follower(root, FloatTarget(model))
+    assert follower.poll() == 10
+    run_ranks(2, _rewind, root)
+    assert follower.poll() == 6
+    assert follower.reports[-1].rewind and not follower.reports[-1].cold
+    _assert_serves_the_root(model, root)
+    run_ranks(2, _take_over, root)
+    assert follower.poll() == 4
+    _assert_serves_the_root(model, root)
+    follower.close()
+
+
+@pytest.mark.dist
+def test_a_damaged_file_fails_the_update_and_the_last_good_step_stays_served(
+    root: str,
+) -> None:
+    run_ranks(2, _train, root, "ebc", "consecutive", 4, {})
+    model, _, _ = unsharded("ebc", device="cpu")
+    follower = Follower(root, FloatTarget(model))
+    follower.poll()
+    good = _served(model)
+    run_ranks(2, _train, root, "ebc", "consecutive", 6, {})
+    latest = Manifest.load(root).latest()
+    assert latest is not None
+    storage = open_storage(root)
+    data = [n for n in (Path(root) / latest.id / "data").iterdir()]
+    for path in data:
+        path.unlink()  # every data object of the new checkpoint is gone
+    with pytest.raises(Exception, match=latest.id):
+        follower.poll()
+    assert follower.step == 4
+    assert all(torch.equal(v, good[k]) for k, v in _served(model).items())
+    assert storage.exists(f"{latest.id}/.snapshot_metadata")
+    follower.close()
+
+
+@pytest.mark.dist
+def test_a_model_that_does_not_match_is_refused_before_anything_changes(root: str) -> None:
+    run_ranks(2, _train, root, "ebc", "consecutive", 4, {})
+    model, _, _ = unsharded("ec", device="cpu")  # another model
+    before = _served(model)
+    follower = Follower(root, FloatTarget(model))
+    with pytest.raises(ModelMismatchError, match="in the checkpoint but not in the model"):
+        follower.poll()
+    assert all(torch.equal(v, before[k]) for k, v in _served(model).items())
+    follower.close()
+
+
+def _constant_steps(root: str, steps: int) -> None:
+    """Every row of every table, and every dense tensor, holds the step at each save."""
+    from torchrec_cnr.tracking import model_state
+
+    job = build("ebc", "exact_rowwise_adagrad", seed=1)
+    cfg = CheckpointConfig(path=root, policy="full")
+    with CheckpointManager(job.model, cfg, job.app_state) as ckpt, torch.no_grad():
+        for step in range(1, steps + 1):
+            for shard in model_state.local_shards(job.model):
+                shard.weight.fill_(float(step))
+                if shard.recent is not None:  # written behind the tracker's back: say so
+                    shard.recent.fill_(-1)
+            for tensor in model_state.dense_state(job.model).values():
+                tensor.fill_(float(step))  # data-parallel tables among them
+            ckpt.save(step)
+            ckpt.wait()
+
+
+@pytest.mark.dist
+def test_lookups_during_updates_see_a_single_committed_step(root: str) -> None:
+    model, _, _ = unsharded("ebc", device="cpu")
+    target = FloatTarget(model)
+    keys = list(target.tables())
+    follower = Follower(root, target)
+    seen: list[set[float]] = []
+    errors: list[Exception] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            time.sleep(0.001)  # between requests
+            with follower.serving():
+                if follower.step is None:  # still the model's own initial values
+                    continue
+                state = model.state_dict()
+                values = {float(v) for k in keys for v in state[k].unique()}
+            seen.append(values)
+
+    def follow() -> None:
+        while not stop.wait(0.01):
+            try:
+                follower.poll()
+            except Exception as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=serve), threading.Thread(target=follow)]
+    for t in threads:
+        t.start()
+    try:
+        run_ranks(2, _constant_steps, root, 6)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
+    assert follower.poll() == 6
+    mixed = [s for s in seen if len(s) != 1]
+    assert not mixed, f"lookups saw rows of several steps at once: {mixed[:3]}"
+    assert len({next(iter(s)) for s in seen}) >= 2, "the server must have seen updates land"
+    follower.close()
+
+
+def _poll_into(follower: Follower, steps: list[int | None], i: int) -> None:
+    steps[i] = follower.poll()
+
+
+@pytest.mark.dist
+def test_several_followers_follow_one_s3_root_at_once(s3_root: str) -> None:
+    models = [unsharded("ebc", device="cpu")[0] for _ in range(3)]
+    followers = [Follower(s3_root, FloatTarget(m)) for m in models]
+    for last in (4, 8):
+        run_ranks(2, _train, s3_root, "ebc", "intermittent", last, {})
+        steps: list[int | None] = [None] * len(followers)
+        threads = [
+            threading.Thread(target=_poll_into, args=(f, steps, i)) for i, f in enumerate(followers)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert steps == [last] * len(followers)
+        for model in models:
+            _assert_serves_the_root(model, s3_root)
+    assert all(not f.reports[-1].cold for f in followers)
+    for f in followers:
+        f.close()

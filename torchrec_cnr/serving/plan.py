@@ -1,0 +1,156 @@
+"""Which rows a follower must read to go from the checkpoint it serves to another one.
+
+Every checkpoint of format 4 records, per stored shard, the rows that changed since the
+checkpoint before it (``Entry.since``): every stored row (a consecutive delta), or the
+ids its ``<key>.recent`` tensor lists (a cumulative delta, a baseline). Following the
+``since`` links back from the target to the served checkpoint and uniting those sets
+gives every row whose value differs, read once each however far behind the follower is.
+
+- A compacted checkpoint stands for the one it compacted (``compacted_from``).
+- A job that restored an older checkpoint and went on (a rewind) links back to that
+  checkpoint: the rows that differ are those changed on either side since the two paths
+  meet.
+- Where the links break (the served checkpoint or one on the way was retired by
+  ``keep_last``, a format 3 root, a new job that did not restore), the plan is *cold*:
+  every row of the target's chain, each read once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from torchrec_cnr.commit.manifest import Entry, Manifest
+from torchrec_cnr.restore.chain import ChainReader
+
+__all__ = ["UpdatePlan", "changed_since", "plan_update"]
+
+
+@dataclass
+class UpdatePlan:
+    """What one update reads and applies."""
+
+    target: Entry
+    """The committed checkpoint to serve."""
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Table (qualified name) -> ``(k,)`` ascending global ids of the rows to read; a table
+    absent from it reads every row (a cold plan) or nothing (a warm plan)."""
+    cold: bool = False
+    """Every row of every table is read: no path of recorded changes from the served one."""
+    rewind: bool = False
+    """The target is older than the served checkpoint (the job restored and went on)."""
+    dense: bool = True
+    """The dense state differs from the served one."""
+    path: list[str] = field(default_factory=list)
+    """The checkpoints whose recorded changes the plan unites."""
+
+    def rows_to_read(self) -> int:
+        if self.cold:
+            return sum(t.num_embeddings for t in self.target.tables.values())
+        return sum(int(ids.numel()) for ids in self.rows.values())
+
+
+def _same_state(entry: Entry, ckpt_id: str) -> bool:
+    return entry.id == ckpt_id or entry.compacted_from == ckpt_id
+
+
+def _lineage(manifest: Manifest, start: Entry) -> list[tuple[set[str], Entry | None]]:
+    """``start`` and the checkpoints it links back to through ``since``, newest first, each
+    as the ids that name its state (its own, and the one it compacted) and its entry; the
+    last may be a link the manifest no longer names (entry ``None``): nothing is known
+    beyond it."""
+    out: list[tuple[set[str], Entry | None]] = []
+    entry: Entry | None = start
+    seen: set[str] = set()
+    while entry is not None and entry.id not in seen:
+        seen.add(entry.id)
+        out.append(
+            ({entry.id} | ({entry.compacted_from} if entry.compacted_from else set()), entry)
+        )
+        if entry.since is None:
+            break
+        previous = manifest.find_id(entry.since)
+        if previous is None:
+            out.append(({entry.since}, None))
+        entry = previous
+    return out
+
+
+def changed_since(chain: ChainReader, entry: Entry) -> dict[str, torch.Tensor] | None:
+    """Table -> ascending global ids of the rows ``entry`` records as changed since
+    ``entry.since``; ``None`` if some shard did not record them.
+
+    Args:
+        chain: any open chain of the same root: its storage and executor read the small
+            ``ids`` and ``recent`` tensors of ``entry``.
+    """
+    from torchrec_cnr.snapshot import SnapshotReader
+
+    reader = SnapshotReader(
+        chain.storage, entry.id, chain.readers[0].executor, chain.readers[0].piece_bytes
+    )
+    parts: dict[str, list[torch.Tensor]] = {}
+    for rec in entry.shards:
+        ss = rec.spec
+        if rec.recent == "unknown":
+            return None
+        if rec.saved_rows == 0:
+            continue
+        if rec.recent == "ids":
+            ids = reader.rows(ss.rank, rec.recent_name)
+        elif rec.all_rows:
+            ids = torch.arange(ss.row_offset, ss.row_offset + ss.rows)
+        else:
+            ids = reader.rows(ss.rank, rec.ids_name(rec.key))
+        parts.setdefault(ss.table, []).append(ids.to(torch.int64))
+    return {t: torch.unique(torch.cat(p)) for t, p in parts.items()}
+
+
+def plan_update(
+    manifest: Manifest, chain: ChainReader, served: Entry | None, served_id: str | None
+) -> UpdatePlan | None:
+    """How to go from the served checkpoint to ``chain``'s (the target); ``None`` if the
+    follower serves it already.
+
+    Args:
+        manifest: the committed manifest that names the target.
+        chain: the target's chain, open.
+        served: the served checkpoint's entry as the follower last read it, if any.
+        served_id: its id (``None``: nothing served yet, a cold start).
+    """
+    target = chain.entry
+    if served_id is not None and _same_state(target, served_id):
+        return None
+    plan = UpdatePlan(target)
+    if served is not None:
+        plan.dense = served.dense_checksums != target.dense_checksums
+        plan.rewind = target.step < served.step
+    ahead = _lineage(manifest, target)
+    behind = _lineage(manifest, served) if served is not None else [({served_id or ""}, None)]
+    meet = None
+    for a, (names, _) in enumerate(ahead):
+        b = next((b for b, (theirs, _) in enumerate(behind) if names & theirs), None)
+        if b is not None:
+            meet = (a, b)
+            break
+    if served_id is None or meet is None:
+        plan.cold = True
+        return plan
+    a, b = meet
+    path = [e for _, e in ahead[:a]] + [e for _, e in behind[:b]]
+    if any(e is None for e in path):
+        plan.cold = True
+        return plan
+    plan.path = [e.id for e in path if e is not None]
+    rows: dict[str, list[torch.Tensor]] = {}
+    for entry in path:
+        assert entry is not None
+        changed = changed_since(chain, entry)
+        if changed is None:
+            plan.cold = True
+            return plan
+        for table, ids in changed.items():
+            rows.setdefault(table, []).append(ids)
+    plan.rows = {t: torch.unique(torch.cat(p)) for t, p in rows.items()}
+    return plan

@@ -1,0 +1,654 @@
+"""Serving models a follower writes checkpoint rows into.
+
+A :class:`Target` names each embedding table by its *unsharded* state-dict key
+(``sparse.ebc.embedding_bags.t0.weight``), the key checkpoints use, and takes rows as
+the checkpoint stores them (:class:`StoredRows`): fp32 values, or our quantizer's parts.
+
+* :class:`FloatTarget`: the fp32 model the user trains. Rows are copied into the weight
+  tensors (dequantized first when stored quantized).
+* :class:`QuantizedTarget`: the model after
+  ``torchrec.inference.modules.quantize_embeddings``. Each quantized table lives in an
+  FBGEMM ``IntNBitTableBatchedEmbeddingBagsCodegen`` (TBE), one byte row per embedding
+  row: ``[scale fp16 | bias fp16 | codes | zero padding to 16 bytes]`` for INT8, INT4
+  and INT2 alike (INT8 too has fp16 scale and bias: ``quantize_state_dict`` quantizes
+  every width with ``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf``, and the TBE puts
+  its trailing scale/bias first). The value is ``bias + scale * code``.
+
+The invariant: a row the serving kernel reads dequantizes either to exactly the
+checkpoint's row, or, where the serving format cannot hold that, to our adaptive
+quantization of it, whose error per row is at most TorchRec's min/max quantization's.
+
+* Stored uniform rows (symmetric/asymmetric/adaptive) of 2, 3 or 4 bits carry fp16
+  scale and bias, as serving does. At the serving width their code bytes are copied
+  as they are; at a narrower width (2 into INT4, 3 into INT8, ...) their codes are
+  repacked wider under the same scale and bias. Either way the served row dequantizes
+  to exactly the checkpoint's row, with no quantization error added.
+* Anything else (fp32, 8-bit rows with fp32 scale/bias, k-means, casts, a wider
+  width) is dequantized and quantized for serving with our adaptive range search,
+  which starts from min/max and keeps it where nothing beats it. 2 and 4 bits use
+  ``quantize(rows, "adaptive", bits)`` as is. INT8 serving needs fp16 scale/bias,
+  which our 8-bit format (fp32 scale/bias) is not: the searched ranges are encoded by
+  FBGEMM's ``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalfWithRowwiseMinMax`` and each
+  row keeps whichever of that and plain min/max has the lower error (the search picks
+  its range for fp32 parameters, which fp16 rounding can spoil on a few rows).
+
+Tables the quantization left in fp32 or fp16 (``per_table_weight_dtype``, or an
+``EmbeddingCollection`` that ``quantize_embeddings`` does not map by default) take the
+values as they are.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+    IntNBitTableBatchedEmbeddingBagsCodegen,
+)
+from fbgemm_gpu.tbe.cache.kv_embedding_ops_inference import KVEmbeddingInference
+from torch import Tensor, nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
+from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
+
+from torchrec_cnr.quantization import (
+    UNIFORM_METHODS,
+    QuantizedRows,
+    pack_codes,
+    packed_nbytes,
+    quantize,
+    search_ranges,
+    unpack_codes,
+)
+
+__all__ = [
+    "FloatTarget",
+    "PreparedRows",
+    "QuantizedTarget",
+    "ServingFormat",
+    "StoredRows",
+    "TableSlot",
+    "Target",
+]
+
+ServingFormat = Literal["fp32", "fp16", "int8", "int4", "int2"]
+"""How a serving table holds its rows."""
+
+_FORMATS: dict[SparseType, ServingFormat] = {
+    SparseType.FP32: "fp32",
+    SparseType.FP16: "fp16",
+    SparseType.INT8: "int8",
+    SparseType.INT4: "int4",
+    SparseType.INT2: "int2",
+}
+_BITS: dict[str, int] = {"int8": 8, "int4": 4, "int2": 2}
+# fp16 scale + fp16 bias per row, the only layout the CPU kernel reads.
+_SB_BYTES = 4
+
+
+@dataclass(frozen=True)
+class TableSlot:
+    """One serving table, as a follower sees it."""
+
+    num_embeddings: int
+    """Rows the table holds."""
+    embedding_dim: int
+    """Values per row."""
+    format: ServingFormat
+    """How the serving model holds the rows: ``fp32``/``fp16`` values, or ``int8``/``int4``/
+    ``int2`` codes with fp16 scale and bias per row."""
+
+    @property
+    def bits(self) -> int | None:
+        """Code width of an ``int*`` format, ``None`` for float formats."""
+        return _BITS.get(self.format)
+
+
+@dataclass(frozen=True, eq=False)
+class StoredRows:
+    """Rows as a checkpoint stores them: set exactly one of the two fields.
+
+    Example::
+
+        StoredRows.fp32(rows)  # (n, dim) values
+        StoredRows.quantized(q.to_tensors(), q.method, q.bits, q.shape)
+    """
+
+    values: Tensor | None = None
+    """(n, dim) floating values."""
+    packed: QuantizedRows | None = None
+    """Rows quantized by :func:`torchrec_cnr.quantization.quantize`."""
+
+    def __post_init__(self) -> None:
+        if (self.values is None) == (self.packed is None):
+            raise ValueError("StoredRows needs exactly one of values and packed")
+        v = self.values
+        if v is not None and (v.dim() != 2 or not v.is_floating_point()):
+            raise ValueError(
+                f"StoredRows.values must be a 2-D floating tensor (n, dim), got "
+                f"{tuple(v.shape)} {v.dtype}"
+            )
+
+    @classmethod
+    def fp32(cls, values: Tensor) -> StoredRows:
+        """Rows stored as (n, dim) floating values."""
+        return cls(values=values)
+
+    @classmethod
+    def quantized(
+        cls,
+        parts: Mapping[str, Tensor],
+        method: str,
+        bits: int,
+        shape: int | tuple[int, int] | list[int],
+    ) -> StoredRows:
+        """Rows from the tensors :meth:`QuantizedRows.to_tensors` gave the checkpoint.
+
+        Args:
+            parts: Name -> tensor, each with one row per stored row.
+            method: The quantization method.
+            bits: Its bit width.
+            shape: ``(n, dim)``, or ``dim`` alone (``n`` is then the parts' row count).
+
+        Raises:
+            ValueError: ``parts`` do not fit ``(method, bits, shape)``.
+        """
+        if isinstance(shape, int):
+            rows = {int(t.shape[0]) for t in parts.values()}
+            if len(rows) != 1:
+                raise ValueError(f"parts {sorted(parts)} have different row counts {sorted(rows)}")
+            shape = (rows.pop(), shape)
+        return cls(packed=QuantizedRows.from_tensors(dict(parts), method, bits, shape))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(n, dim)``."""
+        if self.packed is not None:
+            return self.packed.shape
+        assert self.values is not None
+        n, dim = self.values.shape
+        return int(n), int(dim)
+
+    def dequantize(self) -> Tensor:
+        """(n, dim) fp32 values; may alias :attr:`values` when they are fp32."""
+        if self.packed is not None:
+            return self.packed.dequantize()
+        assert self.values is not None
+        return self.values.detach().float()
+
+    def fused_nbit(self) -> QuantizedRows | None:
+        """The packed rows if they are uniform 2/3/4-bit: ``[codes | scale fp16 | bias
+        fp16]`` rows, which serving takes without requantizing."""
+        q = self.packed
+        if q is not None and q.method in UNIFORM_METHODS and q.bits < 8:
+            return q
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedRows:
+    """Rows converted to one table's serving form by :meth:`Target.prepare`."""
+
+    key: str
+    """The table they were prepared for."""
+    count: int
+    """Number of rows."""
+    tensors: tuple[Tensor, ...]
+    """The serving form, private to the target that made it."""
+
+
+class Target(abc.ABC):
+    """A serving model a follower writes checkpoint rows and dense tensors into.
+
+    A write is :meth:`prepare` (checks, dequantizes, quantizes for serving: the slow
+    part) then :meth:`write_prepared` (copies into the model: the fast part), so a
+    follower can prepare while the model serves and block lookups only for the copies.
+    :meth:`write_rows` does both.
+
+    Subclasses fill ``_tables`` (key -> slot) and ``_dense`` (name -> tensor) and
+    implement ``_prepare``, ``_write`` and ``_read``; argument checks live here.
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[str, TableSlot] = {}
+        self._dense: dict[str, Tensor] = {}
+
+    def tables(self) -> dict[str, TableSlot]:
+        """Unsharded state-dict key -> its :class:`TableSlot`."""
+        return dict(self._tables)
+
+    def dense_names(self) -> dict[str, tuple[int, ...]]:
+        """State-dict name -> shape of each non-embedding tensor :meth:`write_dense` takes."""
+        return {name: tuple(t.shape) for name, t in self._dense.items()}
+
+    def prepare(self, key: str, rows: StoredRows, ids: Tensor | None = None) -> PreparedRows:
+        """Convert ``rows`` to table ``key``'s serving form; the model is not touched.
+
+        Args:
+            key: Unsharded state-dict key of the table.
+            rows: (n, dim) rows as the checkpoint stores them.
+            ids: (n,) their ids, only to name a bad row in errors (else its position).
+
+        Raises:
+            ValueError: Unknown key, rows of another dim, or values the serving format
+                cannot hold (non-finite, fp16 overflow); the message names the key.
+        """
+        slot = self._slot(key)
+        n, dim = rows.shape
+        if dim != slot.embedding_dim:
+            raise ValueError(f"table {key!r}: rows have dim {dim}, the table {slot.embedding_dim}")
+        if ids is not None and ids.numel() != n:
+            raise ValueError(f"table {key!r}: {n} rows for {ids.numel()} ids")
+        return PreparedRows(key, n, self._prepare(key, rows, ids) if n else ())
+
+    def write_prepared(self, key: str, ids: Tensor, rows: PreparedRows) -> None:
+        """Write rows :meth:`prepare` made for ``key`` at ``ids``.
+
+        Args:
+            key: Unsharded state-dict key of the table.
+            ids: (n,) int64 row ids, strictly ascending.
+            rows: ``prepare(key, ...)`` of n rows.
+
+        Raises:
+            ValueError: Unknown key, bad ids, or rows prepared for another table or count.
+        """
+        self._check(key, ids)
+        if rows.key != key or rows.count != ids.numel():
+            raise ValueError(
+                f"table {key!r}: rows were prepared for {rows.key!r} ({rows.count} rows), "
+                f"written to {ids.numel()} ids"
+            )
+        if rows.count:
+            self._write(key, ids, rows.tensors)
+
+    def write_rows(self, key: str, ids: Tensor, rows: StoredRows) -> None:
+        """Overwrite rows ``ids`` of table ``key`` with ``rows``.
+
+        Args:
+            key: Unsharded state-dict key of the table.
+            ids: (n,) int64 row ids, strictly ascending.
+            rows: (n, dim) rows as the checkpoint stores them.
+
+        Raises:
+            ValueError: As :meth:`prepare` and :meth:`write_prepared`.
+        """
+        self._check(key, ids)
+        self.write_prepared(key, ids, self.prepare(key, rows, ids))
+
+    def read_rows(self, key: str, ids: Tensor) -> Tensor:
+        """The rows ``ids`` of table ``key`` as the serving kernel sees them.
+
+        Args:
+            key: Unsharded state-dict key of the table.
+            ids: (n,) int64 row ids, strictly ascending.
+
+        Returns:
+            (n, dim) fp32, a copy.
+        """
+        slot = self._check(key, ids)
+        if not ids.numel():
+            return torch.zeros(0, slot.embedding_dim)
+        return self._read(key, ids)
+
+    def write_dense(self, name: str, tensor: Tensor) -> None:
+        """Copy ``tensor`` into the model's non-embedding parameter or buffer ``name``.
+
+        Raises:
+            ValueError: Unknown name, or a shape other than the model's.
+        """
+        dest = self._dense.get(name)
+        if dest is None:
+            raise ValueError(
+                f"{name!r} is no dense tensor of the serving model; known: {sorted(self._dense)}"
+            )
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise ValueError(
+                f"dense tensor {name!r} is {tuple(tensor.shape)}, the model's is {tuple(dest.shape)}"
+            )
+        with torch.no_grad():
+            dest.copy_(tensor)
+
+    @abc.abstractmethod
+    def _prepare(self, key: str, rows: StoredRows, ids: Tensor | None) -> tuple[Tensor, ...]:
+        """The serving form of checked, non-empty rows."""
+
+    @abc.abstractmethod
+    def _write(self, key: str, ids: Tensor, tensors: tuple[Tensor, ...]) -> None:
+        """Write a serving form at checked, non-empty ids."""
+
+    @abc.abstractmethod
+    def _read(self, key: str, ids: Tensor) -> Tensor:
+        """Read checked, non-empty ids."""
+
+    def _slot(self, key: str) -> TableSlot:
+        slot = self._tables.get(key)
+        if slot is None:
+            raise ValueError(
+                f"table {key!r} is not in the serving model; known: {sorted(self._tables)}"
+            )
+        return slot
+
+    def _check(self, key: str, ids: Tensor) -> TableSlot:
+        slot = self._slot(key)
+        if ids.dim() != 1 or ids.dtype != torch.int64:
+            raise ValueError(
+                f"table {key!r}: ids must be a 1-D int64 tensor, got {tuple(ids.shape)} {ids.dtype}"
+            )
+        if ids.numel():
+            # Duplicate ids would make the written value depend on the copy order.
+            if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+                raise ValueError(f"table {key!r}: ids must be strictly ascending")
+            if int(ids[0]) < 0 or int(ids[-1]) >= slot.num_embeddings:
+                raise ValueError(
+                    f"table {key!r}: ids span [{int(ids[0])}, {int(ids[-1])}], the table has "
+                    f"{slot.num_embeddings} rows"
+                )
+        return slot
+
+    def _collect_dense(self, model: nn.Module, table_owners: Iterable[str]) -> None:
+        """Every state-dict tensor outside the embedding modules at ``table_owners``."""
+        owners = tuple(table_owners)
+
+        def owned(name: str) -> bool:
+            return any(p == "" or name.startswith(p + ".") for p in owners)
+
+        for name, value in model.state_dict(keep_vars=True).items():
+            if isinstance(value, Tensor) and not owned(name):
+                self._dense[name] = value
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _float_tables(prefix: str, module: nn.Module) -> dict[str, Tensor]:
+    """Key -> weight of a float torchrec ``EmbeddingBagCollection``/``EmbeddingCollection``."""
+    if isinstance(module, EmbeddingBagCollection):
+        return {
+            _join(prefix, "embedding_bags", c.name, "weight"): module.embedding_bags[c.name].weight
+            for c in module.embedding_bag_configs()
+        }
+    assert isinstance(module, EmbeddingCollection)
+    return {
+        _join(prefix, "embeddings", c.name, "weight"): module.embeddings[c.name].weight
+        for c in module.embedding_configs()
+    }
+
+
+def _bad_row(key: str, bad: Tensor, ids: Tensor | None, what: str) -> ValueError:
+    """The error for the first row flagged in (n,) bool ``bad``, named by its id."""
+    at = int(bad.nonzero()[0, 0])
+    row = at if ids is None else int(ids[at])
+    return ValueError(f"table {key!r}: row {row} {what}")
+
+
+def _float_values(rows: StoredRows, weight: Tensor) -> Tensor:
+    """(n, dim) values in ``weight``'s dtype and device."""
+    return rows.dequantize().to(device=weight.device, dtype=weight.dtype)
+
+
+def _index_copy(dest: Tensor, ids: Tensor, src: Tensor) -> None:
+    with torch.no_grad():
+        dest.index_copy_(0, ids.to(dest.device), src.to(dest.device))
+
+
+class FloatTarget(Target):
+    """The unsharded fp32 model: torchrec ``EmbeddingBagCollection`` (weighted or not)
+    and ``EmbeddingCollection`` tables, anywhere in ``model``.
+
+    Example::
+
+        target = FloatTarget(model)
+        target.write_rows("sparse.ebc.embedding_bags.t0.weight", ids, StoredRows.fp32(rows))
+
+    Raises:
+        ValueError: ``model`` holds quantized embedding modules (use
+            :class:`QuantizedTarget`) or no embedding table at all.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self._weights: dict[str, Tensor] = {}
+        owners: list[str] = []
+        for prefix, module in model.named_modules():
+            if isinstance(module, (QuantEmbeddingBagCollection, QuantEmbeddingCollection)):
+                raise ValueError(
+                    f"module {prefix!r} is a quantized {type(module).__name__}; use QuantizedTarget"
+                )
+            if isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
+                owners.append(prefix)
+                self._weights.update(_float_tables(prefix, module))
+        if not self._weights:
+            raise ValueError(
+                "the model holds no torchrec EmbeddingBagCollection/EmbeddingCollection"
+            )
+        for key, w in self._weights.items():
+            self._tables[key] = TableSlot(int(w.shape[0]), int(w.shape[1]), "fp32")
+        self._collect_dense(model, owners)
+
+    def _prepare(self, key: str, rows: StoredRows, ids: Tensor | None) -> tuple[Tensor, ...]:
+        return (_float_values(rows, self._weights[key]),)
+
+    def _write(self, key: str, ids: Tensor, tensors: tuple[Tensor, ...]) -> None:
+        _index_copy(self._weights[key], ids, tensors[0])
+
+    def _read(self, key: str, ids: Tensor) -> Tensor:
+        w = self._weights[key]
+        return w.detach()[ids.to(w.device)].float()
+
+
+@dataclass(frozen=True)
+class _TbeTable:
+    """Table ``index`` of an inference TBE."""
+
+    tbe: IntNBitTableBatchedEmbeddingBagsCodegen
+    index: int
+    dim: int
+    format: ServingFormat
+
+    def views(self) -> tuple[Tensor, Tensor | None]:
+        """(rows, data bytes) uint8 and (rows, 4) scale/bias views into the TBE's weights.
+
+        Data bytes are the codes (``dim * bits / 8``) or the fp16/fp32 values; scale/bias
+        is ``None`` for float formats. Fetched per call so they follow the TBE's buffers
+        if it moves or reloads them.
+        """
+        data, sb = self.tbe.split_embedding_weights(split_scale_shifts=True)[self.index]
+        return data, sb
+
+
+def _check_tbe(key: str, tbe: nn.Module) -> None:
+    """Raise unless writes into ``tbe``'s weights are what its kernel reads."""
+    why = None
+    if isinstance(tbe, KVEmbeddingInference) or not isinstance(
+        tbe, IntNBitTableBatchedEmbeddingBagsCodegen
+    ):
+        why = f"{type(tbe).__name__} is not a plain IntNBitTableBatchedEmbeddingBagsCodegen"
+    elif tbe.reverse_qparam or tbe.scale_bias_size_in_bytes != _SB_BYTES:
+        why = "its scale/bias are not 4 bytes at the front of each row"
+    elif (
+        tbe.index_remapping_hash_table_cpu is not None
+        or tbe.index_remapping_hash_table.numel() > 0
+        or tbe.index_remappings_array.numel() > 0
+    ):
+        why = "it is pruned: row ids are remapped"
+    elif tbe.lxu_cache_weights.numel() > 0:
+        why = "it caches rows, which writes to the backing weights would not reach"
+    if why is not None:
+        raise ValueError(f"table {key!r} cannot be written: {why}")
+
+
+def _tbe_tables(prefix: str, module: nn.Module) -> dict[str, _TbeTable]:
+    """Key -> table of a quantized torchrec EBC/EC, checked to be writable."""
+    if isinstance(module, QuantEmbeddingBagCollection):
+        attr = "embedding_bags"
+    else:
+        assert isinstance(module, QuantEmbeddingCollection)
+        attr = "embeddings"
+    out: dict[str, _TbeTable] = {}
+    # torchrec builds one TBE per group of _key_to_tables, its tables in list order
+    # (torchrec/quant/embedding_modules.py, EmbeddingBagCollection.__init__).
+    for configs, tbe in zip(module._key_to_tables.values(), module._emb_modules):
+        for index, config in enumerate(configs):
+            key = _join(prefix, attr, config.name, "weight")
+            _check_tbe(key, tbe)
+            assert isinstance(tbe, IntNBitTableBatchedEmbeddingBagsCodegen)
+            _, _, dim, weight_ty, _ = tbe.embedding_specs[index]
+            fmt = _FORMATS.get(weight_ty)
+            if fmt is None:
+                raise ValueError(f"table {key!r}: serving type {weight_ty} is not supported")
+            table = _TbeTable(tbe, index, int(dim), fmt)
+            bits = _BITS.get(fmt)
+            if bits is not None and table.views()[0].shape[1] * 8 != dim * bits:
+                raise ValueError(f"table {key!r}: dim {dim} does not fill whole bytes at {fmt}")
+            out[key] = table
+    return out
+
+
+def _int8_rows(x: Tensor, key: str, ids: Tensor | None) -> Tensor:
+    """INT8 serving rows ``[codes | scale fp16 | bias fp16]`` of (n, dim) fp32 ``x``.
+
+    Returns:
+        (n, dim + 4) uint8.
+    """
+    bad = ~torch.isfinite(x).all(1)
+    if bool(bad.any()):
+        raise _bad_row(key, bad, ids, "is not finite")
+    ops = torch.ops.fbgemm
+    dim = x.shape[1]
+    # FBGEMM wants an even row width (aligned fp16 scale/bias); a repeated last column
+    # leaves each row's min/max, and the searched range's fit, unchanged.
+    xp = torch.cat([x, x[:, -1:]], 1) if dim % 2 else x
+    lo, hi = search_ranges(x, 8)
+    searched = ops.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalfWithRowwiseMinMax(
+        xp, 8, torch.stack([lo, hi], 1).contiguous()
+    )
+    minmax = ops.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(xp, 8)
+
+    def err(q: Tensor) -> Tensor:
+        return (ops.FusedNBitRowwiseQuantizedSBHalfToFloat(q, 8)[:, :dim] - x).square().sum(1)
+
+    # The search rates ranges with fp32 scale/bias (our 8-bit format); after fp16
+    # rounding a few rows (~3% of Gaussian ones) do better at plain min/max.
+    rows = torch.where((err(minmax) < err(searched))[:, None], minmax, searched)
+    sb = rows[:, -_SB_BYTES:]
+    bad = ~torch.isfinite(sb.contiguous().view(torch.float16)).all(1)
+    if bool(bad.any()):
+        raise _bad_row(key, bad, ids, "overflows the fp16 scale/bias")
+    return torch.cat([rows[:, :dim], sb], 1)
+
+
+def _serving_nbit(
+    rows: StoredRows, bits: int, key: str, ids: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """(codes, scale/bias) of ``rows`` for a ``bits``-bit serving table.
+
+    Returns:
+        codes (n, dim * bits / 8) uint8 and scale/bias (n, 4) uint8 (fp16 scale, fp16 bias).
+    """
+    n, dim = rows.shape
+    nbytes = dim * bits // 8
+    q = rows.fused_nbit()
+    if q is not None and q.bits <= bits:
+        # Same fp16 scale/bias, codes as stored: the served row is the checkpoint's.
+        stored = packed_nbytes(dim, q.bits)
+        sb = q.data[:, stored:]
+        if q.bits == bits:
+            # Byte copy; bytes past dim * bits / 8 only hold our row padding.
+            return q.data[:, :nbytes], sb
+        codes = unpack_codes(q.data[:, :stored], q.bits, dim)
+        return pack_codes(codes, bits)[:, :nbytes], sb
+    x = rows.dequantize()
+    if bits == 8:
+        data = _int8_rows(x, key, ids)
+    else:
+        data = quantize(x, "adaptive", bits, name=key, row_ids=ids).data
+    return data[:, :nbytes], data[:, -_SB_BYTES:]
+
+
+class QuantizedTarget(Target):
+    """A model after ``torchrec.inference.modules.quantize_embeddings``.
+
+    Takes every table of the quantized ``EmbeddingBagCollection``/``EmbeddingCollection``
+    modules (see the module docstring for what a write does per format), plus the float
+    ones the quantization left alone.
+
+    Example::
+
+        served = quantize_embeddings(model, dtype=torch.quint4x2, inplace=False)
+        target = QuantizedTarget(served)
+        target.write_rows(key, ids, StoredRows.quantized(blobs, "adaptive", 4, (n, dim)))
+
+    Raises:
+        ValueError: No quantized embedding module in ``model``, or a table whose TBE
+            cannot be written in place (pruned, cached, key-value, other row layout).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self._tbe: dict[str, _TbeTable] = {}
+        self._weights: dict[str, Tensor] = {}
+        owners: list[str] = []
+        for prefix, module in model.named_modules():
+            if isinstance(module, (QuantEmbeddingBagCollection, QuantEmbeddingCollection)):
+                owners.append(prefix)
+                self._tbe.update(_tbe_tables(prefix, module))
+            elif isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
+                owners.append(prefix)
+                self._weights.update(_float_tables(prefix, module))
+        if not self._tbe:
+            raise ValueError("the model holds no quantized embedding module; use FloatTarget")
+        for key, t in self._tbe.items():
+            self._tables[key] = TableSlot(int(t.views()[0].shape[0]), t.dim, t.format)
+        for key, w in self._weights.items():
+            self._tables[key] = TableSlot(int(w.shape[0]), int(w.shape[1]), "fp32")
+        self._collect_dense(model, owners)
+
+    def _prepare(self, key: str, rows: StoredRows, ids: Tensor | None) -> tuple[Tensor, ...]:
+        if key in self._weights:
+            return (_float_values(rows, self._weights[key]),)
+        table = self._tbe[key]
+        bits = _BITS.get(table.format)
+        if bits is not None:
+            return _serving_nbit(rows, bits, key, ids)
+        dtype = torch.float32 if table.format == "fp32" else torch.float16
+        values = rows.dequantize().to(dtype)
+        bad = ~torch.isfinite(values).all(1)
+        if bool(bad.any()):
+            raise _bad_row(key, bad, ids, f"is not finite as {dtype}")
+        return (values.view(torch.uint8),)
+
+    def _write(self, key: str, ids: Tensor, tensors: tuple[Tensor, ...]) -> None:
+        if key in self._weights:
+            _index_copy(self._weights[key], ids, tensors[0])
+            return
+        data, sb = self._tbe[key].views()
+        _index_copy(data, ids, tensors[0])
+        if sb is not None:
+            _index_copy(sb, ids, tensors[1])
+
+    def _read(self, key: str, ids: Tensor) -> Tensor:
+        if key in self._weights:
+            w = self._weights[key]
+            return w.detach()[ids.to(w.device)].float()
+        table = self._tbe[key]
+        data, sb = table.views()
+        ids = ids.to(data.device)
+        bits = _BITS.get(table.format)
+        if bits is None:
+            dtype = torch.float32 if table.format == "fp32" else torch.float16
+            return data[ids].view(dtype).float()
+        assert sb is not None
+        codes = data[ids]
+        if codes.shape[1] % 2:
+            # FBGEMM's dequantize wants the fp16 scale/bias 2-byte aligned.
+            codes = torch.nn.functional.pad(codes, (0, 1))
+        # The CPU lookup kernel's output for a one-id bag equals this op's, bit for bit
+        # (tests check it), so this is the row as served.
+        fused = torch.cat([codes, sb[ids]], 1)
+        out = torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(fused, bits)
+        return out[:, : table.dim].float()
