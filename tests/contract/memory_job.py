@@ -16,7 +16,7 @@ import tempfile
 
 import torch.distributed as dist
 
-from cnr_train.bench.common import proc_status_mb
+from benchmarks.measure import proc_status_mb
 from cnr_train.workload import TableSpec, build_model, dense_optimizer
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from cnr_train.bench.common import modify
+from benchmarks.measure import modify
 from tests import reference
 from tests.contract.models import Job, build, unsharded
 from tests.faults import Fault, FaultyStorage

@@ -39,7 +39,7 @@ all rows of a chunk at once with whole-chunk tensor ops:
 That is 25-55 whole-chunk passes (an exact error evaluation is six) against
 PyTorch's 65 evaluations in scalar code, and the mean error still comes out
 below the greedy's, on Gaussian and on heavy-tailed rows
-(``scripts/bench_quantization.py --vs-greedy`` measures both).
+(``python -m benchmarks.quantization --vs-greedy`` measures both).
 
 Every candidate competes on its true error (or that upper bound) with scale
 and bias rounded as the stored format rounds them (fp16 for 2/3/4 bits, as

@@ -1,0 +1,363 @@
+"""Training stall, commit time, bytes written and restore time of one checkpoint of a
+sharded model: torchrec_cnr's four policies (fp32 and 4-bit adaptive) against
+torchsnapshot and torch.distributed.checkpoint (DCP), in one run on one model.
+
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
+        -m benchmarks.checkpoint --out out/bench/checkpoint.json
+
+The model is 8 table-wise tables x 1,000,000 rows x dim 64 (2.05 GB of fp32 weights,
+row-wise Adagrad) on 2 gloo ranks; every method checkpoints that same model.
+
+- Limits, measured in the same run: the disk's sequential write and read bandwidth, and a
+  memory copy of each checkpoint's staged bytes (every rank at once, warm pages).
+- torchsnapshot ``take`` (stall = commit) and ``async_take`` (stall until it returns,
+  commit until ``wait()``), the latter as shipped and patched to copy CPU tensors as its
+  code intends (see :mod:`benchmarks.peers`); rows modified right after it returns show
+  whether the snapshot is torn. torchsnapshot never fsyncs: a following fsync of the tree
+  is reported apart. DCP ``save`` (fsyncs) and ``async_save`` (its error, if it raises).
+- torchrec_cnr, for each policy x {fp32, 4-bit adaptive} x {5%, 25%} of rows modified, on
+  a fresh root: a baseline, then ``--repeats`` timed saves, each after exactly that share
+  of each shard's rows was modified (tracker bits set, weights nudged). Stall: inside
+  ``save()``; commit: until ``wait()`` returns.
+
+Times are the slowest rank's; stall and commit the median of ``--repeats``, restores the
+median of ``--restore-repeats``. Restores are cold (page cache dropped), run on every rank
+with checksums verified, after the rows of the 25% subset were corrupted, which are then
+compared with their saved values.
+
+Side by side (``--rounds`` interleaved rounds, medians, each method from a settled disk):
+durable full commits of torchsnapshot ``take`` + fsync, torchrec_cnr fp32 and 4-bit; cold
+restores of torchsnapshot's snapshot, of intermittent chains (baseline + one delta) at each
+fraction and of a consecutive chain of 4.
+
+Targets: intermittent fp32 stall <= async_take (copying) stall / 10 at 5%, / 3 at 25%;
+every delta stall <= 2 x the memcpy of its staged bytes; a manager's first full stall <=
+2 x its later ones; side by side: full fp32 commit <= torchsnapshot take + fsync and >= 70%
+of the disk's write bandwidth, 4-bit commit <= fp32 commit, intermittent restores <=
+torchsnapshot's restore, the consecutive chain of 4 <= 1.5 x it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.measure import (
+    GB,
+    POLICIES,
+    Policy,
+    disk_bandwidth,
+    from_rank0,
+    memcpy_s,
+    model_arguments,
+    modify,
+    random_rows,
+    rmtree,
+    timed_restore,
+    timed_save,
+    uniform_model,
+)
+from benchmarks.peers import run_peers, torchsnapshot_restore, torchsnapshot_take_durable
+from benchmarks.results import Column, Table, Target
+from cnr_train.workload import ZipfBatches, train_step
+from torchrec_cnr import (
+    CheckpointConfig,
+    CheckpointManager,
+    QuantizeConfig,
+    checkpoint_info,
+    list_checkpoints,
+)
+from torchrec_cnr.tracking.model_state import local_shards
+from torchrec_cnr.tracking.shard import LocalShard
+
+QUANTS = {"fp32": QuantizeConfig(), "4-bit": QuantizeConfig(method="adaptive", bits=4)}
+Rows = list[torch.Tensor]
+
+
+def _key(policy: str, quant: str, frac: float) -> str:
+    return f"{policy}_{quant.replace('-', '')}_{frac:.0%}".rstrip("%")
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    model_arguments(p, rows=1_000_000)
+    p.add_argument("--fractions", type=float, nargs=2, default=[0.05, 0.25])
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--repeats", type=int, default=3, help="timed saves per method, median")
+    p.add_argument("--restore-repeats", type=int, default=2, help="cold restores, median")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved side-by-side rounds")
+    p.add_argument("--warmup-steps", type=int, default=2, help="training steps first")
+    p.add_argument("--disk-mb", type=int, default=2048, help="size of the disk test")
+    p.add_argument("--disk-passes", type=int, default=2, help="disk test passes, best kept")
+
+
+def _cnr(
+    b: Bench,
+    model: Any,
+    shards: list[LocalShard],
+    key: tuple[Policy, str, float],
+    rows: Rows,
+    check: Rows,
+) -> dict[str, Any]:
+    """A baseline, then ``--repeats`` timed saves of the modified ``rows``; cold restores."""
+    policy, quant, frac = key
+    root = b.scratch / f"cnr_{_key(*key)}"
+    cfg = CheckpointConfig(path=str(root), policy=policy, on_busy="wait", quantize=QUANTS[quant])
+    with CheckpointManager(model, cfg) as ckpt:
+        base_stall, _ = timed_save(ckpt, 1)
+        saves = []
+        for rep in range(b.args.repeats):
+            modify(shards, rows)
+            saves.append(timed_save(ckpt, 2 + rep))
+    infos = from_rank0(lambda: list_checkpoints(str(root)))
+    # Rank 0's staged bytes: table-wise tables spread evenly, every rank stages as much.
+    memcpy = memcpy_s(infos[-1].staged_bytes)
+    with CheckpointManager(model, cfg) as restorer:
+        restores = [
+            timed_restore(restorer.restore, root, shards, check)
+            for _ in range(b.args.restore_repeats)
+        ]
+    rmtree(root)
+    gc.collect()
+    stall = statistics.median(s for s, _ in saves)
+    row = {
+        "policy": policy,
+        "quant": quant,
+        "fraction": frac,
+        "stall_s": stall,
+        "commit_s": statistics.median(c for _, c in saves),
+        "bytes": statistics.median(i.bytes for i in infos[1:]),
+        "staged_bytes": infos[-1].staged_bytes,
+        "memcpy_s": memcpy,
+        "stall_over_memcpy": stall / memcpy,
+        "restore_s": statistics.median(t for t, _ in restores),
+        "restore_chain_len": len(infos[-1].chain),
+        "restore_max_abs_err": max(e for _, e in restores),
+        "baseline": {"stall_s": base_stall, "bytes": infos[0].bytes},
+    }
+    b.log(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    return row
+
+
+def _side_by_side(
+    b: Bench, model: Any, shards: list[LocalShard], sels: dict[float, Rows], check: Rows
+) -> dict[str, Any]:
+    """The figures the side-by-side targets compare, in interleaved rounds."""
+    ts_path, full = b.scratch / "sbs_torchsnapshot", {}
+
+    def cnr_full(quant: str) -> float:
+        root = str(b.scratch / f"sbs_full_{quant}")
+        with CheckpointManager(
+            model, CheckpointConfig(path=root, policy="full", quantize=QUANTS[quant])
+        ) as ckpt:
+            _, commit = timed_save(ckpt, 1)
+        full[quant] = from_rank0(lambda: checkpoint_info(root))
+        return commit
+
+    commits = b.interleaved(
+        b.args.rounds,
+        {
+            "torchsnapshot": lambda: torchsnapshot_take_durable(model, ts_path),
+            **{q: functools.partial(cnr_full, q) for q in QUANTS},
+        },
+        # Each method starts from a settled disk with its previous output deleted.
+        prepare=lambda n: rmtree(ts_path if n == "torchsnapshot" else b.scratch / f"sbs_full_{n}"),
+        label="durable full commit",
+    )
+    # Chains to restore: intermittent at each fraction (baseline + one delta), and a
+    # consecutive chain of 4 at the smaller one.
+    small = min(sels)
+    plan: list[tuple[str, Policy, float, int]] = [
+        *((f"intermittent_{f:.0%}".rstrip("%"), "intermittent", f, 1) for f in sorted(sels)),
+        (f"consecutive_{small:.0%}_chain_of_4".replace("%", ""), "consecutive", small, 3),
+    ]
+    chains = {}
+    for name, policy, frac, deltas in plan:
+        chains[name] = CheckpointConfig(path=str(b.scratch / f"sbs_{name}"), policy=policy)
+        with CheckpointManager(model, chains[name]) as ckpt:
+            for step in range(1, deltas + 2):
+                if step > 1:
+                    modify(shards, sels[frac])
+                timed_save(ckpt, step)
+    errors: dict[str, float] = {}
+
+    def restore(name: str) -> float:
+        if name == "torchsnapshot":  # the snapshot of the last commit round
+            took, errors[name] = timed_restore(
+                torchsnapshot_restore(model, ts_path), ts_path, shards, check
+            )
+            return took
+        with CheckpointManager(model, chains[name]) as restorer:
+            took, errors[name] = timed_restore(
+                restorer.restore, Path(chains[name].path), shards, check
+            )
+        return took
+
+    names = ["torchsnapshot", *chains]
+    restores = b.interleaved(
+        b.args.rounds, {n: functools.partial(restore, n) for n in names}, label="cold restore"
+    )
+    for path in [
+        ts_path,
+        *(b.scratch / f"sbs_full_{q}" for q in QUANTS),
+        *(Path(c.path) for c in chains.values()),
+    ]:
+        rmtree(path)
+    commit_s = {k: statistics.median(v) for k, v in commits.items()}
+    return {
+        "rounds": b.args.rounds,
+        "full_fp32_bytes": full["fp32"].bytes,
+        "full_fp32_staged_bytes": full["fp32"].staged_bytes,
+        "full_fp32_gb_s": full["fp32"].bytes / commit_s["fp32"] / GB,
+        "commit_s": commit_s,
+        "commits": commits,
+        "restore_s": {k: statistics.median(v) for k, v in restores.items()},
+        "restores": restores,
+        "restore_max_abs_err": errors,
+    }
+
+
+def targets(fracs: list[float], policies: list[Policy]) -> list[Target]:
+    """The targets of a run at ``fracs`` (two fractions of rows modified) over ``policies``."""
+    small, large = (f"{f:.0%}" for f in sorted(fracs))
+    cnr = {
+        f"{p} {q} {f:.0%}": f"cnr.{_key(p, q, f)}" for p in POLICIES for q in QUANTS for f in fracs
+    }
+    sbs, ts = "side_by_side", "side_by_side.restore_s.torchsnapshot"
+    copying = "peers.torchsnapshot_async_take_copy.stall_s"
+    return [
+        Target(f"intermittent fp32 stall <= async_take (copying) / 10 at {small}",
+               f"{cnr[f'intermittent fp32 {small}']}.stall_s", "<=", copying, 0.1),
+        Target(f"intermittent fp32 stall <= async_take (copying) / 3 at {large}",
+               f"{cnr[f'intermittent fp32 {large}']}.stall_s", "<=", copying, 1 / 3),
+        *(
+            Target(f"{p} fp32 {f} delta stall <= 2 x a memcpy of its staged bytes",
+                   f"{cnr[f'{p} fp32 {f}']}.stall_over_memcpy", "<=", 2.0)
+            for f in (large, small)
+            for p in policies
+            if p != "full"
+        ),
+        *(
+            Target(f"a manager's first full stall <= 2 x its later ones ({f} run)",
+                   f"{full}.baseline.stall_s", "<=", f"{full}.stall_s", 2.0)
+            for f in (small, large)
+            for full in [cnr[f"full fp32 {f}"]]
+        ),
+        Target("full fp32 durable commit <= torchsnapshot take + fsync (side by side)",
+               f"{sbs}.commit_s.fp32", "<=", f"{sbs}.commit_s.torchsnapshot"),
+        Target("full fp32 commit >= 70% of the disk's write bandwidth",
+               f"{sbs}.full_fp32_gb_s", ">=", "disk.write_gb_s", 0.7),
+        Target("4-bit full commit <= fp32 full commit (side by side)",
+               f"{sbs}.commit_s.4-bit", "<=", f"{sbs}.commit_s.fp32"),
+        *(
+            Target(f"intermittent {f} restore <= torchsnapshot's restore",
+                   f"{sbs}.restore_s.intermittent_{f[:-1]}", "<=", ts)
+            for f in (small, large)
+        ),
+        Target("consecutive chain of 4 restore <= 1.5 x torchsnapshot's restore",
+               f"{sbs}.restore_s.consecutive_{small[:-1]}_chain_of_4", "<=", ts, 1.5),
+    ]  # fmt: skip
+
+
+def _commit(p: dict[str, Any]) -> str:
+    fsync = f" (+{p['fsync_after_s']:.2f} fsync)" if "fsync_after_s" in p else ""
+    return f"{p['commit_s']:.2f}{fsync}"
+
+
+def tables(m: dict[str, Any]) -> list[Table]:
+    disk, mem, sbs = m["disk"], m["memcpy_full"], m["side_by_side"]
+    limits: dict[str, Column] = {
+        "disk write GB/s": "write_gb_s",
+        "disk read GB/s": "read_gb_s",
+        "memcpy GB/s per rank": lambda _: mem["bytes"] / mem["s"] / GB,
+        "disk test": lambda d: f"{d['bytes'] / GB:.2f} GB, best of {len(d['passes'])} passes",
+    }
+    ok = [p for p in m["peers"].values() if "error" not in p]
+    failed = [
+        [p["method"], "full", f"fails: {p['error'][:160]}", "", "", ""]
+        for p in m["peers"].values()
+        if p not in ok
+    ]
+    peers = Table.of("", ok, {
+        "method": "method",
+        "modified": lambda _: "full",
+        "stall s": "stall_s",
+        "commit s": _commit,
+        "written GB": lambda p: p["bytes"] / GB,
+        "restore s": "restore_s",
+    })  # fmt: skip
+    ours = Table.of("", m["cnr"].values(), {
+        "method": lambda r: f"torchrec_cnr {r['policy']} {r['quant']}",
+        "modified": lambda r: "–" if r["policy"] == "full" else f"{r['fraction']:.0%}",
+        "stall s": "stall_s",
+        "commit s": "commit_s",
+        "written GB": lambda r: r["bytes"] / GB,
+        "restore s": lambda r: f"{r['restore_s']:.2f} (chain of {r['restore_chain_len']})",
+    })  # fmt: skip
+    side = [["durable full commit", k, v] for k, v in sbs["commits"].items()]
+    side += [["cold restore", k, v] for k, v in sbs["restores"].items()]
+    return [
+        Table.of("Limits measured in the same run", [disk], limits),
+        Table(
+            "One checkpoint of the same model",
+            peers.columns,
+            peers.rows + failed + ours.rows,
+            "torchrec_cnr and DCP commits include fsync; torchrec_cnr restores verify checksums.",
+        ),
+        Table.of(
+            f"Side by side: median of {sbs['rounds']} interleaved rounds",
+            [{"figure": f, "method": k, "v": v} for f, k, v in side],
+            {
+                "figure": "figure",
+                "method": "method",
+                "median s": lambda r: statistics.median(r["v"]),
+                "rounds s": lambda r: ", ".join(f"{x:.2f}" for x in r["v"]),
+            },
+        ),
+    ]
+
+
+def run(b: Bench) -> Outcome:
+    a = b.args
+    disk = disk_bandwidth(b.scratch, a.disk_mb << 20, passes=a.disk_passes)
+    model, opt, specs = uniform_model(a)
+    data = ZipfBatches(specs, 512, seed=0)
+    for step in range(1, a.warmup_steps + 1):
+        train_step(model, opt, data.batch(b.rank, step))
+    shards = local_shards(model)
+    sels = random_rows(shards, a.fractions)
+    check = sels[max(a.fractions)]
+    side_by_side = _side_by_side(b, model, shards, sels, check)
+    peers = run_peers(model, b.scratch, shards, check)
+    keys = [(p, q, f) for p in a.policies for q in QUANTS for f in a.fractions]
+    cnr = {_key(*k): _cnr(b, model, shards, k, sels[k[2]], check) for k in keys}
+    staged = side_by_side["full_fp32_staged_bytes"]
+    m = {
+        "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim},
+        "disk": disk,
+        "memcpy_full": {"bytes": staged, "s": memcpy_s(staged)},
+        "peers": peers,
+        "cnr": cnr,
+        "side_by_side": side_by_side,
+    }
+    return Outcome(m, tables(m), targets(a.fractions, a.policies))
+
+
+CASE = Case(
+    name="checkpoint",
+    title="Checkpoint stall, commit, bytes and restore against torchsnapshot and DCP",
+    arguments=_arguments,
+    smoke="--tables 2 --rows 4000 --dim 16 --repeats 1 --restore-repeats 1 --rounds 1 "
+    "--warmup-steps 1 --disk-mb 8 --disk-passes 1",
+    run=run,
+)
+
+if __name__ == "__main__":
+    sys.exit(main(CASE, __doc__))

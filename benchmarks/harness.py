@@ -1,0 +1,276 @@
+"""The harness every benchmark and experiment runs on.
+
+A case declares its arguments, its ``--smoke`` sizes and a ``run(bench)`` that returns an
+:class:`Outcome` (:class:`Case`); :func:`main` does the rest, the same for every case: the
+process group (torchrun's, or one process of its own), a scratch folder, the run, one JSON
+result (:mod:`benchmarks.results`) and the teardown, whatever happens. What the cases
+measure with (timing over ranks, the disk and memory limits, the rows they modify) is in
+:mod:`benchmarks.measure`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import datetime
+import gc
+import importlib.metadata
+import os
+import platform
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import results
+from benchmarks.measure import bcast
+from benchmarks.results import Table, Target
+from cnr_train.launch import init_distributed
+
+# What a result records of its environment: the versions and the variables that change
+# what a run measures.
+_VERSIONS = ("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "torchsnapshot", "numpy", "moto")
+_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "AWS_ENDPOINT_URL")
+_T0 = time.perf_counter()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a case's ``run`` returns on every rank; rank 0's is written."""
+
+    measurements: dict[str, Any]
+    tables: list[Table]
+    targets: list[Target] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A benchmark or experiment: its arguments, its smoke sizes and what it runs."""
+
+    name: str
+    """The module under ``benchmarks`` (``experiments.cpr`` for an experiment)."""
+    title: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    smoke: str
+    """The arguments ``--smoke`` stands for: tiny sizes, the same code path, seconds."""
+    run: Callable[[Bench], Outcome]
+    kind: Literal["benchmark", "experiment"] = "benchmark"
+
+
+@dataclass
+class Bench:
+    """What a case's ``run`` gets: its arguments, a scratch folder, a place for artifacts."""
+
+    case: str
+    args: argparse.Namespace
+    scratch: Path
+    """A fresh folder that every rank sees, deleted at the end."""
+    artifacts: Path
+    """Beside the JSON result (``out/bench/x.json`` -> ``out/bench/x/``): figures, CSVs."""
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size()
+
+    def log(self, msg: str) -> None:
+        """A progress line on stderr, from rank 0."""
+        if dist.get_rank() == 0:
+            print(f"[{self.case} {time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr)
+            sys.stderr.flush()
+
+    def settle(self) -> None:
+        """Flushes every dirty page and pending discard, and drops the page cache where
+        allowed (as root, and not in ``--smoke`` runs, which share the machine)."""
+        if dist.get_rank() == 0:
+            os.sync()
+            if self.args.drop_caches:
+                with contextlib.suppress(OSError):  # not root, or a read-only /proc/sys
+                    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        dist.barrier()
+
+    def interleaved(
+        self,
+        rounds: int,
+        methods: Mapping[str, Callable[[], float]],
+        prepare: Callable[[str], None] | None = None,
+        settle: bool = True,
+        label: str = "",
+    ) -> dict[str, list[float]]:
+        """Each method's figure per round, the methods taking turns in a rotating order.
+
+        The disk of a shared VM drifts over minutes: figures that a target compares are
+        taken in turns, so that a drift hits each alike. Before each method, ``prepare``
+        (e.g. deleting its previous output) and, with ``settle``, :meth:`settle`.
+        """
+        names = list(methods)
+        got: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                if prepare is not None:
+                    prepare(name)
+                if settle:
+                    self.settle()
+                gc.collect()
+                got[name].append(methods[name]())
+            self.log(
+                f"{label} round {r + 1}/{rounds}: "
+                + ", ".join(f"{n} {v[-1]:.3f}" for n, v in got.items())
+            )
+        return got
+
+
+def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
+    """Parses the arguments, runs ``case`` on every rank and writes its result on rank 0.
+
+    Under torchrun it joins the job's process group; run by ``python -m`` it makes a group
+    of one process. The group is destroyed and the scratch folder deleted however the run
+    ends.
+    """
+    stem = case.name.rsplit(".", 1)[-1]
+    parser = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{case.name}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    case.arguments(parser)
+    parser.add_argument("--out", type=Path, default=Path(f"out/bench/{stem}.json"))
+    parser.add_argument("--smoke", action="store_true", help=f"short for: {case.smoke}")
+    parser.add_argument("--scratch", type=Path, help="where to make the scratch folder")
+    parser.add_argument(
+        "--no-drop-caches",
+        dest="drop_caches",
+        action="store_false",
+        help="between interleaved methods, only sync (the page cache is the machine's)",
+    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--smoke" in argv:  # the smoke sizes first: explicit arguments still win
+        argv = [*shlex.split(case.smoke), "--no-drop-caches", *argv]
+    args = parser.parse_args(argv)
+    init_distributed("gloo")
+    began = time.perf_counter()
+    scratch: Path | None = None
+    try:
+        # Before the case sets any variable of its own (an S3 endpoint, say).
+        env = environment() if dist.get_rank() == 0 else {}
+        if dist.get_rank() == 0 and args.scratch is not None:
+            args.scratch.mkdir(parents=True, exist_ok=True)
+        made = (
+            tempfile.mkdtemp(prefix=f"bench_{stem}_", dir=args.scratch)
+            if dist.get_rank() == 0
+            else ""
+        )
+        scratch = Path(bcast(made))
+        bench = Bench(case.name, args, scratch, args.out.with_suffix(""))
+        outcome = case.run(bench)
+        if dist.get_rank() == 0:
+            results.write(
+                args.out,
+                {
+                    "case": case.name,
+                    "kind": case.kind,
+                    "title": case.title,
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                        timespec="seconds"
+                    ),
+                    "command": command_line(),
+                    "note": "",
+                    "smoke": args.smoke,
+                    "environment": env,
+                    "config": {k: v for k, v in vars(args).items() if k not in ("out", "scratch")},
+                    "wall_s": time.perf_counter() - began,
+                    "measurements": outcome.measurements,
+                    "tables": outcome.tables,
+                    "targets": outcome.targets,
+                },
+            )
+            for t in results.load(args.out)["targets"]:
+                bench.log(f"{t['verdict']:>5}  {t['name']}")
+            bench.log(f"wrote {args.out}")
+        dist.barrier()  # leave together: gloo aborts a rank whose peer tears down first
+    finally:
+        if scratch is not None and dist.get_rank() == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+        dist.destroy_process_group()
+    return 0
+
+
+def command_line() -> str:
+    """The command that started this run, as one would type it again."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    target = ["-m", spec.name] if spec is not None else [sys.argv[0]]
+    env = (
+        [f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"]
+        if "OMP_NUM_THREADS" in os.environ
+        else []
+    )
+    launcher = [".venv/bin/python"]
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        nproc = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+        launcher = [".venv/bin/torchrun", "--standalone", f"--nproc_per_node={nproc}"]
+    return shlex.join([*env, *launcher, *target, *sys.argv[1:]])
+
+
+def environment() -> dict[str, Any]:
+    """The machine, the versions and the environment variables a result depends on."""
+    versions = {"python": platform.python_version()}
+    for name in _VERSIONS:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[name] = importlib.metadata.version(name)
+    git = ""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        describe = ["git", "describe", "--always", "--dirty"]
+        git = subprocess.run(describe, capture_output=True, text=True, timeout=10).stdout.strip()
+    return {
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "world_size": dist.get_world_size(),
+        "torch_threads": torch.get_num_threads(),
+        "git": git,
+        "versions": versions,
+        "env": {k: v for k, v in os.environ.items() if k in _ENV or k.startswith("TORCHREC_CNR_")},
+    }
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    """``rows`` as a CSV, their keys as the header."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]), extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend (a server has no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Writes a matplotlib figure as a PNG and frees it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)

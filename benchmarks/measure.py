@@ -1,0 +1,379 @@
+"""What the benchmarks measure with, written once.
+
+- Timing over ranks: every figure is the slowest rank's (:func:`timed`), and a
+  checkpoint's stall and commit come from one "timed save, then wait" (:func:`timed_save`).
+- The limits figures are compared with: the disk's sequential bandwidth
+  (:func:`disk_bandwidth`) and a memory copy (:func:`memcpy_s`).
+- Files: cold reads (:func:`drop_cache`), sizes, deletion between barriers.
+- The model and its rows: the table-wise DLRM most cases checkpoint
+  (:func:`uniform_model`), random row subsets (:func:`random_rows`), marking exactly those
+  rows modified (:func:`modify`) and checking that a restore brought them back
+  (:func:`timed_restore`).
+- An S3 store: a moto server on loopback (:func:`s3_server`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal, NamedTuple, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed import DistributedModelParallel
+
+from cnr_train.workload import TableSpec, build_model, dense_optimizer
+from torchrec_cnr import CheckpointManager
+from torchrec_cnr.tracking import bitmap
+from torchrec_cnr.tracking.shard import LocalShard
+from torchrec_cnr.tracking.tracker import TrackingMode
+
+GB = 1e9
+T = TypeVar("T")
+Policy = Literal["full", "one_shot", "consecutive", "intermittent"]
+POLICIES: tuple[Policy, ...] = ("full", "one_shot", "consecutive", "intermittent")
+"""Check-N-Run's row-selection policies, as ``CheckpointConfig.policy`` names them."""
+
+# ---------------------------------------------------------------- over ranks
+
+
+def bcast(obj: T) -> T:
+    """Rank 0's ``obj`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def from_rank0(fn: Callable[[], T]) -> T:
+    """``fn()`` run by rank 0 alone (e.g. reading a manifest), its value on every rank."""
+    dist.barrier()
+    return cast(T, bcast(fn() if dist.get_rank() == 0 else None))
+
+
+def max_over_ranks(*values: float) -> list[float]:
+    """Each value's maximum over ranks: a figure is the slowest rank's."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(v) for v in t.tolist()]
+
+
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """Runs ``fn`` on every rank at once; its time is the slowest rank's."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    return max_over_ranks(time.perf_counter() - t0)[0], out
+
+
+def timed_save(ckpt: CheckpointManager, step: int) -> tuple[float, float]:
+    """``(stall, commit)`` of one checkpoint, the slowest rank's: the time inside ``save()``
+    (training is blocked), and from its start until ``wait()`` returns (committed)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    ckpt.save(step)
+    t1 = time.perf_counter()
+    ckpt.wait()
+    stall, commit = max_over_ranks(t1 - t0, time.perf_counter() - t0)
+    return stall, commit
+
+
+def best_seconds(fn: Callable[[], Any], repeats: int, min_total: float = 1.0) -> float:
+    """Fastest of at least ``repeats`` calls of ``fn`` in this process, after a warm-up.
+
+    Fast calls repeat until ``min_total`` seconds were timed (at most 100 calls): the
+    minimum then filters out stalls from other processes sharing the cores, which a 5 ms
+    kernel cannot average away.
+    """
+    fn()
+    best, total, calls = float("inf"), 0.0, 0
+    while calls < repeats or (total < min_total and calls < 100):
+        start = time.perf_counter()
+        fn()
+        took = time.perf_counter() - start
+        best, total, calls = min(best, took), total + took, calls + 1
+    return best
+
+
+# ---------------------------------------------------------------- files, disk, memory
+
+
+def rmtree(path: Path) -> None:
+    """Deletes ``path`` (rank 0) between barriers, so that no rank still uses it."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of every file under ``path``: what a checkpoint takes on disk."""
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(path) for n in ns)
+
+
+def _each(path: Path, dirs: bool, fn: Callable[[int], Any]) -> None:
+    for d, _, names in os.walk(path):
+        for n in [*names, "."] if dirs else names:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY)
+            try:
+                fn(fd)
+            finally:
+                os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsyncs every file and folder under ``path`` (what torchsnapshot leaves out)."""
+    _each(path, True, os.fsync)
+
+
+def evict(path: Path) -> None:
+    """Makes every file under ``path`` durable and drops it from the page cache, so that
+    the next read is cold. In this process alone; :func:`drop_cache` is the collective."""
+    _each(path, False, _fsync_and_drop)
+
+
+def _fsync_and_drop(fd: int) -> None:
+    os.fsync(fd)  # a dirty page cannot be dropped
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def drop_cache(path: Path) -> None:
+    """:func:`evict` by rank 0, for every rank."""
+    if dist.get_rank() == 0:
+        evict(path)
+    dist.barrier()
+
+
+def _disk_pass(path: Path, nbytes: int, chunk: int) -> dict[str, float]:
+    buf = memoryview(os.urandom(chunk))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(nbytes // chunk):
+            done = 0
+            while done < chunk:
+                done += os.write(fd, buf[done:])
+        os.fsync(fd)
+        write_s = time.perf_counter() - t0
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    rbuf = bytearray(chunk)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t0 = time.perf_counter()
+        while os.readv(fd, [rbuf]):
+            pass
+        read_s = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    path.unlink()
+    return {"write_s": write_s, "read_s": read_s}
+
+
+def disk_bandwidth(
+    folder: Path, nbytes: int, chunk: int = 64 << 20, passes: int = 2
+) -> dict[str, Any]:
+    """The disk's sequential bandwidth: rank 0 writes ``nbytes`` in ``chunk``-byte
+    ``os.write`` calls and fsyncs, then reads the file back after dropping its page cache.
+
+    The best of ``passes``: the first pass also pays for first-touching host memory (the
+    page cache), so the best one is the disk's figure.
+    """
+    chunk = min(chunk, nbytes)
+    nbytes = nbytes // chunk * chunk
+
+    def measure() -> dict[str, Any]:
+        runs = [_disk_pass(folder / "disk_bandwidth.bin", nbytes, chunk) for _ in range(passes)]
+        return {
+            "bytes": nbytes,
+            "passes": runs,
+            "write_gb_s": max(nbytes / r["write_s"] for r in runs) / GB,
+            "read_gb_s": max(nbytes / r["read_s"] for r in runs) / GB,
+        }
+
+    return from_rank0(measure)
+
+
+_MEMCPY: dict[tuple[int, ...], float] = {}
+
+
+def memcpy_s(nbytes: int) -> float:
+    """Slowest rank's time to copy its ``nbytes`` between warm host buffers, every rank at
+    once as staging copies do (median of 3; cached per size)."""
+    sizes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, nbytes)
+    key = tuple(sizes)
+    if key not in _MEMCPY:
+        src = torch.ones(max(nbytes, 1), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # every page touched first, as the staging pool's are
+        _MEMCPY[key] = statistics.median(timed(lambda: dst.copy_(src))[0] for _ in range(3))
+    return _MEMCPY[key]
+
+
+def proc_status_mb(name: str) -> float:
+    """A memory figure of this process (``VmRSS``, ``VmHWM``, ...) in MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(name + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {name} in /proc/self/status")
+
+
+def reset_peak_rss() -> float:
+    """Resets this process's peak resident set size (``VmHWM``) to the current one, in MB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return proc_status_mb("VmRSS")
+
+
+# ---------------------------------------------------------------- the model and its rows
+
+
+def uniform_tables(count: int, rows: int, dim: int) -> list[TableSpec]:
+    """``count`` table-wise tables ``t0, t1, ...`` of ``rows`` x ``dim``."""
+    return [TableSpec(f"t{i}", rows, dim, "table_wise") for i in range(count)]
+
+
+def model_arguments(p: argparse.ArgumentParser, rows: int, tables: int = 8, dim: int = 64) -> None:
+    """``--tables``, ``--rows`` and ``--dim`` of the model that :func:`uniform_model` builds."""
+    p.add_argument("--tables", type=int, default=tables)
+    p.add_argument("--rows", type=int, default=rows)
+    p.add_argument("--dim", type=int, default=dim)
+
+
+class Workload(NamedTuple):
+    model: DistributedModelParallel
+    opt: torch.optim.Optimizer
+    """The dense parameters' optimizer (the tables' is fused into their kernels)."""
+    tables: list[TableSpec]
+
+
+def uniform_model(args: argparse.Namespace, tracking_mode: TrackingMode = "bitmap") -> Workload:
+    """The DLRM of ``--tables`` table-wise tables of ``--rows`` x ``--dim`` with fused
+    row-wise Adagrad, sharded over the ranks, and its dense optimizer."""
+    tables = uniform_tables(args.tables, args.rows, args.dim)
+    model = build_model(tables, seed=0, tracking_mode=tracking_mode)
+    return Workload(model, dense_optimizer(model), tables)
+
+
+def random_rows(
+    shards: list[LocalShard], fractions: Sequence[float], seed: int = 1234
+) -> dict[float, list[torch.Tensor]]:
+    """For each fraction, that share of each local shard's rows (sorted local indices).
+
+    One random permutation per shard (seeded per rank): a smaller fraction's rows are
+    inside a larger one's, as the rows modified in a shorter interval would be.
+    """
+    g = torch.Generator().manual_seed(seed + dist.get_rank())
+    perms = [torch.randperm(s.spec.rows, generator=g) for s in shards]
+    return {f: [p[: round(f * p.numel())].sort().values for p in perms] for f in fractions}
+
+
+def modify(shards: list[LocalShard], rows: list[torch.Tensor]) -> None:
+    """Exactly ``rows`` are modified since the last checkpoint: their tracker bits set,
+    every other bit cleared, and their weights nudged so that a delta holds real changes."""
+    with torch.no_grad():
+        for s, r in zip(shards, rows):
+            s.drain()
+            s.weight[r] += 1e-3
+            if s.words is not None:
+                s.words.zero_()
+                bitmap.set_bits(s.words, r)
+
+
+def max_abs_diff(
+    shards: list[LocalShard], rows: list[torch.Tensor], values: list[torch.Tensor]
+) -> float:
+    """The largest difference, over ranks, between ``rows`` of each shard and ``values``."""
+    pairs = [(s.weight[r], v) for s, r, v in zip(shards, rows, values) if r.numel()]
+    return max_over_ranks(max((float((w - v).abs().max()) for w, v in pairs), default=0.0))[0]
+
+
+def timed_restore(
+    fn: Callable[[], Any], path: Path | None, shards: list[LocalShard], rows: list[torch.Tensor]
+) -> tuple[float, float]:
+    """A cold restore by ``fn``: ``(time, max abs error)``, both over ranks.
+
+    ``path``'s files leave the page cache first (if local), and ``rows`` are corrupted (+1)
+    so that the restore must bring them back; the error is theirs against their values
+    before (0 for an exact restore).
+    """
+    if path is not None:
+        drop_cache(path)
+    saved = [s.weight[r].clone() for s, r in zip(shards, rows)]
+    with torch.no_grad():
+        for s, r in zip(shards, rows):
+            s.weight[r] += 1.0
+    took, _ = timed(fn)
+    return took, max_abs_diff(shards, rows, saved)
+
+
+# ---------------------------------------------------------------- an S3 store
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[str]:
+    """An S3 endpoint for every rank: ``AWS_ENDPOINT_URL`` if set, else a moto server
+    that rank 0 starts on a free loopback port (a local process keeping objects in memory).
+    """
+    server, url = None, os.environ.get("AWS_ENDPOINT_URL")
+    if url is None and dist.get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", url.rsplit(":", 1)[1]],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(url + "/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    server.kill()
+                    raise RuntimeError(f"the moto S3 server at {url} did not start") from None
+                time.sleep(0.05)
+    url, started = bcast((url, server is not None))
+    assert url is not None
+    if started:  # moto takes any credentials; a real store's must not be replaced
+        os.environ.update(
+            AWS_ENDPOINT_URL=url,
+            AWS_ACCESS_KEY_ID="bench",
+            AWS_SECRET_ACCESS_KEY="bench",
+            AWS_DEFAULT_REGION="us-east-1",
+        )
+    try:
+        yield url
+    finally:
+        dist.barrier()
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=10)
+
+
+def s3_bucket() -> str:
+    """A new bucket on the endpoint of :func:`s3_server`, made by rank 0."""
+
+    def make() -> str:
+        import boto3
+
+        name = f"bench-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3").create_bucket(Bucket=name)
+        return name
+
+    return from_rank0(make)

@@ -1,0 +1,163 @@
+"""Renders benchmark results (JSON, :mod:`benchmarks.results`) into markdown: one section
+per result, with the command that produced it, its environment, its tables and each
+target's measured value, reference and verdict.
+
+    .venv/bin/python -m benchmarks.report                          # benchmarks/results/ only
+    .venv/bin/python -m benchmarks.report benchmarks/results out/bench
+
+Each folder is searched for ``*.json``; a result's id is its file name without ``.json``,
+and a later folder's result replaces an earlier one's of the same id. The hand-written
+prose lives in ``benchmarks/templates/*.md``: every line ``<!-- result: ID -->`` there is
+replaced by the section of result ``ID``, and the page is written under ``--docs`` with
+the template's name (``docs/benchmarks.md``, ``docs/experiments.md``). Results of
+``--smoke`` runs are left out unless ``--allow-smoke``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.results import load
+
+TEMPLATES = Path(__file__).parent / "templates"
+RECORDED = Path(__file__).parent / "results"
+MARKER = re.compile(r"^<!-- result: ([\w.-]+) -->$", re.MULTILINE)
+
+
+def fmt(x: Any) -> str:
+    """A cell: numbers to four significant digits, ``[lo, hi]`` as a range."""
+    if x is None or x == "":
+        return "–" if x is None else ""
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, float) and abs(x) >= 1000:
+        return f"{x:,.0f}"
+    if isinstance(x, float):  # four significant digits, no exponent down to 1e-4
+        return f"{x:.4g}" if abs(x) >= 1e-4 or x == 0 else f"{x:.3e}"
+    if isinstance(x, list) and len(x) == 2:
+        return f"{fmt(x[0])}–{fmt(x[1])}"
+    return str(x).replace("|", "\\|")
+
+
+def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    numeric = [
+        all(isinstance(r[i], int | float) for r in rows if r[i] != "") for i in range(len(columns))
+    ]
+    lines = ["| " + " | ".join(columns) + " |"]
+    lines.append("|" + "|".join("---:" if n else "---" for n in numeric) + "|")
+    lines += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    return lines
+
+
+def _environment(env: dict[str, Any]) -> str:
+    parts = [f"host `{env['host']}`"] if env.get("host") else []
+    if env.get("cpu_count"):
+        parts.append(f"{env['cpu_count']} CPU cores")
+    if env.get("memory_gib"):
+        parts.append(f"{env['memory_gib']} GiB")
+    parts.append(env.get("gpu") or "no GPU")
+    if env.get("world_size"):
+        world = env["world_size"]
+        parts.append(f"{world} ranks" if world > 1 else "1 process")
+    versions = env.get("versions", {})
+    parts += [f"{k} {v}" for k, v in versions.items() if k != "python"]
+    parts += [f"`{k}={v}`" for k, v in env.get("env", {}).items()]
+    if env.get("git"):
+        parts.append(f"commit `{env['git']}`")
+    if env.get("description"):
+        parts.append(env["description"])
+    return "; ".join(parts)
+
+
+def _targets(targets: list[dict[str, Any]]) -> list[str]:
+    rows = []
+    for t in targets:
+        ref = t["reference"]
+        ref_text = fmt(t["reference_value"]) + (f" (`{ref}`)" if isinstance(ref, str) else "")
+        bound = "–" if t["bound"] is None else f"{t['op']} {fmt(t['bound'])}"
+        if t["factor"] != 1 and t["bound"] is not None:
+            bound += f" ({t['factor']:.3g} x reference)"
+        verdict = t["verdict"] if t["verdict"] == "n/a" else f"**{t['verdict']}**"
+        rows.append([t["name"], fmt(t["measured"]), ref_text, bound, verdict])
+    passed = sum(t["verdict"] == "PASS" for t in targets)
+    lines = [f"Targets: {passed} of {len(targets)} pass.", ""]
+    return lines + _table(["target", "measured", "reference", "bound", "verdict"], rows)
+
+
+def section(r: dict[str, Any]) -> str:
+    """One result as markdown: command, environment, tables, targets."""
+    lines = [
+        f"Measured {r['date'][:10]} by:",
+        "",
+        "```",
+        r["command"],
+        "```",
+        "",
+        f"Environment: {_environment(r['environment'])}.",
+    ]
+    if r.get("note"):
+        lines += ["", f"> {r['note']}"]
+    for t in r["tables"]:
+        lines += ["", f"**{t['title']}**", "", *_table(t["columns"], t["rows"])]
+        if t.get("note"):
+            lines += ["", t["note"]]
+    if r["targets"]:
+        lines += ["", *_targets(r["targets"])]
+    return "\n".join(lines)
+
+
+def collect(folders: Sequence[Path], allow_smoke: bool = False) -> dict[str, dict[str, Any]]:
+    """Result id (file name) -> result; a later folder's result replaces an earlier one's."""
+    found: dict[str, dict[str, Any]] = {}
+    for folder in folders:
+        for path in sorted(folder.rglob("*.json")):
+            r = load(path)
+            if r["smoke"] and not allow_smoke:
+                print(f"skipping {path}: a --smoke run", file=sys.stderr)
+                continue
+            found[path.stem] = r
+    return found
+
+
+def render(template: str, results: dict[str, dict[str, Any]]) -> str:
+    """``template`` with each result marker replaced by that result's section.
+
+    Raises:
+        ValueError: a marker names no result.
+    """
+    missing = [m for m in MARKER.findall(template) if m not in results]
+    if missing:
+        raise ValueError(f"no result for {missing}: run its command, or pass its folder")
+    return MARKER.sub(lambda m: section(results[m.group(1)]), template)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("folders", type=Path, nargs="*", default=[RECORDED])
+    p.add_argument("--docs", type=Path, default=Path("docs"), help="where the pages go")
+    p.add_argument("--allow-smoke", action="store_true", help="render --smoke results too")
+    args = p.parse_args(argv)
+    results = collect(args.folders, args.allow_smoke)
+    for template in sorted(TEMPLATES.glob("*.md")):
+        page = args.docs / template.name
+        header = (
+            f"<!-- Generated by `python -m benchmarks.report` from benchmarks/templates/"
+            f"{template.name} and the JSON results: edit those, not this file. -->\n\n"
+        )
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(header + render(template.read_text(), results))
+        print(f"wrote {page}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""The one result format of every benchmark and experiment, and how targets are judged.
+
+A run writes one JSON file: ``format_version`` (1), ``case`` (the module under
+``benchmarks``), ``kind`` (benchmark or experiment), ``title``, ``date``, ``command`` (the
+exact command line), ``note``, ``smoke``, ``environment`` (host, cores, memory, versions,
+environment variables), ``config`` (every argument), ``wall_s``, ``measurements`` (nested
+dicts of numbers), ``tables`` (:class:`Table`) and ``targets`` (:meth:`Target.evaluate`).
+
+A target is data: ``measured op factor * reference``, where ``measured`` is a dotted key
+into ``measurements`` and ``reference`` a key or a number. Its verdict is computed by
+:meth:`Target.evaluate` and nowhere else; printing code only shows it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+FORMAT_VERSION = 1
+
+
+def lookup(tree: dict[str, Any], key: str) -> Any:
+    """The value at a dotted ``key`` of nested dicts, or ``None`` where a part is missing."""
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _ends(value: Any) -> list[float] | None:
+    """A measured value as the numbers to judge: one, or both ends of a ``[low, high]``
+    range (a recorded table that gave several runs as one range, e.g. "4.5-5.3x")."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return [float(value)]
+    if (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, int | float) for v in value)
+    ):
+        return [float(v) for v in value]
+    return None
+
+
+@dataclass(frozen=True)
+class Target:
+    """A bound that a measurement must meet: ``measured op factor * reference``.
+
+    Example::
+
+        Target("stall <= 1/10 of async_take's", "cnr.intermittent_fp32_5.stall_s", "<=",
+               "peers.torchsnapshot_async_take_copy.stall_s", 0.1)
+    """
+
+    name: str
+    """What it checks, in words."""
+    measured_key: str
+    """Dotted key of the measured value in ``measurements``."""
+    op: Literal["<=", ">="]
+    reference: str | float
+    """Dotted key of the reference in ``measurements``, or a fixed value."""
+    factor: float = 1.0
+    """The bound is ``factor`` times the reference."""
+
+    def __post_init__(self) -> None:
+        if self.op not in ("<=", ">="):
+            raise ValueError(f"op must be '<=' or '>=', got {self.op!r}")
+
+    def evaluate(self, measurements: dict[str, Any]) -> dict[str, Any]:
+        """The target with its measured value, reference, bound and verdict: ``PASS``,
+        ``MISS``, ``MIXED`` (a measured range passes at one end only) or ``n/a`` (a value
+        is missing: a peer that failed, a case not run)."""
+        measured = lookup(measurements, self.measured_key)
+        reference = self.reference
+        if isinstance(reference, str):
+            reference = lookup(measurements, reference)
+        ends, refs = _ends(measured), _ends(reference)
+        verdict, bound = "n/a", None
+        if ends is not None and refs is not None and len(refs) == 1:
+            bound = self.factor * refs[0]
+            passed = [v <= bound if self.op == "<=" else v >= bound for v in ends]
+            verdict = "PASS" if all(passed) else "MISS" if not any(passed) else "MIXED"
+        return {
+            **asdict(self),
+            "measured": measured,
+            "reference_value": reference,
+            "bound": bound,
+            "verdict": verdict,
+        }
+
+
+Column = str | Callable[[dict[str, Any]], Any]
+"""A table column: the key of a row's value, or a function of the row."""
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table of a result, rendered as markdown by :mod:`benchmarks.report`."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[Any]]
+    """Cells: numbers (the report formats them) or text."""
+    note: str = ""
+    """A line under the table."""
+
+    @classmethod
+    def of(
+        cls, title: str, items: Iterable[dict[str, Any]], columns: dict[str, Column], note: str = ""
+    ) -> Table:
+        """A table of ``items``, one row each; ``columns`` maps a header to its cells."""
+        rows = [[c(i) if callable(c) else i.get(c) for c in columns.values()] for i in items]
+        return cls(title, list(columns), rows, note)
+
+
+def write(path: Path, record: dict[str, Any]) -> None:
+    """A result record as JSON, ``targets`` evaluated and ``tables`` as plain lists."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "format_version": FORMAT_VERSION,
+        **record,
+        "tables": [asdict(t) for t in record["tables"]],
+        "targets": [t.evaluate(record["measurements"]) for t in record["targets"]],
+    }
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A result file, checked for its format version.
+
+    Raises:
+        ValueError: the file is not a result of this format.
+    """
+    raw = json.loads(path.read_text())
+    if raw.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {raw.get('format_version')!r}, not 1")
+    return dict(raw)

@@ -1,0 +1,179 @@
+"""Iteration time and memory of row tracking: none, torchrec_cnr's bitmaps (plain, with
+CPR's MFU counters, with SSU sampling) and TorchRec's ModelDeltaTracker (ID_ONLY), on one
+model in one run.
+
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
+        -m benchmarks.tracking --out out/bench/tracking.json
+
+One model (8 table-wise tables x 500k rows x dim 64, batch 2048 per rank, pooling 4)
+carries both trackers, and each round switches them on in turn, in a rotating order, for
+``--iters`` iterations: every variant runs the same kernels and memory layout on the same
+batches, so machine noise hits all alike. A variant's figure is its median over
+``--rounds`` rounds, after one warm-up round. Targets: our bitmap's overhead <= 1% and <=
+ModelDeltaTracker's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
+
+from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.measure import model_arguments, uniform_model
+from benchmarks.results import Table, Target
+from cnr_train.workload import ZipfBatches, train_step
+from torchrec_cnr.tracking import model_state
+from torchrec_cnr.tracking.priority import KernelPriority
+
+VARIANTS = {
+    # key: (label, ours on, ModelDeltaTracker on, what our hooks record besides the bits)
+    "none": ("none", False, False, "bitmap"),
+    "bitmap": ("torchrec_cnr (bitmap)", True, False, "bitmap"),
+    "mfu": ("torchrec_cnr + MFU counters", True, False, "mfu"),
+    "ssu": ("torchrec_cnr + SSU 10%", True, False, "ssu"),
+    "mdt": ("ModelDeltaTracker", False, True, "bitmap"),
+}
+
+TARGETS = [
+    Target("our bitmap tracking overhead <= 1%", "variants.bitmap.overhead_pct", "<=", 1.0),
+    Target("our bitmap tracking overhead <= ModelDeltaTracker's",
+           "variants.bitmap.overhead_pct", "<=", "variants.mdt.overhead_pct"),
+]  # fmt: skip
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    model_arguments(p, rows=500_000)
+    p.add_argument("--batch-size", type=int, default=2048)
+    p.add_argument("--pooling", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--iters", type=int, default=10, help="iterations per variant per round")
+
+
+def _mdt_bytes(tracker: Any) -> int:
+    """Bytes ModelDeltaTracker holds: the ids (and states) of every lookup not yet read."""
+    total = 0
+    for lookups in tracker.store.per_fqn_lookups.values():
+        for lookup in lookups:
+            for t in (lookup.ids, getattr(lookup, "states", None)):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+    return total
+
+
+class _MdtSwitch:
+    """Turns ModelDeltaTracker's post-lookup hooks off and on."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.modules = [
+            (m, m.post_lookup_tracker_fn, m.post_odist_tracker_fn)
+            for m in model.modules()
+            if getattr(m, "post_lookup_tracker_fn", None) is not None
+        ]
+        assert self.modules, "ModelDeltaTracker registered no hook"
+
+    def set_enabled(self, enabled: bool) -> None:
+        for module, lookup_fn, odist_fn in self.modules:
+            setattr(module, "post_lookup_tracker_fn", lookup_fn if enabled else None)  # noqa: B010
+            setattr(module, "post_odist_tracker_fn", odist_fn if enabled else None)  # noqa: B010
+
+
+def run(b: Bench) -> Outcome:
+    a = b.args
+    model, opt, tables = uniform_model(a, tracking_mode="mfu")
+    data = ZipfBatches(tables, a.batch_size, pooling=a.pooling, seed=0)
+    mdt = model.init_torchrec_delta_tracker(
+        DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, delete_on_read=True)
+    )
+    ours = list(model_state.trackers(model).values())
+    theirs = _MdtSwitch(model)
+    # One model for every mode: our hooks switch what they record besides the bits.
+    hooks = [hook for t in ours for _, hook in t._hooks]
+    priorities: dict[str, list[KernelPriority | None]] = {
+        "bitmap": [None for _ in hooks],
+        "mfu": [h.priority for h in hooks],
+        "ssu": [KernelPriority("ssu", h.words.numel(), h.words.device, 0.1) for h in hooks],
+    }
+    step = 0
+    iters = dict.fromkeys(VARIANTS, 0)
+
+    def variant(key: str) -> float:
+        nonlocal step
+        _, ours_on, theirs_on, mode = VARIANTS[key]
+        for h, p in zip(hooks, priorities[mode]):
+            h.priority = p
+        for t in ours:
+            t.set_enabled(ours_on)
+        theirs.set_enabled(theirs_on)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(a.iters):
+            step += 1
+            train_step(model, opt, data.batch(b.rank, step))
+        dist.barrier()
+        iters[key] += a.iters
+        return (time.perf_counter() - t0) / a.iters
+
+    methods = {k: functools.partial(variant, k) for k in VARIANTS}
+    b.interleaved(1, methods, settle=False, label="warm-up")
+    times = b.interleaved(a.rounds, methods, settle=False, label="iteration s")
+    bits = sum(t.memory_bytes() for t in ours)
+    memory = {
+        "none": 0,
+        "bitmap": bits,
+        "mfu": bits + sum(p.nbytes for p in priorities["mfu"] if p is not None),
+        "ssu": bits + sum(p.nbytes for p in priorities["ssu"] if p is not None),
+        "mdt": _mdt_bytes(mdt),
+    }
+    med = {k: statistics.median(v) for k, v in times.items()}
+    variants = {
+        k: {
+            "iter_ms": 1e3 * med[k],
+            "overhead_pct": 100 * (med[k] / med["none"] - 1),
+            "memory_bytes": memory[k],
+            "iterations_tracked": iters[k],
+        }
+        for k in VARIANTS
+    }
+    per_rank: list[Any] = [None] * b.world
+    dist.all_gather_object(per_rank, variants)
+    shard_bytes = sum(
+        s.weight.numel() * s.weight.element_size() for s in model_state.local_shards(model)
+    )
+    m = {"rank0_shard_bytes": shard_bytes, "variants": per_rank[0], "per_rank": per_rank}
+
+    def held(v: dict[str, Any]) -> str:
+        share = 100 * v["memory_bytes"] / shard_bytes
+        return f"{v['memory_bytes'] / 1e6:.3f} MB ({share:.3f}% of the shard bytes)"
+
+    title = f"Rank 0 (its shards hold {shard_bytes / 1e6:.0f} MB); median of {a.rounds} rounds"
+    rows = [{"key": k, **v} for k, v in per_rank[0].items()]
+    table = Table.of(title + f" x {a.iters} iterations per variant", rows, {
+        "variant": lambda v: VARIANTS[v["key"]][0],
+        "iter ms": "iter_ms",
+        "overhead %": "overhead_pct",
+        "tracker memory on rank 0": held,
+        "iterations tracked": "iterations_tracked",
+    })  # fmt: skip
+    note = "Ours is fixed in size; ModelDeltaTracker's grows with the iterations until read."
+    table = Table(table.title, table.columns, table.rows, note)
+    return Outcome(m, [table], TARGETS)
+
+
+CASE = Case(
+    name="tracking",
+    title="Tracking overhead (one model, one run)",
+    arguments=_arguments,
+    smoke="--tables 2 --rows 2000 --dim 16 --batch-size 64 --rounds 2 --iters 2",
+    run=run,
+)
+
+if __name__ == "__main__":
+    sys.exit(main(CASE, __doc__))
