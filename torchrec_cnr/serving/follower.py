@@ -35,7 +35,8 @@ from torchrec_cnr.encoding import FP32, ShardRecord
 from torchrec_cnr.errors import CheckpointReadError, CnrError, ModelMismatchError
 from torchrec_cnr.restore.chain import ChainReader
 from torchrec_cnr.serving.plan import UpdatePlan, plan_update
-from torchrec_cnr.serving.targets import StoredRows, Target
+from torchrec_cnr.serving.rows import StoredRows
+from torchrec_cnr.serving.targets import Target
 from torchrec_cnr.storage import Root, Storage, as_storage
 from torchrec_cnr.storage.backend import ANY, _Any
 

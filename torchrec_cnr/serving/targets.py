@@ -40,7 +40,7 @@ values as they are.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -56,14 +56,13 @@ from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbe
 from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
 
 from torchrec_cnr.quantization import (
-    UNIFORM_METHODS,
-    QuantizedRows,
     pack_codes,
     packed_nbytes,
     quantize,
     search_ranges,
     unpack_codes,
 )
+from torchrec_cnr.serving.rows import PreparedRows, StoredRows
 
 __all__ = [
     "FloatTarget",
@@ -106,99 +105,6 @@ class TableSlot:
     def bits(self) -> int | None:
         """Code width of an ``int*`` format, ``None`` for float formats."""
         return _BITS.get(self.format)
-
-
-@dataclass(frozen=True, eq=False)
-class StoredRows:
-    """Rows as a checkpoint stores them: set exactly one of the two fields.
-
-    Example::
-
-        StoredRows.fp32(rows)  # (n, dim) values
-        StoredRows.quantized(q.to_tensors(), q.method, q.bits, q.shape)
-    """
-
-    values: Tensor | None = None
-    """(n, dim) floating values."""
-    packed: QuantizedRows | None = None
-    """Rows quantized by :func:`torchrec_cnr.quantization.quantize`."""
-
-    def __post_init__(self) -> None:
-        if (self.values is None) == (self.packed is None):
-            raise ValueError("StoredRows needs exactly one of values and packed")
-        v = self.values
-        if v is not None and (v.dim() != 2 or not v.is_floating_point()):
-            raise ValueError(
-                f"StoredRows.values must be a 2-D floating tensor (n, dim), got "
-                f"{tuple(v.shape)} {v.dtype}"
-            )
-
-    @classmethod
-    def fp32(cls, values: Tensor) -> StoredRows:
-        """Rows stored as (n, dim) floating values."""
-        return cls(values=values)
-
-    @classmethod
-    def quantized(
-        cls,
-        parts: Mapping[str, Tensor],
-        method: str,
-        bits: int,
-        shape: int | tuple[int, int] | list[int],
-    ) -> StoredRows:
-        """Rows from the tensors :meth:`QuantizedRows.to_tensors` gave the checkpoint.
-
-        Args:
-            parts: Name -> tensor, each with one row per stored row.
-            method: The quantization method.
-            bits: Its bit width.
-            shape: ``(n, dim)``, or ``dim`` alone (``n`` is then the parts' row count).
-
-        Raises:
-            ValueError: ``parts`` do not fit ``(method, bits, shape)``.
-        """
-        if isinstance(shape, int):
-            rows = {int(t.shape[0]) for t in parts.values()}
-            if len(rows) != 1:
-                raise ValueError(f"parts {sorted(parts)} have different row counts {sorted(rows)}")
-            shape = (rows.pop(), shape)
-        return cls(packed=QuantizedRows.from_tensors(dict(parts), method, bits, shape))
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(n, dim)``."""
-        if self.packed is not None:
-            return self.packed.shape
-        assert self.values is not None
-        n, dim = self.values.shape
-        return int(n), int(dim)
-
-    def dequantize(self) -> Tensor:
-        """(n, dim) fp32 values; may alias :attr:`values` when they are fp32."""
-        if self.packed is not None:
-            return self.packed.dequantize()
-        assert self.values is not None
-        return self.values.detach().float()
-
-    def fused_nbit(self) -> QuantizedRows | None:
-        """The packed rows if they are uniform 2/3/4-bit: ``[codes | scale fp16 | bias
-        fp16]`` rows, which serving takes without requantizing."""
-        q = self.packed
-        if q is not None and q.method in UNIFORM_METHODS and q.bits < 8:
-            return q
-        return None
-
-
-@dataclass(frozen=True, eq=False)
-class PreparedRows:
-    """Rows converted to one table's serving form by :meth:`Target.prepare`."""
-
-    key: str
-    """The table they were prepared for."""
-    count: int
-    """Number of rows."""
-    tensors: tuple[Tensor, ...]
-    """The serving form, private to the target that made it."""
 
 
 class Target(abc.ABC):
