@@ -17,7 +17,7 @@ setup:
 # never serves an earlier run's checkpoints); its closing lines follow the job's table.
 demo: setup
 	@rm -rf runs/demo runs/demo-serve.json && mkdir -p runs
-	@OMP_NUM_THREADS=1 $(PY) scripts/serve.py --config configs/demo.yaml \
+	@OMP_NUM_THREADS=1 nice -n 10 $(PY) scripts/serve.py --config configs/demo.yaml \
 		>runs/demo-serve.out 2>runs/demo-serve.log & serve=$$!; \
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=$(NPROC) --max-restarts=1 \
 		scripts/train.py --config configs/demo.yaml; \

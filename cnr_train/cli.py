@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=2 -m cnr_train run --config configs/demo.yaml
     torchrun --standalone --nproc_per_node=2 scripts/train.py --config configs/demo.yaml \\
         checkpoint.policy=consecutive train.steps=200
+    cnr-train serve --config configs/demo.yaml   # beside the job: follows its checkpoints
     cnr-train criteo-convert /data/criteo/day_* --cache-dir runs/criteo_npy
 
 Every ``key.path=value`` after the options overrides the YAML file.
@@ -50,6 +51,27 @@ def train(config_path: str | None, overrides: list[str]) -> int:
     return 0
 
 
+def serve(config_path: str | None, overrides: list[str]) -> int:
+    """Serves the job's model from its checkpoints until the job finishes (one process)."""
+    from cnr_train.report import serving_lines
+    from cnr_train.serve import Server
+
+    try:
+        config = config_file.load(JobConfig, config_path, overrides)
+    except config_file.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    # It shares the machine with the job: one thread for its forwards and updates.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    server = Server(config)
+    try:
+        result = server.run()
+    finally:
+        server.close()
+    print("\n".join(serving_lines(result)), flush=True)
+    return 0
+
+
 def criteo_convert(paths: list[str], cache_dir: str) -> int:
     """Converts Criteo TSV files into the ``.npy`` cache that ``data.path`` reads."""
     try:
@@ -69,12 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     p_run = sub.add_parser("run", help="train, checkpoint, inject failures, evaluate")
     p_run.add_argument("--config", help="YAML file mapping onto JobConfig")
     p_run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
+    p_serve = sub.add_parser("serve", help="serve the job's model from its checkpoints")
+    p_serve.add_argument("--config", help="YAML file mapping onto JobConfig (the job's)")
+    p_serve.add_argument("overrides", nargs="*", help="dotted overrides, e.g. serve.dtype=int8")
     p_conv = sub.add_parser("criteo-convert", help="Criteo TSV -> the cache data.path reads")
     p_conv.add_argument("paths", nargs="+", help="TSV files or globs (train.txt, day_*)")
     p_conv.add_argument("--cache-dir", default="runs/criteo_npy", help="as data.cache_dir")
     args = parser.parse_args(argv)
     if args.command == "criteo-convert":
         return criteo_convert(args.paths, args.cache_dir)
+    if args.command == "serve":
+        return serve(args.config, args.overrides)
     return train(args.config, args.overrides)
 
 

@@ -7,7 +7,9 @@ library's own :class:`torchrec_cnr.CheckpointConfig`.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
 from cnr_train.workload import LAYOUTS
 from torchrec_cnr import CheckpointConfig
@@ -19,6 +21,7 @@ __all__ = [
     "JobConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "ServeConfig",
     "ShardingConfig",
     "TrainConfig",
 ]
@@ -157,6 +160,43 @@ class TrainConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
 
 
+ServeDtype = Literal["int8", "int4", "int2"]
+"""Row types of the served tables: TorchRec's ``qint8``, ``quint4x2`` and ``quint2x4``."""
+SERVE_DTYPES: tuple[ServeDtype, ...] = typing.get_args(ServeDtype)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The serving process beside the job (``cnr-train serve``): a quantized DLRM that
+    follows the checkpoint root and answers requests from held-out batches."""
+
+    dtype: ServeDtype = "int4"
+    """Served row type, one of ``int8``, ``int4``, ``int2`` (``quantize_embeddings``' dtype)."""
+    interval_s: float = 0.5
+    """Seconds between the follower's polls of the root."""
+    requests_per_s: float = 5.0
+    """Requests (one held-out batch each) answered per second while the job trains."""
+    io_threads: int = 2
+    """Threads the follower reads with."""
+    timeout_s: float = 900.0
+    """Longest wait for the job to finish (its done marker) before giving up."""
+    metrics_path: str | None = None
+    """JSON file for the serving metrics; ``None`` writes none."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SERVE_DTYPES:
+            raise ValueError(f"dtype must be one of {SERVE_DTYPES}, got {self.dtype!r}")
+        for name, value in (
+            ("interval_s", self.interval_s),
+            ("requests_per_s", self.requests_per_s),
+            ("timeout_s", self.timeout_s),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+
+
 @dataclass(frozen=True)
 class JobConfig:
     """A training job: model, data, sharding, optimizer, checkpointing, failures, evaluation."""
@@ -177,6 +217,8 @@ class JobConfig:
     """Evaluation."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The loop."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """The serving process that follows the job's checkpoints."""
 
     def __post_init__(self) -> None:
         if self.data.path is not None and self.model.tables != "criteo":

@@ -36,6 +36,10 @@ from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state
 from torchrec_cnr.tracking.tracker import TrackingMode
 
+DONE_MARKER = ".done"
+"""Written into the checkpoint root when the job has finished: JSON ``{"step", "finished_at"}``,
+the last committed step and when (seconds since the epoch)."""
+
 
 def job_tables(config: JobConfig) -> list[TableSpec]:
     m, types = config.model, config.sharding.types
@@ -94,15 +98,22 @@ class Trainer:
         )
 
 
-def make_data(config: JobConfig, tables: list[TableSpec]) -> BatchStream:
-    """The job's batches: Criteo files when ``data.path`` is set, else synthetic."""
+def make_data(
+    config: JobConfig, tables: list[TableSpec], world_size: int | None = None
+) -> BatchStream:
+    """The job's batches: Criteo files when ``data.path`` is set, else synthetic.
+
+    ``world_size`` set: a reader outside the job (the serving process) with the job's
+    batches; it waits for the job's Criteo conversion instead of converting.
+    """
     d = config.data
     if d.path is None:
         return ZipfBatches(tables, d.batch_size, num_dense(config), d.alpha, d.pooling, d.seed)
+    inside = world_size is None
     # One converter per node; the other ranks wait for its completion markers.
-    converter = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
-    world = dist.get_world_size()
-    train = criteo.convert(d.path, d.cache_dir, converter, progress=dist.get_rank() == 0)
+    converter = inside and int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    world = dist.get_world_size() if world_size is None else world_size
+    train = criteo.convert(d.path, d.cache_dir, converter, progress=inside and dist.get_rank() == 0)
     heldout = criteo.convert(d.eval_path, d.cache_dir, converter) if d.eval_path else None
     return criteo.CriteoBatches(
         train, tables, d.batch_size, world, heldout, config.eval.batches * world * d.batch_size
@@ -199,6 +210,8 @@ def run(config: JobConfig) -> dict[str, Any]:
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     if config.train.clean_start and first_attempt and rank == 0:
         open_storage(root).clear()
+    if rank == 0:
+        open_storage(root).delete(DONE_MARKER)  # an earlier run's
     dist.barrier()
     t = Trainer.build(config, config.train.seed)
     if isinstance(t.data, criteo.CriteoBatches):
@@ -256,4 +269,10 @@ def run(config: JobConfig) -> dict[str, Any]:
         path = Path(config.train.metrics_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1))
+    if rank == 0:
+        # Last: a serving process beside the job stops when it sees this (and the metrics).
+        done = {"step": saved.latest.step if saved.latest else None, "finished_at": time.time()}
+        storage = open_storage(root)
+        storage.create()  # a job that committed nothing may have no root yet
+        storage.write(DONE_MARKER, json.dumps(done).encode())
     return result

@@ -23,7 +23,7 @@ from torchrec_cnr.quantization import quantize
 from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state
 
-__all__ = ["check_restore", "full_fp32_bytes", "plot_bytes", "summarize"]
+__all__ = ["check_restore", "full_fp32_bytes", "plot_bytes", "serving_lines", "summarize"]
 
 
 def say(*args: Any) -> None:
@@ -131,6 +131,64 @@ def summarize(root: RootInfo, full_bytes: int) -> dict[str, Any]:
         "stall_max_s": max(stalls),
         "restores": root.restores,
     }
+
+
+def serving_lines(serve: dict[str, Any]) -> list[str]:
+    """The serving process's closing lines, under the job's table: its lag behind training,
+    the bytes each update read against a full reload, and its AUC against the trained one.
+
+    Args:
+        serve: what :meth:`cnr_train.serve.Server.run` returns.
+    """
+    full, per_update = serve["full_reload_bytes"], serve["bytes_per_update_median"]
+    latency = serve["request_latency_median_s"]
+    answered = f"{serve['requests']} requests answered while training"
+    if latency is not None:
+        answered += f" (at {serve['request_steps']} served steps, median {1e3 * latency:.0f} ms)"
+    rows = [  # name, format, scale, the result's median and max
+        ("lag behind training (commit to served)", "{:.2f} s", 1, "lag_median_s", "lag_max_s"),
+        ("serving blocked per update", "{:.1f} ms", 1e3, "blocked_median_s", "blocked_max_s"),
+        (
+            "rows read per incremental update",
+            "{:.0f}",
+            1,
+            "rows_per_update_median",
+            "rows_per_update_max",
+        ),
+        (
+            "bytes read per incremental update",
+            "{:.2f} MB",
+            1e-6,
+            "bytes_per_update_median",
+            "bytes_per_update_max",
+        ),
+    ]
+    lines = [
+        f"\nserving: {serve['dtype'].upper()} model following {serve['root']} every "
+        f"{serve['interval_s']} s: {serve['updates']} updates, serves step "
+        f"{serve['served_step']}; {answered}",
+        f"| {'':<38} | {'median':>10} | {'max':>10} |",
+        f"|{'-' * 40}|{'-' * 12}|{'-' * 12}|",
+    ]
+    for name, fmt, scale, *keys in rows:
+        median, most = (fmt.format(scale * serve[k]) for k in keys)
+        lines.append(f"| {name:<38} | {median:>10} | {most:>10} |")
+    lines.append(
+        f"a full fp32 reload reads {full / 1e6:.2f} MB, {full / max(per_update, 1):.1f}x the "
+        f"median update; the first update (cold: every row, as stored) read "
+        f"{serve['cold_bytes'] / 1e6:.2f} MB"
+    )
+    trained = serve.get("trained_auc")
+    versus = (
+        ""
+        if trained is None
+        else f" against the trained model's {trained:.4f} ({serve['auc'] - trained:+.4f})"
+    )
+    lines.append(
+        f"AUC: served model {serve['auc']:.4f} ({serve['dtype'].upper()}, step "
+        f"{serve['served_step']}){versus}"
+    )
+    return lines
 
 
 def plot_bytes(root: RootInfo, full_bytes: int, path: Path) -> None:

@@ -24,6 +24,7 @@ from torchrec_cnr.snapshot import (
     rows_path,
     write_index,
 )
+from torchrec_cnr.snapshot.reader import _spans
 from torchrec_cnr.storage import open_storage
 
 IO = ThreadPoolExecutor(4, thread_name_prefix="test-io")
@@ -129,3 +130,25 @@ def test_a_tensor_whose_chunks_leave_a_gap_is_refused(tmp_path: Path) -> None:
     writer.write("0/rows/s0.w", torch.zeros(10, 4), row0=20, total_rows=30)
     with pytest.raises(ValueError, match=r"rows 10..20 were never written"):
         writer.finish()
+
+
+@pytest.mark.parametrize("extra", [0.0, 0.15, 10.0])
+def test_rows_read_alone_merge_nearby_runs_within_their_budget_and_stay_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: float
+) -> None:
+    checksums, _ = _write(tmp_path, monkeypatch)
+    storage = open_storage(str(tmp_path))
+    reader = SnapshotReader(storage, "ckpt", IO, PIECE, checksums)
+    whole = _tensors()[rows_path(0, "s0.w")]
+    gen = torch.Generator().manual_seed(5)
+    index = torch.unique(torch.randint(0, whole.shape[0], (400,), generator=gen))
+    assert torch.equal(reader.rows_subset(0, "s0.w", index, extra), whole[index])
+    segment = torch.zeros_like(index)
+    spans = _spans(index, segment, extra)
+    skipped = sum(int(index[b - 1] - index[a]) + 1 - (b - a) for a, b in spans)
+    assert skipped <= extra * index.numel()
+    runs = int(((index[1:] != index[:-1] + 1).sum()) + 1)
+    if extra == 0.0:
+        assert len(spans) == runs  # one request per run of consecutive rows
+    else:
+        assert len(spans) < runs  # nearby runs merged

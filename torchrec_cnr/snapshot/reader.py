@@ -87,6 +87,31 @@ class _Read:
     another dim): the checksum is computed over the whole tensor once read."""
 
 
+COALESCE_EXTRA = 0.15
+"""How many more rows than wanted a read of some rows may fetch to merge nearby runs."""
+
+
+def _spans(index: torch.Tensor, segment: torch.Tensor, extra: float) -> list[tuple[int, int]]:
+    """``[a, b)`` positions of ``index`` (ascending rows) read with one request each:
+    runs of consecutive rows of one stored object, then the runs whose gaps are smallest
+    merged while the rows skipped over stay within ``extra`` times ``len(index)``."""
+    n = index.numel()
+    new_run = torch.ones(n, dtype=torch.bool)
+    new_run[1:] = (index[1:] != index[:-1] + 1) | (segment[1:] != segment[:-1])
+    starts = torch.nonzero(new_run).flatten()
+    if starts.numel() > 1:
+        later = starts[1:]
+        gaps = (index[later] - index[later - 1] - 1).to(torch.float64)
+        gaps[segment[later] != segment[later - 1]] = float("inf")  # never across objects
+        order = torch.argsort(gaps, stable=True)
+        within = torch.cumsum(gaps[order], 0) <= extra * n
+        merged = torch.zeros(later.numel(), dtype=torch.bool)
+        merged[order[within]] = True
+        starts = torch.cat([starts[:1], later[~merged]])
+    bounds = [*starts.tolist(), n]
+    return list(zip(bounds, bounds[1:]))
+
+
 class SnapshotReader:
     """Reads tensors and objects out of one checkpoint.
 
@@ -275,11 +300,17 @@ class SnapshotReader:
             out.append((chunk.offsets[0], chunk.sizes[0], chunk.tensor))
         return sorted(out, key=lambda s: s[0])
 
-    def rows_subset(self, rank: int, name: str, index: torch.Tensor) -> torch.Tensor:
+    def rows_subset(
+        self, rank: int, name: str, index: torch.Tensor, extra: float = COALESCE_EXTRA
+    ) -> torch.Tensor:
         """Only the rows ``index`` (ascending) of a stored shard tensor, read alone.
 
-        Reads each run of consecutive rows with one request and nothing else, so no
-        checksum can be checked (it covers the whole tensor).
+        Runs of consecutive rows are read with one request each, and nearby runs of one
+        object are merged into one request where the rows between them cost at most
+        ``extra`` times the rows wanted (the smallest gaps first): a few large reads
+        instead of many tiny ones, at a bounded cost in bytes. The requests run in
+        parallel on the executor. No checksum can be checked (it covers the whole
+        tensor).
         """
         logical = rows_path(rank, name)
         segments = self._segments(logical)
@@ -291,23 +322,41 @@ class SnapshotReader:
         out = torch.empty([index.numel(), *entry.shape[1:]], dtype=dtype)
         if not index.numel():
             return out
-        row_bytes = out[0].numel() * out.element_size()
-        target = as_bytes(out)
-        bounds = [first for first, _, _ in segments[1:]]
-        # Runs of consecutive rows within one stored block: one read each.
-        cut = (index[1:] != index[:-1] + 1) | torch.isin(index[1:], torch.tensor(bounds))
-        starts = [0, *(torch.nonzero(cut).flatten() + 1).tolist(), index.numel()]
         firsts = torch.tensor([first for first, _, _ in segments])
+        segment = torch.searchsorted(firsts, index, right=True) - 1
+        spans = _spans(index, segment, extra)
         try:
-            for a, b in zip(starts, starts[1:]):
-                row = int(index[a])
-                first, _, tensor = segments[int(torch.searchsorted(firsts, row, right=True)) - 1]
-                start = (tensor.byte_range or (0, 0))[0] + (row - first) * row_bytes
-                location = f"{self.name}/{tensor.location}"
-                self.storage.read_into(location, start, target[a * row_bytes : b * row_bytes])
+            reads = [
+                self.executor.submit(self._read_span, segments[int(segment[a])], index, a, b, out)
+                for a, b in spans
+            ]
+            for read in reads:
+                read.result()
         except Exception as e:
             raise CheckpointReadError(f"cannot read {logical!r} from {self.path}: {e}") from e
         return out
+
+    def _read_span(
+        self,
+        segment: tuple[int, int, TensorEntry],
+        index: torch.Tensor,
+        a: int,
+        b: int,
+        out: torch.Tensor,
+    ) -> None:
+        """Reads stored rows ``index[a]..index[b - 1]`` of one object with one request
+        and puts the wanted ones at ``out[a:b]``."""
+        first, _, tensor = segment
+        lo, hi = int(index[a]), int(index[b - 1]) + 1
+        row_bytes = out[0].numel() * out.element_size()
+        start = (tensor.byte_range or (0, 0))[0] + (lo - first) * row_bytes
+        location = f"{self.name}/{tensor.location}"
+        if hi - lo == b - a:  # consecutive: straight into the output
+            self.storage.read_into(location, start, as_bytes(out)[a * row_bytes : b * row_bytes])
+            return
+        span = torch.empty([hi - lo, *out.shape[1:]], dtype=out.dtype)
+        self.storage.read_into(location, start, as_bytes(span))
+        out[a:b] = span[index[a:b] - lo]
 
     def read_many(
         self,

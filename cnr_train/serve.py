@@ -1,0 +1,340 @@
+"""The serving process beside a training job: a quantized DLRM that follows the job's
+checkpoint root and answers requests while the job trains.
+
+It builds the job's DLRM unsharded on CPU, quantizes its tables with TorchRec
+(``quantize_embeddings``, ``serve.dtype``), and keeps it at the root's latest committed
+step with a :class:`torchrec_cnr.Follower` polling every ``serve.interval_s``: each
+update reads only the rows changed since the served step. A request thread answers
+held-out batches of the job's data stream at ``serve.requests_per_s``, each forward
+under ``follower.serving()``, so it sees one committed step.
+
+When the job writes its done marker (:data:`cnr_train.job.DONE_MARKER`), the process
+stops the requests and the follower, polls once more, checks that it serves the last
+committed step, and evaluates the served model on the batches the job's final
+evaluation used, so the served AUC compares with the trained one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.inference.modules import quantize_embeddings
+from torchrec.models.dlrm import DLRM
+
+from cnr_train.config import JobConfig, ServeDtype
+from cnr_train.job import DONE_MARKER, job_tables, make_data, num_dense
+from cnr_train.workload import BatchStream, TableSpec
+from torchrec_cnr import Follower, QuantizedTarget
+from torchrec_cnr.commit import Entry, Manifest
+from torchrec_cnr.storage import Storage, open_storage
+
+__all__ = ["RequestLoop", "Server", "serving_model"]
+
+DTYPES: dict[ServeDtype, torch.dtype] = {
+    "int8": torch.qint8,
+    "int4": torch.quint4x2,
+    "int2": torch.quint2x4,
+}
+"""``serve.dtype`` -> the dtype ``quantize_embeddings`` takes."""
+
+
+def serving_model(tables: list[TableSpec], num_dense: int, dtype: ServeDtype) -> nn.Module:
+    """The job's DLRM, unsharded on CPU, its tables quantized for inference.
+
+    The architecture must be :func:`cnr_train.workload.build_model`'s: the follower
+    checks every table and dense tensor against the checkpoint and names any
+    difference (``ModelMismatchError``). Every value comes from the checkpoint.
+
+    Args:
+        tables: the job's tables (see :func:`cnr_train.job.job_tables`).
+        num_dense: dense features per sample.
+        dtype: the served row type.
+    """
+    dims = {t.dim for t in tables}
+    if len(dims) != 1:
+        raise ValueError(f"DLRM needs one embedding dim for every table, got {sorted(dims)}")
+    dim = dims.pop()
+    cpu = torch.device("cpu")
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                name=t.name,
+                embedding_dim=t.dim,
+                num_embeddings=t.rows,
+                feature_names=[f"f_{t.name}"],
+            )
+            for t in tables
+        ],
+        device=cpu,
+    )
+    model = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=num_dense,
+        dense_arch_layer_sizes=[16, dim],
+        over_arch_layer_sizes=[16, 1],
+        dense_device=cpu,
+    )
+    model.eval()
+    return quantize_embeddings(model, dtype=DTYPES[dtype], inplace=True)
+
+
+class RequestLoop:
+    """Answers one held-out batch after another on a thread, at a fixed rate.
+
+    Request ``k`` is held-out batch ``k // world_size % batches`` of rank
+    ``k % world_size``: the batches the job evaluates on, in turn.
+
+    Args:
+        model: the served model.
+        follower: its follower; each forward holds ``follower.serving()``.
+        data: the job's data stream.
+        world_size: ranks of the job (held-out batches are per rank).
+        batches: held-out batches per rank.
+        per_s: requests per second.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        follower: Follower,
+        data: BatchStream,
+        world_size: int,
+        batches: int,
+        per_s: float,
+    ) -> None:
+        self.model = model
+        self.follower = follower
+        self.data = data
+        self.world_size = world_size
+        self.batches = batches
+        self.period_s = 1.0 / per_s
+        self.latencies_s: list[float] = []
+        """Seconds per answered request, lock wait included."""
+        self.steps: set[int] = set()
+        """The steps requests were answered at."""
+        self.error: Exception | None = None
+        """Why the loop stopped early, if it did."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cnr-serve-requests", daemon=True)
+
+    def start(self) -> None:
+        """Starts answering; :meth:`close` stops."""
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                k = 0
+                while not self._stop.is_set():
+                    began = time.perf_counter()
+                    rank, index = k % self.world_size, k // self.world_size % self.batches
+                    batch = self.data.heldout(rank, index)
+                    with self.follower.serving():
+                        step = self.follower.step
+                        self.model(batch.dense, batch.sparse)
+                    self.latencies_s.append(time.perf_counter() - began)
+                    if step is not None:
+                        self.steps.add(step)
+                    k += 1
+                    self._stop.wait(max(0.0, self.period_s - (time.perf_counter() - began)))
+        except Exception as e:  # surfaced by Server.run, never swallowed
+            self.error = e
+
+    def close(self) -> None:
+        """Stops after the request in flight."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def _evaluate(
+    model: nn.Module, data: BatchStream, world_size: int, batches: int
+) -> dict[str, float]:
+    """AUC and log loss on every rank's held-out batches: those of the job's final eval."""
+    from torchmetrics.functional.classification import binary_auroc
+
+    preds, labels = [], []
+    with torch.inference_mode():
+        for rank in range(world_size):
+            for i in range(batches):
+                b = data.heldout(rank, i)
+                preds.append(torch.sigmoid(model(b.dense, b.sparse).squeeze(-1)))
+                labels.append(b.labels)
+    p, y = torch.cat(preds), torch.cat(labels)
+    return {
+        "auc": float(binary_auroc(p, y.long())),
+        "logloss": float(nn.functional.binary_cross_entropy(p.clamp(1e-7, 1 - 1e-7), y)),
+    }
+
+
+def _full_reload_bytes(latest: Entry) -> int:
+    """Bytes of the checkpoint's tables and dense tensors in fp32: what reloading the whole
+    served model reads at the least."""
+    tables = sum(4 * s.num_embeddings * s.embedding_dim for s in latest.tables.values())
+    dense = sum(4 * math.prod(d.shape) for d in latest.dense.values())
+    return tables + dense
+
+
+def _done(storage: Storage, since: float) -> dict[str, Any] | None:
+    """The job's done marker, if written after ``since`` (an older one is an earlier run's)."""
+    got = storage.read(DONE_MARKER)
+    if got is None:
+        return None
+    done: dict[str, Any] = json.loads(got[0])
+    return done if done["finished_at"] >= since else None
+
+
+class Server:
+    """The serving process: model, follower and request loop; :meth:`close` releases them.
+
+    Args:
+        config: the training job's config (its tables, root, data and ``serve`` section).
+
+    Example::
+
+        server = Server(config)
+        try:
+            result = server.run()   # until the job has finished
+        finally:
+            server.close()
+    """
+
+    def __init__(self, config: JobConfig) -> None:
+        self.config = config
+        self.tables = job_tables(config)
+        self.model = serving_model(self.tables, num_dense(config), config.serve.dtype)
+        self.root = config.checkpoint.path
+        self.storage = open_storage(self.root)
+        self.follower = Follower(
+            self.storage, QuantizedTarget(self.model), io_threads=config.serve.io_threads
+        )
+        self.requests: RequestLoop | None = None
+
+    def run(self) -> dict[str, Any]:
+        """Follows and serves until the job writes its done marker; then evaluates.
+
+        Returns:
+            The serving metrics (also written to ``serve.metrics_path`` if set).
+
+        Raises:
+            TimeoutError: the job did not finish within ``serve.timeout_s``.
+            RuntimeError: the request loop failed, or the last poll did not reach the
+                last committed step.
+        """
+        s = self.config.serve
+        started = time.time()
+        self.follower.start(s.interval_s)
+        print(f"serving: following {self.root} every {s.interval_s} s", file=sys.stderr, flush=True)
+        data: BatchStream | None = None
+        world = 0
+        while (done := _done(self.storage, started)) is None:
+            if time.time() - started > s.timeout_s:
+                raise TimeoutError(
+                    f"the job writing {self.root} did not finish within serve.timeout_s="
+                    f"{s.timeout_s} s (no {DONE_MARKER} marker)"
+                )
+            if self.requests is None and self.follower.step is not None:
+                # A committed checkpoint names the job's world size, which the held-out
+                # batches depend on.
+                latest = Manifest.load(self.storage).latest()
+                if latest is not None:
+                    world = latest.world_size
+                    data = make_data(self.config, self.tables, world)
+                    self.requests = RequestLoop(
+                        self.model,
+                        self.follower,
+                        data,
+                        world,
+                        self.config.eval.batches,
+                        s.requests_per_s,
+                    )
+                    self.requests.start()
+            self._check_requests()
+            time.sleep(s.interval_s)
+        if self.requests is not None:
+            self.requests.close()
+            self._check_requests()
+        self.follower.stop()
+        served = self.follower.poll()  # whatever the job committed since the last poll
+        latest = Manifest.load(self.storage).latest()
+        if latest is None or served != latest.step:
+            raise RuntimeError(
+                f"the follower serves step {served}, the last committed step is "
+                f"{None if latest is None else latest.step}"
+            )
+        if data is None:  # the job committed its only checkpoint after the last poll
+            world = latest.world_size
+            data = make_data(self.config, self.tables, world)
+        result = self._result(latest, done, started)
+        result.update(_evaluate(self.model, data, world, self.config.eval.batches))
+        result["trained_auc"] = self._trained_auc()
+        if s.metrics_path:
+            path = Path(s.metrics_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=1))
+        return result
+
+    def _check_requests(self) -> None:
+        if self.requests is not None and self.requests.error is not None:
+            raise RuntimeError("the request loop failed") from self.requests.error
+
+    def _result(self, latest: Entry, done: dict[str, Any], started: float) -> dict[str, Any]:
+        """The serving metrics; per-update rows and bytes count the incremental updates
+        (a cold one reads every row)."""
+        reports = self.follower.reports
+        warm = [r for r in reports if not r.cold] or reports
+        lags = [r.lag_s for r in reports]
+        blocked = [r.blocked_s for r in reports]
+        latencies = self.requests.latencies_s if self.requests else []
+        return {
+            "root": self.root,
+            "dtype": self.config.serve.dtype,
+            "interval_s": self.config.serve.interval_s,
+            "served_step": self.follower.step,
+            "job_step": done["step"],
+            "seconds": time.time() - started,
+            "updates": len(reports),
+            "cold_updates": sum(r.cold for r in reports),
+            "lag_median_s": statistics.median(lags),
+            "lag_max_s": max(lags),
+            "bytes_per_update_median": statistics.median(r.bytes_read for r in warm),
+            "bytes_per_update_max": max(r.bytes_read for r in warm),
+            "bytes_total": sum(r.bytes_read for r in reports),
+            "cold_bytes": sum(r.bytes_read for r in reports if r.cold),
+            "full_reload_bytes": _full_reload_bytes(latest),
+            "rows_per_update_median": statistics.median(r.rows for r in warm),
+            "rows_per_update_max": max(r.rows for r in warm),
+            "blocked_median_s": statistics.median(blocked),
+            "blocked_max_s": max(blocked),
+            "requests": len(latencies),
+            "request_steps": len(self.requests.steps) if self.requests else 0,
+            "request_latency_median_s": statistics.median(latencies) if latencies else None,
+            "request_latency_max_s": max(latencies) if latencies else None,
+            "eval_batches": self.config.eval.batches,
+            "update_reports": [asdict(r) for r in reports],
+        }
+
+    def _trained_auc(self) -> float | None:
+        """The job's final AUC from ``train.metrics_path`` (written before the marker)."""
+        path = self.config.train.metrics_path
+        if not path or not Path(path).exists():
+            return None
+        auc = json.loads(Path(path).read_text()).get("auc")
+        return None if auc is None else float(auc)
+
+    def close(self) -> None:
+        """Stops the request loop and the follower and releases their threads."""
+        if self.requests is not None:
+            self.requests.close()
+        self.follower.close()
