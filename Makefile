@@ -49,6 +49,7 @@ bench: setup
 	$(TORCHRUN) -m benchmarks.scaling --out $(BENCH)/scaling.json
 	$(TORCHRUN) -m benchmarks.storage --out $(BENCH)/storage.json
 	$(TORCHRUN) -m benchmarks.offline --out $(BENCH)/offline.json
+	$(TORCHRUN) -m benchmarks.serving --out $(BENCH)/serving.json
 	$(TORCHRUN) -m benchmarks.experiments.quantized_restores \
 		--out $(BENCH)/experiments/quantized_restores.json
 	$(TORCHRUN) -m benchmarks.experiments.quantized_restores --steps 1200 --bits --restores \

@@ -6,7 +6,16 @@ and renders ``docs/benchmarks.md`` and ``docs/experiments.md`` (:mod:`benchmarks
 Every case takes ``--smoke``: tiny sizes, the same code path, seconds.
 """
 
-CASES = ("checkpoint", "offline", "policies", "quantization", "scaling", "storage", "tracking")
+CASES = (
+    "checkpoint",
+    "offline",
+    "policies",
+    "quantization",
+    "scaling",
+    "serving",
+    "storage",
+    "tracking",
+)
 """The benchmarks: ``benchmarks.<name>``, results in ``out/bench/<name>.json``."""
 EXPERIMENTS = ("cpr", "policy_bytes", "quantized_restores")
 """The experiments: ``benchmarks.experiments.<name>``, in ``out/bench/experiments/``."""

@@ -288,9 +288,10 @@ def modify(shards: list[LocalShard], rows: list[torch.Tensor]) -> None:
         for s, r in zip(shards, rows):
             s.drain()
             s.weight[r] += 1e-3
-            if s.words is not None:
+            if s.words is not None and s.recent is not None:
                 s.words.zero_()
-                bitmap.set_bits(s.words, r)
+                s.recent.zero_()  # what a follower reads: changed since the last checkpoint
+                bitmap.set_bits_in_both(s.words, s.recent, r)
 
 
 def max_abs_diff(

@@ -97,7 +97,7 @@ def test_a_follower_reads_only_changed_rows_and_each_row_once_when_behind(root: 
     model, _, _ = unsharded("ebc", device="cpu")
     follower = Follower(root, FloatTarget(model))
     follower.poll()
-    run_ranks(2, _train, root, "ebc", "intermittent", 30, {})  # 13 checkpoints behind
+    run_ranks(2, _train, root, "ebc", "intermittent", 56, {})  # 52 steps, 26 checkpoints behind
     follower.poll()
     _assert_serves_the_root(model, root)
     report = follower.reports[-1]

@@ -324,7 +324,8 @@ def _keyed_optimizer_job(root: str, seed: int) -> tuple[Job, Any]:
     job = _job(root, seed=seed, policy="consecutive")
     job.ckpt.close()
     dense = {n: p for n, p in job.model.named_parameters() if "embedding" not in n}
-    keyed = KeyedOptimizerWrapper(dense, lambda params: torch.optim.Adagrad(params, lr=0.05))
+    # Adam makes its state at the first step: a fresh one has none.
+    keyed = KeyedOptimizerWrapper(dense, lambda params: torch.optim.Adam(params, lr=0.01))
     return job, keyed
 
 

@@ -144,7 +144,7 @@ def test_rows_read_alone_merge_nearby_runs_within_their_budget_and_stay_exact(
     index = torch.unique(torch.randint(0, whole.shape[0], (400,), generator=gen))
     assert torch.equal(reader.rows_subset(0, "s0.w", index, extra), whole[index])
     segment = torch.zeros_like(index)
-    spans = _spans(index, segment, extra)  # rows of no size: no page rule
+    spans = _spans(index, segment, extra)
     skipped = sum(int(index[b - 1] - index[a]) + 1 - (b - a) for a, b in spans)
     assert skipped <= extra * index.numel()
     runs = int(((index[1:] != index[:-1] + 1).sum()) + 1)
@@ -152,10 +152,3 @@ def test_rows_read_alone_merge_nearby_runs_within_their_budget_and_stay_exact(
         assert len(spans) == runs  # one request per run of consecutive rows
     else:
         assert len(spans) < runs  # nearby runs merged
-    paged = _spans(index, segment, 0.0, row_bytes=256)  # runs a page apart merge too
-    assert len(paged) < runs
-    assert all(
-        int(index[b] - index[b - 1] - 1) * 256 >= 4096
-        for (_, b), (c, _) in zip(paged, paged[1:])
-        if b == c
-    )

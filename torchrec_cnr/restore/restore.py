@@ -15,6 +15,7 @@ checked against where it goes.
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,11 +62,11 @@ def load_app_state(
         CheckpointError: an object refused its state; the message names the rank and
             the ``app_state`` key.
     """
-    import warnings
-
     error: Exception | None = None
     before: bytes | None = None
     dense_before: dict[str, torch.Tensor] = {}
+    loaded: list[str] = []
+    refused: str | None = None
     if saved is not None and app_state:
         before = serialize_app_state(app_state)
         dense_before = {k: v.detach().clone() for k, v in dense.items()}
@@ -78,19 +79,25 @@ def load_app_state(
             try:
                 _init_empty_optimizer(obj)
                 obj.load_state_dict(saved[name])
+                loaded.append(name)
             except Exception as e:
+                refused = name
                 error = CheckpointError(
                     f"app_state {name!r} on rank {group.rank} refused its saved state: "
                     f"{type(e).__name__}: {e}; nothing was restored"
                 )
                 error.__cause__ = e
                 break
-    failed = group.any(error is not None)
-    if failed and before is not None:
+    if group.any(error is not None) and before is not None:
         previous = torch.load(io.BytesIO(before), weights_only=False)
         with torch.no_grad():
-            for name, obj in app_state.items():
-                obj.load_state_dict(previous[name])
+            for name in loaded:
+                app_state[name].load_state_dict(previous[name])
+            if refused is not None:
+                try:  # it may have taken part of the new state before it refused
+                    app_state[refused].load_state_dict(previous[refused])
+                except Exception:  # it refuses its old state too: it kept it, then
+                    pass
             for key, value in dense_before.items():
                 dense[key].copy_(value)
     group.agree(error)

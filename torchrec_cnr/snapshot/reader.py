@@ -89,17 +89,12 @@ class _Read:
 
 COALESCE_EXTRA = 0.15
 """How many more rows than wanted a read of some rows may fetch to merge nearby runs."""
-PAGE_BYTES = 4096
-"""Runs closer than this are always merged: a file system reads whole pages anyway."""
 
 
-def _spans(
-    index: torch.Tensor, segment: torch.Tensor, extra: float, row_bytes: int = 0
-) -> list[tuple[int, int]]:
+def _spans(index: torch.Tensor, segment: torch.Tensor, extra: float) -> list[tuple[int, int]]:
     """``[a, b)`` positions of ``index`` (ascending rows) read with one request each:
-    runs of consecutive rows of one stored object; runs less than a page apart merged;
-    then the runs whose gaps are smallest merged while the rows skipped over stay within
-    ``extra`` times ``len(index)``."""
+    runs of consecutive rows of one stored object, then the runs whose gaps are smallest
+    merged while the rows skipped over stay within ``extra`` times ``len(index)``."""
     n = index.numel()
     new_run = torch.ones(n, dtype=torch.bool)
     new_run[1:] = (index[1:] != index[:-1] + 1) | (segment[1:] != segment[:-1])
@@ -108,15 +103,10 @@ def _spans(
         later = starts[1:]
         gaps = (index[later] - index[later - 1] - 1).to(torch.float64)
         gaps[segment[later] != segment[later - 1]] = float("inf")  # never across objects
-        close = (
-            (gaps * row_bytes < PAGE_BYTES)
-            if row_bytes
-            else torch.zeros_like(gaps, dtype=torch.bool)
-        )
-        order = torch.argsort(torch.where(close, float("inf"), gaps), stable=True)
-        within = torch.cumsum(torch.where(close, 0.0, gaps)[order], 0) <= extra * n
-        merged = close.clone()
-        merged[order[within & torch.isfinite(gaps[order])]] = True
+        order = torch.argsort(gaps, stable=True)
+        within = torch.cumsum(gaps[order], 0) <= extra * n
+        merged = torch.zeros(later.numel(), dtype=torch.bool)
+        merged[order[within]] = True
         starts = torch.cat([starts[:1], later[~merged]])
     bounds = [*starts.tolist(), n]
     return list(zip(bounds, bounds[1:]))
@@ -334,8 +324,7 @@ class SnapshotReader:
             return out
         firsts = torch.tensor([first for first, _, _ in segments])
         segment = torch.searchsorted(firsts, index, right=True) - 1
-        row_bytes = out[0].numel() * out.element_size()
-        spans = _spans(index, segment, extra, row_bytes)
+        spans = _spans(index, segment, extra)
         # A task per batch of spans, not per span: a span is often one small pread.
         batch = max(1, len(spans) // 16)
         try:
