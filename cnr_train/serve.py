@@ -28,15 +28,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.inference.modules import quantize_embeddings
-from torchrec.models.dlrm import DLRM
 
 from cnr_train.config import JobConfig, ServeDtype
 from cnr_train.job import DONE_MARKER, job_tables, make_data, num_dense
-from cnr_train.workload import BatchStream, TableSpec
-from torchrec_cnr import Follower, QuantizedTarget
-from torchrec_cnr.commit import Entry, Manifest
+from cnr_train.workload import BatchStream, TableSpec, dlrm
+from torchrec_cnr import CheckpointInfo, Follower, QuantizedTarget, root_info
 from torchrec_cnr.storage import Storage, open_storage
 
 __all__ = ["RequestLoop", "Server", "serving_model"]
@@ -61,30 +58,8 @@ def serving_model(tables: list[TableSpec], num_dense: int, dtype: ServeDtype) ->
         num_dense: dense features per sample.
         dtype: the served row type.
     """
-    dims = {t.dim for t in tables}
-    if len(dims) != 1:
-        raise ValueError(f"DLRM needs one embedding dim for every table, got {sorted(dims)}")
-    dim = dims.pop()
     cpu = torch.device("cpu")
-    ebc = EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(
-                name=t.name,
-                embedding_dim=t.dim,
-                num_embeddings=t.rows,
-                feature_names=[f"f_{t.name}"],
-            )
-            for t in tables
-        ],
-        device=cpu,
-    )
-    model = DLRM(
-        embedding_bag_collection=ebc,
-        dense_in_features=num_dense,
-        dense_arch_layer_sizes=[16, dim],
-        over_arch_layer_sizes=[16, 1],
-        dense_device=cpu,
-    )
+    model = dlrm(tables, num_dense, cpu, cpu)
     model.eval()
     return quantize_embeddings(model, dtype=DTYPES[dtype], inplace=True)
 
@@ -178,11 +153,11 @@ def _evaluate(
     }
 
 
-def _full_reload_bytes(latest: Entry) -> int:
+def _full_reload_bytes(latest: CheckpointInfo) -> int:
     """Bytes of the checkpoint's tables and dense tensors in fp32: what reloading the whole
     served model reads at the least."""
     tables = sum(4 * s.num_embeddings * s.embedding_dim for s in latest.tables.values())
-    dense = sum(4 * math.prod(d.shape) for d in latest.dense.values())
+    dense = sum(4 * math.prod(shape) for shape in latest.dense.values())
     return tables + dense
 
 
@@ -247,7 +222,7 @@ class Server:
             if self.requests is None and self.follower.step is not None:
                 # A committed checkpoint names the job's world size, which the held-out
                 # batches depend on.
-                latest = Manifest.load(self.storage).latest()
+                latest = root_info(self.storage).latest
                 if latest is not None:
                     world = latest.world_size
                     data = make_data(self.config, self.tables, world)
@@ -267,7 +242,7 @@ class Server:
             self._check_requests()
         self.follower.stop()
         served = self.follower.poll()  # whatever the job committed since the last poll
-        latest = Manifest.load(self.storage).latest()
+        latest = root_info(self.storage).latest
         if latest is None or served != latest.step:
             raise RuntimeError(
                 f"the follower serves step {served}, the last committed step is "
@@ -289,7 +264,9 @@ class Server:
         if self.requests is not None and self.requests.error is not None:
             raise RuntimeError("the request loop failed") from self.requests.error
 
-    def _result(self, latest: Entry, done: dict[str, Any], started: float) -> dict[str, Any]:
+    def _result(
+        self, latest: CheckpointInfo, done: dict[str, Any], started: float
+    ) -> dict[str, Any]:
         """The serving metrics; per-update rows and bytes count the incremental updates
         (a cold one reads every row)."""
         reports = self.follower.reports

@@ -303,6 +303,43 @@ def hand_plan(
     return ShardingPlan(plan)
 
 
+def dlrm(
+    tables: Sequence[TableSpec],
+    num_dense: int,
+    tables_device: torch.device,
+    dense_device: torch.device,
+) -> DLRM:
+    """The unsharded DLRM of ``tables``: its embedding tables on ``tables_device`` (``meta``
+    for a model about to be sharded), its MLPs on ``dense_device``.
+
+    Raises:
+        ValueError: the tables do not share one dim (DLRM's interaction needs it).
+    """
+    dims = {t.dim for t in tables}
+    if len(dims) != 1:
+        raise ValueError(f"DLRM needs one embedding dim for every table, got {sorted(dims)}")
+    dim = dims.pop()
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                name=t.name,
+                embedding_dim=t.dim,
+                num_embeddings=t.rows,
+                feature_names=[f"f_{t.name}"],
+            )
+            for t in tables
+        ],
+        device=tables_device,
+    )
+    return DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=num_dense,
+        dense_arch_layer_sizes=[16, dim],
+        over_arch_layer_sizes=[16, 1],
+        dense_device=dense_device,
+    )
+
+
 def build_model(
     tables: Sequence[TableSpec],
     num_dense: int = 4,
@@ -319,30 +356,8 @@ def build_model(
     ``tracking=False`` uses TorchRec's own sharders (for benchmarks).
     """
     device = device or torch.device("cpu")
-    dims = {t.dim for t in tables}
-    if len(dims) != 1:
-        raise ValueError(f"DLRM needs one embedding dim for every table, got {sorted(dims)}")
-    dim = dims.pop()
     torch.manual_seed(seed)
-    ebc = EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(
-                name=t.name,
-                embedding_dim=t.dim,
-                num_embeddings=t.rows,
-                feature_names=[f"f_{t.name}"],
-            )
-            for t in tables
-        ],
-        device=torch.device("meta"),
-    )
-    module = DLRM(
-        embedding_bag_collection=ebc,
-        dense_in_features=num_dense,
-        dense_arch_layer_sizes=[16, dim],
-        over_arch_layer_sizes=[16, 1],
-        dense_device=device,
-    )
+    module = dlrm(tables, num_dense, torch.device("meta"), device)
     fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": learning_rate}
     sharders = (
         tracking_sharders(fused, mode=tracking_mode)

@@ -86,6 +86,8 @@ class CheckpointInfo:
     compacted_from: str | None
     """For a compacted checkpoint, the checkpoint whose chain it merges."""
     tables: dict[str, TableInfo]
+    dense: dict[str, tuple[int, ...]]
+    """The shape of each dense tensor (parameters, buffers, data-parallel tables)."""
 
 
 def changed_rows(entry: Entry) -> int | None:
@@ -135,6 +137,7 @@ def _info(manifest: Manifest, entry: Entry) -> CheckpointInfo:
         since=entry.since,
         compacted_from=entry.compacted_from,
         tables=tables,
+        dense={name: info.shape for name, info in entry.dense.items()},
     )
 
 
