@@ -45,11 +45,6 @@ class UpdatePlan:
     path: list[str] = field(default_factory=list)
     """The checkpoints whose recorded changes the plan unites."""
 
-    def rows_to_read(self) -> int:
-        if self.cold:
-            return sum(t.num_embeddings for t in self.target.tables.values())
-        return sum(int(ids.numel()) for ids in self.rows.values())
-
 
 def _same_state(entry: Entry, ckpt_id: str) -> bool:
     return entry.id == ckpt_id or entry.compacted_from == ckpt_id

@@ -270,10 +270,6 @@ class SnapshotReader:
         assert isinstance(value, torch.Tensor), name
         return value
 
-    def rows_into(self, rank: int, name: str, out: torch.Tensor) -> None:
-        """Reads a stored tensor straight into ``out`` (same shape and dtype), e.g. a kernel's weights."""
-        self._read(rows_path(rank, name), out)
-
     def dense(self, name: str) -> torch.Tensor:
         value = self._read(dense_path(name))
         assert isinstance(value, torch.Tensor), name
