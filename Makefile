@@ -50,6 +50,9 @@ bench: setup
 	$(TORCHRUN) -m benchmarks.storage --out $(BENCH)/storage.json
 	$(TORCHRUN) -m benchmarks.offline --out $(BENCH)/offline.json
 	$(TORCHRUN) -m benchmarks.serving --out $(BENCH)/serving.json
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=1 -m benchmarks.overhead \
+		--out $(BENCH)/overhead_1rank.json && $(TORCHRUN) -m benchmarks.overhead \
+		--merge $(BENCH)/overhead_1rank.json --out $(BENCH)/overhead.json
 	$(TORCHRUN) -m benchmarks.experiments.quantized_restores \
 		--out $(BENCH)/experiments/quantized_restores.json
 	$(TORCHRUN) -m benchmarks.experiments.quantized_restores --steps 1200 --bits --restores \

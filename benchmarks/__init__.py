@@ -9,6 +9,7 @@ Every case takes ``--smoke``: tiny sizes, the same code path, seconds.
 CASES = (
     "checkpoint",
     "offline",
+    "overhead",
     "policies",
     "quantization",
     "scaling",
