@@ -333,18 +333,19 @@ class Manifest:
             raise PreconditionFailed(
                 f"{storage.path(MANIFEST_NAME)} changed since it was read (another writer?)"
             )
-        if current is None:
-            if not storage.exists(PREVIOUS_MANIFEST_NAME):
-                # A first commit leaves an empty previous manifest: from now on a missing
-                # manifest means a lost one, not a fresh root.
-                storage.write(PREVIOUS_MANIFEST_NAME, Manifest().to_bytes())
-        else:
+        first = current is None and not storage.exists(PREVIOUS_MANIFEST_NAME)
+        if current is not None:
             try:
                 Manifest.parse(current[0], MANIFEST_NAME)
                 storage.write(PREVIOUS_MANIFEST_NAME, current[0])
             except ManifestError:
                 pass  # a damaged manifest never replaces the intact previous one
         self.version = storage.write(MANIFEST_NAME, self.to_bytes(), expect=self.version)
+        if first:
+            # A first commit leaves an empty previous manifest: from now on a missing
+            # manifest means a lost one, not a fresh root. It goes after the manifest, so
+            # that a reader (a follower) never finds a previous manifest and no manifest.
+            storage.write(PREVIOUS_MANIFEST_NAME, Manifest().to_bytes())
 
     def latest(self) -> Entry | None:
         return self.checkpoints[-1] if self.checkpoints else None
