@@ -33,7 +33,7 @@ PARAMS = [
 ]
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)  # seconds alone; minutes on a machine that is busy
 @pytest.mark.parametrize(("name", "module", "extra"), PARAMS)
 def test_smoke_run_writes_a_result_with_measurements_and_evaluated_targets(
     tmp_path: Path, name: str, module: str, extra: tuple[str, ...]
@@ -45,7 +45,7 @@ def test_smoke_run_writes_a_result_with_measurements_and_evaluated_targets(
         launcher = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", module]
     cmd = [*launcher, *extra, "--smoke", "--out", str(out), "--scratch", str(tmp_path)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=85)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     result = load(out)
