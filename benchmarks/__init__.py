@@ -14,6 +14,7 @@ CASES = (
     "quantization",
     "scaling",
     "serving",
+    "stall",
     "storage",
     "tracking",
 )

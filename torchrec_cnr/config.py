@@ -26,12 +26,16 @@ __all__ = [
     "CheckpointConfig",
     "IOOptions",
     "OnBusy",
+    "STAGING",
+    "Staging",
     "QuantizeConfig",
     "RecoveryConfig",
 ]
 
 OnBusy = Literal["wait", "skip"]
 ON_BUSY: tuple[OnBusy, ...] = ("wait", "skip")
+Staging = Literal["lazy", "eager"]
+STAGING: tuple[Staging, ...] = ("lazy", "eager")
 StateDtype = Literal["none", "fp16", "bf16"]
 STATE_DTYPES: tuple[StateDtype, ...] = ("none", "fp16", "bf16")
 
@@ -226,6 +230,13 @@ class CheckpointConfig:
     """Per-row quantization of stored embedding rows."""
     on_busy: OnBusy = "wait"
     """When a save arrives while the previous one is still writing: ``wait`` for it, or ``skip`` (with a warning)."""
+    staging: Staging = "lazy"
+    """How a save copies the rows it holds. ``lazy`` (copy-on-write): ``save()`` returns
+    after copying the small things (bitmaps, dense state, ``app_state``); the rows are
+    copied by the background writer, and by the lookup hook just before training can
+    update them. ``eager``: ``save()`` copies every row first, so the stall grows with
+    the checkpoint. Shards where copy-on-write cannot hold are staged eagerly, with the
+    reason in the log (see ``torchrec_cnr.staging.lazy``). Both write the same bytes."""
     staging_memory_mb: float | None = None
     """Most host memory a save holds for its staged rows (and keeps for reuse between saves);
     ``None`` for no limit. A checkpoint larger than this is staged and written in chunks
@@ -270,6 +281,8 @@ class CheckpointConfig:
             raise ValueError(
                 f"compact_every must be a positive int or None, got {self.compact_every!r}"
             )
+        if self.staging not in STAGING:
+            raise ValueError(f"staging must be one of {STAGING}, got {self.staging!r}")
         if self.on_busy not in ON_BUSY:
             raise ValueError(f"on_busy must be one of {ON_BUSY}, got {self.on_busy!r}")
         if self.priority_budget_mb is not None:

@@ -31,6 +31,7 @@ from torchrec_cnr.offline.compact import compact
 from torchrec_cnr.recovery import IntervalProbe
 from torchrec_cnr.restore import ChainReader, restore_entry
 from torchrec_cnr.selection import ChainState, Policy
+from torchrec_cnr.selection.policy import Decision
 from torchrec_cnr.selection.rows import (
     ClearedBits,
     restart_bits,
@@ -39,9 +40,9 @@ from torchrec_cnr.selection.rows import (
     select_rows,
 )
 from torchrec_cnr.snapshot import checkpoint_id
-from torchrec_cnr.staging import StagedCheckpoint, StagingPool, stage
+from torchrec_cnr.staging import LazyStaging, StagedCheckpoint, StagingPool, lazy_fallback, stage
 from torchrec_cnr.storage import Storage, open_storage
-from torchrec_cnr.tracking import model_state
+from torchrec_cnr.tracking import bitmap, model_state
 
 __all__ = ["CheckpointError", "CheckpointManager"]
 
@@ -123,6 +124,10 @@ class CheckpointManager:
         )
         self._generation = 0
         self._blocked: str | None = None
+        self.lazy_staging: LazyStaging | None = None
+        """The copy-on-write of the last save (``None`` if it staged every row eagerly):
+        its ``hook_rows``, ``hook_s`` and ``background_s`` tell who copied what."""
+        self._fallbacks_said: set[str] = set()
         try:
             self._claim()
             manifest = self._manifest()
@@ -168,9 +173,11 @@ class CheckpointManager:
     def save(self, step: int) -> bool:
         """Stages a checkpoint of the model, its optimizer state and ``app_state`` at ``step``.
 
-        Collective: every rank calls it with the same ``step``. It returns once
-        the checkpoint is in host memory; encoding, writing and the commit run
-        in the background (see :meth:`wait`).
+        Collective: every rank calls it with the same ``step``. With
+        ``staging="eager"`` it returns once the checkpoint's rows are in host memory;
+        with ``"lazy"`` (copy-on-write) once their bitmaps, the dense state and
+        ``app_state`` are, and the rows follow before training can change them. Encoding,
+        writing and the commit run in the background (see :meth:`wait`).
 
         Returns:
             True if a checkpoint was started; False if it was skipped because
@@ -206,16 +213,29 @@ class CheckpointManager:
         failure: Exception | None = None
         staged: StagedCheckpoint | None = None
         cleared = ClearedBits()
+        lazy = self._lazy_shards(decision)
+        eager = [i for i in range(len(self._shards)) if i not in lazy]
+        self.lazy_staging = None
         try:
-            recent = select_recent(self._shards, decision, rows)
+            shards = [self._shards[i] for i in eager]
+            rows = select_rows(shards, decision, None if budget is None else int(budget * 2**20))
+            recent = select_recent(shards, decision, rows)
             staged = stage(
-                step, decision.kind, self._shards, rows, self._dense, self.app_state,
-                self._pool, sink, recent,
+                step, decision.kind, shards, rows, self._dense, self.app_state,
+                self._pool, sink, recent, [f"s{i}" for i in eager],
             )  # fmt: skip
+            if lazy:
+                self.lazy_staging = LazyStaging.begin(
+                    [self._shards[i] for i in lazy], [f"s{i}" for i in lazy], decision, self._pool
+                )
+                staged.rest = self.lazy_staging.run
+                staged.staged_bytes += self.lazy_staging.nbytes
             # Rows modified while the write runs belong to the next checkpoint.
             cleared = restart_bits(self._shards, decision, rows if budget is not None else None)
             staged.stall_s = time.perf_counter() - began
         except Exception as e:  # e.g. a NaN row in a chunk: every rank learns of it below
+            if self.lazy_staging is not None:
+                self.lazy_staging.detach()
             sink.abandon()
             failure = e
         job = Pending(seq, staged, sink, decision, state, resolver, self._probe.decision, failure)
@@ -235,6 +255,44 @@ class CheckpointManager:
         self._background.submit(what, write, cleared)
         self._last_saved_step = step
         return True
+
+    def _lazy_shards(self, decision: Decision) -> list[int]:
+        """The shards this save stages lazily (copy-on-write); it logs why others are not."""
+        if self.config.staging != "lazy":
+            return []
+        if self.config.priority_budget_mb is not None:
+            self._say_eager("prioritized saves (priority_budget_mb) choose their rows at save()")
+            return []
+        lazy: list[int] = []
+        why: dict[str, list[str]] = {}
+        for i, shard in enumerate(self._shards):
+            reason = lazy_fallback(shard)
+            if reason is None:
+                lazy.append(i)
+            else:
+                why.setdefault(reason, []).append(shard.spec.table)
+        for reason, tables in why.items():
+            self._say_eager(f"{', '.join(sorted(set(tables)))}: {reason}")
+        budget = self._pool.budget_bytes
+        if lazy and budget is not None:
+            need = 0
+            for shard in self._shards:
+                shard.drain()
+                words = None if decision.kind == "full" else shard.words
+                rows = shard.spec.rows if words is None else int(bitmap.popcounts(words).sum())
+                need += rows * shard.row_bytes(words is not None)
+            if need > budget:
+                self._say_eager(
+                    f"this save needs {need / 2**20:.0f} MB of staging buffers, more than "
+                    f"staging_memory_mb={self.config.staging_memory_mb}: staged in chunks"
+                )
+                return []
+        return lazy
+
+    def _say_eager(self, why: str) -> None:
+        if why not in self._fallbacks_said:
+            self._fallbacks_said.add(why)
+            logger.info("staging eagerly (the stall grows with the checkpoint): %s", why)
 
     def compact(self) -> bool:
         """Merges the chain of the latest committed checkpoint into one full checkpoint.
@@ -284,7 +342,11 @@ class CheckpointManager:
         self._settle()
 
     def _settle(self) -> None:
-        result = self._background.settle(self._shards)
+        try:
+            result = self._background.settle(self._shards)
+        finally:
+            if self.lazy_staging is not None:
+                self.lazy_staging.detach()  # its job is over, whatever happened to it
         if result is None:
             return
         self._chain = result.chain
@@ -311,6 +373,8 @@ class CheckpointManager:
 
     def _release(self) -> None:
         self._background.close()
+        if self.lazy_staging is not None:
+            self.lazy_staging.detach()
         self._pools.close()
         self._pool.release()
         for tracker in model_state.trackers(self.model).values():

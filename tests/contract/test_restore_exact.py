@@ -26,7 +26,7 @@ STEPS_PER_INTERVAL = 2
 INTERVALS = 12
 
 
-def _job(policy: str, root: str, seed: int) -> Job:
+def _job(policy: str, root: str, seed: int, staging: str = "lazy") -> Job:
     return make_job(
         TABLES,
         root,
@@ -35,6 +35,7 @@ def _job(policy: str, root: str, seed: int) -> Job:
         alpha=1.2,
         policy=policy,
         interval_steps=STEPS_PER_INTERVAL,
+        staging=staging,
     )
 
 
@@ -46,10 +47,10 @@ def _train(job: Job, refs: Path, first: int, last: int) -> None:
     job.ckpt.wait()
 
 
-def _policy_case(policy: str, root: str, refs: str) -> None:
+def _policy_case(policy: str, root: str, refs: str, staging: str) -> None:
     refs_p = Path(refs)
     last = STEPS_PER_INTERVAL * INTERVALS
-    _train(_job(policy, root, seed=1), refs_p, first=1, last=last)
+    _train(_job(policy, root, seed=1, staging=staging), refs_p, first=1, last=last)
 
     for step in (
         STEPS_PER_INTERVAL,
@@ -62,7 +63,7 @@ def _policy_case(policy: str, root: str, refs: str) -> None:
 
     # Resume from the latest checkpoint, keep training and saving on the
     # restored chain, then restore the newest checkpoint once more.
-    job = _job(policy, root, seed=7)
+    job = _job(policy, root, seed=7, staging=staging)
     assert job.ckpt.restore() == last
     _train(job, refs_p, first=last + 1, last=last + 3 * STEPS_PER_INTERVAL)
     fresh = _job(policy, root, seed=8)
@@ -84,9 +85,12 @@ def _chain_shape_holds(policy: str, kinds: Sequence[str], chains: list[int]) -> 
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("staging", ["lazy", "eager"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_every_policy_restores_saved_steps_bit_exact(policy: str, root: str, refs: Path) -> None:
-    run_ranks(2, _policy_case, policy, root, str(refs))
+def test_every_policy_restores_saved_steps_bit_exact(
+    policy: str, staging: str, root: str, refs: Path
+) -> None:
+    run_ranks(2, _policy_case, policy, root, str(refs), staging)
 
     manifest = Manifest.load(root)
     entries = manifest.checkpoints

@@ -20,6 +20,7 @@ from tests.contract.models import MODEL_LAYOUTS, OPTIMIZERS, build, capture, dif
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.commit import Manifest
+from torchrec_cnr.config import Staging
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.selection.policy import PolicyName
 from torchrec_cnr.tracking import model_state
@@ -38,8 +39,10 @@ def _train(job, ckpt: CheckpointManager, first: int, last: int) -> None:
     ckpt.wait()
 
 
-def _resume_equals_uninterrupted(kind: str, optimizer: str, policy: PolicyName, root: str) -> None:
-    config = CheckpointConfig(path=root, policy=policy, interval_steps=EVERY)
+def _resume_equals_uninterrupted(
+    kind: str, optimizer: str, policy: PolicyName, root: str, staging: Staging = "lazy"
+) -> None:
+    config = CheckpointConfig(path=root, policy=policy, interval_steps=EVERY, staging=staging)
     job = build(kind, optimizer, seed=1)
     with CheckpointManager(job.model, config, job.app_state) as ckpt:
         _train(job, ckpt, 1, STEPS)
@@ -92,11 +95,13 @@ def test_resume_equals_uninterrupted_on_an_s3_root(policy: str, s3_root: str) ->
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("staging", ["lazy", "eager"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_resume_equals_uninterrupted_with_sequence_embeddings(policy: str, tmp_path: Path) -> None:
-    run_ranks(
-        2, _resume_equals_uninterrupted, "ec", "exact_adagrad", policy, str(tmp_path / "ckpt")
-    )
+def test_resume_equals_uninterrupted_with_sequence_embeddings(
+    policy: str, staging: Staging, tmp_path: Path
+) -> None:
+    root = str(tmp_path / "ckpt")
+    run_ranks(2, _resume_equals_uninterrupted, "ec", "exact_adagrad", policy, root, staging)
 
 
 # -- resharding ---------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -41,3 +42,18 @@ def test_to_indices_lists_exactly_the_set_rows_in_order(num_rows: int, raw: list
     words = torch.zeros(bitmap.num_words(num_rows), dtype=torch.int64)
     bitmap.set_bits(words, torch.tensor(rows, dtype=torch.int64))
     assert bitmap.to_indices(words, num_rows).tolist() == rows
+
+
+@pytest.mark.parametrize("density", [0.0, 0.03, 0.5, 1.0])
+def test_ranks_place_each_set_row_at_its_position_among_the_set_rows(density: float) -> None:
+    g = torch.Generator().manual_seed(7)
+    rows = 64 * 9 + 13
+    mask = torch.rand(rows, generator=g) < density
+    words = bitmap.from_mask(mask)
+    counts = bitmap.popcounts(words)
+    assert counts.tolist() == [int(mask[i : i + 64].sum()) for i in range(0, rows, 64)]
+    asked = torch.randint(0, rows, (500,), generator=g)
+    is_set, position = bitmap.ranks(words, torch.cumsum(counts, 0) - counts, asked)
+    assert torch.equal(is_set, mask[asked])
+    indices = bitmap.to_indices(words, rows)
+    assert torch.equal(indices[position[is_set]], asked[is_set])

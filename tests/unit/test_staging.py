@@ -11,14 +11,8 @@ import pytest
 import torch
 
 from torchrec_cnr.selection.policy import Kind
-from torchrec_cnr.staging import (
-    StagedCheckpoint,
-    StagedShard,
-    StagingPool,
-    _buffers_of,
-    _chunk_rows,
-    stage,
-)
+from torchrec_cnr.staging import StagedCheckpoint, StagedShard, StagingPool, stage
+from torchrec_cnr.staging.pool import _buffers_of, chunk_rows
 from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.shard import LocalShard, ShardSpec
 
@@ -92,6 +86,9 @@ class _RecordingSink:
     events: list[str] = field(default_factory=list)
     handed: list[_Handed] = field(default_factory=list)
     pending: list[_Handed] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.events.append("start")
 
     def add(self, shard: StagedShard, row0: int = 0, total: int | None = None) -> None:
         for earlier in self.pending:
@@ -244,10 +241,10 @@ def test_row_bytes_counts_an_int64_id_for_tables_past_int32() -> None:
 
 def test_chunk_rows_fit_the_budget_and_never_drop_to_zero() -> None:
     shard = _shard(cols=4, states="row")  # 20 bytes a row, 24 with its id
-    assert _chunk_rows(shard, False, None) is None
-    assert _chunk_rows(shard, False, 100) == 5
-    assert _chunk_rows(shard, True, 100) == 4
-    assert _chunk_rows(shard, False, 1) == 1  # a row larger than the budget still stages
+    assert chunk_rows(shard, False, None) is None
+    assert chunk_rows(shard, False, 100) == 5
+    assert chunk_rows(shard, True, 100) == 4
+    assert chunk_rows(shard, False, 1) == 1  # a row larger than the budget still stages
 
 
 def test_a_checkpoint_within_budget_takes_one_buffer_set_per_shard() -> None:

@@ -121,6 +121,8 @@ class ShardWriter:
     def finish(self, staged: StagedCheckpoint) -> RankWrite:
         """Writes ``staged``'s dense state and ``app_state``; waits for every write."""
         try:
+            if staged.rest is not None:
+                staged.rest(self)
             self.wait()
             if self.rank == 0:  # replicated: written once, every rank checksums its own copy
                 for name, tensor in staged.dense.items():

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 _WORD = 64
+_BYTE_BITS = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
 
 
 def num_words(num_rows: int) -> int:
@@ -122,3 +123,32 @@ def count(words: torch.Tensor) -> int:
     """Number of set bits."""
     shifts = torch.arange(_WORD, device=words.device, dtype=torch.int64)
     return int((torch.bitwise_right_shift(words.unsqueeze(1), shifts) & 1).sum())
+
+
+def popcounts(words: torch.Tensor) -> torch.Tensor:
+    """``(n,)`` int64: the number of set bits of each word."""
+    table = _BYTE_BITS.to(words.device)
+    return table[words.contiguous().view(torch.uint8).long()].view(-1, 8).sum(1)
+
+
+def ranks(
+    words: torch.Tensor, before: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``rows`` fall among the set rows of a bitmap.
+
+    Args:
+        words: ``(num_words,)`` int64 bitmap.
+        before: ``(num_words,)`` set bits in the words before each (an exclusive cumsum of
+            :func:`popcounts`).
+        rows: ``(n,)`` int64 row indices, duplicates allowed.
+
+    Returns:
+        ``(n,)`` bool: whether each row's bit is set; ``(n,)`` int64: how many set rows
+        come before it (its position in :func:`to_indices`, where its bit is set).
+    """
+    word = words[rows >> 6]
+    bit = rows & (_WORD - 1)
+    is_set = (torch.bitwise_right_shift(word, bit) & 1).bool()
+    # 1 << 63 wraps to INT64_MIN and minus one to INT64_MAX: bits 0..62, as wanted.
+    low = word & (torch.bitwise_left_shift(torch.ones_like(bit), bit) - 1)
+    return is_set, before[rows >> 6] + popcounts(low)

@@ -16,6 +16,7 @@ import torch
 from torchrec_cnr.tracking import bitmap
 
 if TYPE_CHECKING:
+    from torchrec_cnr.tracking.lookups import KernelLookups
     from torchrec_cnr.tracking.priority import TablePriority
 
 __all__ = ["SCALAR_STATES", "LocalShard", "ShardSpec", "optimizer_state_names"]
@@ -116,6 +117,10 @@ class LocalShard:
     recent: torch.Tensor | None = None
     """``(ceil(rows / 64),)`` int64 bitmap of rows modified since the last checkpoint was
     staged, whatever the policy; ``None`` means every row counts as modified."""
+    lookups: KernelLookups | None = field(repr=False, default=None)
+    """The kernel's lookups (lazy staging listens to them); ``None`` without a bitmap."""
+    lookup_base: int = 0
+    """Where this shard's rows start in the rows :attr:`lookups` reports."""
 
     def modified_mask(self) -> torch.Tensor:
         """``(rows,)`` bool mask of rows modified since the bits were last cleared."""

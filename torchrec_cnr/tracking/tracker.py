@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from torchrec_cnr.tracking import bitmap
+from torchrec_cnr.tracking.lookups import KernelLookups
 from torchrec_cnr.tracking.priority import KernelPriority, check_ssu_rate
 from torchrec_cnr.tracking.shard import LocalShard, ShardSpec, optimizer_state_names
 
@@ -115,6 +116,7 @@ class _KernelHook:
         marker: _Marker | None,
         priority: KernelPriority | None,
     ) -> None:
+        self.lookups = KernelLookups()
         self.words = words
         self.recent = recent
         self.key_base = key_base
@@ -139,12 +141,17 @@ class _KernelHook:
                 # Values of one key are contiguous: offsets repeat per key, not per sample.
                 per_key = lengths.view(len(self.key_base), -1).sum(1)
                 rows = rows + self.key_base.repeat_interleave(per_key, output_size=rows.numel())
+        self.lookups.before(rows)
         if self.marker is None:
             self._record(rows)
         else:
             # The KJT's values may be reused by TorchRec; hand the worker its own tensor.
             mine = rows if rows is not values else rows.clone()
             self.marker.submit(lambda: self._record(mine))
+
+    def after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """Forward hook: counts lookups whose backward (and update) is still to come."""
+        self.lookups.after(output)
 
     def _record(self, rows: torch.Tensor) -> None:
         bitmap.set_bits_in_both(self.words, self.recent, rows)
@@ -167,6 +174,8 @@ class _TableEntry:
     """Its view into the kernel's bitmap of rows modified since the last checkpoint."""
     first_word: int
     """Where that view starts in the kernel's bitmap (and priority)."""
+    lookups: KernelLookups | None = None
+    """The kernel's lookups, for lazy staging (``None`` for a kernel without bitmap)."""
 
 
 class RowTracker:
@@ -254,11 +263,11 @@ class RowTracker:
         marker = self._marker if device.type == "cpu" else None
         hook = _KernelHook(words, recent, key_base, marker, priority)
         self._hooks.append((kernel, hook))
-        self._handles.append(kernel.register_forward_pre_hook(hook, with_kwargs=True))
+        self._handles += _install(kernel, hook)
         for i, t in enumerate(tables):
             span = slice(word_starts[i], word_starts[i] + bitmap.num_words(t.local_rows))
             self._entries.append(
-                _TableEntry(t, i, kernel, words[span], recent[span], word_starts[i])
+                _TableEntry(t, i, kernel, words[span], recent[span], word_starts[i], hook.lookups)
             )
 
     def drain(self) -> None:
@@ -334,6 +343,8 @@ class RowTracker:
                     priority,
                     self.drain,
                     entry.recent,
+                    entry.lookups,
+                    entry.first_word * 64,
                 )
             )
         return out
@@ -355,11 +366,15 @@ class RowTracker:
         """
         for handle in self._handles:
             handle.remove()
-        self._handles = (
-            [
-                kernel.register_forward_pre_hook(hook, with_kwargs=True)
-                for kernel, hook in self._hooks
-            ]
-            if enabled
-            else []
-        )
+        self._handles = []
+        for kernel, hook in self._hooks:
+            hook.lookups.enabled = enabled
+            if enabled:
+                self._handles += _install(kernel, hook)
+
+
+def _install(kernel: nn.Module, hook: _KernelHook) -> list[Any]:
+    return [
+        kernel.register_forward_pre_hook(hook, with_kwargs=True),
+        kernel.register_forward_hook(hook.after, with_kwargs=True),
+    ]

@@ -1,0 +1,144 @@
+"""The stall of one save, eager against lazy (copy-on-write) staging, as the delta grows.
+
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
+        -m benchmarks.stall --out out/bench/stall.json
+
+The model is 8 table-wise tables x 1,000,000 rows x dim 64 with row-wise Adagrad on 2
+gloo ranks (1.02 GB of fp32 weights per rank). For each staging mode and share of rows
+modified, on a fresh root: a baseline, then ``--repeats`` saves after exactly that share
+of each shard's rows was modified (tracker bits set, weights nudged), each timed inside
+``save()`` (the stall, slowest rank) and until ``wait()`` (the commit). Measured in the
+same run: a memcpy of the delta's staged bytes, and the copy of the dense state.
+
+Targets: lazy ``save()`` <= 5 ms + the dense copy, <= eager's / 10, and <= a memcpy of
+the delta, at every share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+from typing import Any
+
+from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.measure import (
+    max_over_ranks,
+    memcpy_s,
+    model_arguments,
+    modify,
+    random_rows,
+    rmtree,
+    timed,
+    timed_save,
+    uniform_model,
+)
+from benchmarks.results import Table, Target
+from cnr_train.workload import ZipfBatches, train_step
+from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
+from torchrec_cnr.config import Staging
+from torchrec_cnr.tracking import model_state
+
+MODES: tuple[Staging, ...] = ("eager", "lazy")
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    model_arguments(p, rows=1_000_000)
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.05, 0.25])
+    p.add_argument("--policy", default="intermittent")
+    p.add_argument("--repeats", type=int, default=5, help="timed saves per case, median")
+
+
+def _key(mode: str, frac: float) -> str:
+    return f"{mode}_{round(frac * 100)}"
+
+
+def _case(b: Bench, w: Any, shards: list[Any], mode: Staging, frac: float, rows: Any) -> dict:
+    root = b.scratch / _key(mode, frac)
+    cfg = CheckpointConfig(path=str(root), policy=b.args.policy, staging=mode)
+    saves, hook = [], []
+    with CheckpointManager(w.model, cfg) as ckpt:
+        timed_save(ckpt, 1)
+        for rep in range(b.args.repeats):
+            modify(shards, rows)
+            saves.append(timed_save(ckpt, 2 + rep))
+            lazy = ckpt.lazy_staging
+            hook.append(0.0 if lazy is None else lazy.background_s)
+    info = list_checkpoints(str(root))[-1]
+    rmtree(root)
+    gc.collect()
+    row = {
+        "staging": mode,
+        "fraction": frac,
+        "stall_s": statistics.median(s for s, _ in saves),
+        "stalls_s": [s for s, _ in saves],
+        "commit_s": statistics.median(c for _, c in saves),
+        "staged_bytes": info.staged_bytes,
+        "memcpy_s": memcpy_s(info.staged_bytes),
+        "background_copy_s": statistics.median(hook),
+    }
+    b.log(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    return row
+
+
+def run(b: Bench) -> Outcome:
+    a = b.args
+    w = uniform_model(a)
+    data = ZipfBatches(w.tables, 512, seed=0)
+    for step in range(1, 3):
+        train_step(w.model, w.opt, data.batch(b.rank, step))
+    shards = model_state.local_shards(w.model)
+    sels = random_rows(shards, a.fractions)
+    dense = model_state.dense_state(w.model)
+    dense_s = max_over_ranks(
+        statistics.median(
+            timed(lambda: {k: v.detach().clone() for k, v in dense.items()})[0] for _ in range(5)
+        )
+    )[0]
+    cases = {_key(m, f): _case(b, w, shards, m, f, sels[f]) for f in a.fractions for m in MODES}
+    m = {
+        "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim, "policy": a.policy},
+        "dense_copy_s": dense_s,
+        "lazy_budget_s": 0.005 + dense_s,
+        "cases": cases,
+    }
+    table = Table.of(
+        f"One {a.policy} fp32 save, eager and lazy staging (median of {a.repeats})",
+        list(cases.values()),
+        {
+            "staging": "staging",
+            "modified": lambda r: f"{r['fraction']:.0%}",
+            "save() returns in ms": lambda r: r["stall_s"] * 1e3,
+            "memcpy of the delta ms": lambda r: r["memcpy_s"] * 1e3,
+            "background copy ms": lambda r: r["background_copy_s"] * 1e3,
+            "commit s": "commit_s",
+            "staged MB": lambda r: r["staged_bytes"] / 2**20,
+        },
+    )
+    targets = [
+        t
+        for f in a.fractions
+        for t in (
+            Target(f"lazy save() <= 5 ms + the dense copy at {f:.0%}",
+                   f"cases.{_key('lazy', f)}.stall_s", "<=", "lazy_budget_s"),
+            Target(f"lazy save() <= eager's / 10 at {f:.0%}",
+                   f"cases.{_key('lazy', f)}.stall_s", "<=", f"cases.{_key('eager', f)}.stall_s",
+                   0.1),
+            Target(f"lazy save() <= a memcpy of the delta at {f:.0%}",
+                   f"cases.{_key('lazy', f)}.stall_s", "<=", f"cases.{_key('lazy', f)}.memcpy_s"),
+        )
+    ]  # fmt: skip
+    return Outcome(m, [table], targets)
+
+
+CASE = Case(
+    name="stall",
+    title="The stall of a save: eager against lazy (copy-on-write) staging",
+    arguments=_arguments,
+    smoke="--tables 2 --rows 4000 --dim 16 --repeats 1",
+    run=run,
+)
+
+if __name__ == "__main__":
+    sys.exit(main(CASE, __doc__))

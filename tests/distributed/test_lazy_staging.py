@@ -1,0 +1,231 @@
+"""Lazy (copy-on-write) staging: rows copied after ``save()`` returned hold the saved values.
+
+The background copy is held back (``_holding``) while training goes on, so that the
+lookup hooks, not the background writer, copy every row a batch updates: the checkpoint
+must still be the model at the saved step, bit for bit, on every layout and policy,
+with the plain loop and with TorchRec's ``TrainPipelineSparseDist``. Where the premise
+does not hold (a batch looked up and not yet updated), the save falls back to eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+
+from cnr_train.workload import TableSpec, ZipfBatches, dense_optimizer, dlrm, hand_plan
+from tests import reference
+from tests.jobs import Job, make_job
+from tests.multiprocess import run_ranks
+from torchrec_cnr import CheckpointConfig, CheckpointManager, tracking_sharders
+from torchrec_cnr.selection import POLICIES
+from torchrec_cnr.staging import LazyStaging, lazy
+
+pytestmark = pytest.mark.dist
+
+TABLES = [
+    TableSpec("t_tw", 300, 8, "table_wise"),
+    TableSpec("t_rw", 500, 8, "row_wise"),
+    TableSpec("t_cw", 200, 8, "column_wise"),
+    TableSpec("t_trw", 260, 8, "table_row_wise"),
+    TableSpec("t_grid", 240, 8, "grid_shard"),
+    TableSpec("t_dp", 50, 8, "data_parallel"),
+]
+
+
+@contextmanager
+def _holding() -> Iterator[threading.Event]:
+    """Holds every lazy checkpoint's background copy until the event is set."""
+    gate = threading.Event()
+    original = LazyStaging.run
+
+    def held(self: LazyStaging, sink: Any) -> None:
+        assert gate.wait(120), "the test never released the background copy"
+        original(self, sink)
+
+    LazyStaging.run = held  # type: ignore[method-assign]
+    try:
+        yield gate
+    finally:
+        gate.set()
+        LazyStaging.run = original  # type: ignore[method-assign]
+
+
+def _job(root: str, policy: str, seed: int) -> Job:
+    return make_job(TABLES, root, seed=seed, data_seed=3, alpha=1.05, policy=policy)
+
+
+def _hooks_copy_what_training_updates(policy: str, root: str, refs: str) -> None:
+    job = _job(root, policy, seed=1)
+    done = 0
+    for step, trained_after in ((3, 4), (8, 3), (12, 0)):
+        job.train(step - done)
+        done = step + trained_after
+        with _holding() as gate:
+            assert job.ckpt.save(step)
+            reference.save(reference.take(job.model, job.app), Path(refs), step)
+            pending = job.ckpt.lazy_staging
+            assert pending is not None, "every layout but data_parallel stages lazily"
+            job.train(trained_after)  # updates rows whose copy is still to come
+            gate.set()
+            job.ckpt.wait()
+        if trained_after:
+            assert pending.hook_rows > 0, "the lookup hooks copied nothing"
+    job.ckpt.close()
+    for step in (3, 8, 12):
+        fresh = _job(root, policy, seed=50 + step)
+        assert fresh.ckpt.restore(step=step) == step
+        reference.assert_model_matches(fresh.model, fresh.app, reference.load_all(Path(refs), step))
+        fresh.ckpt.close()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_rows_copied_after_save_returned_hold_the_saved_step(
+    policy: str, root: str, refs: Path
+) -> None:
+    run_ranks(2, _hooks_copy_what_training_updates, policy, root, str(refs))
+
+
+def _racing(policy: str, root: str, refs: str, seed: int) -> None:
+    # Tiny chunks and random pauses: the hooks and the background copy interleave
+    # differently at every save.
+    rng = random.Random(seed + dist.get_rank())
+    original_chunk, original_block = lazy.CHUNK_ROWS, lazy._Shard.copy_block
+
+    def slow_block(self: Any, rows: Any, a: int, b: int) -> None:
+        time.sleep(rng.random() * 0.002)
+        original_block(self, rows, a, b)
+
+    lazy.CHUNK_ROWS, lazy._Shard.copy_block = 7, slow_block  # type: ignore[method-assign]
+    try:
+        job = make_job(TABLES, root, seed=seed, data_seed=9, alpha=1.05, policy=policy,
+                       interval_steps=1)  # fmt: skip
+        for step in range(1, 13):
+            job.train(1)
+            assert job.ckpt.maybe_save(step)
+            reference.save(reference.take(job.model, job.app), Path(refs), step)
+        job.ckpt.close()
+    finally:
+        lazy.CHUNK_ROWS, lazy._Shard.copy_block = original_chunk, original_block  # type: ignore[method-assign]
+    for step in (1, 6, 12):
+        fresh = make_job(TABLES, root, seed=70 + step, data_seed=9, policy=policy)
+        assert fresh.ckpt.restore(step=step) == step
+        reference.assert_model_matches(fresh.model, fresh.app, reference.load_all(Path(refs), step))
+        fresh.ckpt.close()
+
+
+@pytest.mark.parametrize("policy", ["consecutive", "intermittent"])
+def test_hooks_racing_the_background_copy_save_every_step_exactly(
+    policy: str, root: str, refs: Path
+) -> None:
+    run_ranks(2, _racing, policy, root, str(refs), 11)
+
+
+def _save_between_forward_and_backward(root: str, refs: str) -> None:
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchrec_cnr.manager").addHandler(handler)
+    logging.getLogger("torchrec_cnr.manager").setLevel(logging.INFO)
+    job = _job(root, "consecutive", seed=2)
+    job.train(3)
+    batch = job.data.next(dist.get_rank())
+    job.opt.zero_grad()
+    loss = nn.functional.binary_cross_entropy_with_logits(
+        job.model(batch.dense, batch.sparse).squeeze(-1), batch.labels
+    )
+    with _holding() as gate:
+        assert job.ckpt.save(4)  # the batch is looked up; its update is still to come
+        reference.save(reference.take(job.model, job.app), Path(refs), 4)
+        assert job.ckpt.lazy_staging is None, "a pending update must make the save eager"
+        loss.backward()
+        job.opt.step()
+        gate.set()
+        job.ckpt.wait()
+    assert any("looked up and not yet updated" in m for m in said), said
+    job.train(2)
+    assert job.ckpt.save(6) and job.ckpt.lazy_staging is not None, "lazy again after backward"
+    job.ckpt.close()
+    fresh = _job(root, "consecutive", seed=3)
+    assert fresh.ckpt.restore(step=4) == 4
+    reference.assert_model_matches(fresh.model, fresh.app, reference.load_all(Path(refs), 4))
+    fresh.ckpt.close()
+
+
+def test_a_save_between_a_lookup_and_its_update_falls_back_to_eager(root: str, refs: Path) -> None:
+    run_ranks(2, _save_between_forward_and_backward, root, str(refs))
+
+
+class _DataLoader:
+    """TorchRec ``Batch``es of the synthetic reader, for TorchRec's pipeline."""
+
+    def __init__(self, data: ZipfBatches) -> None:
+        self.data = data
+
+    def __iter__(self) -> _DataLoader:
+        return self
+
+    def __next__(self) -> Any:
+        from torchrec.datasets.utils import Batch
+
+        b = self.data.next(dist.get_rank())
+        return Batch(dense_features=b.dense, sparse_features=b.sparse, labels=b.labels)
+
+
+def _pipeline(root: str, refs: str) -> None:
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.models.dlrm import DLRMTrain
+
+    tables = TABLES[:2]
+    torch.manual_seed(0)
+    module = DLRMTrain(dlrm(tables, 4, torch.device("meta"), torch.device("cpu")))
+    sharders = tracking_sharders(
+        {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
+    )
+    plan = hand_plan(module, {t.name: str(t.sharding) for t in tables}, 2, sharders)
+    model = DistributedModelParallel(
+        module, plan=plan, sharders=sharders, device=torch.device("cpu")
+    )
+    torch.manual_seed(1)
+    opt = dense_optimizer(model)
+    pipeline = TrainPipelineSparseDist(model, opt, device=torch.device("cpu"))
+    batches = iter(_DataLoader(ZipfBatches(tables, batch_size=16, alpha=1.05, seed=4)))
+    config = CheckpointConfig(path=root, policy="intermittent")
+    saved = []
+    with CheckpointManager(model, config, {"dense_opt": opt}) as ckpt:
+        for step in range(1, 13):
+            pipeline.progress(batches)
+            if step % 4 == 0:
+                with _holding() as gate:
+                    assert ckpt.save(step)
+                    reference.save(reference.take(model, {"dense_opt": opt}), Path(refs), step)
+                    pending = ckpt.lazy_staging
+                    assert pending is not None
+                    for _ in range(2):
+                        pipeline.progress(batches)  # looks up the next batch, updates rows
+                    gate.set()
+                    ckpt.wait()
+                assert pending.hook_rows > 0
+                saved.append(step)
+    for step in saved:
+        with CheckpointManager(model, config, {"dense_opt": opt}) as ckpt:
+            assert ckpt.restore(step=step) == step
+        reference.assert_model_matches(
+            model, {"dense_opt": opt}, reference.load_all(Path(refs), step)
+        )
+
+
+def test_train_pipeline_sparse_dist_saves_lazily_and_exactly(root: str, refs: Path) -> None:
+    run_ranks(2, _pipeline, root, str(refs))

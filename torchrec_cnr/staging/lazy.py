@@ -1,0 +1,279 @@
+"""Lazy (copy-on-write) staging: ``save()`` returns before the rows are copied.
+
+At ``save()`` only what is small is copied: each shard's bitmaps (which rows the
+checkpoint holds), the kernels' step counters, the dense state and ``app_state``. The
+rows are copied afterwards, into the same pooled buffers eager staging uses, by two
+parties:
+
+- the background writer (:meth:`LazyStaging.run`), in chunks, before it encodes them;
+- the tracker's lookup hook (:class:`~torchrec_cnr.tracking.tracker.KernelLookups`),
+  which copies the rows a batch looks up that are not staged yet, before the batch can
+  update them: a fused optimizer updates a row only in the backward of a batch that
+  looked it up, so every row still holds its value of the saved step until then.
+
+Both copy under the kernel's lock and mark what they copied, so no row is copied twice
+or after its update. Where that premise does not hold, a shard is staged eagerly
+instead (:func:`lazy_fallback` says why). The checkpoint's bytes are the same either way.
+
+On CUDA the copies gather on the device and land in pinned host memory; the background
+copies run on a side stream after an event recorded at ``save()``. Written to the same
+contract as the CPU path, this has not run on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchrec_cnr.selection.policy import Decision
+from torchrec_cnr.snapshot.layout import stored_ids, stored_state, stored_weight
+from torchrec_cnr.staging.pool import StagingPool
+from torchrec_cnr.staging.shard import Sink, StagedShard, ids_dtype
+from torchrec_cnr.tracking import bitmap
+from torchrec_cnr.tracking.shard import LocalShard
+
+__all__ = ["LazyStaging", "lazy_fallback"]
+
+logger = logging.getLogger(__name__)
+
+CHUNK_ROWS = 16384
+"""Rows the background copy takes per hold of a kernel's lock: a lookup waits at most
+for one chunk's copy."""
+
+
+def lazy_fallback(shard: LocalShard) -> str | None:
+    """Why ``shard`` cannot be staged lazily; ``None`` if it can."""
+    if shard.words is None or shard.lookups is None:
+        return "its kernel has no fused optimizer, so an update may touch any row"
+    if not shard.lookups.enabled:
+        return "row tracking is disabled (RowTracker.set_enabled(False))"
+    cache = getattr(shard.kernel.emb_module, "lxu_cache_weights", None)
+    if isinstance(cache, torch.Tensor) and cache.numel() > 0:
+        return "its kernel caches rows (UVM): a row may change in the cache, off the lookup"
+    if shard.lookups.update_pending():
+        return (
+            "a batch was looked up and not yet updated (a pipeline that looks up ahead, "
+            "such as TorchRec's TrainPipelineSemiSync, or save() between forward and backward)"
+        )
+    return None
+
+
+@dataclass
+class _Shard:
+    """One shard staged lazily."""
+
+    shard: LocalShard
+    key: str
+    selected: torch.Tensor | None
+    """A copy of the bitmap of the rows the checkpoint holds; ``None``: every row."""
+    before: torch.Tensor | None
+    """Set bits in ``selected`` before each word (places a row in the buffers)."""
+    weight: torch.Tensor
+    states: dict[str, torch.Tensor]
+    ids: torch.Tensor | None
+    staged: torch.Tensor
+    """``(n,)`` bool: which buffer rows hold their row already."""
+    scalars: dict[str, float]
+    recent: torch.Tensor | None
+    """A copy of the bitmap of rows changed since the last checkpoint, where the
+    checkpoint records them apart from its rows (see ``select_recent``)."""
+    done: bool = False
+
+    @property
+    def n(self) -> int:
+        return self.weight.shape[0]
+
+    def copy(self, rows: torch.Tensor, slots: torch.Tensor) -> int:
+        """Copies local ``rows`` into buffer rows ``slots`` where not staged yet (under
+        the kernel's lock); returns how many it copied."""
+        fresh = ~self.staged[slots]
+        if not bool(fresh.all()):
+            rows, slots = rows[fresh], slots[fresh]
+        if slots.numel() == 0:
+            return 0
+        host = slots.to(self.weight.device)
+        for src, dst in self._pairs():
+            picked = src.detach().index_select(0, rows)
+            dst.index_copy_(0, host, picked.to(dst.device))
+        self.staged[slots] = True
+        return int(slots.numel())
+
+    def copy_block(self, rows: torch.Tensor | None, a: int, b: int) -> None:
+        """Copies buffer rows ``a:b`` (their local rows are ``rows[a:b]``, or ``a:b`` for
+        a full save) where not staged yet (under the kernel's lock)."""
+        block = self.staged[a:b]
+        if bool(block.any()):
+            slots = torch.arange(a, b, device=block.device)
+            self.copy(slots if rows is None else rows[a:b], slots)
+            return
+        for src, dst in self._pairs():
+            src = src.detach()
+            part = src[a:b] if rows is None else src.index_select(0, rows[a:b])
+            dst[a:b].copy_(part)
+        block.fill_(True)
+
+    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        live = self.shard
+        return [(live.weight, self.weight)] + [(live.states[k], v) for k, v in self.states.items()]
+
+
+@dataclass
+class LazyStaging:
+    """The rows of one checkpoint still to be copied, for the shards staged lazily.
+
+    Built at ``save()`` (:meth:`begin`); :meth:`run` copies what the hooks have not and
+    hands each shard to the writer; :meth:`detach` stops the hooks (``run`` does it last).
+    """
+
+    shards: list[_Shard]
+    hook_rows: int = 0
+    """Rows the lookup hooks copied."""
+    hook_s: float = 0.0
+    """Seconds the lookup hooks spent copying (on the training thread)."""
+    background_s: float = 0.0
+    """Seconds :meth:`run` spent copying."""
+    _listeners: list[tuple[Any, Any]] = field(default_factory=list)
+    _saved: Any = None
+    _stream: Any = None
+
+    @classmethod
+    def begin(
+        cls,
+        shards: list[LocalShard],
+        keys: list[str],
+        decision: Decision,
+        pool: StagingPool,
+    ) -> LazyStaging:
+        """Takes the buffers and copies of the bitmaps, and starts the hooks; call with
+        every lookup in the bitmaps (``shard.drain()``), before the bits restart."""
+        staged = []
+        for shard, key in zip(shards, keys):
+            selected = before = None
+            n = shard.spec.rows
+            if decision.kind != "full":
+                assert shard.words is not None
+                selected = shard.words.clone()
+                counts = bitmap.popcounts(selected)
+                before = torch.cumsum(counts, 0) - counts
+                n = int(counts.sum())
+                if n == shard.spec.rows:  # a delta of every row stores no ids, as eagerly
+                    selected = before = None
+            recent = None
+            if shard.recent is not None and not (decision.kind == "delta" and decision.clear_bits):
+                recent = shard.recent.clone()
+            device = shard.weight.device
+            weight = _take(pool, stored_weight(key), shard.weight, n)
+            states = {k: _take(pool, stored_state(key, k), v, n) for k, v in shard.states.items()}
+            ids = None if selected is None else pool.take(stored_ids(key), (n,), ids_dtype(shard))
+            flags = torch.zeros(n, dtype=torch.bool, device=device)
+            staged.append(
+                _Shard(shard, key, selected, before, weight, states, ids, flags,
+                       shard.scalar_states(), recent)
+            )  # fmt: skip
+        self = cls(staged)
+        if any(s.shard.weight.device.type == "cuda" for s in staged):
+            self._saved = torch.cuda.Event()
+            self._saved.record()
+        by_kernel: dict[int, list[_Shard]] = {}
+        for s in staged:
+            by_kernel.setdefault(id(s.shard.lookups), []).append(s)
+        for group in by_kernel.values():
+            lookups = group[0].shard.lookups
+            assert lookups is not None
+            listener = self._listener(group)
+            lookups.subscribe(listener)
+            self._listeners.append((lookups, listener))
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the staged rows take (their ids included)."""
+        total = 0
+        for s in self.shards:
+            tensors = [s.weight, *s.states.values()] + ([s.ids] if s.ids is not None else [])
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        return total
+
+    def _listener(self, group: list[_Shard]) -> Any:
+        def before_lookup(rows: torch.Tensor) -> None:
+            began = time.perf_counter()
+            for s in group:
+                if s.done:
+                    continue
+                local = rows - s.shard.lookup_base
+                local = local[(local >= 0) & (local < s.shard.spec.rows)]
+                if s.selected is None:
+                    self.hook_rows += s.copy(local, local)
+                    continue
+                assert s.before is not None
+                held, slots = bitmap.ranks(s.selected, s.before, local)
+                self.hook_rows += s.copy(local[held], slots[held])
+            self.hook_s += time.perf_counter() - began
+
+        return before_lookup
+
+    def run(self, sink: Sink) -> None:
+        """Copies every row the hooks have not, shard by shard, handing each to ``sink``
+        as soon as it is complete; then stops the hooks. Runs on the background writer."""
+        try:
+            for s in self.shards:
+                rows = None
+                if s.selected is not None:
+                    rows = bitmap.to_indices(s.selected, s.shard.spec.rows)
+                    rows = rows.to(s.shard.weight.device)
+                began = time.perf_counter()
+                lookups = s.shard.lookups
+                assert lookups is not None
+                for a in range(0, s.n, CHUNK_ROWS):
+                    with lookups.lock, self._side_stream():
+                        s.copy_block(rows, a, min(a + CHUNK_ROWS, s.n))
+                with lookups.lock:
+                    s.done = True
+                self.background_s += time.perf_counter() - began
+                sink.add(self._staged(s, rows))
+                sink.start()
+        finally:
+            self.detach()
+
+    def _staged(self, s: _Shard, rows: torch.Tensor | None) -> StagedShard:
+        spec = s.shard.spec
+        if s.ids is not None:
+            assert rows is not None
+            s.ids.copy_(rows)
+            s.ids += spec.row_offset
+        recent = None
+        if s.recent is not None:
+            changed = bitmap.to_indices(s.recent, spec.rows)
+            if changed.numel() != s.n:
+                recent = (changed + spec.row_offset).to(ids_dtype(s.shard))
+        return StagedShard(s.shard, s.key, s.ids, s.weight, s.states, s.scalars, 0, recent)
+
+    def _side_stream(self) -> Any:
+        if self._saved is None:
+            return _NoStream()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+            self._stream.wait_event(self._saved)  # updates enqueued before save() first
+        return torch.cuda.stream(self._stream)
+
+    def detach(self) -> None:
+        """Stops the lookup hooks copying rows (idempotent)."""
+        listeners, self._listeners = self._listeners, []
+        for lookups, listener in listeners:
+            lookups.unsubscribe(listener)
+
+
+class _NoStream:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _take(pool: StagingPool, key: str, like: torch.Tensor, n: int) -> torch.Tensor:
+    return pool.take(key, (n, *like.shape[1:]), like.dtype)

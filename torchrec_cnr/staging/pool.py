@@ -1,0 +1,92 @@
+"""Host buffers that staging copies into, reused across checkpoints within a byte budget.
+
+Fresh host memory costs a page fault per 4 KiB on first touch, which would double a
+save's copy: the pool keeps its buffers between checkpoints and faults a full
+checkpoint's in when the manager is built (:meth:`StagingPool.prefault`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from torchrec_cnr.snapshot.layout import stored_state, stored_weight
+from torchrec_cnr.tracking.shard import LocalShard
+
+
+class StagingPool:
+    """Host buffers keyed by role, reused across checkpoints within a byte budget.
+
+    Args:
+        budget_bytes: most bytes the pool holds; ``None`` for no limit.
+        pin: allocate page-locked memory (CUDA sources only), so device-to-host
+            copies run asynchronously at full bandwidth.
+    """
+
+    def __init__(self, budget_bytes: int | None = None, pin: bool = False) -> None:
+        self.budget_bytes = budget_bytes
+        self.pin = pin
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._in_use: set[str] = set()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def begin(self) -> None:
+        """A new checkpoint: buffers it does not take may be given up for ones it does."""
+        self._in_use.clear()
+
+    def take(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous ``shape`` tensor whose storage may be reused by the next checkpoint."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        self._in_use.add(key)
+        buf = self._buffers.get(key)
+        if buf is not None and buf.dtype == dtype and buf.numel() >= numel:
+            return buf[:numel].view(shape)
+        self._buffers.pop(key, None)
+        # Without a budget, grow with headroom: deltas grow from one checkpoint to the
+        # next. Within one, take exactly what is asked: the buffers a checkpoint takes
+        # after this one need the rest of the budget (stage() sizes chunks to fit it).
+        want = numel if self.budget_bytes is not None else int(numel * 1.25)
+        if self.budget_bytes is not None:
+            for stale in [k for k in self._buffers if k not in self._in_use]:
+                if self.nbytes + want * dtype.itemsize <= self.budget_bytes:
+                    break
+                del self._buffers[stale]
+        buf = torch.empty(want, dtype=dtype, pin_memory=self.pin)
+        self._buffers[key] = buf
+        return buf[:numel].view(shape)
+
+    def release(self) -> None:
+        """Gives every buffer back; the next checkpoint allocates afresh."""
+        self._buffers.clear()
+        self._in_use.clear()
+
+    def prefault(self, shards: list[LocalShard]) -> None:
+        """Allocates and touches the buffers a full checkpoint of ``shards`` will take."""
+        self.begin()
+        for key, shape, dtype in _buffers_of(shards, self.budget_bytes):
+            self.take(key, shape, dtype).zero_()
+
+
+def chunk_rows(shard: LocalShard, with_ids: bool, budget: int | None) -> int | None:
+    """Rows per chunk within ``budget``; ``None`` for no chunking."""
+    return None if budget is None else max(1, budget // shard.row_bytes(with_ids))
+
+
+def _buffers_of(
+    shards: list[LocalShard], budget: int | None
+) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The pool buffers a full checkpoint takes: one set per shard, or one chunk set."""
+    full = sum(s.spec.rows * s.row_bytes(False) for s in shards)
+    chunked = budget is not None and full > budget
+    for i, s in enumerate(shards):
+        rows = min(s.spec.rows, chunk_rows(s, False, budget) or s.spec.rows)
+        key = "chunk" if chunked else f"s{i}"
+        yield stored_weight(key), (rows, *s.weight.shape[1:]), s.weight.dtype
+        for name, state in s.states.items():
+            yield stored_state(key, name), (rows, *state.shape[1:]), state.dtype

@@ -1,0 +1,150 @@
+"""What a staged shard is, and the copy of one shard's rows into pooled host buffers."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from torchrec_cnr.selection.policy import Kind
+from torchrec_cnr.snapshot.layout import stored_ids, stored_state, stored_weight
+from torchrec_cnr.staging.pool import StagingPool
+from torchrec_cnr.tracking.shard import LocalShard
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass
+class StagedShard:
+    """Rows of one shard (or a chunk of them), copied to host memory."""
+
+    shard: LocalShard
+    key: str
+    ids: torch.Tensor | None
+    """``(n,)`` global row ids, or ``None`` when every row of the shard is staged."""
+    weight: torch.Tensor
+    """``(n, cols)`` row values."""
+    states: dict[str, torch.Tensor]
+    """Optimizer states of the staged rows, each ``(n,)`` or ``(n, cols)``."""
+    scalars: dict[str, float]
+    """The kernel's step counters at staging time (see ``LocalShard.scalar_states``)."""
+    first_row: int = 0
+    """Local row of the first staged row when ``ids`` is ``None`` (a chunk of a full save)."""
+    recent: torch.Tensor | None = None
+    """``(k,)`` global ids of the shard's stored rows modified since the last checkpoint,
+    when they are not all of them (given with a shard's first chunk only)."""
+
+    def global_rows(self) -> torch.Tensor | int:
+        """The table row of each staged row: ``(n,)`` ids, or the first row's when the
+        staged rows are consecutive."""
+        return self.ids if self.ids is not None else self.shard.spec.row_offset + self.first_row
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.weight, *self.states.values()] + (
+            [self.ids] if self.ids is not None else []
+        )
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Sink(Protocol):
+    """Where staged shards go: the writer of this checkpoint."""
+
+    def add(self, shard: StagedShard, row0: int = 0, total: int | None = None) -> None:
+        """Takes ``shard``, whose rows start at ``row0`` of ``total`` (all if ``None``)."""
+
+    def start(self) -> None:
+        """Starts encoding and writing what it has taken (lazy staging calls it per shard)."""
+
+    def wait(self) -> None:
+        """Returns once every shard taken so far is written: its buffers may be reused."""
+
+
+@dataclass
+class StagedCheckpoint:
+    """What one rank's checkpoint holds besides its shards, which went to the sink."""
+
+    step: int
+    kind: Kind
+    dense: dict[str, torch.Tensor]
+    app_state: bytes
+    staged_bytes: int
+    """Bytes of shards staged (chunks count once each)."""
+    stall_s: float = 0.0
+    """How long training was blocked to stage it, set once staging is done."""
+    rest: Callable[[Sink], None] | None = None
+    """Copies the rows staged lazily into the sink (see :mod:`~torchrec_cnr.staging.lazy`);
+    the writer calls it first."""
+
+
+def ids_dtype(shard: LocalShard) -> torch.dtype:
+    return torch.int32 if shard.spec.num_embeddings <= _INT32_MAX else torch.int64
+
+
+def _gather(
+    src: torch.Tensor, rows: torch.Tensor | slice | None, key: str, pool: StagingPool
+) -> torch.Tensor:
+    """Copies ``src[rows]`` (all of ``src`` if ``rows`` is None) into a pooled host buffer."""
+    src = src.detach()
+    if isinstance(rows, slice):
+        src, rows = src[rows], None
+    n = src.shape[0] if rows is None else rows.numel()
+    out = pool.take(key, (n, *src.shape[1:]), src.dtype)
+    if src.device.type == "cpu":
+        if rows is None:
+            out.copy_(src)
+        else:
+            torch.index_select(src, 0, rows, out=out)
+    else:
+        picked = src if rows is None else src.index_select(0, rows)
+        out.copy_(picked, non_blocking=True)
+    return out
+
+
+def stage_shard(
+    shard: LocalShard,
+    key: str,
+    rows: torch.Tensor | slice | None,
+    pool: StagingPool,
+    buffers: str | None = None,
+    recent: torch.Tensor | None = None,
+) -> StagedShard:
+    """Copies ``rows`` of ``shard`` and their optimizer state into pooled buffers.
+
+    Args:
+        shard: the live shard.
+        key: its name inside the checkpoint.
+        rows: ``(k,)`` ascending local rows, from
+            :func:`~torchrec_cnr.selection.rows.select_rows`; a slice for a block of
+            every row (a chunk of a full save); ``None`` for every row.
+        pool: where the host buffers come from.
+        buffers: the pool keys' prefix; ``key`` if ``None``.
+        recent: ``(k,)`` local rows modified since the last checkpoint, if not every
+            stored row (see :func:`~torchrec_cnr.selection.rows.select_recent`).
+    """
+    spec = shard.spec
+    ids = None
+    prefix = buffers or key
+    if isinstance(rows, torch.Tensor):
+        ids = pool.take(stored_ids(prefix), (rows.numel(),), ids_dtype(shard))
+        ids.copy_(rows)
+        ids += spec.row_offset
+    # Buffers are keyed by the stored names, so that a restore reads a baseline straight
+    # into the buffers its save staged (their pages are faulted in already).
+    weight = _gather(shard.weight, rows, stored_weight(prefix), pool)
+    states = {n: _gather(s, rows, stored_state(prefix, n), pool) for n, s in shard.states.items()}
+    if shard.weight.device.type == "cuda":
+        torch.cuda.current_stream(shard.weight.device).synchronize()  # the copies must land
+    first = rows.start or 0 if isinstance(rows, slice) else 0
+    changed = None if recent is None else (recent + spec.row_offset).to(ids_dtype(shard))
+    return StagedShard(shard, key, ids, weight, states, shard.scalar_states(), first, changed)
+
+
+def serialize_app_state(app_state: Mapping[str, Any]) -> bytes:
+    """``torch.save`` of ``{name: obj.state_dict()}``; stored as one object per rank."""
+    buf = io.BytesIO()
+    torch.save({name: obj.state_dict() for name, obj in app_state.items()}, buf)
+    return buf.getvalue()
