@@ -46,6 +46,7 @@ bench: setup
 	$(PY) -m benchmarks.quantization --out $(BENCH)/quantization.json
 	$(PY) -m benchmarks.quantization --vs-greedy --out $(BENCH)/quantization_vs_greedy.json
 	$(TORCHRUN) -m benchmarks.checkpoint --out $(BENCH)/checkpoint.json
+	$(TORCHRUN) -m benchmarks.stall --out $(BENCH)/stall.json
 	$(TORCHRUN) -m benchmarks.scaling --out $(BENCH)/scaling.json
 	$(TORCHRUN) -m benchmarks.storage --out $(BENCH)/storage.json
 	$(TORCHRUN) -m benchmarks.offline --out $(BENCH)/offline.json

@@ -193,7 +193,8 @@ class CheckpointManager:
         self._check_writable()
         began = time.perf_counter()
         busy = self._background.busy
-        if self._group.any(busy is not None) and self.config.on_busy == "skip":
+        # Only "skip" needs every rank's view (they must skip together); "wait" waits below.
+        if self.config.on_busy == "skip" and self._group.any(busy is not None):
             what = busy or "previous checkpoint"
             warnings.warn(
                 f"checkpoint of step {step} skipped: the {what} is still being written "
@@ -205,7 +206,6 @@ class CheckpointManager:
         state = self._chain
         decision = self.policy.decide(state)
         budget = self.config.priority_budget_mb
-        rows = select_rows(self._shards, decision, None if budget is None else int(budget * 2**20))
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         resolver = FormatResolver(self.config.quantize, self._restores)
         ckpt_id = checkpoint_id(seq, step, self._generation)

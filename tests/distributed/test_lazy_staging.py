@@ -31,6 +31,7 @@ from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointManager, tracking_sharders
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.staging import LazyStaging, lazy
+from torchrec_cnr.tracking import model_state
 
 pytestmark = pytest.mark.dist
 
@@ -78,6 +79,9 @@ def _hooks_copy_what_training_updates(policy: str, root: str, refs: str) -> None
             pending = job.ckpt.lazy_staging
             assert pending is not None, "every layout but data_parallel stages lazily"
             job.train(trained_after)  # updates rows whose copy is still to come
+            for tracker in model_state.trackers(job.model).values():
+                with pytest.raises(RuntimeError, match="still being copied"):
+                    tracker.set_enabled(False)  # the copy needs the lookup hooks
             gate.set()
             job.ckpt.wait()
         if trained_after:
@@ -229,3 +233,36 @@ def _pipeline(root: str, refs: str) -> None:
 
 def test_train_pipeline_sparse_dist_saves_lazily_and_exactly(root: str, refs: Path) -> None:
     run_ranks(2, _pipeline, root, str(refs))
+
+
+def _partial_restore_while_staging(root: str, refs: str) -> None:
+    job = _job(root, "consecutive", seed=4)
+    job.train(3)
+    assert job.ckpt.save(3)
+    job.ckpt.wait()
+    reference.save(reference.take(job.model, job.app), Path(refs), 3)
+    job.train(2)
+    with _holding() as gate:
+        assert job.ckpt.save(5)
+        reference.save(reference.take(job.model, job.app), Path(refs), 5)
+        assert job.ckpt.lazy_staging is not None
+        job.train(2)
+        # The restore must first let the pending copy finish (it waits for the job):
+        # release it from another thread while the restore waits.
+        threading.Timer(0.5, gate.set).start()
+        assert job.ckpt.restore(ranks=[0]) == 5
+    if dist.get_rank() == 0:  # rank 0's shards hold step 5 again; the dense state goes on
+        want = {(s[0].table, s[0].row_offset, s[0].col_offset): s[1]
+                for s in reference.load_all(Path(refs), 5)[0]["shards"]}  # fmt: skip
+        for shard in model_state.local_shards(job.model):
+            key = (shard.spec.table, shard.spec.row_offset, shard.spec.col_offset)
+            assert torch.equal(shard.weight, want[key]), key
+    job.ckpt.close()
+    fresh = _job(root, "consecutive", seed=5)
+    assert fresh.ckpt.restore(step=5) == 5
+    reference.assert_model_matches(fresh.model, fresh.app, reference.load_all(Path(refs), 5))
+    fresh.ckpt.close()
+
+
+def test_a_partial_restore_while_rows_are_staged_waits_for_them(root: str, refs: Path) -> None:
+    run_ranks(2, _partial_restore_while_staging, root, str(refs))

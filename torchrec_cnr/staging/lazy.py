@@ -112,8 +112,12 @@ class _Shard:
             return
         for src, dst in self._pairs():
             src = src.detach()
-            part = src[a:b] if rows is None else src.index_select(0, rows[a:b])
-            dst[a:b].copy_(part)
+            if rows is None:
+                dst[a:b].copy_(src[a:b])
+            elif src.device == dst.device:
+                torch.index_select(src, 0, rows[a:b], out=dst[a:b])
+            else:
+                dst[a:b].copy_(src.index_select(0, rows[a:b]))
         block.fill_(True)
 
     def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

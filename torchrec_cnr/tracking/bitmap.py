@@ -127,6 +127,9 @@ def count(words: torch.Tensor) -> int:
 
 def popcounts(words: torch.Tensor) -> torch.Tensor:
     """``(n,)`` int64: the number of set bits of each word."""
+    if words.device.type == "cpu":  # numpy's popcount instruction, 20x a byte table
+        counts = np.bitwise_count(words.contiguous().numpy().view(np.uint64))
+        return torch.from_numpy(counts.astype(np.int64))
     table = _BYTE_BITS.to(words.device)
     return table[words.contiguous().view(torch.uint8).long()].view(-1, 8).sum(1)
 

@@ -45,6 +45,11 @@ class KernelLookups:
         with self.lock:
             self._listeners = [f for f in self._listeners if f is not listener]
 
+    @property
+    def listened(self) -> bool:
+        """Whether someone listens (a checkpoint's rows are being copied lazily)."""
+        return bool(self._listeners)
+
     def update_pending(self) -> bool:
         """Whether the latest lookup that builds a graph has not had its backward yet: a
         pipeline that looks up a batch before the previous batch's update (TorchRec's

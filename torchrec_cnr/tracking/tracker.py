@@ -363,7 +363,15 @@ class RowTracker:
         """Removes (``False``) or re-installs (``True``) the hooks; while removed, bits stop changing.
 
         A checkpoint taken while tracking is off misses the rows modified meanwhile.
+
+        Raises:
+            RuntimeError: disabling while a checkpoint's rows are still being copied lazily.
         """
+        if not enabled and any(hook.lookups.listened for _, hook in self._hooks):
+            raise RuntimeError(
+                "a checkpoint's rows are still being copied (lazy staging), which needs the "
+                "lookup hooks: call CheckpointManager.wait() before disabling tracking"
+            )
         for handle in self._handles:
             handle.remove()
         self._handles = []
