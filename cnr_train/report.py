@@ -118,7 +118,8 @@ def summarize(root: RootInfo, full_bytes: int) -> dict[str, Any]:
         )
     say(
         f"stall per checkpoint: median {1e3 * statistics.median(stalls):.1f} ms, "
-        f"max {1e3 * max(stalls):.1f} ms (training blocked while rows are copied to host memory)"
+        f"max {1e3 * max(stalls):.1f} ms (training blocked inside save(), waiting for the "
+        "previous write included)"
     )
     return {
         "checkpoints": n,
