@@ -22,7 +22,7 @@ contract as the CPU path, this has not run on a GPU.
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +38,6 @@ from torchrec_cnr.tracking.shard import LocalShard
 
 __all__ = ["LazyStaging", "lazy_fallback"]
 
-logger = logging.getLogger(__name__)
 
 CHUNK_ROWS = 16384
 """Rows the background copy takes per hold of a kernel's lock: a lookup waits at most
@@ -258,7 +257,7 @@ class LazyStaging:
 
     def _side_stream(self) -> Any:
         if self._saved is None:
-            return _NoStream()
+            return contextlib.nullcontext()
         if self._stream is None:
             self._stream = torch.cuda.Stream()
             self._stream.wait_event(self._saved)  # updates enqueued before save() first
@@ -269,14 +268,6 @@ class LazyStaging:
         listeners, self._listeners = self._listeners, []
         for lookups, listener in listeners:
             lookups.unsubscribe(listener)
-
-
-class _NoStream:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _take(pool: StagingPool, key: str, like: torch.Tensor, n: int) -> torch.Tensor:
