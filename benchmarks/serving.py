@@ -84,7 +84,7 @@ from benchmarks.measure import (
     timed_save,
     uniform_model,
 )
-from benchmarks.results import Table, Target
+from benchmarks.results import Column, Table, Target
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import (
     CheckpointConfig,
@@ -583,13 +583,16 @@ def tables(m: dict[str, Any]) -> list[Table]:
             if "update_s" not in ph:
                 continue
             rows.append({"run": r, "ph": ph, "pct": key})
+    which: dict[str, Column] = {
+        "policy": lambda x: x["run"]["policy"],
+        "checkpoint -> served": lambda x: f"{x['run']['checkpoint']} -> {x['run']['served']}",
+        "changed": lambda x: f"{x['pct']}%",
+    }
     per_update = Table.of(
         "Per update (median of the updates at each fraction; worst lag and blocking)",
         rows,
         {
-            "policy": lambda x: x["run"]["policy"],
-            "checkpoint -> served": lambda x: f"{x['run']['checkpoint']} -> {x['run']['served']}",
-            "changed": lambda x: f"{x['pct']}%",
+            **which,
             "read MB": lambda x: x["ph"]["bytes_read"] / MB,
             "changed MB": lambda x: x["ph"]["changed_bytes"] / MB,
             "read / changed (worst)": lambda x: x["ph"]["bytes_over_changed_max"],
@@ -607,9 +610,7 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "Serving process memory (MB)",
         rows,
         {
-            "policy": lambda x: x["run"]["policy"],
-            "checkpoint -> served": lambda x: f"{x['run']['checkpoint']} -> {x['run']['served']}",
-            "changed": lambda x: f"{x['pct']}%",
+            **which,
             "served model": lambda x: x["run"]["model_mb"],
             "resident before updates": lambda x: x["ph"]["resident_mb"],
             "one table's changed rows": lambda x: x["ph"]["one_table_changed_mb"],

@@ -28,14 +28,23 @@ from cnr_train.job import run  # noqa: E402
 from cnr_train.launch import init_distributed  # noqa: E402
 
 
-def train(config_path: str | None, overrides: list[str]) -> int:
-    """Trains under torchrun (or as one process), as configured."""
+def _load(config_path: str | None, overrides: list[str]) -> JobConfig | None:
+    """The job's configuration (``None`` after printing why it is wrong); the torch threads
+    set from ``OMP_NUM_THREADS``, as the job shares the machine with its other ranks."""
     try:
         config = config_file.load(JobConfig, config_path, overrides)
     except config_file.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return None
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return config
+
+
+def train(config_path: str | None, overrides: list[str]) -> int:
+    """Trains under torchrun (or as one process), as configured."""
+    config = _load(config_path, overrides)
+    if config is None:
+        return 2
     init_distributed()
     try:
         run(config)
@@ -56,13 +65,9 @@ def serve(config_path: str | None, overrides: list[str]) -> int:
     from cnr_train.report import serving_lines
     from cnr_train.serve import Server
 
-    try:
-        config = config_file.load(JobConfig, config_path, overrides)
-    except config_file.ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    config = _load(config_path, overrides)
+    if config is None:
         return 2
-    # It shares the machine with the job: one thread for its forwards and updates.
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     server = Server(config)
     try:
         result = server.run()

@@ -279,7 +279,7 @@ class CheckpointManager:
             for shard in self._shards:
                 shard.drain()
                 words = None if decision.kind == "full" else shard.words
-                rows = shard.spec.rows if words is None else int(bitmap.popcounts(words).sum())
+                rows = shard.spec.rows if words is None else bitmap.count(words)
                 need += rows * shard.row_bytes(words is not None)
             if need > budget:
                 self._say_eager(

@@ -67,6 +67,13 @@ def _job(root: str, policy: str, seed: int) -> Job:
     return make_job(TABLES, root, seed=seed, data_seed=3, alpha=1.05, policy=policy)
 
 
+def _restores_exactly(fresh: Job, refs: str, step: int) -> None:
+    """A fresh job restores ``step`` and equals the reference taken when it was saved."""
+    assert fresh.ckpt.restore(step=step) == step
+    reference.assert_model_matches(fresh.model, fresh.app, reference.load_all(Path(refs), step))
+    fresh.ckpt.close()
+
+
 def _hooks_copy_what_training_updates(policy: str, root: str, refs: str) -> None:
     job = _job(root, policy, seed=1)
     done = 0
@@ -88,10 +95,7 @@ def _hooks_copy_what_training_updates(policy: str, root: str, refs: str) -> None
             assert pending.hook_rows > 0, "the lookup hooks copied nothing"
     job.ckpt.close()
     for step in (3, 8, 12):
-        fresh = _job(root, policy, seed=50 + step)
-        assert fresh.ckpt.restore(step=step) == step
-        reference.assert_model_matches(fresh.model, fresh.app, reference.load_all(Path(refs), step))
-        fresh.ckpt.close()
+        _restores_exactly(_job(root, policy, seed=50 + step), refs, step)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -124,9 +128,7 @@ def _racing(policy: str, root: str, refs: str, seed: int) -> None:
         lazy.CHUNK_ROWS, lazy._Shard.copy_block = original_chunk, original_block  # type: ignore[method-assign]
     for step in (1, 6, 12):
         fresh = make_job(TABLES, root, seed=70 + step, data_seed=9, policy=policy)
-        assert fresh.ckpt.restore(step=step) == step
-        reference.assert_model_matches(fresh.model, fresh.app, reference.load_all(Path(refs), step))
-        fresh.ckpt.close()
+        _restores_exactly(fresh, refs, step)
 
 
 @pytest.mark.parametrize("policy", ["consecutive", "intermittent"])
@@ -161,10 +163,7 @@ def _save_between_forward_and_backward(root: str, refs: str) -> None:
     job.train(2)
     assert job.ckpt.save(6) and job.ckpt.lazy_staging is not None, "lazy again after backward"
     job.ckpt.close()
-    fresh = _job(root, "consecutive", seed=3)
-    assert fresh.ckpt.restore(step=4) == 4
-    reference.assert_model_matches(fresh.model, fresh.app, reference.load_all(Path(refs), 4))
-    fresh.ckpt.close()
+    _restores_exactly(_job(root, "consecutive", seed=3), refs, 4)
 
 
 def test_a_save_between_a_lookup_and_its_update_falls_back_to_eager(root: str, refs: Path) -> None:
@@ -258,10 +257,7 @@ def _partial_restore_while_staging(root: str, refs: str) -> None:
             key = (shard.spec.table, shard.spec.row_offset, shard.spec.col_offset)
             assert torch.equal(shard.weight, want[key]), key
     job.ckpt.close()
-    fresh = _job(root, "consecutive", seed=5)
-    assert fresh.ckpt.restore(step=5) == 5
-    reference.assert_model_matches(fresh.model, fresh.app, reference.load_all(Path(refs), 5))
-    fresh.ckpt.close()
+    _restores_exactly(_job(root, "consecutive", seed=5), refs, 5)
 
 
 def test_a_partial_restore_while_rows_are_staged_waits_for_them(root: str, refs: Path) -> None:

@@ -21,6 +21,8 @@ from torchrec_cnr.tracking.shard import LocalShard
 __all__ = [
     "ClearedBits",
     "put_back_bits",
+    "recent_rows",
+    "recorded_recent",
     "restart_bits",
     "resume_chain",
     "select_recent",
@@ -67,13 +69,24 @@ def select_recent(
     """
     out: list[torch.Tensor | None] = []
     for shard, stored in zip(shards, rows):
-        if shard.recent is None or (decision.kind == "delta" and decision.clear_bits):
-            out.append(None)
-            continue
-        recent = bitmap.to_indices(shard.recent, shard.spec.rows)
+        recent = recorded_recent(shard, decision)
         whole = shard.spec.rows if stored is None else stored.numel()
-        out.append(None if recent.numel() == whole else recent)
+        out.append(None if recent is None else recent_rows(recent, shard.spec.rows, whole))
     return out
+
+
+def recorded_recent(shard: LocalShard, decision: Decision) -> torch.Tensor | None:
+    """``shard``'s bitmap of rows changed since the last checkpoint, if a checkpoint of
+    ``decision`` records them apart from its stored rows: not where every row counts as
+    changed, nor in a consecutive delta, which stores exactly them."""
+    return None if decision.kind == "delta" and decision.clear_bits else shard.recent
+
+
+def recent_rows(recent: torch.Tensor, num_rows: int, stored: int) -> torch.Tensor | None:
+    """The ``(k,)`` local rows set in the ``recent`` bitmap; ``None`` if they are all
+    ``stored`` rows of the checkpoint."""
+    changed = bitmap.to_indices(recent, num_rows)
+    return None if changed.numel() == stored else changed
 
 
 @dataclass

@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 from torchrec_cnr.selection.policy import Decision
+from torchrec_cnr.selection.rows import recent_rows, recorded_recent
 from torchrec_cnr.snapshot.layout import stored_ids, stored_state, stored_weight
 from torchrec_cnr.staging.pool import StagingPool
-from torchrec_cnr.staging.shard import Sink, StagedShard, ids_dtype
+from torchrec_cnr.staging.shard import Sink, StagedShard, global_ids, ids_dtype
 from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.shard import LocalShard
 
@@ -165,9 +166,8 @@ class LazyStaging:
                 n = int(counts.sum())
                 if n == shard.spec.rows:  # a delta of every row stores no ids, as eagerly
                     selected = before = None
-            recent = None
-            if shard.recent is not None and not (decision.kind == "delta" and decision.clear_bits):
-                recent = shard.recent.clone()
+            recent = recorded_recent(shard, decision)
+            recent = None if recent is None else recent.clone()
             device = shard.weight.device
             weight = _take(pool, stored_weight(key), shard.weight, n)
             states = {k: _take(pool, stored_state(key, k), v, n) for k, v in shard.states.items()}
@@ -243,16 +243,11 @@ class LazyStaging:
             self.detach()
 
     def _staged(self, s: _Shard, rows: torch.Tensor | None) -> StagedShard:
-        spec = s.shard.spec
         if s.ids is not None:
             assert rows is not None
-            s.ids.copy_(rows)
-            s.ids += spec.row_offset
-        recent = None
-        if s.recent is not None:
-            changed = bitmap.to_indices(s.recent, spec.rows)
-            if changed.numel() != s.n:
-                recent = (changed + spec.row_offset).to(ids_dtype(s.shard))
+            global_ids(s.shard, rows, s.ids)
+        changed = None if s.recent is None else recent_rows(s.recent, s.shard.spec.rows, s.n)
+        recent = None if changed is None else global_ids(s.shard, changed)
         return StagedShard(s.shard, s.key, s.ids, s.weight, s.states, s.scalars, 0, recent)
 
     def _side_stream(self) -> Any:

@@ -84,6 +84,18 @@ def ids_dtype(shard: LocalShard) -> torch.dtype:
     return torch.int32 if shard.spec.num_embeddings <= _INT32_MAX else torch.int64
 
 
+def global_ids(
+    shard: LocalShard, rows: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The table ids of ``shard``'s local ``rows``, as a checkpoint stores them (into
+    ``out`` if given)."""
+    if out is None:
+        return (rows + shard.spec.row_offset).to(ids_dtype(shard))
+    out.copy_(rows)
+    out += shard.spec.row_offset
+    return out
+
+
 def _gather(
     src: torch.Tensor, rows: torch.Tensor | slice | None, key: str, pool: StagingPool
 ) -> torch.Tensor:
@@ -125,13 +137,12 @@ def stage_shard(
         recent: ``(k,)`` local rows modified since the last checkpoint, if not every
             stored row (see :func:`~torchrec_cnr.selection.rows.select_recent`).
     """
-    spec = shard.spec
     ids = None
     prefix = buffers or key
     if isinstance(rows, torch.Tensor):
-        ids = pool.take(stored_ids(prefix), (rows.numel(),), ids_dtype(shard))
-        ids.copy_(rows)
-        ids += spec.row_offset
+        ids = global_ids(
+            shard, rows, pool.take(stored_ids(prefix), (rows.numel(),), ids_dtype(shard))
+        )
     # Buffers are keyed by the stored names, so that a restore reads a baseline straight
     # into the buffers its save staged (their pages are faulted in already).
     weight = _gather(shard.weight, rows, stored_weight(prefix), pool)
@@ -139,7 +150,7 @@ def stage_shard(
     if shard.weight.device.type == "cuda":
         torch.cuda.current_stream(shard.weight.device).synchronize()  # the copies must land
     first = rows.start or 0 if isinstance(rows, slice) else 0
-    changed = None if recent is None else (recent + spec.row_offset).to(ids_dtype(shard))
+    changed = None if recent is None else global_ids(shard, recent)
     return StagedShard(shard, key, ids, weight, states, shard.scalar_states(), first, changed)
 
 

@@ -121,8 +121,7 @@ def from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def count(words: torch.Tensor) -> int:
     """Number of set bits."""
-    shifts = torch.arange(_WORD, device=words.device, dtype=torch.int64)
-    return int((torch.bitwise_right_shift(words.unsqueeze(1), shifts) & 1).sum())
+    return int(popcounts(words).sum())
 
 
 def popcounts(words: torch.Tensor) -> torch.Tensor:
