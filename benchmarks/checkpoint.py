@@ -26,15 +26,18 @@ with checksums verified, after the rows of the 25% subset were corrupted, which 
 compared with their saved values.
 
 Side by side (``--rounds`` interleaved rounds, medians, each method from a settled disk):
-durable full commits of torchsnapshot ``take`` + fsync, torchrec_cnr fp32 and 4-bit; cold
+durable full commits of torchsnapshot ``take`` + fsync, torchrec_cnr fp32 and 4-bit (data
+objects written with ``O_DIRECT``, the default) and fp32 through the page cache; cold
 restores of torchsnapshot's snapshot, of intermittent chains (baseline + one delta) at each
-fraction and of a consecutive chain of 4.
+fraction, of a consecutive chain of 4 (page-cache reads, the default), and of the first
+intermittent chain read with ``O_DIRECT``.
 
 Targets: intermittent fp32 stall <= async_take (copying) stall / 10 at 5%, / 3 at 25%;
 every delta stall <= 2 x the memcpy of its staged bytes; a manager's first full stall <=
 2 x its later ones; side by side: full fp32 commit <= torchsnapshot take + fsync and >= 70%
 of the disk's write bandwidth, 4-bit commit <= fp32 commit, intermittent restores <=
-torchsnapshot's restore, the consecutive chain of 4 <= 1.5 x it.
+torchsnapshot's restore, the consecutive chain of 4 <= 1.5 x it, the fp32 commit with
+``O_DIRECT`` <= through the page cache.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import functools
 import gc
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +79,7 @@ from torchrec_cnr import (
     checkpoint_info,
     list_checkpoints,
 )
+from torchrec_cnr.storage.fs import FsStorage
 from torchrec_cnr.tracking.model_state import local_shards
 from torchrec_cnr.tracking.shard import LocalShard
 
@@ -146,29 +151,40 @@ def _cnr(
     return row
 
 
+DIRECT_READS = " direct reads"
+"""The side-by-side restore arm that reads with ``O_DIRECT`` (the default is the page cache)."""
+
+
 def _side_by_side(
     b: Bench, model: Any, shards: list[LocalShard], sels: dict[float, Rows], check: Rows
 ) -> dict[str, Any]:
     """The figures the side-by-side targets compare, in interleaved rounds."""
     ts_path, full = b.scratch / "sbs_torchsnapshot", {}
 
-    def cnr_full(quant: str) -> float:
-        root = str(b.scratch / f"sbs_full_{quant}")
+    def cnr_full(quant: str, direct: bool = True) -> float:
+        name = quant if direct else f"{quant} page cache"
+        root = b.scratch / f"sbs_full_{name.replace(' ', '_')}"
         with CheckpointManager(
-            model, CheckpointConfig(path=root, policy="full", quantize=QUANTS[quant])
+            model,
+            CheckpointConfig(path=str(root), policy="full", quantize=QUANTS[quant]),
+            storage=FsStorage(root, direct_writes=direct),
         ) as ckpt:
             _, commit = timed_save(ckpt, 1)
-        full[quant] = from_rank0(lambda: checkpoint_info(root))
+        full[name] = from_rank0(lambda: checkpoint_info(str(root)))
         return commit
 
+    arms: dict[str, Callable[[], float]] = {
+        "torchsnapshot": lambda: torchsnapshot_take_durable(model, ts_path),
+        **{q: functools.partial(cnr_full, q) for q in QUANTS},
+        "fp32 page cache": functools.partial(cnr_full, "fp32", False),
+    }
     commits = b.interleaved(
         b.args.rounds,
-        {
-            "torchsnapshot": lambda: torchsnapshot_take_durable(model, ts_path),
-            **{q: functools.partial(cnr_full, q) for q in QUANTS},
-        },
+        arms,
         # Each method starts from a settled disk with its previous output deleted.
-        prepare=lambda n: rmtree(ts_path if n == "torchsnapshot" else b.scratch / f"sbs_full_{n}"),
+        prepare=lambda n: rmtree(
+            ts_path if n == "torchsnapshot" else b.scratch / f"sbs_full_{n.replace(' ', '_')}"
+        ),
         label="durable full commit",
     )
     # Chains to restore: intermittent at each fraction (baseline + one delta), and a
@@ -194,19 +210,20 @@ def _side_by_side(
                 torchsnapshot_restore(model, ts_path), ts_path, shards, check
             )
             return took
-        with CheckpointManager(model, chains[name]) as restorer:
-            took, errors[name] = timed_restore(
-                restorer.restore, Path(chains[name].path), shards, check
-            )
+        chain, direct = name.removesuffix(DIRECT_READS), name.endswith(DIRECT_READS)
+        path = Path(chains[chain].path)
+        storage = FsStorage(path, direct_reads=direct)
+        with CheckpointManager(model, chains[chain], storage=storage) as restorer:
+            took, errors[name] = timed_restore(restorer.restore, path, shards, check)
         return took
 
-    names = ["torchsnapshot", *chains]
+    names = ["torchsnapshot", *chains, f"{next(iter(chains))}{DIRECT_READS}"]
     restores = b.interleaved(
         b.args.rounds, {n: functools.partial(restore, n) for n in names}, label="cold restore"
     )
     for path in [
         ts_path,
-        *(b.scratch / f"sbs_full_{q}" for q in QUANTS),
+        *(b.scratch / f"sbs_full_{n.replace(' ', '_')}" for n in arms if n != "torchsnapshot"),
         *(Path(c.path) for c in chains.values()),
     ]:
         rmtree(path)
@@ -254,6 +271,8 @@ def targets(fracs: list[float], policies: list[Policy]) -> list[Target]:
                f"{sbs}.commit_s.fp32", "<=", f"{sbs}.commit_s.torchsnapshot"),
         Target("full fp32 commit >= 70% of the disk's write bandwidth",
                f"{sbs}.full_fp32_gb_s", ">=", "disk.write_gb_s", 0.7),
+        Target("full fp32 commit with O_DIRECT <= through the page cache (side by side)",
+               f"{sbs}.commit_s.fp32", "<=", f"{sbs}.commit_s.fp32 page cache"),
         Target("4-bit full commit <= fp32 full commit (side by side)",
                f"{sbs}.commit_s.4-bit", "<=", f"{sbs}.commit_s.fp32"),
         *(

@@ -177,6 +177,16 @@ def test_take_of_zero_rows_gives_an_empty_tensor_of_the_shape() -> None:
     assert empty.shape == (0, 4) and pool.nbytes == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8, torch.int64])
+def test_buffers_start_on_a_page_boundary_for_direct_writes(dtype) -> None:
+    pool = StagingPool()
+    for rows in (1, 1000, 40_000):
+        buf = pool.take(f"k{rows}", (rows, 3), dtype)
+        assert buf.data_ptr() % 4096 == 0 and buf.shape == (rows, 3) and buf.dtype == dtype
+        buf.fill_(1)  # the whole view is usable memory
+        assert int(buf.double().sum()) == rows * 3
+
+
 def test_within_a_budget_buffers_take_no_headroom() -> None:
     pool = StagingPool(budget_bytes=440)
     pool.take("a", (100,), F32)

@@ -1,21 +1,29 @@
 """A checkpoint root on a local or shared POSIX file system.
 
-A checkpoint is durable only once every file and directory under it is. Data objects are
-written through the page cache, their write-back started at once
-(:meth:`FsStorage.write_object`); :meth:`FsStorage.make_durable` fsyncs them, drops them
-from the page cache, and syncs the directories. Small objects (the
-manifest, the lease) are replaced atomically: a temporary file, fsync, rename, fsync of
-the directory. Conditional writes compare the object's digest under an ``flock`` on
-``ROOT/.cnr.lock``, which serializes them across processes of one host and across hosts on
-file systems whose locks are coherent (local disks; not every NFS setup).
+A checkpoint is durable only once every file and directory under it is. Data objects of a
+MiB or more are written with ``O_DIRECT`` (:class:`_Direct`): the disk takes the bytes
+straight from the writer's buffers, so a checkpoint neither fills the page cache nor pays
+for fresh page-cache pages. Where the file system refuses ``O_DIRECT`` (some FUSE and
+network file systems), or with ``TORCHREC_CNR_DIRECT_WRITES=0``, they go through the page
+cache, their write-back started at once. :meth:`FsStorage.make_durable` fsyncs them, drops
+their pages, and syncs the directories. Reads go through the page cache, whose read-ahead
+measured faster than direct reads (``TORCHREC_CNR_DIRECT_READS=1`` turns them on).
+
+Small objects (the manifest, the lease) are replaced atomically: a temporary file, fsync,
+rename, fsync of the directory. Conditional writes compare the object's digest under an
+``flock`` on ``ROOT/.cnr.lock``, which serializes them across processes of one host and
+across hosts on file systems whose locks are coherent (local disks; not every NFS setup).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import hashlib
+import logging
+import mmap
 import os
 import shutil
 import threading
@@ -23,9 +31,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage, _Any
 
 __all__ = ["FsStorage", "fsync_dir", "tree_bytes"]
+
+log = logging.getLogger(__name__)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -66,6 +78,99 @@ def _fsync_and_drop(path: Path) -> None:
         os.close(fd)
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "default"):
+        return default
+    if value in ("0", "1", "false", "true", "off", "on"):
+        return value in ("1", "true", "on")
+    raise ValueError(f"{name}={value!r}: use 1 or 0")
+
+
+def _address(data: memoryview) -> int:
+    return int(np.frombuffer(data, dtype=np.uint8).ctypes.data) if len(data) else 0
+
+
+class _Direct:
+    """``O_DIRECT`` transfers of one storage's large objects.
+
+    ``O_DIRECT`` wants the memory address, the file offset and the length aligned to the
+    device's block (4 KiB covers every common one). A buffer that is aligned (the staging
+    pool's) goes to the disk as it is; any other passes through a
+    per-thread aligned bounce buffer, a memory copy far faster than the disk. The unaligned
+    tail of an object, under 4 KiB, is written through the page cache on the same file.
+    Reads fetch the aligned span around the wanted bytes into the bounce buffer and copy
+    out. The first refusal (``EINVAL``: the file system does not do direct I/O) switches
+    the storage to the page cache for good, said once in the log.
+    """
+
+    ALIGN = 4096
+    MIN_BYTES = 1 << 20
+    """Objects smaller than this go through the page cache: a direct request waits for
+    the disk, which costs more than a page-cache copy for small ones."""
+    BOUNCE = 8 << 20
+
+    def __init__(self, writes: bool, reads: bool) -> None:
+        self.writes, self.reads = writes, reads
+        self._local = threading.local()
+
+    def refused(self, path: Path, err: OSError) -> None:
+        if self.writes or self.reads:
+            self.writes = self.reads = False
+            log.info("%s: O_DIRECT refused (%s); using the page cache", path.parent, err)
+
+    def _bounce(self) -> memoryview:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = memoryview(mmap.mmap(-1, self.BOUNCE))  # page-aligned
+        return buf
+
+    def write(self, fd: int, data: memoryview) -> None:
+        """Writes ``data`` at offset 0 of the ``O_DIRECT`` file ``fd``."""
+        bulk = len(data) - len(data) % self.ALIGN
+        done = 0
+        if _address(data) % self.ALIGN == 0:
+            while done < bulk:
+                done += os.pwrite(fd, data[done:bulk], done)
+        else:
+            bounce = self._bounce()
+            dst = np.frombuffer(bounce, dtype=np.uint8)
+            src = np.frombuffer(data, dtype=np.uint8)
+            while done < bulk:
+                n = min(len(bounce), bulk - done)
+                np.copyto(dst[:n], src[done : done + n])  # releases the GIL
+                at = 0
+                while at < n:
+                    at += os.pwrite(fd, bounce[at:n], done + at)
+                done += n
+        if done < len(data):  # the tail, through the page cache
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], done)
+
+    def read(self, fd: int, offset: int, out: memoryview) -> int:
+        """Reads into ``out`` from ``offset`` of the ``O_DIRECT`` file ``fd``; returns the
+        bytes read (fewer at the end of the file)."""
+        bounce = self._bounce()
+        src = np.frombuffer(bounce, dtype=np.uint8)
+        dst = np.frombuffer(out, dtype=np.uint8)
+        done = 0
+        while done < len(out):
+            pos = offset + done
+            start = pos - pos % self.ALIGN
+            skip = pos - start
+            want = min(len(bounce), -(-(skip + len(out) - done) // self.ALIGN) * self.ALIGN)
+            got = os.preadv(fd, [bounce[:want]], start)
+            n = min(got - skip, len(out) - done)
+            if n <= 0:
+                break
+            np.copyto(dst[done : done + n], src[skip : skip + n])
+            done += n
+            if got < want:
+                break
+        return done
+
+
 def tree_bytes(path: str | os.PathLike[str]) -> int:
     """Bytes of every file under ``path``."""
     return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path) for n in names)
@@ -78,9 +183,23 @@ def _digest(data: bytes) -> str:
 class FsStorage(Storage):
     """A root directory on a POSIX file system."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        direct_writes: bool | None = None,
+        direct_reads: bool | None = None,
+    ) -> None:
+        """``direct_writes``, ``direct_reads``: ``O_DIRECT`` for objects of a MiB or more
+        where the file system allows it; ``None`` reads ``TORCHREC_CNR_DIRECT_WRITES``
+        (default 1) and ``TORCHREC_CNR_DIRECT_READS`` (default 0)."""
         self.root = Path(path)
         self.url = str(path)
+        self._direct = _Direct(
+            _env_flag("TORCHREC_CNR_DIRECT_WRITES", True)
+            if direct_writes is None
+            else direct_writes,
+            _env_flag("TORCHREC_CNR_DIRECT_READS", False) if direct_reads is None else direct_reads,
+        )
         self._unsynced: set[str] = set()  # objects written but not yet fsynced
         self._unsynced_lock = threading.Lock()
 
@@ -98,9 +217,23 @@ class FsStorage(Storage):
         return data, _digest(data)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        fd = os.open(self.root / name, os.O_RDONLY)
+        path = self.root / name
+        done = 0
+        if self._direct.reads and len(out) >= _Direct.MIN_BYTES:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                try:
+                    done = self._direct.read(fd, offset, out)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct.refused(path, e)
+            if done == len(out):
+                return
+        fd = os.open(path, os.O_RDONLY)
         try:
-            done = 0
             while done < len(out):
                 n = os.preadv(fd, [out[done:]], offset + done)
                 if n == 0:
@@ -144,7 +277,22 @@ class FsStorage(Storage):
     def write_object(self, name: str, data: memoryview) -> None:
         target = self.root / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        if self._direct.writes and len(data) >= _Direct.MIN_BYTES:
+            try:
+                fd = os.open(target, flags | os.O_DIRECT, 0o644)
+                try:
+                    self._direct.write(fd, data)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct.refused(target, e)
+            else:
+                self._written(name)
+                return
+        fd = os.open(target, flags, 0o644)
         try:
             done = 0
             while done < len(data):
@@ -152,6 +300,9 @@ class FsStorage(Storage):
             _start_writeback(fd)
         finally:
             os.close(fd)
+        self._written(name)
+
+    def _written(self, name: str) -> None:
         with self._unsynced_lock:
             self._unsynced.add(name)
 

@@ -1,0 +1,117 @@
+"""FsStorage's direct (``O_DIRECT``) and page-cache transfers give back the same bytes."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pytest
+import torch
+
+from torchrec_cnr.snapshot.checksum import as_bytes
+from torchrec_cnr.storage.fs import FsStorage, _Direct
+
+MIB = 1 << 20
+# Around the direct threshold and the 4 KiB alignment, with aligned and odd tails.
+SIZES = [0, 5000, MIB - 1, MIB, MIB + 1, 3 * MIB + 4097, _Direct.BOUNCE + 12345]
+
+
+def _read(st: FsStorage, name: str, offset: int, n: int) -> torch.Tensor:
+    out = torch.empty(n, dtype=torch.uint8)
+    st.read_into(name, offset, as_bytes(out) if n else memoryview(bytearray()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def source() -> torch.Tensor:
+    return torch.randint(
+        0, 256, (_Direct.BOUNCE * 2,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
+@pytest.mark.parametrize("shift", [0, 4096, 13], ids=["aligned", "page-shifted", "unaligned"])
+def test_objects_round_trip_at_any_offset(tmp_path, source, direct, shift):
+    st = FsStorage(tmp_path, direct_writes=direct, direct_reads=direct)
+    objects = {f"c/o{i}": source[shift + i : shift + i + n] for i, n in enumerate(SIZES)}
+    for name, data in objects.items():
+        st.write_object(name, as_bytes(data) if data.numel() else memoryview(b""))
+    st.make_durable("c")
+    for name, data in objects.items():
+        n = data.numel()
+        assert os.path.getsize(tmp_path / name) == n
+        for offset in sorted({0, 1, 4095, 4096, n // 3}):
+            length = max(0, n - offset - 7)
+            assert torch.equal(_read(st, name, offset, length), data[offset : offset + length])
+    assert st._direct.writes == direct  # this file system took O_DIRECT
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
+def test_a_read_past_the_end_fails_with_the_missing_bytes(tmp_path, source, direct):
+    st = FsStorage(tmp_path, direct_writes=direct, direct_reads=direct)
+    st.write_object("o", as_bytes(source[: 2 * MIB + 5]))
+    with pytest.raises(OSError, match=f"ends at byte {2 * MIB + 5}, 100 bytes short"):
+        _read(st, "o", MIB, MIB + 105)
+
+
+def test_large_objects_go_direct_and_small_ones_through_the_page_cache(
+    tmp_path, source, monkeypatch
+):
+    opened: list[tuple[str, bool]] = []
+    real_open = os.open
+
+    def spy(path, flags, *args):
+        opened.append((os.path.basename(path), bool(flags & os.O_DIRECT)))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", spy)
+    st = FsStorage(tmp_path, direct_writes=True, direct_reads=False)
+    st.write_object("big", as_bytes(source[: 2 * MIB]))
+    st.write_object("small", as_bytes(source[: MIB - 1]))
+    _read(st, "big", 0, 2 * MIB)
+    assert opened == [("big", True), ("small", False), ("big", False)]
+
+
+def test_a_file_system_that_refuses_o_direct_falls_back_once_and_loses_nothing(
+    tmp_path, source, monkeypatch, caplog
+):
+    real_open = os.open
+    refusals = []
+
+    def refusing(path, flags, *args):
+        if flags & os.O_DIRECT:
+            refusals.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing)
+    st = FsStorage(tmp_path, direct_writes=True, direct_reads=True)
+    with caplog.at_level(logging.INFO, logger="torchrec_cnr.storage.fs"):
+        for i in range(3):
+            st.write_object(f"o{i}", as_bytes(source[i : i + 2 * MIB]))
+    for i in range(3):
+        assert torch.equal(_read(st, f"o{i}", 0, 2 * MIB), source[i : i + 2 * MIB])
+    assert len(refusals) == 1 and not st._direct.writes and not st._direct.reads
+    assert sum("O_DIRECT refused" in r.message for r in caplog.records) == 1
+
+
+def test_other_errors_of_a_direct_write_are_raised(tmp_path, source, monkeypatch):
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    st = FsStorage(tmp_path, direct_writes=True)
+    with pytest.raises(OSError) as e:
+        st.write_object("o", as_bytes(source[: 2 * MIB]))
+    assert e.value.errno == errno.ENOSPC and st._direct.writes
+
+
+def test_environment_switches(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHREC_CNR_DIRECT_WRITES", "0")
+    monkeypatch.setenv("TORCHREC_CNR_DIRECT_READS", "1")
+    st = FsStorage(tmp_path)
+    assert (st._direct.writes, st._direct.reads) == (False, True)
+    monkeypatch.setenv("TORCHREC_CNR_DIRECT_WRITES", "maybe")
+    with pytest.raises(ValueError, match="TORCHREC_CNR_DIRECT_WRITES='maybe': use 1 or 0"):
+        FsStorage(tmp_path)
