@@ -66,11 +66,12 @@ def test_large_objects_go_direct_and_small_ones_through_the_page_cache(
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", spy)
-    st = FsStorage(tmp_path, direct_writes=True, direct_reads=False)
+    st = FsStorage(tmp_path)  # the defaults
     st.write_object("big", as_bytes(source[: 2 * MIB]))
     st.write_object("small", as_bytes(source[: MIB - 1]))
     _read(st, "big", 0, 2 * MIB)
-    assert opened == [("big", True), ("small", False), ("big", False)]
+    _read(st, "small", 0, MIB - 1)
+    assert opened == [("big", True), ("small", False), ("big", True), ("small", False)]
 
 
 def test_a_file_system_that_refuses_o_direct_falls_back_once_and_loses_nothing(
@@ -108,10 +109,13 @@ def test_other_errors_of_a_direct_write_are_raised(tmp_path, source, monkeypatch
 
 
 def test_environment_switches(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHREC_CNR_DIRECT_WRITES", "0")
-    monkeypatch.setenv("TORCHREC_CNR_DIRECT_READS", "1")
-    st = FsStorage(tmp_path)
-    assert (st._direct.writes, st._direct.reads) == (False, True)
+    assert (FsStorage(tmp_path)._direct.writes, FsStorage(tmp_path)._direct.reads) == (True, True)
+    for writes, reads in ((0, 1), (1, 0), (0, 0)):
+        monkeypatch.setenv("TORCHREC_CNR_DIRECT_WRITES", str(writes))
+        monkeypatch.setenv("TORCHREC_CNR_DIRECT_READS", str(reads))
+        st = FsStorage(tmp_path)
+        assert (st._direct.writes, st._direct.reads) == (bool(writes), bool(reads))
+    assert FsStorage(tmp_path, direct_writes=True)._direct.writes  # an argument wins
     monkeypatch.setenv("TORCHREC_CNR_DIRECT_WRITES", "maybe")
     with pytest.raises(ValueError, match="TORCHREC_CNR_DIRECT_WRITES='maybe': use 1 or 0"):
         FsStorage(tmp_path)

@@ -1,13 +1,13 @@
 """A checkpoint root on a local or shared POSIX file system.
 
 A checkpoint is durable only once every file and directory under it is. Data objects of a
-MiB or more are written with ``O_DIRECT`` (:class:`_Direct`): the disk takes the bytes
-straight from the writer's buffers, so a checkpoint neither fills the page cache nor pays
-for fresh page-cache pages. Where the file system refuses ``O_DIRECT`` (some FUSE and
-network file systems), or with ``TORCHREC_CNR_DIRECT_WRITES=0``, they go through the page
-cache, their write-back started at once. :meth:`FsStorage.make_durable` fsyncs them, drops
-their pages, and syncs the directories. Reads go through the page cache, whose read-ahead
-measured faster than direct reads (``TORCHREC_CNR_DIRECT_READS=1`` turns them on).
+MiB or more are written and read with ``O_DIRECT`` (:class:`_Direct`): the disk takes the
+bytes straight from the writer's buffers and gives them straight to the reader's, so a
+checkpoint neither fills the page cache nor pays for fresh page-cache pages. Where the file
+system refuses ``O_DIRECT`` (some FUSE and network file systems), or with
+``TORCHREC_CNR_DIRECT_WRITES=0`` / ``TORCHREC_CNR_DIRECT_READS=0``, they go through the page
+cache, write-back started as each object is written. :meth:`FsStorage.make_durable` fsyncs
+them, drops their pages, and syncs the directories.
 
 Small objects (the manifest, the lease) are replaced atomically: a temporary file, fsync,
 rename, fsync of the directory. Conditional writes compare the object's digest under an
@@ -190,15 +190,15 @@ class FsStorage(Storage):
         direct_reads: bool | None = None,
     ) -> None:
         """``direct_writes``, ``direct_reads``: ``O_DIRECT`` for objects of a MiB or more
-        where the file system allows it; ``None`` reads ``TORCHREC_CNR_DIRECT_WRITES``
-        (default 1) and ``TORCHREC_CNR_DIRECT_READS`` (default 0)."""
+        where the file system allows it; ``None`` reads ``TORCHREC_CNR_DIRECT_WRITES`` and
+        ``TORCHREC_CNR_DIRECT_READS`` (both default to 1)."""
         self.root = Path(path)
         self.url = str(path)
         self._direct = _Direct(
             _env_flag("TORCHREC_CNR_DIRECT_WRITES", True)
             if direct_writes is None
             else direct_writes,
-            _env_flag("TORCHREC_CNR_DIRECT_READS", False) if direct_reads is None else direct_reads,
+            _env_flag("TORCHREC_CNR_DIRECT_READS", True) if direct_reads is None else direct_reads,
         )
         self._unsynced: set[str] = set()  # objects written but not yet fsynced
         self._unsynced_lock = threading.Lock()
