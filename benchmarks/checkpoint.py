@@ -161,9 +161,14 @@ def _side_by_side(
     """The figures the side-by-side targets compare, in interleaved rounds."""
     ts_path, full = b.scratch / "sbs_torchsnapshot", {}
 
+    def root_of(arm: str) -> Path:
+        return (
+            ts_path if arm == "torchsnapshot" else b.scratch / f"sbs_full_{arm.replace(' ', '_')}"
+        )
+
     def cnr_full(quant: str, direct: bool = True) -> float:
         name = quant if direct else f"{quant}{PAGE_CACHE}"
-        root = b.scratch / f"sbs_full_{name.replace(' ', '_')}"
+        root = root_of(name)
         with CheckpointManager(
             model,
             CheckpointConfig(path=str(root), policy="full", quantize=QUANTS[quant]),
@@ -182,9 +187,7 @@ def _side_by_side(
         b.args.rounds,
         arms,
         # Each method starts from a settled disk with its previous output deleted.
-        prepare=lambda n: rmtree(
-            ts_path if n == "torchsnapshot" else b.scratch / f"sbs_full_{n.replace(' ', '_')}"
-        ),
+        prepare=lambda n: rmtree(root_of(n)),
         label="durable full commit",
     )
     # Chains to restore: intermittent at each fraction (baseline + one delta), and a
@@ -221,11 +224,7 @@ def _side_by_side(
     restores = b.interleaved(
         b.args.rounds, {n: functools.partial(restore, n) for n in names}, label="cold restore"
     )
-    for path in [
-        ts_path,
-        *(b.scratch / f"sbs_full_{n.replace(' ', '_')}" for n in arms if n != "torchsnapshot"),
-        *(Path(c.path) for c in chains.values()),
-    ]:
+    for path in [*map(root_of, arms), *(Path(c.path) for c in chains.values())]:
         rmtree(path)
     commit_s = {k: statistics.median(v) for k, v in commits.items()}
     return {
