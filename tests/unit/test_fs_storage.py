@@ -17,6 +17,13 @@ MIB = 1 << 20
 SIZES = [0, 5000, MIB - 1, MIB, MIB + 1, 3 * MIB + 4097, _Direct.BOUNCE + 12345]
 
 
+def _needs_o_direct(path) -> None:
+    try:
+        os.close(os.open(path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+    except OSError as e:
+        pytest.skip(f"{path}'s file system refuses O_DIRECT ({e})")
+
+
 def _read(st: FsStorage, name: str, offset: int, n: int) -> torch.Tensor:
     out = torch.empty(n, dtype=torch.uint8)
     st.read_into(name, offset, as_bytes(out) if n else memoryview(bytearray()))
@@ -33,6 +40,8 @@ def source() -> torch.Tensor:
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
 @pytest.mark.parametrize("shift", [0, 4096, 13], ids=["aligned", "page-shifted", "unaligned"])
 def test_objects_round_trip_at_any_offset(tmp_path, source, direct, shift):
+    if direct:
+        _needs_o_direct(tmp_path)
     st = FsStorage(tmp_path, direct_writes=direct, direct_reads=direct)
     objects = {f"c/o{i}": source[shift + i : shift + i + n] for i, n in enumerate(SIZES)}
     for name, data in objects.items():
@@ -58,6 +67,7 @@ def test_a_read_past_the_end_fails_with_the_missing_bytes(tmp_path, source, dire
 def test_large_objects_go_direct_and_small_ones_through_the_page_cache(
     tmp_path, source, monkeypatch
 ):
+    _needs_o_direct(tmp_path)
     opened: list[tuple[str, bool]] = []
     real_open = os.open
 
