@@ -27,7 +27,7 @@ import mmap
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,10 +114,22 @@ class _Direct:
         self.writes, self.reads = writes, reads
         self._local = threading.local()
 
-    def refused(self, path: Path, err: OSError) -> None:
-        if self.writes or self.reads:
-            self.writes = self.reads = False
-            log.info("%s: O_DIRECT refused (%s); using the page cache", path.parent, err)
+    def attempt(self, path: Path, flags: int, transfer: Callable[[int], int]) -> int | None:
+        """``transfer(fd)`` on ``path`` opened with ``flags | O_DIRECT``; ``None`` where the
+        file system refuses ``O_DIRECT``, which turns it off for this storage, said once."""
+        try:
+            fd = os.open(path, flags | os.O_DIRECT, 0o644)
+            try:
+                return transfer(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            if self.writes or self.reads:
+                self.writes = self.reads = False
+                log.info("%s: O_DIRECT refused (%s); using the page cache", path.parent, e)
+            return None
 
     def _bounce(self) -> memoryview:
         buf = getattr(self._local, "buf", None)
@@ -125,8 +137,8 @@ class _Direct:
             buf = self._local.buf = memoryview(mmap.mmap(-1, self.BOUNCE))  # page-aligned
         return buf
 
-    def write(self, fd: int, data: memoryview) -> None:
-        """Writes ``data`` at offset 0 of the ``O_DIRECT`` file ``fd``."""
+    def write(self, fd: int, data: memoryview) -> int:
+        """Writes ``data`` at offset 0 of the ``O_DIRECT`` file ``fd``; returns its length."""
         bulk = len(data) - len(data) % self.ALIGN
         done = 0
         if _address(data) % self.ALIGN == 0:
@@ -147,6 +159,7 @@ class _Direct:
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             while done < len(data):
                 done += os.pwrite(fd, data[done:], done)
+        return done
 
     def read(self, fd: int, offset: int, out: memoryview) -> int:
         """Reads into ``out`` from ``offset`` of the ``O_DIRECT`` file ``fd``; returns the
@@ -220,16 +233,8 @@ class FsStorage(Storage):
         path = self.root / name
         done = 0
         if self._direct.reads and len(out) >= _Direct.MIN_BYTES:
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-                try:
-                    done = self._direct.read(fd, offset, out)
-                finally:
-                    os.close(fd)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._direct.refused(path, e)
+            direct = self._direct
+            done = direct.attempt(path, os.O_RDONLY, lambda fd: direct.read(fd, offset, out)) or 0
             if done == len(out):
                 return
         fd = os.open(path, os.O_RDONLY)
@@ -278,18 +283,9 @@ class FsStorage(Storage):
         target = self.root / name
         target.parent.mkdir(parents=True, exist_ok=True)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        if self._direct.writes and len(data) >= _Direct.MIN_BYTES:
-            try:
-                fd = os.open(target, flags | os.O_DIRECT, 0o644)
-                try:
-                    self._direct.write(fd, data)
-                finally:
-                    os.close(fd)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._direct.refused(target, e)
-            else:
+        direct = self._direct
+        if direct.writes and len(data) >= _Direct.MIN_BYTES:
+            if direct.attempt(target, flags, lambda fd: direct.write(fd, data)) is not None:
                 self._written(name)
                 return
         fd = os.open(target, flags, 0o644)
