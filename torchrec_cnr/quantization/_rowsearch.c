@@ -1,0 +1,306 @@
+/*
+ * Per-row clipping-range search for uniform quantization, compiled.
+ *
+ * The same search as the whole-chunk torch code in _adaptive.py (its module
+ * docstring explains the method), for 8 rows at a time, one row per vector
+ * lane: the rows of a batch are transposed into a (dim, 8) block that stays in
+ * L1 cache, every candidate grid costs one loop over it, and the per-row
+ * arithmetic between loops (divisions, fp16 rounding, the choice of the best
+ * candidate) runs for the 8 rows at once, without branches. For each row:
+ *
+ *   1. one loop finds min and max; a constant row gets lo == hi;
+ *   2. [min, max] is evaluated, so the result is never worse than plain
+ *      asymmetric quantization;
+ *   3. for each clipping of the plan (k bins of range / n_bins off each end),
+ *      the grid is shifted by the circular mean of the row's fractional parts
+ *      in that grid's units (measured in the loop of the previous
+ *      evaluation), then evaluated;
+ *   4. every evaluation yields, from the same loop, the exact error of its
+ *      (bias, scale) as the encoder stores them and the sums of a
+ *      least-squares polish: with the codes fixed, the best (bias, scale) is a
+ *      regression of the row on its codes (over-relaxed by omega); the
+ *      polished point's error with the same codes bounds its true error from
+ *      above, so it competes without a loop of its own;
+ *   5. `refine` more polish passes from the best point.
+ *
+ * Parameters are compared as the encoder stores them: fp16 bias and scale for
+ * 2/3/4 bits (FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf), fp32 with the
+ * 1e-8 range epsilon for 8 bits (FloatToFused8BitRowwiseQuantized), and the
+ * returned (lo, hi) make the encoder derive exactly the winner's parameters.
+ *
+ * Plain C with GCC vector extensions (AVX registers in the AVX2 build, pairs
+ * of SSE registers in the baseline one, picked at load time); no float
+ * semantics are relaxed. No Python API: _adaptive.py loads it with ctypes,
+ * which releases the GIL for the call.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CNR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CNR_CLONES
+#endif
+/* Everything below the entry point is inlined into each of its builds. */
+#define CNR_INLINE static inline __attribute__((always_inline))
+
+enum { LANES = 8 };
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+typedef double vd __attribute__((vector_size(64)));
+typedef int64_t vl __attribute__((vector_size(64)));
+
+/* Adding then subtracting 1.5 * 2**23 rounds a float to the nearest integer,
+ * ties to even, for |v| < 2**22. Codes are clamped to [0, levels] first; an
+ * offset measured far outside that range is only a worse guess. */
+#define MAGIC 12582912.0f
+
+/* Stand-ins for cos(2 pi f) and sin(2 pi f), |f| <= 1/2 (see _adaptive.py). */
+#define COS0 1.0f
+#define COS2 (-11.6f)
+#define SIN1 7.78f
+#define SIN3 (-32.0f)
+
+/* Floor of candidate scales: fp16's smallest step, 2**-24. */
+#define TINY 5.9604644775390625e-08f
+
+typedef struct {
+    vf bias, scale, inv; /* as stored, and the encoder's 1 / scale */
+    vf lo, hi;           /* the range from which the encoder derives them */
+} cand;
+
+typedef struct {
+    vd err;
+    vf lo, hi;
+} best_t;
+
+typedef struct {
+    float levels;
+    int fp16;
+    double omega;
+    float frame; /* offsets measured from grid points (0) or midpoints (1/2) */
+} plan;
+
+CNR_INLINE vf splat(float a) { return (vf){0} + a; }
+CNR_INLINE vi splat_i(int32_t a) { return (vi){0} + a; }
+CNR_INLINE vf sel(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); }
+CNR_INLINE vd seld(vl m, vd a, vd b) { return (vd)((m & (vl)a) | (~m & (vl)b)); }
+CNR_INLINE vf vmin(vf a, vf b) { return sel(a < b, a, b); }
+CNR_INLINE vf vmax(vf a, vf b) { return sel(a > b, a, b); }
+CNR_INLINE vd widen(vf a) { return __builtin_convertvector(a, vd); }
+CNR_INLINE vf narrow(vd a) { return __builtin_convertvector(a, vf); }
+CNR_INLINE vi is_inf(vf a) { return ((vi)a & 0x7fffffff) == 0x7f800000; }
+
+/* v rounded to the nearest fp16 value (ties to even), as floats. fp16 keeps
+ * 11 significant bits from 2**-14 up, a fixed step of 2**-24 below it, and
+ * magnitudes that round to 65536 or more overflow to inf. In the normal range
+ * rounding float's 24-bit significand to 11 bits is an integer add on its bits
+ * (a carry into the exponent is right); below it, scaling by 2**24 is exact. */
+CNR_INLINE vf fp16_round(vf v) {
+    vi u = (vi)v;
+    vi sign = u & INT32_MIN, mag = u & 0x7fffffff;
+    vi normal = (mag + 0xfff + ((mag >> 13) & 1)) & -8192;
+    normal = (vi)sel(normal >= 0x47800000, (vf)splat_i(0x7f800000), (vf)normal);
+    vf small = (vf)mag * 16777216.0f;
+    vi tiny = (vi)((((small + MAGIC) - MAGIC)) * TINY);
+    vi r = (vi)sel(mag < 0x38800000, (vf)tiny, (vf)normal);
+    r = (vi)sel(mag >= 0x7f800000, (vf)mag, (vf)r); /* inf, nan */
+    return (vf)(r | sign);
+}
+
+/* (bias, scale, inv) the encoder derives from [lo, hi]: _uniform.nbit_params
+ * for 2/3/4 bits, _encode_8bit_torch for 8. */
+CNR_INLINE cand stored(vf lo, vf hi, const plan *p) {
+    cand c;
+    c.lo = lo;
+    c.hi = hi;
+    if (p->fp16) {
+        c.bias = fp16_round(lo);
+        vf span = hi - c.bias;
+        vf scale = fp16_round(sel(span == 0.0f, splat(1.0f), span / p->levels));
+        scale = sel((scale == 0.0f) | is_inf(1.0f / scale), splat(1.0f), scale);
+        c.scale = scale;
+        c.inv = 1.0f / scale;
+    } else {
+        vf span = hi - lo;
+        c.bias = lo;
+        c.scale = span / p->levels;
+        c.inv = p->levels / (span + 1e-8f);
+    }
+    return c;
+}
+
+/* The stored candidate closest to bias b and scale s, with the [lo, hi] that
+ * gives it. At 2/3/4 bits hi = bias + levels * scale is exact unless the row
+ * lies ~2**13 steps from zero, which the final check in search_batch catches. */
+CNR_INLINE cand params(vd b, vd s, const plan *p) {
+    vf sf = narrow(s);
+    sf = sel(sf >= TINY, sf, splat(TINY)); /* nan too */
+    if (p->fp16) {
+        cand c;
+        c.bias = fp16_round(narrow(b));
+        c.scale = fp16_round(sf);
+        c.inv = 1.0f / c.scale;
+        c.lo = c.bias;
+        c.hi = c.bias + c.scale * p->levels;
+        return c;
+    }
+    vf lo = narrow(b);
+    return stored(lo, lo + sf * p->levels, p);
+}
+
+/* atan2(y, x) / (2 pi) to within ~6e-4 turns (a fraction of a grid step that
+ * the polish absorbs), without a libm call. */
+CNR_INLINE vf turns(vf y, vf x) {
+    vf ax = sel(x < 0.0f, -x, x), ay = sel(y < 0.0f, -y, y);
+    vi flat = ay <= ax;
+    vf a = vmin(ax, ay) / vmax(ax, ay);
+    vf t = a * (0.125f + 0.0434507f * (1.0f - a));
+    t = sel(flat, t, 0.25f - t);
+    t = sel(x < 0.0f, 0.5f - t, t);
+    t = sel(y >= 0.0f, t, -t);
+    return sel((ax == 0.0f) & (ay == 0.0f), splat(0.0f), t);
+}
+
+CNR_INLINE void offer(best_t *best, vd err, vf lo, vf hi) {
+    vl better = err < best->err;
+    vi m = __builtin_convertvector(better, vi);
+    best->err = seld(better, err, best->err);
+    best->lo = sel(m, lo, best->lo);
+    best->hi = sel(m, hi, best->hi);
+}
+
+/* Evaluate candidate c on the rows of block xt (dim, 8) and polish it: offers
+ * both to best and replaces c by the polished candidate. With `offsets`, also
+ * returns the shift (in steps, within +-1/2) that best aligns the grid
+ * (o_bias, 1 / o_inv) with each row. */
+CNR_INLINE vf polish(const vf *xt, int64_t dim, const plan *p, cand *c, best_t *best, int offsets,
+                     vf o_bias, vf o_inv) {
+    const vf bias = c->bias, scale = c->scale, inv = c->inv, top = splat(p->levels);
+    vf err = {0}, s_q = {0}, s_qq = {0}, s_r = {0}, s_qr = {0}, f1 = {0}, f2 = {0}, f3 = {0};
+    for (int64_t i = 0; i < dim; i++) {
+        vf v = xt[i];
+        vf d = v - bias;
+        vf t = vmin(vmax(d * inv, splat(0.0f)), top);
+        vf q = (t + MAGIC) - MAGIC;
+        vf r = d - scale * q;
+        err += r * r;
+        s_q += q;
+        s_qq += q * q;
+        s_r += r;
+        s_qr += q * r;
+        if (offsets) {
+            vf u = (v - o_bias) * o_inv - p->frame;
+            vf f = u - ((u + MAGIC) - MAGIC);
+            vf ff = f * f;
+            f1 += f;
+            f2 += ff;
+            f3 += ff * f;
+        }
+    }
+    const vd e = widen(err), q1 = widen(s_q), qq = widen(s_qq), r1 = widen(s_r), qr = widen(s_qr);
+    const double n = (double)dim;
+    offer(best, e, c->lo, c->hi);
+    vd var = n * qq - q1 * q1;
+    /* var = 0 when all codes are equal: the scale stays. */
+    vd d_s = seld(var > 0.5, (n * qr - r1 * q1) / var, (vd){0});
+    vd d_b = (r1 - d_s * q1) / n;
+    cand c2 = params(widen(bias) + p->omega * d_b, widen(scale) + p->omega * d_s, p);
+    /* Residuals with the same codes: r + u + v q. */
+    vd u = widen(bias) - widen(c2.bias), w = widen(scale) - widen(c2.scale);
+    vd bound = e + 2.0 * (u * r1 + w * qr + u * w * q1) + n * u * u + w * w * qq;
+    offer(best, bound, c2.lo, c2.hi);
+    *c = c2;
+    if (!offsets)
+        return splat(0.0f);
+    /* The mean angle of the fractional parts measured from the midpoints,
+     * plus a half turn, is that of the values' own fractional parts. */
+    vf shift = turns(SIN1 * f1 + SIN3 * f3, COS0 * (float)dim + COS2 * f2) + p->frame;
+    return sel(shift > 0.5f, shift - 1.0f, shift);
+}
+
+/* The search for the 8 rows of block xt (dim, 8) into lo_out, hi_out. */
+CNR_INLINE void search_batch(const vf *xt, int64_t dim, const plan *p, const int32_t *clips,
+                             int n_clips, int n_bins, int refine, vf *lo_out, vf *hi_out) {
+    vf mn = xt[0], mx = xt[0];
+    for (int64_t i = 1; i < dim; i++) {
+        mn = vmin(mn, xt[i]);
+        mx = vmax(mx, xt[i]);
+    }
+    cand c = stored(mn, mx, p);
+    /* Constant rows, and rows whose parameters overflow fp16 (the caller sees
+     * and rejects those), keep [min, max]. */
+    const vi live = (mn != mx) & ~is_inf(c.bias) & ~is_inf(c.scale);
+    best_t best = {(vd){0} + INFINITY, mn, mx};
+    const vf unit = (mx - mn) / (float)n_bins;
+    /* Each evaluation also measures the shift of the next clipping's grid. */
+    cand o = c;
+    if (n_clips > 0)
+        o = stored(mn + (float)clips[0] * unit, mx - (float)clips[0] * unit, p);
+    vf shift = polish(xt, dim, p, &c, &best, n_clips > 0, o.bias, o.inv);
+    for (int j = 0; j < n_clips; j++) {
+        c = params(widen(o.bias) + widen(shift) * widen(o.scale), widen(o.scale), p);
+        if (j + 1 < n_clips) {
+            float k = (float)clips[j + 1];
+            o = stored(mn + k * unit, mx - k * unit, p);
+            shift = polish(xt, dim, p, &c, &best, 1, o.bias, o.inv);
+        } else {
+            polish(xt, dim, p, &c, &best, 0, o.bias, o.inv);
+        }
+    }
+    c = stored(best.lo, best.hi, p);
+    for (int j = 0; j < refine; j++)
+        polish(xt, dim, p, &c, &best, 0, o.bias, o.inv);
+    vi ok = live;
+    if (p->fp16) { /* the encoder must derive exactly the evaluated parameters */
+        cand e = stored(best.lo, best.hi, p);
+        ok &= (e.bias == best.lo) & (best.hi == e.bias + e.scale * p->levels);
+    }
+    *lo_out = sel(ok, best.lo, mn);
+    *hi_out = sel(ok, best.hi, mx);
+}
+
+/* fp16_round of one value, for the tests. */
+float cnr_fp16_round(float v) { return fp16_round(splat(v))[0]; }
+
+/* Ranges (lo, hi) for rows x (n, dim), contiguous fp32, finite.
+ *
+ * bits: 2, 3, 4 or 8; clips: n_clips clippings (bins of range / n_bins per
+ * side) to shift and polish; refine: polish passes from the best point at the
+ * end; omega: over-relaxation of the least-squares step; frame: 0 or 1/2, the
+ * offsets' fractional parts are measured from the grid points or from the
+ * midpoints between them (the stand-ins for cos and sin are crude, so the two
+ * choose different shifts). Returns 0; -1 for
+ * arguments out of range, -2 when a work block cannot be allocated. */
+CNR_CLONES
+int cnr_search_rows(const float *x, int64_t n, int64_t dim, int bits, const int32_t *clips,
+                    int n_clips, int n_bins, int refine, double omega, float frame,
+                    float *lo_out, float *hi_out) {
+    if (n < 0 || dim <= 0 || !(bits == 2 || bits == 3 || bits == 4 || bits == 8) || n_bins <= 0 ||
+        n_clips < 0 || refine < 0 || !(frame == 0.0f || frame == 0.5f))
+        return -1;
+    const plan p = {(float)((1 << bits) - 1), bits < 8, omega, frame};
+    vf *xt = aligned_alloc(sizeof(vf), (size_t)dim * sizeof(vf));
+    if (xt == NULL)
+        return -2;
+    for (int64_t row = 0; row < n; row += LANES) {
+        /* Transpose 8 rows into xt (a short last batch repeats its last row). */
+        const float *src[LANES];
+        for (int l = 0; l < LANES; l++)
+            src[l] = x + (row + l < n ? row + l : n - 1) * dim;
+        for (int64_t i = 0; i < dim; i++)
+            for (int l = 0; l < LANES; l++)
+                xt[i][l] = src[l][i];
+        vf lo, hi;
+        search_batch(xt, dim, &p, clips, n_clips, n_bins, refine, &lo, &hi);
+        for (int l = 0; l < LANES && row + l < n; l++) {
+            lo_out[row + l] = lo[l];
+            hi_out[row + l] = hi[l];
+        }
+    }
+    free(xt);
+    return 0;
+}
