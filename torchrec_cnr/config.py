@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from torchrec_cnr.env import env_number
 from torchrec_cnr.quantization import (
     BITS,
     CAST_METHODS,
@@ -148,16 +149,6 @@ class RecoveryConfig:
             )
 
 
-def _env_number(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} must be a number") from None
-
-
 @dataclass(frozen=True)
 class IOOptions:
     """How a checkpoint's I/O runs: performance knobs, not behaviour (a checkpoint written
@@ -167,23 +158,23 @@ class IOOptions:
     options are built; an argument always wins.
     """
 
-    threads: int = field(default_factory=lambda: int(_env_number("TORCHREC_CNR_IO_THREADS", 8)))
+    threads: int = field(default_factory=lambda: int(env_number("TORCHREC_CNR_IO_THREADS", 8)))
     """Threads per rank that write and read a checkpoint's objects at once
     (``TORCHREC_CNR_IO_THREADS``)."""
     encode_threads: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
     """Threads per rank that quantize rows (CPU-bound work, apart from the I/O threads)."""
     object_kb: int = field(
-        default_factory=lambda: int(_env_number("TORCHREC_CNR_OBJECT_KB", 64 << 10))
+        default_factory=lambda: int(env_number("TORCHREC_CNR_OBJECT_KB", 64 << 10))
     )
     """Largest data object a checkpoint writes, in KiB (whole rows): a larger tensor is
     written as several objects, in parallel, and read in pieces of this size
     (``TORCHREC_CNR_OBJECT_KB``)."""
     collective_timeout_s: float = field(
-        default_factory=lambda: _env_number("TORCHREC_CNR_COLLECTIVE_TIMEOUT_S", 600)
+        default_factory=lambda: env_number("TORCHREC_CNR_COLLECTIVE_TIMEOUT_S", 600)
     )
     """Seconds a rank waits for the others at a checkpoint's collectives
     (``TORCHREC_CNR_COLLECTIVE_TIMEOUT_S``)."""
-    lease_ttl_s: float = field(default_factory=lambda: _env_number("TORCHREC_CNR_LEASE_TTL_S", 60))
+    lease_ttl_s: float = field(default_factory=lambda: env_number("TORCHREC_CNR_LEASE_TTL_S", 60))
     """Seconds after its last refresh that a root's lease stops counting as held by a live
     job; the holder refreshes it every quarter of this (``TORCHREC_CNR_LEASE_TTL_S``)."""
 

@@ -176,3 +176,9 @@ def test_switch_off_falls_back_to_the_torch_code(monkeypatch: pytest.MonkeyPatch
     assert not torch.equal(compiled[0], torch_code[0])
     ratio = _errors(x, *torch_code, 4).mean() / _errors(x, *compiled, 4).mean()
     assert 1.0 <= ratio < 1.03
+
+
+def test_a_mistyped_switch_fails_with_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHREC_CNR_COMPILED_SEARCH", "maybe")
+    with pytest.raises(ValueError, match="TORCHREC_CNR_COMPILED_SEARCH='maybe': use 1 or 0"):
+        search_ranges(_rows("gaussian", 10, 8, seed=0), 4)

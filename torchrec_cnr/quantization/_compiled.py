@@ -13,10 +13,11 @@ import ctypes
 import functools
 import importlib.machinery
 import logging
-import os
 from pathlib import Path
 
 import torch
+
+from torchrec_cnr.env import env_flag
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ _ENV = "TORCHREC_CNR_COMPILED_SEARCH"
 
 def enabled() -> bool:
     """Whether ``TORCHREC_CNR_COMPILED_SEARCH`` (default 1) allows the library."""
-    return os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag(_ENV, True)
 
 
 @functools.lru_cache(maxsize=1)

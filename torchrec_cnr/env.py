@@ -1,0 +1,30 @@
+"""Environment switches: each read where its docs say, parsed strictly, so a typo fails
+with the variable's name instead of silently meaning the default."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["env_flag", "env_number"]
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """``name`` as on/off: 1/true/on or 0/false/off; unset, empty or ``default`` gives
+    ``default``."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "default"):
+        return default
+    if value in ("0", "1", "false", "true", "off", "on"):
+        return value in ("1", "true", "on")
+    raise ValueError(f"{name}={value!r}: use 1 or 0")
+
+
+def env_number(name: str, default: float) -> float:
+    """``name`` as a number; unset gives ``default``."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} must be a number") from None
