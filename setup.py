@@ -1,7 +1,8 @@
-"""Builds the compiled range search of adaptive quantization (plain C, loaded
-with ctypes: see torchrec_cnr/quantization/_compiled.py). Everything else is
-in pyproject.toml. ``optional``: without a C compiler the install still
-succeeds and the search runs as torch code (slower; logged once)."""
+"""Builds two small C libraries, loaded with ctypes: the range search of adaptive
+quantization (torchrec_cnr/quantization/_compiled.py) and the CRC32 of stored
+tensors (torchrec_cnr/snapshot/checksum.py). Everything else is in pyproject.toml.
+``optional``: without a C compiler the install still succeeds; the search runs as
+torch code and the CRC32 on zlib (slower; logged once)."""
 
 from setuptools import Extension, setup
 
@@ -13,6 +14,12 @@ setup(
             # No contraction into FMA: every build of the search rounds alike.
             extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-Wno-psabi"],
             optional=True,
-        )
+        ),
+        Extension(
+            "torchrec_cnr.snapshot._crc32_lib",
+            sources=["torchrec_cnr/snapshot/_crc32.c"],
+            extra_compile_args=["-O3", "-std=gnu11"],
+            optional=True,
+        ),
     ]
 )

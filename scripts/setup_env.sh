@@ -22,8 +22,8 @@ if [ -z "$flavour" ]; then
   fi
 fi
 
-# The C sources are in the stamp: a change rebuilds the compiled search.
-stamp="$VENV/.cnr-$flavour-$(sha1sum pyproject.toml setup.py scripts/setup_env.sh torchrec_cnr/quantization/*.c | sha1sum | cut -c1-12)"
+# The C sources are in the stamp: a change rebuilds the compiled libraries.
+stamp="$VENV/.cnr-$flavour-$(sha1sum pyproject.toml setup.py scripts/setup_env.sh torchrec_cnr/*/*.c | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then
   exit 0
 fi

@@ -40,7 +40,14 @@ from torchrec_cnr.selection.rows import (
     select_rows,
 )
 from torchrec_cnr.snapshot import checkpoint_id
-from torchrec_cnr.staging import LazyStaging, StagedCheckpoint, StagingPool, lazy_fallback, stage
+from torchrec_cnr.staging import (
+    LazyStaging,
+    StagedCheckpoint,
+    StagingPool,
+    lazy_fallback,
+    serialize_app_state,
+    stage,
+)
 from torchrec_cnr.storage import Storage, open_storage
 from torchrec_cnr.tracking import bitmap, model_state
 
@@ -116,7 +123,10 @@ class CheckpointManager:
         on_gpu = any(s.weight.device.type == "cuda" for s in self._shards)
         budget = None if config.staging_memory_mb is None else int(config.staging_memory_mb * 2**20)
         self._pool = StagingPool(budget, pin=on_gpu)
-        self._pool.prefault(self._shards)  # so that the first full save stalls no longer
+        # So that the first save stalls no longer than the others: the buffers of a full
+        # checkpoint faulted in, and torch.save's imports (done on its first call) done.
+        self._pool.prefault(self._shards)
+        serialize_app_state({})
         ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(self.world_size))
         self._background = BackgroundWriter(ranks, io.collective_timeout_s)
         self._lease = Lease(

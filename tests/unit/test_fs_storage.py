@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,6 +56,26 @@ def test_objects_round_trip_at_any_offset(tmp_path, source, direct, shift):
             length = max(0, n - offset - 7)
             assert torch.equal(_read(st, name, offset, length), data[offset : offset + length])
     assert st._direct.writes == direct  # this file system took O_DIRECT
+
+
+def test_aligned_reads_go_straight_into_the_buffer_to_the_last_byte(tmp_path, source, monkeypatch):
+    _needs_o_direct(tmp_path)
+    n = 3 * MIB + 4097  # ends mid-page
+    FsStorage(tmp_path).write_object("o", as_bytes(source[:n]))
+    copied: list[int] = []  # bytes that passed through the bounce buffer, per copy
+    real_copyto = np.copyto
+    monkeypatch.setattr(
+        np, "copyto", lambda dst, src: copied.append(len(src)) or real_copyto(dst, src)
+    )
+    st = FsStorage(tmp_path)
+    for offset, length in [(0, 2 * MIB), (4096, MIB + 100), (0, n), (8192, n - 8192)]:
+        buf = mmap.mmap(-1, length)  # page-aligned, as the staging pool's buffers are
+        st.read_into("o", offset, memoryview(buf))
+        got = torch.frombuffer(buf, dtype=torch.uint8)
+        assert torch.equal(got, source[offset : offset + length]), (offset, length)
+    assert copied == [100, 4097 - 4096, 4097 - 4096]  # only the tails under a page bounce
+    st.read_into("o", 13, memoryview(mmap.mmap(-1, MIB)))  # an unaligned offset bounces
+    assert sum(copied[3:]) == MIB
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])

@@ -24,7 +24,7 @@ from torchrec_cnr.snapshot.layout import (
     stored_state,
     stored_weight,
 )
-from torchrec_cnr.snapshot.reader import SnapshotReader
+from torchrec_cnr.snapshot.reader import SnapshotReader, page_aligned
 from torchrec_cnr.snapshot.writer import RankPart, SnapshotWriter, write_index
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "crc32_combine",
     "dense_path",
     "mismatch",
+    "page_aligned",
     "parse_checkpoint_id",
     "rows_path",
     "stored_ids",

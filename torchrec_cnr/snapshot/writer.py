@@ -21,7 +21,6 @@ restore.
 from __future__ import annotations
 
 import base64
-import zlib
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
@@ -37,7 +36,7 @@ from torchsnapshot.manifest import (
 )
 from torchsnapshot.serialization import dtype_to_string
 
-from torchrec_cnr.snapshot.checksum import as_bytes, crc32_combine
+from torchrec_cnr.snapshot.checksum import as_bytes, crc32_bytes, crc32_combine
 from torchrec_cnr.snapshot.layout import SNAPSHOT_MARKER
 from torchrec_cnr.storage import Storage
 
@@ -48,7 +47,7 @@ SNAPSHOT_VERSION = "0.1.0"
 
 
 def _put(storage: Storage, name: str, data: memoryview) -> int:
-    crc = zlib.crc32(data)
+    crc = crc32_bytes(data)
     storage.write_object(name, data)
     return crc
 
@@ -153,7 +152,7 @@ class SnapshotWriter:
             raise ValueError(f"{logical}: a chunk of another dtype or shape")
         data = as_bytes(t)
         if len(data) < self.small_bytes:
-            piece = _Piece(row0, rows, "", self._batch_bytes, len(data), zlib.crc32(data))
+            piece = _Piece(row0, rows, "", self._batch_bytes, len(data), crc32_bytes(data))
             self._batch.append((piece, bytes(data)))
             self._batch_bytes += len(data)
             known.pieces.append(piece)
@@ -215,7 +214,7 @@ class SnapshotWriter:
             nbytes += sum(p.nbytes for p in pieces)
         for logical, value in self._inline.items():
             entries[logical] = PrimitiveEntry("bytes", base64.b64encode(value).decode(), False)
-            checksums[logical] = zlib.crc32(value)
+            checksums[logical] = crc32_bytes(value)
             nbytes += len(value)
         return RankPart(entries, checksums, nbytes)
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
+from torchrec_cnr.snapshot import page_aligned
 from torchrec_cnr.snapshot.layout import stored_state, stored_weight
 from torchrec_cnr.tracking.shard import LocalShard
 
@@ -57,7 +58,7 @@ class StagingPool:
                 if self.nbytes + want * dtype.itemsize <= self.budget_bytes:
                     break
                 del self._buffers[stale]
-        buf = _page_aligned(want, dtype, self.pin)
+        buf = page_aligned(want, dtype, self.pin)
         self._buffers[key] = buf
         return buf[:numel].view(shape)
 
@@ -71,17 +72,6 @@ class StagingPool:
         self.begin()
         for key, shape, dtype in _buffers_of(shards, self.budget_bytes):
             self.take(key, shape, dtype).zero_()
-
-
-_PAGE = 4096
-
-
-def _page_aligned(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialized 1-d tensor whose data starts on a 4 KiB boundary, so the objects
-    cut from its start go to the disk with ``O_DIRECT`` without a bounce copy."""
-    raw = torch.empty(numel * dtype.itemsize + _PAGE, dtype=torch.uint8, pin_memory=pin)
-    skip = -raw.data_ptr() % _PAGE
-    return raw[skip : skip + numel * dtype.itemsize].view(dtype)
 
 
 def chunk_rows(shard: LocalShard, with_ids: bool, budget: int | None) -> int | None:
