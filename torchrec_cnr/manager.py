@@ -125,7 +125,7 @@ class CheckpointManager:
         self._pool = StagingPool(budget, pin=on_gpu)
         # So that the first save stalls no longer than the others: the buffers of a full
         # checkpoint faulted in, and torch.save's imports (done on its first call) done.
-        self._pool.prefault(self._shards)
+        self._pool.prefault(self._shards, self._dense)
         serialize_app_state({})
         ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(self.world_size))
         self._background = BackgroundWriter(ranks, io.collective_timeout_s)

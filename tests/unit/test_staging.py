@@ -262,9 +262,11 @@ def test_a_checkpoint_within_budget_takes_one_buffer_set_per_shard() -> None:
     assert list(_buffers_of(shards, None)) == [
         ("s0.w", (10, 4), F32),
         ("s0.momentum1", (10,), F32),
+        ("s0/staged", (10,), torch.bool),  # lazy staging's row flags
         ("s1.w", (6, 2), F32),
         ("s1.momentum1", (6, 2), F32),
         ("s1.momentum2", (6, 2), F32),
+        ("s1/staged", (6,), torch.bool),
     ]
     fits = 10 * 20 + 6 * 24
     assert [key for key, _, _ in _buffers_of(shards, fits)][0] == "s0.w"
@@ -283,18 +285,24 @@ def test_a_checkpoint_over_budget_takes_one_chunk_buffer_set_of_chunk_rows() -> 
 
 def test_prefault_allocates_the_buffers_a_full_save_then_reuses() -> None:
     shards = [_shard(rows=10), _shard(rows=6, seed=1)]
+    dense = {"mlp.weight": torch.randn(3, 2)}
     pool = StagingPool()
-    pool.prefault(shards)
+    pool.prefault(shards, dense)
     allocated = pool.nbytes
     pointers = {k: b.data_ptr() for k, b in pool._buffers.items()}
-    assert set(pointers) == {"s0.w", "s0.momentum1", "s1.w", "s1.momentum1"}
+    assert set(pointers) == {
+        *("s0.w", "s0.momentum1", "s0/staged", "s1.w", "s1.momentum1", "s1/staged"),
+        "dense/mlp.weight",
+    }
     sink = _RecordingSink()
-    _stage(shards, [None, None], pool, sink)
+    staged = _stage(shards, [None, None], pool, sink, dense)
     assert pool.nbytes == allocated  # staging allocated nothing more
     assert [h.staged.weight.data_ptr() for h in sink.handed] == [
         pointers["s0.w"],
         pointers["s1.w"],
     ]
+    assert staged.dense["mlp.weight"].data_ptr() == pointers["dense/mlp.weight"]
+    assert torch.equal(staged.dense["mlp.weight"], dense["mlp.weight"])
 
 
 # stage()

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from torchrec_cnr.selection.policy import Kind
-from torchrec_cnr.staging.pool import StagingPool, chunk_rows
+from torchrec_cnr.staging.pool import StagingPool, chunk_rows, dense_buffer
 from torchrec_cnr.staging.shard import (
     Sink,
     StagedCheckpoint,
@@ -74,5 +74,8 @@ def stage(
             staged_bytes += staged.nbytes
             sink.add(staged, row0, total)
             sink.wait()  # the next chunk reuses these buffers
-    host_dense = {k: v.detach().to("cpu", copy=True) for k, v in dense.items()}
+    host_dense = {
+        k: pool.take(dense_buffer(k), tuple(v.shape), v.dtype).copy_(v.detach())
+        for k, v in dense.items()
+    }
     return StagedCheckpoint(step, kind, host_dense, serialize_app_state(app_state), staged_bytes)

@@ -32,7 +32,7 @@ import torch
 from torchrec_cnr.selection.policy import Decision
 from torchrec_cnr.selection.rows import recent_rows, recorded_recent
 from torchrec_cnr.snapshot.layout import stored_ids, stored_state, stored_weight
-from torchrec_cnr.staging.pool import StagingPool
+from torchrec_cnr.staging.pool import StagingPool, staged_flags
 from torchrec_cnr.staging.shard import Sink, StagedShard, global_ids, ids_dtype
 from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.shard import LocalShard
@@ -172,7 +172,10 @@ class LazyStaging:
             weight = _take(pool, stored_weight(key), shard.weight, n)
             states = {k: _take(pool, stored_state(key, k), v, n) for k, v in shard.states.items()}
             ids = None if selected is None else pool.take(stored_ids(key), (n,), ids_dtype(shard))
-            flags = torch.zeros(n, dtype=torch.bool, device=device)
+            if device.type == "cpu":  # faulted in with the pool's buffers
+                flags = pool.take(staged_flags(key), (n,), torch.bool).zero_()
+            else:
+                flags = torch.zeros(n, dtype=torch.bool, device=device)
             staged.append(
                 _Shard(shard, key, selected, before, weight, states, ids, flags,
                        shard.scalar_states(), recent)

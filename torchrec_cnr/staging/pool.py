@@ -7,7 +7,7 @@ checkpoint's in when the manager is built (:meth:`StagingPool.prefault`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -67,11 +67,26 @@ class StagingPool:
         self._buffers.clear()
         self._in_use.clear()
 
-    def prefault(self, shards: list[LocalShard]) -> None:
-        """Allocates and touches the buffers a full checkpoint of ``shards`` will take."""
+    def prefault(
+        self, shards: list[LocalShard], dense: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """Allocates and touches the buffers a full checkpoint of ``shards`` and ``dense``
+        will take."""
         self.begin()
         for key, shape, dtype in _buffers_of(shards, self.budget_bytes):
             self.take(key, shape, dtype).zero_()
+        for name, tensor in (dense or {}).items():
+            self.take(dense_buffer(name), tuple(tensor.shape), tensor.dtype).zero_()
+
+
+def dense_buffer(name: str) -> str:
+    """The pool key of a dense tensor's host copy."""
+    return f"dense/{name}"
+
+
+def staged_flags(key: str) -> str:
+    """The pool key of a lazily staged shard's row flags (one bool per row: copied yet?)."""
+    return f"{key}/staged"
 
 
 def chunk_rows(shard: LocalShard, with_ids: bool, budget: int | None) -> int | None:
@@ -82,7 +97,8 @@ def chunk_rows(shard: LocalShard, with_ids: bool, budget: int | None) -> int | N
 def _buffers_of(
     shards: list[LocalShard], budget: int | None
 ) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
-    """The pool buffers a full checkpoint takes: one set per shard, or one chunk set."""
+    """The pool buffers a full checkpoint takes: one set per shard (with the row flags of
+    lazy staging), or one chunk set (chunks are staged eagerly)."""
     full = sum(s.spec.rows * s.row_bytes(False) for s in shards)
     chunked = budget is not None and full > budget
     for i, s in enumerate(shards):
@@ -91,3 +107,5 @@ def _buffers_of(
         yield stored_weight(key), (rows, *s.weight.shape[1:]), s.weight.dtype
         for name, state in s.states.items():
             yield stored_state(key, name), (rows, *state.shape[1:]), state.dtype
+        if not chunked:
+            yield staged_flags(key), (rows,), torch.bool
