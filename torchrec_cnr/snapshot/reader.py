@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from torchrec_cnr.snapshot.checksum import (
     mismatch,
 )
 from torchrec_cnr.snapshot.layout import SNAPSHOT_MARKER, app_path, dense_path, rows_path
-from torchrec_cnr.storage import Storage
+from torchrec_cnr.storage import DIRECT_ALIGN, DIRECT_MIN_BYTES, Storage
 
 __all__ = ["SnapshotReader", "page_aligned", "parse_index"]
 
@@ -48,27 +49,19 @@ Alloc = Callable[[list[int], torch.dtype], "torch.Tensor | None"]
 """Gives the tensor of ``shape`` and ``dtype`` to read into, or ``None`` for a fresh one."""
 
 
-_PAGE = 4096
-_DIRECT_MIN = 1 << 20
-"""Smaller tensors are read through the page cache (as :class:`~torchrec_cnr.storage.FsStorage`
-reads small objects): no alignment needed."""
-
-
 def page_aligned(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
     """An uninitialized 1-d tensor whose data starts on a 4 KiB boundary: objects go
     between it and the disk with ``O_DIRECT``, without a bounce copy. ``pin``:
     page-locked (for asynchronous copies from CUDA)."""
-    raw = torch.empty(numel * dtype.itemsize + _PAGE, dtype=torch.uint8, pin_memory=pin)
-    skip = -raw.data_ptr() % _PAGE
+    raw = torch.empty(numel * dtype.itemsize + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % DIRECT_ALIGN
     return raw[skip : skip + numel * dtype.itemsize].view(dtype)
 
 
 def _empty(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """A tensor to read into: page-aligned where it is large enough to be read directly."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    if numel * dtype.itemsize < _DIRECT_MIN:
+    numel = math.prod(shape)
+    if numel * dtype.itemsize < DIRECT_MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
     return page_aligned(numel, dtype).view(shape)
 

@@ -6,6 +6,16 @@ implement :class:`Storage`. What the objects hold is :mod:`torchrec_cnr.snapshot
 """
 
 from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage
+from torchrec_cnr.storage.fs import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from torchrec_cnr.storage.root import Root, as_storage, open_storage
 
-__all__ = ["ANY", "PreconditionFailed", "Root", "Storage", "as_storage", "open_storage"]
+__all__ = [
+    "ANY",
+    "DIRECT_ALIGN",
+    "DIRECT_MIN_BYTES",
+    "PreconditionFailed",
+    "Root",
+    "Storage",
+    "as_storage",
+    "open_storage",
+]

@@ -93,6 +93,14 @@ def _address(data: memoryview) -> int:
     return int(np.frombuffer(data, dtype=np.uint8).ctypes.data) if len(data) else 0
 
 
+DIRECT_ALIGN = 4096
+"""The alignment ``O_DIRECT`` transfers need (of address, offset and length): the
+device's block, which 4 KiB covers for every common one."""
+DIRECT_MIN_BYTES = 1 << 20
+"""Objects smaller than this go through the page cache: a direct request waits for
+the disk, which costs more than a page-cache copy for small ones."""
+
+
 class _Direct:
     """``O_DIRECT`` transfers of one storage's large objects.
 
@@ -102,14 +110,13 @@ class _Direct:
     per-thread aligned bounce buffer, a memory copy far faster than the disk. The unaligned
     tail of an object, under 4 KiB, is written through the page cache on the same file.
     Reads into an aligned buffer at an aligned offset go straight into it; others fetch
-    the aligned span around the wanted bytes into the bounce buffer and copy out. The first refusal (``EINVAL``: the file system does not do direct I/O) switches
-    the storage to the page cache for good, said once in the log.
+    the aligned span around the wanted bytes into the bounce buffer and copy out. The
+    first refusal (``EINVAL``: the file system does not do direct I/O) switches the
+    storage to the page cache for good, said once in the log.
     """
 
-    ALIGN = 4096
-    MIN_BYTES = 1 << 20
-    """Objects smaller than this go through the page cache: a direct request waits for
-    the disk, which costs more than a page-cache copy for small ones."""
+    ALIGN = DIRECT_ALIGN
+    MIN_BYTES = DIRECT_MIN_BYTES
     BOUNCE = 8 << 20
 
     def __init__(self, writes: bool, reads: bool) -> None:
@@ -172,7 +179,7 @@ class _Direct:
             while done < bulk:
                 want = bulk - done
                 got = os.preadv(fd, [out[done:bulk]], offset + done)
-                done += max(got, 0)
+                done += got
                 if got < want:  # the end of the file
                     return done
         bounce = self._bounce()
