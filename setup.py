@@ -10,7 +10,10 @@ setup(
     ext_modules=[
         Extension(
             "torchrec_cnr.quantization._rowsearch_lib",
-            sources=["torchrec_cnr/quantization/_rowsearch.c"],
+            sources=[
+                "torchrec_cnr/quantization/_rowsearch.c",
+                "torchrec_cnr/quantization/_rowsearch_avx2.c",
+            ],
             # No contraction into FMA: every build of the search rounds alike.
             extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-Wno-psabi"],
             optional=True,

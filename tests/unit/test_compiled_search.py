@@ -182,3 +182,42 @@ def test_a_mistyped_switch_fails_with_its_name(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("TORCHREC_CNR_COMPILED_SEARCH", "maybe")
     with pytest.raises(ValueError, match="TORCHREC_CNR_COMPILED_SEARCH='maybe': use 1 or 0"):
         search_ranges(_rows("gaussian", 10, 8, seed=0), 4)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_the_avx2_and_baseline_builds_return_the_same_ranges(bits: int) -> None:
+    # The entry point runs the AVX2 build on CPUs that have it; the baseline runs elsewhere.
+    # Both are exported: on every input they must agree bit for bit.
+    lib = _lib()
+    if not lib.cnr_search_uses_avx2():
+        pytest.skip("this CPU has no AVX2: only the baseline build runs here")
+    for name in ("cnr_search_rows_base", "cnr_search_rows_avx2"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = lib.cnr_search_rows.argtypes
+    x = torch.cat([_rows("gaussian", 301, 40, seed=bits), _rows("t3", 301, 40, seed=bits + 1) * 7])
+    x[0] = 0.5  # a constant row
+    x[1, :20] = 0.0  # ties between grid points
+    x[2] *= 1e-30  # a range below fp16's smallest step
+    clips, refine = _adaptive._plan(bits, 40, 200, 0.16, cheap=True)
+    arr = (ctypes.c_int32 * len(clips))(*clips)
+    got = []
+    for name in ("cnr_search_rows_base", "cnr_search_rows_avx2"):
+        lo, hi = torch.full((602,), float("nan")), torch.full((602,), float("nan"))
+        rc = getattr(lib, name)(
+            x.data_ptr(),
+            602,
+            40,
+            bits,
+            arr,
+            len(clips),
+            200,
+            refine,
+            _adaptive._OMEGA,
+            _adaptive._frame(bits),
+            lo.data_ptr(),
+            hi.data_ptr(),
+        )
+        assert rc == 0
+        got.append((lo, hi))
+    assert not got[0][0].isnan().any()
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])

@@ -28,10 +28,12 @@
  * 1e-8 range epsilon for 8 bits (FloatToFused8BitRowwiseQuantized), and the
  * returned (lo, hi) make the encoder derive exactly the winner's parameters.
  *
- * Plain C with GCC vector extensions (AVX registers in the AVX2 build, pairs
- * of SSE registers in the baseline one, picked at load time); no float
- * semantics are relaxed. No Python API: _adaptive.py loads it with ctypes,
- * which releases the GIL for the call.
+ * Plain C with GCC vector extensions, built twice: as the baseline here
+ * (pairs of SSE registers), and with AVX2 by _rowsearch_avx2.c, which
+ * includes this file and adds one-instruction min, max and rounding; the
+ * entry point at the end picks the build the CPU can run. Both builds return
+ * the same ranges; no float semantics are relaxed. No Python API:
+ * _compiled.py loads it with ctypes, which releases the GIL for the call.
  */
 
 #include <math.h>
@@ -40,9 +42,13 @@
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CNR_CLONES __attribute__((target_clones("avx2", "default")))
+#define CNR_HAVE_AVX2 /* _rowsearch_avx2.c builds cnr_search_rows_avx2 */
+#endif
+#ifdef CNR_AVX2 /* included by _rowsearch_avx2.c */
+#include <immintrin.h>
+#define CNR_ENTRY cnr_search_rows_avx2
 #else
-#define CNR_CLONES
+#define CNR_ENTRY cnr_search_rows_base
 #endif
 /* Everything below the entry point is inlined into each of its builds. */
 #define CNR_INLINE static inline __attribute__((always_inline))
@@ -88,8 +94,20 @@ CNR_INLINE vf splat(float a) { return (vf){0} + a; }
 CNR_INLINE vi splat_i(int32_t a) { return (vi){0} + a; }
 CNR_INLINE vf sel(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); }
 CNR_INLINE vd seld(vl m, vd a, vd b) { return (vd)((m & (vl)a) | (~m & (vl)b)); }
+#ifdef CNR_AVX2
+/* minps and maxps return their second operand unless the comparison holds: the
+ * same as the select below, in one instruction. */
+CNR_INLINE vf vmin(vf a, vf b) { return (vf)_mm256_min_ps((__m256)a, (__m256)b); }
+CNR_INLINE vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
+/* A code in [0, levels] rounded to the nearest integer, ties to even. */
+CNR_INLINE vf round_code(vf t) {
+    return (vf)_mm256_round_ps((__m256)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+#else
 CNR_INLINE vf vmin(vf a, vf b) { return sel(a < b, a, b); }
 CNR_INLINE vf vmax(vf a, vf b) { return sel(a > b, a, b); }
+CNR_INLINE vf round_code(vf t) { return (t + MAGIC) - MAGIC; }
+#endif
 CNR_INLINE vd widen(vf a) { return __builtin_convertvector(a, vd); }
 CNR_INLINE vf narrow(vd a) { return __builtin_convertvector(a, vf); }
 CNR_INLINE vi is_inf(vf a) { return ((vi)a & 0x7fffffff) == 0x7f800000; }
@@ -185,7 +203,7 @@ CNR_INLINE vf polish(const vf *xt, int64_t dim, const plan *p, cand *c, best_t *
         vf v = xt[i];
         vf d = v - bias;
         vf t = vmin(vmax(d * inv, splat(0.0f)), top);
-        vf q = (t + MAGIC) - MAGIC;
+        vf q = round_code(t);
         vf r = d - scale * q;
         err += r * r;
         s_q += q;
@@ -263,8 +281,10 @@ CNR_INLINE void search_batch(const vf *xt, int64_t dim, const plan *p, const int
     *hi_out = sel(ok, best.hi, mx);
 }
 
+#ifndef CNR_AVX2
 /* fp16_round of one value, for the tests. */
 float cnr_fp16_round(float v) { return fp16_round(splat(v))[0]; }
+#endif
 
 /* Ranges (lo, hi) for rows x (n, dim), contiguous fp32, finite.
  *
@@ -275,8 +295,7 @@ float cnr_fp16_round(float v) { return fp16_round(splat(v))[0]; }
  * midpoints between them (the stand-ins for cos and sin are crude, so the two
  * choose different shifts). Returns 0; -1 for
  * arguments out of range, -2 when a work block cannot be allocated. */
-CNR_CLONES
-int cnr_search_rows(const float *x, int64_t n, int64_t dim, int bits, const int32_t *clips,
+int CNR_ENTRY(const float *x, int64_t n, int64_t dim, int bits, const int32_t *clips,
                     int n_clips, int n_bins, int refine, double omega, float frame,
                     float *lo_out, float *hi_out) {
     if (n < 0 || dim <= 0 || !(bits == 2 || bits == 3 || bits == 4 || bits == 8) || n_bins <= 0 ||
@@ -304,3 +323,34 @@ int cnr_search_rows(const float *x, int64_t n, int64_t dim, int bits, const int3
     free(xt);
     return 0;
 }
+
+#ifndef CNR_AVX2
+#ifdef CNR_HAVE_AVX2
+int cnr_search_rows_avx2(const float *x, int64_t n, int64_t dim, int bits, const int32_t *clips,
+                         int n_clips, int n_bins, int refine, double omega, float frame,
+                         float *lo_out, float *hi_out);
+#endif
+
+/* 1 when cnr_search_rows runs the AVX2 build, for the tests. */
+int cnr_search_uses_avx2(void) {
+#ifdef CNR_HAVE_AVX2
+    return __builtin_cpu_supports("avx2") != 0;
+#else
+    return 0;
+#endif
+}
+
+/* The entry point: the AVX2 build where the CPU has it, else the baseline;
+ * both return the same ranges (the tests compare them). */
+int cnr_search_rows(const float *x, int64_t n, int64_t dim, int bits, const int32_t *clips,
+                    int n_clips, int n_bins, int refine, double omega, float frame, float *lo_out,
+                    float *hi_out) {
+#ifdef CNR_HAVE_AVX2
+    if (__builtin_cpu_supports("avx2"))
+        return cnr_search_rows_avx2(x, n, dim, bits, clips, n_clips, n_bins, refine, omega, frame,
+                                    lo_out, hi_out);
+#endif
+    return cnr_search_rows_base(x, n, dim, bits, clips, n_clips, n_bins, refine, omega, frame,
+                                lo_out, hi_out);
+}
+#endif
