@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +16,7 @@ from torchrec_cnr.selection.policy import Kind
 from torchrec_cnr.staging import StagedCheckpoint, StagedShard, StagingPool, stage
 from torchrec_cnr.staging.pool import _buffers_of, chunk_rows
 from torchrec_cnr.tracking import bitmap
+from torchrec_cnr.tracking.lookups import KernelLookups
 from torchrec_cnr.tracking.shard import LocalShard, ShardSpec
 
 F32 = torch.float32
@@ -446,3 +449,30 @@ def test_chunked_staging_holds_no_more_than_the_budget(states: str) -> None:
     pool = StagingPool(budget_bytes=budget)
     _stage([shard], [None], pool, _RecordingSink())
     assert pool.nbytes <= budget
+
+
+def test_a_lookup_waits_for_one_background_chunk_at_most() -> None:
+    # threading.Lock is not fair: a background copy that releases the kernel's lock and
+    # takes it again at once would keep a waiting lookup out for all its chunks. It yields
+    # between chunks (yield_to_lookups), so the lookup runs after the chunk in progress.
+    lookups = KernelLookups()
+    chunks, seen = [0], []
+    lookups.subscribe(lambda rows: seen.append(chunks[0]))
+    started, asked = threading.Event(), []
+
+    def background() -> None:
+        for _ in range(60):
+            lookups.yield_to_lookups()
+            with lookups.lock:
+                started.set()
+                time.sleep(0.002)  # a chunk's copy, the GIL released
+                chunks[0] += 1
+
+    copier = threading.Thread(target=background)
+    copier.start()
+    started.wait()
+    asked.append(chunks[0])
+    lookups.before(torch.tensor([1, 2]))
+    copier.join()
+    assert chunks[0] == 60 and len(seen) == 1
+    assert seen[0] - asked[0] <= 2, (asked, seen)

@@ -235,6 +235,7 @@ class LazyStaging:
                 lookups = s.shard.lookups
                 assert lookups is not None
                 for a in range(0, s.n, CHUNK_ROWS):
+                    lookups.yield_to_lookups()
                     with lookups.lock, self._side_stream():
                         s.copy_block(rows, a, min(a + CHUNK_ROWS, s.n))
                 with lookups.lock:

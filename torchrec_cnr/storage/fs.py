@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from torchrec_cnr.env import env_flag
 from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage, _Any
 
 __all__ = ["FsStorage", "fsync_dir", "tree_bytes"]
@@ -76,17 +77,6 @@ def _fsync_and_drop(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    # torchrec_cnr.env.env_flag's rule, restated: storage imports no other stage
-    # (tests/unit/test_layers.py).
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("", "default"):
-        return default
-    if value in ("0", "1", "false", "true", "off", "on"):
-        return value in ("1", "true", "on")
-    raise ValueError(f"{name}={value!r}: use 1 or 0")
 
 
 def _address(data: memoryview) -> int:
@@ -225,10 +215,10 @@ class FsStorage(Storage):
         self.root = Path(path)
         self.url = str(path)
         self._direct = _Direct(
-            _env_flag("TORCHREC_CNR_DIRECT_WRITES", True)
+            env_flag("TORCHREC_CNR_DIRECT_WRITES", True)
             if direct_writes is None
             else direct_writes,
-            _env_flag("TORCHREC_CNR_DIRECT_READS", True) if direct_reads is None else direct_reads,
+            env_flag("TORCHREC_CNR_DIRECT_READS", True) if direct_reads is None else direct_reads,
         )
         self._unsynced: set[str] = set()  # objects written but not yet fsynced
         self._unsynced_lock = threading.Lock()
