@@ -346,7 +346,7 @@ int cnr_search_rows(const float *x, int64_t n, int64_t dim, int bits, const int3
                     int n_clips, int n_bins, int refine, double omega, float frame, float *lo_out,
                     float *hi_out) {
 #ifdef CNR_HAVE_AVX2
-    if (__builtin_cpu_supports("avx2"))
+    if (cnr_search_uses_avx2())
         return cnr_search_rows_avx2(x, n, dim, bits, clips, n_clips, n_bins, refine, omega, frame,
                                     lo_out, hi_out);
 #endif

@@ -105,8 +105,6 @@ class _Direct:
     storage to the page cache for good, said once in the log.
     """
 
-    ALIGN = DIRECT_ALIGN
-    MIN_BYTES = DIRECT_MIN_BYTES
     BOUNCE = 8 << 20
 
     def __init__(self, writes: bool, reads: bool) -> None:
@@ -138,9 +136,9 @@ class _Direct:
 
     def write(self, fd: int, data: memoryview) -> int:
         """Writes ``data`` at offset 0 of the ``O_DIRECT`` file ``fd``; returns its length."""
-        bulk = len(data) - len(data) % self.ALIGN
+        bulk = len(data) - len(data) % DIRECT_ALIGN
         done = 0
-        if _address(data) % self.ALIGN == 0:
+        if _address(data) % DIRECT_ALIGN == 0:
             while done < bulk:
                 done += os.pwrite(fd, data[done:bulk], done)
         else:
@@ -164,8 +162,8 @@ class _Direct:
         """Reads into ``out`` from ``offset`` of the ``O_DIRECT`` file ``fd``; returns the
         bytes read (fewer at the end of the file)."""
         done = 0
-        if _address(out) % self.ALIGN == 0 and offset % self.ALIGN == 0:
-            bulk = len(out) - len(out) % self.ALIGN  # straight into an aligned buffer
+        if _address(out) % DIRECT_ALIGN == 0 and offset % DIRECT_ALIGN == 0:
+            bulk = len(out) - len(out) % DIRECT_ALIGN  # straight into an aligned buffer
             while done < bulk:
                 want = bulk - done
                 got = os.preadv(fd, [out[done:bulk]], offset + done)
@@ -177,9 +175,9 @@ class _Direct:
         dst = np.frombuffer(out, dtype=np.uint8)
         while done < len(out):
             pos = offset + done
-            start = pos - pos % self.ALIGN
+            start = pos - pos % DIRECT_ALIGN
             skip = pos - start
-            want = min(len(bounce), -(-(skip + len(out) - done) // self.ALIGN) * self.ALIGN)
+            want = min(len(bounce), -(-(skip + len(out) - done) // DIRECT_ALIGN) * DIRECT_ALIGN)
             got = os.preadv(fd, [bounce[:want]], start)
             n = min(got - skip, len(out) - done)
             if n <= 0:
@@ -239,7 +237,7 @@ class FsStorage(Storage):
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         path = self.root / name
         done = 0
-        if self._direct.reads and len(out) >= _Direct.MIN_BYTES:
+        if self._direct.reads and len(out) >= DIRECT_MIN_BYTES:
             direct = self._direct
             done = direct.attempt(path, os.O_RDONLY, lambda fd: direct.read(fd, offset, out)) or 0
             if done == len(out):
@@ -291,7 +289,7 @@ class FsStorage(Storage):
         target.parent.mkdir(parents=True, exist_ok=True)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         direct = self._direct
-        if direct.writes and len(data) >= _Direct.MIN_BYTES:
+        if direct.writes and len(data) >= DIRECT_MIN_BYTES:
             if direct.attempt(target, flags, lambda fd: direct.write(fd, data)) is not None:
                 self._written(name)
                 return
