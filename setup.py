@@ -1,8 +1,10 @@
-"""Builds two small C libraries, loaded with ctypes: the range search of adaptive
-quantization (torchrec_cnr/quantization/_compiled.py) and the CRC32 of stored
-tensors (torchrec_cnr/snapshot/checksum.py). Everything else is in pyproject.toml.
+"""Builds three small C libraries, loaded with ctypes: the range search of adaptive
+quantization (torchrec_cnr/quantization/_compiled.py), the CRC32 of stored tensors
+(torchrec_cnr/snapshot/checksum.py) and lazy staging's copier
+(torchrec_cnr/staging/cow.py). Everything else is in pyproject.toml.
 ``optional``: without a C compiler the install still succeeds; the search runs as
-torch code and the CRC32 on zlib (slower; logged once)."""
+torch code, the CRC32 on zlib and lazy staging copies under a lock (slower; logged
+once)."""
 
 from setuptools import Extension, setup
 
@@ -22,6 +24,12 @@ setup(
             "torchrec_cnr.snapshot._crc32_lib",
             sources=["torchrec_cnr/snapshot/_crc32.c"],
             extra_compile_args=["-O3", "-std=gnu11"],
+            optional=True,
+        ),
+        Extension(
+            "torchrec_cnr.staging._cow_lib",
+            sources=["torchrec_cnr/staging/_cow.c"],
+            extra_compile_args=["-O3", "-std=gnu11", "-Wall"],
             optional=True,
         ),
     ]

@@ -10,6 +10,7 @@ does not hold (a batch looked up and not yet updated), the save falls back to ea
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -30,7 +31,7 @@ from tests.jobs import Job, make_job
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointManager, tracking_sharders
 from torchrec_cnr.selection import POLICIES
-from torchrec_cnr.staging import LazyStaging, lazy
+from torchrec_cnr.staging import LazyStaging, cow, lazy
 from torchrec_cnr.tracking import model_state
 
 pytestmark = pytest.mark.dist
@@ -105,17 +106,32 @@ def test_rows_copied_after_save_returned_hold_the_saved_step(
     run_ranks(2, _hooks_copy_what_training_updates, policy, root, str(refs))
 
 
-def _racing(policy: str, root: str, refs: str, seed: int) -> None:
-    # Tiny chunks and random pauses: the hooks and the background copy interleave
-    # differently at every save.
+def _racing(policy: str, root: str, refs: str, seed: int, compiled: bool) -> None:
+    # Small pieces and random pauses: the hooks and the background copy interleave
+    # differently at every save, with the compiled copier's claims or torch's lock.
+    os.environ["TORCHREC_CNR_COMPILED_STAGING"] = "1" if compiled else "0"
     rng = random.Random(seed + dist.get_rank())
     original_chunk, original_block = lazy.CHUNK_ROWS, lazy._Shard.copy_block
+    original_copy = cow.Group.copy
+    used: list[str] = []
 
     def slow_block(self: Any, rows: Any, a: int, b: int) -> None:
+        used.append("torch")
         time.sleep(rng.random() * 0.002)
         original_block(self, rows, a, b)
 
+    def slow_copy(self: Any, i: int, slot_rows: Any, a: int, b: int) -> int:
+        used.append("compiled")
+        copied = 0
+        while a < b:
+            end = min(b, a + rng.randint(1, 9))
+            time.sleep(rng.random() * 0.002)
+            copied += original_copy(self, i, slot_rows, a, end)
+            a = end
+        return copied
+
     lazy.CHUNK_ROWS, lazy._Shard.copy_block = 7, slow_block  # type: ignore[method-assign]
+    cow.Group.copy = slow_copy  # type: ignore[method-assign]
     try:
         job = make_job(TABLES, root, seed=seed, data_seed=9, alpha=1.05, policy=policy,
                        interval_steps=1)  # fmt: skip
@@ -126,16 +142,19 @@ def _racing(policy: str, root: str, refs: str, seed: int) -> None:
         job.ckpt.close()
     finally:
         lazy.CHUNK_ROWS, lazy._Shard.copy_block = original_chunk, original_block  # type: ignore[method-assign]
+        cow.Group.copy = original_copy  # type: ignore[method-assign]
+    assert set(used) == {"compiled" if compiled else "torch"}, set(used)
     for step in (1, 6, 12):
         fresh = make_job(TABLES, root, seed=70 + step, data_seed=9, policy=policy)
         _restores_exactly(fresh, refs, step)
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
 @pytest.mark.parametrize("policy", ["consecutive", "intermittent"])
 def test_hooks_racing_the_background_copy_save_every_step_exactly(
-    policy: str, root: str, refs: Path
+    policy: str, compiled: bool, root: str, refs: Path
 ) -> None:
-    run_ranks(2, _racing, policy, root, str(refs), 11)
+    run_ranks(2, _racing, policy, root, str(refs), 11, compiled)
 
 
 def _save_between_forward_and_backward(root: str, refs: str) -> None:

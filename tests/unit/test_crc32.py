@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,7 +39,7 @@ def _reflect(v: int, bits: int) -> int:
 
 
 def test_the_fold_constants_are_powers_of_x_modulo_the_polynomial() -> None:
-    source = (checksum.Path(checksum.__file__).parent / "_crc32.c").read_text()
+    source = (Path(checksum.__file__).parent / "_crc32.c").read_text()
     # Each fold constant is x^e mod P, reflected, shifted into the multiplier's frame.
     for e in (1024 + 32, 1024 - 32, 128 + 32, 128 - 32, 64):
         assert f"{_reflect(_x_mod_p(e), 32) << 1:#x}ull" in source, e

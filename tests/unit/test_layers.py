@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "torchrec_cnr"
 
 # The pipeline, in order; a module may import its own stage and the stages before it.
 STAGES = [
-    ("errors", "env", "collectives", "executors", "quantization"),
+    ("errors", "env", "native", "collectives", "executors", "quantization"),
     ("tracking",),
     ("selection",),
     ("config",),

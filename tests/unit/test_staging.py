@@ -20,6 +20,7 @@ from torchrec_cnr.tracking.lookups import KernelLookups
 from torchrec_cnr.tracking.shard import LocalShard, ShardSpec
 
 F32 = torch.float32
+I64 = torch.int64
 
 
 class _Kernel:
@@ -260,16 +261,23 @@ def test_chunk_rows_fit_the_budget_and_never_drop_to_zero() -> None:
     assert chunk_rows(shard, False, 1) == 1  # a row larger than the budget still stages
 
 
-def test_a_checkpoint_within_budget_takes_one_buffer_set_per_shard() -> None:
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_checkpoint_within_budget_takes_one_buffer_set_per_shard(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHREC_CNR_COMPILED_STAGING", "1" if compiled else "0")
     shards = [_shard(rows=10, cols=4), _shard(rows=6, cols=2, states="element")]
+    # lazy staging's row claims (two bits a row, in int64 words) or flags (a bool a row)
+    flags = [("s0/claims", (2,), I64), ("s1/claims", (2,), I64)] if compiled else [
+        ("s0/staged", (10,), torch.bool), ("s1/staged", (6,), torch.bool)]  # fmt: skip
     assert list(_buffers_of(shards, None)) == [
         ("s0.w", (10, 4), F32),
         ("s0.momentum1", (10,), F32),
-        ("s0/staged", (10,), torch.bool),  # lazy staging's row flags
+        flags[0],
         ("s1.w", (6, 2), F32),
         ("s1.momentum1", (6, 2), F32),
         ("s1.momentum2", (6, 2), F32),
-        ("s1/staged", (6,), torch.bool),
+        flags[1],
     ]
     fits = 10 * 20 + 6 * 24
     assert [key for key, _, _ in _buffers_of(shards, fits)][0] == "s0.w"
@@ -294,7 +302,7 @@ def test_prefault_allocates_the_buffers_a_full_save_then_reuses() -> None:
     allocated = pool.nbytes
     pointers = {k: b.data_ptr() for k, b in pool._buffers.items()}
     assert set(pointers) == {
-        *("s0.w", "s0.momentum1", "s0/staged", "s1.w", "s1.momentum1", "s1/staged"),
+        *("s0.w", "s0.momentum1", "s0/claims", "s1.w", "s1.momentum1", "s1/claims"),
         "dense/mlp.weight",
     }
     sink = _RecordingSink()

@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.machinery
-import logging
-from pathlib import Path
 
 import torch
 
 from torchrec_cnr.env import env_flag
-
-log = logging.getLogger(__name__)
+from torchrec_cnr.native import load_library
 
 _ENV = "TORCHREC_CNR_COMPILED_SEARCH"
 
@@ -31,35 +27,29 @@ def enabled() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _load() -> ctypes.CDLL | None:
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"_rowsearch_lib{suffix}"
-        if path.exists():
-            lib = ctypes.CDLL(str(path))
-            lib.cnr_search_rows.restype = ctypes.c_int
-            lib.cnr_search_rows.argtypes = [
-                ctypes.c_void_p,  # x
-                ctypes.c_int64,  # n
-                ctypes.c_int64,  # dim
-                ctypes.c_int,  # bits
-                ctypes.POINTER(ctypes.c_int32),  # clips
-                ctypes.c_int,  # n_clips
-                ctypes.c_int,  # n_bins
-                ctypes.c_int,  # refine
-                ctypes.c_double,  # omega
-                ctypes.c_float,  # frame
-                ctypes.c_void_p,  # lo_out
-                ctypes.c_void_p,  # hi_out
-            ]
-            lib.cnr_fp16_round.restype = ctypes.c_float
-            lib.cnr_fp16_round.argtypes = [ctypes.c_float]
-            return lib
-    log.warning(
-        "torchrec_cnr: the compiled range search (%s/_rowsearch_lib*.so) is not built (no C "
-        "compiler at install time?); adaptive quantization runs as torch code, ~5x slower",
-        here,
+    lib = load_library(
+        __file__, "_rowsearch_lib", "adaptive quantization runs as torch code, ~5x slower"
     )
-    return None
+    if lib is None:
+        return None
+    lib.cnr_search_rows.restype = ctypes.c_int
+    lib.cnr_search_rows.argtypes = [
+        ctypes.c_void_p,  # x
+        ctypes.c_int64,  # n
+        ctypes.c_int64,  # dim
+        ctypes.c_int,  # bits
+        ctypes.POINTER(ctypes.c_int32),  # clips
+        ctypes.c_int,  # n_clips
+        ctypes.c_int,  # n_bins
+        ctypes.c_int,  # refine
+        ctypes.c_double,  # omega
+        ctypes.c_float,  # frame
+        ctypes.c_void_p,  # lo_out
+        ctypes.c_void_p,  # hi_out
+    ]
+    lib.cnr_fp16_round.restype = ctypes.c_float
+    lib.cnr_fp16_round.argtypes = [ctypes.c_float]
+    return lib
 
 
 def library() -> ctypes.CDLL | None:

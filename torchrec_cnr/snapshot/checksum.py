@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.machinery
 import logging
 import zlib
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from torchrec_cnr.errors import ChecksumError
+from torchrec_cnr.native import load_library
 
 __all__ = ["as_bytes", "check", "crc32", "crc32_bytes", "crc32_combine"]
 
@@ -42,22 +41,15 @@ log = logging.getLogger(__name__)
 @functools.lru_cache(maxsize=1)
 def _library() -> Any:
     """``cnr_crc32`` of the compiled library, or ``None`` (logged once) without it."""
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"_crc32_lib{suffix}"
-        if path.exists():
-            fn = ctypes.CDLL(str(path)).cnr_crc32
-            fn.restype = ctypes.c_int64
-            fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int64]
-            if fn(0, b"123456789", 9) == 0xCBF43926:  # -1 where the CPU lacks PCLMULQDQ
-                return fn
-            log.warning("torchrec_cnr: this CPU lacks PCLMULQDQ; checksums run on zlib")
-            return None
-    log.warning(
-        "torchrec_cnr: the compiled CRC32 (%s/_crc32_lib*.so) is not built (no C compiler at "
-        "install time?); checksums run on zlib, ~3x slower",
-        here,
-    )
+    lib = load_library(__file__, "_crc32_lib", "checksums run on zlib, ~3x slower")
+    if lib is None:
+        return None
+    fn = lib.cnr_crc32
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int64]
+    if fn(0, b"123456789", 9) == 0xCBF43926:  # -1 where the CPU lacks PCLMULQDQ
+        return fn
+    log.warning("torchrec_cnr: this CPU lacks PCLMULQDQ; checksums run on zlib")
     return None
 
 

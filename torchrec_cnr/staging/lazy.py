@@ -11,9 +11,11 @@ parties:
   update them: a fused optimizer updates a row only in the backward of a batch that
   looked it up, so every row still holds its value of the saved step until then.
 
-Both copy under the kernel's lock and mark what they copied, so no row is copied twice
-or after its update. Where that premise does not hold, a shard is staged eagerly
-instead (:func:`lazy_fallback` says why). The checkpoint's bytes are the same either way.
+Both claim a row before they copy it, so no row is copied twice or after its update:
+on the CPU with atomic bit operations in a small C library (:mod:`.cow`), elsewhere (or
+without the library) with torch under the kernel's lock, one chunk at a time. Where the
+premise does not hold, a shard is staged eagerly instead (:func:`lazy_fallback` says
+why). The checkpoint's bytes are the same either way.
 
 On CUDA the copies gather on the device and land in pinned host memory; the background
 copies run on a side stream after an event recorded at ``save()``. Written to the same
@@ -32,7 +34,8 @@ import torch
 from torchrec_cnr.selection.policy import Decision
 from torchrec_cnr.selection.rows import recent_rows, recorded_recent
 from torchrec_cnr.snapshot.layout import stored_ids, stored_state, stored_weight
-from torchrec_cnr.staging.pool import StagingPool, staged_flags
+from torchrec_cnr.staging import cow
+from torchrec_cnr.staging.pool import StagingPool, staged_claims, staged_flags
 from torchrec_cnr.staging.shard import Sink, StagedShard, global_ids, ids_dtype
 from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.shard import LocalShard
@@ -41,8 +44,8 @@ __all__ = ["LazyStaging", "lazy_fallback"]
 
 
 CHUNK_ROWS = 16384
-"""Rows the background copy takes per hold of a kernel's lock: a lookup waits at most
-for one chunk's copy."""
+"""Rows the background copy takes per hold of a kernel's lock (torch path): a lookup waits
+at most for one chunk's copy."""
 
 
 def lazy_fallback(shard: LocalShard) -> str | None:
@@ -76,12 +79,15 @@ class _Shard:
     states: dict[str, torch.Tensor]
     ids: torch.Tensor | None
     staged: torch.Tensor
-    """``(n,)`` bool: which buffer rows hold their row already."""
+    """Which buffer rows hold their row already: ``(n,)`` bool (torch path), or the
+    claims of the compiled copier (see :func:`cow.claim_words`)."""
     scalars: dict[str, float]
     recent: torch.Tensor | None
     """A copy of the bitmap of rows changed since the last checkpoint, where the
     checkpoint records them apart from its rows (see ``select_recent``)."""
     done: bool = False
+    compiled: tuple[cow.Group, int] | None = None
+    """The compiled copier's group of this shard's kernel and the shard's place in it."""
 
     @property
     def n(self) -> int:
@@ -96,7 +102,7 @@ class _Shard:
         if slots.numel() == 0:
             return 0
         host = slots.to(self.weight.device)
-        for src, dst in self._pairs():
+        for src, dst in self.pairs():
             picked = src.detach().index_select(0, rows)
             dst.index_copy_(0, host, picked.to(dst.device))
         self.staged[slots] = True
@@ -110,7 +116,7 @@ class _Shard:
             slots = torch.arange(a, b, device=block.device)
             self.copy(slots if rows is None else rows[a:b], slots)
             return
-        for src, dst in self._pairs():
+        for src, dst in self.pairs():
             src = src.detach()
             if rows is None:
                 dst[a:b].copy_(src[a:b])
@@ -120,9 +126,12 @@ class _Shard:
                 dst[a:b].copy_(src.index_select(0, rows[a:b]))
         block.fill_(True)
 
-    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each live tensor of the shard with the buffer its rows are copied into."""
         live = self.shard
-        return [(live.weight, self.weight)] + [(live.states[k], v) for k, v in self.states.items()]
+        return [(live.weight.detach(), self.weight)] + [
+            (live.states[k].detach(), v) for k, v in self.states.items()
+        ]
 
 
 @dataclass
@@ -154,6 +163,7 @@ class LazyStaging:
     ) -> LazyStaging:
         """Takes the buffers and copies of the bitmaps, and starts the hooks; call with
         every lookup in the bitmaps (``shard.drain()``), before the bits restart."""
+        lib = cow.library()
         staged = []
         for shard, key in zip(shards, keys):
             selected = before = None
@@ -168,18 +178,22 @@ class LazyStaging:
                     selected = before = None
             recent = recorded_recent(shard, decision)
             recent = None if recent is None else recent.clone()
-            device = shard.weight.device
             weight = _take(pool, stored_weight(key), shard.weight, n)
             states = {k: _take(pool, stored_state(key, k), v, n) for k, v in shard.states.items()}
             ids = None if selected is None else pool.take(stored_ids(key), (n,), ids_dtype(shard))
-            if device.type == "cpu":  # faulted in with the pool's buffers
-                flags = pool.take(staged_flags(key), (n,), torch.bool).zero_()
+            s = _Shard(shard, key, selected, before, weight, states, ids, torch.empty(0),
+                       shard.scalar_states(), recent)  # fmt: skip
+            if lib is None or not cow.supports(s.pairs()):
+                lib = None
+            staged.append(s)
+        for s in staged:  # the pool's flags were faulted in with its buffers
+            if lib is not None:
+                s.staged = pool.take(staged_claims(s.key), (cow.claim_words(s.n),), torch.int64)
+            elif s.weight.device.type == "cpu":
+                s.staged = pool.take(staged_flags(s.key), (s.n,), torch.bool)
             else:
-                flags = torch.zeros(n, dtype=torch.bool, device=device)
-            staged.append(
-                _Shard(shard, key, selected, before, weight, states, ids, flags,
-                       shard.scalar_states(), recent)
-            )  # fmt: skip
+                s.staged = torch.empty(s.n, dtype=torch.bool, device=s.weight.device)
+            s.staged.zero_()
         self = cls(staged)
         if any(s.shard.weight.device.type == "cuda" for s in staged):
             self._saved = torch.cuda.Event()
@@ -190,6 +204,10 @@ class LazyStaging:
         for group in by_kernel.values():
             lookups = group[0].shard.lookups
             assert lookups is not None
+            if lib is not None:
+                compiled = cow.Group(lib, [_compiled_args(s) for s in group])
+                for i, s in enumerate(group):
+                    s.compiled = (compiled, i)
             listener = self._listener(group)
             lookups.subscribe(listener)
             self._listeners.append((lookups, listener))
@@ -205,8 +223,14 @@ class LazyStaging:
         return total
 
     def _listener(self, group: list[_Shard]) -> Any:
+        compiled = group[0].compiled
+
         def before_lookup(rows: torch.Tensor) -> None:
             began = time.perf_counter()
+            if compiled is not None:
+                self.hook_rows += compiled[0].lookup(rows)
+                self.hook_s += time.perf_counter() - began
+                return
             for s in group:
                 if s.done:
                     continue
@@ -232,19 +256,26 @@ class LazyStaging:
                     rows = bitmap.to_indices(s.selected, s.shard.spec.rows)
                     rows = rows.to(s.shard.weight.device)
                 began = time.perf_counter()
-                lookups = s.shard.lookups
-                assert lookups is not None
-                for a in range(0, s.n, CHUNK_ROWS):
-                    lookups.yield_to_lookups()
-                    with lookups.lock, self._side_stream():
-                        s.copy_block(rows, a, min(a + CHUNK_ROWS, s.n))
-                with lookups.lock:
-                    s.done = True
+                if s.compiled is not None:  # rows are claimed one by one: no lock
+                    group, i = s.compiled
+                    group.copy(i, rows, 0, s.n)
+                else:
+                    self._copy_chunks(s, rows)
                 self.background_s += time.perf_counter() - began
                 sink.add(self._staged(s, rows))
                 sink.start()
         finally:
             self.detach()
+
+    def _copy_chunks(self, s: _Shard, rows: torch.Tensor | None) -> None:
+        lookups = s.shard.lookups
+        assert lookups is not None
+        for a in range(0, s.n, CHUNK_ROWS):
+            lookups.yield_to_lookups()
+            with lookups.lock, self._side_stream():
+                s.copy_block(rows, a, min(a + CHUNK_ROWS, s.n))
+        with lookups.lock:
+            s.done = True
 
     def _staged(self, s: _Shard, rows: torch.Tensor | None) -> StagedShard:
         if s.ids is not None:
@@ -267,6 +298,14 @@ class LazyStaging:
         listeners, self._listeners = self._listeners, []
         for lookups, listener in listeners:
             lookups.unsubscribe(listener)
+
+
+def _compiled_args(s: _Shard) -> cow.Rows:
+    selected = None
+    if s.selected is not None:
+        assert s.before is not None
+        selected = (s.selected, s.before)
+    return cow.Rows(s.pairs(), s.shard.spec.rows, s.shard.lookup_base, selected, s.staged)
 
 
 def _take(pool: StagingPool, key: str, like: torch.Tensor, n: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 
 from torchrec_cnr.snapshot import page_aligned
 from torchrec_cnr.snapshot.layout import stored_state, stored_weight
+from torchrec_cnr.staging import cow
 from torchrec_cnr.tracking.shard import LocalShard
 
 
@@ -85,8 +86,15 @@ def dense_buffer(name: str) -> str:
 
 
 def staged_flags(key: str) -> str:
-    """The pool key of a lazily staged shard's row flags (one bool per row: copied yet?)."""
+    """The pool key of a lazily staged shard's row flags (one bool per row: copied yet?),
+    where torch copies its rows."""
     return f"{key}/staged"
+
+
+def staged_claims(key: str) -> str:
+    """The pool key of a lazily staged shard's claims (two bits per row: claimed, copied),
+    where the compiled copier copies its rows (see :mod:`~torchrec_cnr.staging.cow`)."""
+    return f"{key}/claims"
 
 
 def chunk_rows(shard: LocalShard, with_ids: bool, budget: int | None) -> int | None:
@@ -97,9 +105,10 @@ def chunk_rows(shard: LocalShard, with_ids: bool, budget: int | None) -> int | N
 def _buffers_of(
     shards: list[LocalShard], budget: int | None
 ) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
-    """The pool buffers a full checkpoint takes: one set per shard (with the row flags of
-    lazy staging), or one chunk set (chunks are staged eagerly)."""
+    """The pool buffers a full checkpoint takes: one set per shard (with the row flags or
+    claims of lazy staging), or one chunk set (chunks are staged eagerly)."""
     full = sum(s.spec.rows * s.row_bytes(False) for s in shards)
+    compiled = cow.library() is not None
     chunked = budget is not None and full > budget
     for i, s in enumerate(shards):
         rows = min(s.spec.rows, chunk_rows(s, False, budget) or s.spec.rows)
@@ -107,5 +116,7 @@ def _buffers_of(
         yield stored_weight(key), (rows, *s.weight.shape[1:]), s.weight.dtype
         for name, state in s.states.items():
             yield stored_state(key, name), (rows, *state.shape[1:]), state.dtype
-        if not chunked:
+        if not chunked and compiled and s.weight.device.type == "cpu":
+            yield staged_claims(key), (cow.claim_words(rows),), torch.int64
+        elif not chunked:
             yield staged_flags(key), (rows,), torch.bool
