@@ -6,6 +6,7 @@ import random
 import threading
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,9 +21,9 @@ _P = 0x104C11DB7  # x^32 + x^26 + ... + 1
 def _fn():  # type: ignore[no-untyped-def]
     # The project's setup (pip install -e .) builds it: a missing library fails here
     # rather than skipping (without one, crc32_bytes is zlib's own).
-    fn = checksum._library()
-    assert fn is not None, "the compiled CRC32 is not built: run make setup"
-    return fn
+    lib = checksum._library()
+    assert lib is not None, "the compiled CRC32 is not built: run make setup"
+    return lib.cnr_crc32
 
 
 def _x_mod_p(e: int) -> int:
@@ -85,7 +86,7 @@ def test_large_inputs_go_through_the_library(monkeypatch: pytest.MonkeyPatch) ->
         calls.append(args[2])
         return int(fn(*args))
 
-    monkeypatch.setattr(checksum, "_library", lambda: counted)
+    monkeypatch.setattr(checksum, "_library", lambda: SimpleNamespace(cnr_crc32=counted))
     data = random.Random(2).randbytes(1 << 16)
     assert crc32_bytes(data) == zlib.crc32(data)
     assert crc32_bytes(data[:100]) == zlib.crc32(data[:100])  # small: zlib, no call
@@ -102,3 +103,35 @@ def test_threads_at_once_agree() -> None:
     for t in threads:
         t.join()
     assert got == [want] * 4
+
+
+def test_the_compiled_combine_is_the_crc32_of_the_concatenation() -> None:
+    lib = checksum._library()
+    assert lib is not None, "the compiled CRC32 is not built: run make setup"
+    rng = random.Random(4)
+    for _ in range(200):
+        a, b = rng.randbytes(rng.randrange(0, 3000)), rng.randbytes(rng.randrange(0, 3000))
+        got = lib.cnr_crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b))
+        assert got == zlib.crc32(a + b)
+        assert checksum.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == got
+
+
+def test_the_compiled_combine_equals_the_python_one_at_any_length() -> None:
+    lib = checksum._library()
+    assert lib is not None
+    rng = random.Random(5)
+    lengths = [1, 7, 4096, 64 << 20, (64 << 20) + 3, 1 << 40, 2**62 + 12345]
+    for length in lengths + [rng.randrange(1, 1 << 48) for _ in range(20)]:
+        first, second = rng.getrandbits(32), rng.getrandbits(32)
+        want = checksum._times(checksum._shift(length), first) ^ second
+        assert lib.cnr_crc32_combine(first, second, length) == want, length
+    assert lib.cnr_crc32_combine(1, 2, -1) == -1
+    with pytest.raises(ValueError, match="second_length"):
+        checksum.crc32_combine(1, 2, -1)
+
+
+def test_without_the_library_the_combine_runs_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checksum, "_library", lambda: None)
+    a, b = b"x" * 5000, b"yz" * 700
+    assert checksum.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    assert checksum.crc32_combine(0, zlib.crc32(b), len(b)) == zlib.crc32(b)

@@ -100,3 +100,33 @@ int64_t cnr_crc32(uint32_t crc, const unsigned char *data, int64_t n) {
     }
     return (int64_t)(uint32_t)~crc_bytes(c, data, len);
 }
+
+/* a * b modulo P, both bit-reflected (bit 31 holds the coefficient of x^0). */
+static uint32_t times_mod_p(uint32_t a, uint32_t b) {
+    uint32_t product = 0;
+    for (int i = 0; i < 32 && a; i++, a <<= 1) {
+        if (a & 0x80000000u)
+            product ^= b; /* a holds x^i: add b * x^i */
+        b = (b >> 1) ^ (POLY & (0u - (b & 1u))); /* b * x, reduced */
+    }
+    return product;
+}
+
+/* The CRC-32 of A + B from crc(A), crc(B) and len(B): crc(A) * x^(8 len(B)) + crc(B)
+ * modulo P, the power built by squaring (the pre- and post-inversions cancel). What
+ * Python's crc32_combine computes, in microseconds instead of a millisecond or two of
+ * Python that holds the GIL. -1 for a negative length. */
+int64_t cnr_crc32_combine(uint32_t crc1, uint32_t crc2, int64_t len2) {
+    if (len2 < 0)
+        return -1;
+    uint32_t power = 1u << 30; /* x */
+    for (int i = 0; i < 3; i++)
+        power = times_mod_p(power, power); /* x^8: one byte */
+    uint32_t shift = 1u << 31;         /* x^0 */
+    for (uint64_t n = (uint64_t)len2; n; n >>= 1) {
+        if (n & 1)
+            shift = times_mod_p(shift, power);
+        power = times_mod_p(power, power);
+    }
+    return (int64_t)(times_mod_p(shift, crc1) ^ crc2);
+}

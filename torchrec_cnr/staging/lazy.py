@@ -163,7 +163,6 @@ class LazyStaging:
     ) -> LazyStaging:
         """Takes the buffers and copies of the bitmaps, and starts the hooks; call with
         every lookup in the bitmaps (``shard.drain()``), before the bits restart."""
-        lib = cow.library()
         staged = []
         for shard, key in zip(shards, keys):
             selected = before = None
@@ -183,9 +182,10 @@ class LazyStaging:
             ids = None if selected is None else pool.take(stored_ids(key), (n,), ids_dtype(shard))
             s = _Shard(shard, key, selected, before, weight, states, ids, torch.empty(0),
                        shard.scalar_states(), recent)  # fmt: skip
-            if lib is None or not cow.supports(s.pairs()):
-                lib = None
             staged.append(s)
+        lib = cow.library()
+        if lib is not None and not all(cow.supports(s.pairs()) for s in staged):
+            lib = None  # on CUDA: torch copies them, under each kernel's lock
         for s in staged:  # the pool's flags were faulted in with its buffers
             if lib is not None:
                 s.staged = pool.take(staged_claims(s.key), (cow.claim_words(s.n),), torch.int64)
