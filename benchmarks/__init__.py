@@ -12,6 +12,7 @@ CASES = (
     "overhead",
     "policies",
     "quantization",
+    "save_cost",
     "scaling",
     "serving",
     "stall",

@@ -144,7 +144,7 @@ def _key(interval_s: float) -> str:
 
 
 @dataclass
-class _Trainer:
+class Trainer:
     """The model, its data and the next step: every arm trains on batches of its own."""
 
     work: Workload
@@ -189,7 +189,7 @@ def _clean_step_s(
 
 
 def _arm(
-    b: Bench, trainer: _Trainer, k: int, n: int, staging: str | None, quant: str | None
+    b: Bench, trainer: Trainer, k: int, n: int, staging: str | None, quant: str | None
 ) -> tuple[float, dict[str, Any]]:
     """One arm: ``n * k`` timed steps, with a checkpoint every ``k`` if ``quant`` is set.
     Its steps/s and what its checkpoints were."""
@@ -243,7 +243,7 @@ def _arm(
     return n * k / seconds, detail
 
 
-def _interval(b: Bench, trainer: _Trainer, target_s: float, step_s: float) -> dict[str, Any]:
+def _interval(b: Bench, trainer: Trainer, target_s: float, step_s: float) -> dict[str, Any]:
     """Every arm at one target interval, in interleaved rounds."""
     a = b.args
     k = max(2, round(target_s / step_s))
@@ -310,7 +310,7 @@ def _world(b: Bench) -> dict[str, Any]:
     a = b.args
     load_before = os.getloadavg()
     work = uniform_model(a)
-    trainer = _Trainer(work, ZipfBatches(work.tables, a.batch, seed=0), b.rank)
+    trainer = Trainer(work, ZipfBatches(work.tables, a.batch, seed=0), b.rank)
     trainer.train(a.warmup_steps)
     # The median of a few chunks: another tenant's burst in one chunk does not set K.
     chunk = max(1, a.probe_steps // 5)

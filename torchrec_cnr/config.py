@@ -177,12 +177,22 @@ class IOOptions:
     lease_ttl_s: float = field(default_factory=lambda: env_number("TORCHREC_CNR_LEASE_TTL_S", 60))
     """Seconds after its last refresh that a root's lease stops counting as held by a live
     job; the holder refreshes it every quarter of this (``TORCHREC_CNR_LEASE_TTL_S``)."""
+    nice: int = field(default_factory=lambda: int(env_number("TORCHREC_CNR_NICE", 10)))
+    """How far below training's the scheduling priority of the background writer, encoding
+    and I/O threads is (Linux nice, 0 to 19; 0: the same), so that a CPU the training
+    thread wants goes to it first (``TORCHREC_CNR_NICE``)."""
 
     def __post_init__(self) -> None:
         for name in ("threads", "encode_threads", "object_kb"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"io.{name} must be a positive int, got {value!r}")
+        if (
+            not isinstance(self.nice, int)
+            or isinstance(self.nice, bool)
+            or not 0 <= self.nice <= 19
+        ):
+            raise ValueError(f"io.nice must be an int from 0 to 19, got {self.nice!r}")
         for name in ("collective_timeout_s", "lease_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"io.{name} must be > 0, got {getattr(self, name)!r}")

@@ -119,7 +119,7 @@ class CheckpointManager:
         """The chain after the last committed checkpoint (or the restored one)."""
         self._probe = IntervalProbe(config.recovery, self._group)
         io = config.io
-        self._pools = Executors(io.threads, io.encode_threads, io.object_bytes)
+        self._pools = Executors(io.threads, io.encode_threads, io.object_bytes, io.nice)
         on_gpu = any(s.weight.device.type == "cuda" for s in self._shards)
         budget = None if config.staging_memory_mb is None else int(config.staging_memory_mb * 2**20)
         self._pool = StagingPool(budget, pin=on_gpu)
@@ -128,7 +128,7 @@ class CheckpointManager:
         self._pool.prefault(self._shards, self._dense)
         serialize_app_state({})
         ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(self.world_size))
-        self._background = BackgroundWriter(ranks, io.collective_timeout_s)
+        self._background = BackgroundWriter(ranks, io.collective_timeout_s, io.nice)
         self._lease = Lease(
             self.storage, config.take_over, config.manifest_fallback, io.lease_ttl_s
         )

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.errors import CheckpointError
+from torchrec_cnr.executors import lowered_priority
 from torchrec_cnr.selection import ChainState
 from torchrec_cnr.selection.rows import ClearedBits, put_back_bits
 from torchrec_cnr.tracking.shard import LocalShard
@@ -50,13 +51,16 @@ class BackgroundWriter:
     Args:
         ranks: the global ranks of the model's process group.
         timeout_s: how long its collectives wait for a rank.
+        nice: how much lower than training's its thread's priority is (0 to 19).
     """
 
-    def __init__(self, ranks: list[int], timeout_s: float) -> None:
+    def __init__(self, ranks: list[int], timeout_s: float, nice: int = 0) -> None:
         self.group: Collective | None = Collective(
             dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
         )
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-writer")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="cnr-writer", initializer=lowered_priority(nice)
+        )
         self._job: _Job | None = None
 
     @property
