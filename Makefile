@@ -54,6 +54,10 @@ bench: setup
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=1 -m benchmarks.overhead \
 		--out $(BENCH)/overhead_1rank.json && $(TORCHRUN) -m benchmarks.overhead \
 		--merge $(BENCH)/overhead_1rank.json --out $(BENCH)/overhead.json
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=1 -m benchmarks.overhead \
+		--intervals 30 --rounds 3 --out $(BENCH)/overhead_1rank_30.json
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=1 -m benchmarks.save_cost \
+		--saves 16 --out $(BENCH)/save_cost.json
 	$(TORCHRUN) -m benchmarks.experiments.quantized_restores \
 		--out $(BENCH)/experiments/quantized_restores.json
 	$(TORCHRUN) -m benchmarks.experiments.quantized_restores --steps 1200 --bits --restores \
