@@ -15,6 +15,7 @@ setup(
             sources=[
                 "torchrec_cnr/quantization/_rowsearch.c",
                 "torchrec_cnr/quantization/_rowsearch_avx2.c",
+                "torchrec_cnr/quantization/_rowsearch_avx512.c",
             ],
             # No contraction into FMA: every build of the search rounds alike.
             extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-Wno-psabi"],

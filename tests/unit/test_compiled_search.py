@@ -184,16 +184,20 @@ def test_a_mistyped_switch_fails_with_its_name(monkeypatch: pytest.MonkeyPatch) 
         search_ranges(_rows("gaussian", 10, 8, seed=0), 4)
 
 
+@pytest.mark.parametrize(("build", "level"), [("avx2", 1), ("avx512", 2)])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
-def test_the_avx2_and_baseline_builds_return_the_same_ranges(bits: int) -> None:
-    # The entry point runs the AVX2 build on CPUs that have it; the baseline runs elsewhere.
-    # Both are exported: on every input they must agree bit for bit.
+def test_the_vector_builds_return_the_baselines_ranges(bits: int, build: str, level: int) -> None:
+    # The entry point runs the widest build the CPU has (AVX-512: 16 rows at a time, AVX2:
+    # 8); the baseline runs elsewhere. All are exported: they must agree bit for bit.
     lib = _lib()
-    if not lib.cnr_search_uses_avx2():
-        pytest.skip("this CPU has no AVX2: only the baseline build runs here")
-    for name in ("cnr_search_rows_base", "cnr_search_rows_avx2"):
+    lib.cnr_search_build.restype = ctypes.c_int
+    if lib.cnr_search_build() < level:
+        pytest.skip(f"this CPU cannot run the {build} build")
+    names = ("cnr_search_rows_base", f"cnr_search_rows_{build}")
+    for name in names:
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = lib.cnr_search_rows.argtypes
+    # 602 rows: the last batch is short for 8 and for 16 lanes.
     x = torch.cat([_rows("gaussian", 301, 40, seed=bits), _rows("t3", 301, 40, seed=bits + 1) * 7])
     x[0] = 0.5  # a constant row
     x[1, :20] = 0.0  # ties between grid points
@@ -201,7 +205,7 @@ def test_the_avx2_and_baseline_builds_return_the_same_ranges(bits: int) -> None:
     clips, refine = _adaptive._plan(bits, 40, 200, 0.16, cheap=True)
     arr = (ctypes.c_int32 * len(clips))(*clips)
     got = []
-    for name in ("cnr_search_rows_base", "cnr_search_rows_avx2"):
+    for name in names:
         lo, hi = torch.full((602,), float("nan")), torch.full((602,), float("nan"))
         rc = getattr(lib, name)(
             x.data_ptr(),

@@ -2,11 +2,11 @@
  * Per-row clipping-range search for uniform quantization, compiled.
  *
  * The same search as the whole-chunk torch code in _adaptive.py (its module
- * docstring explains the method), for 8 rows at a time, one row per vector
- * lane: the rows of a batch are transposed into a (dim, 8) block that stays in
+ * docstring explains the method), for LANES (8 or 16) rows at a time, one row per
+ * vector lane: the rows of a batch are transposed into a (dim, LANES) block that stays in
  * L1 cache, every candidate grid costs one loop over it, and the per-row
  * arithmetic between loops (divisions, fp16 rounding, the choice of the best
- * candidate) runs for the 8 rows at once, without branches. For each row:
+ * candidate) runs for the LANES rows at once, without branches. For each row:
  *
  *   1. one loop finds min and max; a constant row gets lo == hi;
  *   2. [min, max] is evaluated, so the result is never worse than plain
@@ -42,22 +42,27 @@
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CNR_HAVE_AVX2 /* _rowsearch_avx2.c builds cnr_search_rows_avx2 */
+#define CNR_HAVE_AVX2 /* _rowsearch_avx2.c and _rowsearch_avx512.c build the wider entries */
 #endif
-#ifdef CNR_AVX2 /* included by _rowsearch_avx2.c */
+#if defined(CNR_AVX512) /* included by _rowsearch_avx512.c: 16 rows at a time */
+#include <immintrin.h>
+#define CNR_ENTRY cnr_search_rows_avx512
+#define LANES 16
+#elif defined(CNR_AVX2) /* included by _rowsearch_avx2.c */
 #include <immintrin.h>
 #define CNR_ENTRY cnr_search_rows_avx2
+#define LANES 8
 #else
 #define CNR_ENTRY cnr_search_rows_base
+#define LANES 8
 #endif
 /* Everything below the entry point is inlined into each of its builds. */
 #define CNR_INLINE static inline __attribute__((always_inline))
 
-enum { LANES = 8 };
-typedef float vf __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
-typedef double vd __attribute__((vector_size(64)));
-typedef int64_t vl __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef double vd __attribute__((vector_size(8 * LANES)));
+typedef int64_t vl __attribute__((vector_size(8 * LANES)));
 
 /* Adding then subtracting 1.5 * 2**23 rounds a float to the nearest integer,
  * ties to even, for |v| < 2**22. Codes are clamped to [0, levels] first; an
@@ -94,9 +99,15 @@ CNR_INLINE vf splat(float a) { return (vf){0} + a; }
 CNR_INLINE vi splat_i(int32_t a) { return (vi){0} + a; }
 CNR_INLINE vf sel(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); }
 CNR_INLINE vd seld(vl m, vd a, vd b) { return (vd)((m & (vl)a) | (~m & (vl)b)); }
-#ifdef CNR_AVX2
+#if defined(CNR_AVX512)
+CNR_INLINE vf vmin(vf a, vf b) { return (vf)_mm512_min_ps((__m512)a, (__m512)b); }
+CNR_INLINE vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
+CNR_INLINE vf round_code(vf t) {
+    return (vf)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+#elif defined(CNR_AVX2)
 /* minps and maxps return their second operand unless the comparison holds: the
- * same as the select below, in one instruction. */
+ * same as the select below, in one instruction (the AVX-512 forms above too). */
 CNR_INLINE vf vmin(vf a, vf b) { return (vf)_mm256_min_ps((__m256)a, (__m256)b); }
 CNR_INLINE vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
 /* A code in [0, levels] rounded to the nearest integer, ties to even. */
@@ -191,7 +202,7 @@ CNR_INLINE void offer(best_t *best, vd err, vf lo, vf hi) {
     best->hi = sel(m, hi, best->hi);
 }
 
-/* Evaluate candidate c on the rows of block xt (dim, 8) and polish it: offers
+/* Evaluate candidate c on the rows of block xt (dim, LANES) and polish it: offers
  * both to best and replaces c by the polished candidate. With `offsets`, also
  * returns the shift (in steps, within +-1/2) that best aligns the grid
  * (o_bias, 1 / o_inv) with each row. */
@@ -240,7 +251,7 @@ CNR_INLINE vf polish(const vf *xt, int64_t dim, const plan *p, cand *c, best_t *
     return sel(shift > 0.5f, shift - 1.0f, shift);
 }
 
-/* The search for the 8 rows of block xt (dim, 8) into lo_out, hi_out. */
+/* The search for the LANES rows of block xt (dim, LANES) into lo_out, hi_out. */
 CNR_INLINE void search_batch(const vf *xt, int64_t dim, const plan *p, const int32_t *clips,
                              int n_clips, int n_bins, int refine, vf *lo_out, vf *hi_out) {
     vf mn = xt[0], mx = xt[0];
@@ -281,7 +292,7 @@ CNR_INLINE void search_batch(const vf *xt, int64_t dim, const plan *p, const int
     *hi_out = sel(ok, best.hi, mx);
 }
 
-#ifndef CNR_AVX2
+#if !defined(CNR_AVX2) && !defined(CNR_AVX512)
 /* fp16_round of one value, for the tests. */
 float cnr_fp16_round(float v) { return fp16_round(splat(v))[0]; }
 #endif
@@ -306,7 +317,7 @@ int CNR_ENTRY(const float *x, int64_t n, int64_t dim, int bits, const int32_t *c
     if (xt == NULL)
         return -2;
     for (int64_t row = 0; row < n; row += LANES) {
-        /* Transpose 8 rows into xt (a short last batch repeats its last row). */
+        /* Transpose LANES rows into xt (a short last batch repeats its last row). */
         const float *src[LANES];
         for (int l = 0; l < LANES; l++)
             src[l] = x + (row + l < n ? row + l : n - 1) * dim;
@@ -324,29 +335,38 @@ int CNR_ENTRY(const float *x, int64_t n, int64_t dim, int bits, const int32_t *c
     return 0;
 }
 
-#ifndef CNR_AVX2
+#if !defined(CNR_AVX2) && !defined(CNR_AVX512)
 #ifdef CNR_HAVE_AVX2
 int cnr_search_rows_avx2(const float *x, int64_t n, int64_t dim, int bits, const int32_t *clips,
                          int n_clips, int n_bins, int refine, double omega, float frame,
                          float *lo_out, float *hi_out);
+int cnr_search_rows_avx512(const float *x, int64_t n, int64_t dim, int bits,
+                           const int32_t *clips, int n_clips, int n_bins, int refine,
+                           double omega, float frame, float *lo_out, float *hi_out);
 #endif
 
-/* 1 when cnr_search_rows runs the AVX2 build, for the tests. */
-int cnr_search_uses_avx2(void) {
+/* The build cnr_search_rows runs, for the tests: 2 AVX-512, 1 AVX2, 0 the baseline. */
+int cnr_search_build(void) {
 #ifdef CNR_HAVE_AVX2
-    return __builtin_cpu_supports("avx2") != 0;
-#else
-    return 0;
+    if (__builtin_cpu_supports("avx512f"))
+        return 2;
+    if (__builtin_cpu_supports("avx2"))
+        return 1;
 #endif
+    return 0;
 }
 
-/* The entry point: the AVX2 build where the CPU has it, else the baseline;
- * both return the same ranges (the tests compare them). */
+/* The entry point: the widest build the CPU runs; every build returns the same
+ * ranges (the tests compare them). */
 int cnr_search_rows(const float *x, int64_t n, int64_t dim, int bits, const int32_t *clips,
                     int n_clips, int n_bins, int refine, double omega, float frame, float *lo_out,
                     float *hi_out) {
 #ifdef CNR_HAVE_AVX2
-    if (cnr_search_uses_avx2())
+    const int build = cnr_search_build();
+    if (build == 2)
+        return cnr_search_rows_avx512(x, n, dim, bits, clips, n_clips, n_bins, refine, omega,
+                                      frame, lo_out, hi_out);
+    if (build == 1)
         return cnr_search_rows_avx2(x, n, dim, bits, clips, n_clips, n_bins, refine, omega, frame,
                                     lo_out, hi_out);
 #endif
