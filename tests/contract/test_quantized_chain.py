@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torchsnapshot.manifest import ChunkedTensorEntry, SnapshotMetadata
 
 from cnr_train.workload import TableSpec
 from tests import reference
@@ -14,9 +15,10 @@ from tests.jobs import Job, make_job
 from tests.multiprocess import run_ranks
 from torchrec_cnr import QuantizeConfig
 from torchrec_cnr.commit import Manifest
-from torchrec_cnr.encoding import FP32, FormatResolver
+from torchrec_cnr.encoding import FP32, FormatResolver, writer
 from torchrec_cnr.quantization import quantize
 from torchrec_cnr.selection import POLICIES
+from torchrec_cnr.snapshot import SNAPSHOT_MARKER
 from torchrec_cnr.tracking import model_state
 
 TABLES = [
@@ -42,13 +44,18 @@ def _round_trip(table: str, rows: torch.Tensor) -> torch.Tensor:
     return quantize(rows, fmt.method, fmt.bits, n_bins=QUANT.n_bins, ratio=QUANT.ratio).dequantize()
 
 
-def _quantized_chain(root: str, refs: str, policy: str) -> None:
+def _quantized_chain(root: str, refs: str, policy: str, encode_bytes: int | None = None) -> None:
     job = _job(root, policy, seed=1)
-    for step in range(1, 13):
-        job.train(1)
-        if job.ckpt.maybe_save(step):
-            reference.save(reference.take(job.model, job.app), Path(refs), step)
-    job.ckpt.wait()
+    default = writer.ENCODE_BYTES
+    writer.ENCODE_BYTES = encode_bytes or default
+    try:
+        for step in range(1, 13):
+            job.train(1)
+            if job.ckpt.maybe_save(step):
+                reference.save(reference.take(job.model, job.app), Path(refs), step)
+        job.ckpt.wait()
+    finally:
+        writer.ENCODE_BYTES = default
     for step in (6, 12):
         fresh = _job(root, policy, seed=40 + step)
         assert fresh.ckpt.restore(step=step) == step
@@ -75,6 +82,24 @@ def test_quantized_chain_restores_the_quantizer_round_trip_of_saved_rows(
     assert stored < fp32_bytes / 2, (
         "4-bit rows plus fp32 optimizer state must be well under fp32 rows"
     )
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("policy", ["full", "intermittent"])
+def test_shards_encoded_in_pieces_restore_the_quantizer_round_trip(
+    policy: str, root: str, refs: Path
+) -> None:
+    # 40 rows of 16 fp32 per piece: every quantized shard (100 to 600 rows) in several.
+    run_ranks(2, _quantized_chain, root, str(refs), policy, 40 * 16 * 4)
+    baseline = Manifest.load(root).checkpoints[0]
+    index = SnapshotMetadata.from_yaml((Path(root) / baseline.id / SNAPSHOT_MARKER).read_text())
+    chunks = {
+        path: len(entry.chunks)
+        for path, entry in index.manifest.items()
+        if isinstance(entry, ChunkedTensorEntry)
+    }
+    # Whole, every tensor of these small tables fits one object: pieces come from encoding.
+    assert chunks and all(n > 1 for n in chunks.values())
 
 
 @pytest.mark.dist

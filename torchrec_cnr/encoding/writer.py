@@ -4,7 +4,8 @@ Staging hands each shard (or chunk of rows) to a :class:`ShardWriter` as it is c
 Once staging is done (or a chunk of rows is staged), each shard's encoding
 (quantization) runs as a task on the encoding pool, and its tensors go to the I/O pool
 as soon as they are ready: encoding uses every core and overlaps the other shards'
-writes. Nothing starts during the stall itself, where it would only compete with the copy
+writes. A quantized shard is encoded :data:`ENCODE_BYTES` of rows at a time, each
+piece written while the next is encoded. Nothing starts during the stall itself, where it would only compete with the copy
 for cores and memory bandwidth. The background writer then calls
 :meth:`ShardWriter.finish`. Nothing here is collective: each rank writes its own objects
 and reports them; the commit gathers the reports and writes the index and the manifest.
@@ -19,13 +20,20 @@ from dataclasses import dataclass, field
 from torchsnapshot.manifest import Entry as IndexEntry
 
 from torchrec_cnr.encoding.codec import ShardRecord, encode_shard
-from torchrec_cnr.encoding.formats import FormatResolver
+from torchrec_cnr.encoding.formats import FP32, Format, FormatResolver
 from torchrec_cnr.executors import Executors
 from torchrec_cnr.snapshot import SnapshotWriter, app_path, crc32, dense_path, rows_path
 from torchrec_cnr.staging import StagedCheckpoint, StagedShard
 from torchrec_cnr.storage import Storage
 
-__all__ = ["RankWrite", "ShardWriter"]
+__all__ = ["ENCODE_BYTES", "RankWrite", "ShardWriter"]
+
+ENCODE_BYTES = 32 << 20
+"""Bytes of staged rows a quantizing encode takes at once. Whole, a 1M x 64 shard's 4-bit
+rows came out as one fresh 36 MB tensor, above malloc's mmap threshold, so every save
+page-faulted it in anew: 17 of the 121 ms one thread took to encode it. In 32 MB pieces
+the outputs are small enough for malloc to recycle, and the first ones are written while
+the rest are encoded."""
 
 
 @dataclass
@@ -75,6 +83,18 @@ class ShardWriter:
     def _encode(self, shard: StagedShard, row0: int, total: int | None) -> None:
         spec = shard.shard.spec
         fmt = self.resolver.resolve(spec.table, spec.num_embeddings)
+        n = shard.weight.shape[0]
+        row_bytes = shard.weight[:1].numel() * shard.weight.element_size()
+        step = n if fmt == FP32 else max(1, ENCODE_BYTES // max(1, row_bytes))
+        if step >= n:
+            self._write(shard, fmt, row0, total)
+            return
+        for a in range(0, n, step):
+            part = shard.rows(a, min(a + step, n))
+            self._write(part, fmt, row0 + a, n if total is None else total)
+
+    def _write(self, shard: StagedShard, fmt: Format, row0: int, total: int | None) -> None:
+        """Encodes ``shard`` (rows ``row0..`` of ``total``) and queues its tensors' writes."""
         encoded = encode_shard(shard, fmt, self.resolver.config)
         with self._lock:
             for name, tensor in encoded.tensors.items():

@@ -42,6 +42,20 @@ class StagedShard:
         staged rows are consecutive."""
         return self.ids if self.ids is not None else self.shard.spec.row_offset + self.first_row
 
+    def rows(self, a: int, b: int) -> StagedShard:
+        """Staged rows ``a`` to ``b`` (views): a chunk of these rows, ``recent`` with the
+        first one only."""
+        return StagedShard(
+            self.shard,
+            self.key,
+            None if self.ids is None else self.ids[a:b],
+            self.weight[a:b],
+            {k: v[a:b] for k, v in self.states.items()},
+            self.scalars,
+            self.first_row + a,
+            self.recent if a == 0 else None,
+        )
+
     @property
     def nbytes(self) -> int:
         tensors = [self.weight, *self.states.values()] + (
