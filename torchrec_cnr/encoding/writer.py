@@ -4,11 +4,12 @@ Staging hands each shard (or chunk of rows) to a :class:`ShardWriter` as it is c
 Once staging is done (or a chunk of rows is staged), each shard's encoding
 (quantization) runs as a task on the encoding pool, and its tensors go to the I/O pool
 as soon as they are ready: encoding uses every core and overlaps the other shards'
-writes. A quantized shard is encoded :data:`ENCODE_BYTES` of rows at a time, each
-piece written while the next is encoded. Nothing starts during the stall itself, where it would only compete with the copy
-for cores and memory bandwidth. The background writer then calls
-:meth:`ShardWriter.finish`. Nothing here is collective: each rank writes its own objects
-and reports them; the commit gathers the reports and writes the index and the manifest.
+writes. A quantized shard is encoded :data:`ENCODE_BYTES` of rows at a time, each piece
+written while the next is encoded. Nothing starts during the stall itself, where it would
+only compete with the copy for cores and memory bandwidth. The background writer then
+calls :meth:`ShardWriter.finish`. Nothing here is collective: each rank writes its own
+objects and reports them; the commit gathers the reports and writes the index and the
+manifest.
 """
 
 from __future__ import annotations

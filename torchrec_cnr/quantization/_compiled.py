@@ -3,9 +3,9 @@
 ``pip install`` builds the C file, with its AVX2 and AVX-512 builds (``_rowsearch_avx2.c``,
 ``_rowsearch_avx512.c``), into ``_rowsearch_lib*.so`` beside this one (``setup.py``).
 ctypes releases the GIL for the call, so the checkpoint writer's encode threads search in
-parallel. Where the library is missing (no
-C compiler at install time) or ``TORCHREC_CNR_COMPILED_SEARCH=0``,
-:func:`library` returns ``None`` and the search runs as torch code.
+parallel. Where the library is missing (no C compiler at install time) or
+``TORCHREC_CNR_COMPILED_SEARCH=0``, :func:`library` returns ``None`` and the search runs as
+torch code.
 """
 
 from __future__ import annotations
