@@ -53,8 +53,8 @@ Targets (for each measured world size and quantization): throughput lost <= 1% a
 measured interval nearest to ``--headline-s`` (30 s), from the arms and from step times;
 median stall <= 0.4% of the interval at the longest measured interval (Check-N-Run's
 anchor: about 7 s of a 30-minute interval); lazy staging's throughput lost <= eager's at
-every measured interval, by both estimates. CPR's anchor, 0.53-0.68% total overhead of failure handling, is
-recorded beside them.
+every measured interval, by both estimates. CPR's anchor, 0.53-0.68% total overhead of
+failure handling, is recorded beside them.
 """
 
 from __future__ import annotations

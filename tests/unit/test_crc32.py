@@ -18,12 +18,16 @@ from torchrec_cnr.snapshot.checksum import crc32, crc32_bytes
 _P = 0x104C11DB7  # x^32 + x^26 + ... + 1
 
 
-def _fn():  # type: ignore[no-untyped-def]
+def _lib():  # type: ignore[no-untyped-def]
     # The project's setup (pip install -e .) builds it: a missing library fails here
     # rather than skipping (without one, crc32_bytes is zlib's own).
     lib = checksum._library()
     assert lib is not None, "the compiled CRC32 is not built: run make setup"
-    return lib.cnr_crc32
+    return lib
+
+
+def _fn():  # type: ignore[no-untyped-def]
+    return _lib().cnr_crc32
 
 
 def _x_mod_p(e: int) -> int:
@@ -106,8 +110,7 @@ def test_threads_at_once_agree() -> None:
 
 
 def test_the_compiled_combine_is_the_crc32_of_the_concatenation() -> None:
-    lib = checksum._library()
-    assert lib is not None, "the compiled CRC32 is not built: run make setup"
+    lib = _lib()
     rng = random.Random(4)
     for _ in range(200):
         a, b = rng.randbytes(rng.randrange(0, 3000)), rng.randbytes(rng.randrange(0, 3000))
@@ -117,8 +120,7 @@ def test_the_compiled_combine_is_the_crc32_of_the_concatenation() -> None:
 
 
 def test_the_compiled_combine_equals_the_python_one_at_any_length() -> None:
-    lib = checksum._library()
-    assert lib is not None
+    lib = _lib()
     rng = random.Random(5)
     lengths = [1, 7, 4096, 64 << 20, (64 << 20) + 3, 1 << 40, 2**62 + 12345]
     for length in lengths + [rng.randrange(1, 1 << 48) for _ in range(20)]:
