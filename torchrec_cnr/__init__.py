@@ -27,6 +27,7 @@ from torchrec_cnr.errors import (
     CnrError,
     ManifestError,
     ModelMismatchError,
+    UnsafeObjectError,
 )
 from torchrec_cnr.manager import CheckpointManager
 from torchrec_cnr.offline import (
@@ -57,6 +58,7 @@ __all__ = [
     "IOOptions",
     "ManifestError",
     "ModelMismatchError",
+    "UnsafeObjectError",
     "QuantizeConfig",
     "QuantizedTarget",
     "QuantizedRows",

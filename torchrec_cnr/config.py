@@ -244,6 +244,11 @@ class CheckpointConfig:
     during the stall: the stall grows, memory does not."""
     verify_checksums: bool = True
     """Check every tensor a restore reads against the checksum recorded at save time."""
+    safe_globals: tuple[str | type, ...] = ()
+    """Types ``app_state`` may hold beyond tensors, numbers, strings and plain containers,
+    as ``"package.module.Name"`` (or the type itself). A restore loads ``app_state`` with
+    PyTorch's ``weights_only`` unpickler and these allowed: it runs no code a checkpoint
+    names, and refuses, before any change, a type not listed."""
     restore_memory_mb: int | None = None
     """Host memory a restore may hold to read and verify the whole chain before it changes
     the model; ``None`` for no limit. Past it, tensors are verified, dropped and read again."""
@@ -282,6 +287,15 @@ class CheckpointConfig:
             raise ValueError(
                 f"compact_every must be a positive int or None, got {self.compact_every!r}"
             )
+        object.__setattr__(self, "safe_globals", tuple(self.safe_globals))
+        for name in self.safe_globals:
+            if isinstance(name, str) and "." not in name.strip("."):
+                raise ValueError(
+                    f"safe_globals entries must be qualified names like 'package.module.Name' "
+                    f"or types, got {name!r}"
+                )
+            if not isinstance(name, str | type):
+                raise ValueError(f"safe_globals entries must be strings or types, got {name!r}")
         if self.staging not in STAGING:
             raise ValueError(f"staging must be one of {STAGING}, got {self.staging!r}")
         if self.on_busy not in ON_BUSY:

@@ -21,6 +21,7 @@ __all__ = [
     "ManifestError",
     "ModelMismatchError",
     "RemoteTraceback",
+    "UnsafeObjectError",
 ]
 
 
@@ -59,3 +60,8 @@ class ChecksumError(CheckpointReadError):
 
 class ModelMismatchError(CnrError, ValueError):
     """The checkpoint was written by a model with other tables or dense tensors."""
+
+
+class UnsafeObjectError(CheckpointReadError):
+    """A pickled object in a checkpoint names a type or function a restore may not load
+    (see ``CheckpointConfig.safe_globals``); nothing of it ran."""

@@ -40,12 +40,12 @@ from torchrec_cnr.selection.rows import (
     select_rows,
 )
 from torchrec_cnr.snapshot import checkpoint_id
+from torchrec_cnr.snapshot.objects import resolve_globals, serialize_app_state
 from torchrec_cnr.staging import (
     LazyStaging,
     StagedCheckpoint,
     StagingPool,
     lazy_fallback,
-    serialize_app_state,
     stage,
 )
 from torchrec_cnr.storage import Storage, open_storage
@@ -114,6 +114,7 @@ class CheckpointManager:
         if config.priority_budget_mb is not None and any(s.priority is None for s in self._shards):
             raise ValueError("priority_budget_mb needs tracking_sharders(mode='mfu' or 'ssu')")
         self._dense = model_state.dense_state(model)
+        self._safe_globals = resolve_globals(config.safe_globals)
         self._last_saved_step: int | None = None
         self._chain = ChainState()
         """The chain after the last committed checkpoint (or the restored one)."""
@@ -463,6 +464,7 @@ class CheckpointManager:
                     budget_bytes=None if budget is None else budget << 20,
                     # Unbounded staging buffers are a full checkpoint's: read into them.
                     pool=self._pool if self._pool.budget_bytes is None else None,
+                    safe_globals=self._safe_globals,
                 )  # fmt: skip
                 break
             except CheckpointReadError:

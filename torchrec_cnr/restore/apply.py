@@ -14,9 +14,8 @@ restores onto any sharding and world size.
 
 from __future__ import annotations
 
-import io
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +25,7 @@ from torchrec_cnr.commit.manifest import Entry
 from torchrec_cnr.encoding import FP32, ShardRecord, decode_weight, dtype_name
 from torchrec_cnr.restore.chain import ChainReader
 from torchrec_cnr.restore.geometry import Placement, place, scatter, states_fit
+from torchrec_cnr.snapshot.objects import load_object
 from torchrec_cnr.staging import StagingPool
 from torchrec_cnr.tracking.shard import LocalShard
 
@@ -167,6 +167,7 @@ def read_chain(
     app_rank: int | None,
     budget_bytes: int | None = None,
     pool: StagingPool | None = None,
+    safe_globals: Sequence[Any] = (),
 ) -> PreparedRestore:
     """Reads, verifies and plans everything a restore of ``chain`` into ``shards`` needs.
 
@@ -181,12 +182,15 @@ def read_chain(
         budget_bytes: host memory for read tensors; ``None`` keeps every one.
         pool: the staging buffers, to read this rank's own baseline tensors into: a
             fresh gigabyte costs a page fault per 4 KiB, about as long as reading it.
+        safe_globals: types ``app_state`` may hold beyond tensors, numbers, strings and
+            plain containers (see :func:`~torchrec_cnr.snapshot.objects.load_object`).
 
     Raises:
         CheckpointReadError: a checkpoint directory or file of the chain is missing or
             unreadable.
         ChecksumError: a stored tensor does not match its recorded checksum.
         ValueError: a stored tensor does not fit where it goes.
+        UnsafeObjectError: the saved ``app_state`` names a type that is not allowed.
     """
     _hold(chain, shards, budget_bytes, pool)
     prepared = PreparedRestore(chain)
@@ -196,7 +200,8 @@ def read_chain(
         world = chain.entry.world_size
         source = app_rank % world
         blob = chain.app_state(source)
-        prepared.app_state = torch.load(io.BytesIO(blob), weights_only=False)
+        what = f"{chain.links[-1].id}: the app_state of rank {source}"
+        prepared.app_state = load_object(blob, safe_globals, what)
         if source != app_rank:
             prepared.warnings.append(
                 f"rank {app_rank} takes the app_state of rank {source}: the checkpoint was "

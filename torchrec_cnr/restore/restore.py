@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import io
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +28,8 @@ from torchrec_cnr.restore.apply import PreparedRestore, apply_chain, read_chain
 from torchrec_cnr.restore.chain import ChainReader
 from torchrec_cnr.restore.compat import check_compatible
 from torchrec_cnr.restore.partial import select_shards
-from torchrec_cnr.staging import StagingPool, serialize_app_state
+from torchrec_cnr.snapshot.objects import serialize_app_state
+from torchrec_cnr.staging import StagingPool
 from torchrec_cnr.tracking.shard import LocalShard
 
 __all__ = ["load_app_state", "restore_entry"]
@@ -89,6 +90,8 @@ def load_app_state(
                 error.__cause__ = e
                 break
     if group.any(error is not None) and before is not None:
+        # These bytes are this process's own, serialized from its live objects above,
+        # never read from a root: they may hold any type those objects hold.
         previous = torch.load(io.BytesIO(before), weights_only=False)
         with torch.no_grad():
             for name in loaded:
@@ -114,12 +117,14 @@ def restore_entry(
     tables: list[str] | None = None,
     budget_bytes: int | None = None,
     pool: StagingPool | None = None,
+    safe_globals: Sequence[Any] = (),
 ) -> list[torch.Tensor]:
     """Restores ``chain`` into this rank's ``shards``, ``dense`` and ``app_state``.
 
     With ``ranks`` or ``tables`` it is a partial recovery: only those shards reload, and
     dense tensors, ``app_state`` and the kernels' step counters keep their live values.
-    ``pool``: staging buffers to read the baseline into (see :func:`read_chain`).
+    ``pool``: staging buffers to read the baseline into, ``safe_globals``: the types
+    ``app_state`` may hold (see :func:`read_chain`).
 
     Returns:
         For each local shard, a ``(rows,)`` bool mask of rows that came from a delta.
@@ -129,6 +134,8 @@ def restore_entry(
         CheckpointReadError, ChecksumError: a file is missing or damaged; nothing changed.
         CheckpointError: an ``app_state`` object refused its state, or the data does not
             fit the model; nothing changed.
+        UnsafeObjectError: a saved ``app_state`` names a type not in ``safe_globals``;
+            nothing ran and nothing changed.
     """
     entry: Entry = chain.entry
     seen: dict[str, TableShape] = {}
@@ -144,7 +151,7 @@ def restore_entry(
             chain, chosen,
             [] if partial else list(dense),
             None if partial or not app_state else group.rank,
-            budget_bytes, pool,
+            budget_bytes, pool, safe_globals,
         )  # fmt: skip
     except ValueError as e:  # read fine, but does not fit: say what it means
         error = CheckpointError(f"restore of step {entry.step} failed before any change: {e}")

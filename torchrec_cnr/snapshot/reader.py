@@ -29,7 +29,7 @@ from torchsnapshot.manifest import (
     PrimitiveEntry,
     TensorEntry,
 )
-from torchsnapshot.serialization import string_to_dtype, torch_load_from_bytes
+from torchsnapshot.serialization import string_to_dtype
 
 from torchrec_cnr.errors import CheckpointReadError
 from torchrec_cnr.snapshot.checksum import (
@@ -41,6 +41,7 @@ from torchrec_cnr.snapshot.checksum import (
     mismatch,
 )
 from torchrec_cnr.snapshot.layout import SNAPSHOT_MARKER, app_path, dense_path, rows_path
+from torchrec_cnr.snapshot.objects import load_object
 from torchrec_cnr.storage import DIRECT_ALIGN, DIRECT_MIN_BYTES, Storage
 
 __all__ = ["SnapshotReader", "page_aligned", "parse_index"]
@@ -230,7 +231,7 @@ class SnapshotReader:
                 buf = bytearray(end - start)
                 self.storage.read_into(location, start, memoryview(buf))
                 blob = bytes(buf)
-            value.copy_(torch_load_from_bytes(blob))
+            value.copy_(load_object(blob, (), f"{self.name}/{logical}"))
             return read
         read.whole = False
         for chunk in sorted(entry.chunks, key=lambda c: c.offsets):

@@ -19,7 +19,6 @@ from torchrec_cnr.staging.shard import (
     Sink,
     StagedCheckpoint,
     StagedShard,
-    serialize_app_state,
     stage_shard,
 )
 
@@ -30,7 +29,6 @@ __all__ = [
     "StagedShard",
     "StagingPool",
     "lazy_fallback",
-    "serialize_app_state",
     "stage",
     "stage_shard",
 ]

@@ -19,13 +19,9 @@ from typing import Any
 import torch
 
 from torchrec_cnr.selection.policy import Kind
+from torchrec_cnr.snapshot.objects import serialize_app_state
 from torchrec_cnr.staging.pool import StagingPool, chunk_rows, dense_buffer
-from torchrec_cnr.staging.shard import (
-    Sink,
-    StagedCheckpoint,
-    serialize_app_state,
-    stage_shard,
-)
+from torchrec_cnr.staging.shard import Sink, StagedCheckpoint, stage_shard
 from torchrec_cnr.tracking.shard import LocalShard
 
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import io
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -166,10 +165,3 @@ def stage_shard(
     first = rows.start or 0 if isinstance(rows, slice) else 0
     changed = None if recent is None else global_ids(shard, recent)
     return StagedShard(shard, key, ids, weight, states, shard.scalar_states(), first, changed)
-
-
-def serialize_app_state(app_state: Mapping[str, Any]) -> bytes:
-    """``torch.save`` of ``{name: obj.state_dict()}``; stored as one object per rank."""
-    buf = io.BytesIO()
-    torch.save({name: obj.state_dict() for name, obj in app_state.items()}, buf)
-    return buf.getvalue()
