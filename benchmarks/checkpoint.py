@@ -70,7 +70,7 @@ from benchmarks.measure import (
     uniform_model,
 )
 from benchmarks.peers import run_peers, torchsnapshot_restore, torchsnapshot_take_durable
-from benchmarks.results import Column, Table, Target
+from benchmarks.results import Column, Table, Goal
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import (
     CheckpointConfig,
@@ -240,7 +240,7 @@ def _side_by_side(
     }
 
 
-def targets(fracs: list[float], policies: list[Policy]) -> list[Target]:
+def targets(fracs: list[float], policies: list[Policy]) -> list[Goal]:
     """The targets of a run at ``fracs`` (two fractions of rows modified) over ``policies``."""
     small, large = (f"{f:.0%}" for f in sorted(fracs))
     cnr = {
@@ -249,40 +249,40 @@ def targets(fracs: list[float], policies: list[Policy]) -> list[Target]:
     sbs, ts = "side_by_side", "side_by_side.restore_s.torchsnapshot"
     copying = "peers.torchsnapshot_async_take_copy.stall_s"
     return [
-        Target(f"intermittent fp32 stall <= async_take (copying) / 10 at {small}",
+        Goal(f"intermittent fp32 stall <= async_take (copying) / 10 at {small}",
                f"{cnr[f'intermittent fp32 {small}']}.stall_s", "<=", copying, 0.1),
-        Target(f"intermittent fp32 stall <= async_take (copying) / 3 at {large}",
+        Goal(f"intermittent fp32 stall <= async_take (copying) / 3 at {large}",
                f"{cnr[f'intermittent fp32 {large}']}.stall_s", "<=", copying, 1 / 3),
         *(
-            Target(f"{p} fp32 {f} delta stall <= 2 x a memcpy of its staged bytes",
+            Goal(f"{p} fp32 {f} delta stall <= 2 x a memcpy of its staged bytes",
                    f"{cnr[f'{p} fp32 {f}']}.stall_over_memcpy", "<=", 2.0)
             for f in (large, small)
             for p in policies
             if p != "full"
         ),
         *(
-            Target(f"a manager's first full stall <= 2 x its later ones ({f} run)",
+            Goal(f"a manager's first full stall <= 2 x its later ones ({f} run)",
                    f"{full}.baseline.stall_s", "<=", f"{full}.stall_s", 2.0)
             for f in (small, large)
             for full in [cnr[f"full fp32 {f}"]]
         ),
-        Target("full fp32 durable commit <= torchsnapshot take + fsync (side by side)",
+        Goal("full fp32 durable commit <= torchsnapshot take + fsync (side by side)",
                f"{sbs}.commit_s.fp32", "<=", f"{sbs}.commit_s.torchsnapshot"),
-        Target("full fp32 commit >= 70% of the disk's write bandwidth",
+        Goal("full fp32 commit >= 70% of the disk's write bandwidth",
                f"{sbs}.full_fp32_gb_s", ">=", "disk.write_gb_s", 0.7),
-        Target("full fp32 commit with O_DIRECT <= through the page cache (side by side)",
+        Goal("full fp32 commit with O_DIRECT <= through the page cache (side by side)",
                f"{sbs}.commit_s.fp32", "<=", f"{sbs}.commit_s.fp32{PAGE_CACHE}"),
-        Target(f"intermittent {small} restore with O_DIRECT <= through the page cache",
+        Goal(f"intermittent {small} restore with O_DIRECT <= through the page cache",
                f"{sbs}.restore_s.intermittent_{small[:-1]}", "<=",
                f"{sbs}.restore_s.intermittent_{small[:-1]}{PAGE_CACHE}"),
-        Target("4-bit full commit <= fp32 full commit (side by side)",
+        Goal("4-bit full commit <= fp32 full commit (side by side)",
                f"{sbs}.commit_s.4-bit", "<=", f"{sbs}.commit_s.fp32"),
         *(
-            Target(f"intermittent {f} restore <= torchsnapshot's restore",
+            Goal(f"intermittent {f} restore <= torchsnapshot's restore",
                    f"{sbs}.restore_s.intermittent_{f[:-1]}", "<=", ts)
             for f in (small, large)
         ),
-        Target("consecutive chain of 4 restore <= 1.5 x torchsnapshot's restore",
+        Goal("consecutive chain of 4 restore <= 1.5 x torchsnapshot's restore",
                f"{sbs}.restore_s.consecutive_{small[:-1]}_chain_of_4", "<=", ts, 1.5),
     ]  # fmt: skip
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from benchmarks import results
 from benchmarks.measure import bcast
-from benchmarks.results import Table, Target
+from benchmarks.results import Table, Goal
 from cnr_train.launch import init_distributed
 
 # What a result records of its environment: the versions and the variables that change
@@ -51,7 +51,7 @@ class Outcome:
 
     measurements: dict[str, Any]
     tables: list[Table]
-    targets: list[Target] = field(default_factory=list)
+    targets: list[Goal] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

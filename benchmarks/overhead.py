@@ -85,7 +85,7 @@ from benchmarks.measure import (
     timed,
     uniform_model,
 )
-from benchmarks.results import Table, Target
+from benchmarks.results import Table, Goal
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import CheckpointConfig, CheckpointManager, QuantizeConfig, list_checkpoints
 
@@ -446,7 +446,7 @@ def tables(m: dict[str, Any]) -> list[Table]:
     return [lost, arms, commands, anchors]
 
 
-def targets(m: dict[str, Any], headline_s: float) -> list[Target]:
+def targets(m: dict[str, Any], headline_s: float) -> list[Goal]:
     """Per measured world size and quantization: throughput lost <= 1% at the measured
     interval nearest ``headline_s`` (from the arms, and from step times); stall <= 0.4% of
     the interval at the longest measured interval."""
@@ -461,7 +461,7 @@ def targets(m: dict[str, Any], headline_s: float) -> list[Target]:
             for quant in QUANTS:
                 at = f"{world}.intervals.{head}.{staging}.{quant}"
                 out.append(
-                    Target(
+                    Goal(
                         f"{who}, {staging} {quant}: throughput lost <= 1% at the interval "
                         f"nearest {headline_s:g} s ({ivs[head]['interval_s']:.1f} s)",
                         f"{at}.throughput_lost",
@@ -470,7 +470,7 @@ def targets(m: dict[str, Any], headline_s: float) -> list[Target]:
                     )
                 )
                 out.append(
-                    Target(
+                    Goal(
                         f"{who}, {staging} {quant}: throughput lost from step times <= 1% at "
                         f"the interval nearest {headline_s:g} s ({ivs[head]['interval_s']:.1f} s)",
                         f"{at}.lost_from_step_times",
@@ -481,7 +481,7 @@ def targets(m: dict[str, Any], headline_s: float) -> list[Target]:
                 for key, iv in ivs.items() if staging == "lazy" else ():
                     for field, what in LOSS_ESTIMATES.items():
                         out.append(
-                            Target(
+                            Goal(
                                 f"{who}, lazy {quant}: throughput lost{what} <= eager's at "
                                 f"{iv['interval_s']:.1f} s",
                                 f"{world}.intervals.{key}.lazy.{quant}.{field}",
@@ -491,7 +491,7 @@ def targets(m: dict[str, Any], headline_s: float) -> list[Target]:
                         )
                 at = f"{world}.intervals.{longest}.{staging}.{quant}"
                 out.append(
-                    Target(
+                    Goal(
                         f"{who}, {staging} {quant}: stall <= 0.4% of the interval at the "
                         f"longest ({ivs[longest]['interval_s']:.1f} s)",
                         f"{at}.stall_of_interval",

@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import best_seconds
-from benchmarks.results import Table, Target
+from benchmarks.results import Table, Goal
 from torchrec_cnr import quantize
 from torchrec_cnr.quantization._uniform import fbgemm_ops
 
@@ -54,22 +54,22 @@ Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, int]]
 
 METHOD_TARGETS = [
     # The greedy is slow: it runs on the first --peer-rows rows, and errors are compared there.
-    Target("adaptive 4-bit error <= PyTorch greedy 4-bit's (same rows)",
+    Goal("adaptive 4-bit error <= PyTorch greedy 4-bit's (same rows)",
            "ours.adaptive_4.rel_error_on_peer_rows", "<=", "peers.pytorch_greedy_4bit.rel_error"),
-    Target(f"adaptive 4-bit MB/s >= {SPEED:g} x PyTorch greedy 4-bit's",
+    Goal(f"adaptive 4-bit MB/s >= {SPEED:g} x PyTorch greedy 4-bit's",
            "ours.adaptive_4.mb_per_s", ">=", "peers.pytorch_greedy_4bit.mb_per_s", SPEED),
-    Target("FBGEMM 4-bit MB/s <= 1.5 x asymmetric 4-bit's",
+    Goal("FBGEMM 4-bit MB/s <= 1.5 x asymmetric 4-bit's",
            "peers.fbgemm_4bit.mb_per_s", "<=", "ours.asymmetric_4.mb_per_s", 1.5),
 ]  # fmt: skip
 
 
-def cell_targets(key: str) -> list[Target]:
+def cell_targets(key: str) -> list[Goal]:
     """The targets of one ``--vs-greedy`` cell: >= 50x the greedy's speed, its error at most."""
     cell = f"cells.{key}"
     return [
-        Target(f"{key}: adaptive 4-bit MB/s >= {SPEED:g} x greedy's",
+        Goal(f"{key}: adaptive 4-bit MB/s >= {SPEED:g} x greedy's",
                f"{cell}.adaptive.mb_per_s", ">=", f"{cell}.greedy.mb_per_s", SPEED),
-        Target(f"{key}: adaptive 4-bit error <= greedy's",
+        Goal(f"{key}: adaptive 4-bit error <= greedy's",
                f"{cell}.adaptive.rel_error", "<=", f"{cell}.greedy.rel_error"),
     ]  # fmt: skip
 
@@ -205,7 +205,7 @@ def _vs_greedy(b: Bench) -> Outcome:
     elems, peer_elems = a.rows * a.dim, a.peer_rows * a.dim
     cells: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
-    targets: list[Target] = []
+    targets: list[Goal] = []
     cell_list = [(d, k) for d in DISTRIBUTIONS for k in a.vs_greedy_dims]
     for i, (kind, dim) in enumerate(cell_list):
         x = _rows(kind, max(1, elems // dim), dim, seed=a.seed * 100 + i)

@@ -4,11 +4,11 @@ A run writes one JSON file: ``format_version`` (1), ``case`` (the module under
 ``benchmarks``), ``kind`` (benchmark or experiment), ``title``, ``date``, ``command`` (the
 exact command line), ``note``, ``smoke``, ``environment`` (host, cores, memory, versions,
 environment variables), ``config`` (every argument), ``wall_s``, ``measurements`` (nested
-dicts of numbers), ``tables`` (:class:`Table`) and ``targets`` (:meth:`Target.evaluate`).
+dicts of numbers), ``tables`` (:class:`Table`) and ``targets`` (:meth:`Goal.evaluate`).
 
 A target is data: ``measured op factor * reference``, where ``measured`` is a dotted key
 into ``measurements`` and ``reference`` a key or a number. Its verdict is computed by
-:meth:`Target.evaluate` and nowhere else; printing code only shows it.
+:meth:`Goal.evaluate` and nowhere else; printing code only shows it.
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ def _ends(value: Any) -> list[float] | None:
 
 
 @dataclass(frozen=True)
-class Target:
+class Goal:
     """A bound that a measurement must meet: ``measured op factor * reference``.
 
     Example::
 
-        Target("stall <= 1/10 of async_take's", "cnr.intermittent_fp32_5.stall_s", "<=",
+        Goal("stall <= 1/10 of async_take's", "cnr.intermittent_fp32_5.stall_s", "<=",
                "peers.torchsnapshot_async_take_copy.stall_s", 0.1)
     """
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import from_rank0, model_arguments, rmtree, uniform_model
 from benchmarks.overhead import QUANTS, Trainer
-from benchmarks.results import Table, Target
+from benchmarks.results import Table, Goal
 from cnr_train.workload import ZipfBatches
 from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
 
@@ -171,11 +171,11 @@ def run(b: Bench) -> Outcome:
         "mean step outside that window, the slowest rank's.",
     )
     targets = [
-        Target(f"lazy {q} checkpoint costs <= eager's", f"arms.lazy_{k}.cost_s", "<=",
+        Goal(f"lazy {q} checkpoint costs <= eager's", f"arms.lazy_{k}.cost_s", "<=",
                f"arms.eager_{k}.cost_s")
         for q, k in (("fp32", "fp32"), ("4-bit", "4bit"))
     ] + [
-        Target("lazy fp32 checkpoint costs <= lazy with torch's locked copy",
+        Goal("lazy fp32 checkpoint costs <= lazy with torch's locked copy",
                "arms.lazy_fp32.cost_s", "<=", "arms.lazy_torch_fp32.cost_s"),
     ]  # fmt: skip
     return Outcome(m, [table], targets)

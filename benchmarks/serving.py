@@ -84,7 +84,7 @@ from benchmarks.measure import (
     timed_save,
     uniform_model,
 )
-from benchmarks.results import Column, Table, Target
+from benchmarks.results import Column, Table, Goal
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import (
     CheckpointConfig,
@@ -550,26 +550,26 @@ def _summarise(
 # ---------------------------------------------------------------- targets and tables
 
 
-def targets(policies: list[Policy], pairs: list[str], fractions: list[float]) -> list[Target]:
+def targets(policies: list[Policy], pairs: list[str], fractions: list[float]) -> list[Goal]:
     """Every policy and pair: bytes per update; at 5%: update time, lag and blocking; at
     the largest fraction: the serving process's memory."""
     five = "5" if 0.05 in fractions else _pct(sorted(fractions)[len(fractions) // 2])
     big = _pct(max(fractions))
-    out: list[Target] = []
+    out: list[Goal] = []
     for p in policies:
         for pair in pairs:
             r = f"runs.{_run_key(p, pair)}"
             name = f"{p} {pair.replace(':', ' ckpt -> ')}"
             out += [
-                Target(f"{name}: bytes read per update <= 1.2 x changed rows + ids (worst)",
+                Goal(f"{name}: bytes read per update <= 1.2 x changed rows + ids (worst)",
                        f"{r}.worst_bytes.bytes_read", "<=", f"{r}.worst_bytes.changed_bytes", 1.2),
-                Target(f"{name}: update at {five}% <= full reload / 10 (median)",
+                Goal(f"{name}: update at {five}% <= full reload / 10 (median)",
                        f"{r}.phases.{five}.update_s", "<=", f"{r}.phases.{five}.reload_s", 0.1),
-                Target(f"{name}: lag commit -> served at {five}% <= 1 s (worst)",
+                Goal(f"{name}: lag commit -> served at {five}% <= 1 s (worst)",
                        f"{r}.phases.{five}.lag_s_max", "<=", 1.0),
-                Target(f"{name}: serving blocked per update at {five}% <= 10 ms (worst)",
+                Goal(f"{name}: serving blocked per update at {five}% <= 10 ms (worst)",
                        f"{r}.phases.{five}.blocked_s_max", "<=", 0.010),
-                Target(f"{name}: serving RSS growth during updates at {big}% <= one table's "
+                Goal(f"{name}: serving RSS growth during updates at {big}% <= one table's "
                        "changed rows, MB (the model resident before)",
                        f"{r}.phases.{big}.growth_mb", "<=", f"{r}.phases.{big}.one_table_changed_mb"),
             ]  # fmt: skip

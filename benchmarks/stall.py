@@ -34,7 +34,7 @@ from benchmarks.measure import (
     timed_save,
     uniform_model,
 )
-from benchmarks.results import Table, Target
+from benchmarks.results import Table, Goal
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
 from torchrec_cnr.config import Staging
@@ -121,12 +121,12 @@ def run(b: Bench) -> Outcome:
         t
         for f in a.fractions
         for t in (
-            Target(f"lazy save() <= 5 ms + the dense copy at {f:.0%}",
+            Goal(f"lazy save() <= 5 ms + the dense copy at {f:.0%}",
                    f"cases.{_key('lazy', f)}.stall_s", "<=", "lazy_budget_s"),
-            Target(f"lazy save() <= eager's / 10 at {f:.0%}",
+            Goal(f"lazy save() <= eager's / 10 at {f:.0%}",
                    f"cases.{_key('lazy', f)}.stall_s", "<=", f"cases.{_key('eager', f)}.stall_s",
                    0.1),
-            Target(f"lazy save() <= a memcpy of the delta at {f:.0%}",
+            Goal(f"lazy save() <= a memcpy of the delta at {f:.0%}",
                    f"cases.{_key('lazy', f)}.stall_s", "<=", f"cases.{_key('lazy', f)}.memcpy_s"),
         )
     ]  # fmt: skip

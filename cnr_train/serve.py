@@ -16,6 +16,7 @@ evaluation used, so the served AUC compares with the trained one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -190,10 +191,9 @@ class Server:
         self.tables = job_tables(config)
         self.model = serving_model(self.tables, num_dense(config), config.serve.dtype)
         self.root = config.checkpoint.path
-        self.storage = open_storage(self.root)
-        self.follower = Follower(
-            self.storage, QuantizedTarget(self.model), io_threads=config.serve.io_threads
-        )
+        io = dataclasses.replace(config.checkpoint.io, threads=config.serve.io_threads)
+        self.storage = open_storage(self.root, io)
+        self.follower = Follower(self.storage, QuantizedTarget(self.model), io)
         self.requests: RequestLoop | None = None
 
     def run(self) -> dict[str, Any]:

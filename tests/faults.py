@@ -22,10 +22,9 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from torchrec_cnr.storage import ANY, Storage, open_storage
-from torchrec_cnr.storage.backend import _Any
+from torchrec_cnr.storage import Storage, StorageWrapper, open_storage
 
 Action = Literal["oserror", "sigkill", "delay"]
 
@@ -48,7 +47,7 @@ class Fault:
         return True
 
 
-class FaultyStorage(Storage):
+class FaultyStorage(StorageWrapper):
     """``inner`` with ``faults`` injected; everything else is passed through.
 
     Args:
@@ -57,11 +56,10 @@ class FaultyStorage(Storage):
     """
 
     def __init__(self, inner: Storage | str, *faults: Fault) -> None:
-        self.inner = open_storage(inner) if isinstance(inner, str) else inner
-        self.url = self.inner.url
+        super().__init__(open_storage(inner) if isinstance(inner, str) else inner)
         self.faults = list(faults)
 
-    def _maybe_fail(self, op: str, name: str) -> None:
+    def before(self, op: str, name: str) -> None:
         for fault in self.faults:
             if not fault.hits(op, name):
                 continue
@@ -72,49 +70,3 @@ class FaultyStorage(Storage):
             if fault.action == "delay":
                 time.sleep(3.0)
             return
-
-    def path(self, name: str) -> str:
-        return self.inner.path(name)
-
-    def read(self, name: str) -> tuple[bytes, str] | None:
-        return self.inner.read(name)
-
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        self.inner.read_into(name, offset, out)
-
-    def write(self, name: str, data: bytes, expect: str | None | _Any = ANY) -> str:
-        self._maybe_fail("write", name)
-        return self.inner.write(name, data, expect)
-
-    def write_object(self, name: str, data: memoryview) -> None:
-        self._maybe_fail("write_object", name)
-        self.inner.write_object(name, data)
-
-    def exists(self, name: str) -> bool:
-        return self.inner.exists(name)
-
-    def children(self) -> list[str]:
-        return self.inner.children()
-
-    def delete(self, name: str) -> None:
-        self.inner.delete(name)
-
-    def delete_tree(self, name: str) -> None:
-        self.inner.delete_tree(name)
-
-    def clear(self) -> None:
-        self.inner.clear()
-
-    def tree_bytes(self, name: str) -> int:
-        return self.inner.tree_bytes(name)
-
-    def make_durable(self, name: str) -> None:
-        self._maybe_fail("make_durable", name)
-        self.inner.make_durable(name)
-
-    def create(self) -> None:
-        self._maybe_fail("create", "")
-        self.inner.create()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)

@@ -11,23 +11,23 @@ cnr compact ROOT [--step N] [--take-over]
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections import defaultdict
 
-from torchrec_cnr.commit import Manifest, Target, saved_fraction
+from torchrec_cnr.commit import CommitTarget, Manifest, saved_fraction
 from torchrec_cnr.commit.lease import Lease
+from torchrec_cnr.compaction import compact_entry
 from torchrec_cnr.errors import CnrError, ManifestError
-from torchrec_cnr.executors import Executors
-from torchrec_cnr.offline import EXPORT_FORMATS, compact_entry, export_state_dict, save_export
+from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.offline import EXPORT_FORMATS, export_state_dict, save_export
 from torchrec_cnr.offline.catalog import changed_rows
 from torchrec_cnr.restore import verify_chains
 from torchrec_cnr.selection import Policy
 from torchrec_cnr.storage import Storage, open_storage
 
 
-def _inspect(root: str) -> int:
-    manifest = Manifest.load(open_storage(root))
+def _inspect(root: str, io: IOContext) -> int:
+    manifest = Manifest.load(open_storage(root, io.options))
     latest = manifest.latest()
     if latest is None:
         print(f"{root}: no committed checkpoint")
@@ -65,7 +65,9 @@ def _inspect(root: str) -> int:
     return 0
 
 
-def _check(storage: Storage, manifest: Manifest, step: int | None) -> list[str] | None:
+def _check(
+    storage: Storage, manifest: Manifest, step: int | None, io: IOContext
+) -> list[str] | None:
     """The problems of the chains (of ``step``, or of every checkpoint); ``None`` if no such step."""
     entries = manifest.checkpoints
     if step is not None:
@@ -73,20 +75,20 @@ def _check(storage: Storage, manifest: Manifest, step: int | None) -> list[str] 
         if found is None:
             return None
         entries = [found]
-    checked, problems = verify_chains(storage, manifest, entries)
+    checked, problems = verify_chains(storage, manifest, entries, io)
     print(f"{storage.url}: {checked} checkpoint(s) read")
     return problems
 
 
-def _verify(root: str, step: int | None) -> int:
-    storage = open_storage(root)
+def _verify(root: str, step: int | None, io: IOContext) -> int:
+    storage = open_storage(root, io.options)
     try:
         manifest = Manifest.load(storage)
     except ManifestError as e:
         print(f"{root}: the manifest is damaged: {e}")
         previous = Manifest.previous(storage)
         if previous is not None:
-            problems = _check(storage, previous, step)
+            problems = _check(storage, previous, step, io)
             state = "every checksum matches" if problems == [] else f"problems: {problems}"
             print(
                 f"the previous committed manifest names steps {previous.steps()}; its chains: "
@@ -96,7 +98,7 @@ def _verify(root: str, step: int | None) -> int:
     if not manifest.checkpoints:
         print(f"{root}: no committed checkpoint")
         return 1
-    problems = _check(storage, manifest, step)
+    problems = _check(storage, manifest, step, io)
     if problems is None:
         print(
             f"{root}: no committed checkpoint of step {step}; committed steps: {manifest.steps()}"
@@ -119,21 +121,23 @@ def _progress(key: str, done: int, total: int) -> None:
     )
 
 
-def _export(root: str, step: int | None, out: str, fmt: str, tables: list[str] | None) -> int:
-    state_dict = export_state_dict(root, step, tables, progress=_progress)
+def _export(
+    root: str, step: int | None, out: str, fmt: str, tables: list[str] | None, io: IOContext
+) -> int:
+    state_dict = export_state_dict(root, step, tables, progress=_progress, io=io)
     save_export(state_dict, out, fmt)  # type: ignore[arg-type]
     nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
     print(f"{out}: {len(state_dict)} tensors, {nbytes / 1e6:.1f} MB ({fmt})")
     return 0
 
 
-def _compact(root: str, step: int | None, take_over: bool) -> int:
-    storage = open_storage(root)
+def _compact(root: str, step: int | None, take_over: bool, io: IOContext) -> int:
+    storage = open_storage(root, io.options)
     latest = Manifest.load(storage).latest()
     if latest is None:
         print(f"{root}: no committed checkpoint")
         return 1
-    lease = Lease(storage, take_over=take_over, fallback=False)
+    lease = Lease(storage, take_over=take_over, fallback=False, ttl_s=io.options.lease_ttl_s)
     holder = lease.acquire()
     if holder is not None:
         print(
@@ -144,9 +148,8 @@ def _compact(root: str, step: int | None, take_over: bool) -> int:
         return 2
     try:
         assert lease.mine is not None
-        target = Target(storage, Policy(latest.policy), lease.mine.generation, keep_last=None)  # type: ignore[arg-type]
-        with Executors(8, max(1, os.cpu_count() or 1), 64 << 20) as pools:
-            entry = compact_entry(target, pools, step)
+        target = CommitTarget(storage, Policy(latest.policy), lease.mine.generation, keep_last=None)  # type: ignore[arg-type]
+        entry = compact_entry(target, io, step)
     finally:
         lease.release()
     if entry is None:
@@ -191,13 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        if args.command == "verify":
-            return _verify(args.root, args.step)
-        if args.command == "export":
-            return _export(args.root, args.step, args.out, args.format, args.tables)
-        if args.command == "compact":
-            return _compact(args.root, args.step, args.take_over)
-        return _inspect(args.root)
+        with IOContext() as io:  # the environment's IOOptions
+            if args.command == "verify":
+                return _verify(args.root, args.step, io)
+            if args.command == "export":
+                return _export(args.root, args.step, args.out, args.format, args.tables, io)
+            if args.command == "compact":
+                return _compact(args.root, args.step, args.take_over, io)
+            return _inspect(args.root, io)
     except (CnrError, ValueError) as e:  # ValueError: no such step, table or format
         print(f"error: {e}", file=sys.stderr)
         return 2

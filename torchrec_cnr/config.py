@@ -8,11 +8,10 @@ methods, bit widths and thresholds from :mod:`torchrec_cnr.quantization`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from torchrec_cnr.env import env_number
+from torchrec_cnr.iocontext import IOOptions
 from torchrec_cnr.quantization import (
     BITS,
     CAST_METHODS,
@@ -147,59 +146,6 @@ class RecoveryConfig:
                 "recovery needs mtbf_s > 0, pls_target in (0, 1), reschedule_s >= 0 and probe_step >= 2, got "
                 f"{self.mtbf_s}, {self.pls_target}, {self.reschedule_s}, {self.probe_step}"
             )
-
-
-@dataclass(frozen=True)
-class IOOptions:
-    """How a checkpoint's I/O runs: performance knobs, not behaviour (a checkpoint written
-    with one value restores with any other).
-
-    Each default comes from an environment variable when it is set, read once, when the
-    options are built; an argument always wins.
-    """
-
-    threads: int = field(default_factory=lambda: int(env_number("TORCHREC_CNR_IO_THREADS", 8)))
-    """Threads per rank that write and read a checkpoint's objects at once
-    (``TORCHREC_CNR_IO_THREADS``)."""
-    encode_threads: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
-    """Threads per rank that quantize rows (CPU-bound work, apart from the I/O threads)."""
-    object_kb: int = field(
-        default_factory=lambda: int(env_number("TORCHREC_CNR_OBJECT_KB", 64 << 10))
-    )
-    """Largest data object a checkpoint writes, in KiB (whole rows): a larger tensor is
-    written as several objects, in parallel, and read in pieces of this size
-    (``TORCHREC_CNR_OBJECT_KB``)."""
-    collective_timeout_s: float = field(
-        default_factory=lambda: env_number("TORCHREC_CNR_COLLECTIVE_TIMEOUT_S", 600)
-    )
-    """Seconds a rank waits for the others at a checkpoint's collectives
-    (``TORCHREC_CNR_COLLECTIVE_TIMEOUT_S``)."""
-    lease_ttl_s: float = field(default_factory=lambda: env_number("TORCHREC_CNR_LEASE_TTL_S", 60))
-    """Seconds after its last refresh that a root's lease stops counting as held by a live
-    job; the holder refreshes it every quarter of this (``TORCHREC_CNR_LEASE_TTL_S``)."""
-    nice: int = field(default_factory=lambda: int(env_number("TORCHREC_CNR_NICE", 10)))
-    """How far below training's the scheduling priority of the background writer, encoding
-    and I/O threads is (Linux nice, 0 to 19; 0: the same), so that a CPU the training
-    thread wants goes to it first (``TORCHREC_CNR_NICE``)."""
-
-    def __post_init__(self) -> None:
-        for name in ("threads", "encode_threads", "object_kb"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"io.{name} must be a positive int, got {value!r}")
-        if (
-            not isinstance(self.nice, int)
-            or isinstance(self.nice, bool)
-            or not 0 <= self.nice <= 19
-        ):
-            raise ValueError(f"io.nice must be an int from 0 to 19, got {self.nice!r}")
-        for name in ("collective_timeout_s", "lease_ttl_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"io.{name} must be > 0, got {getattr(self, name)!r}")
-
-    @property
-    def object_bytes(self) -> int:
-        return self.object_kb << 10
 
 
 @dataclass(frozen=True)

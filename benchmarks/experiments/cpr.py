@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
 from benchmarks.measure import Policy, from_rank0, max_over_ranks, rmtree, timed_save
-from benchmarks.results import Table, Target
+from benchmarks.results import Table, Goal
 from cnr_train.config import DataConfig, JobConfig, ModelConfig, OptimizerConfig
 from cnr_train.job import Trainer, evaluate
 from cnr_train.workload import train_step
@@ -63,9 +63,9 @@ RESCHEDULE_FRACS = (0.0, 0.001, 0.0025, 0.005, 0.01, 0.02)
 PARTS = ("save", "load", "lost", "resched")
 
 TARGETS = [
-    Target("partial recovery overhead (best arm) <= 1/5 of full recovery's",
+    Goal("partial recovery overhead (best arm) <= 1/5 of full recovery's",
            "verdicts.best_partial_overhead_pct", "<=", "arms.full.overhead_pct", 0.2),
-    Target("AUC of the best partial arm within 0.001 of full recovery's",
+    Goal("AUC of the best partial arm within 0.001 of full recovery's",
            "verdicts.auc_diff_abs", "<=", 0.001),
 ]  # fmt: skip
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
 from benchmarks.measure import Policy, from_rank0, rmtree
-from benchmarks.results import Column, Table, Target
+from benchmarks.results import Column, Table, Goal
 from cnr_train.config import JobConfig, ModelConfig
 from cnr_train.job import Trainer, evaluate
 from cnr_train.workload import train_step
@@ -44,10 +44,10 @@ AUC_DROP = 0.001
 """Check-N-Run's bound on the AUC a quantized restore may cost."""
 
 
-def targets(restores: list[int]) -> list[Target]:
+def targets(restores: list[int]) -> list[Goal]:
     """For each L, the run with ``bits="auto"`` loses at most 0.001 AUC."""
     return [
-        Target(f"bits='auto' for L={n}: AUC drop <= {AUC_DROP}",
+        Goal(f"bits='auto' for L={n}: AUC drop <= {AUC_DROP}",
                f"runs.auto-L{n}.auc_drop", "<=", AUC_DROP)
         for n in restores
     ]  # fmt: skip

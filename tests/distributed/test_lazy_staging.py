@@ -10,7 +10,6 @@ does not hold (a batch looked up and not yet updated), the save falls back to ea
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 import time
@@ -29,7 +28,7 @@ from cnr_train.workload import TableSpec, ZipfBatches, dense_optimizer, dlrm, ha
 from tests import reference
 from tests.jobs import Job, make_job
 from tests.multiprocess import run_ranks
-from torchrec_cnr import CheckpointConfig, CheckpointManager, tracking_sharders
+from torchrec_cnr import CheckpointConfig, CheckpointManager, IOOptions, tracking_sharders
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.staging import LazyStaging, cow, lazy
 from torchrec_cnr.tracking import model_state
@@ -109,7 +108,6 @@ def test_rows_copied_after_save_returned_hold_the_saved_step(
 def _racing(policy: str, root: str, refs: str, seed: int, compiled: bool) -> None:
     # Small pieces and random pauses: the hooks and the background copy interleave
     # differently at every save, with the compiled copier's claims or torch's lock.
-    os.environ["TORCHREC_CNR_COMPILED_STAGING"] = "1" if compiled else "0"
     rng = random.Random(seed + dist.get_rank())
     original_chunk, original_block = lazy.CHUNK_ROWS, lazy._Shard.copy_block
     original_copy = cow.Group.copy
@@ -134,7 +132,7 @@ def _racing(policy: str, root: str, refs: str, seed: int, compiled: bool) -> Non
     cow.Group.copy = slow_copy  # type: ignore[method-assign]
     try:
         job = make_job(TABLES, root, seed=seed, data_seed=9, alpha=1.05, policy=policy,
-                       interval_steps=1)  # fmt: skip
+                       interval_steps=1, io=IOOptions(compiled_staging=compiled))  # fmt: skip
         for step in range(1, 13):
             job.train(1)
             assert job.ckpt.maybe_save(step)

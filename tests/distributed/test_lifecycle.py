@@ -39,10 +39,10 @@ def _close_releases_everything(root: str) -> None:
     running = _library_threads(earlier)
     assert any(n.startswith("cnr-encode") for n in running), running
     assert any(n.startswith("cnr-tracker") for n in running), running
-    assert job.ckpt._pool.nbytes > 0, "the staging pool holds buffers between saves"
+    assert job.ckpt._stager.pool.nbytes > 0, "the staging pool holds buffers between saves"
     job.ckpt.close()
     assert _library_threads(earlier) == [], "close() must stop every thread of the library"
-    assert job.ckpt._pool.nbytes == 0, "close() must give the staging buffers back"
+    assert job.ckpt._stager.pool.nbytes == 0, "close() must give the staging buffers back"
     # Training goes on after close: tracking starts its thread again, and stops it again.
     job.train(1)
     for tracker in model_state.trackers(job.model).values():

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from torchrec_cnr.iocontext import IOOptions
 from torchrec_cnr.quantization import _adaptive, _compiled, _uniform, search_ranges
 
 
@@ -29,13 +30,9 @@ def _rows(kind: str, n: int, dim: int, seed: int) -> torch.Tensor:
     return z / (chi2 / 3).sqrt()
 
 
-def _torch_search(
-    x: torch.Tensor, bits: int, monkeypatch: pytest.MonkeyPatch
-) -> tuple[torch.Tensor, torch.Tensor]:
-    with monkeypatch.context() as m:
-        m.setenv("TORCHREC_CNR_COMPILED_SEARCH", "0")
-        assert _compiled.library() is None
-        return search_ranges(x, bits)
+def _torch_search(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    assert _compiled.library(False) is None
+    return search_ranges(x, bits, compiled=False)
 
 
 def _errors(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
@@ -82,7 +79,7 @@ def test_compiled_search_is_no_worse_than_the_torch_code(
 ) -> None:
     x = torch.cat([_rows("gaussian", 400, dim, dim), _rows("t3", 400, dim, dim + 1) * 3 - 1])
     ours = _errors(x, *search_ranges(x, bits), bits).mean()
-    ref = _errors(x, *_torch_search(x, bits, monkeypatch), bits).mean()
+    ref = _errors(x, *_torch_search(x, bits), bits).mean()
     assert ours <= ref * (1 + 1e-4)
 
 
@@ -99,17 +96,14 @@ def test_compiled_4bit_error_is_below_pytorch_greedy(kind: str, dim: int) -> Non
 
 @pytest.mark.parametrize("compiled", ["1", "0"])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
-def test_each_row_is_no_worse_than_its_min_max_and_stored_exactly(
-    bits: int, compiled: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_each_row_is_no_worse_than_its_min_max_and_stored_exactly(bits: int, compiled: str) -> None:
     # Both searches: compiled, and the torch code (CUDA, or no compiler).
-    monkeypatch.setenv("TORCHREC_CNR_COMPILED_SEARCH", compiled)
     x = _rows("gaussian", 301, 24, seed=11) * 2.0 - 0.5
     x[0] = 0.1234567  # constant rows: lo == hi
     x[1] = 0.0
     x[2, 0] = 1e4  # a far extreme
     x[3] += 3000.0  # far from zero: fp16 bias steps of 2
-    lo, hi = search_ranges(x, bits)
+    lo, hi = search_ranges(x, bits, compiled=compiled == "1")
     assert lo[0] == hi[0] == x[0, 0] and lo[1] == hi[1] == 0.0
     ours = _errors(x, lo, hi, bits)
     plain = _errors(x, x.amin(1), x.amax(1), bits)
@@ -171,7 +165,7 @@ def test_bad_arguments_raise_instead_of_writing() -> None:
 def test_switch_off_falls_back_to_the_torch_code(monkeypatch: pytest.MonkeyPatch) -> None:
     x = _rows("gaussian", 1000, 16, seed=2)
     compiled = search_ranges(x, 4)
-    torch_code = _torch_search(x, 4, monkeypatch)
+    torch_code = _torch_search(x, 4)
     # Another search (other candidates), as good within a few percent.
     assert not torch.equal(compiled[0], torch_code[0])
     ratio = _errors(x, *torch_code, 4).mean() / _errors(x, *compiled, 4).mean()
@@ -181,7 +175,9 @@ def test_switch_off_falls_back_to_the_torch_code(monkeypatch: pytest.MonkeyPatch
 def test_a_mistyped_switch_fails_with_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHREC_CNR_COMPILED_SEARCH", "maybe")
     with pytest.raises(ValueError, match="TORCHREC_CNR_COMPILED_SEARCH='maybe': use 1 or 0"):
-        search_ranges(_rows("gaussian", 10, 8, seed=0), 4)
+        IOOptions()
+    monkeypatch.setenv("TORCHREC_CNR_COMPILED_SEARCH", "0")
+    assert not IOOptions().compiled_search
 
 
 @pytest.mark.parametrize(("build", "level"), [("avx2", 1), ("avx512", 2)])

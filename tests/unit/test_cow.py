@@ -11,7 +11,8 @@ import threading
 import pytest
 import torch
 
-from torchrec_cnr.staging import cow
+from torchrec_cnr.iocontext import IOOptions
+from torchrec_cnr.staging import StagingPool, cow
 from torchrec_cnr.tracking import bitmap
 
 
@@ -154,8 +155,10 @@ def test_supports_only_cpu_rows_contiguous_in_memory_of_one_dtype() -> None:
 
 
 def test_the_switch_turns_the_library_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cow.library(False) is None
+    assert StagingPool(compiled=False).copier is None
     monkeypatch.setenv("TORCHREC_CNR_COMPILED_STAGING", "0")
-    assert cow.library() is None
+    assert not IOOptions().compiled_staging
     monkeypatch.setenv("TORCHREC_CNR_COMPILED_STAGING", "maybe")
     with pytest.raises(ValueError, match="TORCHREC_CNR_COMPILED_STAGING"):
-        cow.library()
+        IOOptions()

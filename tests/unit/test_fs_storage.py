@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from torchrec_cnr.iocontext import IOOptions
 from torchrec_cnr.snapshot.checksum import as_bytes
+from torchrec_cnr.storage import open_storage
 from torchrec_cnr.storage.fs import FsStorage, _Direct
 
 MIB = 1 << 20
@@ -141,13 +143,18 @@ def test_other_errors_of_a_direct_write_are_raised(tmp_path, source, monkeypatch
 
 
 def test_environment_switches(tmp_path, monkeypatch):
-    assert (FsStorage(tmp_path)._direct.writes, FsStorage(tmp_path)._direct.reads) == (True, True)
+    def opened(options: IOOptions | None = None) -> FsStorage:
+        st = open_storage(str(tmp_path), options)
+        assert isinstance(st, FsStorage)
+        return st
+
+    assert (opened()._direct.writes, opened()._direct.reads) == (True, True)
     for writes, reads in ((0, 1), (1, 0), (0, 0)):
         monkeypatch.setenv("TORCHREC_CNR_DIRECT_WRITES", str(writes))
         monkeypatch.setenv("TORCHREC_CNR_DIRECT_READS", str(reads))
-        st = FsStorage(tmp_path)
+        st = opened()
         assert (st._direct.writes, st._direct.reads) == (bool(writes), bool(reads))
-    assert FsStorage(tmp_path, direct_writes=True)._direct.writes  # an argument wins
+    assert opened(IOOptions(direct_writes=True))._direct.writes  # an argument wins
     monkeypatch.setenv("TORCHREC_CNR_DIRECT_WRITES", "maybe")
     with pytest.raises(ValueError, match="TORCHREC_CNR_DIRECT_WRITES='maybe': use 1 or 0"):
-        FsStorage(tmp_path)
+        opened()

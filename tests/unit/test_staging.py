@@ -94,6 +94,9 @@ class _RecordingSink:
     def start(self) -> None:
         self.events.append("start")
 
+    def abandon(self) -> None:
+        self.events.append("abandon")
+
     def add(self, shard: StagedShard, row0: int = 0, total: int | None = None) -> None:
         for earlier in self.pending:
             self._check_intact(earlier)
@@ -263,14 +266,13 @@ def test_chunk_rows_fit_the_budget_and_never_drop_to_zero() -> None:
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_a_checkpoint_within_budget_takes_one_buffer_set_per_shard(
-    compiled: bool, monkeypatch: pytest.MonkeyPatch
+    compiled: bool,
 ) -> None:
-    monkeypatch.setenv("TORCHREC_CNR_COMPILED_STAGING", "1" if compiled else "0")
     shards = [_shard(rows=10, cols=4), _shard(rows=6, cols=2, states="element")]
     # lazy staging's row claims (two bits a row, in int64 words) or flags (a bool a row)
     flags = [("s0/claims", (2,), I64), ("s1/claims", (2,), I64)] if compiled else [
         ("s0/staged", (10,), torch.bool), ("s1/staged", (6,), torch.bool)]  # fmt: skip
-    assert list(_buffers_of(shards, None)) == [
+    assert list(_buffers_of(shards, None, compiled)) == [
         ("s0.w", (10, 4), F32),
         ("s0.momentum1", (10,), F32),
         flags[0],
@@ -280,13 +282,13 @@ def test_a_checkpoint_within_budget_takes_one_buffer_set_per_shard(
         flags[1],
     ]
     fits = 10 * 20 + 6 * 24
-    assert [key for key, _, _ in _buffers_of(shards, fits)][0] == "s0.w"
+    assert [key for key, _, _ in _buffers_of(shards, fits, compiled)][0] == "s0.w"
 
 
 def test_a_checkpoint_over_budget_takes_one_chunk_buffer_set_of_chunk_rows() -> None:
     shards = [_shard(rows=10, cols=4), _shard(rows=2, cols=4)]
     # 240 bytes in all, over the 100 of the budget: 5 rows of 20 bytes a chunk
-    assert list(_buffers_of(shards, 100)) == [
+    assert list(_buffers_of(shards, 100, True)) == [
         ("chunk.w", (5, 4), F32),
         ("chunk.momentum1", (5,), F32),
         ("chunk.w", (2, 4), F32),  # a shard smaller than a chunk takes its own rows

@@ -1,8 +1,8 @@
 """Stage 6: the typed chain manifest, the commit that makes a checkpoint exist, retention."""
 
 from torchrec_cnr.commit.commit import (
+    CommitTarget,
     Pending,
-    Target,
     append,
     count_restore,
     remove_failed,
@@ -16,7 +16,7 @@ __all__ = [
     "Entry",
     "Manifest",
     "Pending",
-    "Target",
+    "CommitTarget",
     "append",
     "count_restore",
     "remove_failed",

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.errors import CheckpointError
-from torchrec_cnr.executors import lowered_priority
+from torchrec_cnr.iocontext import lowered_priority
 from torchrec_cnr.selection import ChainState
 from torchrec_cnr.selection.rows import ClearedBits, put_back_bits
 from torchrec_cnr.tracking.shard import LocalShard
@@ -49,12 +49,16 @@ class BackgroundWriter:
     """Runs one job at a time on a thread, with a process group of its own.
 
     Args:
-        ranks: the global ranks of the model's process group.
+        pg: the model's process group (the default group if ``None``), whose ranks its
+            own group spans.
         timeout_s: how long its collectives wait for a rank.
         nice: how much lower than training's its thread's priority is (0 to 19).
     """
 
-    def __init__(self, ranks: list[int], timeout_s: float, nice: int = 0) -> None:
+    def __init__(self, pg: dist.ProcessGroup | None, timeout_s: float, nice: int = 0) -> None:
+        ranks = dist.get_process_group_ranks(pg) if pg is not None else None
+        self.chain = ChainState()
+        """The chain after the last committed checkpoint (or the one a restore set)."""
         self.group: Collective | None = Collective(
             dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
         )
@@ -82,17 +86,17 @@ class BackgroundWriter:
         self._job = _Job(what, future, cleared_bits)
         return future
 
-    def settle(self, shards: list[LocalShard]) -> JobResult | None:
-        """Waits for the running job; returns what it left (``None`` if none ran). A
-        follow-up's failure is in the result, for the caller to report.
+    def settle(self, shards: list[LocalShard]) -> None:
+        """Waits for the running job, if any, and takes the chain it left.
 
         Raises:
             CheckpointError: the job failed; its bits are put back into ``shards``, so the
-                next checkpoint saves its rows.
+                next checkpoint saves its rows. Or its follow-up (a compaction) failed
+                after its own checkpoint was committed.
         """
         job, self._job = self._job, None
         if job is None:
-            return None
+            return
         try:
             result = job.future.result()
         except BaseException as e:
@@ -101,7 +105,12 @@ class BackgroundWriter:
                 f"{job.what} failed: {e}; the previous checkpoint stays the restore target "
                 "and every row modified since it will be saved by the next checkpoint"
             ) from e
-        return result
+        self.chain = result.chain
+        if result.followup_error is not None:
+            raise CheckpointError(
+                f"compaction after the {result.what} failed: {result.followup_error}; that "
+                "checkpoint is committed and its chain stays as it was"
+            ) from result.followup_error
 
     def close(self) -> None:
         """Stops the thread and frees the group; call :meth:`settle` first."""

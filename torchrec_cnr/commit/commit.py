@@ -20,13 +20,20 @@ from torchrec_cnr.snapshot import write_index
 from torchrec_cnr.staging import StagedCheckpoint
 from torchrec_cnr.storage import PreconditionFailed, Storage
 
-__all__ = ["Pending", "Target", "append", "count_restore", "remove_failed", "write_and_commit"]
+__all__ = [
+    "Pending",
+    "CommitTarget",
+    "append",
+    "count_restore",
+    "remove_failed",
+    "write_and_commit",
+]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Target:
+class CommitTarget:
     """Where and as whom a job commits."""
 
     storage: Storage
@@ -54,7 +61,7 @@ class Pending:
     """Why staging failed on this rank, if it did: reported when every rank agrees."""
 
 
-def write_and_commit(pending: Pending, group: Collective, target: Target) -> ChainState:
+def write_and_commit(pending: Pending, group: Collective, target: CommitTarget) -> ChainState:
     """Encodes, writes, agrees and commits one checkpoint; returns the chain it ends.
 
     Runs on every rank's background writer, collectively over ``group``. If anything
@@ -99,13 +106,13 @@ def write_and_commit(pending: Pending, group: Collective, target: Target) -> Cha
     return chain
 
 
-def _remove_on_rank0(group: Collective, target: Target, ckpt_id: str) -> None:
+def _remove_on_rank0(group: Collective, target: CommitTarget, ckpt_id: str) -> None:
     # Every rank agreed that the write failed, so none writes into the directory any more.
     if group.rank == 0:
         remove_failed(target, ckpt_id)
 
 
-def remove_failed(target: Target, ckpt_id: str) -> bool:
+def remove_failed(target: CommitTarget, ckpt_id: str) -> bool:
     """Deletes the files of this writer's checkpoint ``ckpt_id`` that failed to commit,
     so that a full disk gets its space back at once (rank 0 only).
 
@@ -133,7 +140,7 @@ def _entry(
     staged: StagedCheckpoint,
     chain: ChainState,
     writes: list[RankWrite],
-    target: Target,
+    target: CommitTarget,
 ) -> Entry:
     differ = sorted(
         name
@@ -184,7 +191,7 @@ def _stale(storage: Storage, generation: int, found: int) -> CheckpointError:
     )
 
 
-def append(target: Target, entry: Entry) -> Manifest:
+def append(target: CommitTarget, entry: Entry) -> Manifest:
     """Commits ``entry`` to the root's manifest, then applies retention (rank 0 only).
 
     IMPORTANT: call this only after every rank reported its files durable; the

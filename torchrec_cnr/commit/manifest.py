@@ -147,7 +147,7 @@ class Entry:
     interval_decision: IntervalDecision | None = None
     """CPR's interval decision, once ``interval_steps: auto`` made it."""
     compacted_from: str | None = None
-    """The checkpoint whose chain this full checkpoint merges (see ``offline.compact``)."""
+    """The checkpoint whose chain this full checkpoint merges (see :mod:`torchrec_cnr.compaction`)."""
     since: str | None = None
     """The checkpoint its shards' ``recent`` rows changed since: the one this job committed
     (or restored) before it; ``None`` for a job's first, or before format 4."""

@@ -229,9 +229,11 @@ class EncodedShard:
     record: ShardRecord
 
 
-def encode_shard(staged: StagedShard, fmt: Format, config: QuantizeConfig) -> EncodedShard:
+def encode_shard(
+    staged: StagedShard, fmt: Format, config: QuantizeConfig, compiled: bool = True
+) -> EncodedShard:
     """Quantizes one staged shard (or a chunk of its rows); the writer checksums the
-    stored tensors as it writes them.
+    stored tensors as it writes them. ``compiled``: ``IOOptions.compiled_search``.
 
     Raises:
         ValueError: a row holds NaN or Inf (the message names table and row).
@@ -248,6 +250,7 @@ def encode_shard(staged: StagedShard, fmt: Format, config: QuantizeConfig) -> En
             ratio=config.ratio,
             name=spec.table,
             row_ids=staged.global_rows(),
+            compiled=compiled,
         )
         values = q.to_tensors()
     cast = None if config.optimizer_state == "none" else CAST_DTYPES[config.optimizer_state]

@@ -22,7 +22,7 @@ from torchsnapshot.manifest import Entry as IndexEntry
 
 from torchrec_cnr.encoding.codec import ShardRecord, encode_shard
 from torchrec_cnr.encoding.formats import FP32, Format, FormatResolver
-from torchrec_cnr.executors import Executors
+from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.snapshot import SnapshotWriter, app_path, crc32, dense_path, rows_path
 from torchrec_cnr.staging import StagedCheckpoint, StagedShard
 from torchrec_cnr.storage import Storage
@@ -69,7 +69,7 @@ class ShardWriter:
         ckpt_id: str,
         rank: int,
         resolver: FormatResolver,
-        pools: Executors,
+        pools: IOContext,
     ) -> None:
         self.ckpt_id = ckpt_id
         self.rank = rank
@@ -96,7 +96,8 @@ class ShardWriter:
 
     def _write(self, shard: StagedShard, fmt: Format, row0: int, total: int | None) -> None:
         """Encodes ``shard`` (rows ``row0..`` of ``total``) and queues its tensors' writes."""
-        encoded = encode_shard(shard, fmt, self.resolver.config)
+        compiled = self.pools.options.compiled_search
+        encoded = encode_shard(shard, fmt, self.resolver.config, compiled)
         with self._lock:
             for name, tensor in encoded.tensors.items():
                 if name == encoded.record.recent_name:  # not one row per stored row: whole

@@ -1,5 +1,6 @@
-"""Using checkpoints outside training: the catalog of a root, reading tables without a
-model, exporting the unsharded model's state dict, and compacting chains."""
+"""Using checkpoints outside training, read-only: the catalog of a root, reading tables
+without a model, and exporting the unsharded model's state dict. (Compaction, which
+writes, is :mod:`torchrec_cnr.compaction`.)"""
 
 from torchrec_cnr.offline.catalog import (
     CheckpointInfo,
@@ -9,7 +10,6 @@ from torchrec_cnr.offline.catalog import (
     list_checkpoints,
     root_info,
 )
-from torchrec_cnr.offline.compact import compact, compact_entry
 from torchrec_cnr.offline.export import EXPORT_FORMATS, export_state_dict, save_export
 from torchrec_cnr.offline.tables import read_optimizer_state, read_table
 
@@ -19,8 +19,6 @@ __all__ = [
     "RootInfo",
     "TableInfo",
     "checkpoint_info",
-    "compact",
-    "compact_entry",
     "export_state_dict",
     "list_checkpoints",
     "read_optimizer_state",

@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.offline.tables import table_name, table_values
 from torchrec_cnr.restore.chain import ChainReader
 from torchrec_cnr.storage import Root
@@ -42,6 +43,7 @@ def export_state_dict(
     step: int | None = None,
     tables: Sequence[str] | None = None,
     progress: Progress | None = None,
+    io: IOContext | IOOptions | None = None,
 ) -> dict[str, torch.Tensor]:
     """The unsharded model's state dict at a committed step.
 
@@ -51,12 +53,13 @@ def export_state_dict(
         tables: only these tables (qualified or short names), and no dense state;
             every table and the dense state if ``None``.
         progress: called after each table is read.
+        io: the I/O context to read on, or options for one of its own.
 
     Raises:
         ValueError: no such step or table, or a checkpoint written before its format
             recorded the tables' state-dict keys (format 3).
     """
-    with ChainReader.open(root, step) as chain:
+    with ChainReader.open(root, step, io=io) as chain:
         tables_of = chain.entry.tables
         names = [table_name(chain, t) for t in tables] if tables is not None else sorted(tables_of)
         out: dict[str, torch.Tensor] = {}

@@ -20,6 +20,7 @@ from functools import partial
 import torch
 
 from torchrec_cnr.encoding import decode_weight
+from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.restore.chain import ChainReader
 from torchrec_cnr.restore.geometry import place, scatter, whole_table
 from torchrec_cnr.storage import Root
@@ -127,6 +128,7 @@ def read_table(
     step: int | None = None,
     rows: Rows | None = None,
     verify: bool = True,
+    io: IOContext | IOOptions | None = None,
 ) -> torch.Tensor:
     """The ``(num_rows, dim)`` fp32 values of one table at a committed step, without a model.
 
@@ -137,12 +139,13 @@ def read_table(
         rows: global rows to read; the result is then ``(len(rows), dim)``, in that order.
         verify: check every tensor against its checksum. With ``rows`` and ``verify=False``
             only the requested rows' bytes are read.
+        io: the I/O context to read on, or options for one of its own.
 
     Raises:
         ValueError: no such step or table, or a row outside the table.
         ChecksumError: a stored tensor is damaged.
     """
-    with ChainReader.open(root, step, verify) as chain:
+    with ChainReader.open(root, step, verify, io) as chain:
         return table_values(chain, table, rows)
 
 
@@ -152,10 +155,11 @@ def read_optimizer_state(
     step: int | None = None,
     rows: Rows | None = None,
     verify: bool = True,
+    io: IOContext | IOOptions | None = None,
 ) -> dict[str, torch.Tensor]:
     """The fused optimizer state of one table at a committed step, without a model.
 
     See :func:`table_states` for the shapes and :func:`read_table` for the arguments.
     """
-    with ChainReader.open(root, step, verify) as chain:
+    with ChainReader.open(root, step, verify, io) as chain:
         return table_states(chain, table, rows)

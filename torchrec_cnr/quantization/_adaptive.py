@@ -427,6 +427,7 @@ def search_ranges(
     *,
     stride: int | None = None,
     refine: int | None = DEFAULT_REFINE,
+    compiled: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Find per-row quantization ranges with low L2 error.
 
@@ -442,6 +443,8 @@ def search_ranges(
         refine: Least-squares polish passes after the search. ``None``
             (default): 1 compiled and on CUDA; in torch code on CPU 1 for rows
             of ``_WIDE`` (96) or more values, else 0; 2 after a greedy walk.
+        compiled: search in the compiled library where it is built (CPU); off, in
+            torch code (same ranges as the library's baseline build, ~5x slower).
 
     Returns:
         ``(lo, hi)``, each (N,) fp32: quantize with bias ``lo`` and
@@ -452,7 +455,11 @@ def search_ranges(
     hi_out = torch.empty_like(lo_out)
     if n == 0:
         return lo_out, hi_out
-    lib = _compiled.library() if stride is None and x.device.type == "cpu" and dim > 0 else None
+    lib = (
+        _compiled.library(compiled)
+        if stride is None and x.device.type == "cpu" and dim > 0
+        else None
+    )
     if lib is not None:
         clips, default_refine = _plan(bits, dim, n_bins, ratio, cheap=True)
         passes = default_refine if refine is None else refine

@@ -3,9 +3,9 @@
 ``pip install`` builds the C file, with its AVX2 and AVX-512 builds (``_rowsearch_avx2.c``,
 ``_rowsearch_avx512.c``), into ``_rowsearch_lib*.so`` beside this one (``setup.py``).
 ctypes releases the GIL for the call, so the checkpoint writer's encode threads search in
-parallel. Where the library is missing (no C compiler at install time) or
-``TORCHREC_CNR_COMPILED_SEARCH=0``, :func:`library` returns ``None`` and the search runs as
-torch code.
+parallel. Where the library is missing (no C compiler at install time) or the caller
+switches it off (``IOOptions.compiled_search``), :func:`library` returns ``None`` and the
+search runs as torch code.
 """
 
 from __future__ import annotations
@@ -15,15 +15,7 @@ import functools
 
 import torch
 
-from torchrec_cnr.env import env_flag
 from torchrec_cnr.native import load_library
-
-_ENV = "TORCHREC_CNR_COMPILED_SEARCH"
-
-
-def enabled() -> bool:
-    """Whether ``TORCHREC_CNR_COMPILED_SEARCH`` (default 1) allows the library."""
-    return env_flag(_ENV, True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,9 +45,9 @@ def _load() -> ctypes.CDLL | None:
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded library, or ``None`` (not built, or switched off)."""
-    return _load() if enabled() else None
+def library(enabled: bool = True) -> ctypes.CDLL | None:
+    """The loaded library, or ``None`` (not built, or not ``enabled``)."""
+    return _load() if enabled else None
 
 
 def search_rows(

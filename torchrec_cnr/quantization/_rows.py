@@ -172,6 +172,7 @@ def quantize(
     ratio: float = 0.16,
     name: str = "rows",
     row_ids: torch.Tensor | int | None = None,
+    compiled: bool = True,
 ) -> QuantizedRows:
     """Quantize embedding rows for a checkpoint, row by row.
 
@@ -189,6 +190,7 @@ def quantize(
         row_ids: each row's id in its table, for error messages: an ``(N,)``
             tensor, or the id of the first row of consecutive rows; the row
             index if ``None``.
+        compiled: run the adaptive search compiled where the library is built.
 
     Returns:
         A :class:`QuantizedRows` on ``rows``' device sharing no memory with
@@ -239,7 +241,7 @@ def quantize(
             flat = mn == mx
             lo, hi = torch.where(flat, mn, -m), torch.where(flat, mx, m)
         else:
-            lo, hi = search_ranges(x, stored_bits, n_bins, ratio)
+            lo, hi = search_ranges(x, stored_bits, n_bins, ratio, compiled=compiled)
         data = encode_range(x, lo, hi, stored_bits)
     if stored_bits < 8:
         check_fp16_stored(_scale_bias(data), name, "scale/bias", row_ids)

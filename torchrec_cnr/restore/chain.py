@@ -10,20 +10,27 @@ changes anything).
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.encoding import ShardRecord
+from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.snapshot import SnapshotReader
 from torchrec_cnr.storage import Root, Storage, as_storage
 
-__all__ = ["ChainReader", "TensorKey"]
+__all__ = ["ChainReader", "TensorKey", "missing_step"]
 
 TensorKey = tuple[int, int, str]
 """(link index in the chain, storage rank, stored name)."""
+
+
+def missing_step(manifest: Manifest, step: int | None, url: str) -> ValueError:
+    """The error for a step with no committed checkpoint (``None``: the root has none)."""
+    return ValueError(
+        f"no committed checkpoint of step {step} in {url}; committed steps: {manifest.steps()}"
+    )
 
 
 class ChainReader:
@@ -33,9 +40,8 @@ class ChainReader:
         storage: the root.
         manifest: the committed manifest that names ``entry``.
         entry: the checkpoint whose chain is read.
-        executor: runs the reads; the caller owns it (see :meth:`open` for one that
-            owns its own).
-        piece_bytes: the most one request reads.
+        io: runs the reads, in pieces of at most ``io.object_bytes``; the caller owns it
+            (see :meth:`open` for a reader that owns its own).
         verify: check every tensor read whole against the checksum recorded at save time.
 
     Raises:
@@ -48,8 +54,7 @@ class ChainReader:
         storage: Storage,
         manifest: Manifest,
         entry: Entry,
-        executor: Executor,
-        piece_bytes: int,
+        io: IOContext,
         verify: bool = True,
     ) -> None:
         self.storage = storage
@@ -59,13 +64,13 @@ class ChainReader:
         self.links = [manifest.by_id(i) for i in entry.chain]
         self.readers = [
             SnapshotReader(
-                storage, e.id, executor, piece_bytes, e.checksums_by_path() if verify else None
+                storage, e.id, io.io, io.object_bytes, e.checksums_by_path() if verify else None
             )
             for e in self.links
         ]
         self.held: dict[TensorKey, torch.Tensor] = {}
         """Tensors read ahead (:meth:`hold`, :meth:`hold_many`), served from memory."""
-        self._owned: ThreadPoolExecutor | None = None
+        self._owned: IOContext | None = None
 
     @classmethod
     def open(
@@ -73,38 +78,39 @@ class ChainReader:
         root: Root,
         step: int | None = None,
         verify: bool = True,
-        threads: int = 8,
-        piece_bytes: int = 64 << 20,
+        io: IOContext | IOOptions | None = None,
     ) -> ChainReader:
-        """The chain of ``root``'s committed checkpoint of ``step`` (the latest if ``None``),
-        with an I/O executor of its own that :meth:`close` shuts down.
+        """The chain of ``root``'s committed checkpoint of ``step`` (the latest if ``None``).
+
+        ``io``: the caller's I/O context, or the options of one the reader builds for
+        itself and :meth:`close` shuts down (the environment's if ``None``).
 
         Raises:
             ValueError: no committed checkpoint has ``step`` (or the root has none).
             ManifestError: the manifest is damaged.
             CheckpointReadError: a checkpoint of the chain is missing.
         """
-        storage = as_storage(root)
-        manifest = Manifest.load(storage)
-        entry = manifest.find(step)
-        if entry is None:
-            raise ValueError(
-                f"no committed checkpoint of step {step} in {storage.url}; "
-                f"committed steps: {manifest.steps()}"
-            )
-        executor = ThreadPoolExecutor(threads, thread_name_prefix="cnr-read")
+        owned = None if isinstance(io, IOContext) else IOContext(io)
+        context = owned if owned is not None else io
+        assert isinstance(context, IOContext)
         try:
-            reader = cls(storage, manifest, entry, executor, piece_bytes, verify)
+            storage = as_storage(root, context.options)
+            manifest = Manifest.load(storage)
+            entry = manifest.find(step)
+            if entry is None:
+                raise missing_step(manifest, step, storage.url)
+            reader = cls(storage, manifest, entry, context, verify)
         except BaseException:
-            executor.shutdown()
+            if owned is not None:
+                owned.close()
             raise
-        reader._owned = executor
+        reader._owned = owned
         return reader
 
     def close(self) -> None:
-        """Shuts down the executor :meth:`open` made; nothing otherwise."""
+        """Shuts down the I/O context :meth:`open` made; nothing otherwise."""
         if self._owned is not None:
-            self._owned.shutdown()
+            self._owned.close()
             self._owned = None
 
     def __enter__(self) -> ChainReader:

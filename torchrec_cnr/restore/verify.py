@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
 
 import torch
 
 from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.errors import CheckpointReadError, ManifestError
+from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.snapshot import SnapshotReader, check
 from torchrec_cnr.storage import Storage
 
 __all__ = ["verify_chains", "verify_checkpoint"]
 
 
-def verify_checkpoint(
-    storage: Storage, ckpt: Entry, executor: Executor, piece_bytes: int = 64 << 20
-) -> list[str]:
+def verify_checkpoint(storage: Storage, ckpt: Entry, io: IOContext) -> list[str]:
     """Reads every tensor of one checkpoint and checks it; returns the problems found."""
     try:
-        reader = SnapshotReader(storage, ckpt.id, executor, piece_bytes)
+        reader = SnapshotReader(storage, ckpt.id, io.io, io.object_bytes)
     except CheckpointReadError as e:
         return [str(e)]
     problems: list[str] = []
@@ -45,22 +43,14 @@ def verify_checkpoint(
 
 
 def verify_chains(
-    storage: Storage, manifest: Manifest, entries: list[Entry], threads: int = 8
+    storage: Storage, manifest: Manifest, entries: list[Entry], io: IOContext
 ) -> tuple[int, list[str]]:
-    """Verifies every checkpoint the chains of ``entries`` need, each once, reading on
-    ``threads`` threads of its own.
+    """Verifies every checkpoint the chains of ``entries`` need, each once.
 
     Returns:
         How many checkpoints were read, and the problems found, each prefixed with the
         step whose chain needs it.
     """
-    with ThreadPoolExecutor(threads, thread_name_prefix="cnr-verify") as executor:
-        return _verify_chains(storage, manifest, entries, executor)
-
-
-def _verify_chains(
-    storage: Storage, manifest: Manifest, entries: list[Entry], executor: Executor
-) -> tuple[int, list[str]]:
     problems: list[str] = []
     checked: set[str] = set()
     for entry in entries:
@@ -73,6 +63,6 @@ def _verify_chains(
             except ManifestError as e:
                 problems.append(f"step {entry.step}: {e}")
                 continue
-            found = verify_checkpoint(storage, ckpt, executor)
+            found = verify_checkpoint(storage, ckpt, io)
             problems += [f"step {entry.step}: {p}" for p in found]
     return len(checked), problems

@@ -12,8 +12,8 @@ from torchrec_cnr.serving.targets import (
     FloatTarget,
     QuantizedTarget,
     ServingFormat,
+    ServingTarget,
     TableSlot,
-    Target,
 )
 
 __all__ = [
@@ -24,6 +24,6 @@ __all__ = [
     "ServingFormat",
     "StoredRows",
     "TableSlot",
-    "Target",
+    "ServingTarget",
     "UpdateReport",
 ]

@@ -24,7 +24,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,13 +31,13 @@ import torch
 
 from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.encoding import FP32, ShardRecord
-from torchrec_cnr.errors import CheckpointReadError, CnrError, ModelMismatchError
-from torchrec_cnr.restore.chain import ChainReader
+from torchrec_cnr.errors import CnrError
+from torchrec_cnr.iocontext import IOContext, IOOptions
+from torchrec_cnr.restore import ChainReader, check_serving, load_committed
 from torchrec_cnr.serving.plan import UpdatePlan, plan_update
 from torchrec_cnr.serving.rows import StoredRows
-from torchrec_cnr.serving.targets import Target
-from torchrec_cnr.storage import Root, Storage, as_storage
-from torchrec_cnr.storage.backend import ANY, _Any
+from torchrec_cnr.serving.targets import ServingTarget
+from torchrec_cnr.storage import CountingStorage, Root, as_storage
 
 __all__ = ["Follower", "UpdateReport"]
 
@@ -67,59 +66,6 @@ class UpdateReport:
     """Every row was read: no recorded path of changes from the served checkpoint."""
     rewind: bool
     """The root's latest checkpoint is older than the one served before."""
-
-
-class _CountingStorage(Storage):
-    """Passes every operation through and counts the bytes read."""
-
-    def __init__(self, inner: Storage) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.bytes_read = 0
-        self._lock = threading.Lock()
-
-    def _count(self, n: int) -> None:
-        with self._lock:
-            self.bytes_read += n
-
-    def path(self, name: str) -> str:
-        return self.inner.path(name)
-
-    def read(self, name: str) -> tuple[bytes, str] | None:
-        got = self.inner.read(name)
-        self._count(0 if got is None else len(got[0]))
-        return got
-
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        self.inner.read_into(name, offset, out)
-        self._count(len(out))
-
-    def write(self, name: str, data: bytes, expect: str | None | _Any = ANY) -> str:
-        raise CnrError(f"a follower never writes ({self.inner.path(name)})")
-
-    def write_object(self, name: str, data: memoryview) -> None:
-        raise CnrError(f"a follower never writes ({self.inner.path(name)})")
-
-    def exists(self, name: str) -> bool:
-        return self.inner.exists(name)
-
-    def children(self) -> list[str]:
-        return self.inner.children()
-
-    def delete(self, name: str) -> None:
-        raise CnrError(f"a follower never deletes ({self.inner.path(name)})")
-
-    def delete_tree(self, name: str) -> None:
-        raise CnrError(f"a follower never deletes ({self.inner.path(name)})")
-
-    def clear(self) -> None:
-        raise CnrError("a follower never deletes")
-
-    def tree_bytes(self, name: str) -> int:
-        return self.inner.tree_bytes(name)
-
-    def make_durable(self, name: str) -> None:
-        raise CnrError("a follower never writes")
 
 
 class _SharedLock:
@@ -224,8 +170,8 @@ class Follower:
         target: the serving model, wrapped (:class:`~torchrec_cnr.serving.FloatTarget`
             for the unsharded fp32 model, :class:`~torchrec_cnr.serving.QuantizedTarget`
             for TorchRec's quantized inference model).
-        io_threads: threads that read at once.
-        piece_kb: the most one read request reads, in KiB.
+        io: the I/O options its reads run with (threads, request size, direct reads);
+            the environment's :class:`~torchrec_cnr.IOOptions` if ``None``.
 
     Example::
 
@@ -237,13 +183,10 @@ class Follower:
         follower.stop()
     """
 
-    def __init__(
-        self, root: Root, target: Target, io_threads: int = 8, piece_kb: int = 64 << 10
-    ) -> None:
-        self.storage = _CountingStorage(as_storage(root))
+    def __init__(self, root: Root, target: ServingTarget, io: IOOptions | None = None) -> None:
+        self._io = IOContext(io)
+        self.storage = CountingStorage(as_storage(root, self._io.options), read_only=True)
         self.target = target
-        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="cnr-follow")
-        self._piece_bytes = piece_kb << 10
         self._lock = _SharedLock()
         self._served: Entry | None = None
         self._thread: threading.Thread | None = None
@@ -274,19 +217,11 @@ class Follower:
         """
         began = time.perf_counter()
         start_bytes = self.storage.bytes_read
-        for attempt in range(3):
-            manifest = Manifest.load(self.storage)
-            latest = manifest.latest()
-            if latest is None:
-                return self.step
-            try:
-                update = self._read(manifest, latest)
-                break
-            except CheckpointReadError:
-                # Retired by keep_last or replaced by compaction while read: re-plan.
-                if attempt == 2 or Manifest.load(self.storage).find_id(latest.id) == latest:
-                    raise
-                logger.info("checkpoint %s changed while read; planning again", latest.id)
+        # Retired by keep_last or replaced by compaction while read: planned again.
+        loaded = load_committed(
+            lambda: Manifest.load(self.storage), None, self._read, self.storage.url
+        )
+        update = None if loaded is None else loaded[1]
         if update is None:
             return self.step
         blocked = self._apply(update)
@@ -316,10 +251,11 @@ class Follower:
         return report.step
 
     def _read(self, manifest: Manifest, latest: Entry) -> _Update | None:
-        chain = ChainReader(
-            self.storage, manifest, latest, self._executor, self._piece_bytes, verify=False
-        )
-        self._check(latest)
+        chain = ChainReader(self.storage, manifest, latest, self._io, verify=False)
+        slots = {
+            key: (s.num_embeddings, s.embedding_dim) for key, s in self.target.tables().items()
+        }
+        check_serving(latest, slots, self.target.dense_names(), self.storage.url)
         served_id = None if self._served is None else self._served.id
         plan = plan_update(manifest, chain, self._served, served_id)
         if plan is None:
@@ -335,60 +271,15 @@ class Follower:
             for ids, rows in _read_table(chain, table, wanted):
                 update.rows.append((key, ids, rows))
         if plan.dense or plan.cold:
-            slots, dense = self.target.tables(), self.target.dense_names()
-            read = chain.dense([n for n in latest.dense if n in dense or n in slots])
+            shapes, dense = self.target.tables(), self.target.dense_names()
+            read = chain.dense([n for n in latest.dense if n in dense or n in shapes])
             for name, tensor in read.items():
-                if name in slots:  # a data-parallel table: replicated, saved with the dense
+                if name in shapes:  # a data-parallel table: replicated, saved with the dense
                     ids = torch.arange(tensor.shape[0])
                     update.rows.append((name, ids, StoredRows.fp32(tensor)))
                 else:
                     update.dense[name] = tensor
         return update
-
-    def _check(self, entry: Entry) -> None:
-        """Raises :class:`ModelMismatchError` naming every difference, before any change."""
-        slots = self.target.tables()
-        problems = []
-        for name, shape in entry.tables.items():
-            key = shape.state_dict_key
-            slot = slots.get(key)
-            if not key:
-                problems.append(
-                    f"table {name!r}: the checkpoint records no state-dict key (format < 3)"
-                )
-            elif slot is None:
-                problems.append(f"table {name!r} ({key}) is in the checkpoint but not in the model")
-            elif (slot.num_embeddings, slot.embedding_dim) != (
-                shape.num_embeddings,
-                shape.embedding_dim,
-            ):
-                problems.append(
-                    f"table {key} is {shape.num_embeddings}x{shape.embedding_dim} in the "
-                    f"checkpoint but {slot.num_embeddings}x{slot.embedding_dim} in the model"
-                )
-        # Data-parallel tables are replicated and travel with the dense state.
-        known = {s.state_dict_key for s in entry.tables.values()} | set(entry.dense)
-        problems += [
-            f"table {key} is in the model but not in the checkpoint"
-            for key in sorted(set(slots) - known)
-        ]
-        dense = self.target.dense_names()
-        problems += [
-            f"dense tensor {name!r} is in the model but not in the checkpoint"
-            for name in sorted(set(dense) - set(entry.dense))
-        ]
-        for name in sorted(set(dense) & set(entry.dense)):
-            want = tuple(entry.dense[name].shape)
-            got = tuple(dense[name])
-            if want != got:
-                problems.append(
-                    f"dense tensor {name!r} is {list(want)} in the checkpoint but {list(got)} in the model"
-                )
-        if problems:
-            raise ModelMismatchError(
-                f"checkpoint of step {entry.step} in {self.storage.url} does not match the "
-                "serving model:\n  " + "\n  ".join(problems)
-            )
 
     def _apply(self, update: _Update) -> float:
         """Writes what was read; returns how long serving was blocked."""
@@ -433,8 +324,9 @@ class Follower:
             self._thread = None
 
     def close(self) -> None:
+        """Stops polling and the read threads."""
         self.stop()
-        self._executor.shutdown()
+        self._io.close()
 
     def __enter__(self) -> Follower:
         return self

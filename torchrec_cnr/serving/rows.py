@@ -2,7 +2,7 @@
 
 :class:`StoredRows` are rows as a checkpoint stores them (fp32 values, or the parts our
 quantizer wrote); :class:`PreparedRows` are the same rows converted to one serving
-table's form by :meth:`~torchrec_cnr.serving.targets.Target.prepare`.
+table's form by :meth:`~torchrec_cnr.serving.targets.ServingTarget.prepare`.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class StoredRows:
 
 @dataclass(frozen=True, eq=False)
 class PreparedRows:
-    """Rows converted to one table's serving form by :meth:`Target.prepare`."""
+    """Rows converted to one table's serving form by :meth:`ServingTarget.prepare`."""
 
     key: str
     """The table they were prepared for."""

@@ -1,6 +1,6 @@
 """Serving models a follower writes checkpoint rows into.
 
-A :class:`Target` names each embedding table by its *unsharded* state-dict key
+A :class:`ServingTarget` names each embedding table by its *unsharded* state-dict key
 (``sparse.ebc.embedding_bags.t0.weight``), the key checkpoints use, and takes rows as
 the checkpoint stores them (:class:`StoredRows`): fp32 values, or our quantizer's parts.
 
@@ -71,7 +71,7 @@ __all__ = [
     "ServingFormat",
     "StoredRows",
     "TableSlot",
-    "Target",
+    "ServingTarget",
 ]
 
 ServingFormat = Literal["fp32", "fp16", "int8", "int4", "int2"]
@@ -107,7 +107,7 @@ class TableSlot:
         return _BITS.get(self.format)
 
 
-class Target(abc.ABC):
+class ServingTarget(abc.ABC):
     """A serving model a follower writes checkpoint rows and dense tensors into.
 
     A write is :meth:`prepare` (checks, dequantizes, quantizes for serving: the slow
@@ -302,7 +302,7 @@ def _index_copy(dest: Tensor, ids: Tensor, src: Tensor) -> None:
         dest.index_copy_(0, ids.to(dest.device), src.to(dest.device))
 
 
-class FloatTarget(Target):
+class FloatTarget(ServingTarget):
     """The unsharded fp32 model: torchrec ``EmbeddingBagCollection`` (weighted or not)
     and ``EmbeddingCollection`` tables, anywhere in ``model``.
 
@@ -476,7 +476,7 @@ def _serving_nbit(
     return data[:, :nbytes], data[:, -_SB_BYTES:]
 
 
-class QuantizedTarget(Target):
+class QuantizedTarget(ServingTarget):
     """A model after ``torchrec.inference.modules.quantize_embeddings``.
 
     Takes every table of the quantized ``EmbeddingBagCollection``/``EmbeddingCollection``

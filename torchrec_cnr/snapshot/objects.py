@@ -22,10 +22,23 @@ import torch
 
 from torchrec_cnr.errors import UnsafeObjectError
 
-__all__ = ["SAFE_GLOBALS_OPTION", "load_object", "resolve_globals", "serialize_app_state"]
+__all__ = [
+    "SAFE_GLOBALS_OPTION",
+    "check_app_state",
+    "load_object",
+    "resolve_globals",
+    "serialize_app_state",
+]
 
 SAFE_GLOBALS_OPTION = "CheckpointConfig.safe_globals"
 """Where a user lists the types beyond the built-in ones that ``app_state`` may hold."""
+
+
+def check_app_state(app_state: Mapping[str, Any]) -> None:
+    """Raises ``ValueError`` naming an ``app_state`` object that cannot be saved and loaded."""
+    for name, obj in app_state.items():
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise ValueError(f"app_state[{name!r}] needs state_dict() and load_state_dict()")
 
 
 def serialize_app_state(app_state: Mapping[str, Any]) -> bytes:

@@ -1,6 +1,7 @@
 """Stage 3: copy what a checkpoint needs out of the live model into host memory.
 
-Two ways, chosen by ``CheckpointConfig.staging``:
+:class:`~torchrec_cnr.staging.stager.Stager` stages each save, choosing per shard between
+two ways (``CheckpointConfig.staging``, and what each shard allows):
 
 - :mod:`~torchrec_cnr.staging.eager`: ``save()`` copies every selected row before it
   returns; the stall grows with the checkpoint.
@@ -21,12 +22,14 @@ from torchrec_cnr.staging.shard import (
     StagedShard,
     stage_shard,
 )
+from torchrec_cnr.staging.stager import Stager
 
 __all__ = [
     "LazyStaging",
     "Sink",
     "StagedCheckpoint",
     "StagedShard",
+    "Stager",
     "StagingPool",
     "lazy_fallback",
     "stage",

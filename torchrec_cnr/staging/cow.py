@@ -4,8 +4,8 @@ Lazy staging's two copiers, the background writer and the training thread's look
 claim rows with atomic bit operations in C instead of taking a Python lock per chunk:
 neither waits for the other longer than one 64-row run, and neither needs the GIL while
 it copies. ``pip install`` builds the C file into ``_cow_lib*.so`` beside this one
-(``setup.py``). Where it is missing (no C compiler at install time), or
-``TORCHREC_CNR_COMPILED_STAGING=0``, or a shard's tensors are not on the CPU, lazy
+(``setup.py``). Where it is missing (no C compiler at install time), or switched off
+(``IOOptions.compiled_staging``), or a shard's tensors are not on the CPU, lazy
 staging copies with torch under the kernel's lock instead (:mod:`.lazy`).
 """
 
@@ -17,13 +17,11 @@ from typing import NamedTuple
 
 import torch
 
-from torchrec_cnr.env import env_flag
 from torchrec_cnr.native import load_library
 from torchrec_cnr.tracking import bitmap
 
 __all__ = ["MAX_ARRAYS", "Group", "Rows", "claim_words", "library", "supports"]
 
-_ENV = "TORCHREC_CNR_COMPILED_STAGING"
 MAX_ARRAYS = 8
 """A shard's weight and optimizer states, as many as ``_cow.c`` takes."""
 
@@ -65,9 +63,10 @@ def _load() -> ctypes.CDLL | None:
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded library, or ``None`` (not built, or ``TORCHREC_CNR_COMPILED_STAGING=0``)."""
-    return _load() if env_flag(_ENV, True) else None
+def library(enabled: bool = True) -> ctypes.CDLL | None:
+    """The loaded library, or ``None`` (not built, or not ``enabled``:
+    ``IOOptions.compiled_staging``)."""
+    return _load() if enabled else None
 
 
 def supports(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:

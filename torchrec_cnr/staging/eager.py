@@ -20,7 +20,7 @@ import torch
 
 from torchrec_cnr.selection.policy import Kind
 from torchrec_cnr.snapshot.objects import serialize_app_state
-from torchrec_cnr.staging.pool import StagingPool, chunk_rows, dense_buffer
+from torchrec_cnr.staging.pool import StagingPool, chunk_rows, dense_buffer, staging_bytes
 from torchrec_cnr.staging.shard import Sink, StagedCheckpoint, stage_shard
 from torchrec_cnr.tracking.shard import LocalShard
 
@@ -48,10 +48,7 @@ def stage(
         kernel.flush()  # caching kernels write their cache back first
     pool.begin()
     budget = pool.budget_bytes
-    need = sum(
-        (s.spec.rows if r is None else r.numel()) * s.row_bytes(r is not None)
-        for s, r in zip(shards, rows)
-    )
+    need = staging_bytes(shards, [None if r is None else r.numel() for r in rows])
     chunked = budget is not None and need > budget
     staged_bytes = 0
     for i, (shard, r) in enumerate(zip(shards, rows)):

@@ -183,7 +183,7 @@ class LazyStaging:
             s = _Shard(shard, key, selected, before, weight, states, ids, torch.empty(0),
                        shard.scalar_states(), recent)  # fmt: skip
             staged.append(s)
-        lib = cow.library()
+        lib = pool.copier
         if lib is not None and not all(cow.supports(s.pairs()) for s in staged):
             lib = None  # on CUDA: torch copies them, under each kernel's lock
         for s in staged:  # the pool's flags were faulted in with its buffers

@@ -24,11 +24,17 @@ class StagingPool:
         budget_bytes: most bytes the pool holds; ``None`` for no limit.
         pin: allocate page-locked memory (CUDA sources only), so device-to-host
             copies run asynchronously at full bandwidth.
+        compiled: lazy staging claims CPU rows with the compiled copier where it is
+            built (``IOOptions.compiled_staging``), whose claim words the pool holds.
     """
 
-    def __init__(self, budget_bytes: int | None = None, pin: bool = False) -> None:
+    def __init__(
+        self, budget_bytes: int | None = None, pin: bool = False, compiled: bool = True
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.pin = pin
+        self.copier = cow.library(compiled)
+        """The compiled copier lazy staging uses, or ``None`` (torch copies, under a lock)."""
         self._buffers: dict[str, torch.Tensor] = {}
         self._in_use: set[str] = set()
 
@@ -74,7 +80,8 @@ class StagingPool:
         """Allocates and touches the buffers a full checkpoint of ``shards`` and ``dense``
         will take."""
         self.begin()
-        for key, shape, dtype in _buffers_of(shards, self.budget_bytes):
+        compiled = self.copier is not None
+        for key, shape, dtype in _buffers_of(shards, self.budget_bytes, compiled):
             self.take(key, shape, dtype).zero_()
         for name, tensor in (dense or {}).items():
             self.take(dense_buffer(name), tuple(tensor.shape), tensor.dtype).zero_()
@@ -97,18 +104,26 @@ def staged_claims(key: str) -> str:
     return f"{key}/claims"
 
 
+def staging_bytes(shards: list[LocalShard], counts: list[int | None]) -> int:
+    """Bytes of staging buffers a save of ``counts`` rows of each shard takes (every row,
+    without ids, where ``None``): the one rule that decides whether it fits the budget."""
+    return sum(
+        (s.spec.rows if n is None else n) * s.row_bytes(n is not None)
+        for s, n in zip(shards, counts)
+    )
+
+
 def chunk_rows(shard: LocalShard, with_ids: bool, budget: int | None) -> int | None:
     """Rows per chunk within ``budget``; ``None`` for no chunking."""
     return None if budget is None else max(1, budget // shard.row_bytes(with_ids))
 
 
 def _buffers_of(
-    shards: list[LocalShard], budget: int | None
+    shards: list[LocalShard], budget: int | None, compiled: bool
 ) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
     """The pool buffers a full checkpoint takes: one set per shard (with the row flags or
     claims of lazy staging), or one chunk set (chunks are staged eagerly)."""
     full = sum(s.spec.rows * s.row_bytes(False) for s in shards)
-    compiled = cow.library() is not None
     chunked = budget is not None and full > budget
     for i, s in enumerate(shards):
         rows = min(s.spec.rows, chunk_rows(s, False, budget) or s.spec.rows)

@@ -75,6 +75,9 @@ class Sink(Protocol):
     def wait(self) -> None:
         """Returns once every shard taken so far is written: its buffers may be reused."""
 
+    def abandon(self) -> None:
+        """Drops whatever it has taken: staging failed."""
+
 
 @dataclass
 class StagedCheckpoint:

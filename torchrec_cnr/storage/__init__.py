@@ -2,20 +2,24 @@
 
 A root is a local or shared file system path (:class:`~torchrec_cnr.storage.fs.FsStorage`)
 or an S3-compatible object store (:class:`~torchrec_cnr.storage.s3.S3Storage`); both
-implement :class:`Storage`. What the objects hold is :mod:`torchrec_cnr.snapshot`'s business.
+implement :class:`Storage`, and :class:`StorageWrapper` watches one (counting requests and
+bytes, refusing writes, or failing on cue in the tests). What the objects hold is :mod:`torchrec_cnr.snapshot`'s business.
 """
 
 from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage
 from torchrec_cnr.storage.fs import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from torchrec_cnr.storage.root import Root, as_storage, open_storage
+from torchrec_cnr.storage.wrapper import CountingStorage, StorageWrapper
 
 __all__ = [
     "ANY",
+    "CountingStorage",
     "DIRECT_ALIGN",
     "DIRECT_MIN_BYTES",
     "PreconditionFailed",
     "Root",
     "Storage",
+    "StorageWrapper",
     "as_storage",
     "open_storage",
 ]

@@ -5,7 +5,7 @@ MiB or more are written and read with ``O_DIRECT`` (:class:`_Direct`): the disk 
 bytes straight from the writer's buffers and gives them straight to the reader's, so a
 checkpoint neither fills the page cache nor pays for fresh page-cache pages. Where the file
 system refuses ``O_DIRECT`` (some FUSE and network file systems), or with
-``TORCHREC_CNR_DIRECT_WRITES=0`` / ``TORCHREC_CNR_DIRECT_READS=0``, they go through the page
+``IOOptions(direct_writes=False)`` / ``direct_reads=False``, they go through the page
 cache, write-back started as each object is written. :meth:`FsStorage.make_durable` fsyncs
 them, drops their pages, and syncs the directories.
 
@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 
-from torchrec_cnr.env import env_flag
 from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage, _Any
 
 __all__ = ["FsStorage", "fsync_dir", "tree_bytes"]
@@ -204,20 +203,14 @@ class FsStorage(Storage):
     def __init__(
         self,
         path: str | os.PathLike[str],
-        direct_writes: bool | None = None,
-        direct_reads: bool | None = None,
+        direct_writes: bool = True,
+        direct_reads: bool = True,
     ) -> None:
         """``direct_writes``, ``direct_reads``: ``O_DIRECT`` for objects of a MiB or more
-        where the file system allows it; ``None`` reads ``TORCHREC_CNR_DIRECT_WRITES`` and
-        ``TORCHREC_CNR_DIRECT_READS`` (both default to 1)."""
+        where the file system allows it (``IOOptions.direct_writes``, ``.direct_reads``)."""
         self.root = Path(path)
         self.url = str(path)
-        self._direct = _Direct(
-            env_flag("TORCHREC_CNR_DIRECT_WRITES", True)
-            if direct_writes is None
-            else direct_writes,
-            env_flag("TORCHREC_CNR_DIRECT_READS", True) if direct_reads is None else direct_reads,
-        )
+        self._direct = _Direct(direct_writes, direct_reads)
         self._unsynced: set[str] = set()  # objects written but not yet fsynced
         self._unsynced_lock = threading.Lock()
 

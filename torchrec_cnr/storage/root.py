@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from torchrec_cnr.iocontext import IOOptions
 from torchrec_cnr.storage.backend import Storage
 from torchrec_cnr.storage.fs import FsStorage
 from torchrec_cnr.storage.s3 import S3Storage
@@ -14,20 +15,22 @@ Root = Storage | str | os.PathLike[str]
 """A checkpoint root as callers give it: a path, an ``s3://bucket/prefix`` URL or a :class:`Storage`."""
 
 
-def as_storage(root: Root) -> Storage:
+def as_storage(root: Root, options: IOOptions | None = None) -> Storage:
     """``root`` itself if it is a :class:`Storage`, else :func:`open_storage` of it."""
-    return root if isinstance(root, Storage) else open_storage(os.fspath(root))
+    return root if isinstance(root, Storage) else open_storage(os.fspath(root), options)
 
 
-def open_storage(url: str) -> Storage:
-    """The :class:`Storage` of a root: ``s3://bucket/prefix``, or a local or shared path.
+def open_storage(url: str, options: IOOptions | None = None) -> Storage:
+    """The :class:`Storage` of a root: ``s3://bucket/prefix``, or a local or shared path,
+    doing its I/O as ``options`` say (the environment's :class:`IOOptions` if ``None``).
 
     Raises:
         ValueError: an unsupported URL scheme, or an S3 URL without a bucket or prefix.
     """
     scheme, sep, rest = url.partition("://")
     if not sep or scheme == "file":
-        return FsStorage(rest if sep else url)
+        io = options if options is not None else IOOptions()
+        return FsStorage(rest if sep else url, io.direct_writes, io.direct_reads)
     if scheme == "s3":
         return S3Storage(url)
     raise ValueError(

@@ -1,16 +1,19 @@
-"""The background threads yield to training: each lowers its own priority when it starts."""
+"""One IOContext: its threads yield to training (each lowers its own priority when it
+starts), and every I/O setting, the four implementation switches included, is an
+IOOptions field whose default comes from the environment."""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from torchrec_cnr.config import IOOptions
-from torchrec_cnr.executors import Executors, lowered_priority
+from torchrec_cnr.iocontext import IOContext, IOOptions, lowered_priority
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux")
 
@@ -22,11 +25,11 @@ def _nice_of_a_thread(pool: ThreadPoolExecutor) -> int:
 @linux
 def test_pool_threads_run_below_their_creator_and_the_creator_keeps_its_priority() -> None:
     own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    with Executors(2, 2, 1 << 20, nice=7) as pools:
+    with IOContext(IOOptions(threads=2, encode_threads=2, nice=7)) as pools:
         assert _nice_of_a_thread(pools.io) == min(19, own + 7)
         assert _nice_of_a_thread(pools.encode) == min(19, own + 7)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
-    with Executors(1, 1, 1 << 20, nice=0) as pools:
+    with IOContext(IOOptions(threads=1, encode_threads=1, nice=0)) as pools:
         assert _nice_of_a_thread(pools.io) == own
 
 
@@ -64,3 +67,36 @@ def test_the_environment_gives_the_default_and_an_argument_wins(
     monkeypatch.setenv("TORCHREC_CNR_NICE", "3")
     assert IOOptions().nice == 3
     assert IOOptions(nice=0).nice == 0
+
+
+SWITCHES = {
+    "direct_writes": "TORCHREC_CNR_DIRECT_WRITES",
+    "direct_reads": "TORCHREC_CNR_DIRECT_READS",
+    "compiled_search": "TORCHREC_CNR_COMPILED_SEARCH",
+    "compiled_staging": "TORCHREC_CNR_COMPILED_STAGING",
+}
+
+
+@pytest.mark.parametrize("field", sorted(SWITCHES))
+def test_each_switch_is_an_option_whose_default_reads_the_environment(
+    field: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert getattr(IOOptions(), field) is True
+    monkeypatch.setenv(SWITCHES[field], "0")
+    assert getattr(IOOptions(), field) is False
+    assert getattr(IOOptions(**{field: True}), field) is True  # an argument wins
+    monkeypatch.setenv(SWITCHES[field], "maybe")
+    with pytest.raises(ValueError, match=f"{SWITCHES[field]}='maybe'"):
+        IOOptions()
+    with pytest.raises(ValueError, match=f"io.{field} must be a bool"):
+        IOOptions(**{field: 1})
+
+
+def test_no_library_module_but_the_options_names_a_variable_of_ours() -> None:
+    package = Path(__file__).resolve().parents[2] / "torchrec_cnr"
+    readers = sorted(
+        str(p.relative_to(package))
+        for p in package.rglob("*.py")
+        if p.name != "iocontext.py" and re.search(r"[\"']TORCHREC_CNR_", p.read_text())
+    )
+    assert readers == [], f"TORCHREC_CNR_* variables read outside iocontext.py: {readers}"

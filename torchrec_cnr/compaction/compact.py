@@ -24,10 +24,19 @@ import torch
 from torchsnapshot.manifest import Entry as IndexEntry
 
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.commit import Entry, Manifest, Target, append, remove_failed
+from torchrec_cnr.commit import (
+    CommitTarget,
+    Entry,
+    Manifest,
+    Pending,
+    append,
+    remove_failed,
+    write_and_commit,
+)
+from torchrec_cnr.commit.background import JobResult
 from torchrec_cnr.encoding import FP32, ShardRecord, decode_weight
-from torchrec_cnr.executors import Executors
-from torchrec_cnr.restore.chain import ChainReader
+from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.restore.chain import ChainReader, missing_step
 from torchrec_cnr.restore.geometry import overlaps, place, scatter, states_fit
 from torchrec_cnr.selection.policy import ChainState
 from torchrec_cnr.snapshot import (
@@ -39,7 +48,7 @@ from torchrec_cnr.snapshot import (
     write_index,
 )
 
-__all__ = ["compact", "compact_entry"]
+__all__ = ["commit_and_compact", "compact", "compact_entry", "compaction_job"]
 
 
 def _region(rec: ShardRecord) -> tuple[int, int, int, int]:
@@ -148,10 +157,10 @@ class _Part:
     entries: dict[str, IndexEntry] = field(default_factory=dict)
 
 
-def _write_part(chain: ChainReader, new_id: str, rank: int, world: int, pools: Executors) -> _Part:
+def _write_part(chain: ChainReader, new_id: str, rank: int, world: int, io: IOContext) -> _Part:
     """Compacts the shards of the storage ranks ``rank``, ``rank + world``, ... of the chain."""
     entry = chain.entry
-    writer = SnapshotWriter(chain.storage, new_id, f"r{rank}", pools.io, pools.object_bytes)
+    writer = SnapshotWriter(chain.storage, new_id, f"r{rank}", io.io, io.object_bytes)
     out = _Part()
     for i, target in enumerate(entry.shards):
         if target.spec.rank % world != rank:
@@ -174,7 +183,7 @@ def _write_part(chain: ChainReader, new_id: str, rank: int, world: int, pools: E
     return out
 
 
-def _commit(chain: ChainReader, new_id: str, parts: list[_Part], target: Target) -> Entry:
+def _commit(chain: ChainReader, new_id: str, parts: list[_Part], target: CommitTarget) -> Entry:
     entry = chain.entry
     # IMPORTANT: every writer's part is durable: the index goes last, then the manifest.
     write_index(chain.storage, new_id, [p.entries for p in parts], entry.world_size)
@@ -203,7 +212,7 @@ def _commit(chain: ChainReader, new_id: str, parts: list[_Part], target: Target)
     return compacted
 
 
-def compact_entry(target: Target, pools: Executors, step: int | None = None) -> Entry | None:
+def compact_entry(target: CommitTarget, io: IOContext, step: int | None = None) -> Entry | None:
     """Compacts the chain of a committed checkpoint in this one process (``cnr compact``).
 
     Returns:
@@ -212,20 +221,17 @@ def compact_entry(target: Target, pools: Executors, step: int | None = None) -> 
     manifest = Manifest.load(target.storage)
     entry = manifest.find(step)
     if entry is None:
-        raise ValueError(
-            f"no committed checkpoint of step {step} in {target.storage.url}; "
-            f"committed steps: {manifest.steps()}"
-        )
+        raise missing_step(manifest, step, target.storage.url)
     if len(entry.chain) == 1:
         return None
-    chain = ChainReader(target.storage, manifest, entry, pools.io, pools.object_bytes)
+    chain = ChainReader(target.storage, manifest, entry, io)
     new_id = checkpoint_id(entry.seq, entry.step, target.generation, compacted=True)
-    part = _write_part(chain, new_id, 0, 1, pools)
+    part = _write_part(chain, new_id, 0, 1, io)
     return _commit(chain, new_id, [part], target)
 
 
 def compact(
-    group: Collective, target: Target, pools: Executors, every: int | None = None
+    group: Collective, target: CommitTarget, io: IOContext, every: int | None = None
 ) -> ChainState | None:
     """Compacts the chain of the latest committed checkpoint, collectively over ``group``.
 
@@ -252,8 +258,8 @@ def compact(
     part = None
     chain = None
     try:
-        chain = ChainReader(target.storage, manifest, latest, pools.io, pools.object_bytes)
-        part = _write_part(chain, new_id, group.rank, group.world_size, pools)
+        chain = ChainReader(target.storage, manifest, latest, io)
+        part = _write_part(chain, new_id, group.rank, group.world_size, io)
     except Exception as e:  # every rank learns of it before anyone commits
         error = e
     try:
@@ -266,3 +272,31 @@ def compact(
     parts = group.gather(part)
     group.on_rank0(lambda: _commit(chain, new_id, [p for p in parts if p is not None], target))
     return ChainState([new_id], [])
+
+
+def commit_and_compact(
+    pending: Pending,
+    target: CommitTarget,
+    io: IOContext,
+    every: int | None,
+    what: str,
+    group: Collective,
+) -> JobResult:
+    """A background job: writes and commits ``pending``, then compacts the chain if it has
+    grown ``every`` deltas long (``CheckpointConfig.compact_every``; never if ``None``).
+    A failed compaction leaves the committed checkpoint as it is, and is reported."""
+    written = write_and_commit(pending, group, target)
+    if every is None:
+        return JobResult(written, what)
+    try:
+        return JobResult(compact(group, target, io, every) or written, what)
+    except Exception as e:  # the checkpoint itself is committed
+        return JobResult(written, what, followup_error=e)
+
+
+def compaction_job(
+    target: CommitTarget, io: IOContext, chain: ChainState, what: str, group: Collective
+) -> JobResult:
+    """A background job: compacts the latest chain (see :func:`compact`); ``chain`` is the
+    chain state it leaves if there is nothing to compact."""
+    return JobResult(compact(group, target, io) or chain, what)

@@ -1,0 +1,163 @@
+"""Loading a committed checkpoint, again if it was retired while read.
+
+A checkpoint can vanish under a reader: another job's ``keep_last`` retires it, or
+compaction replaces its chain, between reading the manifest and reading the files. Then
+the read fails with :class:`~torchrec_cnr.errors.CheckpointReadError` before anything
+changed, and :func:`load_committed` reads what the manifest names now. Only when the
+manifest still names the very checkpoint that failed is the error real. The manager's
+``restore()`` and the serving follower both load through it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from torchrec_cnr.collectives import Collective
+from torchrec_cnr.commit.manifest import Entry, Manifest
+from torchrec_cnr.config import CheckpointConfig
+from torchrec_cnr.errors import CheckpointReadError
+from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.restore.chain import ChainReader, missing_step
+from torchrec_cnr.restore.restore import restore_entry
+from torchrec_cnr.selection import ChainState, Policy
+from torchrec_cnr.selection.rows import resume_chain
+from torchrec_cnr.snapshot.objects import resolve_globals
+from torchrec_cnr.staging import StagingPool
+from torchrec_cnr.storage import Storage
+from torchrec_cnr.tracking.shard import LocalShard
+
+__all__ = ["ATTEMPTS", "ModelLoader", "Restored", "load_committed"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ATTEMPTS = 3
+"""Reads of a step before a checkpoint that keeps being retired counts as unreadable."""
+
+
+def load_committed(
+    manifest: Callable[[], Manifest],
+    step: int | None,
+    load: Callable[[Manifest, Entry], T],
+    url: str,
+) -> tuple[Entry, T] | None:
+    """``load(manifest, entry)`` of the committed checkpoint of ``step`` (the latest if
+    ``None``), read again from a fresh ``manifest()`` if it was retired while read.
+
+    Returns:
+        The entry loaded and what ``load`` returned; ``None`` if ``step`` is ``None`` and
+        the root holds no checkpoint.
+
+    Raises:
+        ValueError: no committed checkpoint has ``step``.
+        CheckpointReadError: the checkpoint is unreadable (and still committed).
+    """
+    for attempt in range(ATTEMPTS):
+        current = manifest()
+        entry = current.find(step)
+        if entry is None:
+            if step is None:
+                return None
+            raise missing_step(current, step, url)
+        try:
+            return entry, load(current, entry)
+        except CheckpointReadError:
+            if attempt == ATTEMPTS - 1 or manifest().find(step) == entry:
+                raise
+            logger.warning("checkpoint %s was retired while read; reading again", entry.id)
+    raise AssertionError("unreachable")
+
+
+class ModelLoader:
+    """Restores committed checkpoints into one rank's live model (collective).
+
+    Args:
+        group: the job's ranks.
+        storage: the root.
+        io: the I/O context reads run on.
+        shards, dense, app_state: this rank's shards, dense tensors and ``app_state``.
+        config: ``verify_checksums``, ``restore_memory_mb`` (host memory a restore may
+            hold; ``None``: all) and ``safe_globals`` (types ``app_state`` may hold beyond
+            the built-in ones).
+        policy: the job's policy, to continue a restored chain (see :func:`resume_chain`).
+        pool: staging buffers to read this rank's baseline into, if they hold a full
+            checkpoint's (see :func:`~torchrec_cnr.restore.apply.read_chain`).
+
+    Raises:
+        ValueError: a ``safe_globals`` name that does not import.
+    """
+
+    def __init__(
+        self,
+        group: Collective,
+        storage: Storage,
+        io: IOContext,
+        shards: list[LocalShard],
+        dense: Mapping[str, torch.Tensor],
+        app_state: Mapping[str, Any],
+        config: CheckpointConfig,
+        policy: Policy,
+        pool: StagingPool | None,
+    ) -> None:
+        self.group, self.storage, self.io = group, storage, io
+        self.shards, self.dense, self.app_state = shards, dense, app_state
+        self.verify = config.verify_checksums
+        mb = config.restore_memory_mb
+        self.budget_bytes = None if mb is None else mb << 20
+        self.safe_globals = resolve_globals(config.safe_globals)
+        self.policy = policy
+        self.pool = pool
+
+    def restore(
+        self,
+        manifest: Callable[[], Manifest],
+        step: int | None,
+        ranks: list[int] | None = None,
+        tables: list[str] | None = None,
+    ) -> Restored | None:
+        """Restores the committed checkpoint of ``step`` (the latest if ``None``); partly,
+        CPR's partial recovery, with ``ranks`` or ``tables`` (see :func:`restore_entry`).
+
+        Returns:
+            What was restored; ``None`` if ``step`` is ``None`` and the root holds none.
+        """
+
+        def load(current: Manifest, entry: Entry) -> Restored:
+            reader = self.group.agree_on(
+                lambda: ChainReader(self.storage, current, entry, self.io, self.verify)
+            )
+            touched = restore_entry(
+                self.group, reader, self.shards, self.dense, self.app_state,
+                ranks=ranks, tables=tables, budget_bytes=self.budget_bytes, pool=self.pool,
+                safe_globals=self.safe_globals,
+            )  # fmt: skip
+            chain: ChainState | None = None
+            if ranks is None and tables is None:
+                # A partial restore keeps the live chain: the reloaded rows hold checkpointed
+                # values and their bits stay set, so the next checkpoint saves them.
+                state = ChainState(list(entry.chain), list(entry.sizes))
+                chain = resume_chain(self.shards, self.policy, entry.policy, state, touched)
+            return Restored(entry, current.next_seq(), touched, chain)
+
+        loaded = load_committed(manifest, step, load, self.storage.url)
+        return None if loaded is None else loaded[1]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What :meth:`ModelLoader.restore` restored."""
+
+    entry: Entry
+    next_seq: int
+    """The manifest's next checkpoint number, as read."""
+    touched: list[torch.Tensor]
+    """For each local shard, a ``(rows,)`` bool mask of rows that came from a delta."""
+    chain: ChainState | None
+    """The chain the next save continues; ``None`` after a partial restore (the live one
+    goes on)."""
