@@ -34,7 +34,7 @@ from torchrec.inference.modules import quantize_embeddings
 from cnr_train.config import JobConfig, ServeDtype
 from cnr_train.job import DONE_MARKER, job_tables, make_data, num_dense
 from cnr_train.workload import BatchStream, TableSpec, dlrm
-from torchrec_cnr import CheckpointInfo, Follower, QuantizedTarget, root_info
+from torchrec_cnr import CheckpointInfo, Follower, QuantizedTarget, root_info, shutdown
 from torchrec_cnr.storage import Storage, open_storage
 
 __all__ = ["RequestLoop", "Server", "serving_model"]
@@ -105,8 +105,9 @@ class RequestLoop:
         self._thread = threading.Thread(target=self._run, name="cnr-serve-requests", daemon=True)
 
     def start(self) -> None:
-        """Starts answering; :meth:`close` stops."""
+        """Starts answering; :meth:`close` stops (or, at the latest, interpreter exit)."""
         self._thread.start()
+        shutdown.register(self)
 
     def _run(self) -> None:
         try:
@@ -132,6 +133,9 @@ class RequestLoop:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+        shutdown.unregister(self)
+
+    stop_thread = close
 
 
 def _evaluate(

@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+from torchrec_cnr import shutdown
 from torchrec_cnr.commit.manifest import Manifest
 from torchrec_cnr.snapshot.layout import LEASE_NAME
 from torchrec_cnr.storage import PreconditionFailed, Storage
@@ -182,6 +183,7 @@ class Lease:
 
     def _start_heartbeat(self) -> None:
         period = self.ttl_s / 4
+        self._stop.clear()  # a claim after an abandoned one beats again
 
         def beat() -> None:
             while not self._stop.wait(period):
@@ -193,6 +195,16 @@ class Lease:
 
         self._thread = threading.Thread(target=beat, name="cnr-lease", daemon=True)
         self._thread.start()
+        shutdown.register(self)
+
+    def stop_thread(self) -> None:
+        """Stops the heartbeat (see :mod:`torchrec_cnr.shutdown`); the lease then expires
+        after its TTL unless :meth:`release` gives it up."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        shutdown.unregister(self)
 
     def refresh(self) -> bool:
         """Renews the lease; ``False`` once another job has claimed the root."""
@@ -214,17 +226,12 @@ class Lease:
     def _abandon(self) -> None:
         """After a failed claim: stops the heartbeat and forgets the claim (its lease, if
         it was written, expires after the TTL)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self.stop_thread()
         self.mine = None
 
     def release(self) -> None:
         """Gives the root up, so that the next job claims it at once."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        self.stop_thread()
         if self.mine is None:
             return
         self.mine.released = True

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from torchrec_cnr import shutdown
 from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.encoding import FP32, ShardRecord
 from torchrec_cnr.errors import CnrError
@@ -315,13 +316,17 @@ class Follower:
 
         self._thread = threading.Thread(target=run, name="cnr-follower", daemon=True)
         self._thread.start()
+        shutdown.register(self)
 
     def stop(self) -> None:
-        """Stops polling (after the update in flight) and releases the read threads."""
+        """Stops polling, after the update in flight."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        shutdown.unregister(self)
+
+    stop_thread = stop
 
     def close(self) -> None:
         """Stops polling and the read threads."""

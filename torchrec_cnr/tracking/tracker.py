@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from torchrec_cnr import shutdown
 from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.lookups import KernelLookups
 from torchrec_cnr.tracking.priority import KernelPriority, check_ssu_rate
@@ -71,6 +72,7 @@ class _Marker:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cnr-tracker", daemon=True)
                 self._thread.start()
+                shutdown.register(self)
         self._queue.put(work)
 
     def _run(self) -> None:
@@ -97,11 +99,16 @@ class _Marker:
     def close(self) -> None:
         """Drains, then stops the thread."""
         self.drain()
+        self.stop_thread()
+
+    def stop_thread(self) -> None:
+        """Stops the thread once its queued batches are marked (see :mod:`torchrec_cnr.shutdown`)."""
         with self._cv:
             thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(self._STOP)
             thread.join()
+        shutdown.unregister(self)
 
 
 class _KernelHook:
