@@ -70,7 +70,7 @@ from benchmarks.measure import (
     uniform_model,
 )
 from benchmarks.peers import run_peers, torchsnapshot_restore, torchsnapshot_take_durable
-from benchmarks.results import Column, Table, Goal
+from benchmarks.results import Column, Goal, Table
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import (
     CheckpointConfig,

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from benchmarks import results
 from benchmarks.measure import bcast
-from benchmarks.results import Table, Goal
+from benchmarks.results import Goal, Table
 from cnr_train.launch import init_distributed
 
 # What a result records of its environment: the versions and the variables that change

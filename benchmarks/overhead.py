@@ -85,7 +85,7 @@ from benchmarks.measure import (
     timed,
     uniform_model,
 )
-from benchmarks.results import Table, Goal
+from benchmarks.results import Goal, Table
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import CheckpointConfig, CheckpointManager, QuantizeConfig, list_checkpoints
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import from_rank0, model_arguments, rmtree, uniform_model
 from benchmarks.overhead import QUANTS, Trainer
-from benchmarks.results import Table, Goal
+from benchmarks.results import Goal, Table
 from cnr_train.workload import ZipfBatches
 from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
 

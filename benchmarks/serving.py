@@ -84,7 +84,7 @@ from benchmarks.measure import (
     timed_save,
     uniform_model,
 )
-from benchmarks.results import Column, Table, Goal
+from benchmarks.results import Column, Goal, Table
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import (
     CheckpointConfig,

@@ -34,7 +34,7 @@ from benchmarks.measure import (
     timed_save,
     uniform_model,
 )
-from benchmarks.results import Table, Goal
+from benchmarks.results import Goal, Table
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
 from torchrec_cnr.config import Staging

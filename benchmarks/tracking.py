@@ -28,7 +28,7 @@ from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, Trackin
 
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import model_arguments, uniform_model
-from benchmarks.results import Table, Goal
+from benchmarks.results import Goal, Table
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr.tracking import model_state
 from torchrec_cnr.tracking.priority import KernelPriority

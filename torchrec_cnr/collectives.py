@@ -66,6 +66,8 @@ class Collective:
     """
 
     def __init__(self, pg: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torchrec_cnr needs an initialized torch.distributed process group")
         self.pg = pg
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)

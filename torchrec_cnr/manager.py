@@ -69,22 +69,18 @@ class CheckpointManager:
         pg: dist.ProcessGroup | None = None,
         storage: Storage | None = None,
     ) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError("CheckpointManager needs an initialized torch.distributed group")
         check_app_state(app_state or {})
         self.model, self.config, self.app_state = model, config, dict(app_state or {})
         self.storage = storage if storage is not None else open_storage(config.path, config.io)
         self.policy = Policy(config.policy, config.baseline_rule)
-        self._group = Collective(pg)
+        self._group = Collective(pg)  # raises unless torch.distributed is initialized
         self.rank, self.world_size = self._group.rank, self._group.world_size
         self._shards = model_state.local_shards(model)
         dense = model_state.dense_state(model)
         self._stager = Stager(self._shards, dense, config)
         self._io = IOContext(config.io)
-        # Unbounded staging buffers are a full checkpoint's: restores read into them.
-        pool = self._stager.pool if config.staging_memory_mb is None else None
         self._loader = ModelLoader(self._group, self.storage, self._io, self._shards, dense,
-                                   self.app_state, config, self.policy, pool)  # fmt: skip
+                                   self.app_state, config, self.policy, self._stager.pool)  # fmt: skip
         self._schedule = SaveSchedule(config, self._group)
         self._background = BackgroundWriter(pg, config.io.collective_timeout_s, config.io.nice)
         try:

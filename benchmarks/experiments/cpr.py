@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
 from benchmarks.measure import Policy, from_rank0, max_over_ranks, rmtree, timed_save
-from benchmarks.results import Table, Goal
+from benchmarks.results import Goal, Table
 from cnr_train.config import DataConfig, JobConfig, ModelConfig, OptimizerConfig
 from cnr_train.job import Trainer, evaluate
 from cnr_train.workload import train_step

@@ -33,7 +33,7 @@ from typing import Any
 
 from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
 from benchmarks.measure import Policy, from_rank0, rmtree
-from benchmarks.results import Column, Table, Goal
+from benchmarks.results import Column, Goal, Table
 from cnr_train.config import JobConfig, ModelConfig
 from cnr_train.job import Trainer, evaluate
 from cnr_train.workload import train_step

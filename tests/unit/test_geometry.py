@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchrec_cnr.encoding import FP32, ShardRecord
+from torchrec_cnr.encoding import FP32, ShardRecord, build_record
 from torchrec_cnr.restore.geometry import (
     Placement,
     overlap,
@@ -151,7 +151,7 @@ def test_per_row_state_is_written_only_by_the_shard_that_owns_it() -> None:
 
 def _record(optimizer: str, states: dict[str, torch.Tensor]) -> ShardRecord:
     spec = _spec(0, 2, 0, 2)
-    record, tensors = ShardRecord.build(
+    record, tensors = build_record(
         spec,
         "s0",
         values={"": torch.zeros(2, 2)},

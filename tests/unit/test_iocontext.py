@@ -89,7 +89,7 @@ def test_each_switch_is_an_option_whose_default_reads_the_environment(
     with pytest.raises(ValueError, match=f"{SWITCHES[field]}='maybe'"):
         IOOptions()
     with pytest.raises(ValueError, match=f"io.{field} must be a bool"):
-        IOOptions(**{field: 1})
+        IOOptions(**{field: 1})  # type: ignore[arg-type]
 
 
 def test_no_library_module_but_the_options_names_a_variable_of_ours() -> None:

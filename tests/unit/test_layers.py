@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "torchrec_cnr"
 
 # The pipeline, in order; a module may import its own stage and the stages before it.
 STAGES = [
-    ("errors", "env", "native", "shutdown", "iocontext", "collectives", "quantization"),
+    ("errors", "env", "native", "shutdown", "iocontext", "schema", "collectives", "quantization"),
     ("tracking",),
     ("selection",),
     ("config",),

@@ -21,71 +21,18 @@ and each side's retention would delete the other's checkpoints. Fencing prevents
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
 
 from torchrec_cnr import shutdown
 from torchrec_cnr.commit.manifest import Manifest
-from torchrec_cnr.snapshot.layout import LEASE_NAME
+from torchrec_cnr.schema import LEASE_NAME, Holder
 from torchrec_cnr.storage import PreconditionFailed, Storage
 
 __all__ = ["Holder", "Lease"]
 
 logger = logging.getLogger(__name__)
-
-_STARTED = time.time()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@dataclass
-class Holder:
-    """The job that holds (or held) a root."""
-
-    generation: int
-    run_id: str
-    """torchrun's ``TORCHELASTIC_RUN_ID``, shared by the restarts of one job ("" without torchrun)."""
-    host: str
-    pid: int
-    """Rank 0's process id."""
-    started_at: float
-    heartbeat_at: float
-    released: bool = False
-
-    @classmethod
-    def me(cls, generation: int) -> Holder:
-        now = time.time()
-        return cls(
-            generation,
-            os.environ.get("TORCHELASTIC_RUN_ID", ""),
-            socket.gethostname(),
-            os.getpid(),
-            _STARTED,
-            now,
-        )
-
-    def describe(self) -> str:
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started_at))
-        return f"generation {self.generation} (host {self.host}, pid {self.pid}, started {started})"
-
-    def gone(self, ttl_s: float) -> bool:
-        """Whether this holder no longer counts: released, silent past ``ttl_s``, or dead here."""
-        if self.released or time.time() - self.heartbeat_at > ttl_s:
-            return True
-        return self.host == socket.gethostname() and not _pid_alive(self.pid)
 
 
 class Lease:
@@ -116,7 +63,7 @@ class Lease:
         if got is None:
             return None, None
         try:
-            return Holder(**json.loads(got[0])), got[1]
+            return Holder.from_bytes(got[0]), got[1]
         except (ValueError, TypeError):
             return None, got[1]  # unreadable: whoever wrote it can claim nothing by it
 
@@ -137,9 +84,7 @@ class Lease:
                 return holder
             mine = Holder.me((holder.generation if holder else 0) + 1)
             try:
-                self._version = self.storage.write(
-                    LEASE_NAME, json.dumps(asdict(mine)).encode(), expect=version
-                )
+                self._version = self.storage.write(LEASE_NAME, mine.to_bytes(), expect=version)
             except PreconditionFailed:
                 continue  # another job claimed at the same moment: look again
             self.mine = mine
@@ -213,7 +158,7 @@ class Lease:
         self.mine.heartbeat_at = time.time()
         try:
             self._version = self.storage.write(
-                LEASE_NAME, json.dumps(asdict(self.mine)).encode(), expect=self._version
+                LEASE_NAME, self.mine.to_bytes(), expect=self._version
             )
         except PreconditionFailed:
             return False
@@ -236,9 +181,7 @@ class Lease:
             return
         self.mine.released = True
         try:
-            self.storage.write(
-                LEASE_NAME, json.dumps(asdict(self.mine)).encode(), expect=self._version
-            )
+            self.storage.write(LEASE_NAME, self.mine.to_bytes(), expect=self._version)
         except PreconditionFailed:
             pass  # another job holds it already
         self.mine = None

@@ -7,7 +7,7 @@ an older generation never deletes anything (see :mod:`torchrec_cnr.commit.lease`
 from __future__ import annotations
 
 from torchrec_cnr.commit.manifest import Manifest
-from torchrec_cnr.snapshot.layout import parse_checkpoint_id
+from torchrec_cnr.schema import parse_checkpoint_id
 from torchrec_cnr.storage import Storage
 
 __all__ = ["retire"]

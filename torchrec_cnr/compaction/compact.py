@@ -34,7 +34,7 @@ from torchrec_cnr.commit import (
     write_and_commit,
 )
 from torchrec_cnr.commit.background import JobResult
-from torchrec_cnr.encoding import FP32, ShardRecord, decode_weight
+from torchrec_cnr.encoding import FP32, ShardRecord, build_record, decode_weight
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.restore.chain import ChainReader, missing_step
 from torchrec_cnr.restore.geometry import overlaps, place, scatter, states_fit
@@ -136,7 +136,7 @@ def _compact_record(
         recent = None if target.all_rows else chain.saved_ids(len(chain.links) - 1, target)
         if recent is not None and recent.numel() == target.spec.rows:
             recent = None
-    return ShardRecord.build(
+    return build_record(
         target.spec,
         key,
         values=values,

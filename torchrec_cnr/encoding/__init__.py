@@ -1,16 +1,10 @@
 """Stage 4: storage formats, per-row quantization of each table, and the shard writer
 that encodes staged rows and writes them in the checkpoint format."""
 
-from torchrec_cnr.encoding.codec import (
-    EncodedShard,
-    ShardRecord,
-    StateInfo,
-    decode_weight,
-    dtype_name,
-    encode_shard,
-)
-from torchrec_cnr.encoding.formats import FP32, Format, FormatResolver
+from torchrec_cnr.encoding.codec import EncodedShard, build_record, decode_weight, encode_shard
+from torchrec_cnr.encoding.formats import FormatResolver
 from torchrec_cnr.encoding.writer import RankWrite, ShardWriter
+from torchrec_cnr.schema import FP32, Format, ShardRecord, StateInfo, dtype_name
 
 __all__ = [
     "FP32",
@@ -21,6 +15,7 @@ __all__ = [
     "ShardRecord",
     "ShardWriter",
     "StateInfo",
+    "build_record",
     "decode_weight",
     "dtype_name",
     "encode_shard",

@@ -7,23 +7,12 @@ checkpoint is expected to serve, and falls back to 8 bits once restores exceed t
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 from torchrec_cnr.config import QuantizeConfig
 from torchrec_cnr.quantization import CAST_METHODS, select_bits
+from torchrec_cnr.schema import FP32, Format
 
 __all__ = ["FP32", "Format", "FormatResolver"]
-
-
-@dataclass(frozen=True)
-class Format:
-    """How one table's rows are stored."""
-
-    method: str
-    bits: int
-
-
-FP32 = Format("none", 32)
 
 
 class FormatResolver:

@@ -21,8 +21,8 @@ Partial recovery is chosen when its overhead is lower. All times in seconds.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+
+from torchrec_cnr.schema import IntervalDecision
 
 
 def pls(save_interval_s: float, mtbf_s: float, num_shards: int) -> float:
@@ -35,35 +35,6 @@ def young_interval(save_cost_s: float, mtbf_s: float) -> float:
     """Young's optimal checkpoint interval for full recovery: ``sqrt(2 * O_save * T_fail)``."""
     _check_positive(save_cost=save_cost_s, mtbf=mtbf_s)
     return math.sqrt(2.0 * save_cost_s * mtbf_s)
-
-
-@dataclass(frozen=True)
-class IntervalDecision:
-    """The recovery mode and interval chosen, with the numbers behind the choice."""
-
-    mode: str
-    """``partial`` or ``full``."""
-    interval_s: float
-    """Seconds between checkpoints in the chosen mode."""
-    partial_interval_s: float
-    full_interval_s: float
-    partial_overhead: float
-    """Expected fraction of training time lost with partial recovery."""
-    full_overhead: float
-    """Expected fraction of training time lost with full recovery at Young's interval."""
-    pls: float
-    """Expected PLS of the partial interval (equals the target)."""
-    step_s: float = 0.0
-    """Measured seconds per training step."""
-    interval_steps: int = 0
-    """``interval_s`` in steps: the interval a job applies."""
-
-    def to_json(self) -> dict[str, float | str]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> IntervalDecision:
-        return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
 
 
 def choose_interval(

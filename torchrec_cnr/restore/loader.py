@@ -86,8 +86,9 @@ class ModelLoader:
             hold; ``None``: all) and ``safe_globals`` (types ``app_state`` may hold beyond
             the built-in ones).
         policy: the job's policy, to continue a restored chain (see :func:`resume_chain`).
-        pool: staging buffers to read this rank's baseline into, if they hold a full
-            checkpoint's (see :func:`~torchrec_cnr.restore.apply.read_chain`).
+        pool: the staging buffers; a restore reads this rank's baseline into them if
+            they are unbounded, a full checkpoint's (see
+            :func:`~torchrec_cnr.restore.apply.read_chain`).
 
     Raises:
         ValueError: a ``safe_globals`` name that does not import.
@@ -103,7 +104,7 @@ class ModelLoader:
         app_state: Mapping[str, Any],
         config: CheckpointConfig,
         policy: Policy,
-        pool: StagingPool | None,
+        pool: StagingPool,
     ) -> None:
         self.group, self.storage, self.io = group, storage, io
         self.shards, self.dense, self.app_state = shards, dense, app_state
@@ -112,7 +113,7 @@ class ModelLoader:
         self.budget_bytes = None if mb is None else mb << 20
         self.safe_globals = resolve_globals(config.safe_globals)
         self.policy = policy
-        self.pool = pool
+        self.pool = pool if pool.budget_bytes is None else None
 
     def restore(
         self,

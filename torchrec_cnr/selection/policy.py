@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
+from torchrec_cnr.schema import Kind
+
 __all__ = [
     "BASELINE_RULES",
     "KINDS",
@@ -37,7 +39,6 @@ __all__ = [
 
 PolicyName = Literal["full", "one_shot", "consecutive", "intermittent"]
 POLICIES: tuple[PolicyName, ...] = ("full", "one_shot", "consecutive", "intermittent")
-Kind = Literal["full", "delta"]
 KINDS: tuple[Kind, ...] = ("full", "delta")
 
 BaselineRule = Callable[[Sequence[float]], bool]

@@ -1,13 +1,12 @@
 """The on-disk format of one checkpoint: a torchsnapshot snapshot per checkpoint directory.
 
-``layout`` names what lies where in a root, ``writer`` writes one writer's (rank's) part
+:mod:`torchrec_cnr.schema` names what lies where in a root; ``writer`` writes one writer's (rank's) part
 of a directory and its index, ``reader`` reads tensors back without a model, and
 ``checksum`` is the CRC32 every stored tensor carries. Storage itself (files, objects)
 is :mod:`torchrec_cnr.storage`'s.
 """
 
-from torchrec_cnr.snapshot.checksum import as_bytes, check, crc32, crc32_combine, mismatch
-from torchrec_cnr.snapshot.layout import (
+from torchrec_cnr.schema import (
     LEASE_NAME,
     MANIFEST_NAME,
     PREVIOUS_MANIFEST_NAME,
@@ -24,6 +23,7 @@ from torchrec_cnr.snapshot.layout import (
     stored_state,
     stored_weight,
 )
+from torchrec_cnr.snapshot.checksum import as_bytes, check, crc32, crc32_combine, mismatch
 from torchrec_cnr.snapshot.reader import SnapshotReader, page_aligned
 from torchrec_cnr.snapshot.writer import RankPart, SnapshotWriter, write_index
 

@@ -13,7 +13,6 @@ and checked against the one recorded at save time.
 from __future__ import annotations
 
 import functools
-import json
 import math
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
@@ -23,15 +22,14 @@ from typing import Any
 import torch
 from torchsnapshot.manifest import (
     ChunkedTensorEntry,
-    DictEntry,
     Entry,
-    ObjectEntry,
     PrimitiveEntry,
     TensorEntry,
 )
 from torchsnapshot.serialization import string_to_dtype
 
 from torchrec_cnr.errors import CheckpointReadError
+from torchrec_cnr.schema import SNAPSHOT_MARKER, app_path, dense_path, parse_index, rows_path
 from torchrec_cnr.snapshot.checksum import (
     as_bytes,
     check,
@@ -40,11 +38,10 @@ from torchrec_cnr.snapshot.checksum import (
     crc32_combine,
     mismatch,
 )
-from torchrec_cnr.snapshot.layout import SNAPSHOT_MARKER, app_path, dense_path, rows_path
 from torchrec_cnr.snapshot.objects import load_object
 from torchrec_cnr.storage import DIRECT_ALIGN, DIRECT_MIN_BYTES, Storage
 
-__all__ = ["SnapshotReader", "page_aligned", "parse_index"]
+__all__ = ["SnapshotReader", "page_aligned"]
 
 Alloc = Callable[[list[int], torch.dtype], "torch.Tensor | None"]
 """Gives the tensor of ``shape`` and ``dtype`` to read into, or ``None`` for a fresh one."""
@@ -70,33 +67,6 @@ def _empty(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
 def _get(storage: Storage, location: str, start: int, out: memoryview, crc: bool) -> int:
     storage.read_into(location, start, out)
     return crc32_bytes(out) if crc else 0
-
-
-_ENTRY_TYPES: dict[str, Any] = {
-    "Tensor": TensorEntry,
-    "ChunkedTensor": ChunkedTensorEntry,
-    "dict": DictEntry,
-    "object": ObjectEntry,
-}
-
-
-def parse_index(data: bytes) -> dict[str, Entry]:
-    """torchsnapshot's index (``.snapshot_metadata``) as its typed entries, by logical path.
-
-    JSON is read with :mod:`json` (torchsnapshot writes JSON, a subset of the YAML its own
-    reader parses far more slowly); entry types this library never writes stay untyped
-    and are refused when read as tensors.
-    """
-    out: dict[str, Entry] = {}
-    for path, raw in json.loads(data)["manifest"].items():
-        kind = raw["type"]
-        if kind in PrimitiveEntry.supported_types:
-            out[path] = PrimitiveEntry.from_yaml_obj(raw)
-        elif kind in _ENTRY_TYPES:
-            out[path] = _ENTRY_TYPES[kind].from_yaml_obj(raw)
-        else:
-            out[path] = Entry(kind)
-    return out
 
 
 @dataclass
@@ -145,7 +115,7 @@ class SnapshotReader:
         ckpt_id: the checkpoint's directory.
         executor: runs the piece reads; the caller owns it.
         piece_bytes: the most one request reads (``IOOptions.object_kb``).
-        checksums: logical path (see :mod:`torchrec_cnr.snapshot.layout`) -> CRC32;
+        checksums: logical path (see :mod:`torchrec_cnr.schema`) -> CRC32;
             every read of a listed path is checked.
 
     Raises:

@@ -27,22 +27,19 @@ from dataclasses import dataclass, field
 import torch
 from torchsnapshot.manifest import (
     ChunkedTensorEntry,
-    DictEntry,
     Entry,
     PrimitiveEntry,
     Shard,
-    SnapshotMetadata,
     TensorEntry,
 )
 from torchsnapshot.serialization import dtype_to_string
 
+from torchrec_cnr.schema import SNAPSHOT_MARKER, index_bytes
 from torchrec_cnr.snapshot.checksum import as_bytes, crc32_bytes, crc32_combine
-from torchrec_cnr.snapshot.layout import SNAPSHOT_MARKER
 from torchrec_cnr.storage import Storage
 
 __all__ = ["RankPart", "SnapshotWriter", "write_index"]
 
-SNAPSHOT_VERSION = "0.1.0"
 """The torchsnapshot format version the index declares."""
 
 
@@ -254,17 +251,4 @@ def write_index(
     IMPORTANT: call it last, once every writer's part is durable: the directory reads as
     complete only then.
     """
-    entries = {k: v for part in parts for k, v in part.items()}
-    manifest: dict[str, Entry] = {}
-    for logical in sorted(entries):
-        path = logical
-        while "/" in path:
-            parent, _, key = path.rpartition("/")
-            folder = manifest.setdefault(parent, DictEntry(keys=[]))
-            assert isinstance(folder, DictEntry)
-            if key not in folder.keys:
-                folder.keys.append(key)
-            path = parent
-    manifest.update(entries)
-    metadata = SnapshotMetadata(SNAPSHOT_VERSION, world_size, manifest)
-    storage.write(f"{ckpt_id}/{SNAPSHOT_MARKER}", metadata.to_yaml().encode())
+    storage.write(f"{ckpt_id}/{SNAPSHOT_MARKER}", index_bytes(parts, world_size))

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
+from torchrec_cnr.schema import stored_ids, stored_state, stored_weight
 from torchrec_cnr.selection.policy import Decision
 from torchrec_cnr.selection.rows import recent_rows, recorded_recent
-from torchrec_cnr.snapshot.layout import stored_ids, stored_state, stored_weight
 from torchrec_cnr.staging import cow
 from torchrec_cnr.staging.pool import StagingPool, staged_claims, staged_flags
 from torchrec_cnr.staging.shard import Sink, StagedShard, global_ids, ids_dtype

@@ -11,8 +11,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from torchrec_cnr.schema import stored_state, stored_weight
 from torchrec_cnr.snapshot import page_aligned
-from torchrec_cnr.snapshot.layout import stored_state, stored_weight
 from torchrec_cnr.staging import cow
 from torchrec_cnr.tracking.shard import LocalShard
 

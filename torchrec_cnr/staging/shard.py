@@ -8,8 +8,8 @@ from typing import Protocol
 
 import torch
 
+from torchrec_cnr.schema import stored_ids, stored_state, stored_weight
 from torchrec_cnr.selection.policy import Kind
-from torchrec_cnr.snapshot.layout import stored_ids, stored_state, stored_weight
 from torchrec_cnr.staging.pool import StagingPool
 from torchrec_cnr.tracking.shard import LocalShard
 

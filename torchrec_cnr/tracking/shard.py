@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchrec_cnr.schema import ShardSpec
 from torchrec_cnr.tracking import bitmap
 
 if TYPE_CHECKING:
@@ -57,40 +58,6 @@ def optimizer_state_names(emb: Any) -> list[str]:
     if counter or (optimizer == "ADAM" and getattr(emb, "use_rowwise_bias_correction", False)):
         names.append("row_counter")
     return names
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """Where one table shard lives; the unit the manifest describes."""
-
-    table: str
-    """Fully qualified table name, e.g. ``sparse_arch.ebc.t_user``."""
-    rank: int
-    """Rank holding the shard."""
-    sharding: str
-    """TorchRec sharding type, e.g. ``table_wise``."""
-    row_offset: int
-    """First global row of the shard."""
-    col_offset: int
-    """First global column of the shard."""
-    rows: int
-    """Rows in the shard."""
-    cols: int
-    """Columns in the shard."""
-    num_embeddings: int
-    """Rows of the whole table."""
-    embedding_dim: int
-    """Columns of the whole table."""
-    state_dict_key: str = ""
-    """The table's key in the *unsharded* module's ``state_dict()``, e.g.
-    ``sparse.ebc.embedding_bags.t0.weight`` ("" in checkpoints older than format 3)."""
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> ShardSpec:
-        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
 
 
 @dataclass

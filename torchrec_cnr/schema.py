@@ -1,0 +1,732 @@
+"""The on-disk contract, in one place: every type a root persists and every name in it.
+
+A root holds the chain manifest (``manifest.json``, and the previous committed one), the
+writer's lease (``lease.json``) and one torchsnapshot snapshot per checkpoint::
+
+    ROOT/manifest.json
+    ROOT/manifest.json.prev
+    ROOT/lease.json
+    ROOT/000000-step0000000500-g0001/
+        <rank>/rows/<name>    a shard's stored tensors (names: stored_weight, ...)
+        dense/<name>          replicated tensors, written once (read as 0/dense/<name>)
+        <rank>/app/blob       the rank's app_state, serialized
+
+The manifest lists every committed checkpoint (:class:`Entry`): its chain, the sharding
+of each table (:class:`ShardSpec`), what each stored shard holds (:class:`ShardRecord`:
+format, optimizer states, checksums), CPR's interval decision (:class:`IntervalDecision`);
+each checkpoint directory has torchsnapshot's index (:func:`parse_index`,
+:func:`index_bytes`). Each type is a dataclass with ``to_json``/``from_json`` (or bytes for the manifest and the
+lease); nothing outside this module reads or writes the JSON. Reading and writing the
+files themselves is :mod:`torchrec_cnr.commit`'s (the manifest, the lease) and
+:mod:`torchrec_cnr.snapshot`'s (the tensors). The manifest carries ``format_version``;
+every older version still reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, TypeVar
+
+import torch
+from torchsnapshot.manifest import (
+    ChunkedTensorEntry,
+    DictEntry,
+    ObjectEntry,
+    PrimitiveEntry,
+    SnapshotMetadata,
+    TensorEntry,
+)
+from torchsnapshot.manifest import Entry as IndexEntry
+
+from torchrec_cnr.errors import ManifestError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "FP32",
+    "LEASE_NAME",
+    "MANIFEST_NAME",
+    "PREVIOUS_MANIFEST_NAME",
+    "SNAPSHOT_MARKER",
+    "CheckpointName",
+    "DenseInfo",
+    "Entry",
+    "Format",
+    "Holder",
+    "IntervalDecision",
+    "Kind",
+    "ManifestRecord",
+    "Recent",
+    "ShardRecord",
+    "ShardSpec",
+    "StateInfo",
+    "TableShape",
+    "app_path",
+    "checkpoint_id",
+    "dense_path",
+    "describe",
+    "dtype_name",
+    "index_bytes",
+    "parse_checkpoint_id",
+    "parse_index",
+    "rows_path",
+    "saved_fraction",
+    "stored_ids",
+    "stored_part",
+    "stored_recent",
+    "stored_state",
+    "stored_weight",
+]
+
+_M = TypeVar("_M", bound="ManifestRecord")
+
+Kind = Literal["full", "delta"]
+"""A checkpoint holds every row (``full``) or some (``delta``)."""
+
+# -- names in a root ----------------------------------------------------------------
+
+MANIFEST_NAME = "manifest.json"
+PREVIOUS_MANIFEST_NAME = "manifest.json.prev"
+LEASE_NAME = "lease.json"
+SNAPSHOT_MARKER = ".snapshot_metadata"
+"""torchsnapshot writes it last: a checkpoint directory without it was never completed."""
+
+
+def checkpoint_id(seq: int, step: int, generation: int, compacted: bool = False) -> str:
+    """Directory name of a checkpoint: unique even when a step is saved twice, and never
+    shared by two writers (``generation`` is the writer's, see ``commit.lease``). A
+    compaction of checkpoint ``seq`` takes its name with a ``-c``.
+
+    :func:`parse_checkpoint_id` reads it back."""
+    return f"{seq:06d}-step{step:010d}-g{generation:04d}" + ("-c" if compacted else "")
+
+
+# Format 1 names carry no generation (it reads as 0).
+_CHECKPOINT_ID = re.compile(r"^(\d{6,})-step(\d{10,})(?:-g(\d+))?(-c)?$")
+
+
+@dataclass(frozen=True)
+class CheckpointName:
+    """The parts of a checkpoint directory's name."""
+
+    seq: int
+    step: int
+    generation: int
+    compacted: bool
+
+
+def parse_checkpoint_id(name: str) -> CheckpointName | None:
+    """The parts of a name :func:`checkpoint_id` made; ``None`` for any other name."""
+    match = _CHECKPOINT_ID.match(name)
+    if match is None:
+        return None
+    seq, step, generation, compacted = match.groups()
+    return CheckpointName(int(seq), int(step), int(generation or 0), compacted is not None)
+
+
+def stored_weight(key: str) -> str:
+    """Stored name of shard ``key``'s fp32 rows."""
+    return f"{key}.w"
+
+
+def stored_part(key: str, part: str) -> str:
+    """Stored name of one part of shard ``key``'s quantized rows (codes, scale, ...)."""
+    return f"{key}.w.{part}"
+
+
+def stored_ids(key: str) -> str:
+    """Stored name of the global ids of the rows shard ``key`` holds (absent: every row)."""
+    return f"{key}.ids"
+
+
+def stored_recent(key: str) -> str:
+    """Stored name of the global ids of shard ``key``'s stored rows that changed since the
+    previous checkpoint (absent: every stored row did)."""
+    return f"{key}.recent"
+
+
+def stored_state(key: str, state: str) -> str:
+    """Stored name of one optimizer state of shard ``key``, by FBGEMM name."""
+    return f"{key}.{state}"
+
+
+def rows_path(rank: int, name: str) -> str:
+    """Logical path of a shard tensor ``name`` written by ``rank``."""
+    return f"{rank}/rows/{name}"
+
+
+def dense_path(name: str) -> str:
+    """Logical path of a replicated dense tensor."""
+    return f"0/dense/{name}"
+
+
+def app_path(rank: int) -> str:
+    """Logical path of ``rank``'s serialized app_state."""
+    return f"{rank}/app/blob"
+
+
+# -- one stored shard ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where one table shard lives; the unit the manifest describes."""
+
+    table: str
+    """Fully qualified table name, e.g. ``sparse_arch.ebc.t_user``."""
+    rank: int
+    """Rank holding the shard."""
+    sharding: str
+    """TorchRec sharding type, e.g. ``table_wise``."""
+    row_offset: int
+    """First global row of the shard."""
+    col_offset: int
+    """First global column of the shard."""
+    rows: int
+    """Rows in the shard."""
+    cols: int
+    """Columns in the shard."""
+    num_embeddings: int
+    """Rows of the whole table."""
+    embedding_dim: int
+    """Columns of the whole table."""
+    state_dict_key: str = ""
+    """The table's key in the *unsharded* module's ``state_dict()``, e.g.
+    ``sparse.ebc.embedding_bags.t0.weight`` ("" in checkpoints older than format 3)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> ShardSpec:
+        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one table's rows are stored."""
+
+    method: str
+    bits: int
+
+
+FP32 = Format("none", 32)
+
+
+Recent = Literal["stored", "ids", "unknown"]
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class StateInfo:
+    """One stored optimizer state of a shard."""
+
+    tensor: str
+    """Its stored name."""
+    layout: Literal["row", "element"] | None
+    """``row``: ``(rows,)``; ``element``: ``(rows, cols)``; ``None`` when not recorded (format 1)."""
+    dtype: str
+    """Stored dtype, e.g. ``float32``; ``unknown`` when not recorded (format 1)."""
+
+
+@dataclass
+class ShardRecord:
+    """What the manifest records about one stored shard."""
+
+    spec: ShardSpec
+    key: str
+    """Prefix of the shard's stored tensor names."""
+    saved_rows: int
+    all_rows: bool
+    """True when every row is stored (no ids tensor)."""
+    optimizer: str
+    """The fused optimizer, or ``dense`` for a kernel the user's dense optimizer trains."""
+    states: dict[str, StateInfo]
+    scalars: dict[str, float]
+    """The kernel's step counters at the checkpoint's step."""
+    format: Format
+    parts: list[str]
+    """Names of the quantized parts (empty for fp32)."""
+    nbytes: int
+    checksums: dict[str, int] = field(default_factory=dict)
+    """Stored name -> CRC32."""
+    recent: Recent = "unknown"
+    """Which stored rows changed since the previous checkpoint (the entry's ``since``):
+    ``stored`` every one, ``ids`` those the ``<key>.recent`` tensor lists, ``unknown`` not
+    recorded (format 3 and older): any row may have."""
+    recent_rows: int = 0
+    """How many ids the ``<key>.recent`` tensor holds (``ids`` only)."""
+
+    weight_name = staticmethod(stored_weight)
+    part_name = staticmethod(stored_part)
+    ids_name = staticmethod(stored_ids)
+
+    @property
+    def recent_name(self) -> str:
+        return stored_recent(self.key)
+
+    @property
+    def value_names(self) -> list[str]:
+        """The stored tensors that hold the rows' values: one, or one per quantized part."""
+        if self.format == FP32:
+            return [self.weight_name(self.key)]
+        return [self.part_name(self.key, p) for p in self.parts]
+
+    @property
+    def row_names(self) -> list[str]:
+        """Every stored tensor with one entry per saved row: values, then states (not ids)."""
+        return self.value_names + [info.tensor for info in self.states.values()]
+
+    def take_checksums(self, checksums: dict[str, int]) -> None:
+        """Keeps the CRC32s of this record's tensors out of a writer's ``logical path ->
+        CRC32`` (the record's tensors are under its storage rank's ``rows`` folder)."""
+        prefix = rows_path(self.spec.rank, "")
+        own = f"{prefix}{self.key}."
+        self.checksums = {
+            logical.removeprefix(prefix): crc
+            for logical, crc in checksums.items()
+            if logical.startswith(own)
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec.to_json(),
+            "key": self.key,
+            "saved_rows": self.saved_rows,
+            "all_rows": self.all_rows,
+            "optimizer": self.optimizer,
+            "states": {n: dict(s.__dict__) for n, s in self.states.items()},
+            "scalars": self.scalars,
+            "format": {"method": self.format.method, "bits": self.format.bits, "parts": self.parts},
+            "nbytes": self.nbytes,
+            "checksums": self.checksums,
+            "recent": self.recent,
+            "recent_rows": self.recent_rows,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> ShardRecord:
+        fmt = raw["format"]
+        return cls(
+            spec=ShardSpec.from_json(raw["spec"]),
+            key=raw["key"],
+            saved_rows=int(raw["saved_rows"]),
+            all_rows=bool(raw["all_rows"]),
+            optimizer=raw["optimizer"],
+            states={n: StateInfo(**s) for n, s in raw["states"].items()},
+            scalars=dict(raw.get("scalars", {})),
+            format=Format(fmt["method"], int(fmt["bits"])),
+            parts=list(fmt.get("parts", [])),
+            nbytes=int(raw["nbytes"]),
+            checksums={k: int(v) for k, v in raw["checksums"].items()},
+            recent=raw.get("recent", "unknown"),
+            recent_rows=int(raw.get("recent_rows", 0)),
+        )
+
+
+# -- CPR's interval decision -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IntervalDecision:
+    """The recovery mode and interval chosen, with the numbers behind the choice."""
+
+    mode: str
+    """``partial`` or ``full``."""
+    interval_s: float
+    """Seconds between checkpoints in the chosen mode."""
+    partial_interval_s: float
+    full_interval_s: float
+    partial_overhead: float
+    """Expected fraction of training time lost with partial recovery."""
+    full_overhead: float
+    """Expected fraction of training time lost with full recovery at Young's interval."""
+    pls: float
+    """Expected PLS of the partial interval (equals the target)."""
+    step_s: float = 0.0
+    """Measured seconds per training step."""
+    interval_steps: int = 0
+    """``interval_s`` in steps: the interval a job applies."""
+
+    def to_json(self) -> dict[str, float | str]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> IntervalDecision:
+        return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
+
+
+# -- the manifest -----------------------------------------------------------------------
+
+FORMAT_VERSION = 4
+"""2: optimizer states by FBGEMM name with layout and dtype, and the kernels' step counters.
+3: a checksum of the manifest itself, the writer generation that may commit, each table's key
+in the unsharded module's state dict, and compacted checkpoints (``compacted_from``).
+4: which rows changed since the previous checkpoint (``Entry.since``, ``ShardRecord.recent``
+and a ``<key>.recent`` tensor), so that a serving follower reads only those."""
+
+# Version 1 named each shard's states state0, state1, ... in FBGEMM's order.
+_V1_STATE_ORDER = {
+    "EXACT_ADAGRAD": ["momentum1"],
+    "EXACT_ROWWISE_ADAGRAD": ["momentum1", "prev_iter", "row_counter"],
+    "ADAM": ["momentum1", "momentum2"],
+    "PARTIAL_ROWWISE_ADAM": ["momentum1", "momentum2"],
+    "LAMB": ["momentum1", "momentum2"],
+    "PARTIAL_ROWWISE_LAMB": ["momentum1", "momentum2"],
+}
+
+
+def _upgrade_v1(rec: dict[str, Any]) -> dict[str, Any]:
+    order = _V1_STATE_ORDER.get(rec["optimizer"], [])
+    states = {}
+    for j, old in enumerate(rec["states"]):
+        # The dtype was not recorded; "unknown" keeps restore off its in-place path.
+        name = order[j] if j < len(order) else old
+        states[name] = {"tensor": f"{rec['key']}.{old}", "layout": None, "dtype": "unknown"}
+    return rec | {"states": states, "scalars": {}}
+
+
+@dataclass(frozen=True)
+class TableShape:
+    """A whole table's shape, as the model defines it, and its unsharded state-dict key."""
+
+    num_embeddings: int
+    embedding_dim: int
+    state_dict_key: str = field(default="", compare=False)
+
+    @classmethod
+    def of(cls, spec: ShardSpec) -> TableShape:
+        return cls(spec.num_embeddings, spec.embedding_dim, spec.state_dict_key)
+
+
+@dataclass(frozen=True)
+class DenseInfo:
+    """A dense tensor's shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> DenseInfo:
+        return cls(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+
+    def __str__(self) -> str:
+        return f"{list(self.shape)} {self.dtype}"
+
+
+def describe(manifest: ManifestRecord) -> str:
+    """How many checkpoints a manifest names, and its latest step, for messages."""
+    latest = manifest.latest()
+    if latest is None:
+        return "no checkpoint"
+    return f"{len(manifest.checkpoints)} checkpoint(s), latest step {latest.step}"
+
+
+def saved_fraction(shards: list[ShardRecord]) -> float:
+    """Elements stored by these shard records, as a fraction of the whole shards (Check-N-Run's S_i)."""
+    total = sum(s.spec.rows * s.spec.cols for s in shards)
+    saved = sum(s.saved_rows * s.spec.cols for s in shards)
+    return saved / total if total else 0.0
+
+
+@dataclass
+class Entry:
+    """One committed checkpoint."""
+
+    id: str
+    """Its directory name (see :func:`torchrec_cnr.storage.checkpoint_id`)."""
+    seq: int
+    step: int
+    kind: Kind
+    policy: str
+    chain: list[str]
+    """Ids a restore of this checkpoint applies, baseline first."""
+    sizes: list[float]
+    """S_1..S_i of the deltas since the baseline."""
+    world_size: int
+    tables: dict[str, TableShape]
+    dense: dict[str, DenseInfo]
+    shards: list[ShardRecord]
+    dense_checksums: dict[str, int]
+    app_checksums: list[int]
+    """One per rank."""
+    bytes: int
+    """Bytes on disk."""
+    committed_at: float = field(default_factory=time.time)
+    restores_before: int = 0
+    """Restores recorded in the manifest when this checkpoint was written."""
+    staged_bytes: int = 0
+    """Bytes staged in host memory on rank 0."""
+    stall_s: float = 0.0
+    """Longest time any rank's training was blocked by this save."""
+    interval_decision: IntervalDecision | None = None
+    """CPR's interval decision, once ``interval_steps: auto`` made it."""
+    compacted_from: str | None = None
+    """The checkpoint whose chain this full checkpoint merges (see :mod:`torchrec_cnr.compaction`)."""
+    since: str | None = None
+    """The checkpoint its shards' ``recent`` rows changed since: the one this job committed
+    (or restored) before it; ``None`` for a job's first, or before format 4."""
+
+    @staticmethod
+    def signature(
+        shards: list[ShardSpec], dense: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, TableShape], dict[str, DenseInfo]]:
+        """Table shapes and dense tensor infos of a model, as an entry records them."""
+        return (
+            {s.table: TableShape.of(s) for s in shards},
+            {k: DenseInfo.of(v) for k, v in dense.items()},
+        )
+
+    def checksums_by_path(self) -> dict[str, int]:
+        """Logical tensor path -> CRC32, for every tensor this checkpoint stores."""
+        sums = {
+            rows_path(rec.spec.rank, name): crc
+            for rec in self.shards
+            for name, crc in rec.checksums.items()
+        }
+        sums.update({dense_path(name): crc for name, crc in self.dense_checksums.items()})
+        sums.update({app_path(rank): crc for rank, crc in enumerate(self.app_checksums)})
+        return sums
+
+    def to_json(self) -> dict[str, Any]:
+        raw = dict(self.__dict__)
+        raw["tables"] = {k: dict(v.__dict__) for k, v in self.tables.items()}
+        raw["dense"] = {
+            k: {"shape": list(v.shape), "dtype": v.dtype} for k, v in self.dense.items()
+        }
+        raw["shards"] = [s.to_json() for s in self.shards]
+        if self.interval_decision is not None:
+            raw["interval_decision"] = self.interval_decision.to_json()
+        return raw
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], version: int = FORMAT_VERSION) -> Entry:
+        shards = raw["shards"] if version > 1 else [_upgrade_v1(s) for s in raw["shards"]]
+        known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
+        return cls(
+            **known
+            | {
+                "tables": {k: TableShape(**v) for k, v in raw["tables"].items()},
+                "dense": {
+                    k: DenseInfo(tuple(v["shape"]), v["dtype"]) for k, v in raw["dense"].items()
+                },
+                "shards": [ShardRecord.from_json(s) for s in shards],
+                "interval_decision": None
+                if raw.get("interval_decision") is None
+                else IntervalDecision.from_json(raw["interval_decision"]),
+            }
+        )
+
+
+def _checksum(payload: dict[str, Any]) -> str:
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(canonical).hexdigest()
+
+
+@dataclass
+class ManifestRecord:
+    """The parsed manifest of a checkpoint root (reading and writing it:
+    :class:`torchrec_cnr.commit.Manifest`)."""
+
+    checkpoints: list[Entry] = field(default_factory=list)
+    """Committed checkpoints, oldest first."""
+    restores: int = 0
+    """Restores performed from this root."""
+    writer_generation: int = 0
+    """The generation of the job that may commit to this root (see ``commit.lease``)."""
+    version: str | None = field(default=None, compare=False)
+    """The storage version it was read at; a save replaces exactly that version."""
+
+    @classmethod
+    def parse(cls: type[_M], data: bytes, where: str) -> _M:
+        """Parses manifest bytes, checking their checksum.
+
+        Raises:
+            ManifestError: the bytes are not a manifest this library reads, or are damaged.
+        """
+        try:
+            raw = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ManifestError(f"{where} is not valid JSON ({e})") from e
+        version = raw.get("format_version") if isinstance(raw, dict) else None
+        if not isinstance(version, int) or version not in range(1, FORMAT_VERSION + 1):
+            raise ManifestError(
+                f"{where} has format_version {version!r}; this torchrec_cnr reads 1 to {FORMAT_VERSION}"
+            )
+        if version >= 3:
+            recorded = raw.pop("checksum", None)
+            if recorded != _checksum(raw):
+                raise ManifestError(f"{where} is damaged: its checksum does not match its content")
+        try:
+            return cls(
+                checkpoints=[Entry.from_json(e, version) for e in raw.get("checkpoints", [])],
+                restores=int(raw.get("restores", 0)),
+                writer_generation=int(raw.get("writer_generation", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManifestError(f"{where} is malformed: {e!r}") from e
+
+    def to_bytes(self) -> bytes:
+        payload: dict[str, Any] = {
+            "format_version": FORMAT_VERSION,
+            "writer_generation": self.writer_generation,
+            "restores": self.restores,
+            "checkpoints": [e.to_json() for e in self.checkpoints],
+        }
+        payload["checksum"] = _checksum(payload)
+        return json.dumps(payload, indent=1).encode()
+
+    def latest(self) -> Entry | None:
+        return self.checkpoints[-1] if self.checkpoints else None
+
+    def find(self, step: int | None) -> Entry | None:
+        """The newest committed checkpoint of ``step`` (the latest one if ``None``)."""
+        if step is None:
+            return self.latest()
+        for entry in reversed(self.checkpoints):
+            if entry.step == step:
+                return entry
+        return None
+
+    def find_id(self, ckpt_id: str) -> Entry | None:
+        """The committed checkpoint of directory ``ckpt_id``, if the manifest names it."""
+        return next((e for e in self.checkpoints if e.id == ckpt_id), None)
+
+    def by_id(self, ckpt_id: str) -> Entry:
+        for entry in self.checkpoints:
+            if entry.id == ckpt_id:
+                return entry
+        raise ManifestError(f"checkpoint {ckpt_id!r} is named in a chain but not in the manifest")
+
+    def steps(self) -> list[int]:
+        return [e.step for e in self.checkpoints]
+
+    def next_seq(self) -> int:
+        return max((e.seq for e in self.checkpoints), default=-1) + 1
+
+    def chain_bytes(self, entry: Entry) -> int:
+        """Bytes a restore of ``entry`` reads: its chain's checkpoints."""
+        return sum(self.by_id(i).bytes for i in entry.chain)
+
+    def needed_ids(self, last: int | None) -> set[str]:
+        """Ids the chains of the last ``last`` checkpoints need (all if ``None``)."""
+        entries = self.checkpoints if last is None else self.checkpoints[-last:]
+        return {i for e in entries for i in e.chain}
+
+
+# -- the writer's lease -----------------------------------------------------------------
+
+_STARTED = time.time()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Holder:
+    """The job that holds (or held) a root."""
+
+    generation: int
+    run_id: str
+    """torchrun's ``TORCHELASTIC_RUN_ID``, shared by the restarts of one job ("" without torchrun)."""
+    host: str
+    pid: int
+    """Rank 0's process id."""
+    started_at: float
+    heartbeat_at: float
+    released: bool = False
+
+    @classmethod
+    def me(cls, generation: int) -> Holder:
+        now = time.time()
+        return cls(
+            generation,
+            os.environ.get("TORCHELASTIC_RUN_ID", ""),
+            socket.gethostname(),
+            os.getpid(),
+            _STARTED,
+            now,
+        )
+
+    def describe(self) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started_at))
+        return f"generation {self.generation} (host {self.host}, pid {self.pid}, started {started})"
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Holder:
+        return cls(**json.loads(data))
+
+    def gone(self, ttl_s: float) -> bool:
+        """Whether this holder no longer counts: released, silent past ``ttl_s``, or dead here."""
+        if self.released or time.time() - self.heartbeat_at > ttl_s:
+            return True
+        return self.host == socket.gethostname() and not _pid_alive(self.pid)
+
+
+# -- a checkpoint directory's index: torchsnapshot's own --------------------------------
+
+SNAPSHOT_VERSION = "0.1.0"
+"""The torchsnapshot version whose index format checkpoint directories carry."""
+
+_ENTRY_TYPES: dict[str, Any] = {
+    "Tensor": TensorEntry,
+    "ChunkedTensor": ChunkedTensorEntry,
+    "dict": DictEntry,
+    "object": ObjectEntry,
+}
+
+
+def parse_index(data: bytes) -> dict[str, IndexEntry]:
+    """torchsnapshot's index (``.snapshot_metadata``) as its typed entries, by logical path.
+
+    JSON is read with :mod:`json` (torchsnapshot writes JSON, a subset of the YAML its own
+    reader parses far more slowly); entry types this library never writes stay untyped
+    and are refused when read as tensors.
+    """
+    out: dict[str, IndexEntry] = {}
+    for path, raw in json.loads(data)["manifest"].items():
+        kind = raw["type"]
+        if kind in PrimitiveEntry.supported_types:
+            out[path] = PrimitiveEntry.from_yaml_obj(raw)
+        elif kind in _ENTRY_TYPES:
+            out[path] = _ENTRY_TYPES[kind].from_yaml_obj(raw)
+        else:
+            out[path] = IndexEntry(kind)
+    return out
+
+
+def index_bytes(parts: list[dict[str, IndexEntry]], world_size: int) -> bytes:
+    """The index of a checkpoint directory from its writers' entries (logical path ->
+    torchsnapshot entry), with the folder entries torchsnapshot's reader expects."""
+    entries = {k: v for part in parts for k, v in part.items()}
+    manifest: dict[str, IndexEntry] = {}
+    for logical in sorted(entries):
+        path = logical
+        while "/" in path:
+            parent, _, key = path.rpartition("/")
+            folder = manifest.setdefault(parent, DictEntry(keys=[]))
+            assert isinstance(folder, DictEntry)
+            if key not in folder.keys:
+                folder.keys.append(key)
+            path = parent
+    manifest.update(entries)
+    return SnapshotMetadata(SNAPSHOT_VERSION, world_size, manifest).to_yaml().encode()
