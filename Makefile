@@ -56,15 +56,15 @@ bench: setup
 		--merge $(BENCH)/overhead_1rank.json --out $(BENCH)/overhead.json
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=1 -m benchmarks.overhead \
 		--intervals 30 --rounds 3 --out $(BENCH)/overhead_1rank_30.json
-	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=1 -m benchmarks.save_cost \
-		--saves 16 --out $(BENCH)/save_cost.json
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=1 -m benchmarks.overhead \
+		--save-cost --saves 16 --out $(BENCH)/save_cost.json
 	$(TORCHRUN) -m benchmarks.experiments.quantized_restores \
 		--out $(BENCH)/experiments/quantized_restores.json
 	$(TORCHRUN) -m benchmarks.experiments.quantized_restores --steps 1200 --bits --restores \
 		--targets 1 3 20 --out $(BENCH)/experiments/quantized_restores_1200.json
 	$(TORCHRUN) -m benchmarks.experiments.quantized_restores --steps 4800 --bits --restores \
 		--targets 20 --out $(BENCH)/experiments/quantized_restores_4800.json
-	$(TORCHRUN) -m benchmarks.experiments.policy_bytes --out $(BENCH)/experiments/policy_bytes.json
+	$(TORCHRUN) -m benchmarks.policies --figure --out $(BENCH)/experiments/policy_bytes.json
 	$(TORCHRUN) -m benchmarks.experiments.cpr --out $(BENCH)/experiments/cpr.json
 	$(PY) -m benchmarks.report benchmarks/results $(BENCH)
 

@@ -12,7 +12,6 @@ CASES = (
     "overhead",
     "policies",
     "quantization",
-    "save_cost",
     "scaling",
     "serving",
     "stall",
@@ -20,7 +19,7 @@ CASES = (
     "tracking",
 )
 """The benchmarks: ``benchmarks.<name>``, results in ``out/bench/<name>.json``."""
-EXPERIMENTS = ("cpr", "policy_bytes", "quantized_restores")
+EXPERIMENTS = ("cpr", "quantized_restores")
 """The experiments: ``benchmarks.experiments.<name>``, in ``out/bench/experiments/``."""
 SINGLE_PROCESS = ("quantization",)
 """Cases run by ``python -m`` in one process; the others by torchrun on 2 ranks."""

@@ -57,6 +57,7 @@ from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import (
     GB,
     POLICIES,
+    QUANTS,
     Policy,
     disk_bandwidth,
     from_rank0,
@@ -75,7 +76,6 @@ from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import (
     CheckpointConfig,
     CheckpointManager,
-    QuantizeConfig,
     checkpoint_info,
     list_checkpoints,
 )
@@ -83,7 +83,6 @@ from torchrec_cnr.storage.fs import FsStorage
 from torchrec_cnr.tracking.model_state import local_shards
 from torchrec_cnr.tracking.shard import LocalShard
 
-QUANTS = {"fp32": QuantizeConfig(), "4-bit": QuantizeConfig(method="adaptive", bits=4)}
 Rows = list[torch.Tensor]
 
 

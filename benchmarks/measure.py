@@ -6,7 +6,8 @@
   (:func:`disk_bandwidth`) and a memory copy (:func:`memcpy_s`).
 - Files: cold reads (:func:`drop_cache`), sizes, deletion between barriers.
 - The model and its rows: the table-wise DLRM most cases checkpoint
-  (:func:`uniform_model`), random row subsets (:func:`random_rows`), marking exactly those
+  (:func:`uniform_model`, trained by :class:`StepLoop`), the formats compared
+  (:data:`QUANTS`), random row subsets (:func:`random_rows`), marking exactly those
   rows modified (:func:`modify`) and checking that a restore brought them back
   (:func:`timed_restore`).
 - An S3 store: a moto server on loopback (:func:`s3_server`).
@@ -26,6 +27,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar, cast
 
@@ -33,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
 
-from cnr_train.workload import TableSpec, build_model, dense_optimizer
-from torchrec_cnr import CheckpointManager
+from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
+from torchrec_cnr import CheckpointManager, QuantizeConfig
 from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.shard import LocalShard
 from torchrec_cnr.tracking.tracker import TrackingMode
@@ -253,6 +255,14 @@ def model_arguments(p: argparse.ArgumentParser, rows: int, tables: int = 8, dim:
     p.add_argument("--dim", type=int, default=dim)
 
 
+QUANTS = {
+    "fp32": QuantizeConfig(),
+    "4-bit": QuantizeConfig(method="adaptive", bits=4, min_rows=0),
+}
+"""The checkpoint formats the benchmarks compare: fp32, and adaptive 4-bit on every table
+(``min_rows=0``: the smoke runs' small tables too)."""
+
+
 class Workload(NamedTuple):
     model: DistributedModelParallel
     opt: torch.optim.Optimizer
@@ -266,6 +276,33 @@ def uniform_model(args: argparse.Namespace, tracking_mode: TrackingMode = "bitma
     tables = uniform_tables(args.tables, args.rows, args.dim)
     model = build_model(tables, seed=0, tracking_mode=tracking_mode)
     return Workload(model, dense_optimizer(model), tables)
+
+
+@dataclass
+class StepLoop:
+    """A workload's training loop: its model, its data and the next step."""
+
+    work: Workload
+    data: ZipfBatches
+    rank: int
+    step: int = 0
+
+    def train(self, steps: int, after: Callable[[int], None] | None = None) -> list[float]:
+        """Trains ``steps`` steps; ``after(step)`` runs inside each. Each step's seconds."""
+        took = []
+        for _ in range(steps):
+            self.step += 1
+            t0 = time.perf_counter()
+            train_step(self.work.model, self.work.opt, self.data.batch(self.rank, self.step))
+            if after is not None:
+                after(self.step)
+            took.append(time.perf_counter() - t0)
+        return took
+
+    def align(self, k: int) -> None:
+        """Moves the step on so that the next multiple of ``k`` comes after ``k // 2`` steps:
+        each save then falls mid-interval, and the last one's commit within the arm."""
+        self.step += (-(self.step + k // 2)) % k
 
 
 def random_rows(

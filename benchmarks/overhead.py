@@ -4,6 +4,8 @@
         -m benchmarks.overhead --out out/bench/overhead_1rank.json
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
         -m benchmarks.overhead --merge out/bench/overhead_1rank.json --out out/bench/overhead.json
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=1 \\
+        -m benchmarks.overhead --save-cost --saves 16 --out out/bench/save_cost.json
 
 The first run trains on 1 rank (the other core free for the background writer, as on a GPU
 host), the second on 2 ranks (no core to spare); ``--merge`` carries the first run's
@@ -55,6 +57,26 @@ median stall <= 0.4% of the interval at the longest measured interval (Check-N-R
 anchor: about 7 s of a 30-minute interval); lazy staging's throughput lost <= eager's at
 every measured interval, by both estimates. CPR's anchor, 0.53-0.68% total overhead of
 failure handling, is recorded beside them.
+
+``--save-cost``: the training time one checkpoint costs, from its save to its commit,
+measured alone many times (the arms above move with the machine's other tenants by more
+than a checkpoint costs). the model and training of
+:mod:`benchmarks.overhead` (8 x 200,000 x 64 tables, batch 512, Zipf ids) train
+``--before`` steps, then a full fp32 checkpoint is saved, and training goes on for
+``--after`` steps (past the commit); 4-bit is adaptive with ``min_rows=0``, as there. The
+checkpoint costs training its stall plus what
+the steps overlapping it, from the save to the commit, took beyond the mean of the steps
+around them that overlap none. The arms take turns, ``--saves`` times each, on a fresh
+root each time:
+
+- eager: ``save()`` copies every row before it returns (fp32, 4-bit);
+- lazy: copy-on-write, rows claimed with atomic bits by the compiled copier
+  (``staging/_cow.c``), the default (fp32, 4-bit);
+- lazy with ``IOOptions(compiled_staging=False)``: torch copies the rows under each
+  kernel's lock, in chunks, the path CUDA takes (fp32).
+
+Targets: the median cost of a lazy checkpoint <= an eager one's (fp32 and 4-bit), and a
+lazy fp32 one's <= one copied by torch under the lock.
 """
 
 from __future__ import annotations
@@ -67,8 +89,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +99,8 @@ from benchmarks import results
 from benchmarks.harness import Bench, Case, Outcome, command_line, main
 from benchmarks.measure import (
     GB,
-    Workload,
+    QUANTS,
+    StepLoop,
     from_rank0,
     model_arguments,
     rmtree,
@@ -86,13 +108,9 @@ from benchmarks.measure import (
     uniform_model,
 )
 from benchmarks.results import Goal, Table
-from cnr_train.workload import ZipfBatches, train_step
-from torchrec_cnr import CheckpointConfig, CheckpointManager, QuantizeConfig, list_checkpoints
+from cnr_train.workload import ZipfBatches
+from torchrec_cnr import CheckpointConfig, CheckpointManager, IOOptions, list_checkpoints
 
-QUANTS = {
-    "fp32": QuantizeConfig(),
-    "4-bit": QuantizeConfig(method="adaptive", bits=4, min_rows=0),
-}
 STAGINGS: dict[str, dict[str, Any]] = {
     "eager": {"staging": "eager"},  # save() copies the selected rows before it returns
     "lazy": {"staging": "lazy"},  # copy-on-write: the rows are copied after it returns
@@ -132,6 +150,15 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         help="the throughput target's interval (the nearest measured one)",
     )
     p.add_argument(
+        "--save-cost",
+        action="store_true",
+        help="measure instead the training time one full checkpoint costs, --saves times "
+        "per arm: eager, lazy, lazy with torch's locked copy; fp32 and 4-bit",
+    )
+    p.add_argument("--saves", type=int, default=8, help="--save-cost: checkpoints per arm")
+    p.add_argument("--before", type=int, default=100, help="--save-cost: steps before a save")
+    p.add_argument("--after", type=int, default=200, help="--save-cost: steps after it")
+    p.add_argument(
         "--merge",
         type=Path,
         help="a result of this case at another world size, carried into this one's",
@@ -141,33 +168,6 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 def _key(interval_s: float) -> str:
     """An interval's key in ``measurements``: no dot, which a target's key would split."""
     return f"{interval_s:g}s".replace(".", "_")
-
-
-@dataclass
-class Trainer:
-    """The model, its data and the next step: every arm trains on batches of its own."""
-
-    work: Workload
-    data: ZipfBatches
-    rank: int
-    step: int = 0
-
-    def train(self, steps: int, after: Callable[[int], None] | None = None) -> list[float]:
-        """Trains ``steps`` steps; ``after(step)`` runs inside each. Each step's seconds."""
-        took = []
-        for _ in range(steps):
-            self.step += 1
-            t0 = time.perf_counter()
-            train_step(self.work.model, self.work.opt, self.data.batch(self.rank, self.step))
-            if after is not None:
-                after(self.step)
-            took.append(time.perf_counter() - t0)
-        return took
-
-    def align(self, k: int) -> None:
-        """Moves the step on so that the next multiple of ``k`` comes after ``k // 2`` steps:
-        each save then falls mid-interval, and the last one's commit within the arm."""
-        self.step += (-(self.step + k // 2)) % k
 
 
 def _clean_step_s(
@@ -189,7 +189,7 @@ def _clean_step_s(
 
 
 def _arm(
-    b: Bench, trainer: Trainer, k: int, n: int, staging: str | None, quant: str | None
+    b: Bench, trainer: StepLoop, k: int, n: int, staging: str | None, quant: str | None
 ) -> tuple[float, dict[str, Any]]:
     """One arm: ``n * k`` timed steps, with a checkpoint every ``k`` if ``quant`` is set.
     Its steps/s and what its checkpoints were."""
@@ -243,7 +243,7 @@ def _arm(
     return n * k / seconds, detail
 
 
-def _interval(b: Bench, trainer: Trainer, target_s: float, step_s: float) -> dict[str, Any]:
+def _interval(b: Bench, trainer: StepLoop, target_s: float, step_s: float) -> dict[str, Any]:
     """Every arm at one target interval, in interleaved rounds."""
     a = b.args
     k = max(2, round(target_s / step_s))
@@ -310,7 +310,7 @@ def _world(b: Bench) -> dict[str, Any]:
     a = b.args
     load_before = os.getloadavg()
     work = uniform_model(a)
-    trainer = Trainer(work, ZipfBatches(work.tables, a.batch, seed=0), b.rank)
+    trainer = StepLoop(work, ZipfBatches(work.tables, a.batch, seed=0), b.rank)
     trainer.train(a.warmup_steps)
     # The median of a few chunks: another tenant's burst in one chunk does not set K.
     chunk = max(1, a.probe_steps // 5)
@@ -502,8 +502,134 @@ def targets(m: dict[str, Any], headline_s: float) -> list[Goal]:
     return out
 
 
+# -- --save-cost: the training time of one checkpoint, many times -----------------------
+
+COST_ARMS: dict[str, tuple[str, bool, str]] = {
+    "eager_fp32": ("eager", True, "fp32"),
+    "lazy_fp32": ("lazy", True, "fp32"),
+    "lazy_torch_fp32": ("lazy", False, "fp32"),
+    "eager_4bit": ("eager", True, "4-bit"),
+    "lazy_4bit": ("lazy", True, "4-bit"),
+}
+"""``--save-cost`` arm -> (staging, ``IOOptions.compiled_staging``, checkpoint format)."""
+STAGING_NAMES = {
+    ("eager", True): "eager",
+    ("lazy", True): "lazy (compiled copier)",
+    ("lazy", False): "lazy, torch copy under the lock",
+}
+
+
+def _save_cost_once(
+    b: Bench, trainer: StepLoop, staging: str, compiled: bool, quant: str, n: int
+) -> dict[str, float]:
+    """One checkpoint of one arm: its stall, commit and the training time it cost."""
+    root = b.scratch / f"{staging}_{compiled}_{quant}_{n}"
+    rmtree(root)
+    cfg = CheckpointConfig(
+        path=str(root),
+        policy="full",
+        staging=staging,  # type: ignore[arg-type]
+        quantize=QUANTS[quant],
+        io=IOOptions(compiled_staging=compiled),
+    )
+    ends: list[float] = []
+    with CheckpointManager(trainer.work.model, cfg) as ckpt:
+        took = trainer.train(b.args.before, lambda _: ends.append(_now()))
+        dist.barrier()
+        saved_at = _now()
+        ckpt.save(trainer.step)
+        stall = _now() - saved_at
+        took += trainer.train(b.args.after, lambda _: ends.append(_now()))
+        ckpt.wait()
+    info = from_rank0(lambda: list_checkpoints(str(root))[-1])
+    rmtree(root)
+    overlaps = [e >= saved_at and e - t <= info.committed_at for t, e in zip(took, ends)]
+    inside = [t for t, o in zip(took, overlaps) if o]
+    clean = statistics.fmean(t for t, o in zip(took, overlaps) if not o)
+    if len(inside) >= b.args.after:
+        raise RuntimeError(f"the commit outlasted --after {b.args.after} steps: raise it")
+    cost = stall + sum(inside) - clean * len(inside)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (cost, stall, info.committed_at - saved_at, clean))
+    worst = max(every)  # the slowest rank's
+    return {
+        "cost_s": worst[0],
+        "stall_s": worst[1],
+        "commit_s": worst[2],
+        "step_s": worst[3],
+        "steps": len(inside),
+    }
+
+
+def _now() -> float:
+    return time.time()  # the clock of CheckpointInfo.committed_at
+
+
+def _save_costs(b: Bench) -> Outcome:
+    """``--save-cost``: the training time one full checkpoint costs, per arm."""
+    a = b.args
+    work = uniform_model(a)
+    trainer = StepLoop(work, ZipfBatches(work.tables, a.batch, seed=0), b.rank)
+    trainer.train(a.warmup_steps)
+    each: dict[str, list[dict[str, float]]] = {name: [] for name in COST_ARMS}
+    names = list(COST_ARMS)
+    for n in range(a.saves):
+        for name in names[n % len(names) :] + names[: n % len(names)]:
+            b.settle()
+            each[name].append(_save_cost_once(b, trainer, *COST_ARMS[name], n))
+        b.log(
+            f"save {n + 1}/{a.saves}: "
+            + ", ".join(f"{k} {v[-1]['cost_s'] * 1e3:.0f} ms" for k, v in each.items())
+        )
+    arms = {
+        name: {
+            "staging": STAGING_NAMES[COST_ARMS[name][:2]],
+            "checkpoint": COST_ARMS[name][2],
+            "cost_s": statistics.median(r["cost_s"] for r in rs),
+            "costs_s": [r["cost_s"] for r in rs],
+            "stall_s": statistics.median(r["stall_s"] for r in rs),
+            "commit_s": statistics.median(r["commit_s"] for r in rs),
+            "steps_overlapped": statistics.median(r["steps"] for r in rs),
+        }
+        for name, rs in each.items()
+    }
+    m = {
+        "mode": "save_cost",
+        "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim, "batch": a.batch},
+        "world_size": b.world,
+        "step_s": statistics.median(r["step_s"] for rs in each.values() for r in rs),
+        "arms": arms,
+    }
+    table = Table.of(
+        f"Training time one full checkpoint costs (median of {a.saves}, {b.world} rank(s))",
+        list(arms.values()),
+        {
+            "staging": "staging",
+            "checkpoint": "checkpoint",
+            "cost ms": lambda r: r["cost_s"] * 1e3,
+            "each ms": lambda r: ", ".join(f"{x * 1e3:.0f}" for x in r["costs_s"]),
+            "stall ms": lambda r: r["stall_s"] * 1e3,
+            "commit s": "commit_s",
+            "steps overlapped": "steps_overlapped",
+        },
+        "Cost: the stall plus what the steps from the save to the commit took beyond the "
+        "mean step outside that window, the slowest rank's.",
+    )
+    targets = [
+        Goal(f"lazy {q} checkpoint costs <= eager's", f"arms.lazy_{k}.cost_s", "<=",
+               f"arms.eager_{k}.cost_s")
+        for q, k in (("fp32", "fp32"), ("4-bit", "4bit"))
+    ] + [
+        Goal("lazy fp32 checkpoint costs <= lazy with torch's locked copy",
+               "arms.lazy_fp32.cost_s", "<=", "arms.lazy_torch_fp32.cost_s"),
+    ]  # fmt: skip
+    return Outcome(m, [table], targets)
+
+
 def run(b: Bench) -> Outcome:
     a = b.args
+    if a.save_cost:
+        return _save_costs(b)
     model = {
         "tables": a.tables,
         "rows": a.rows,
@@ -527,7 +653,7 @@ CASE = Case(
     title="End-to-end overhead: throughput lost to checkpoints every K steps",
     arguments=_arguments,
     smoke="--tables 2 --rows 4000 --dim 16 --batch 64 --intervals 0.3 0.6 --arm-s 0.6 "
-    "--rounds 1 --warmup-steps 3 --probe-steps 20",
+    "--rounds 1 --warmup-steps 3 --probe-steps 20 --saves 1 --before 5 --after 40",
     run=run,
 )
 

@@ -7,7 +7,11 @@ Each policy trains the same model (8 table-wise tables x 100k rows x dim 64) on 
 Zipf batches and checkpoints at every interval with ``keep_last=1``, so the root holds
 only what restoring the latest checkpoint needs: "stored" is measured on disk after each
 commit. "Written" is the bytes of the checkpoint just committed. Both are relative to one
-full checkpoint of the model. :mod:`benchmarks.experiments.policy_bytes` plots them.
+full checkpoint of the model. With ``--figure`` it also plots them (``fig15_16.png``) and
+writes ``results.csv`` beside the JSON result (the experiment of docs/experiments.md)::
+
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
+        -m benchmarks.policies --figure --out out/bench/experiments/policy_bytes.json
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import argparse
 import sys
 from typing import Any
 
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
 from benchmarks.measure import (
     POLICIES,
     Policy,
@@ -38,6 +42,9 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=1.1)
     p.add_argument("--intervals", type=int, default=12)
     p.add_argument("--steps-per-interval", type=int, default=20)
+    p.add_argument(
+        "--figure", action="store_true", help="plot Figs. 15 and 16 and write a CSV beside"
+    )
 
 
 SMOKE = "--tables 2 --rows 2000 --dim 16 --batch-size 64 --intervals 4 --steps-per-interval 2"
@@ -126,8 +133,27 @@ def tables(m: dict[str, Any]) -> list[Table]:
     ]
 
 
+def _figure(b: Bench, m: dict[str, Any]) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for policy, rows in m["intervals"].items():
+        xs = [r["interval"] for r in rows]
+        axes[0].plot(xs, [r["written_rel"] for r in rows], marker="o", label=policy)
+        axes[1].plot(xs, [r["stored_rel"] for r in rows], marker="o", label=policy)
+    axes[0].set_title("Fig. 15: written per interval")
+    axes[1].set_title("Fig. 16: stored after each interval")
+    for ax in axes:
+        ax.set_xlabel("interval")
+        ax.set_ylabel("x one full checkpoint")
+        ax.legend()
+    save_figure(fig, b.artifacts / "fig15_16.png")
+
+
 def run(b: Bench) -> Outcome:
     m = measure(b)
+    if b.args.figure and b.rank == 0:
+        write_csv(b.artifacts / "results.csv", [r for per in m["intervals"].values() for r in per])
+        _figure(b, m)
     return Outcome(m, tables(m))
 
 

@@ -31,6 +31,7 @@ from typing import Any
 from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
 from benchmarks.measure import (
     GB,
+    QUANTS,
     disk_bandwidth,
     drop_cache,
     max_over_ranks,
@@ -45,10 +46,9 @@ from benchmarks.measure import (
     uniform_model,
 )
 from benchmarks.results import Table
-from torchrec_cnr import CheckpointConfig, CheckpointManager, QuantizeConfig
+from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.tracking.model_state import local_shards
 
-QUANTS = {"fp32": QuantizeConfig(), "4-bit": QuantizeConfig(method="adaptive", bits=4)}
 FIGURES = {
     "stall_s": "stall (s)",
     "commit_s": "commit (s)",

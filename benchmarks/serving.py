@@ -74,6 +74,7 @@ from torchsnapshot import Snapshot
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import (
     GB,
+    QUANTS,
     Policy,
     from_rank0,
     model_arguments,
@@ -91,7 +92,6 @@ from torchrec_cnr import (
     CheckpointManager,
     FloatTarget,
     Follower,
-    QuantizeConfig,
     QuantizedTarget,
     export_state_dict,
     list_checkpoints,
@@ -102,10 +102,6 @@ from torchrec_cnr.tracking.model_state import local_shards
 from torchrec_cnr.tracking.shard import LocalShard
 
 POLICIES: tuple[Policy, ...] = ("consecutive", "intermittent")
-QUANTS = {
-    "fp32": QuantizeConfig(),
-    "4-bit": QuantizeConfig(method="adaptive", bits=4, min_rows=0),
-}
 PAIRS = ("fp32:fp32", "4-bit:int4", "fp32:int4")
 """Checkpoint format : served model; ``fp32:int4`` (requantized by the follower) is not run
 by default, which keeps the full-size run under ten minutes on 2 cores."""

@@ -21,6 +21,8 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 RUNS = [
     *((c, f"benchmarks.{c}", ()) for c in CASES),
     ("quantization_vs_greedy", "benchmarks.quantization", ("--vs-greedy",)),
+    ("save_cost", "benchmarks.overhead", ("--save-cost",)),
+    ("policy_bytes", "benchmarks.policies", ("--figure",)),
     *((e, f"benchmarks.experiments.{e}", ()) for e in EXPERIMENTS),
 ]
 PARAMS = [
