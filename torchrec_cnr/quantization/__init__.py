@@ -27,6 +27,7 @@ from ._config import (
     check_thresholds,
     select_bits,
 )
+from ._fused import SB_BYTES, fused_int8_rows
 from ._packing import pack_codes, packed_nbytes, padded_dim, unpack_codes
 from ._rows import QuantizedRows, quantize
 
@@ -39,7 +40,9 @@ __all__ = [
     "METHODS",
     "UNIFORM_METHODS",
     "QuantizedRows",
+    "SB_BYTES",
     "check_thresholds",
+    "fused_int8_rows",
     "pack_codes",
     "packed_nbytes",
     "padded_dim",

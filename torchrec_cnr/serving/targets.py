@@ -42,27 +42,23 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from fbgemm_gpu.split_embedding_configs import SparseType
-from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
-    IntNBitTableBatchedEmbeddingBagsCodegen,
-)
-from fbgemm_gpu.tbe.cache.kv_embedding_ops_inference import KVEmbeddingInference
 from torch import Tensor, nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
 from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
 
-from torchrec_cnr.quantization import (
-    pack_codes,
-    packed_nbytes,
-    quantize,
-    search_ranges,
-    unpack_codes,
-)
 from torchrec_cnr.serving.rows import PreparedRows, StoredRows
+from torchrec_cnr.serving.tbe import (
+    BITS,
+    ServingFormat,
+    TbeTable,
+    join_key,
+    read_served,
+    serving_nbit,
+    tbe_tables,
+)
 
 __all__ = [
     "FloatTarget",
@@ -73,20 +69,6 @@ __all__ = [
     "TableSlot",
     "ServingTarget",
 ]
-
-ServingFormat = Literal["fp32", "fp16", "int8", "int4", "int2"]
-"""How a serving table holds its rows."""
-
-_FORMATS: dict[SparseType, ServingFormat] = {
-    SparseType.FP32: "fp32",
-    SparseType.FP16: "fp16",
-    SparseType.INT8: "int8",
-    SparseType.INT4: "int4",
-    SparseType.INT2: "int2",
-}
-_BITS: dict[str, int] = {"int8": 8, "int4": 4, "int2": 2}
-# fp16 scale + fp16 bias per row, the only layout the CPU kernel reads.
-_SB_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -104,7 +86,7 @@ class TableSlot:
     @property
     def bits(self) -> int | None:
         """Code width of an ``int*`` format, ``None`` for float formats."""
-        return _BITS.get(self.format)
+        return BITS.get(self.format)
 
 
 class ServingTarget(abc.ABC):
@@ -267,20 +249,18 @@ class ServingTarget(abc.ABC):
                 self._dense[name] = value
 
 
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
-
-
 def _float_tables(prefix: str, module: nn.Module) -> dict[str, Tensor]:
     """Key -> weight of a float torchrec ``EmbeddingBagCollection``/``EmbeddingCollection``."""
     if isinstance(module, EmbeddingBagCollection):
         return {
-            _join(prefix, "embedding_bags", c.name, "weight"): module.embedding_bags[c.name].weight
+            join_key(prefix, "embedding_bags", c.name, "weight"): module.embedding_bags[
+                c.name
+            ].weight
             for c in module.embedding_bag_configs()
         }
     assert isinstance(module, EmbeddingCollection)
     return {
-        _join(prefix, "embeddings", c.name, "weight"): module.embeddings[c.name].weight
+        join_key(prefix, "embeddings", c.name, "weight"): module.embeddings[c.name].weight
         for c in module.embedding_configs()
     }
 
@@ -347,135 +327,6 @@ class FloatTarget(ServingTarget):
         return w.detach()[ids.to(w.device)].float()
 
 
-@dataclass(frozen=True)
-class _TbeTable:
-    """Table ``index`` of an inference TBE."""
-
-    tbe: IntNBitTableBatchedEmbeddingBagsCodegen
-    index: int
-    dim: int
-    format: ServingFormat
-
-    def views(self) -> tuple[Tensor, Tensor | None]:
-        """(rows, data bytes) uint8 and (rows, 4) scale/bias views into the TBE's weights.
-
-        Data bytes are the codes (``dim * bits / 8``) or the fp16/fp32 values; scale/bias
-        is ``None`` for float formats. Fetched per call so they follow the TBE's buffers
-        if it moves or reloads them.
-        """
-        data, sb = self.tbe.split_embedding_weights(split_scale_shifts=True)[self.index]
-        return data, sb
-
-
-def _check_tbe(key: str, tbe: nn.Module) -> None:
-    """Raise unless writes into ``tbe``'s weights are what its kernel reads."""
-    why = None
-    if isinstance(tbe, KVEmbeddingInference) or not isinstance(
-        tbe, IntNBitTableBatchedEmbeddingBagsCodegen
-    ):
-        why = f"{type(tbe).__name__} is not a plain IntNBitTableBatchedEmbeddingBagsCodegen"
-    elif tbe.reverse_qparam or tbe.scale_bias_size_in_bytes != _SB_BYTES:
-        why = "its scale/bias are not 4 bytes at the front of each row"
-    elif (
-        tbe.index_remapping_hash_table_cpu is not None
-        or tbe.index_remapping_hash_table.numel() > 0
-        or tbe.index_remappings_array.numel() > 0
-    ):
-        why = "it is pruned: row ids are remapped"
-    elif tbe.lxu_cache_weights.numel() > 0:
-        why = "it caches rows, which writes to the backing weights would not reach"
-    if why is not None:
-        raise ValueError(f"table {key!r} cannot be written: {why}")
-
-
-def _tbe_tables(prefix: str, module: nn.Module) -> dict[str, _TbeTable]:
-    """Key -> table of a quantized torchrec EBC/EC, checked to be writable."""
-    if isinstance(module, QuantEmbeddingBagCollection):
-        attr = "embedding_bags"
-    else:
-        assert isinstance(module, QuantEmbeddingCollection)
-        attr = "embeddings"
-    out: dict[str, _TbeTable] = {}
-    # torchrec builds one TBE per group of _key_to_tables, its tables in list order
-    # (torchrec/quant/embedding_modules.py, EmbeddingBagCollection.__init__).
-    for configs, tbe in zip(module._key_to_tables.values(), module._emb_modules):
-        for index, config in enumerate(configs):
-            key = _join(prefix, attr, config.name, "weight")
-            _check_tbe(key, tbe)
-            assert isinstance(tbe, IntNBitTableBatchedEmbeddingBagsCodegen)
-            _, _, dim, weight_ty, _ = tbe.embedding_specs[index]
-            fmt = _FORMATS.get(weight_ty)
-            if fmt is None:
-                raise ValueError(f"table {key!r}: serving type {weight_ty} is not supported")
-            table = _TbeTable(tbe, index, int(dim), fmt)
-            bits = _BITS.get(fmt)
-            if bits is not None and table.views()[0].shape[1] * 8 != dim * bits:
-                raise ValueError(f"table {key!r}: dim {dim} does not fill whole bytes at {fmt}")
-            out[key] = table
-    return out
-
-
-def _int8_rows(x: Tensor, key: str, ids: Tensor | None) -> Tensor:
-    """INT8 serving rows ``[codes | scale fp16 | bias fp16]`` of (n, dim) fp32 ``x``.
-
-    Returns:
-        (n, dim + 4) uint8.
-    """
-    bad = ~torch.isfinite(x).all(1)
-    if bool(bad.any()):
-        raise _bad_row(key, bad, ids, "is not finite")
-    ops = torch.ops.fbgemm
-    dim = x.shape[1]
-    # FBGEMM wants an even row width (aligned fp16 scale/bias); a repeated last column
-    # leaves each row's min/max, and the searched range's fit, unchanged.
-    xp = torch.cat([x, x[:, -1:]], 1) if dim % 2 else x
-    lo, hi = search_ranges(x, 8)
-    searched = ops.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalfWithRowwiseMinMax(
-        xp, 8, torch.stack([lo, hi], 1).contiguous()
-    )
-    minmax = ops.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(xp, 8)
-
-    def err(q: Tensor) -> Tensor:
-        return (ops.FusedNBitRowwiseQuantizedSBHalfToFloat(q, 8)[:, :dim] - x).square().sum(1)
-
-    # The search rates ranges with fp32 scale/bias (our 8-bit format); after fp16
-    # rounding a few rows (~3% of Gaussian ones) do better at plain min/max.
-    rows = torch.where((err(minmax) < err(searched))[:, None], minmax, searched)
-    sb = rows[:, -_SB_BYTES:]
-    bad = ~torch.isfinite(sb.contiguous().view(torch.float16)).all(1)
-    if bool(bad.any()):
-        raise _bad_row(key, bad, ids, "overflows the fp16 scale/bias")
-    return torch.cat([rows[:, :dim], sb], 1)
-
-
-def _serving_nbit(
-    rows: StoredRows, bits: int, key: str, ids: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """(codes, scale/bias) of ``rows`` for a ``bits``-bit serving table.
-
-    Returns:
-        codes (n, dim * bits / 8) uint8 and scale/bias (n, 4) uint8 (fp16 scale, fp16 bias).
-    """
-    n, dim = rows.shape
-    nbytes = dim * bits // 8
-    q = rows.fused_nbit()
-    if q is not None and q.bits <= bits:
-        # Same fp16 scale/bias, codes as stored: the served row is the checkpoint's.
-        stored = packed_nbytes(dim, q.bits)
-        sb = q.data[:, stored:]
-        if q.bits == bits:
-            # Byte copy; bytes past dim * bits / 8 only hold our row padding.
-            return q.data[:, :nbytes], sb
-        codes = unpack_codes(q.data[:, :stored], q.bits, dim)
-        return pack_codes(codes, bits)[:, :nbytes], sb
-    x = rows.dequantize()
-    if bits == 8:
-        data = _int8_rows(x, key, ids)
-    else:
-        data = quantize(x, "adaptive", bits, name=key, row_ids=ids).data
-    return data[:, :nbytes], data[:, -_SB_BYTES:]
-
-
 class QuantizedTarget(ServingTarget):
     """A model after ``torchrec.inference.modules.quantize_embeddings``.
 
@@ -496,13 +347,13 @@ class QuantizedTarget(ServingTarget):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self._tbe: dict[str, _TbeTable] = {}
+        self._tbe: dict[str, TbeTable] = {}
         self._weights: dict[str, Tensor] = {}
         owners: list[str] = []
         for prefix, module in model.named_modules():
             if isinstance(module, (QuantEmbeddingBagCollection, QuantEmbeddingCollection)):
                 owners.append(prefix)
-                self._tbe.update(_tbe_tables(prefix, module))
+                self._tbe.update(tbe_tables(prefix, module))
             elif isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
                 owners.append(prefix)
                 self._weights.update(_float_tables(prefix, module))
@@ -518,9 +369,9 @@ class QuantizedTarget(ServingTarget):
         if key in self._weights:
             return (_float_values(rows, self._weights[key]),)
         table = self._tbe[key]
-        bits = _BITS.get(table.format)
+        bits = BITS.get(table.format)
         if bits is not None:
-            return _serving_nbit(rows, bits, key, ids)
+            return serving_nbit(rows, bits, key, ids)
         dtype = torch.float32 if table.format == "fp32" else torch.float16
         values = rows.dequantize().to(dtype)
         bad = ~torch.isfinite(values).all(1)
@@ -541,20 +392,4 @@ class QuantizedTarget(ServingTarget):
         if key in self._weights:
             w = self._weights[key]
             return w.detach()[ids.to(w.device)].float()
-        table = self._tbe[key]
-        data, sb = table.views()
-        ids = ids.to(data.device)
-        bits = _BITS.get(table.format)
-        if bits is None:
-            dtype = torch.float32 if table.format == "fp32" else torch.float16
-            return data[ids].view(dtype).float()
-        assert sb is not None
-        codes = data[ids]
-        if codes.shape[1] % 2:
-            # FBGEMM's dequantize wants the fp16 scale/bias 2-byte aligned.
-            codes = torch.nn.functional.pad(codes, (0, 1))
-        # The CPU lookup kernel's output for a one-id bag equals this op's, bit for bit
-        # (tests check it), so this is the row as served.
-        fused = torch.cat([codes, sb[ids]], 1)
-        out = torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(fused, bits)
-        return out[:, : table.dim].float()
+        return read_served(self._tbe[key], ids)
