@@ -11,11 +11,20 @@ prose lives in ``benchmarks/templates/*.md``: every line ``<!-- result: ID -->``
 replaced by the section of result ``ID``, and the page is written under ``--docs`` with
 the template's name (``docs/benchmarks.md``, ``docs/experiments.md``). Results of
 ``--smoke`` runs are left out unless ``--allow-smoke``.
+
+Figures in prose are never typed: ``{{ID:dotted.path}}`` stands for a value of result
+``ID``, and ``{{EXPR|SPEC}}`` for arithmetic on such values (``+ - * /`` between spaces, numbers,
+parentheses, ``min`` and ``max``) formatted with a Python format spec, e.g.
+``{{stall:measurements.cases.lazy_5.stall_s * 1e3|.1f}}``; a list of two renders as a
+range. A placeholder that names no value fails the rendering. ``README.md``'s lines between ``<!-- figures: begin -->`` and
+``<!-- figures: end -->`` are rendered from ``templates/readme/figures.md`` the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import operator
 import re
 import sys
 from collections.abc import Sequence
@@ -27,6 +36,13 @@ from benchmarks.results import load
 TEMPLATES = Path(__file__).parent / "templates"
 RECORDED = Path(__file__).parent / "results"
 MARKER = re.compile(r"^<!-- result: ([\w.-]+) -->$", re.MULTILINE)
+VALUE = re.compile(r"\{\{([^}|]+?)(?:\|([^}]*))?\}\}")
+REF = re.compile(r"([A-Za-z_][\w-]*):([\w.\-]+)")
+README = Path(__file__).resolve().parents[1] / "README.md"
+README_FIGURES = TEMPLATES / "readme" / "figures.md"
+README_BLOCK = re.compile(
+    r"(<!-- figures: begin -->\n).*?(<!-- figures: end -->)", re.DOTALL | re.MULTILINE
+)
 
 
 def fmt(x: Any) -> str:
@@ -126,16 +142,97 @@ def collect(folders: Sequence[Path], allow_smoke: bool = False) -> dict[str, dic
     return found
 
 
-def render(template: str, results: dict[str, dict[str, Any]]) -> str:
-    """``template`` with each result marker replaced by that result's section.
+def value(results: dict[str, dict[str, Any]], rid: str, path: str) -> Any:
+    """The value at dotted ``path`` of result ``rid`` (list items by index).
 
     Raises:
-        ValueError: a marker names no result.
+        ValueError: no such result or value.
+    """
+    node: Any = results.get(rid)
+    if node is None:
+        raise ValueError(f"no result {rid!r}: run its command, or pass its folder")
+    for part in path.split("."):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            raise ValueError(f"result {rid!r} has no {path!r} (at {part!r})")
+    return node
+
+
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
+
+
+_CALLS: dict[str, Any] = {"min": min, "max": max}
+
+
+def _evaluate(node: ast.AST, refs: list[Any]) -> Any:
+    """Arithmetic only: numbers, the references ``_0``, ``_1``, ..., ``+ - * /``,
+    ``min(...)`` and ``max(...)``."""
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body, refs)
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+        return node.value
+    if isinstance(node, ast.Name) and node.id.startswith("_") and node.id[1:].isdigit():
+        return refs[int(node.id[1:])]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CALLS:
+        return _CALLS[node.func.id](_evaluate(a, refs) for a in node.args)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand, refs)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        left, right = _evaluate(node.left, refs), _evaluate(node.right, refs)
+        if isinstance(left, list) or isinstance(right, list):  # a range, scaled
+            pair = [left, right]
+            return [_OPS[type(node.op)](*(p[i] if isinstance(p, list) else p for p in pair))
+                    for i in range(2)]  # fmt: skip
+        return _OPS[type(node.op)](left, right)
+    raise ValueError(f"not arithmetic on results: {ast.dump(node)}")
+
+
+def _figure(results: dict[str, dict[str, Any]], m: re.Match[str]) -> str:
+    expr, spec = m.group(1).strip(), m.group(2)
+    refs: list[Any] = []
+
+    def ref(r: re.Match[str]) -> str:
+        refs.append(value(results, r.group(1), r.group(2)))
+        return f"_{len(refs) - 1}"
+
+    x = _evaluate(ast.parse(REF.sub(ref, expr), mode="eval"), refs)
+
+    def one(v: Any) -> str:
+        return format(v, spec) if spec else fmt(v)
+
+    if isinstance(x, list) and len(x) == 2:
+        return f"{one(x[0])}-{one(x[1])}"
+    return one(x)
+
+
+def render(template: str, results: dict[str, dict[str, Any]]) -> str:
+    """``template`` with each result marker replaced by that result's section, and each
+    value placeholder by its value.
+
+    Raises:
+        ValueError: a marker or placeholder names no result or value.
     """
     missing = [m for m in MARKER.findall(template) if m not in results]
     if missing:
         raise ValueError(f"no result for {missing}: run its command, or pass its folder")
-    return MARKER.sub(lambda m: section(results[m.group(1)]), template)
+    text = MARKER.sub(lambda m: section(results[m.group(1)]), template)
+    return VALUE.sub(lambda m: _figure(results, m), text)
+
+
+def render_readme(readme: str, results: dict[str, dict[str, Any]]) -> str:
+    """``readme`` with its figures block rendered from ``templates/readme/figures.md``."""
+    if not README_BLOCK.search(readme):
+        raise ValueError("README.md has no <!-- figures: begin --> ... end block")
+    figures = render(README_FIGURES.read_text(), results)
+    return README_BLOCK.sub(lambda m: m.group(1) + figures + m.group(2), readme)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -145,6 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("folders", type=Path, nargs="*", default=[RECORDED])
     p.add_argument("--docs", type=Path, default=Path("docs"), help="where the pages go")
     p.add_argument("--allow-smoke", action="store_true", help="render --smoke results too")
+    p.add_argument(
+        "--readme", type=Path, default=README, help="README whose figures block is rendered"
+    )
     args = p.parse_args(argv)
     results = collect(args.folders, args.allow_smoke)
     for template in sorted(TEMPLATES.glob("*.md")):
@@ -156,6 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         page.parent.mkdir(parents=True, exist_ok=True)
         page.write_text(header + render(template.read_text(), results))
         print(f"wrote {page}", file=sys.stderr)
+    if args.readme is not None:
+        args.readme.write_text(render_readme(args.readme.read_text(), results))
+        print(f"wrote {args.readme}", file=sys.stderr)
     return 0
 
 
