@@ -14,7 +14,7 @@ the template's name (``docs/benchmarks.md``, ``docs/experiments.md``). Results o
 
 Figures in prose are never typed: ``{{ID:dotted.path}}`` stands for a value of result
 ``ID``, and ``{{EXPR|SPEC}}`` for arithmetic on such values (``+ - * /`` between spaces, numbers,
-parentheses, ``min`` and ``max``) formatted with a Python format spec, e.g.
+parentheses, ``min`` and ``max`` of values or lists) formatted with a Python format spec, e.g.
 ``{{stall:measurements.cases.lazy_5.stall_s * 1e3|.1f}}``; a list of two renders as a
 range. A placeholder that names no value fails the rendering. ``README.md``'s lines between ``<!-- figures: begin -->`` and
 ``<!-- figures: end -->`` are rendered from ``templates/readme/figures.md`` the same way.
@@ -182,7 +182,8 @@ def _evaluate(node: ast.AST, refs: list[Any]) -> Any:
     if isinstance(node, ast.Name) and node.id.startswith("_") and node.id[1:].isdigit():
         return refs[int(node.id[1:])]
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CALLS:
-        return _CALLS[node.func.id](_evaluate(a, refs) for a in node.args)
+        args = [_evaluate(a, refs) for a in node.args]
+        return _CALLS[node.func.id](x for a in args for x in (a if isinstance(a, list) else [a]))
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return -_evaluate(node.operand, refs)
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:

@@ -4,19 +4,22 @@ The package follows a checkpoint through its stages:
 
 1. ``tracking``: which rows changed (bitmaps, kernel hooks, sharders, MFU/SSU priority);
 2. ``selection``: which rows a checkpoint holds (policies, baseline rules, CPR's priority);
-3. ``staging``: the copy to host memory, the only stall;
-4. ``encoding``: formats, per-row quantization (``quantization``) and
-   the shard writer;
-5. ``storage`` (backends: file systems, S3) and ``snapshot`` (the on-disk format: names
-   in a root, torchsnapshot's index, the parallel writer and reader, checksums);
-6. ``commit``: the typed manifest, the commit, the lease, retention;
-7. ``restore``: shard geometry, the chain reader, applying a chain, compatibility,
-   partial recovery, verification.
+3. ``staging``: the copy to host memory, the only stall (the stager chooses, per shard,
+   copy-on-write or an eager copy);
+4. ``encoding``: formats, per-row quantization (``quantization``) and the shard writer;
+5. ``storage`` (backends: file systems, S3) and ``snapshot`` (one checkpoint directory's
+   tensors: the parallel writer and reader, checksums, app_state pickles);
+6. ``commit``: the manifest, the commit, this job's fence on the root (lease,
+   generation), retention, the background writer;
+7. ``restore``: shard geometry, the chain reader, the loader (with its retry), applying a
+   chain, compatibility, partial recovery, verification;
+8. ``compaction``: a chain merged into one full checkpoint.
 
-``offline`` uses checkpoints outside training (the catalog, reading tables, export,
-compaction); ``serving`` keeps an inference model fresh from a root (the follower);
-``recovery`` holds CPR's interval choice; ``manager`` sequences the stages and owns the
-threads and buffers (``executors``, ``staging``).
+``schema`` is the on-disk contract (every persisted type and name); ``iocontext`` the I/O
+options and the thread pools every reader and writer runs on; ``recovery`` CPR's interval
+choice and the save schedule; ``offline`` reads checkpoints outside training (the
+catalog, tables, export); ``serving`` keeps an inference model fresh from a root (the
+follower); ``manager`` only sequences the stages.
 """
 
 from torchrec_cnr.config import CheckpointConfig, IOOptions, QuantizeConfig, RecoveryConfig

@@ -1,4 +1,5 @@
-"""Stage 7: applying a chain to a live model, compatibility checks, partial recovery, verify.
+"""Stage 7: loading a committed chain into a live model (with a retry when it is retired while
+read, shared with the serving follower), compatibility checks, partial recovery, verify.
 
 ``geometry`` is the one rule of where saved rows land in another shard; ``chain`` the one
 way a chain is read. Both also serve compaction and model-free reads (``offline``).
