@@ -159,8 +159,8 @@ def _save_between_forward_and_backward(root: str, refs: str) -> None:
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("torchrec_cnr.manager").addHandler(handler)
-    logging.getLogger("torchrec_cnr.manager").setLevel(logging.INFO)
+    logging.getLogger("torchrec_cnr.staging.stager").addHandler(handler)
+    logging.getLogger("torchrec_cnr.staging.stager").setLevel(logging.INFO)
     job = _job(root, "consecutive", seed=2)
     job.train(3)
     batch = job.data.next(dist.get_rank())
