@@ -13,7 +13,8 @@ the template's name (``docs/benchmarks.md``, ``docs/experiments.md``). Results o
 ``--smoke`` runs are left out unless ``--allow-smoke``.
 
 Figures in prose are never typed: ``{{ID:dotted.path}}`` stands for a value of result
-``ID``, and ``{{EXPR|SPEC}}`` for arithmetic on such values (``+ - * /`` between spaces, numbers,
+``ID`` (a key with a dot in brackets: ``verdicts.by_frac[0.25%].ratio``), and
+``{{EXPR|SPEC}}`` for arithmetic on such values (``+ - * /`` between spaces, numbers,
 parentheses, ``min`` and ``max`` of values or lists) formatted with a Python format spec, e.g.
 ``{{stall:measurements.cases.lazy_5.stall_s * 1e3|.1f}}``; a list of two renders as a
 range. A placeholder that names no value fails the rendering. ``README.md``'s lines between ``<!-- figures: begin -->`` and
@@ -37,7 +38,8 @@ TEMPLATES = Path(__file__).parent / "templates"
 RECORDED = Path(__file__).parent / "results"
 MARKER = re.compile(r"^<!-- result: ([\w.-]+) -->$", re.MULTILINE)
 VALUE = re.compile(r"\{\{([^}|]+?)(?:\|([^}]*))?\}\}")
-REF = re.compile(r"([A-Za-z_][\w-]*):([\w.\-]+)")
+REF = re.compile(r"([A-Za-z_][\w-]*):((?:[\w\-]+|\[[^\]]*\])(?:\.?(?:[\w\-]+|\[[^\]]*\]))*)")
+PART = re.compile(r"\[([^\]]*)\]|([^.\[\]]+)")
 README = Path(__file__).resolve().parents[1] / "README.md"
 README_FIGURES = TEMPLATES / "readme" / "figures.md"
 README_BLOCK = re.compile(
@@ -151,7 +153,8 @@ def value(results: dict[str, dict[str, Any]], rid: str, path: str) -> Any:
     node: Any = results.get(rid)
     if node is None:
         raise ValueError(f"no result {rid!r}: run its command, or pass its folder")
-    for part in path.split("."):
+    for quoted, plain in PART.findall(path):
+        part = quoted or plain
         if isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         elif isinstance(node, dict) and part in node:
