@@ -181,9 +181,9 @@ def _entry(
 
 
 def _stale(storage: Storage, generation: int, found: int) -> CheckpointError:
-    from torchrec_cnr.commit.lease import Lease
+    from torchrec_cnr.commit.lease import read_lease
 
-    holder = Lease(storage, take_over=False, fallback=False).holder()
+    holder = read_lease(storage)[0]
     who = holder.describe() if holder is not None else f"generation {found}"
     return CheckpointError(
         f"{storage.url} was taken over: {who} writes it now, so this job's generation "

@@ -30,9 +30,22 @@ from torchrec_cnr.commit.manifest import Manifest
 from torchrec_cnr.schema import LEASE_NAME, Holder
 from torchrec_cnr.storage import PreconditionFailed, Storage
 
-__all__ = ["Holder", "Lease"]
+__all__ = ["Holder", "Lease", "read_lease"]
 
 logger = logging.getLogger(__name__)
+
+
+def read_lease(storage: Storage) -> tuple[Holder | None, str | None]:
+    """Whoever holds (or held) the root, from its lease, and the lease's version; the
+    holder is ``None`` without a lease or with an unreadable one (whoever wrote that can
+    claim nothing by it)."""
+    got = storage.read(LEASE_NAME)
+    if got is None:
+        return None, None
+    try:
+        return Holder.from_bytes(got[0]), got[1]
+    except (ValueError, TypeError):
+        return None, got[1]
 
 
 class Lease:
@@ -46,9 +59,7 @@ class Lease:
             refreshes it every quarter of this.
     """
 
-    def __init__(
-        self, storage: Storage, take_over: bool, fallback: bool, ttl_s: float = 60.0
-    ) -> None:
+    def __init__(self, storage: Storage, take_over: bool, fallback: bool, ttl_s: float) -> None:
         self.storage = storage
         self.take_over = take_over
         self.fallback = fallback
@@ -57,15 +68,6 @@ class Lease:
         self._version: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-
-    def _read(self) -> tuple[Holder | None, str | None]:
-        got = self.storage.read(LEASE_NAME)
-        if got is None:
-            return None, None
-        try:
-            return Holder.from_bytes(got[0]), got[1]
-        except (ValueError, TypeError):
-            return None, got[1]  # unreadable: whoever wrote it can claim nothing by it
 
     def _takeable(self, holder: Holder) -> bool:
         me = Holder.me(0)
@@ -79,7 +81,7 @@ class Lease:
     def acquire(self) -> Holder | None:
         """Claims the root with the next generation; returns the live holder that blocks it, if any."""
         for _ in range(10):
-            holder, version = self._read()
+            holder, version = read_lease(self.storage)
             if holder is not None and not self._takeable(holder):
                 return holder
             mine = Holder.me((holder.generation if holder else 0) + 1)
@@ -166,7 +168,7 @@ class Lease:
 
     def holder(self) -> Holder | None:
         """Whoever holds the root now."""
-        return self._read()[0]
+        return read_lease(self.storage)[0]
 
     def _abandon(self) -> None:
         """After a failed claim: stops the heartbeat and forgets the claim (its lease, if
