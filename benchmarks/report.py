@@ -28,6 +28,7 @@ import ast
 import operator
 import re
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -227,8 +228,55 @@ def render(template: str, results: dict[str, dict[str, Any]]) -> str:
     missing = [m for m in MARKER.findall(template) if m not in results]
     if missing:
         raise ValueError(f"no result for {missing}: run its command, or pass its folder")
-    text = MARKER.sub(lambda m: section(results[m.group(1)]), template)
-    return VALUE.sub(lambda m: _figure(results, m), text)
+    prose = _reflow(VALUE.sub(lambda m: _figure(results, m), template))
+    return MARKER.sub(lambda m: section(results[m.group(1)]), prose)
+
+
+ITEM = re.compile(r"^(\s*(?:[-*]|\d+\.) )")
+WIDTH = 95
+"""Prose is rewrapped at this width once its figures are in, so a figure never leaves a
+ragged line in the page."""
+
+
+GLUE = re.compile(r"(?<=\d) (?=(?:ms|s|GB|MB|GiB|B|x|steps|bits|ranks?)\b)")
+"""A number and its unit stay on one line."""
+
+
+def _reflow(text: str) -> str:
+    """Rewraps the prose paragraphs and list items of ``text``; tables, code, headings,
+    quotes, images and markers are left as they are."""
+    out: list[str] = []
+    for block in text.split("\n\n"):
+        lines = block.strip("\n").split("\n")
+        keep = any(
+            ln.lstrip().startswith(("|", "```", "<!--", "#", "![", ">")) or ln.startswith("    ")
+            for ln in lines
+        )
+        if keep or not block.strip():
+            out.append(block)
+            continue
+        items: list[tuple[str, str, list[str]]] = []
+        for line in lines:
+            bullet = ITEM.match(line)
+            if bullet or not items:
+                lead = bullet.group(1) if bullet else line[: len(line) - len(line.lstrip())]
+                items.append((lead, " " * len(lead), [line[len(lead) :].strip()]))
+            else:
+                items[-1][2].append(line.strip())
+        wrapped = [
+            textwrap.fill(
+                GLUE.sub("\u00a0", " ".join(words)),
+                WIDTH,
+                initial_indent=first,
+                subsequent_indent=rest,
+                break_long_words=False,
+                break_on_hyphens=False,
+            ).replace("\u00a0", " ")
+            for first, rest, words in items
+        ]
+        out.append("\n".join(wrapped))
+    reflowed = "\n\n".join(out)
+    return reflowed + "\n" if text.endswith("\n") and not reflowed.endswith("\n") else reflowed
 
 
 def render_readme(readme: str, results: dict[str, dict[str, Any]]) -> str:
