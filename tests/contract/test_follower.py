@@ -9,14 +9,17 @@ rows that changed, on every policy, module and layout, fp32 and quantized.
   reads each row once; a cold one reads the chain once.
 - Robust: compaction and keep_last racing the follower, a rewind, a take-over, a damaged
   file (the last good step stays served), a mismatched model (nothing changes).
-- Consistent: lookups served while updates apply see one committed step.
+- Consistent: a lookup served while updates apply sees the rows of exactly the step
+  ``follower.step`` names, across every table, fp32 and INT4/INT2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -274,13 +277,39 @@ def _constant_steps(root: str, steps: int) -> None:
             time.sleep(0.3)  # let the follower apply this step before the next
 
 
-@pytest.mark.dist
-def test_lookups_during_updates_see_a_single_committed_step(root: str) -> None:
+def _serving_target(served: str) -> tuple[Any, Any]:
+    """The unsharded model served as fp32, or as TorchRec's INT4 or INT2 model."""
     model, _, _ = unsharded("ebc", device="cpu")
-    target = FloatTarget(model)
-    keys = list(target.tables())
+    if served == "fp32":
+        return model, FloatTarget(model)
+    from torchrec.inference.modules import quantize_embeddings
+
+    dtype = torch.quint4x2 if served == "int4" else torch.quint2x4
+    quantized = quantize_embeddings(model, dtype=dtype, inplace=True)
+    return quantized, QuantizedTarget(quantized)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("served", ["fp32", "int4", "int2"])
+def test_every_lookup_sees_the_rows_of_the_step_follower_step_names(served: str, root: str) -> None:
+    # Every row of every table holds its checkpoint's step (exact in every format: a
+    # constant row quantizes to its fp16 bias), so a lookup that reads the rows of one
+    # step while follower.step names another is caught, whichever table it reads first.
+    _, target = _serving_target(served)
+    keys = {k: torch.arange(slot.num_embeddings) for k, slot in target.tables().items()}
     follower = Follower(root, target)
-    seen: list[set[float]] = []
+    exclusive = follower._lock.exclusive
+
+    @contextlib.contextmanager
+    def held_then_paused() -> Iterator[None]:
+        # Widen the moment after an update lets lookups in: whatever the follower still
+        # does then (naming the served step, say) is what a lookup would see torn.
+        with exclusive():
+            yield
+        time.sleep(0.005)
+
+    follower._lock.exclusive = held_then_paused  # type: ignore[method-assign]
+    seen: list[tuple[int, set[float]]] = []
     errors: list[Exception] = []
     stop = threading.Event()
 
@@ -288,11 +317,13 @@ def test_lookups_during_updates_see_a_single_committed_step(root: str) -> None:
         while not stop.is_set():
             time.sleep(0.001)  # between requests
             with follower.serving():
-                if follower.step is None:  # still the model's own initial values
+                step = follower.step
+                if step is None:  # still the model's own initial values
                     continue
-                state = model.state_dict()
-                values = {float(v) for k in keys for v in state[k].unique()}
-            seen.append(values)
+                values = {
+                    float(v) for k, ids in keys.items() for v in target.read_rows(k, ids).unique()
+                }
+            seen.append((step, values))
 
     def follow() -> None:
         while not stop.wait(0.01):
@@ -312,10 +343,10 @@ def test_lookups_during_updates_see_a_single_committed_step(root: str) -> None:
             t.join()
     assert not errors, errors[:3]
     assert follower.poll() == 6
-    mixed = [s for s in seen if len(s) != 1]
-    assert not mixed, f"lookups saw rows of several steps at once: {mixed[:3]}"
+    torn = [(step, v) for step, v in seen if v != {float(step)}]
+    assert not torn, f"lookups saw rows of another step than follower.step: {torn[:3]}"
     if len(follower.reports) >= 3:  # on a loaded machine the follower may take few steps
-        assert len({next(iter(s)) for s in seen}) >= 2, "the server must have seen updates land"
+        assert len({step for step, _ in seen}) >= 2, "the server must have seen updates land"
     follower.close()
 
 

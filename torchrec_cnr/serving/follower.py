@@ -9,7 +9,8 @@ serving wants fresh embeddings. Each update of a :class:`Follower`
    each row once, with ranged reads of consecutive rows (a ranged GET on S3);
 4. applies them, with the dense state if it changed, to the serving model under the
    exclusive side of a lock whose shared side serving code takes around its forwards
-   (:meth:`Follower.serving`): a lookup sees one committed step, never a mix of two.
+   (:meth:`Follower.serving`), and names the new step as served under the same hold: a
+   lookup sees one committed step, the one :attr:`Follower.step` names, never a mix.
 
 Everything that can fail (a file retired by ``keep_last`` or replaced by compaction
 while read, a damaged or missing file, a model that does not match) fails before the
@@ -225,7 +226,6 @@ class Follower:
         update = None if loaded is None else loaded[1]
         if update is None:
             return self.step
-        blocked = self._apply(update)
         plan = update.plan
         if plan.rewind:
             logger.warning(
@@ -235,7 +235,7 @@ class Follower:
                 plan.target.step,
                 self.step,
             )
-        self._served = plan.target
+        blocked = self._apply(update)
         now = time.perf_counter()
         report = UpdateReport(
             step=plan.target.step,
@@ -283,7 +283,9 @@ class Follower:
         return update
 
     def _apply(self, update: _Update) -> float:
-        """Writes what was read; returns how long serving was blocked."""
+        """Writes what was read and names its step as served, both under the exclusive side
+        of the lock: a lookup sees the rows of the step :attr:`step` names, never the rows
+        of one step under the name of another. Returns how long serving was blocked."""
         prepared = [(key, ids, self.target.prepare(key, rows)) for key, ids, rows in update.rows]
         with self._lock.exclusive():
             began = time.perf_counter()
@@ -292,6 +294,7 @@ class Follower:
                     self.target.write_prepared(key, ids, rows)
                 for name, tensor in update.dense.items():
                     self.target.write_dense(name, tensor)
+            self._served = update.plan.target
             return time.perf_counter() - began
 
     # -- background ---------------------------------------------------------
