@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-ATTEMPTS = 3
+ATTEMPTS = 8
 """Reads of a step before a checkpoint that keeps being retired counts as unreadable."""
 
 
