@@ -132,7 +132,7 @@ def test_a_tensor_whose_chunks_leave_a_gap_is_refused(tmp_path: Path) -> None:
         writer.finish()
 
 
-@pytest.mark.parametrize("extra", [0.0, 0.15, 10.0])
+@pytest.mark.parametrize("extra", [0.0, 0.15, 1.0, 10.0])
 def test_rows_read_alone_merge_nearby_runs_within_their_budget_and_stay_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: float
 ) -> None:
