@@ -6,7 +6,13 @@ them as stored and as prepared, ``targets`` holds the serving models rows are wr
 quantized inference model, :class:`QuantizedTarget`), and ``follower`` reads and applies.
 """
 
-from torchrec_cnr.serving.follower import Follower, UpdateReport
+from torchrec_cnr.serving.follower import (
+    Follower,
+    PendingUpdate,
+    RefusedUpdate,
+    UpdateReport,
+    finite_rows,
+)
 from torchrec_cnr.serving.rows import PreparedRows, StoredRows
 from torchrec_cnr.serving.targets import (
     FloatTarget,
@@ -19,6 +25,8 @@ from torchrec_cnr.serving.targets import (
 __all__ = [
     "FloatTarget",
     "Follower",
+    "PendingUpdate",
+    "RefusedUpdate",
     "PreparedRows",
     "QuantizedTarget",
     "ServingFormat",
@@ -26,4 +34,5 @@ __all__ = [
     "TableSlot",
     "ServingTarget",
     "UpdateReport",
+    "finite_rows",
 ]

@@ -16,6 +16,13 @@ Everything that can fail (a file retired by ``keep_last`` or replaced by compact
 while read, a damaged or missing file, a model that does not match) fails before the
 model changes: the follower keeps serving the last good step and tries again at the next
 poll, re-planning from the manifest as it is then.
+
+Operating it: :meth:`Follower.pin` stops advancing (at the served step, or at another
+committed one), :meth:`Follower.rollback` goes back to an earlier committed step reading
+only the rows changed in between, and an accept gate sees each update, read and ready,
+before it is served (:func:`finite_rows` by default: no NaN or infinity). A refused update
+leaves the last accepted step served; the checkpoint it came from is not read again, and
+the next commit's update carries its rows again.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +48,7 @@ from torchrec_cnr.serving.rows import StoredRows
 from torchrec_cnr.serving.targets import ServingTarget
 from torchrec_cnr.storage import CountingStorage, Root, as_storage
 
-__all__ = ["Follower", "UpdateReport"]
+__all__ = ["Follower", "PendingUpdate", "RefusedUpdate", "UpdateReport", "finite_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,18 +113,53 @@ class _SharedLock:
                 self._cv.notify_all()
 
 
+@dataclass(frozen=True)
+class RefusedUpdate:
+    """An update the accept gate refused: the step served stayed."""
+
+    step: int
+    """The step it would have served."""
+    checkpoint: str
+    reason: str
+    """What the gate said."""
+    at: float = field(default_factory=time.time)
+
+
 @dataclass
-class _Update:
-    """Everything read for one update, ready to apply."""
+class PendingUpdate:
+    """Everything read for one update, ready to apply: what an accept gate sees."""
 
     plan: UpdatePlan
     rows: list[tuple[str, torch.Tensor, StoredRows]] = field(default_factory=list)
-    """(state-dict key, ``(k,)`` ascending global ids, their rows)."""
+    """(state-dict key, ``(k,)`` ascending global ids, their rows as stored)."""
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Dense tensors that change, by state-dict key."""
+
+    @property
+    def step(self) -> int:
+        """The step it serves."""
+        return self.plan.target.step
 
     @property
     def count(self) -> int:
         return sum(int(ids.numel()) for _, ids, _ in self.rows)
+
+
+AcceptGate = Callable[[PendingUpdate], str | None]
+"""Sees each update before it is served: ``None`` accepts it, a string refuses it (why)."""
+
+
+def finite_rows(update: PendingUpdate) -> str | None:
+    """The default gate: refuses an update holding a NaN or an infinity in a row (as
+    stored, dequantized) or a dense tensor; names the first five rows of each table."""
+    bad: list[str] = []
+    for key, ids, rows in update.rows:
+        values = rows.values if rows.values is not None else rows.dequantize()
+        if values.numel() and not bool(torch.isfinite(values).all()):
+            finite = torch.isfinite(values).all(dim=1)
+            bad.append(f"{key} rows {ids[~finite][:5].tolist()}")
+    bad += [name for name, t in update.dense.items() if not bool(torch.isfinite(t).all())]
+    return None if not bad else "non-finite values in " + ", ".join(bad)
 
 
 def _stored(chain: ChainReader, n: int, rec: ShardRecord, keep: torch.Tensor) -> StoredRows:
@@ -174,6 +216,7 @@ class Follower:
             for TorchRec's quantized inference model).
         io: the I/O options its reads run with (threads, request size, direct reads);
             the environment's :class:`~torchrec_cnr.IOOptions` if ``None``.
+        accept: the accept gate (see :data:`AcceptGate`); ``None`` accepts every update.
 
     Example::
 
@@ -185,8 +228,15 @@ class Follower:
         follower.stop()
     """
 
-    def __init__(self, root: Root, target: ServingTarget, io: IOOptions | None = None) -> None:
+    def __init__(
+        self,
+        root: Root,
+        target: ServingTarget,
+        io: IOOptions | None = None,
+        accept: AcceptGate | None = finite_rows,
+    ) -> None:
         self._io = IOContext(io)
+        self.accept = accept
         self.storage = CountingStorage(as_storage(root, self._io.options), read_only=True)
         self.target = target
         self._lock = _SharedLock()
@@ -197,6 +247,12 @@ class Follower:
         """Every update applied, oldest first."""
         self.last_error: Exception | None = None
         """Why the last poll failed, if it did (the last good step stays served)."""
+        self.failures = 0
+        """Polls that failed (on the polling thread)."""
+        self.refused: list[RefusedUpdate] = []
+        """Updates the accept gate refused, oldest first."""
+        self._pinned = False
+        self._updating = threading.Lock()  # one update at a time: polls, pins, rollbacks
 
     @property
     def step(self) -> int | None:
@@ -207,9 +263,15 @@ class Follower:
         """Hold this around each forward: updates wait for it, and it waits for them."""
         return self._lock.shared()
 
+    @property
+    def pinned(self) -> bool:
+        """Whether polls leave the served step as it is (:meth:`pin`)."""
+        return self._pinned
+
     def poll(self) -> int | None:
         """Applies whatever was committed since the served checkpoint; returns the step
-        served after it (``None`` while the root holds no checkpoint).
+        served after it (``None`` while the root holds no checkpoint). Pinned, it reads
+        nothing and returns the served step.
 
         Raises:
             ModelMismatchError: the checkpoint's tables or dense tensors do not match the
@@ -217,17 +279,60 @@ class Follower:
             CheckpointReadError, ManifestError: a file is missing or damaged; nothing
                 changed, and the last good step stays served.
         """
+        with self._updating:
+            return self.step if self._pinned else self._update(None)
+
+    def pin(self, step: int | None = None) -> int | None:
+        """Stops advancing: polls keep the served step until :meth:`unpin`. Given a
+        committed ``step``, serves it first (older or newer than the served one), reading
+        only the rows that differ. Returns the step served.
+
+        Raises:
+            ValueError: no committed checkpoint has ``step`` (retention may have removed
+                it); nothing changed.
+            CnrError: the accept gate refused that step; nothing changed.
+        """
+        with self._updating:
+            self._pinned = True
+            if step is not None and step != self.step:
+                refused = len(self.refused)
+                self._update(step)
+                if len(self.refused) > refused:
+                    raise CnrError(f"step {step} was refused: {self.refused[-1].reason}")
+            return self.step
+
+    def unpin(self) -> None:
+        """Follows the root's latest step again, from the next poll."""
+        self._pinned = False
+
+    def rollback(self, step: int) -> int | None:
+        """Serves the earlier committed ``step`` and stays there (pinned): a harmful
+        update undone in the time of an update, not of a reload. :meth:`unpin` follows
+        the latest again.
+
+        Raises:
+            ValueError: ``step`` is not older than the served step, or no committed
+                checkpoint has it; nothing changed.
+        """
+        if self.step is None or step >= self.step:
+            raise ValueError(f"rollback needs a step older than the served {self.step}, got {step}")
+        return self.pin(step)
+
+    def _update(self, step: int | None) -> int | None:
         began = time.perf_counter()
         start_bytes = self.storage.bytes_read
         # Retired by keep_last or replaced by compaction while read: planned again.
         loaded = load_committed(
-            lambda: Manifest.load(self.storage), None, self._read, self.storage.url
+            lambda: Manifest.load(self.storage),
+            step,
+            lambda manifest, entry: self._read(manifest, entry, pinned=step is not None),
+            self.storage.url,
         )
         update = None if loaded is None else loaded[1]
         if update is None:
             return self.step
         plan = update.plan
-        if plan.rewind:
+        if plan.rewind and step is None:
             logger.warning(
                 "%s went back to step %d (it served step %d): the job restored an older "
                 "checkpoint; following the root's latest",
@@ -235,6 +340,17 @@ class Follower:
                 plan.target.step,
                 self.step,
             )
+        reason = None if self.accept is None else self.accept(update)
+        if reason is not None:
+            self.refused.append(RefusedUpdate(plan.target.step, plan.target.id, reason))
+            logger.warning(
+                "follower of %s: step %d refused (%s); serving step %s",
+                self.storage.url,
+                plan.target.step,
+                reason,
+                self.step,
+            )
+            return self.step
         blocked = self._apply(update)
         now = time.perf_counter()
         report = UpdateReport(
@@ -251,7 +367,9 @@ class Follower:
         self.reports.append(report)
         return report.step
 
-    def _read(self, manifest: Manifest, latest: Entry) -> _Update | None:
+    def _read(self, manifest: Manifest, latest: Entry, pinned: bool) -> PendingUpdate | None:
+        if not pinned and self.refused and self.refused[-1].checkpoint == latest.id:
+            return None  # refused already: wait for the next commit
         chain = ChainReader(self.storage, manifest, latest, self._io, verify=False)
         slots = {
             key: (s.num_embeddings, s.embedding_dim) for key, s in self.target.tables().items()
@@ -261,7 +379,7 @@ class Follower:
         plan = plan_update(manifest, chain, self._served, served_id)
         if plan is None:
             return None
-        update = _Update(plan)
+        update = PendingUpdate(plan)
         for table, shape in latest.tables.items():
             key = shape.state_dict_key
             wanted = None if plan.cold else plan.rows.get(table)
@@ -282,7 +400,7 @@ class Follower:
                     update.dense[name] = tensor
         return update
 
-    def _apply(self, update: _Update) -> float:
+    def _apply(self, update: PendingUpdate) -> float:
         """Writes what was read and names its step as served, both under the exclusive side
         of the lock: a lookup sees the rows of the step :attr:`step` names, never the rows
         of one step under the name of another. Returns how long serving was blocked."""
@@ -301,20 +419,25 @@ class Follower:
 
     def start(self, interval_s: float = 5.0) -> None:
         """Polls every ``interval_s`` on a thread until :meth:`stop`; a failed poll is
-        logged and kept in :attr:`last_error`, and the next one tries again."""
+        logged and kept in :attr:`last_error`, and the next one tries again, after twice
+        the wait of the one before while polls keep failing (at most 30 s, or the
+        interval if longer)."""
         if self._thread is not None:
             raise CnrError("the follower is already polling")
         self._stop.clear()
 
         def run() -> None:
+            failed = 0  # in a row: the wait doubles, up to 30 s (or the interval)
             while True:
                 try:
                     self.poll()
-                    self.last_error = None
+                    self.last_error, failed = None, 0
                 except Exception as e:  # keep serving the last good step
-                    self.last_error = e
+                    self.last_error, failed = e, failed + 1
+                    self.failures += 1
                     logger.warning("follower of %s: update failed: %s", self.storage.url, e)
-                if self._stop.wait(interval_s):
+                wait = min(interval_s * 2 ** min(failed, 16), max(interval_s, 30.0))
+                if self._stop.wait(wait):
                     return
 
         self._thread = threading.Thread(target=run, name="cnr-follower", daemon=True)

@@ -1,0 +1,148 @@
+"""Operating a follower: pin and unpin, rollback, the accept gate, metrics, retries.
+
+- ``pin()`` keeps the served step and reads nothing while pinned; ``rollback(step)``
+  serves an earlier committed step exactly, reading only the rows changed in between,
+  and stays there until ``unpin()``; a step retention removed is refused, naming it.
+- The accept gate sees each update before it is served: a refused update leaves the last
+  accepted step served, is reported, is not read again, and the next commit is served
+  exactly. The default gate refuses non-finite rows (fp32 and quantized) and dense tensors.
+- Metrics in Prometheus's text format say what the follower did.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.contract.models import unsharded
+from tests.contract.test_follower import _assert_serves_the_root, _train
+from tests.multiprocess import run_ranks
+from torchrec_cnr import CnrError, export_state_dict, list_checkpoints, quantize
+from torchrec_cnr.schema import MANIFEST_NAME
+from torchrec_cnr.serving import (
+    FloatTarget,
+    Follower,
+    PendingUpdate,
+    StoredRows,
+    finite_rows,
+)
+from torchrec_cnr.serving.metrics import metrics_text
+from torchrec_cnr.serving.plan import UpdatePlan
+
+
+def _serves_step(model: torch.nn.Module, root: str, step: int) -> None:
+    want = export_state_dict(root, step=step)
+    got = model.state_dict()
+    bad = [k for k, v in want.items() if not torch.equal(v, got[k])]
+    assert not bad, f"served tensors differ from step {step}: {bad}"
+
+
+@pytest.mark.dist
+def test_pin_reads_nothing_and_rollback_reads_only_the_rows_changed_in_between(
+    root: str,
+) -> None:
+    for last in (4, 8, 12):
+        run_ranks(2, _train, root, "ebc", "intermittent", last, {})
+    model, _, _ = unsharded("ebc", device="cpu")
+    follower = Follower(root, FloatTarget(model))
+    assert follower.poll() == 12
+    total = follower.reports[-1].rows  # a cold start reads every row
+
+    assert follower.pin() == 12 and follower.pinned
+    run_ranks(2, _train, root, "ebc", "intermittent", 14, {})
+    before = follower.storage.bytes_read
+    assert follower.poll() == 12
+    assert follower.storage.bytes_read == before, "a pinned follower read the root"
+
+    assert follower.rollback(4) == 4
+    _serves_step(model, root, 4)
+    back = follower.reports[-1]
+    assert back.rewind and not back.cold and back.step == 4
+    changed = sum(i.rows_changed or 0 for i in list_checkpoints(root) if 4 < i.step <= 12)
+    assert 0 < back.rows <= min(changed, total - 1), (back.rows, changed, total)
+    assert follower.poll() == 4  # still pinned
+
+    with pytest.raises(ValueError, match="older than the served 4"):
+        follower.rollback(8)
+    with pytest.raises(ValueError, match="5"):
+        follower.pin(5)  # never committed
+    assert follower.step == 4
+    _serves_step(model, root, 4)
+
+    follower.unpin()
+    assert follower.poll() == 14
+    _assert_serves_the_root(model, root)
+    follower.close()
+
+
+@pytest.mark.dist
+def test_a_refused_update_keeps_the_last_accepted_step_and_is_not_read_again(
+    root: str,
+) -> None:
+    seen: list[int] = []
+
+    def gate(update: PendingUpdate) -> str | None:
+        seen.append(update.step)
+        return "step 6 is bad" if update.step == 6 else None
+
+    model, _, _ = unsharded("ebc", device="cpu")
+    follower = Follower(root, FloatTarget(model), accept=gate)
+    run_ranks(2, _train, root, "ebc", "consecutive", 4, {})
+    assert follower.poll() == 4
+    run_ranks(2, _train, root, "ebc", "consecutive", 6, {})
+    assert follower.poll() == 4
+    _serves_step(model, root, 4)
+    assert [(r.step, r.reason) for r in follower.refused] == [(6, "step 6 is bad")]
+    before = follower.storage.bytes_read
+    assert follower.poll() == 4 and seen == [4, 6], seen  # not prepared again
+    manifest = (Path(root) / MANIFEST_NAME).stat().st_size
+    assert follower.storage.bytes_read - before == manifest, "only the manifest is read"
+    with pytest.raises(CnrError, match="step 6 is bad"):
+        follower.pin(6)
+    follower.unpin()
+
+    run_ranks(2, _train, root, "ebc", "consecutive", 8, {})
+    assert follower.poll() == 8  # its update carries step 6's rows too
+    _assert_serves_the_root(model, root)
+
+    text = metrics_text(follower)
+    got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert got["cnr_follower_served_step"] == 8
+    assert got["cnr_follower_updates_total"] == len(follower.reports) == 2
+    assert got["cnr_follower_refused_updates_total"] == len(follower.refused) == 2  # pin(6) too
+    assert got["cnr_follower_failed_polls_total"] == 0
+    assert got["cnr_follower_pinned"] == 0
+    assert got["cnr_follower_rows_total"] == sum(r.rows for r in follower.reports)
+    assert got["cnr_follower_last_update_bytes"] == follower.reports[-1].bytes_read
+    follower.close()
+
+
+def _pending(**rows: StoredRows) -> PendingUpdate:
+    update = PendingUpdate(UpdatePlan(target=None))  # type: ignore[arg-type]
+    update.rows = [(key, torch.arange(r.shape[0]) + 10, r) for key, r in rows.items()]
+    return update
+
+
+def test_the_default_gate_refuses_non_finite_rows_and_dense_tensors() -> None:
+    good = torch.randn(6, 8)
+    assert finite_rows(_pending(a=StoredRows.fp32(good))) is None
+    bad = good.clone()
+    bad[2, 3] = float("nan")
+    bad[4, 0] = float("inf")
+    reason = finite_rows(_pending(a=StoredRows.fp32(good), b=StoredRows.fp32(bad)))
+    assert reason is not None and "b rows [12, 14]" in reason and "a rows" not in reason
+
+    q = quantize(good, "adaptive", 4)
+    parts = q.to_tensors()
+    assert finite_rows(_pending(c=StoredRows.quantized(parts, "adaptive", 4, 8))) is None
+    data = parts["data"].clone()  # [4-bit codes | fp16 scale | fp16 bias] per row
+    data[1, -4:-2] = torch.tensor([float("inf")], dtype=torch.float16).view(torch.uint8)
+    reason = finite_rows(_pending(c=StoredRows.quantized({"data": data}, "adaptive", 4, 8)))
+    assert reason is not None and "c rows [11]" in reason, reason
+
+    update = _pending(a=StoredRows.fp32(good))
+    update.dense = {"over.weight": torch.tensor([1.0, float("nan")])}
+    assert finite_rows(update) == "non-finite values in over.weight"
