@@ -50,7 +50,7 @@ bench: setup
 	$(TORCHRUN) -m benchmarks.scaling --out $(BENCH)/scaling.json
 	$(TORCHRUN) -m benchmarks.storage --out $(BENCH)/storage.json
 	$(TORCHRUN) -m benchmarks.offline --out $(BENCH)/offline.json
-	$(TORCHRUN) -m benchmarks.serving --out $(BENCH)/serving.json
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.serving --out $(BENCH)/serving.json
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=1 -m benchmarks.overhead \
 		--out $(BENCH)/overhead_1rank.json && $(TORCHRUN) -m benchmarks.overhead \
 		--merge $(BENCH)/overhead_1rank.json --out $(BENCH)/overhead.json
@@ -60,10 +60,6 @@ bench: setup
 		--save-cost --saves 16 --out $(BENCH)/save_cost.json
 	$(TORCHRUN) -m benchmarks.experiments.quantized_restores \
 		--out $(BENCH)/experiments/quantized_restores.json
-	$(TORCHRUN) -m benchmarks.experiments.quantized_restores --steps 1200 --bits --restores \
-		--targets 1 3 20 --out $(BENCH)/experiments/quantized_restores_1200.json
-	$(TORCHRUN) -m benchmarks.experiments.quantized_restores --steps 4800 --bits --restores \
-		--targets 20 --out $(BENCH)/experiments/quantized_restores_4800.json
 	$(TORCHRUN) -m benchmarks.policies --figure --out $(BENCH)/experiments/policy_bytes.json
 	$(TORCHRUN) -m benchmarks.experiments.cpr --out $(BENCH)/experiments/cpr.json
 	$(PY) -m benchmarks.report benchmarks/results $(BENCH)

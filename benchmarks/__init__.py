@@ -21,5 +21,6 @@ CASES = (
 """The benchmarks: ``benchmarks.<name>``, results in ``out/bench/<name>.json``."""
 EXPERIMENTS = ("cpr", "quantized_restores")
 """The experiments: ``benchmarks.experiments.<name>``, in ``out/bench/experiments/``."""
-SINGLE_PROCESS = ("quantization",)
-"""Cases run by ``python -m`` in one process; the others by torchrun on 2 ranks."""
+SINGLE_PROCESS = ("quantization", "serving")
+"""Cases run by ``python -m`` in one process (serving starts its own job and serving
+process); the others by torchrun on 2 ranks."""

@@ -160,18 +160,21 @@ class TrainConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
 
 
-ServeDtype = Literal["int8", "int4", "int2"]
-"""Row types of the served tables: TorchRec's ``qint8``, ``quint4x2`` and ``quint2x4``."""
+ServeDtype = Literal["fp32", "int8", "int4", "int2"]
+"""Row types of the served tables: fp32 as trained, or TorchRec's ``qint8``, ``quint4x2``
+and ``quint2x4``."""
 SERVE_DTYPES: tuple[ServeDtype, ...] = typing.get_args(ServeDtype)
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """The serving process beside the job (``cnr-train serve``): a quantized DLRM that
-    follows the checkpoint root and answers requests from held-out batches."""
+    """The serving process beside the job (``cnr-train serve``): a DLRM, its tables
+    quantized or not, that follows the checkpoint root and answers requests from held-out
+    batches."""
 
     dtype: ServeDtype = "int4"
-    """Served row type, one of ``int8``, ``int4``, ``int2`` (``quantize_embeddings``' dtype)."""
+    """Served row type: ``fp32``, or ``int8``, ``int4``, ``int2`` (``quantize_embeddings``'
+    dtype)."""
     interval_s: float = 0.5
     """Seconds between the follower's polls of the root."""
     requests_per_s: float = 5.0
@@ -182,6 +185,12 @@ class ServeConfig:
     """Longest wait for the job to finish (its done marker) before giving up."""
     metrics_path: str | None = None
     """JSON file for the serving metrics; ``None`` writes none."""
+    step_rows: bool = False
+    """A consistency probe, for benchmarks and tests: the job writes each step into the last
+    row of every table (:func:`torchrec_cnr.write_rows`; those rows no longer train), and
+    every request checks, under the same hold as its forward, that the served model's last
+    rows all hold the step the follower names. A request that sees anything else counts
+    as a torn snapshot (``torn_requests`` in the metrics)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in SERVE_DTYPES:

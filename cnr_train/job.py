@@ -30,7 +30,13 @@ from cnr_train.workload import (
     dense_optimizer,
     train_step,
 )
-from torchrec_cnr import CheckpointConfig, CheckpointInfo, CheckpointManager, root_info
+from torchrec_cnr import (
+    CheckpointConfig,
+    CheckpointInfo,
+    CheckpointManager,
+    root_info,
+    write_rows,
+)
 from torchrec_cnr.snapshot import crc32
 from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state
@@ -96,6 +102,13 @@ class Trainer:
         return cls(
             model, opt, data, CheckpointManager(model, checkpoint or config.checkpoint, app_state)
         )
+
+
+def write_step_rows(model: nn.Module, tables: list[TableSpec], step: int) -> None:
+    """``serve.step_rows``: the step into the last row of every table, on every rank."""
+    for spec in tables:
+        last = torch.tensor([spec.rows - 1])
+        write_rows(model, spec.name, last, torch.full((1, spec.dim), float(step)))
 
 
 def make_data(
@@ -236,6 +249,8 @@ def run(config: JobConfig) -> dict[str, Any]:
     began, loss = time.perf_counter(), float("nan")
     for step in range(start + 1, config.train.steps + 1):
         loss = train_step(t.model, t.opt, t.data.next(rank))
+        if config.serve.step_rows:
+            write_step_rows(t.model, job_tables(config), step)
         if t.ckpt.maybe_save(step):
             bar.set_postfix(loss=f"{loss:.4f}", ckpt=step)
         bar.update(1)

@@ -1,12 +1,13 @@
-"""The serving process beside a training job: a quantized DLRM that follows the job's
-checkpoint root and answers requests while the job trains.
+"""The serving process beside a training job: a DLRM that follows the job's checkpoint
+root and answers requests while the job trains.
 
 It builds the job's DLRM unsharded on CPU, quantizes its tables with TorchRec
-(``quantize_embeddings``, ``serve.dtype``), and keeps it at the root's latest committed
+(``quantize_embeddings``, ``serve.dtype``) unless it serves fp32, and keeps it at the root's latest committed
 step with a :class:`torchrec_cnr.Follower` polling every ``serve.interval_s``: each
 update reads only the rows changed since the served step. A request thread answers
 held-out batches of the job's data stream at ``serve.requests_per_s``, each forward
-under ``follower.serving()``, so it sees one committed step.
+under ``follower.serving()``, so it sees one committed step; with ``serve.step_rows`` each
+request also checks that it does (see :class:`cnr_train.config.ServeConfig`).
 
 When the job writes its done marker (:data:`cnr_train.job.DONE_MARKER`), the process
 stops the requests and the follower, polls once more, checks that it serves the last
@@ -34,21 +35,31 @@ from torchrec.inference.modules import quantize_embeddings
 from cnr_train.config import JobConfig, ServeDtype
 from cnr_train.job import DONE_MARKER, job_tables, make_data, num_dense
 from cnr_train.workload import BatchStream, TableSpec, dlrm
-from torchrec_cnr import CheckpointInfo, Follower, QuantizedTarget, root_info, shutdown
+from torchrec_cnr import (
+    CheckpointInfo,
+    FloatTarget,
+    Follower,
+    QuantizedTarget,
+    root_info,
+    shutdown,
+)
+from torchrec_cnr.serving import ServingTarget
 from torchrec_cnr.storage import Storage, open_storage
 
-__all__ = ["RequestLoop", "Server", "serving_model"]
+__all__ = ["RequestLoop", "Server", "StepRows", "serving_model", "serving_target"]
 
-DTYPES: dict[ServeDtype, torch.dtype] = {
+DTYPES: dict[ServeDtype, torch.dtype | None] = {
+    "fp32": None,
     "int8": torch.qint8,
     "int4": torch.quint4x2,
     "int2": torch.quint2x4,
 }
-"""``serve.dtype`` -> the dtype ``quantize_embeddings`` takes."""
+"""``serve.dtype`` -> the dtype ``quantize_embeddings`` takes (``None``: not quantized)."""
 
 
 def serving_model(tables: list[TableSpec], num_dense: int, dtype: ServeDtype) -> nn.Module:
-    """The job's DLRM, unsharded on CPU, its tables quantized for inference.
+    """The job's DLRM, unsharded on CPU, its tables quantized for inference unless
+    ``dtype`` is ``fp32``.
 
     The architecture must be :func:`cnr_train.workload.build_model`'s: the follower
     checks every table and dense tensor against the checkpoint and names any
@@ -62,7 +73,40 @@ def serving_model(tables: list[TableSpec], num_dense: int, dtype: ServeDtype) ->
     cpu = torch.device("cpu")
     model = dlrm(tables, num_dense, cpu, cpu)
     model.eval()
-    return quantize_embeddings(model, dtype=DTYPES[dtype], inplace=True)
+    quantized = DTYPES[dtype]
+    return model if quantized is None else quantize_embeddings(model, quantized, inplace=True)
+
+
+def serving_target(model: nn.Module, dtype: ServeDtype) -> ServingTarget:
+    """What the follower writes :func:`serving_model`'s rows through."""
+    return FloatTarget(model) if DTYPES[dtype] is None else QuantizedTarget(model)
+
+
+class StepRows:
+    """The ``serve.step_rows`` probe: whether the served model's last row of every table
+    holds the step the follower names (call under ``follower.serving()``)."""
+
+    def __init__(self, target: ServingTarget) -> None:
+        self.target = target
+        self.last = {
+            key: torch.tensor([t.num_embeddings - 1]) for key, t in target.tables().items()
+        }
+        self.checked = 0
+        self.torn: list[dict[str, Any]] = []
+        """Up to 20 requests that saw another step: the named step and each table's."""
+        self.torn_count = 0
+
+    def check(self, step: int | None) -> None:
+        if step is None:
+            return
+        seen = {k: self.target.read_rows(k, rows)[0] for k, rows in self.last.items()}
+        self.checked += 1
+        # Steps are integers: a row within half of one holds the step (an int2 row of one
+        # repeated value dequantizes to it up to fp16's bias).
+        if any(float((row - step).abs().max()) >= 0.5 for row in seen.values()):
+            self.torn_count += 1
+            if len(self.torn) < 20:
+                self.torn.append({"step": step, **{k: row.tolist() for k, row in seen.items()}})
 
 
 class RequestLoop:
@@ -78,6 +122,7 @@ class RequestLoop:
         world_size: ranks of the job (held-out batches are per rank).
         batches: held-out batches per rank.
         per_s: requests per second.
+        probe: the ``serve.step_rows`` check, run with each forward.
     """
 
     def __init__(
@@ -88,8 +133,10 @@ class RequestLoop:
         world_size: int,
         batches: int,
         per_s: float,
+        probe: StepRows | None = None,
     ) -> None:
         self.model = model
+        self.probe = probe
         self.follower = follower
         self.data = data
         self.world_size = world_size
@@ -120,6 +167,8 @@ class RequestLoop:
                     with self.follower.serving():
                         step = self.follower.step
                         self.model(batch.dense, batch.sparse)
+                        if self.probe is not None:
+                            self.probe.check(step)
                     self.latencies_s.append(time.perf_counter() - began)
                     if step is not None:
                         self.steps.add(step)
@@ -197,7 +246,9 @@ class Server:
         self.root = config.checkpoint.path
         io = dataclasses.replace(config.checkpoint.io, threads=config.serve.io_threads)
         self.storage = open_storage(self.root, io)
-        self.follower = Follower(self.storage, QuantizedTarget(self.model), io)
+        target = serving_target(self.model, config.serve.dtype)
+        self.follower = Follower(self.storage, target, io)
+        self.probe = StepRows(target) if config.serve.step_rows else None
         self.requests: RequestLoop | None = None
 
     def run(self) -> dict[str, Any]:
@@ -237,6 +288,7 @@ class Server:
                         world,
                         self.config.eval.batches,
                         s.requests_per_s,
+                        self.probe,
                     )
                     self.requests.start()
             self._check_requests()
@@ -303,7 +355,17 @@ class Server:
             "request_latency_median_s": statistics.median(latencies) if latencies else None,
             "request_latency_max_s": max(latencies) if latencies else None,
             "eval_batches": self.config.eval.batches,
+            **self._probed(),
             "update_reports": [asdict(r) for r in reports],
+        }
+
+    def _probed(self) -> dict[str, Any]:
+        if self.probe is None:
+            return {}
+        return {
+            "checked_requests": self.probe.checked,
+            "torn_requests": self.probe.torn_count,
+            "torn_examples": self.probe.torn,
         }
 
     def _trained_auc(self) -> float | None:

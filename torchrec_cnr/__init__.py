@@ -46,7 +46,7 @@ from torchrec_cnr.offline import (
 )
 from torchrec_cnr.quantization import QuantizedRows, quantize
 from torchrec_cnr.serving import FloatTarget, Follower, QuantizedTarget
-from torchrec_cnr.tracking import tracking_sharders
+from torchrec_cnr.tracking import tracking_sharders, write_rows
 
 __all__ = [
     "CheckpointConfig",
@@ -76,4 +76,5 @@ __all__ = [
     "read_table",
     "root_info",
     "tracking_sharders",
+    "write_rows",
 ]

@@ -462,6 +462,9 @@ class Entry:
     bytes: int
     """Bytes on disk."""
     committed_at: float = field(default_factory=time.time)
+    saved_at: float | None = None
+    """When ``save()`` staged it (rank 0's clock, seconds since the epoch); its rows were
+    trained before, a later checkpoint's after. ``None`` in checkpoints written before."""
     restores_before: int = 0
     """Restores recorded in the manifest when this checkpoint was written."""
     staged_bytes: int = 0

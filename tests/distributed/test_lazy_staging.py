@@ -28,7 +28,13 @@ from cnr_train.workload import TableSpec, ZipfBatches, dense_optimizer, dlrm, ha
 from tests import reference
 from tests.jobs import Job, make_job
 from tests.multiprocess import run_ranks
-from torchrec_cnr import CheckpointConfig, CheckpointManager, IOOptions, tracking_sharders
+from torchrec_cnr import (
+    CheckpointConfig,
+    CheckpointManager,
+    IOOptions,
+    tracking_sharders,
+    write_rows,
+)
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.staging import LazyStaging, cow, lazy
 from torchrec_cnr.tracking import model_state
@@ -153,6 +159,39 @@ def test_hooks_racing_the_background_copy_save_every_step_exactly(
     policy: str, compiled: bool, root: str, refs: Path
 ) -> None:
     run_ranks(2, _racing, policy, root, str(refs), 11, compiled)
+
+
+def _rows_written_by_hand(policy: str, root: str, refs: str) -> None:
+    job = _job(root, policy, seed=4)
+    sharded = [t for t in TABLES if t.sharding != "data_parallel"]
+    rows = {t.name: torch.tensor([0, t.rows // 2, t.rows - 1]) for t in sharded}
+    job.train(3)
+    with _holding() as gate:
+        assert job.ckpt.save(3)
+        reference.save(reference.take(job.model, job.app), Path(refs), 3)
+        for t in sharded:  # after save() returned, before the rows were copied
+            written = torch.tensor(
+                write_rows(job.model, t.name, rows[t.name], torch.full((3, t.dim), 7.0))
+            )
+            dist.all_reduce(written)  # every row by some rank (column shards: each part)
+            assert int(written) >= 3, (t.name, int(written))
+        gate.set()
+        job.ckpt.wait()
+    with pytest.raises(ValueError, match="no tracked shard of table 't_dp'"):
+        write_rows(job.model, "t_dp", torch.tensor([0]), torch.zeros(1, 8))
+    job.train(1)
+    assert job.ckpt.save(4)
+    reference.save(reference.take(job.model, job.app), Path(refs), 4)
+    job.ckpt.close()
+    _restores_exactly(_job(root, policy, seed=60), refs, 3)
+    _restores_exactly(_job(root, policy, seed=61), refs, 4)  # with the written rows
+
+
+@pytest.mark.parametrize("policy", ["full", "intermittent"])
+def test_rows_written_by_hand_reach_the_next_checkpoint_not_the_saving_one(
+    policy: str, root: str, refs: Path
+) -> None:
+    run_ranks(2, _rows_written_by_hand, policy, root, str(refs))
 
 
 def _save_between_forward_and_backward(root: str, refs: str) -> None:

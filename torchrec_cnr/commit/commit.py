@@ -172,6 +172,7 @@ def _entry(
         dense_checksums=writes[0].dense_checksums,
         app_checksums=[w.app_checksum for w in writes],
         bytes=0,  # set once the index is written
+        saved_at=staged.saved_at,
         restores_before=pending.resolver.restores,
         staged_bytes=writes[0].staged_bytes,
         stall_s=max(w.stall_s for w in writes),

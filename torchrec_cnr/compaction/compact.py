@@ -203,6 +203,7 @@ def _commit(chain: ChainReader, new_id: str, parts: list[_Part], target: CommitT
         dense_checksums=dict(entry.dense_checksums),
         app_checksums=list(entry.app_checksums),
         bytes=chain.storage.tree_bytes(new_id),
+        saved_at=entry.saved_at,
         restores_before=entry.restores_before,
         interval_decision=entry.interval_decision,
         compacted_from=entry.id,

@@ -75,6 +75,8 @@ class CheckpointInfo:
     """Longest time any rank's training was blocked by this save."""
     committed_at: float
     """When it was committed (seconds since the epoch)."""
+    saved_at: float | None
+    """When ``save()`` staged it; ``None`` in checkpoints written before this was recorded."""
     saved_fraction: float
     """Elements stored, as a fraction of every table's elements (Check-N-Run's S_i)."""
     rows_saved: int
@@ -131,6 +133,7 @@ def _info(manifest: Manifest, entry: Entry) -> CheckpointInfo:
         staged_bytes=entry.staged_bytes,
         stall_s=entry.stall_s,
         committed_at=entry.committed_at,
+        saved_at=entry.saved_at,
         saved_fraction=saved_fraction(entry.shards),
         rows_saved=sum(r.saved_rows for r in entry.shards),
         rows_changed=changed_rows(entry),

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -91,6 +92,8 @@ class StagedCheckpoint:
     """Bytes of shards staged (chunks count once each)."""
     stall_s: float = 0.0
     """How long training was blocked to stage it, set once staging is done."""
+    saved_at: float = field(default_factory=time.time)
+    """When it was staged (seconds since the epoch)."""
     rest: Callable[[Sink], None] | None = None
     """Copies the rows staged lazily into the sink (see :mod:`~torchrec_cnr.staging.lazy`);
     the writer calls it first."""

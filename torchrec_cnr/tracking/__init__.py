@@ -1,5 +1,6 @@
 """Stage 1: which rows changed. Bitmaps, kernel hooks, drop-in sharders, CPR's MFU/SSU."""
 
+from torchrec_cnr.tracking.model_state import write_rows
 from torchrec_cnr.tracking.shard import LocalShard, ShardSpec
 from torchrec_cnr.tracking.sharders import tracking_sharders
 from torchrec_cnr.tracking.tracker import TRACKER_ATTR, TRACKING_MODES, RowTracker
@@ -11,4 +12,5 @@ __all__ = [
     "RowTracker",
     "ShardSpec",
     "tracking_sharders",
+    "write_rows",
 ]

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.shard import LocalShard
 from torchrec_cnr.tracking.tracker import TRACKER_ATTR, RowTracker
 
@@ -55,3 +56,58 @@ def dense_state(model: nn.Module) -> dict[str, torch.Tensor]:
         for key, value in model.state_dict().items()
         if isinstance(value, torch.Tensor) and not isinstance(value, ShardedTensor)
     }
+
+
+def write_rows(model: nn.Module, table: str, rows: torch.Tensor, values: torch.Tensor) -> int:
+    """Writes whole rows of a sharded table outside training, the way training's updates
+    reach a checkpoint: a save in progress keeps the rows as they were at its step (its
+    copy-on-write hooks see the write first), and the next checkpoint holds the new values.
+
+    Call it on every rank, on the training thread, between steps; each rank writes the
+    rows its shards hold (column shards their columns).
+
+    Args:
+        model: the sharded model (sharded with :func:`torchrec_cnr.tracking_sharders`).
+        table: the table's name (``t0``) or its fully qualified name.
+        rows: ``(n,)`` global row indices.
+        values: ``(n, embedding_dim)`` new rows.
+
+    Returns:
+        The rows this rank wrote (column shards counted once each).
+
+    Raises:
+        ValueError: no rank holds a row-tracked shard of that table, or ``values`` of the
+            wrong shape.
+    """
+    names = {n for prefix, t in trackers(model).items() for n in t.sharded_tables(prefix)}
+    if not any(table in (n, n.rsplit(".", 1)[-1]) for n in names):
+        raise ValueError(
+            f"no tracked shard of table {table!r}: the row-tracked tables are {sorted(names)}"
+        )
+    shards = [
+        s for s in local_shards(model) if table in (s.spec.table, s.spec.table.rsplit(".", 1)[-1])
+    ]
+    if shards and values.shape != (rows.numel(), shards[0].spec.embedding_dim):
+        raise ValueError(
+            f"values of shape {tuple(values.shape)} for {rows.numel()} rows of {table!r} "
+            f"(dim {shards[0].spec.embedding_dim})"
+        )
+    rows = rows.to(torch.int64)
+    written = 0
+    for s in shards:
+        mine = (rows >= s.spec.row_offset) & (rows < s.spec.row_offset + s.spec.rows)
+        local = (rows[mine] - s.spec.row_offset).to(s.weight.device)
+        if local.numel() == 0:
+            continue
+        if s.lookups is not None:  # a lazy save copies these rows before they change
+            s.lookups.before(local + s.lookup_base)
+        part = values[mine][:, s.spec.col_offset : s.spec.col_offset + s.spec.cols]
+        with torch.no_grad():
+            s.weight[local] = part.to(s.weight.device, s.weight.dtype)
+        s.drain()
+        if s.words is not None and s.recent is not None:
+            bitmap.set_bits_in_both(s.words, s.recent, local)
+        elif s.words is not None:
+            bitmap.set_bits(s.words, local)
+        written += local.numel()
+    return written

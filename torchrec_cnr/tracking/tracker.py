@@ -233,6 +233,15 @@ class RowTracker:
             for kernel in getattr(_unwrap(lookup), "_emb_modules", []):
                 self._track_kernel(kernel)
 
+    def sharded_tables(self, prefix: str = "") -> set[str]:
+        """Fully qualified names of the module's row-tracked tables, on every rank (data
+        parallel ones are dense state)."""
+        return {
+            f"{prefix}.{name}" if prefix else name
+            for name, kind in self._sharding_types.items()
+            if kind != "data_parallel"
+        }
+
     def _track_kernel(self, kernel: Any) -> None:
         config = kernel.config
         tables = list(config.embedding_tables)
