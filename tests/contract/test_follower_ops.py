@@ -1,5 +1,6 @@
 """Operating a follower: pin and unpin, rollback, the accept gate, metrics, retries.
 
+- A poll that finds nothing new costs one stat of the manifest, no bytes.
 - ``pin()`` keeps the served step and reads nothing while pinned; ``rollback(step)``
   serves an earlier committed step exactly, reading only the rows changed in between,
   and stays there until ``unpin()``; a step retention removed is refused, naming it.
@@ -11,8 +12,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,7 +20,6 @@ from tests.contract.models import unsharded
 from tests.contract.test_follower import _assert_serves_the_root, _train
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CnrError, export_state_dict, list_checkpoints, quantize
-from torchrec_cnr.schema import MANIFEST_NAME
 from torchrec_cnr.serving import (
     FloatTarget,
     Follower,
@@ -75,6 +73,10 @@ def test_pin_reads_nothing_and_rollback_reads_only_the_rows_changed_in_between(
     follower.unpin()
     assert follower.poll() == 14
     _assert_serves_the_root(model, root)
+    # A poll that finds nothing new stats the manifest and reads nothing.
+    before, requests = follower.storage.bytes_read, follower.storage.requests
+    assert follower.poll() == 14
+    assert (follower.storage.bytes_read, follower.storage.requests) == (before, requests + 1)
     follower.close()
 
 
@@ -96,10 +98,10 @@ def test_a_refused_update_keeps_the_last_accepted_step_and_is_not_read_again(
     assert follower.poll() == 4
     _serves_step(model, root, 4)
     assert [(r.step, r.reason) for r in follower.refused] == [(6, "step 6 is bad")]
-    before = follower.storage.bytes_read
+    before, requests = follower.storage.bytes_read, follower.storage.requests
     assert follower.poll() == 4 and seen == [4, 6], seen  # not prepared again
-    manifest = (Path(root) / MANIFEST_NAME).stat().st_size
-    assert follower.storage.bytes_read - before == manifest, "only the manifest is read"
+    assert follower.storage.bytes_read == before, "nothing is read again"
+    assert follower.storage.requests == requests + 1, "one stat of the manifest"
     with pytest.raises(CnrError, match="step 6 is bad"):
         follower.pin(6)
     follower.unpin()

@@ -1,5 +1,6 @@
 """Every storage backend keeps the same promises: a conditional write replaces exactly
-the version it expects, once, and folders list, measure and delete alike."""
+the version it expects, once; an object's stamp changes when it is replaced and only then;
+folders list, measure and delete alike."""
 
 from __future__ import annotations
 
@@ -26,6 +27,21 @@ def test_a_conditional_write_replaces_only_the_version_it_expects(any_root: str)
     assert storage.read("m.json") is not None and storage.exists("m.json")
     storage.delete("m.json")
     assert storage.read("m.json") is None
+
+
+def test_a_stamp_changes_when_the_object_is_replaced_and_only_then(any_root: str) -> None:
+    storage = open_storage(any_root)
+    storage.create()
+    assert storage.stamp("m.json") is None
+    storage.write("m.json", b"one")
+    first = storage.stamp("m.json")
+    assert first is not None and storage.stamp("m.json") == first
+    storage.read("m.json")
+    assert storage.stamp("m.json") == first, "a read changes nothing"
+    storage.write("m.json", b"two, longer")
+    assert storage.stamp("m.json") not in (None, first)
+    storage.delete("m.json")
+    assert storage.stamp("m.json") is None
 
 
 def test_of_many_concurrent_conditional_writers_exactly_one_wins(any_root: str) -> None:

@@ -3,7 +3,8 @@
 Check-N-Run names "publishing snapshots in real time" among the reasons to checkpoint:
 serving wants fresh embeddings. Each update of a :class:`Follower`
 
-1. reads the root's manifest (only committed checkpoints exist there);
+1. reads the root's manifest (only committed checkpoints exist there), unless its stamp (a
+   stat on a file system, a HEAD request on S3) shows it unchanged since the last poll;
 2. plans which rows changed since the served checkpoint (:mod:`.plan`);
 3. reads only those rows' latest versions from the target's chain, newest link first,
    each row once, with ranged reads of consecutive rows (a ranged GET on S3);
@@ -43,6 +44,7 @@ from torchrec_cnr.encoding import FP32, ShardRecord
 from torchrec_cnr.errors import CnrError
 from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.restore import ChainReader, check_serving, load_committed
+from torchrec_cnr.schema import MANIFEST_NAME
 from torchrec_cnr.serving.plan import UpdatePlan, plan_update
 from torchrec_cnr.serving.rows import StoredRows
 from torchrec_cnr.serving.targets import ServingTarget
@@ -253,6 +255,7 @@ class Follower:
         """Updates the accept gate refused, oldest first."""
         self._pinned = False
         self._updating = threading.Lock()  # one update at a time: polls, pins, rollbacks
+        self._seen: str | None = None  # the manifest's stamp when last planned from
 
     @property
     def step(self) -> int | None:
@@ -321,6 +324,9 @@ class Follower:
     def _update(self, step: int | None) -> int | None:
         began = time.perf_counter()
         start_bytes = self.storage.bytes_read
+        stamp = self.storage.stamp(MANIFEST_NAME)
+        if step is None and stamp is not None and stamp == self._seen:
+            return self.step  # nothing committed or retired since: one stat or HEAD
         # Retired by keep_last or replaced by compaction while read: planned again.
         loaded = load_committed(
             lambda: Manifest.load(self.storage),
@@ -330,6 +336,7 @@ class Follower:
         )
         update = None if loaded is None else loaded[1]
         if update is None:
+            self._seen = stamp
             return self.step
         plan = update.plan
         if plan.rewind and step is None:
@@ -342,6 +349,7 @@ class Follower:
             )
         reason = None if self.accept is None else self.accept(update)
         if reason is not None:
+            self._seen = stamp
             self.refused.append(RefusedUpdate(plan.target.step, plan.target.id, reason))
             logger.warning(
                 "follower of %s: step %d refused (%s); serving step %s",
@@ -352,6 +360,7 @@ class Follower:
             )
             return self.step
         blocked = self._apply(update)
+        self._seen = stamp if step is None else None
         now = time.perf_counter()
         report = UpdateReport(
             step=plan.target.step,

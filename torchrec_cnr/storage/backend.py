@@ -48,6 +48,13 @@ class Storage(abc.ABC):
     def read(self, name: str) -> tuple[bytes, str] | None:
         """The bytes of object ``name`` and their version; ``None`` if it does not exist."""
 
+    def stamp(self, name: str) -> str | None:
+        """A token that changes whenever object ``name`` is replaced, found without reading
+        it where the store allows (a stat, a HEAD request); ``None`` if it does not exist.
+        Not a :meth:`read` version: only compare stamps with stamps."""
+        got = self.read(name)
+        return None if got is None else got[1]
+
     @abc.abstractmethod
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         """Fills ``out`` with the bytes of object ``name`` from ``offset`` on.

@@ -300,6 +300,13 @@ class FsStorage(Storage):
         with self._unsynced_lock:
             self._unsynced.add(name)
 
+    def stamp(self, name: str) -> str | None:
+        try:  # a replaced object is a new file (written aside, then renamed over)
+            st = (self.root / name).stat()
+        except FileNotFoundError:
+            return None
+        return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+
     def exists(self, name: str) -> bool:
         return (self.root / name).exists()
 

@@ -105,6 +105,15 @@ class S3Storage(Storage):
     def write_object(self, name: str, data: memoryview) -> None:
         self._client.put_object(Bucket=self.bucket, Key=self._key(name), Body=bytes(data))
 
+    def stamp(self, name: str) -> str | None:
+        try:
+            head = self._client.head_object(Bucket=self.bucket, Key=self._key(name))
+        except self._client.exceptions.ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                return None
+            raise
+        return str(head["ETag"])
+
     def exists(self, name: str) -> bool:
         try:
             self._client.head_object(Bucket=self.bucket, Key=self._key(name))

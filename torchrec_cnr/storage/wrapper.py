@@ -37,6 +37,10 @@ class StorageWrapper(Storage):
         self.before("read", name)
         return self.inner.read(name)
 
+    def stamp(self, name: str) -> str | None:
+        self.before("stamp", name)
+        return self.inner.stamp(name)
+
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         self.before("read_into", name)
         self.inner.read_into(name, offset, out)
