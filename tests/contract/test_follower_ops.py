@@ -119,6 +119,7 @@ def test_a_refused_update_keeps_the_last_accepted_step_and_is_not_read_again(
     assert got["cnr_follower_pinned"] == 0
     assert got["cnr_follower_rows_total"] == sum(r.rows for r in follower.reports)
     assert got["cnr_follower_last_update_bytes"] == follower.reports[-1].bytes_read
+    assert got["cnr_follower_last_update_requests"] == follower.reports[-1].requests > 0
     follower.close()
 
 

@@ -67,6 +67,8 @@ class UpdateReport:
     """Rows read and applied."""
     bytes_read: int
     """Bytes read from the root (manifest, indexes, ids and rows)."""
+    requests: int
+    """Requests made to the root (each read, ranged read, stat or listing)."""
     seconds: float
     """From the poll to the update applied."""
     blocked_s: float
@@ -323,7 +325,7 @@ class Follower:
 
     def _update(self, step: int | None) -> int | None:
         began = time.perf_counter()
-        start_bytes = self.storage.bytes_read
+        start_bytes, start_requests = self.storage.bytes_read, self.storage.requests
         stamp = self.storage.stamp(MANIFEST_NAME)
         if step is None and stamp is not None and stamp == self._seen:
             return self.step  # nothing committed or retired since: one stat or HEAD
@@ -367,6 +369,7 @@ class Follower:
             checkpoint=plan.target.id,
             rows=update.count,
             bytes_read=self.storage.bytes_read - start_bytes,
+            requests=self.storage.requests - start_requests,
             seconds=now - began,
             blocked_s=blocked,
             lag_s=max(0.0, time.time() - plan.target.committed_at),

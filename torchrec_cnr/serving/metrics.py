@@ -28,7 +28,7 @@ class FollowerCollector:
 
     Gauges: ``served_step``, ``pinned`` and the last update's ``last_lag_seconds``,
     ``last_update_seconds``, ``last_blocked_seconds``, ``last_update_rows`` and
-    ``last_update_bytes``. Counters (``_total``): ``updates``, ``rows``, ``read_bytes``,
+    ``last_update_bytes``, ``last_update_requests``. Counters (``_total``): ``updates``, ``rows``, ``read_bytes``,
     ``blocked_seconds``, ``refused_updates`` (the accept gate's) and ``failed_polls``.
     """
 
@@ -65,6 +65,7 @@ class FollowerCollector:
         yield gauge("last_blocked_seconds", "Last update: serving blocked.", of("blocked_s"))
         yield gauge("last_update_rows", "Last update: rows read and applied.", of("rows"))
         yield gauge("last_update_bytes", "Last update: bytes read.", of("bytes_read"))
+        yield gauge("last_update_requests", "Last update: requests made.", of("requests"))
         yield counter("updates", "Updates applied.", len(reports))
         yield counter("rows", "Rows read and applied.", sum(r.rows for r in reports))
         yield counter("read_bytes", "Bytes read by updates.", sum(r.bytes_read for r in reports))
