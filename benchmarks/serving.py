@@ -18,9 +18,8 @@ Per update (the follower's reports): rows and bytes read, seconds from the poll 
 seconds serving was blocked, lag from commit to served. Changed bytes: the rows changed
 since the served step (``list_checkpoints``' ``rows_changed``, summed over the steps the
 update skips) x (the stored row + its int32 id). Freshness of a trained row: from its
-training step to served. An update serves the rows trained between the ``save()`` of the
-step served before it and its own step's; the oldest of them waited ``served_at -
-saved_at(previous)`` (the worst), the middle one half-way. Blocked time is compared with a
+training step to served (the middle row of an update, and the worst: see
+:func:`cnr_train.serve.freshness`, which ``make demo`` prints too). Blocked time is compared with a
 memcpy of the update's changed bytes.
 """
 
@@ -34,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,9 @@ import torch
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import QUANTS, memcpy_s, s3_bucket, s3_server
 from benchmarks.results import Column, Goal, Table
+from cnr_train.serve import freshness
 from torchrec_cnr import CheckpointInfo, list_checkpoints, quantize
+from torchrec_cnr.serving import UpdateReport
 
 CONFIG = "configs/serving.yaml"
 POLICIES = ("consecutive", "intermittent")
@@ -132,24 +134,21 @@ def _one_run(b: Bench, storage: str, policy: str, served: str) -> dict[str, Any]
 
 
 def _summarise(m: dict[str, Any], infos: list[CheckpointInfo], row: int) -> dict[str, Any]:
-    """Per incremental update: changed rows and bytes, bytes over them, freshness and the
-    memcpy of its changed bytes; medians and worst cases over the run."""
-    by_step = {i.step: i for i in infos}
+    """Per incremental update: changed rows and bytes, bytes over them, freshness (the
+    serving process's own figure, :func:`cnr_train.serve.freshness`) and the memcpy of its
+    changed bytes; medians and worst cases over the run."""
+    reports = [UpdateReport(**r) for r in m["update_reports"]]
+    fresh = {f["step"]: f for f in freshness(reports, infos)}
     updates = []
-    prev: CheckpointInfo | None = None
-    for r in m["update_reports"]:
-        info = by_step[r["step"]]
-        served_at = info.committed_at + r["lag_s"]
-        if prev is not None and not r["cold"]:
-            skipped = [i for i in infos if prev.step < i.step <= info.step]
-            rows = sum(i.rows_changed or 0 for i in skipped)
-            oldest = served_at - (prev.saved_at or prev.committed_at)
-            newest = served_at - (info.saved_at or info.committed_at)
-            updates.append({**r, "changed_rows": rows, "changed_bytes": rows * row,
-                            "read_over_changed": r["bytes_read"] / max(1, rows * row),
-                            "fresh_worst_s": oldest, "fresh_mid_s": (oldest + newest) / 2,
-                            "memcpy_s": memcpy_s(rows * row)})  # fmt: skip
-        prev = info
+    for prev, r in zip(reports, reports[1:]):
+        if r.step not in fresh:
+            continue
+        rows = sum(i.rows_changed or 0 for i in infos if prev.step < i.step <= r.step)
+        updates.append({**asdict(r), "changed_rows": rows, "changed_bytes": rows * row,
+                        "read_over_changed": r.bytes_read / max(1, rows * row),
+                        "fresh_mid_s": fresh[r.step]["mid_s"],
+                        "fresh_worst_s": fresh[r.step]["worst_s"],
+                        "memcpy_s": memcpy_s(rows * row)})  # fmt: skip
     if not updates:
         raise RuntimeError("no incremental update was served: train longer (--steps)")
 
@@ -162,14 +161,14 @@ def _summarise(m: dict[str, Any], infos: list[CheckpointInfo], row: int) -> dict
     intervals = [b.committed_at - a.committed_at for a, b in zip(infos, infos[1:])]
     return {
         "commits": len(infos),
-        "served_commits": len({r["step"] for r in m["update_reports"]}),
+        "served_commits": len({r.step for r in reports}),
         "last_served": m["served_step"] == infos[-1].step,
         "interval_s": statistics.median(intervals) if intervals else None,
         "served_requests": m["requests"],
         "checked_requests": m["checked_requests"],
         "torn_requests": m["torn_requests"],
         "torn_examples": m["torn_examples"],
-        "cold_s": next((r["seconds"] for r in m["update_reports"] if r["cold"]), None),
+        "cold_s": next((r.seconds for r in reports if r.cold), None),
         "update_s": med("seconds"),
         "update_s_max": worst("seconds"),
         "lag_s": med("lag_s"),

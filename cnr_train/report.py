@@ -148,6 +148,7 @@ def serving_lines(serve: dict[str, Any]) -> list[str]:
         answered += f" (at {serve['request_steps']} served steps, median {1e3 * latency:.0f} ms)"
     rows = [  # name, format, scale, the result's median and max
         ("lag behind training (commit to served)", "{:.2f} s", 1, "lag_median_s", "lag_max_s"),
+        ("freshness (row trained to served)", "{:.2f} s", 1, "fresh_median_s", "fresh_max_s"),
         ("serving blocked per update", "{:.1f} ms", 1e3, "blocked_median_s", "blocked_max_s"),
         (
             "rows read per incremental update",
@@ -172,6 +173,8 @@ def serving_lines(serve: dict[str, Any]) -> list[str]:
         f"|{'-' * 40}|{'-' * 12}|{'-' * 12}|",
     ]
     for name, fmt, scale, *keys in rows:
+        if any(serve.get(k) is None for k in keys):
+            continue  # no incremental update to measure it on
         median, most = (fmt.format(scale * serve[k]) for k in keys)
         lines.append(f"| {name:<38} | {median:>10} | {most:>10} |")
     lines.append(

@@ -40,13 +40,14 @@ from torchrec_cnr import (
     FloatTarget,
     Follower,
     QuantizedTarget,
+    list_checkpoints,
     root_info,
     shutdown,
 )
-from torchrec_cnr.serving import ServingTarget
+from torchrec_cnr.serving import ServingTarget, UpdateReport
 from torchrec_cnr.storage import Storage, open_storage
 
-__all__ = ["RequestLoop", "Server", "StepRows", "serving_model", "serving_target"]
+__all__ = ["RequestLoop", "Server", "StepRows", "freshness", "serving_model", "serving_target"]
 
 DTYPES: dict[ServeDtype, torch.dtype | None] = {
     "fp32": None,
@@ -215,6 +216,32 @@ def _full_reload_bytes(latest: CheckpointInfo) -> int:
     return tables + dense
 
 
+def freshness(reports: list[UpdateReport], infos: list[CheckpointInfo]) -> list[dict[str, float]]:
+    """How long trained rows waited to be served, per incremental update.
+
+    An update serves the rows trained between the ``save()`` of the step served before it
+    and its own step's save: the oldest waited ``served_at - saved_at(previous)`` (the
+    worst), the newest ``served_at - saved_at(step)``, the middle one half-way (the median
+    row, rows being trained evenly). Cold updates and checkpoints without ``saved_at`` are
+    left out.
+
+    Returns:
+        ``{"step", "served_at", "mid_s", "worst_s"}`` per update.
+    """
+    by_step = {i.step: i for i in infos}
+    out = []
+    for before, r in zip(reports, reports[1:]):
+        prev, info = by_step.get(before.step), by_step.get(r.step)
+        if r.cold or prev is None or info is None or None in (prev.saved_at, info.saved_at):
+            continue
+        assert prev.saved_at is not None and info.saved_at is not None
+        served_at = info.committed_at + r.lag_s
+        worst, newest = served_at - prev.saved_at, served_at - info.saved_at
+        out.append({"step": r.step, "served_at": served_at, "mid_s": (worst + newest) / 2,
+                    "worst_s": worst})  # fmt: skip
+    return out
+
+
 def _done(storage: Storage, since: float) -> dict[str, Any] | None:
     """The job's done marker, if written after ``since`` (an older one is an earlier run's)."""
     got = storage.read(DONE_MARKER)
@@ -330,6 +357,7 @@ class Server:
         lags = [r.lag_s for r in reports]
         blocked = [r.blocked_s for r in reports]
         latencies = self.requests.latencies_s if self.requests else []
+        fresh = freshness(reports, list_checkpoints(self.storage))
         return {
             "root": self.root,
             "dtype": self.config.serve.dtype,
@@ -348,6 +376,8 @@ class Server:
             "full_reload_bytes": _full_reload_bytes(latest),
             "rows_per_update_median": statistics.median(r.rows for r in warm),
             "rows_per_update_max": max(r.rows for r in warm),
+            "fresh_median_s": statistics.median(f["mid_s"] for f in fresh) if fresh else None,
+            "fresh_max_s": max(f["worst_s"] for f in fresh) if fresh else None,
             "blocked_median_s": statistics.median(blocked),
             "blocked_max_s": max(blocked),
             "requests": len(latencies),
