@@ -294,8 +294,8 @@ class Follower:
 
         Raises:
             ValueError: no committed checkpoint has ``step`` (retention may have removed
-                it); nothing changed.
-            CnrError: the accept gate refused that step; nothing changed.
+                it); the served step did not change (the follower is pinned to it).
+            CnrError: the accept gate refused that step; likewise.
         """
         with self._updating:
             self._pinned = True
@@ -333,7 +333,7 @@ class Follower:
         loaded = load_committed(
             lambda: Manifest.load(self.storage),
             step,
-            lambda manifest, entry: self._read(manifest, entry, pinned=step is not None),
+            lambda manifest, entry: self._read(manifest, entry, asked=step is not None),
             self.storage.url,
         )
         update = None if loaded is None else loaded[1]
@@ -379,8 +379,10 @@ class Follower:
         self.reports.append(report)
         return report.step
 
-    def _read(self, manifest: Manifest, latest: Entry, pinned: bool) -> PendingUpdate | None:
-        if not pinned and self.refused and self.refused[-1].checkpoint == latest.id:
+    def _read(self, manifest: Manifest, latest: Entry, asked: bool) -> PendingUpdate | None:
+        """The update to ``latest``, read and ready; ``None`` if it is served already, or
+        was refused and is not ``asked`` for by step."""
+        if not asked and self.refused and self.refused[-1].checkpoint == latest.id:
             return None  # refused already: wait for the next commit
         chain = ChainReader(self.storage, manifest, latest, self._io, verify=False)
         slots = {
