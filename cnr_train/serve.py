@@ -2,9 +2,9 @@
 root and answers requests while the job trains.
 
 It builds the job's DLRM unsharded on CPU, quantizes its tables with TorchRec
-(``quantize_embeddings``, ``serve.dtype``) unless it serves fp32, and keeps it at the root's latest committed
-step with a :class:`torchrec_cnr.Follower` polling every ``serve.interval_s``: each
-update reads only the rows changed since the served step. A request thread answers
+(``quantize_embeddings``, ``serve.dtype``) unless it serves fp32, and keeps it at the
+root's latest committed step with a :class:`torchrec_cnr.Follower` polling every
+``serve.interval_s``: each update reads only the rows changed since the served step. A request thread answers
 held-out batches of the job's data stream at ``serve.requests_per_s``, each forward
 under ``follower.serving()``, so it sees one committed step; with ``serve.step_rows`` each
 request also checks that it does (see :class:`cnr_train.config.ServeConfig`).
