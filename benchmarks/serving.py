@@ -175,6 +175,8 @@ def _summarise(m: dict[str, Any], infos: list[CheckpointInfo], row: int) -> dict
         "lag_s_max": worst("lag_s"),
         "fresh_s": med("fresh_mid_s"),
         "fresh_s_max": worst("fresh_worst_s"),
+        "probe_fresh_s": m["probe_fresh_median_s"],
+        "probe_fresh_s_max": m["probe_fresh_max_s"],
         "blocked_s": med("blocked_s"),
         "blocked_s_max": worst("blocked_s"),
         "blocked_over_memcpy": med("blocked_s") / max(med("memcpy_s"), 1e-9),
@@ -234,13 +236,16 @@ def tables(m: dict[str, Any]) -> list[Table]:
                 "interval s": "interval_s",
                 "fresh s (median)": "fresh_s",
                 "fresh s (worst)": "fresh_s_max",
+                "step row first read s": "probe_fresh_s",
+                "(worst)": "probe_fresh_s_max",
                 "lag s (median)": "lag_s",
                 "lag s (worst)": "lag_s_max",
             },
             "A torn request read rows of another step than follower.step named. Interval: "
             "median seconds between commits. Fresh: from a row's training step to served "
             "(the middle row of an update; the worst, trained right after the previous "
-            "served save). Lag: commit to served.",
+            "served save). Step row first read: from the save of a step to the first request "
+            "that read the rows the job wrote at it (median, worst). Lag: commit to served.",
         ),
         Table.of(
             "Per update (median; worst where marked)",

@@ -96,12 +96,15 @@ class StepRows:
         self.torn: list[dict[str, Any]] = []
         """Up to 20 requests that saw another step: the named step and each table's."""
         self.torn_count = 0
+        self.first_seen: dict[int, float] = {}
+        """Step -> when a request first read its rows (seconds since the epoch)."""
 
     def check(self, step: int | None) -> None:
         if step is None:
             return
         seen = {k: self.target.read_rows(k, rows)[0] for k, rows in self.last.items()}
         self.checked += 1
+        self.first_seen.setdefault(step, time.time())
         # Steps are integers: a row within half of one holds the step (an int2 row of one
         # repeated value dequantizes to it up to fp16's bias).
         if any(float((row - step).abs().max()) >= 0.5 for row in seen.values()):
@@ -357,7 +360,8 @@ class Server:
         lags = [r.lag_s for r in reports]
         blocked = [r.blocked_s for r in reports]
         latencies = self.requests.latencies_s if self.requests else []
-        fresh = freshness(reports, list_checkpoints(self.storage))
+        infos = list_checkpoints(self.storage)
+        fresh = freshness(reports, infos)
         return {
             "root": self.root,
             "dtype": self.config.serve.dtype,
@@ -385,17 +389,23 @@ class Server:
             "request_latency_median_s": statistics.median(latencies) if latencies else None,
             "request_latency_max_s": max(latencies) if latencies else None,
             "eval_batches": self.config.eval.batches,
-            **self._probed(),
+            **self._probed(infos),
             "update_reports": [asdict(r) for r in reports],
         }
 
-    def _probed(self) -> dict[str, Any]:
+    def _probed(self, infos: list[CheckpointInfo]) -> dict[str, Any]:
+        """The probe's counts, and for each step a request read: from the save that wrote
+        its rows (the step's rows are written just before it) to that first read."""
         if self.probe is None:
             return {}
+        saved = {i.step: i.saved_at for i in infos if i.saved_at is not None}
+        waits = [t - saved[s] for s, t in self.probe.first_seen.items() if s in saved]
         return {
             "checked_requests": self.probe.checked,
             "torn_requests": self.probe.torn_count,
             "torn_examples": self.probe.torn,
+            "probe_fresh_median_s": statistics.median(waits) if waits else None,
+            "probe_fresh_max_s": max(waits) if waits else None,
         }
 
     def _trained_auc(self) -> float | None:
