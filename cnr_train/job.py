@@ -178,14 +178,15 @@ def _restore_check(config: JobConfig, t: Trainer, latest: CheckpointInfo) -> dic
         )
         fresh.ckpt.close()
         return {}
-    ok, err = check_restore(t.model, fresh.model, latest, config.checkpoint.quantize)
+    chain = [i for i in root_info(config.checkpoint.path).checkpoints if i.step in latest.chain]
+    ok, err = check_restore(t.model, fresh.model, chain, config.checkpoint.quantize)
     fresh.ckpt.close()
-    quantized = any(t.method != "none" for t in latest.tables.values())
+    quantized = any(t.method != "none" for i in chain for t in i.tables.values())
     if not quantized:
         verdict = "bit-exact" if ok else "MISMATCH"
     else:
         verdict = (
-            "every row is the quantizer's round trip of the live row, state bit-exact"
+            "every row as stored (the quantizer's round trip of the live row), state bit-exact"
             if ok
             else "MISMATCH"
         ) + f"; max abs error {err:.3g}"

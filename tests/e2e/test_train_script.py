@@ -82,7 +82,9 @@ def test_quantized_demo_restores_the_quantizer_round_trip_and_draws_the_bytes(
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rows stored as adaptive 2-bit" in proc.stdout, proc.stdout
-    assert "every row is the quantizer's round trip of the live row, state bit-exact" in proc.stdout
+    assert "every row as stored (the quantizer's round trip of the live row), state bit-exact" in (
+        proc.stdout
+    )
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert metrics["restore_checked"] and not metrics["restore_exact"]
     assert metrics["written_reduction"] > 1 and metrics["stored_reduction"] > 1
