@@ -248,10 +248,11 @@ def run(config: JobConfig) -> dict[str, Any]:
         mininterval=1,
     )
     began, loss = time.perf_counter(), float("nan")
+    probed = job_tables(config) if config.serve.step_rows else []
     for step in range(start + 1, config.train.steps + 1):
         loss = train_step(t.model, t.opt, t.data.next(rank))
-        if config.serve.step_rows:
-            write_step_rows(t.model, job_tables(config), step)
+        if probed:
+            write_step_rows(t.model, probed, step)
         if t.ckpt.maybe_save(step):
             bar.set_postfix(loss=f"{loss:.4f}", ckpt=step)
         bar.update(1)

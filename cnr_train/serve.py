@@ -4,10 +4,11 @@ root and answers requests while the job trains.
 It builds the job's DLRM unsharded on CPU, quantizes its tables with TorchRec
 (``quantize_embeddings``, ``serve.dtype``) unless it serves fp32, and keeps it at the
 root's latest committed step with a :class:`torchrec_cnr.Follower` polling every
-``serve.interval_s``: each update reads only the rows changed since the served step. A request thread answers
-held-out batches of the job's data stream at ``serve.requests_per_s``, each forward
-under ``follower.serving()``, so it sees one committed step; with ``serve.step_rows`` each
-request also checks that it does (see :class:`cnr_train.config.ServeConfig`).
+``serve.interval_s``: each update reads only the rows changed since the served step. A
+request thread answers held-out batches of the job's data stream at
+``serve.requests_per_s``, each forward under ``follower.serving()``, so it sees one
+committed step; with ``serve.step_rows`` each request also checks that it does (see
+:class:`cnr_train.config.ServeConfig`).
 
 When the job writes its done marker (:data:`cnr_train.job.DONE_MARKER`), the process
 stops the requests and the follower, polls once more, checks that it serves the last
@@ -235,9 +236,10 @@ def freshness(reports: list[UpdateReport], infos: list[CheckpointInfo]) -> list[
     out = []
     for before, r in zip(reports, reports[1:]):
         prev, info = by_step.get(before.step), by_step.get(r.step)
-        if r.cold or prev is None or info is None or None in (prev.saved_at, info.saved_at):
+        if r.cold or prev is None or info is None:
             continue
-        assert prev.saved_at is not None and info.saved_at is not None
+        if prev.saved_at is None or info.saved_at is None:
+            continue
         served_at = info.committed_at + r.lag_s
         worst, newest = served_at - prev.saved_at, served_at - info.saved_at
         out.append({"step": r.step, "served_at": served_at, "mid_s": (worst + newest) / 2,

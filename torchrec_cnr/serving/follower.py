@@ -159,8 +159,8 @@ def finite_rows(update: PendingUpdate) -> str | None:
     bad: list[str] = []
     for key, ids, rows in update.rows:
         values = rows.values if rows.values is not None else rows.dequantize()
-        if values.numel() and not bool(torch.isfinite(values).all()):
-            finite = torch.isfinite(values).all(dim=1)
+        finite = torch.isfinite(values).all(dim=1)
+        if not bool(finite.all()):
             bad.append(f"{key} rows {ids[~finite][:5].tolist()}")
     bad += [name for name, t in update.dense.items() if not bool(torch.isfinite(t).all())]
     return None if not bad else "non-finite values in " + ", ".join(bad)

@@ -27,9 +27,10 @@ class FollowerCollector:
     """Collects one follower's figures, labelled ``root``.
 
     Gauges: ``served_step``, ``pinned`` and the last update's ``last_lag_seconds``,
-    ``last_update_seconds``, ``last_blocked_seconds``, ``last_update_rows`` and
-    ``last_update_bytes``, ``last_update_requests``. Counters (``_total``): ``updates``, ``rows``, ``read_bytes``,
-    ``blocked_seconds``, ``refused_updates`` (the accept gate's) and ``failed_polls``.
+    ``last_update_seconds``, ``last_blocked_seconds``, ``last_update_rows``,
+    ``last_update_bytes`` and ``last_update_requests``. Counters (``_total``): ``updates``,
+    ``rows``, ``read_bytes``, ``blocked_seconds``, ``refused_updates`` (the accept gate's)
+    and ``failed_polls``.
     """
 
     def __init__(self, follower: Follower, prefix: str = "cnr_follower") -> None:

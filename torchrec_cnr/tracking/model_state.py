@@ -79,14 +79,17 @@ def write_rows(model: nn.Module, table: str, rows: torch.Tensor, values: torch.T
         ValueError: no rank holds a row-tracked shard of that table, or ``values`` of the
             wrong shape.
     """
-    names = {n for prefix, t in trackers(model).items() for n in t.sharded_tables(prefix)}
-    if not any(table in (n, n.rsplit(".", 1)[-1]) for n in names):
+
+    def named(qualified: str) -> bool:
+        return table in (qualified, qualified.rsplit(".", 1)[-1])
+
+    found = trackers(model)
+    names = {n for prefix, t in found.items() for n in t.sharded_tables(prefix)}
+    if not any(named(n) for n in names):
         raise ValueError(
             f"no tracked shard of table {table!r}: the row-tracked tables are {sorted(names)}"
         )
-    shards = [
-        s for s in local_shards(model) if table in (s.spec.table, s.spec.table.rsplit(".", 1)[-1])
-    ]
+    shards = [s for prefix, t in found.items() for s in t.shards(prefix) if named(s.spec.table)]
     if shards and values.shape != (rows.numel(), shards[0].spec.embedding_dim):
         raise ValueError(
             f"values of shape {tuple(values.shape)} for {rows.numel()} rows of {table!r} "
