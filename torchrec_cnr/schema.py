@@ -219,7 +219,7 @@ class Format:
 FP32 = Format("none", 32)
 
 
-Recent = Literal["stored", "ids", "unknown"]
+Recent = Literal["stored", "ids", "tail", "unknown"]
 
 
 def dtype_name(t: torch.Tensor) -> str:
@@ -261,10 +261,12 @@ class ShardRecord:
     """Stored name -> CRC32."""
     recent: Recent = "unknown"
     """Which stored rows changed since the previous checkpoint (the entry's ``since``):
-    ``stored`` every one, ``ids`` those the ``<key>.recent`` tensor lists, ``unknown`` not
-    recorded (format 3 and older): any row may have."""
+    ``stored`` every one; ``ids`` those the ``<key>.recent`` tensor lists (ascending),
+    stored anywhere among the others; ``tail`` likewise, stored last: the last
+    ``recent_rows`` stored rows, ascending, after the others, ascending (format 5, a
+    cumulative delta); ``unknown`` not recorded (format 3 and older): any row may have."""
     recent_rows: int = 0
-    """How many ids the ``<key>.recent`` tensor holds (``ids`` only)."""
+    """How many ids the ``<key>.recent`` tensor holds (``ids`` and ``tail``)."""
 
     weight_name = staticmethod(stored_weight)
     part_name = staticmethod(stored_part)
@@ -367,12 +369,14 @@ class IntervalDecision:
 
 # -- the manifest -----------------------------------------------------------------------
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """2: optimizer states by FBGEMM name with layout and dtype, and the kernels' step counters.
 3: a checksum of the manifest itself, the writer generation that may commit, each table's key
 in the unsharded module's state dict, and compacted checkpoints (``compacted_from``).
 4: which rows changed since the previous checkpoint (``Entry.since``, ``ShardRecord.recent``
-and a ``<key>.recent`` tensor), so that a serving follower reads only those."""
+and a ``<key>.recent`` tensor), so that a serving follower reads only those.
+5: a cumulative delta stores those rows last (``ShardRecord.recent == "tail"``), so that a
+follower one checkpoint behind reads them in one run, whatever their ids."""
 
 # Version 1 named each shard's states state0, state1, ... in FBGEMM's order.
 _V1_STATE_ORDER = {

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -108,6 +109,101 @@ def test_a_follower_reads_only_changed_rows_and_each_row_once_when_behind(root: 
     # Each changed row is read once, not once per checkpoint that changed it.
     changed = [i.rows_changed or 0 for i in list_checkpoints(root) if i.step > 4]
     assert max(changed) <= report.rows < sum(changed)
+    follower.close()
+
+
+_INTERMITTENT_TABLES = [("a", 20000, "table_wise"), ("b", 20001, "row_wise")]
+
+
+def _intermittent_tables() -> list[Any]:
+    from cnr_train.workload import TableSpec
+
+    return [TableSpec(name, rows, 16, layout) for name, rows, layout in _INTERMITTENT_TABLES]
+
+
+def _intermittent(root: str) -> None:
+    from tests.jobs import make_job
+
+    job = make_job(_intermittent_tables(), root, seed=1, policy="intermittent", batch_size=64,
+                   alpha=1.05)  # fmt: skip
+    for step in range(2, 17, 2):
+        job.train(2)
+        job.ckpt.save(step)
+    job.ckpt.close()
+
+
+def _runs(positions: torch.Tensor) -> int:
+    """Runs of consecutive stored rows among ascending ``positions``."""
+    return 1 + int((positions[1:] != positions[:-1] + 1).sum()) if positions.numel() else 0
+
+
+@pytest.mark.dist
+def test_one_checkpoint_behind_a_cumulative_delta_costs_the_requests_of_a_consecutive_one(
+    root: str,
+) -> None:
+    """Format 5: the rows changed since the served checkpoint are read as one run per
+    stored tensor, however they lie among the delta's other rows."""
+    from cnr_train.serve import serving_model
+    from torchrec_cnr.restore.chain import ChainReader
+
+    run_ranks(2, _intermittent, root)
+    entries = Manifest.load(root).checkpoints
+    assert [e.kind for e in entries[:2]] == ["full", "delta"]
+    served = serving_model(_intermittent_tables(), 4, "fp32")
+    follower = Follower(root, FloatTarget(served))
+    first: int | None = None
+    scattered = tails = 0
+    for before, after in zip(entries, entries[1:]):
+        follower.pin(before.step)
+        follower.pin(after.step)
+        report = follower.reports[-1]
+        assert not report.cold and report.step == after.step
+        want = export_state_dict(root, after.step)
+        got = _served(served)
+        assert all(torch.equal(v, got[k]) for k, v in want.items()), after.step
+        if after.kind != "delta":
+            continue
+        records = [r for r in after.shards if r.recent == "tail" and r.recent_rows]
+        if first is None:  # the first delta stores exactly its changes: contiguous
+            assert not records
+            first = report.requests
+            continue
+        tails = max(tails, len(records))
+        # Two requests per tail at most: its ids, and its rows (a piece boundary may split
+        # them); the old layout needed one per run of changed rows among the others.
+        assert report.requests <= first + 2 * len(records), (after.step, report.requests, first)
+        with ChainReader.open(root, after.step) as chain:
+            n = len(chain.links) - 1
+            for rec in records:
+                ids = chain.saved_ids(n, rec)
+                recent = ids[rec.saved_rows - rec.recent_rows :]
+                scattered += _runs(torch.searchsorted(torch.sort(ids).values, recent))
+    assert tails and scattered > 20 * tails, "the changed rows must lie scattered"
+    follower.close()
+
+
+def test_a_format_4_root_is_followed_and_read_as_it_was_written(tmp_path: Path) -> None:
+    """``tests/data/format_v4``: an intermittent root written before cumulative deltas
+    stored their changes last (2 ranks, tables a: 600 x 8 table-wise, c: 401 x 8
+    row-wise), with what ``export_state_dict`` gave at each step then."""
+    import shutil
+
+    from cnr_train.serve import serving_model
+    from cnr_train.workload import TableSpec
+
+    data = Path(__file__).parents[1] / "data" / "format_v4"
+    root = str(shutil.copytree(data / "ckpt", tmp_path / "ckpt"))
+    expected = torch.load(data / "expected.pt", weights_only=True)
+    assert json.loads((data / "ckpt" / "manifest.json").read_text())["format_version"] == 4
+    tables = [TableSpec("a", 600, 8, "table_wise"), TableSpec("c", 401, 8, "row_wise")]
+    served = serving_model(tables, 4, "fp32")
+    follower = Follower(root, FloatTarget(served))
+    for step, want in sorted(expected.items()):
+        assert follower.pin(step) == step
+        got = _served(served)
+        assert all(torch.equal(v, got[k]) for k, v in want.items()), step
+        assert all(torch.equal(v, export_state_dict(root, step)[k]) for k, v in want.items())
+    assert not any(r.cold for r in follower.reports[1:])
     follower.close()
 
 

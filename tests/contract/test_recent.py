@@ -3,7 +3,8 @@
 For every policy, layout and a quantized root: between two consecutive committed
 checkpoints, every row whose restored value differs is among the rows the later one
 records as changed, and those are rows it stores. A restore that rewinds the job links
-the next checkpoint to the restored one.
+the next checkpoint to the restored one. Format 5: a cumulative delta stores those rows
+last, after the others, staged lazily or eagerly.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ TABLES = [
 ]
 
 
-def _train_and_save(root: str, policy: str, quantized: bool) -> None:
+def _train_and_save(root: str, policy: str, quantized: bool, staging: str = "lazy") -> None:
     quantize = (
         QuantizeConfig(method="adaptive", bits=4, min_rows=0) if quantized else QuantizeConfig()
     )
-    job = make_job(TABLES, root, seed=1, policy=policy, alpha=1.3, quantize=quantize)
+    job = make_job(
+        TABLES, root, seed=1, policy=policy, alpha=1.3, quantize=quantize, staging=staging
+    )
     for step in range(2, 13, 2):
         job.train(2)
         job.ckpt.save(step)
@@ -99,3 +102,35 @@ def test_a_checkpoint_after_a_restore_records_its_changes_since_the_restored_one
         new = read_table(root, name, 8)
         differ = torch.nonzero((old != new).any(dim=1)).flatten()
         assert bool(torch.isin(differ, changed.get(name, torch.empty(0))).all())
+
+
+def _ascending(ids: torch.Tensor) -> bool:
+    return bool((ids[1:] > ids[:-1]).all())
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "adaptive4"])
+@pytest.mark.parametrize("staging", ["lazy", "eager"])
+def test_a_cumulative_delta_stores_the_rows_changed_since_the_previous_checkpoint_last(
+    staging: str, quantized: bool, root: str
+) -> None:
+    run_ranks(2, _train_and_save, root, "intermittent", quantized, staging)
+    tails = 0
+    for entry in Manifest.load(root).checkpoints:
+        with ChainReader.open(root, entry.step) as chain:
+            last = len(chain.links) - 1
+            for rec in entry.shards:
+                if rec.saved_rows == 0:
+                    continue
+                ids = chain.saved_ids(last, rec)
+                if rec.recent != "tail":
+                    assert _ascending(ids), (entry.step, rec.key, rec.recent)
+                    continue
+                assert entry.kind == "delta" and not rec.all_rows
+                recent = chain.tensor(last, rec.spec.rank, rec.recent_name).to(torch.int64)
+                start = rec.saved_rows - rec.recent_rows
+                assert torch.equal(ids[start:], recent)
+                assert _ascending(ids[:start]) and _ascending(recent)
+                assert not bool(torch.isin(ids[:start], recent).any())
+                tails += int(0 < start)
+    assert tails > 0, "the test must see cumulative deltas with rows changed earlier"

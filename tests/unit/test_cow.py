@@ -27,7 +27,9 @@ def lib() -> ctypes.CDLL:
 class _Table:
     """A live shard (weight and a per-row state, or a strided view) and its staging."""
 
-    def __init__(self, rows: int, dim: int, seed: int, strided: bool, fraction: float) -> None:
+    def __init__(
+        self, rows: int, dim: int, seed: int, strided: bool, fraction: float, tail: bool = False
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         wide = torch.randn(rows, dim + (3 if strided else 0), generator=g)
         self.weight = wide[:, :dim] if strided else wide
@@ -35,11 +37,18 @@ class _Table:
         held = torch.rand(rows, generator=g) < fraction
         self.rows = held.nonzero().flatten() if fraction < 1 else None
         n = rows if self.rows is None else self.rows.numel()
-        self.selected = None
+        self.selected = self.tail = None
         if self.rows is not None:
             words = bitmap.from_mask(held)
             counts = bitmap.popcounts(words)
             self.selected = (words, torch.cumsum(counts, 0) - counts)
+        if tail and self.rows is not None:
+            # A cumulative delta: the held rows changed since the last checkpoint go last.
+            last = held & (torch.rand(rows, generator=g) < 0.4)
+            bits = bitmap.from_mask(last)
+            counts = bitmap.popcounts(bits)
+            self.rows = torch.cat([(held & ~last).nonzero().flatten(), last.nonzero().flatten()])
+            self.tail = (bits, torch.cumsum(counts, 0) - counts, n - int(last.sum()))
         self.staged_weight = torch.zeros(n, dim)
         self.staged_state = torch.zeros(n)
         self.claims = torch.zeros(cow.claim_words(n), dtype=torch.int64)
@@ -53,7 +62,7 @@ class _Table:
 
     def args(self, base: int) -> cow.Rows:
         pairs = [(self.weight, self.staged_weight), (self.state, self.staged_state)]
-        return cow.Rows(pairs, self.weight.shape[0], base, self.selected, self.claims)
+        return cow.Rows(pairs, self.weight.shape[0], base, self.selected, self.claims, self.tail)
 
 
 def _race(lib: ctypes.CDLL, tables: list[_Table], seed: int) -> int:
@@ -101,11 +110,15 @@ def _race(lib: ctypes.CDLL, tables: list[_Table], seed: int) -> int:
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("strided", [False, True])
-@pytest.mark.parametrize("fraction", [1.0, 0.3])
+@pytest.mark.parametrize("fraction", [1.0, 0.3, "tail"])
 def test_racing_copiers_stage_every_row_once_as_it_was(
-    lib: ctypes.CDLL, seed: int, strided: bool, fraction: float
+    lib: ctypes.CDLL, seed: int, strided: bool, fraction: float | str
 ) -> None:
-    tables = [_Table(rows, 16, seed * 10 + i, strided, fraction)
+    """``tail``: a cumulative delta, whose rows changed since the previous checkpoint are
+    staged after the others (format 5)."""
+    tail = fraction == "tail"
+    share = 0.3 if tail else float(fraction)
+    tables = [_Table(rows, 16, seed * 10 + i, strided, share, tail)
               for i, rows in enumerate((2000, 130, 777))]  # fmt: skip
     copied = _race(lib, tables, seed)
     assert copied == sum(t.n for t in tables), "a row was copied twice, or not at all"

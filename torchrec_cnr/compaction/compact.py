@@ -129,7 +129,7 @@ def _compact_record(
         decoded, states = _merge_decoded(chain, target, sources)
         values, fmt = {"": decoded}, FP32
     recent: torch.Tensor | None | Literal["unknown"] = "unknown"
-    if target.recent == "ids":
+    if target.recent in ("ids", "tail"):
         recent = chain.tensor(len(chain.links) - 1, target.spec.rank, target.recent_name)
     elif target.recent == "stored":
         # Every row the last link stored changed; the compacted record stores them all.

@@ -9,7 +9,9 @@ Stored names of one shard ``key`` (:mod:`torchrec_cnr.schema` spells them;
 
 - ``<key>.w``: fp32 rows, when the table is not quantized;
 - ``<key>.w.<part>``: quantized rows, parts as ``QuantizedRows.to_tensors()`` names them;
-- ``<key>.ids``: global row ids, absent when all rows are stored;
+- ``<key>.ids``: global row ids in stored order, absent when all rows are stored; a
+  cumulative delta stores the rows modified since the previous checkpoint last (format
+  5), so its ids are two ascending runs;
 - ``<key>.<state>``: an optimizer state, by FBGEMM name;
 - ``<key>.recent``: global ids of the stored rows modified since the previous checkpoint,
   absent when every stored row was (format 4).
@@ -61,6 +63,7 @@ def build_record(
     scalars: dict[str, float],
     fmt: Format,
     recent: torch.Tensor | None | Literal["unknown"] = None,
+    tail: bool = False,
 ) -> tuple[ShardRecord, dict[str, torch.Tensor]]:
     """The manifest record of a shard stored under ``key``, and its tensors by stored name.
 
@@ -70,6 +73,7 @@ def build_record(
         ids: ``(n,)`` global row ids; ``None`` when every row of the shard is stored.
         recent: ``(k,)`` global ids of the stored rows that changed since the previous
             checkpoint; ``None`` when every stored row did; ``"unknown"``.
+        tail: the last ``len(recent)`` stored rows are those (a ``tail`` record).
     """
     parts = [] if fmt == FP32 else list(values)
     tensors = {
@@ -96,7 +100,15 @@ def build_record(
         format=fmt,
         parts=parts,
         nbytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-        recent="unknown" if isinstance(recent, str) else "stored" if recent is None else "ids",
+        recent=(
+            "unknown"
+            if isinstance(recent, str)
+            else "stored"
+            if recent is None
+            else "tail"
+            if tail
+            else "ids"
+        ),
         recent_rows=int(recent.numel()) if isinstance(recent, torch.Tensor) else 0,
     )
     return record, tensors
@@ -149,6 +161,7 @@ def encode_shard(
         scalars=staged.scalars,
         fmt=fmt,
         recent=staged.recent,
+        tail=staged.tail,
     )
     return EncodedShard(tensors, record)
 

@@ -110,8 +110,8 @@ class ShardWriter:
             else:  # a further chunk of the same shard
                 known.saved_rows += encoded.record.saved_rows
                 known.nbytes += encoded.record.nbytes
-                if encoded.record.recent == "ids":  # the first chunk carries them
-                    known.recent = "ids"
+                if encoded.record.recent in ("ids", "tail"):  # the first chunk carries them
+                    known.recent = encoded.record.recent
                     known.recent_rows = encoded.record.recent_rows
 
     def add(self, shard: StagedShard, row0: int = 0, total: int | None = None) -> None:

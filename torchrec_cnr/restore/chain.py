@@ -152,6 +152,35 @@ class ChainReader:
             return torch.arange(ss.row_offset, ss.row_offset + ss.rows)
         return self.tensor(n, ss.rank, rec.ids_name(rec.key)).to(torch.int64)
 
+    def locate(
+        self, n: int, rec: ShardRecord, wanted: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Which of ``wanted`` (ascending global ids) ``rec`` (of link ``n``) stores, and
+        where: ``(ids, positions)`` pieces, each ascending in both.
+
+        A ``tail`` record's rows changed since the previous checkpoint are found in its
+        small ``recent`` tensor, stored last; its other ids are read only if some wanted
+        rows are not among those (a follower more than one checkpoint behind).
+        """
+        pieces = []
+        saved: torch.Tensor | None = None
+        if rec.recent == "tail" and rec.recent_rows:
+            start = rec.saved_rows - rec.recent_rows
+            last = self.tensor(n, rec.spec.rank, rec.recent_name).to(torch.int64)
+            hit, at = _search(last, wanted)
+            if bool(hit.any()):
+                pieces.append((wanted[hit], start + at[hit]))
+                wanted = wanted[~hit]
+            if wanted.numel():
+                saved = self.saved_ids(n, rec)[:start]  # the others, ascending
+        elif wanted.numel():
+            saved = self.saved_ids(n, rec)
+        if saved is not None and saved.numel():
+            hit, at = _search(saved, wanted)
+            if bool(hit.any()):
+                pieces.append((wanted[hit], at[hit]))
+        return pieces
+
     def hold(self, n: int, rank: int, name: str) -> torch.Tensor:
         """Reads a stored tensor of link ``n`` and keeps it in memory."""
         tensor = self.readers[n].rows(rank, name)
@@ -177,3 +206,11 @@ class ChainReader:
     def app_state(self, rank: int) -> bytes:
         """The serialized ``app_state`` of ``rank``, from the chain's last link."""
         return self.readers[-1].app_state(rank)
+
+
+def _search(ids: torch.Tensor, wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether each of ``wanted`` is in ``ids`` (both ascending), and where."""
+    if ids.numel() == 0:
+        return torch.zeros(wanted.numel(), dtype=torch.bool), wanted.new_zeros(wanted.numel())
+    at = torch.searchsorted(ids, wanted).clamp_max(ids.numel() - 1)
+    return ids[at] == wanted, at

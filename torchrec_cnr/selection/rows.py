@@ -27,6 +27,7 @@ __all__ = [
     "resume_chain",
     "select_recent",
     "select_rows",
+    "tail_order",
 ]
 
 
@@ -73,6 +74,22 @@ def select_recent(
         whole = shard.spec.rows if stored is None else stored.numel()
         out.append(None if recent is None else recent_rows(recent, shard.spec.rows, whole))
     return out
+
+
+def tail_order(rows: torch.Tensor | None, recent: torch.Tensor | None) -> torch.Tensor | None:
+    """``rows`` (ascending local rows a delta stores) in the order it stores them: those
+    not in ``recent`` first, then ``recent``'s, each run ascending (a ``tail`` record), so
+    that a follower reads the rows changed since the previous checkpoint in one run.
+    ``rows`` as they are where there is no such tail (``recent`` is ``None``, or not all
+    stored)."""
+    if rows is None or recent is None or recent.numel() == 0:
+        return rows
+    at = torch.searchsorted(rows, recent).clamp_max(rows.numel() - 1)
+    if not bool(torch.equal(rows[at], recent)):
+        return rows
+    stale = torch.ones(rows.numel(), dtype=torch.bool, device=rows.device)
+    stale[at] = False
+    return torch.cat([rows[stale], recent])
 
 
 def recorded_recent(shard: LocalShard, decision: Decision) -> torch.Tensor | None:

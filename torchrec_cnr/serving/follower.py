@@ -189,14 +189,12 @@ def _read_table(
         for rec in chain.links[n].shards:
             if rec.spec.table != table or rec.saved_rows == 0 or not remaining.numel():
                 continue
-            saved = chain.saved_ids(n, rec)
-            at = torch.searchsorted(saved, remaining).clamp_max(saved.numel() - 1)
-            hit = saved[at] == remaining
-            if not bool(hit.any()):
-                continue
-            keep = at[hit]
-            pieces.append((remaining[hit], _stored(chain, n, rec, keep)))
-            remaining = remaining[~hit]
+            found = chain.locate(n, rec, remaining)
+            for ids, keep in found:
+                pieces.append((ids, _stored(chain, n, rec, keep)))
+            if found:
+                taken = torch.cat([ids for ids, _ in found])
+                remaining = remaining[~torch.isin(remaining, taken)]
     return pieces
 
 

@@ -92,7 +92,7 @@ def changed_since(chain: ChainReader, entry: Entry) -> dict[str, torch.Tensor] |
             return None
         if rec.saved_rows == 0:
             continue
-        if rec.recent == "ids":
+        if rec.recent in ("ids", "tail"):
             ids = reader.rows(ss.rank, rec.recent_name)
         elif rec.all_rows:
             ids = torch.arange(ss.row_offset, ss.row_offset + ss.rows)

@@ -32,7 +32,10 @@ typedef struct {
     int64_t base;             /* where its rows start in the positions lookups report */
     const uint64_t *selected; /* (ceil(rows/64),) bitmap of the rows held; NULL: all, slot = row */
     const int64_t *before;    /* (ceil(rows/64),) set bits of `selected` before each word */
-    const int64_t *slot_rows; /* (n,) local row of each slot, ascending; NULL: slot = row */
+    const uint64_t *tail;     /* bits of `selected` whose rows are stored last; NULL: none */
+    const int64_t *tail_before; /* (ceil(rows/64),) set bits of `tail` before each word */
+    int64_t stale;            /* slots before the tail: rows held and not in it */
+    const int64_t *slot_rows; /* (n,) local row of each slot; NULL: slot = row */
     uint64_t *claimed;        /* (ceil(n/64),) */
     uint64_t *done;           /* (ceil(n/64),) */
     int32_t arrays;           /* the weight and each optimizer state */
@@ -137,7 +140,13 @@ int64_t cnr_cow_lookup(const cnr_cow_shard *shards, int32_t count, const int64_t
             const int bit = (int)(local & 63);
             if (!((word >> bit) & 1))
                 continue;
-            slot = s->before[local >> 6] + __builtin_popcountll(word & ((1ull << bit) - 1));
+            const uint64_t below = (1ull << bit) - 1;
+            slot = s->before[local >> 6] + __builtin_popcountll(word & below);
+            if (s->tail != NULL) { /* held rows not in the tail first, then the tail's */
+                const uint64_t tw = s->tail[local >> 6];
+                const int64_t t = s->tail_before[local >> 6] + __builtin_popcountll(tw & below);
+                slot = (tw >> bit) & 1 ? s->stale + t : slot - t;
+            }
         }
         const int64_t w = slot >> 6;
         const uint64_t bit = 1ull << (slot & 63);
@@ -156,3 +165,6 @@ int64_t cnr_cow_lookup(const cnr_cow_shard *shards, int32_t count, const int64_t
 }
 
 int32_t cnr_cow_max_arrays(void) { return CNR_COW_MAX_ARRAYS; }
+
+/* Bumped whenever cnr_cow_shard changes, so that a stale build is refused. */
+int32_t cnr_cow_layout(void) { return 2; }

@@ -25,6 +25,9 @@ __all__ = ["MAX_ARRAYS", "Group", "Rows", "claim_words", "library", "supports"]
 MAX_ARRAYS = 8
 """A shard's weight and optimizer states, as many as ``_cow.c`` takes."""
 
+LAYOUT = 2
+"""``cnr_cow_layout()`` of the ``_cow.c`` this module speaks to."""
+
 _i64 = ctypes.c_int64
 
 
@@ -37,6 +40,9 @@ class _Shard(ctypes.Structure):
         ("base", _i64),
         ("selected", ctypes.c_void_p),
         ("before", ctypes.c_void_p),
+        ("tail", ctypes.c_void_p),
+        ("tail_before", ctypes.c_void_p),
+        ("stale", _i64),
         ("slot_rows", ctypes.c_void_p),
         ("claimed", ctypes.c_void_p),
         ("done", ctypes.c_void_p),
@@ -54,7 +60,10 @@ def _load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.cnr_cow_max_arrays.restype = ctypes.c_int32
-    if lib.cnr_cow_max_arrays() != MAX_ARRAYS:
+    layout = getattr(lib, "cnr_cow_layout", None)
+    if layout is not None:
+        layout.restype = ctypes.c_int32
+    if lib.cnr_cow_max_arrays() != MAX_ARRAYS or layout is None or layout() != LAYOUT:
         raise RuntimeError(f"{lib._name}: built for another layout; reinstall torchrec_cnr")
     lib.cnr_cow_range.restype = _i64
     lib.cnr_cow_range.argtypes = [ctypes.POINTER(_Shard), _i64, _i64]
@@ -103,6 +112,9 @@ class Rows(NamedTuple):
     every row."""
     claims: torch.Tensor
     """``(claim_words(n),)`` int64, zeroed: the claimed and copied bits of the staged rows."""
+    tail: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    """The bitmap of the staged rows stored last (a subset of ``selected``), its popcount
+    prefix and the number of staged rows before them; ``None``: rows in ascending order."""
 
 
 class Group:
@@ -118,7 +130,7 @@ class Group:
     def __init__(self, lib: ctypes.CDLL, shards: list[Rows]) -> None:
         self._lib = lib
         self._array = (_Shard * len(shards))()
-        for c, (pairs, rows, base, selected, claims) in zip(self._array, shards):
+        for c, (pairs, rows, base, selected, claims, tail) in zip(self._array, shards):
             assert supports(pairs), "staged eagerly or with torch instead"
             n = pairs[0][1].shape[0]
             words = bitmap.num_words(n)
@@ -126,6 +138,9 @@ class Group:
             c.n, c.rows, c.base = n, rows, base
             if selected is not None:
                 c.selected, c.before = selected[0].data_ptr(), selected[1].data_ptr()
+            if tail is not None:
+                assert selected is not None, "a tail is a subset of the rows staged"
+                c.tail, c.tail_before, c.stale = tail[0].data_ptr(), tail[1].data_ptr(), tail[2]
             c.claimed, c.done = claims.data_ptr(), claims.data_ptr() + 8 * words
             c.arrays = len(pairs)
             for i, (src, dst) in enumerate(pairs):
@@ -144,8 +159,8 @@ class Group:
 
     def copy(self, i: int, slot_rows: torch.Tensor | None, a: int, b: int) -> int:
         """Copies staged rows ``a:b`` of shard ``i`` that nobody has claimed; ``slot_rows``:
-        the ``(n,)`` int64 local row of each staged row, ascending (``None`` where every row
-        is staged). How many it copied."""
+        the ``(n,)`` int64 local row of each staged row, in staged order (``None`` where
+        every row is staged). How many it copied."""
         shard = self._array[i]
         shard.slot_rows = None if slot_rows is None else slot_rows.data_ptr()
         copied = int(self._lib.cnr_cow_range(ctypes.byref(shard), a, b))

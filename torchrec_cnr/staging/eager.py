@@ -52,8 +52,15 @@ def stage(
     chunked = budget is not None and need > budget
     staged_bytes = 0
     for i, (shard, r) in enumerate(zip(shards, rows)):
+        c = changed[i]
+        tail = (
+            r is not None
+            and c is not None
+            and c.numel() <= r.numel()
+            and bool(torch.equal(r[r.numel() - c.numel() :], c))
+        )
         if not chunked:
-            staged = stage_shard(shard, names[i], r, pool, recent=changed[i])
+            staged = stage_shard(shard, names[i], r, pool, recent=c, tail=tail)
             staged_bytes += staged.nbytes
             sink.add(staged)
             continue
@@ -62,8 +69,8 @@ def stage(
         for row0 in range(0, max(total, 1), step_rows):
             block = slice(row0, min(row0 + step_rows, total))
             part: torch.Tensor | slice = block if r is None else r[block]
-            first_chunk = changed[i] if row0 == 0 else None
-            staged = stage_shard(shard, names[i], part, pool, "chunk", first_chunk)
+            first_chunk = c if row0 == 0 else None
+            staged = stage_shard(shard, names[i], part, pool, "chunk", first_chunk, tail)
             staged_bytes += staged.nbytes
             sink.add(staged, row0, total)
             sink.wait()  # the next chunk reuses these buffers

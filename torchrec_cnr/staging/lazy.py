@@ -85,6 +85,9 @@ class _Shard:
     recent: torch.Tensor | None
     """A copy of the bitmap of rows changed since the last checkpoint, where the
     checkpoint records them apart from its rows (see ``select_recent``)."""
+    tail: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    """Where a delta stores those rows last (see ``tail_order``): their bitmap, its set
+    bits before each word, and the rows stored before them."""
     done: bool = False
     compiled: tuple[cow.Group, int] | None = None
     """The compiled copier's group of this shard's kernel and the shard's place in it."""
@@ -177,11 +180,16 @@ class LazyStaging:
                     selected = before = None
             recent = recorded_recent(shard, decision)
             recent = None if recent is None else recent.clone()
+            tail = None
+            if selected is not None and recent is not None:
+                recent &= selected
+                counts = bitmap.popcounts(recent)
+                tail = (recent, torch.cumsum(counts, 0) - counts, n - int(counts.sum()))
             weight = _take(pool, stored_weight(key), shard.weight, n)
             states = {k: _take(pool, stored_state(key, k), v, n) for k, v in shard.states.items()}
             ids = None if selected is None else pool.take(stored_ids(key), (n,), ids_dtype(shard))
             s = _Shard(shard, key, selected, before, weight, states, ids, torch.empty(0),
-                       shard.scalar_states(), recent)  # fmt: skip
+                       shard.scalar_states(), recent, tail)  # fmt: skip
             staged.append(s)
         lib = pool.copier
         if lib is not None and not all(cow.supports(s.pairs()) for s in staged):
@@ -241,6 +249,10 @@ class LazyStaging:
                     continue
                 assert s.before is not None
                 held, slots = bitmap.ranks(s.selected, s.before, local)
+                if s.tail is not None:
+                    last, last_before, stale = s.tail
+                    is_last, t = bitmap.ranks(last, last_before, local)
+                    slots = torch.where(is_last, stale + t, slots - t)
                 self.hook_rows += s.copy(local[held], slots[held])
             self.hook_s += time.perf_counter() - began
 
@@ -253,7 +265,7 @@ class LazyStaging:
             for s in self.shards:
                 rows = None
                 if s.selected is not None:
-                    rows = bitmap.to_indices(s.selected, s.shard.spec.rows)
+                    rows = _stored_order(s)
                     rows = rows.to(s.shard.weight.device)
                 began = time.perf_counter()
                 if s.compiled is not None:  # rows are claimed one by one: no lock
@@ -283,7 +295,8 @@ class LazyStaging:
             global_ids(s.shard, rows, s.ids)
         changed = None if s.recent is None else recent_rows(s.recent, s.shard.spec.rows, s.n)
         recent = None if changed is None else global_ids(s.shard, changed)
-        return StagedShard(s.shard, s.key, s.ids, s.weight, s.states, s.scalars, 0, recent)
+        tail = s.tail is not None and recent is not None
+        return StagedShard(s.shard, s.key, s.ids, s.weight, s.states, s.scalars, 0, recent, tail)
 
     def _side_stream(self) -> Any:
         if self._saved is None:
@@ -300,12 +313,23 @@ class LazyStaging:
             lookups.unsubscribe(listener)
 
 
+def _stored_order(s: _Shard) -> torch.Tensor:
+    """The local rows a delta stores, in the order it stores them (see ``tail_order``)."""
+    assert s.selected is not None
+    if s.tail is None:
+        return bitmap.to_indices(s.selected, s.shard.spec.rows)
+    last = s.tail[0]
+    stale = bitmap.to_indices(s.selected & ~last, s.shard.spec.rows)
+    return torch.cat([stale, bitmap.to_indices(last, s.shard.spec.rows)])
+
+
 def _compiled_args(s: _Shard) -> cow.Rows:
     selected = None
     if s.selected is not None:
         assert s.before is not None
         selected = (s.selected, s.before)
-    return cow.Rows(s.pairs(), s.shard.spec.rows, s.shard.lookup_base, selected, s.staged)
+    rows, base = s.shard.spec.rows, s.shard.lookup_base
+    return cow.Rows(s.pairs(), rows, base, selected, s.staged, s.tail)
 
 
 def _take(pool: StagingPool, key: str, like: torch.Tensor, n: int) -> torch.Tensor:

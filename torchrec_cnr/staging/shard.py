@@ -36,6 +36,9 @@ class StagedShard:
     recent: torch.Tensor | None = None
     """``(k,)`` global ids of the shard's stored rows modified since the last checkpoint,
     when they are not all of them (given with a shard's first chunk only)."""
+    tail: bool = False
+    """The shard's last ``k`` stored rows are ``recent``'s (see
+    :func:`~torchrec_cnr.selection.rows.tail_order`)."""
 
     def global_rows(self) -> torch.Tensor | int:
         """The table row of each staged row: ``(n,)`` ids, or the first row's when the
@@ -54,6 +57,7 @@ class StagedShard:
             self.scalars,
             self.first_row + a,
             self.recent if a == 0 else None,
+            self.tail,
         )
 
     @property
@@ -142,19 +146,21 @@ def stage_shard(
     pool: StagingPool,
     buffers: str | None = None,
     recent: torch.Tensor | None = None,
+    tail: bool = False,
 ) -> StagedShard:
     """Copies ``rows`` of ``shard`` and their optimizer state into pooled buffers.
 
     Args:
         shard: the live shard.
         key: its name inside the checkpoint.
-        rows: ``(k,)`` ascending local rows, from
-            :func:`~torchrec_cnr.selection.rows.select_rows`; a slice for a block of
+        rows: ``(k,)`` local rows in the order the checkpoint stores them (see
+            :func:`~torchrec_cnr.selection.rows.tail_order`); a slice for a block of
             every row (a chunk of a full save); ``None`` for every row.
         pool: where the host buffers come from.
         buffers: the pool keys' prefix; ``key`` if ``None``.
         recent: ``(k,)`` local rows modified since the last checkpoint, if not every
             stored row (see :func:`~torchrec_cnr.selection.rows.select_recent`).
+        tail: the shard's last stored rows are ``recent``.
     """
     ids = None
     prefix = buffers or key
@@ -170,4 +176,4 @@ def stage_shard(
         torch.cuda.current_stream(shard.weight.device).synchronize()  # the copies must land
     first = rows.start or 0 if isinstance(rows, slice) else 0
     changed = None if recent is None else global_ids(shard, recent)
-    return StagedShard(shard, key, ids, weight, states, shard.scalar_states(), first, changed)
+    return StagedShard(shard, key, ids, weight, states, shard.scalar_states(), first, changed, tail)

@@ -19,7 +19,13 @@ import torch
 
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.selection.policy import Decision
-from torchrec_cnr.selection.rows import ClearedBits, restart_bits, select_recent, select_rows
+from torchrec_cnr.selection.rows import (
+    ClearedBits,
+    restart_bits,
+    select_recent,
+    select_rows,
+    tail_order,
+)
 from torchrec_cnr.snapshot.objects import serialize_app_state
 from torchrec_cnr.staging.eager import stage
 from torchrec_cnr.staging.lazy import LazyStaging, lazy_fallback
@@ -90,6 +96,7 @@ class Stager:
             shards = [self.shards[i] for i in eager]
             rows = select_rows(shards, decision, priority_bytes)
             recent = select_recent(shards, decision, rows)
+            rows = [tail_order(r, c) for r, c in zip(rows, recent)]
             keys = [f"s{i}" for i in eager]
             staged = stage(
                 step, decision.kind, shards, rows, self.dense, app_state, self.pool, sink, recent, keys
