@@ -185,6 +185,10 @@ class ServeConfig:
     """Longest wait for the job to finish (its done marker) before giving up."""
     metrics_path: str | None = None
     """JSON file for the serving metrics; ``None`` writes none."""
+    swap: bool = False
+    """The follower's swap mode: updates are written into a second copy of the tables and
+    swapped in, so requests wait microseconds instead of a copy of the changed rows; the
+    copy costs the tables' size in memory (see ``torchrec_cnr.Follower``)."""
     step_rows: bool = False
     """A consistency probe, for benchmarks and tests: the job writes each step into the last
     row of every table (:func:`torchrec_cnr.write_rows`; those rows no longer train), and

@@ -279,7 +279,7 @@ class Server:
         io = dataclasses.replace(config.checkpoint.io, threads=config.serve.io_threads)
         self.storage = open_storage(self.root, io)
         target = serving_target(self.model, config.serve.dtype)
-        self.follower = Follower(self.storage, target, io)
+        self.follower = Follower(self.storage, target, io, swap=config.serve.swap)
         self.probe = StepRows(target) if config.serve.step_rows else None
         self.requests: RequestLoop | None = None
 
@@ -386,6 +386,8 @@ class Server:
             "fresh_max_s": max(f["worst_s"] for f in fresh) if fresh else None,
             "blocked_median_s": statistics.median(blocked),
             "blocked_max_s": max(blocked),
+            "swap": self.config.serve.swap,
+            "spare_bytes": self.follower.spare_bytes,
             "requests": len(latencies),
             "request_steps": len(self.requests.steps) if self.requests else 0,
             "request_latency_median_s": statistics.median(latencies) if latencies else None,

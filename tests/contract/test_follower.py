@@ -74,13 +74,16 @@ def _assert_serves_the_root(model: nn.Module, root: str) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("kind", ["ebc", "ec"])
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(
+    ("kind", "policy", "swap"),
+    [(k, p, False) for k in ("ebc", "ec") for p in POLICIES]
+    + [("ebc", "intermittent", True), ("ec", "consecutive", True)],
+)
 def test_fp32_follower_serves_exactly_the_latest_checkpoint_after_every_update(
-    kind: str, policy: PolicyName, root: str
+    kind: str, policy: PolicyName, swap: bool, root: str
 ) -> None:
     model, _, _ = unsharded(kind, device="cpu")
-    follower = Follower(root, FloatTarget(model))
+    follower = Follower(root, FloatTarget(model), swap=swap)
     assert follower.poll() is None  # a fresh root: nothing to serve yet
     for last in (4, 6, 12):
         run_ranks(2, _train, root, kind, policy, last, {})
@@ -386,14 +389,19 @@ def _serving_target(served: str) -> tuple[Any, Any]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("served", ["fp32", "int4", "int2"])
-def test_every_lookup_sees_the_rows_of_the_step_follower_step_names(served: str, root: str) -> None:
+@pytest.mark.parametrize(
+    ("served", "swap"),
+    [("fp32", False), ("int4", False), ("int2", False), ("fp32", True), ("int4", True)],
+)
+def test_every_lookup_sees_the_rows_of_the_step_follower_step_names(
+    served: str, swap: bool, root: str
+) -> None:
     # Every row of every table holds its checkpoint's step (exact in every format: a
     # constant row quantizes to its fp16 bias), so a lookup that reads the rows of one
     # step while follower.step names another is caught, whichever table it reads first.
     _, target = _serving_target(served)
     keys = {k: torch.arange(slot.num_embeddings) for k, slot in target.tables().items()}
-    follower = Follower(root, target)
+    follower = Follower(root, target, swap=swap)
     exclusive = follower._lock.exclusive
 
     @contextlib.contextmanager

@@ -412,3 +412,50 @@ def test_quantized_rows_take_their_row_count_from_the_parts() -> None:
     rows = StoredRows.quantized(q.to_tensors(), "kmeans", 3, 16)
     assert rows.shape == (5, 16)
     assert torch.equal(rows.dequantize(), q.dequantize())
+
+
+def _lookups(sparse: Any) -> list[Tensor]:
+    """Every table's rows as the model's own forward serves them (one id per bag)."""
+    ids = torch.arange(ROWS)
+    ones = torch.ones(3 * ROWS, dtype=torch.int64)
+    out = sparse.ebc(KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2"], ids.repeat(3), ones))
+    return [t.clone() for t in out.to_dict().values()]
+
+
+@pytest.mark.parametrize("bits", [None, 4, 2], ids=["fp32", "int4", "int2"])
+def test_swap_mode_writes_aside_and_serves_every_table_at_once(bits: int | None) -> None:
+    model = _model()
+    served = model if bits is None else _quantized(model, bits)
+    target = FloatTarget(served) if bits is None else QuantizedTarget(served)
+    sparse: Any = served.get_submodule("sparse")
+    keys = [k for k in TABLES if ".ebc." in k]
+    before = _lookups(sparse)
+    assert target.enable_swap() > 0 and target.swapping
+    writes = []
+    for seed, key in enumerate(keys):
+        ids = _ids(seed)
+        rows = target.prepare(key, StoredRows.fp32(_gaussian(len(ids), TABLES[key][2], seed)))
+        target.write_prepared(key, ids, rows, spare=True)
+        writes.append((key, ids, rows))
+    after_writes = _lookups(sparse)
+    assert all(torch.equal(a, b) for a, b in zip(before, after_writes)), "the spare is not served"
+    target.swap()
+    swapped = _lookups(sparse)
+    for (key, ids, _), now in zip(writes, swapped):
+        changed = torch.zeros(ROWS, dtype=torch.bool)
+        changed[ids] = True
+        old = before[keys.index(key)]
+        assert not torch.equal(now[changed], old[changed]), key
+        assert torch.equal(now[~changed], old[~changed]), key
+        assert torch.equal(now, target.read_rows(key, torch.arange(ROWS))), key
+    # The spare is now the copy served before: it lacks these writes until they are
+    # written again (the follower does), after which a swap serves the same rows.
+    target.swap()
+    assert all(torch.equal(a, b) for a, b in zip(before, _lookups(sparse)))
+    for key, ids, rows in writes:
+        target.write_prepared(key, ids, rows, spare=True)
+    target.swap()
+    assert all(torch.equal(a, b) for a, b in zip(swapped, _lookups(sparse)))
+    target.sync_spare()
+    target.swap()
+    assert all(torch.equal(a, b) for a, b in zip(swapped, _lookups(sparse)))

@@ -43,10 +43,14 @@ class ChainReader:
         io: runs the reads, in pieces of at most ``io.object_bytes``; the caller owns it
             (see :meth:`open` for a reader that owns its own).
         verify: check every tensor read whole against the checksum recorded at save time.
+        lazy: read a link's index only once something is read from it (a follower that
+            reads the last link alone does not read the others'); else every link's index
+            is read here, and a missing link fails at once.
 
     Raises:
         ManifestError: a checkpoint of the chain is not in the manifest.
-        CheckpointReadError: a checkpoint of the chain is missing or incomplete.
+        CheckpointReadError: a checkpoint of the chain is missing or incomplete (when
+            its index is read).
     """
 
     def __init__(
@@ -56,18 +60,18 @@ class ChainReader:
         entry: Entry,
         io: IOContext,
         verify: bool = True,
+        lazy: bool = False,
     ) -> None:
         self.storage = storage
         self.manifest = manifest
         self.entry = entry
         self.verify = verify
+        self.io = io
         self.links = [manifest.by_id(i) for i in entry.chain]
-        self.readers = [
-            SnapshotReader(
-                storage, e.id, io.io, io.object_bytes, e.checksums_by_path() if verify else None
-            )
-            for e in self.links
-        ]
+        self._snapshots: dict[str, SnapshotReader] = {}
+        if not lazy:
+            for link in self.links:
+                self.snapshot(link)
         self.held: dict[TensorKey, torch.Tensor] = {}
         """Tensors read ahead (:meth:`hold`, :meth:`hold_many`), served from memory."""
         self._owned: IOContext | None = None
@@ -119,6 +123,20 @@ class ChainReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def snapshot(self, entry: Entry) -> SnapshotReader:
+        """The reader of committed checkpoint ``entry`` (a link or any other of the root),
+        made once."""
+        reader = self._snapshots.get(entry.id)
+        if reader is None:
+            sums = entry.checksums_by_path() if self.verify else None
+            reader = SnapshotReader(self.storage, entry.id, self.io.io, self.io.object_bytes, sums)
+            self._snapshots[entry.id] = reader
+        return reader
+
+    def reader(self, n: int) -> SnapshotReader:
+        """The reader of link ``n``."""
+        return self.snapshot(self.links[n])
+
     def records(self, table: str | None = None) -> list[tuple[int, ShardRecord]]:
         """``(link index, shard record)`` of every saved shard (of ``table``) that saved
         rows, baseline first: later links win."""
@@ -132,7 +150,7 @@ class ChainReader:
     def tensor(self, n: int, rank: int, name: str) -> torch.Tensor:
         """A stored tensor of link ``n``: from memory if held, else read (and verified)."""
         held = self.held.get((n, rank, name))
-        return held if held is not None else self.readers[n].rows(rank, name)
+        return held if held is not None else self.reader(n).rows(rank, name)
 
     def fetch(self, n: int, rec: ShardRecord) -> Callable[[str], torch.Tensor]:
         """``read(name)`` of ``rec``'s stored tensors, for :func:`~torchrec_cnr.encoding.decode_weight`."""
@@ -143,7 +161,7 @@ class ChainReader:
         only their bytes are read; with it, the whole tensor is (its checksum covers it)."""
         if self.verify or (n, rec.spec.rank, name) in self.held:
             return self.tensor(n, rec.spec.rank, name)[keep]
-        return self.readers[n].rows_subset(rec.spec.rank, name, keep)
+        return self.reader(n).rows_subset(rec.spec.rank, name, keep)
 
     def saved_ids(self, n: int, rec: ShardRecord) -> torch.Tensor:
         """``(saved_rows,)`` int64 global ids of the rows ``rec`` (of link ``n``) saved."""
@@ -183,7 +201,7 @@ class ChainReader:
 
     def hold(self, n: int, rank: int, name: str) -> torch.Tensor:
         """Reads a stored tensor of link ``n`` and keeps it in memory."""
-        tensor = self.readers[n].rows(rank, name)
+        tensor = self.reader(n).rows(rank, name)
         self.held[(n, rank, name)] = tensor
         return tensor
 
@@ -195,17 +213,17 @@ class ChainReader:
     ) -> None:
         """Reads many stored tensors ``(rank, name)`` of link ``n`` at once, every piece in
         parallel, and keeps them; ``alloc`` may give the tensor to read each into."""
-        got = self.readers[n].read_many(wanted, alloc)
+        got = self.reader(n).read_many(wanted, alloc)
         self.held.update({(n, *key): t for key, t in got.items()})
 
     def dense(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The dense state (of the chain's last link), all of it or ``names``."""
         wanted = list(self.entry.dense) if names is None else names
-        return {name: self.readers[-1].dense(name) for name in wanted}
+        return {name: self.reader(-1).dense(name) for name in wanted}
 
     def app_state(self, rank: int) -> bytes:
         """The serialized ``app_state`` of ``rank``, from the chain's last link."""
-        return self.readers[-1].app_state(rank)
+        return self.reader(-1).app_state(rank)
 
 
 def _search(ids: torch.Tensor, wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,7 +46,7 @@ from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.restore import ChainReader, check_serving, load_committed
 from torchrec_cnr.schema import MANIFEST_NAME
 from torchrec_cnr.serving.plan import UpdatePlan, plan_update
-from torchrec_cnr.serving.rows import StoredRows
+from torchrec_cnr.serving.rows import PreparedRows, StoredRows
 from torchrec_cnr.serving.targets import ServingTarget
 from torchrec_cnr.storage import CountingStorage, Root, as_storage
 
@@ -79,6 +79,9 @@ class UpdateReport:
     """Every row was read: no recorded path of changes from the served checkpoint."""
     rewind: bool
     """The root's latest checkpoint is older than the one served before."""
+    held_bytes: int = 0
+    """Memory the update's rows took at once: as read, and in serving form where that is
+    not a view of them (the spare copy of swap mode is :attr:`Follower.spare_bytes`)."""
 
 
 class _SharedLock:
@@ -198,6 +201,19 @@ def _read_table(
     return pieces
 
 
+def _stored_tensors(rows: StoredRows) -> list[torch.Tensor]:
+    if rows.values is not None:
+        return [rows.values]
+    assert rows.packed is not None
+    return list(rows.packed.to_tensors().values())
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct memory ``tensors`` view."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 def _assemble(chain: ChainReader, table: str, ids: torch.Tensor) -> torch.Tensor:
     """Full fp32 rows of a table whose rows are split by column (or resharded)."""
     from torchrec_cnr.offline.tables import table_values
@@ -219,6 +235,12 @@ class Follower:
         io: the I/O options its reads run with (threads, request size, direct reads);
             the environment's :class:`~torchrec_cnr.IOOptions` if ``None``.
         accept: the accept gate (see :data:`AcceptGate`); ``None`` accepts every update.
+        swap: swap mode: the target keeps a second copy of its tables, each update is
+            written into it while the served copy serves, and lookups wait only while
+            the two are swapped (pointer assignments, plus the dense tensors' copies).
+            Costs the tables' size in memory. The default, copy mode, copies an
+            update's rows into the served tables with lookups held off: no second copy,
+            and lookups wait about a memcpy of the changed rows.
 
     Example::
 
@@ -236,6 +258,7 @@ class Follower:
         target: ServingTarget,
         io: IOOptions | None = None,
         accept: AcceptGate | None = finite_rows,
+        swap: bool = False,
     ) -> None:
         self._io = IOContext(io)
         self.accept = accept
@@ -256,6 +279,11 @@ class Follower:
         self._pinned = False
         self._updating = threading.Lock()  # one update at a time: polls, pins, rollbacks
         self._seen: str | None = None  # the manifest's stamp when last planned from
+        self.spare_bytes = target.enable_swap() if swap else 0
+        """Memory the second copy of the tables takes (swap mode)."""
+        self._behind: list[tuple[str, torch.Tensor, PreparedRows]] | None = []
+        """Swap mode: what the spare copy lacks of the served step (``None``: unknown,
+        copied whole before the next update)."""
 
     @property
     def step(self) -> int | None:
@@ -359,7 +387,7 @@ class Follower:
                 self.step,
             )
             return self.step
-        blocked = self._apply(update)
+        blocked, held = self._apply(update)
         self._seen = stamp if step is None else None
         now = time.perf_counter()
         report = UpdateReport(
@@ -370,6 +398,7 @@ class Follower:
             requests=self.storage.requests - start_requests,
             seconds=now - began,
             blocked_s=blocked,
+            held_bytes=held,
             lag_s=max(0.0, time.time() - plan.target.committed_at),
             cold=plan.cold,
             rewind=plan.rewind,
@@ -382,7 +411,7 @@ class Follower:
         was refused and is not ``asked`` for by step."""
         if not asked and self.refused and self.refused[-1].checkpoint == latest.id:
             return None  # refused already: wait for the next commit
-        chain = ChainReader(self.storage, manifest, latest, self._io, verify=False)
+        chain = ChainReader(self.storage, manifest, latest, self._io, verify=False, lazy=True)
         slots = {
             key: (s.num_embeddings, s.embedding_dim) for key, s in self.target.tables().items()
         }
@@ -412,20 +441,47 @@ class Follower:
                     update.dense[name] = tensor
         return update
 
-    def _apply(self, update: PendingUpdate) -> float:
+    def _apply(self, update: PendingUpdate) -> tuple[float, int]:
         """Writes what was read and names its step as served, both under the exclusive side
         of the lock: a lookup sees the rows of the step :attr:`step` names, never the rows
-        of one step under the name of another. Returns how long serving was blocked."""
+        of one step under the name of another. Returns how long serving was blocked, and
+        the bytes the update's rows held."""
         prepared = [(key, ids, self.target.prepare(key, rows)) for key, ids, rows in update.rows]
+        held = _storage_bytes(
+            [ids for _, ids, _ in update.rows]
+            + [t for _, _, rows in update.rows for t in _stored_tensors(rows)]
+            + [t for _, _, rows in prepared for t in rows.tensors]
+        )
+        swap = self.target.swapping
+        if swap:
+            self._write_spare(prepared)
         with self._lock.exclusive():
             began = time.perf_counter()
             with torch.no_grad():
-                for key, ids, rows in prepared:
-                    self.target.write_prepared(key, ids, rows)
+                if swap:
+                    self.target.swap()
+                else:
+                    for key, ids, rows in prepared:
+                        self.target.write_prepared(key, ids, rows)
                 for name, tensor in update.dense.items():
                     self.target.write_dense(name, tensor)
             self._served = update.plan.target
-            return time.perf_counter() - began
+            blocked = time.perf_counter() - began
+        if swap:  # the spare (the copy served until now) lacks this update
+            self._behind = prepared
+            if update.plan.cold:
+                self._behind = None  # every row: copied whole at the next update
+        return blocked, held
+
+    def _write_spare(self, prepared: list[tuple[str, torch.Tensor, PreparedRows]]) -> None:
+        """Brings the spare copy to the served step, then writes the update into it."""
+        behind, self._behind = self._behind, None  # unknown until written
+        if behind is None:
+            self.target.sync_spare()
+            behind = []
+        with torch.no_grad():
+            for key, ids, rows in [*behind, *prepared]:
+                self.target.write_prepared(key, ids, rows, spare=True)
 
     # -- background ---------------------------------------------------------
 

@@ -77,14 +77,16 @@ def changed_since(chain: ChainReader, entry: Entry) -> dict[str, torch.Tensor] |
     ``entry.since``; ``None`` if some shard did not record them.
 
     Args:
-        chain: any open chain of the same root: its storage and executor read the small
-            ``ids`` and ``recent`` tensors of ``entry``.
+        chain: any open chain of the same root: it reads the small ``ids`` and ``recent``
+            tensors of ``entry``, and keeps them if ``entry`` is its last link (the rows
+            are read from there next).
     """
-    from torchrec_cnr.snapshot import SnapshotReader
+    last = chain.entry.id == entry.id
+    reader = chain.snapshot(entry)
 
-    reader = SnapshotReader(
-        chain.storage, entry.id, chain.readers[0].executor, chain.readers[0].piece_bytes
-    )
+    def read(rank: int, name: str) -> torch.Tensor:
+        return chain.hold(len(chain.links) - 1, rank, name) if last else reader.rows(rank, name)
+
     parts: dict[str, list[torch.Tensor]] = {}
     for rec in entry.shards:
         ss = rec.spec
@@ -93,11 +95,11 @@ def changed_since(chain: ChainReader, entry: Entry) -> dict[str, torch.Tensor] |
         if rec.saved_rows == 0:
             continue
         if rec.recent in ("ids", "tail"):
-            ids = reader.rows(ss.rank, rec.recent_name)
+            ids = read(ss.rank, rec.recent_name)
         elif rec.all_rows:
             ids = torch.arange(ss.row_offset, ss.row_offset + ss.rows)
         else:
-            ids = reader.rows(ss.rank, rec.ids_name(rec.key))
+            ids = read(ss.rank, rec.ids_name(rec.key))
         parts.setdefault(ss.table, []).append(ids.to(torch.int64))
     return {t: torch.unique(torch.cat(p)) for t, p in parts.items()}
 

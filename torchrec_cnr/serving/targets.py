@@ -57,7 +57,9 @@ from torchrec_cnr.serving.tbe import (
     join_key,
     read_served,
     serving_nbit,
+    set_weights_buffer,
     tbe_tables,
+    weights_buffer,
 )
 
 __all__ = [
@@ -98,12 +100,65 @@ class ServingTarget(abc.ABC):
     :meth:`write_rows` does both.
 
     Subclasses fill ``_tables`` (key -> slot) and ``_dense`` (name -> tensor) and
-    implement ``_prepare``, ``_write`` and ``_read``; argument checks live here.
+    implement ``_prepare``, ``_destinations`` and ``_read`` (and ``_buffers`` and
+    ``_set_buffer`` for swap mode); argument checks live here.
     """
 
     def __init__(self) -> None:
         self._tables: dict[str, TableSlot] = {}
         self._dense: dict[str, Tensor] = {}
+        self._spare: dict[str, Tensor] | None = None
+
+    # -- swap mode: a second copy of the tables, written aside and swapped in ----------
+
+    @property
+    def swapping(self) -> bool:
+        """Whether :meth:`enable_swap` made a spare copy of the tables."""
+        return self._spare is not None
+
+    def enable_swap(self) -> int:
+        """Makes a spare copy of every buffer that holds table rows (the weights, or each
+        TBE's one weights buffer): writes with ``spare=True`` go there, and
+        :meth:`swap` makes it the served copy in a few pointer assignments. Returns the
+        bytes it took."""
+        if self._spare is None:
+            self._spare = {name: t.detach().clone() for name, t in self._buffers().items()}
+        return sum(t.numel() * t.element_size() for t in self._spare.values())
+
+    def swap(self) -> None:
+        """Serves the spare copy, every table at once, and keeps the served one as the
+        spare (call with lookups held off)."""
+        assert self._spare is not None, "enable_swap() first"
+        live = self._buffers()
+        for name, spare in self._spare.items():
+            self._set_buffer(name, spare)
+        self._spare = {name: t.detach() for name, t in live.items()}
+
+    def sync_spare(self) -> None:
+        """Copies every served buffer into the spare (after a swap that wrote every row
+        aside, such as a cold start)."""
+        assert self._spare is not None, "enable_swap() first"
+        with torch.no_grad():
+            for name, live in self._buffers().items():
+                self._spare[name].copy_(live)
+
+    def _spare_view(self, view: Tensor) -> Tensor:
+        """The spare copy's view of what ``view`` (into a served buffer) covers."""
+        assert self._spare is not None
+        for name, live in self._buffers().items():
+            if view.untyped_storage().data_ptr() == live.untyped_storage().data_ptr():
+                spare = self._spare[name]
+                offset = view.storage_offset() - live.storage_offset() + spare.storage_offset()
+                return spare.as_strided(view.shape, view.stride(), offset)
+        raise AssertionError("a table view outside the buffers the target doubles")
+
+    def _buffers(self) -> dict[str, Tensor]:
+        """The contiguous tensors that hold every table's rows, by a name of the target's."""
+        raise NotImplementedError(f"{type(self).__name__} has no swap mode")
+
+    def _set_buffer(self, name: str, tensor: Tensor) -> None:
+        """Points the model at ``tensor`` for buffer ``name``."""
+        raise NotImplementedError(f"{type(self).__name__} has no swap mode")
 
     def tables(self) -> dict[str, TableSlot]:
         """Unsharded state-dict key -> its :class:`TableSlot`."""
@@ -133,13 +188,16 @@ class ServingTarget(abc.ABC):
             raise ValueError(f"table {key!r}: {n} rows for {ids.numel()} ids")
         return PreparedRows(key, n, self._prepare(key, rows, ids) if n else ())
 
-    def write_prepared(self, key: str, ids: Tensor, rows: PreparedRows) -> None:
+    def write_prepared(
+        self, key: str, ids: Tensor, rows: PreparedRows, spare: bool = False
+    ) -> None:
         """Write rows :meth:`prepare` made for ``key`` at ``ids``.
 
         Args:
             key: Unsharded state-dict key of the table.
             ids: (n,) int64 row ids, strictly ascending.
             rows: ``prepare(key, ...)`` of n rows.
+            spare: into the spare copy (swap mode), not the served one.
 
         Raises:
             ValueError: Unknown key, bad ids, or rows prepared for another table or count.
@@ -151,7 +209,8 @@ class ServingTarget(abc.ABC):
                 f"written to {ids.numel()} ids"
             )
         if rows.count:
-            self._write(key, ids, rows.tensors)
+            for dest, src in zip(self._destinations(key), rows.tensors):
+                _index_copy(self._spare_view(dest) if spare else dest, ids, src)
 
     def write_rows(self, key: str, ids: Tensor, rows: StoredRows) -> None:
         """Overwrite rows ``ids`` of table ``key`` with ``rows``.
@@ -205,8 +264,8 @@ class ServingTarget(abc.ABC):
         """The serving form of checked, non-empty rows."""
 
     @abc.abstractmethod
-    def _write(self, key: str, ids: Tensor, tensors: tuple[Tensor, ...]) -> None:
-        """Write a serving form at checked, non-empty ids."""
+    def _destinations(self, key: str) -> tuple[Tensor, ...]:
+        """The served views the serving form's tensors are written into, row by row."""
 
     @abc.abstractmethod
     def _read(self, key: str, ids: Tensor) -> Tensor:
@@ -319,12 +378,18 @@ class FloatTarget(ServingTarget):
     def _prepare(self, key: str, rows: StoredRows, ids: Tensor | None) -> tuple[Tensor, ...]:
         return (_float_values(rows, self._weights[key]),)
 
-    def _write(self, key: str, ids: Tensor, tensors: tuple[Tensor, ...]) -> None:
-        _index_copy(self._weights[key], ids, tensors[0])
+    def _destinations(self, key: str) -> tuple[Tensor, ...]:
+        return (self._weights[key].detach(),)
 
     def _read(self, key: str, ids: Tensor) -> Tensor:
         w = self._weights[key]
         return w.detach()[ids.to(w.device)].float()
+
+    def _buffers(self) -> dict[str, Tensor]:
+        return {key: w.detach() for key, w in self._weights.items()}
+
+    def _set_buffer(self, name: str, tensor: Tensor) -> None:
+        self._weights[name].data = tensor
 
 
 class QuantizedTarget(ServingTarget):
@@ -379,14 +444,25 @@ class QuantizedTarget(ServingTarget):
             raise _bad_row(key, bad, ids, f"is not finite as {dtype}")
         return (values.view(torch.uint8),)
 
-    def _write(self, key: str, ids: Tensor, tensors: tuple[Tensor, ...]) -> None:
+    def _destinations(self, key: str) -> tuple[Tensor, ...]:
         if key in self._weights:
-            _index_copy(self._weights[key], ids, tensors[0])
-            return
+            return (self._weights[key].detach(),)
         data, sb = self._tbe[key].views()
-        _index_copy(data, ids, tensors[0])
-        if sb is not None:
-            _index_copy(sb, ids, tensors[1])
+        return (data,) if sb is None else (data, sb)
+
+    def _buffers(self) -> dict[str, Tensor]:
+        out = {f"tbe{i}": weights_buffer(tbe) for i, tbe in enumerate(self._tbes())}
+        return out | {key: w.detach() for key, w in self._weights.items()}
+
+    def _set_buffer(self, name: str, tensor: Tensor) -> None:
+        if name in self._weights:
+            self._weights[name].data = tensor
+        else:
+            set_weights_buffer(self._tbes()[int(name.removeprefix("tbe"))], tensor)
+
+    def _tbes(self) -> list[nn.Module]:
+        """Each TBE once, in the order its first table was found."""
+        return list({id(t.tbe): t.tbe for t in self._tbe.values()}.values())
 
     def _read(self, key: str, ids: Tensor) -> Tensor:
         if key in self._weights:

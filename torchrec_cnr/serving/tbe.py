@@ -83,6 +83,26 @@ class TbeTable:
         return data, sb
 
 
+def _buffer_name(tbe: IntNBitTableBatchedEmbeddingBagsCodegen) -> str:
+    """The attribute holding every table's rows, which the lookup kernel is handed."""
+    return "weights_host" if tbe.host_size > 0 else "weights_dev"
+
+
+def weights_buffer(tbe: nn.Module) -> Tensor:
+    """The one uint8 buffer that holds the rows of every table of ``tbe``."""
+    assert isinstance(tbe, IntNBitTableBatchedEmbeddingBagsCodegen)
+    return getattr(tbe, _buffer_name(tbe))
+
+
+def set_weights_buffer(tbe: nn.Module, buffer: Tensor) -> None:
+    """Points ``tbe``'s lookups at ``buffer``, laid out as :func:`weights_buffer`'s."""
+    assert isinstance(tbe, IntNBitTableBatchedEmbeddingBagsCodegen)
+    name = _buffer_name(tbe)
+    old = getattr(tbe, name)
+    assert buffer.shape == old.shape and buffer.dtype == old.dtype
+    setattr(tbe, name, buffer)
+
+
 def check_tbe(key: str, tbe: nn.Module) -> None:
     """Raise unless writes into ``tbe``'s weights are what its kernel reads."""
     why = None
@@ -100,6 +120,8 @@ def check_tbe(key: str, tbe: nn.Module) -> None:
         why = "it is pruned: row ids are remapped"
     elif tbe.lxu_cache_weights.numel() > 0:
         why = "it caches rows, which writes to the backing weights would not reach"
+    elif tbe.uvm_size > 0:
+        why = "its rows are in unified memory, apart from its one weights buffer"
     if why is not None:
         raise ValueError(f"table {key!r} cannot be written: {why}")
 
