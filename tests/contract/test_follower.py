@@ -182,6 +182,18 @@ def test_one_checkpoint_behind_a_cumulative_delta_costs_the_requests_of_a_consec
                 recent = ids[rec.saved_rows - rec.recent_rows :]
                 scattered += _runs(torch.searchsorted(torch.sort(ids).values, recent))
     assert tails and scattered > 20 * tails, "the changed rows must lie scattered"
+    # Several checkpoints behind: each row is read once, from the newest checkpoint that
+    # changed it (one run each), not from among the target's other rows: per checkpoint
+    # its index, per stored shard its changed ids and a run of rows.
+    follower.pin(entries[1].step)
+    follower.pin(entries[-1].step)
+    report = follower.reports[-1]
+    want = export_state_dict(root, entries[-1].step)
+    got = _served(served)
+    assert all(torch.equal(v, got[k]) for k, v in want.items())
+    runs = sum(bool(r.recent_rows or r.recent == "stored") for e in entries[2:] for r in e.shards)
+    bound = first + 2 * runs + len(entries[2:]) if first is not None else 0
+    assert report.requests <= bound, (report.requests, bound)
     follower.close()
 
 
@@ -211,7 +223,12 @@ def test_a_format_4_root_is_followed_and_read_as_it_was_written(tmp_path: Path) 
 
 
 @pytest.mark.dist
-def test_quantized_follower_serves_4_bit_checkpoint_rows_as_stored(root: str) -> None:
+@pytest.mark.parametrize("policy", ["consecutive", "intermittent"])
+def test_quantized_follower_serves_4_bit_checkpoint_rows_as_stored(
+    policy: PolicyName, root: str
+) -> None:
+    # Each poll is two checkpoints behind: rows come from the newest checkpoint that
+    # changed them, the same 4-bit bytes the target's chain stores.
     four_bit = {"quantize": QuantizeConfig(method="adaptive", bits=4, min_rows=0)}
     from torchrec.inference.modules import quantize_embeddings
 
@@ -219,8 +236,8 @@ def test_quantized_follower_serves_4_bit_checkpoint_rows_as_stored(root: str) ->
     served = quantize_embeddings(copy.deepcopy(model), dtype=torch.quint4x2, inplace=True)
     target = QuantizedTarget(served)
     follower = Follower(root, target)
-    for last in (4, 8):
-        run_ranks(2, _train, root, "ebc", "consecutive", last, four_bit)
+    for last in (4, 8, 12):
+        run_ranks(2, _train, root, "ebc", policy, last, four_bit)
         assert follower.poll() == last
         want = export_state_dict(root)
         latest = Manifest.load(root).latest()

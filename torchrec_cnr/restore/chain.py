@@ -20,7 +20,7 @@ from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.snapshot import SnapshotReader
 from torchrec_cnr.storage import Root, Storage, as_storage
 
-__all__ = ["ChainReader", "TensorKey", "missing_step"]
+__all__ = ["ChainReader", "TensorKey", "find_ids", "missing_step"]
 
 TensorKey = tuple[int, int, str]
 """(link index in the chain, storage rank, stored name)."""
@@ -69,6 +69,7 @@ class ChainReader:
         self.io = io
         self.links = [manifest.by_id(i) for i in entry.chain]
         self._snapshots: dict[str, SnapshotReader] = {}
+        self._kept: dict[tuple[str, int, str], torch.Tensor] = {}
         if not lazy:
             for link in self.links:
                 self.snapshot(link)
@@ -137,6 +138,19 @@ class ChainReader:
         """The reader of link ``n``."""
         return self.snapshot(self.links[n])
 
+    def kept(self, entry: Entry, rank: int, name: str) -> torch.Tensor:
+        """A stored tensor of any committed checkpoint of the root, read once and kept
+        (with the held tensors if ``entry`` is a link)."""
+        n = next((i for i, link in enumerate(self.links) if link.id == entry.id), None)
+        if n is not None:
+            held = self.held.get((n, rank, name))
+            return held if held is not None else self.hold(n, rank, name)
+        key = (entry.id, rank, name)
+        tensor = self._kept.get(key)
+        if tensor is None:
+            tensor = self._kept[key] = self.snapshot(entry).rows(rank, name)
+        return tensor
+
     def records(self, table: str | None = None) -> list[tuple[int, ShardRecord]]:
         """``(link index, shard record)`` of every saved shard (of ``table``) that saved
         rows, baseline first: later links win."""
@@ -163,6 +177,14 @@ class ChainReader:
             return self.tensor(n, rec.spec.rank, name)[keep]
         return self.reader(n).rows_subset(rec.spec.rank, name, keep)
 
+    def subset_of(
+        self, entry: Entry, rec: ShardRecord, name: str, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`subset` of any committed checkpoint of the root."""
+        if self.verify:
+            return self.kept(entry, rec.spec.rank, name)[keep]
+        return self.snapshot(entry).rows_subset(rec.spec.rank, name, keep)
+
     def saved_ids(self, n: int, rec: ShardRecord) -> torch.Tensor:
         """``(saved_rows,)`` int64 global ids of the rows ``rec`` (of link ``n``) saved."""
         ss = rec.spec
@@ -185,7 +207,7 @@ class ChainReader:
         if rec.recent == "tail" and rec.recent_rows:
             start = rec.saved_rows - rec.recent_rows
             last = self.tensor(n, rec.spec.rank, rec.recent_name).to(torch.int64)
-            hit, at = _search(last, wanted)
+            hit, at = find_ids(last, wanted)
             if bool(hit.any()):
                 pieces.append((wanted[hit], start + at[hit]))
                 wanted = wanted[~hit]
@@ -194,7 +216,7 @@ class ChainReader:
         elif wanted.numel():
             saved = self.saved_ids(n, rec)
         if saved is not None and saved.numel():
-            hit, at = _search(saved, wanted)
+            hit, at = find_ids(saved, wanted)
             if bool(hit.any()):
                 pieces.append((wanted[hit], at[hit]))
         return pieces
@@ -226,7 +248,7 @@ class ChainReader:
         return self.reader(-1).app_state(rank)
 
 
-def _search(ids: torch.Tensor, wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def find_ids(ids: torch.Tensor, wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Whether each of ``wanted`` is in ``ids`` (both ascending), and where."""
     if ids.numel() == 0:
         return torch.zeros(wanted.numel(), dtype=torch.bool), wanted.new_zeros(wanted.numel())

@@ -20,6 +20,7 @@ import torch
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.config import CheckpointConfig
+from torchrec_cnr.encoding import FP32
 from torchrec_cnr.errors import CheckpointReadError
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.restore.chain import ChainReader, missing_step
@@ -143,7 +144,10 @@ class ModelLoader:
                 # A partial restore keeps the live chain: the reloaded rows hold checkpointed
                 # values and their bits stay set, so the next checkpoint saves them.
                 state = ChainState(list(entry.chain), list(entry.sizes))
-                chain = resume_chain(self.shards, self.policy, entry.policy, state, touched)
+                requantized = any(rec.format != FP32 for rec in entry.shards)
+                chain = resume_chain(
+                    self.shards, self.policy, entry.policy, state, touched, requantized
+                )
             return Restored(entry, current.next_seq(), touched, chain)
 
         loaded = load_committed(manifest, step, load, self.storage.url)

@@ -169,6 +169,7 @@ def resume_chain(
     saved_policy: str,
     chain: ChainState,
     from_deltas: list[torch.Tensor],
+    requantized: bool = False,
 ) -> ChainState:
     """The chain state, and the bits, after a full restore of a committed checkpoint.
 
@@ -177,6 +178,10 @@ def resume_chain(
     baseline, including those the restore took from the chain's deltas
     (``from_deltas``: a ``(rows,)`` bool mask per shard). Another policy's checkpoint
     starts a new baseline.
+
+    ``requantized``: the deltas' rows were quantized, so the next delta stores the
+    restored rows quantized again, which is not always the bytes the restored checkpoint
+    stored: they count as changed since it, for a follower to read them.
     """
     for shard in shards:
         shard.drain()
@@ -190,4 +195,6 @@ def resume_chain(
         for shard, mask in zip(shards, from_deltas):
             if shard.words is not None:
                 bitmap.set_bits(shard.words, mask.nonzero().flatten())
+            if requantized and shard.words is not None and shard.recent is not None:
+                bitmap.set_bits(shard.recent, mask.nonzero().flatten())
     return chain

@@ -29,6 +29,7 @@ the next commit's update carries its rows again.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -43,7 +44,9 @@ from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.encoding import FP32, ShardRecord
 from torchrec_cnr.errors import CnrError
 from torchrec_cnr.iocontext import IOContext, IOOptions
+from torchrec_cnr.quantization import UNIFORM_METHODS
 from torchrec_cnr.restore import ChainReader, check_serving, load_committed
+from torchrec_cnr.restore.chain import find_ids
 from torchrec_cnr.schema import MANIFEST_NAME
 from torchrec_cnr.serving.plan import UpdatePlan, plan_update
 from torchrec_cnr.serving.rows import PreparedRows, StoredRows
@@ -169,32 +172,89 @@ def finite_rows(update: PendingUpdate) -> str | None:
     return None if not bad else "non-finite values in " + ", ".join(bad)
 
 
-def _stored(chain: ChainReader, n: int, rec: ShardRecord, keep: torch.Tensor) -> StoredRows:
-    """Rows ``keep`` (positions) of a saved shard, as stored."""
+def _stored(
+    read: Callable[[str, torch.Tensor], torch.Tensor], rec: ShardRecord, keep: torch.Tensor
+) -> StoredRows:
+    """Rows ``keep`` (positions) of a saved shard, as stored; ``read(name, keep)`` reads
+    them from one of its tensors."""
     if rec.format == FP32:
-        return StoredRows.fp32(chain.subset(n, rec, rec.weight_name(rec.key), keep))
-    parts = {p: chain.subset(n, rec, rec.part_name(rec.key, p), keep) for p in rec.parts}
+        return StoredRows.fp32(read(rec.weight_name(rec.key), keep))
+    parts = {p: read(rec.part_name(rec.key, p), keep) for p in rec.parts}
     return StoredRows.quantized(parts, rec.format.method, rec.format.bits, rec.spec.cols)
 
 
+def _same_values(rec: ShardRecord, ours: list[ShardRecord], cols: int) -> bool:
+    """Whether ``rec`` stores a row as the target's records of its table would, had the
+    row not changed in between: whole rows, fp32, or one uniform format (a row quantizes
+    the same way at every save; k-means or a bit width that changed may not)."""
+    if rec.spec.cols != cols:
+        return False
+    if rec.format == FP32:
+        return True
+    return rec.format.method in UNIFORM_METHODS and all(
+        r.format == rec.format and r.parts == rec.parts for r in ours
+    )
+
+
+def _changed_rows(
+    chain: ChainReader, entry: Entry, rec: ShardRecord
+) -> tuple[torch.Tensor, int | None]:
+    """The ascending ids of the rows ``rec`` changed since the checkpoint before it, and
+    the position of the first where they are stored in one run (a tail, or every row of a
+    delta that stores only them), else ``None``."""
+    ss = rec.spec
+    if rec.recent == "tail":
+        ids = chain.kept(entry, ss.rank, rec.recent_name)
+        return ids.to(torch.int64), rec.saved_rows - rec.recent_rows
+    if rec.recent == "ids":
+        return chain.kept(entry, ss.rank, rec.recent_name).to(torch.int64), None
+    assert rec.recent == "stored", "a plan through an unrecorded change is cold"
+    if rec.all_rows:
+        return torch.arange(ss.row_offset, ss.row_offset + ss.rows), 0
+    return chain.kept(entry, ss.rank, rec.ids_name(rec.key)).to(torch.int64), 0
+
+
 def _read_table(
-    chain: ChainReader, table: str, wanted: torch.Tensor | None
+    chain: ChainReader, table: str, wanted: torch.Tensor | None, newer: list[Entry]
 ) -> list[tuple[torch.Tensor, StoredRows]]:
-    """The latest stored version of rows ``wanted`` (every row if ``None``) of ``table``
-    in ``chain``, newest link first, each row read once: ``(ids, rows)`` pieces."""
+    """The latest stored version of rows ``wanted`` (every row if ``None``) of ``table``,
+    each row read once: ``(ids, rows)`` pieces. First from ``newer`` (the checkpoints
+    since the served one, newest first: see :attr:`UpdatePlan.newer`), each row from the
+    newest that changed it, where those rows lie in one run; then from ``chain``, newest
+    link first."""
     shape = chain.entry.tables[table]
     remaining = torch.arange(shape.num_embeddings) if wanted is None else wanted
-    full_width = all(rec.spec.cols == shape.embedding_dim for _, rec in chain.records(table))
+    ours = [rec for _, rec in chain.records(table)]
+    full_width = all(rec.spec.cols == shape.embedding_dim for rec in ours)
     if not full_width:
         return [(remaining, StoredRows.fp32(_assemble(chain, table, remaining)))]
     pieces = []
+    deferred = []  # changed by a checkpoint that does not store them in a run
+    for entry in newer:
+        for rec in entry.shards:
+            if rec.spec.table != table or rec.saved_rows == 0 or not remaining.numel():
+                continue
+            ids, start = _changed_rows(chain, entry, rec)
+            hit, at = find_ids(ids, remaining)
+            if not bool(hit.any()):
+                continue
+            if start is None or not _same_values(rec, ours, shape.embedding_dim):
+                # Their value is the target chain's: older checkpoints hold older ones.
+                deferred.append(remaining[hit])
+            else:
+                read = functools.partial(chain.subset_of, entry, rec)
+                pieces.append((remaining[hit], _stored(read, rec, start + at[hit])))
+            remaining = remaining[~hit]
+    if deferred:
+        remaining = torch.sort(torch.cat([remaining, *deferred])).values
     for n in reversed(range(len(chain.links))):
         for rec in chain.links[n].shards:
             if rec.spec.table != table or rec.saved_rows == 0 or not remaining.numel():
                 continue
             found = chain.locate(n, rec, remaining)
             for ids, keep in found:
-                pieces.append((ids, _stored(chain, n, rec, keep)))
+                read = functools.partial(chain.subset, n, rec)
+                pieces.append((ids, _stored(read, rec, keep)))
             if found:
                 taken = torch.cat([ids for ids, _ in found])
                 remaining = remaining[~torch.isin(remaining, taken)]
@@ -428,7 +488,7 @@ class Follower:
                 continue
             if wanted is None and not plan.cold:
                 continue
-            for ids, rows in _read_table(chain, table, wanted):
+            for ids, rows in _read_table(chain, table, wanted, plan.newer):
                 update.rows.append((key, ids, rows))
         if plan.dense or plan.cold:
             shapes, dense = self.target.tables(), self.target.dense_names()

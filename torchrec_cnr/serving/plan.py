@@ -44,6 +44,12 @@ class UpdatePlan:
     """The dense state differs from the served one."""
     path: list[str] = field(default_factory=list)
     """The checkpoints whose recorded changes the plan unites."""
+    newer: list[Entry] = field(default_factory=list)
+    """Where the target is ahead of the served checkpoint (no rewind): the checkpoints
+    from the target back to the first after the served one, newest first. Each stores the
+    rows it changed with their values at the target's step, unless a newer one changed
+    them again: a follower behind reads them there (a tail, or a consecutive delta, is
+    one run) rather than scattered through the target's chain."""
 
 
 def _same_state(entry: Entry, ckpt_id: str) -> bool:
@@ -78,14 +84,11 @@ def changed_since(chain: ChainReader, entry: Entry) -> dict[str, torch.Tensor] |
 
     Args:
         chain: any open chain of the same root: it reads the small ``ids`` and ``recent``
-            tensors of ``entry``, and keeps them if ``entry`` is its last link (the rows
-            are read from there next).
+            tensors of ``entry``, and keeps them (the rows are found by them next).
     """
-    last = chain.entry.id == entry.id
-    reader = chain.snapshot(entry)
 
     def read(rank: int, name: str) -> torch.Tensor:
-        return chain.hold(len(chain.links) - 1, rank, name) if last else reader.rows(rank, name)
+        return chain.kept(entry, rank, name)
 
     parts: dict[str, list[torch.Tensor]] = {}
     for rec in entry.shards:
@@ -140,6 +143,8 @@ def plan_update(
         plan.cold = True
         return plan
     plan.path = [e.id for e in path if e is not None]
+    if b == 0:
+        plan.newer = [e for e in path if e is not None]
     rows: dict[str, list[torch.Tensor]] = {}
     for entry in path:
         assert entry is not None
