@@ -152,3 +152,16 @@ def test_rows_read_alone_merge_nearby_runs_within_their_budget_and_stay_exact(
         assert len(spans) == runs  # one request per run of consecutive rows
     else:
         assert len(spans) < runs  # nearby runs merged
+
+
+@pytest.mark.parametrize("merge_rows", [1, 8, 100])
+def test_runs_closer_than_a_request_are_always_merged(merge_rows: int) -> None:
+    gen = torch.Generator().manual_seed(6)
+    index = torch.unique(torch.randint(0, 5000, (600,), generator=gen))
+    segment = (index >= 2500).to(torch.int64)  # two stored objects
+    spans = _spans(index, segment, 0.0, merge_rows)
+    for (_, b), (a, _) in zip(spans, spans[1:]):
+        gap = int(index[a] - index[b - 1]) - 1
+        assert gap > merge_rows or segment[a] != segment[b - 1], (gap, merge_rows)
+    assert all(bool((segment[a:b] == segment[a]).all()) for a, b in spans), "one object each"
+    assert sorted(i for a, b in spans for i in range(a, b)) == list(range(index.numel()))

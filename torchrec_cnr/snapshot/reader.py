@@ -91,10 +91,14 @@ scattered survivors of each delta in about 200 requests per GB, not one per run
 against 22 s and 130k at 0.15)."""
 
 
-def _spans(index: torch.Tensor, segment: torch.Tensor, extra: float) -> list[tuple[int, int]]:
+def _spans(
+    index: torch.Tensor, segment: torch.Tensor, extra: float, merge_rows: int = 0
+) -> list[tuple[int, int]]:
     """``[a, b)`` positions of ``index`` (ascending rows) read with one request each:
-    runs of consecutive rows of one stored object, then the runs whose gaps are smallest
-    merged while the rows skipped over stay within ``extra`` times ``len(index)``."""
+    runs of consecutive rows of one stored object; runs at most ``merge_rows`` apart
+    merged (reading the gap costs no more than a request); then the runs whose gaps are
+    smallest merged while the other rows skipped over stay within ``extra`` times
+    ``len(index)``."""
     n = index.numel()
     new_run = torch.ones(n, dtype=torch.bool)
     new_run[1:] = (index[1:] != index[:-1] + 1) | (segment[1:] != segment[:-1])
@@ -103,9 +107,10 @@ def _spans(index: torch.Tensor, segment: torch.Tensor, extra: float) -> list[tup
         later = starts[1:]
         gaps = (index[later] - index[later - 1] - 1).to(torch.float64)
         gaps[segment[later] != segment[later - 1]] = float("inf")  # never across objects
-        order = torch.argsort(gaps, stable=True)
+        merged = gaps <= merge_rows
+        rest = torch.nonzero(~merged).flatten()
+        order = rest[torch.argsort(gaps[rest], stable=True)]
         within = torch.cumsum(gaps[order], 0) <= extra * n
-        merged = torch.zeros(later.numel(), dtype=torch.bool)
         merged[order[within]] = True
         starts = torch.cat([starts[:1], later[~merged]])
     bounds = [*starts.tolist(), n]
@@ -320,7 +325,8 @@ class SnapshotReader:
             return out
         firsts = torch.tensor([first for first, _, _ in segments])
         segment = torch.searchsorted(firsts, index, right=True) - 1
-        spans = _spans(index, segment, extra)
+        row_bytes = max(1, out[0].numel() * out.element_size())
+        spans = _spans(index, segment, extra, self.storage.request_bytes // row_bytes)
         starts = torch.tensor([a for a, _ in spans])
         ends = torch.tensor([b for _, b in spans])
         firsts_of = zip(segment[starts].tolist(), index[starts].tolist(), index[ends - 1].tolist())

@@ -28,6 +28,9 @@ class S3Storage(Storage):
         RuntimeError: boto3 is not installed (``pip install torchrec_cnr[s3]``).
     """
 
+    request_bytes = 2 * 2**20
+    """A GET costs milliseconds: 2 MB of gap is cheaper than another request."""
+
     def __init__(self, url: str) -> None:
         rest = url.removeprefix("s3://").strip("/")
         bucket, _, prefix = rest.partition("/")

@@ -26,6 +26,7 @@ class StorageWrapper(Storage):
     def __init__(self, inner: Storage) -> None:
         self.inner = inner
         self.url = inner.url
+        self.request_bytes = inner.request_bytes
 
     def before(self, op: str, name: str) -> None:
         """Called before each operation ``op`` (a :class:`Storage` method) on ``name``."""
