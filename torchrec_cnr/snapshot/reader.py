@@ -91,14 +91,20 @@ scattered survivors of each delta in about 200 requests per GB, not one per run
 against 22 s and 130k at 0.15)."""
 
 
+MANY_REQUESTS = 1024
+"""Requests for one tensor's rows beyond which a read trades bytes for fewer requests: the
+runs are then also merged across every gap that costs less to read than a request."""
+
+
 def _spans(
     index: torch.Tensor, segment: torch.Tensor, extra: float, merge_rows: int = 0
 ) -> list[tuple[int, int]]:
     """``[a, b)`` positions of ``index`` (ascending rows) read with one request each:
-    runs of consecutive rows of one stored object; runs at most ``merge_rows`` apart
-    merged (reading the gap costs no more than a request); then the runs whose gaps are
-    smallest merged while the other rows skipped over stay within ``extra`` times
-    ``len(index)``."""
+    runs of consecutive rows of one stored object, the runs whose gaps are smallest
+    merged while the rows skipped over stay within ``extra`` times ``len(index)``; and
+    where that leaves more than :data:`MANY_REQUESTS`, runs at most ``merge_rows`` apart
+    merged too (reading the gap costs less than a request: rows scattered through a whole
+    table, such as a baseline's changed rows, are read in large pieces)."""
     n = index.numel()
     new_run = torch.ones(n, dtype=torch.bool)
     new_run[1:] = (index[1:] != index[:-1] + 1) | (segment[1:] != segment[:-1])
@@ -107,11 +113,12 @@ def _spans(
         later = starts[1:]
         gaps = (index[later] - index[later - 1] - 1).to(torch.float64)
         gaps[segment[later] != segment[later - 1]] = float("inf")  # never across objects
-        merged = gaps <= merge_rows
-        rest = torch.nonzero(~merged).flatten()
-        order = rest[torch.argsort(gaps[rest], stable=True)]
+        order = torch.argsort(gaps, stable=True)
         within = torch.cumsum(gaps[order], 0) <= extra * n
+        merged = torch.zeros(later.numel(), dtype=torch.bool)
         merged[order[within]] = True
+        if int((~merged).sum()) + 1 > MANY_REQUESTS:
+            merged |= gaps <= merge_rows
         starts = torch.cat([starts[:1], later[~merged]])
     bounds = [*starts.tolist(), n]
     return list(zip(bounds, bounds[1:]))
