@@ -91,18 +91,17 @@ scattered survivors of each delta in about 200 requests per GB, not one per run
 against 22 s and 130k at 0.15)."""
 
 
-MANY_REQUESTS = 1024
-"""Requests for one tensor's rows beyond which a read trades bytes for fewer requests: the
-runs are then also merged across every gap that costs less to read than a request."""
-
-
 def _spans(
-    index: torch.Tensor, segment: torch.Tensor, extra: float, merge_rows: int = 0
+    index: torch.Tensor,
+    segment: torch.Tensor,
+    extra: float,
+    merge_rows: int = 0,
+    many: int = 1024,
 ) -> list[tuple[int, int]]:
     """``[a, b)`` positions of ``index`` (ascending rows) read with one request each:
     runs of consecutive rows of one stored object, the runs whose gaps are smallest
     merged while the rows skipped over stay within ``extra`` times ``len(index)``; and
-    where that leaves more than :data:`MANY_REQUESTS`, runs at most ``merge_rows`` apart
+    where that leaves more than ``many``, runs at most ``merge_rows`` apart
     merged too (reading the gap costs less than a request: rows scattered through a whole
     table, such as a baseline's changed rows, are read in large pieces)."""
     n = index.numel()
@@ -117,7 +116,7 @@ def _spans(
         within = torch.cumsum(gaps[order], 0) <= extra * n
         merged = torch.zeros(later.numel(), dtype=torch.bool)
         merged[order[within]] = True
-        if int((~merged).sum()) + 1 > MANY_REQUESTS:
+        if int((~merged).sum()) + 1 > many:
             merged |= gaps <= merge_rows
         starts = torch.cat([starts[:1], later[~merged]])
     bounds = [*starts.tolist(), n]
@@ -333,7 +332,10 @@ class SnapshotReader:
         firsts = torch.tensor([first for first, _, _ in segments])
         segment = torch.searchsorted(firsts, index, right=True) - 1
         row_bytes = max(1, out[0].numel() * out.element_size())
-        spans = _spans(index, segment, extra, self.storage.request_bytes // row_bytes)
+        storage = self.storage
+        spans = _spans(
+            index, segment, extra, storage.request_bytes // row_bytes, storage.many_requests
+        )
         starts = torch.tensor([a for a, _ in spans])
         ends = torch.tensor([b for _, b in spans])
         firsts_of = zip(segment[starts].tolist(), index[starts].tolist(), index[ends - 1].tolist())

@@ -41,9 +41,12 @@ class Storage(abc.ABC):
     """The root as the user gave it, e.g. ``/ckpt/run1`` or ``s3://bucket/run1``."""
 
     request_bytes: int = 128 * 1024
-    """About as many bytes as one more request costs to read: a read of some rows also
-    reads gaps up to this size between them rather than make another request (a local
-    disk's request costs about 0.1 ms, the time to read 100-200 KB here)."""
+    """About as many bytes as one more request costs to read (a local disk's request
+    costs about 0.1 ms, the time to read 100-200 KB here)."""
+    many_requests: int = 1024
+    """Requests for one tensor's rows beyond which a read of some rows also reads the gaps
+    between them up to :attr:`request_bytes`, rather than make those requests (about
+    0.1 s of requests)."""
 
     @abc.abstractmethod
     def path(self, name: str) -> str:

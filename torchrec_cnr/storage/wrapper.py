@@ -27,6 +27,7 @@ class StorageWrapper(Storage):
         self.inner = inner
         self.url = inner.url
         self.request_bytes = inner.request_bytes
+        self.many_requests = inner.many_requests
 
     def before(self, op: str, name: str) -> None:
         """Called before each operation ``op`` (a :class:`Storage` method) on ``name``."""
