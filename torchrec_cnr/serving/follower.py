@@ -48,7 +48,7 @@ from torchrec_cnr.quantization import UNIFORM_METHODS
 from torchrec_cnr.restore import ChainReader, check_serving, load_committed
 from torchrec_cnr.restore.chain import find_ids
 from torchrec_cnr.schema import MANIFEST_NAME
-from torchrec_cnr.serving.plan import UpdatePlan, plan_update
+from torchrec_cnr.serving.plan import UpdatePlan, changed_rows, plan_update
 from torchrec_cnr.serving.rows import PreparedRows, StoredRows
 from torchrec_cnr.serving.targets import ServingTarget
 from torchrec_cnr.storage import CountingStorage, Root, as_storage
@@ -196,24 +196,6 @@ def _same_values(rec: ShardRecord, ours: list[ShardRecord], cols: int) -> bool:
     )
 
 
-def _changed_rows(
-    chain: ChainReader, entry: Entry, rec: ShardRecord
-) -> tuple[torch.Tensor, int | None]:
-    """The ascending ids of the rows ``rec`` changed since the checkpoint before it, and
-    the position of the first where they are stored in one run (a tail, or every row of a
-    delta that stores only them), else ``None``."""
-    ss = rec.spec
-    if rec.recent == "tail":
-        ids = chain.kept(entry, ss.rank, rec.recent_name)
-        return ids.to(torch.int64), rec.saved_rows - rec.recent_rows
-    if rec.recent == "ids":
-        return chain.kept(entry, ss.rank, rec.recent_name).to(torch.int64), None
-    assert rec.recent == "stored", "a plan through an unrecorded change is cold"
-    if rec.all_rows:
-        return torch.arange(ss.row_offset, ss.row_offset + ss.rows), 0
-    return chain.kept(entry, ss.rank, rec.ids_name(rec.key)).to(torch.int64), 0
-
-
 def _read_table(
     chain: ChainReader, table: str, wanted: torch.Tensor | None, newer: list[Entry]
 ) -> list[tuple[torch.Tensor, StoredRows]]:
@@ -234,7 +216,7 @@ def _read_table(
         for rec in entry.shards:
             if rec.spec.table != table or rec.saved_rows == 0 or not remaining.numel():
                 continue
-            ids, start = _changed_rows(chain, entry, rec)
+            ids, start = changed_rows(chain, entry, rec)
             hit, at = find_ids(ids, remaining)
             if not bool(hit.any()):
                 continue

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 from torchrec_cnr.commit.manifest import Entry, Manifest
+from torchrec_cnr.encoding import ShardRecord
 from torchrec_cnr.restore.chain import ChainReader
 
-__all__ = ["UpdatePlan", "changed_since", "plan_update"]
+__all__ = ["UpdatePlan", "changed_rows", "changed_since", "plan_update"]
 
 
 @dataclass
@@ -78,32 +79,39 @@ def _lineage(manifest: Manifest, start: Entry) -> list[tuple[set[str], Entry | N
     return out
 
 
+def changed_rows(
+    chain: ChainReader, entry: Entry, rec: ShardRecord
+) -> tuple[torch.Tensor, int | None]:
+    """The ascending ids of the rows ``rec`` (of ``entry``, its ``recent`` recorded)
+    changed since the checkpoint before it, and the position of the first where they are
+    stored in one run (a tail, or every row of a delta that stores only them), else
+    ``None``. The small ``ids`` and ``recent`` tensors it reads stay in ``chain``
+    (:meth:`ChainReader.kept`): the rows are found by them next."""
+    ss = rec.spec
+    if rec.recent == "tail":
+        ids = chain.kept(entry, ss.rank, rec.recent_name)
+        return ids.to(torch.int64), rec.saved_rows - rec.recent_rows
+    if rec.recent == "ids":
+        return chain.kept(entry, ss.rank, rec.recent_name).to(torch.int64), None
+    assert rec.recent == "stored", "an unrecorded change has no rows"
+    if rec.all_rows:
+        return torch.arange(ss.row_offset, ss.row_offset + ss.rows), 0
+    return chain.kept(entry, ss.rank, rec.ids_name(rec.key)).to(torch.int64), 0
+
+
 def changed_since(chain: ChainReader, entry: Entry) -> dict[str, torch.Tensor] | None:
     """Table -> ascending global ids of the rows ``entry`` records as changed since
     ``entry.since``; ``None`` if some shard did not record them.
 
     Args:
-        chain: any open chain of the same root: it reads the small ``ids`` and ``recent``
-            tensors of ``entry``, and keeps them (the rows are found by them next).
+        chain: any open chain of the same root (see :func:`changed_rows`).
     """
-
-    def read(rank: int, name: str) -> torch.Tensor:
-        return chain.kept(entry, rank, name)
-
     parts: dict[str, list[torch.Tensor]] = {}
     for rec in entry.shards:
-        ss = rec.spec
         if rec.recent == "unknown":
             return None
-        if rec.saved_rows == 0:
-            continue
-        if rec.recent in ("ids", "tail"):
-            ids = read(ss.rank, rec.recent_name)
-        elif rec.all_rows:
-            ids = torch.arange(ss.row_offset, ss.row_offset + ss.rows)
-        else:
-            ids = read(ss.rank, rec.ids_name(rec.key))
-        parts.setdefault(ss.table, []).append(ids.to(torch.int64))
+        if rec.saved_rows:
+            parts.setdefault(rec.spec.table, []).append(changed_rows(chain, entry, rec)[0])
     return {t: torch.unique(torch.cat(p)) for t, p in parts.items()}
 
 
