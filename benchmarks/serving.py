@@ -21,6 +21,12 @@ update skips) x (the stored row + its int32 id). Freshness of a trained row: fro
 training step to served (the middle row of an update, and the worst: see
 :func:`cnr_train.serve.freshness`, which ``make demo`` prints too). Blocked time is compared with a
 memcpy of the update's changed bytes.
+
+``--followers 1 4``: also the same job followed by 4 serving processes on its root; every
+serving process of the run is then at nice 10 (this machine has 2 cores; training's figures
+stay its own). Per follower: the requests and bytes it cost the store per commit and per
+update, the requests of a poll that found nothing new, and the CPU seconds of following;
+checked against a lone follower of the same job.
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ CONFIG = "configs/serving.yaml"
 POLICIES = ("consecutive", "intermittent")
 PAIRS = {"fp32": ("fp32", "fp32"), "int4": ("4-bit", "int4")}
 """Served type -> (checkpoint format, a key of :data:`QUANTS`; ``serve.dtype``)."""
-MODES = ("copy", "swap")
+MODES = ("copy", "swap", "budget")
+"""The follower's copy mode, its swap mode, and copy mode with ``--budget-mb``."""
 ID_BYTES = 4  # ids are stored as int32 below 2**31 rows (torchrec_cnr.staging)
 MB = 2**20
 
@@ -66,8 +73,16 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     p.add_argument("--storage", nargs="+", default=["fs"], choices=["fs", "s3"])
     p.add_argument("--nproc", type=int, default=2, help="training ranks")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
-                   help="the follower's copy mode (the default) and swap mode")  # fmt: skip
+    p.add_argument("--modes", nargs="+", default=["copy", "swap"], choices=MODES,
+                   help="the follower's copy mode (the default), swap mode, and copy mode "
+                        "with a memory budget")  # fmt: skip
+    p.add_argument("--budget-mb", type=float, default=16.0,
+                   help="--modes budget: the follower's memory budget")  # fmt: skip
+    p.add_argument("--followers", nargs="+", type=int, default=[1],
+                   help="serving processes on one root; with more than one, every run's "
+                        "run at nice 10")  # fmt: skip
+    p.add_argument("--requests-per-s", type=float, help="each serving process's requests "
+                   "(default: configs/serving.yaml's)")  # fmt: skip
 
 
 def _row_bytes(fmt: str, dim: int) -> int:
@@ -81,6 +96,7 @@ def _row_bytes(fmt: str, dim: int) -> int:
 
 
 def _overrides(b: Bench, root: str, policy: str, served: str, mode: str, out: Path) -> list[str]:
+    """The job's config overrides; the serving metrics go to ``out/serve.json``."""
     a = b.args
     fmt, dtype = PAIRS[served]
     q = QUANTS[fmt]
@@ -99,17 +115,24 @@ def _overrides(b: Bench, root: str, policy: str, served: str, mode: str, out: Pa
         f"train.metrics_path={out / 'train.json'}",
         f"serve.dtype={dtype}",
         f"serve.swap={mode == 'swap'}",
+        *([f"serve.memory_budget_mb={a.budget_mb}"] if mode == "budget" else []),
         f"serve.metrics_path={out / 'serve.json'}",
+        *([] if a.requests_per_s is None else [f"serve.requests_per_s={a.requests_per_s}"]),
     ]
 
 
-def _key(storage: str, policy: str, served: str, mode: str) -> str:
-    return f"{storage}_{policy}_{served}" + ("" if mode == "copy" else f"_{mode}")
+def _key(storage: str, policy: str, served: str, mode: str, followers: int = 1) -> str:
+    return (f"{storage}_{policy}_{served}" + ("" if mode == "copy" else f"_{mode}")
+            + ("" if followers == 1 else f"_x{followers}"))  # fmt: skip
 
 
-def _one_run(b: Bench, storage: str, policy: str, served: str, mode: str) -> dict[str, Any]:
-    """The job and its serving process on a fresh root; their metrics and the root's."""
-    key = _key(storage, policy, served, mode)
+def _one_run(
+    b: Bench, storage: str, policy: str, served: str, mode: str, followers: int = 1
+) -> dict[str, Any]:
+    """The job and its serving processes on a fresh root; their metrics and the root's.
+    The first follower's figures are the run's; with more, each one's store and CPU cost
+    too (:func:`_fanout`)."""
+    key = _key(storage, policy, served, mode, followers)
     out = b.scratch / key
     out.mkdir()
     root = f"s3://{s3_bucket()}/{key}" if storage == "s3" else str(out / "root")
@@ -117,29 +140,97 @@ def _one_run(b: Bench, storage: str, policy: str, served: str, mode: str) -> dic
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     began = time.time()
-    with open(out / "serve.log", "w") as log:
-        server = subprocess.Popen([sys.executable, "scripts/serve.py", *args], stdout=log,
-                                  stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    servers = []
+    for i in range(followers):
+        metrics_path = out / f"serve{i or ''}.json"
+        with open(out / f"serve{i or ''}.log", "w") as log:
+            servers.append(subprocess.Popen(
+                [sys.executable, "scripts/serve.py", *args, f"serve.metrics_path={metrics_path}"],
+                stdout=log, stderr=subprocess.STDOUT, env=env,
+                preexec_fn=(lambda: os.nice(10)) if max(b.args.followers) > 1 else None,
+            ))  # fmt: skip
     try:
+        _wait_following(out, servers)
         with open(out / "train.log", "w") as log:
             job = subprocess.run(
                 [torchrun, "--standalone", f"--nproc_per_node={b.args.nproc}", "scripts/train.py",
                  *args], stdout=log, stderr=subprocess.STDOUT, env=env, timeout=1800,
             )  # fmt: skip
-        served_rc = server.wait(timeout=600)
+        served_rc = [s.wait(timeout=900) for s in servers]
     finally:
-        if server.poll() is None:
-            server.kill()
-    for name, rc in (("train", job.returncode), ("serve", served_rc)):
+        for server in servers:
+            if server.poll() is None:
+                server.kill()
+    exits = [("train", job.returncode)] + [
+        (f"serve{i or ''}", rc) for i, rc in enumerate(served_rc)
+    ]
+    for name, rc in exits:
         if rc != 0:
             tail = (out / f"{name}.log").read_text()[-3000:]
             raise RuntimeError(f"{key}: {name} exited {rc}; the end of its log:\n{tail}")
-    metrics = json.loads((out / "serve.json").read_text())
+    metrics = [json.loads((out / f"serve{i or ''}.json").read_text()) for i in range(followers)]
     row = _row_bytes(PAIRS[served][0], b.args.dim) + ID_BYTES
-    summary = _summarise(metrics, list_checkpoints(root), row)
+    infos = list_checkpoints(root)
+    summary = _summarise(metrics[0], infos, row)
+    summary.update(_fanout([_summarise(m, infos, row) for m in metrics], metrics, infos))
     b.log(f"{key}: {_brief(summary)} ({time.time() - began:.0f} s)")
     return {"storage": storage, "policy": policy, "served": served, "mode": mode,
-            "row_bytes": row, **summary}  # fmt: skip
+            "followers": followers, "row_bytes": row, **summary,
+            **({"budget_mb": b.args.budget_mb} if mode == "budget" else {})}  # fmt: skip
+
+
+def _wait_following(out: Path, servers: list[subprocess.Popen[bytes]]) -> None:
+    """Until every serving process follows the root: one that starts after the job ends
+    (slow at nice 10) would wait for a done marker of its own run forever."""
+    deadline = time.time() + 300
+    for i, server in enumerate(servers):
+        log = out / f"serve{i or ''}.log"
+        while "serving: following" not in log.read_text():
+            if server.poll() is not None or time.time() > deadline:
+                raise RuntimeError(
+                    f"{log.name} did not start following:\n{log.read_text()[-3000:]}"
+                )
+            time.sleep(0.2)
+
+
+def _fanout(
+    summaries: list[dict[str, Any]], metrics: list[dict[str, Any]], infos: list[CheckpointInfo]
+) -> dict[str, Any]:
+    """Each follower's cost to the store and the host, and the worst over them: requests
+    and bytes per commit after its cold start, requests of a poll that found nothing new,
+    bytes read over changed bytes (median update), and CPU seconds of following (the
+    process's, less its request thread's) per commit."""
+    each = []
+    commits = len(infos)
+    for s, m in zip(summaries, metrics):
+        reports = [UpdateReport(**r) for r in m["update_reports"]]
+        cold = [r for r in reports if r.cold]
+        # Caught up: after the first incremental update (it reads what the cold start missed).
+        first = next(i for i, r in enumerate(reports) if not r.cold)
+        later = [i for i in infos if i.step > reports[first].step]
+        caught_up = m["storage_requests"] - sum(r.requests for r in reports[: first + 1])
+        each.append({
+            "requests_per_commit": (m["storage_requests"] - sum(r.requests for r in cold))
+            / commits,
+            "mb_per_commit": (m["storage_bytes"] - sum(r.bytes_read for r in cold)) / commits / MB,
+            "idle_polls": m["idle_polls"],
+            "idle_poll_requests": m["idle_requests"] / m["idle_polls"] if m["idle_polls"] else None,
+            "requests_per_update": s["requests"],
+            "caught_up_requests_per_commit": caught_up / len(later) if later else None,
+            "read_over_changed": s["read_over_changed"],
+            "follow_cpu_s_per_commit": (m["cpu_s"] - m["request_cpu_s"]) / commits,
+            "served_commits": s["served_commits"],
+            "torn_requests": s["torn_requests"],
+            "lag_s": s["lag_s"],
+        })  # fmt: skip
+    return {
+        "each_follower": each,
+        **{f"worst_{k}": max((e[k] for e in each if e[k] is not None), default=None)
+           for k in ("requests_per_commit", "requests_per_update", "mb_per_commit",
+                     "caught_up_requests_per_commit",
+                     "idle_poll_requests",
+                     "read_over_changed", "follow_cpu_s_per_commit", "torn_requests")},
+    }  # fmt: skip
 
 
 def _summarise(m: dict[str, Any], infos: list[CheckpointInfo], row: int) -> dict[str, Any]:
@@ -192,6 +283,8 @@ def _summarise(m: dict[str, Any], infos: list[CheckpointInfo], row: int) -> dict
         "blocked_over_memcpy": med("blocked_s") / max(med("memcpy_s"), 1e-9),
         "memcpy_ms": med("memcpy_s") * 1e3,
         "held_mb": med("held_bytes") / MB,
+        "held_mb_max": worst("held_bytes") / MB,
+        "spilled_mb": med("spilled_bytes") / MB,
         "held_over_changed": med("held_over_changed"),
         "spare_mb": m.get("spare_bytes", 0) / MB,
         "changed_mb": med("changed_bytes") / MB,
@@ -216,13 +309,17 @@ def _brief(s: dict[str, Any]) -> str:
 def targets(runs: dict[str, Any]) -> list[Goal]:
     """Every run: no torn snapshot; freshness ≤ 6 s (median) and ≤ the interval + the
     commit + 2 s (worst: its commit is in the lag); bytes ≤ 1.2x the changed rows. Copy
-    mode blocks serving ≤ a memcpy of the changed bytes, swap mode ≤ 5 ms (medians)."""
+    mode blocks serving ≤ a memcpy of the changed bytes, swap mode ≤ 5 ms (medians); with a
+    memory budget, an update's rows take at most the budget."""
     out: list[Goal] = []
     for key, run in runs.items():
         r = f"runs.{key}"
         if run.get("mode") == "swap":
             out.append(Goal(f"{key}: blocked <= 5 ms (median)", f"{r}.blocked_s", "<=", 0.005))
         else:
+            if run.get("mode") == "budget":
+                out.append(Goal(f"{key}: held <= the memory budget (worst)", f"{r}.held_mb_max",
+                                "<=", run["budget_mb"]))  # fmt: skip
             out.append(Goal(f"{key}: blocked <= memcpy of the changed bytes (median)",
                             f"{r}.blocked_over_memcpy", "<=", 1.0))  # fmt: skip
         out += [
@@ -233,6 +330,43 @@ def targets(runs: dict[str, Any]) -> list[Goal]:
             Goal(f"{key}: bytes read <= 1.2 x changed rows + ids (median)",
                  f"{r}.read_over_changed", "<=", 1.2),
         ]  # fmt: skip
+        if run.get("followers", 1) > 1:
+            out += _fanout_targets(runs, key)
+    return out
+
+
+def _fanout_targets(runs: dict[str, Any], key: str) -> list[Goal]:
+    """Several followers on one root: a poll that finds nothing costs each one request
+    (where one had such a poll), each reads ≤ 1.2x its changed bytes, and a follower costs
+    the store no more requests per commit once caught up, and bytes per commit, than a lone
+    follower of the same job does (within 1.2x)."""
+    run, r = runs[key], f"runs.{key}"
+    n = run["followers"]
+    out = (
+        []
+        if run["worst_idle_poll_requests"] is None
+        else [  # every poll found a commit
+            Goal(
+                f"{key}: a poll that finds nothing costs each of {n} followers <= 1 request",
+                f"{r}.worst_idle_poll_requests",
+                "<=",
+                1.0,
+            ),
+        ]
+    )
+    out += [
+        Goal(f"{key}: every follower reads <= 1.2 x changed rows + ids (median)",
+             f"{r}.worst_read_over_changed", "<=", 1.2),
+        Goal(f"{key}: torn snapshots = 0 at every follower", f"{r}.worst_torn_requests", "<=", 0.0),
+    ]  # fmt: skip
+    lone = _key(run["storage"], run["policy"], run["served"], run["mode"])
+    for what in ("caught_up_requests_per_commit", "mb_per_commit"):
+        w = f"worst_{what}"
+        if lone in runs and run[w] is not None and runs[lone][w] is not None:
+            out.append(Goal(
+                f"{key}: {what.replace('_', ' ')} of each follower <= 1.2 x a lone follower's",
+                f"{r}.{w}", "<=", f"runs.{lone}.{w}", 1.2,
+            ))  # fmt: skip
     return out
 
 
@@ -244,6 +378,14 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "served": lambda r: f"{PAIRS[r['served']][0]} -> {r['served']}",
         "mode": lambda r: r.get("mode", "copy"),
     }
+    several = [r for r in runs if r.get("followers", 1) > 1]
+    lone = {_key(r["storage"], r["policy"], r["served"], r["mode"]) for r in several}
+    fanout = [  # the runs of several followers, and a lone follower of the same job
+        {**e, "run": key, "follower": i}
+        for key, r in m["runs"].items()
+        if r in several or key in lone
+        for i, e in enumerate(r["each_follower"])
+    ]
     return [
         Table.of(
             "Consistency and freshness",
@@ -285,17 +427,47 @@ def tables(m: dict[str, Any]) -> list[Table]:
                 "memcpy ms": lambda r: r.get("memcpy_ms"),
                 "blocked / memcpy": "blocked_over_memcpy",
                 "held MB": lambda r: r.get("held_mb"),
+                "(worst)": lambda r: r.get("held_mb_max"),
+                "spilled MB": lambda r: r.get("spilled_mb"),
                 "held / changed": lambda r: r.get("held_over_changed"),
                 "spare MB": lambda r: r.get("spare_mb", 0.0),
-                "request ms": lambda r: r["request_s"] * 1e3,
+                "request ms": lambda r: None if r["request_s"] is None else r["request_s"] * 1e3,
             },
             "Changed: the rows changed since the served step, as stored, with int32 ids. "
             "Blocked: the exclusive hold of an update; memcpy: a copy of its changed bytes "
             "between warm buffers. Held: memory the update's rows took at once (as read, "
-            "and in serving form where not a view of them); spare: swap mode's second copy "
+            "and in serving form where not a view of them; with a budget, the largest "
+            "piece, and spilled: the mapped files); spare: swap mode's second copy "
             "of the tables. Request: one held-out batch's forward, waits included.",
         ),
+        *([_fanout_table(fanout)] if fanout else []),
     ]
+
+
+def _fanout_table(rows: list[dict[str, Any]]) -> Table:
+    return Table.of(
+        "Followers on one root (each its own process, at nice 10)",
+        rows,
+        {
+            "run": "run",
+            "follower": "follower",
+            "requests / commit": "requests_per_commit",
+            "(caught up)": "caught_up_requests_per_commit",
+            "MB / commit": "mb_per_commit",
+            "requests / update": "requests_per_update",
+            "requests / idle poll": "idle_poll_requests",
+            "read / changed": "read_over_changed",
+            "follow CPU s / commit": "follow_cpu_s_per_commit",
+            "lag s (median)": "lag_s",
+            "served commits": "served_commits",
+            "torn": "torn_requests",
+        },
+        "Per follower, after its cold start: requests and bytes it cost the store per commit "
+        "of the job, idle polls included (caught up: after its first incremental update, "
+        "which reads what the cold start missed); requests of an update (median) and of a "
+        "poll that found nothing new; CPU seconds of following (the process's, less its "
+        "request thread's) per commit.",
+    )
 
 
 def run(b: Bench) -> Outcome:
@@ -306,8 +478,9 @@ def run(b: Bench) -> Outcome:
             for policy in a.policies:
                 for served in a.served:
                     for mode in a.modes:
-                        key = _key(storage, policy, served, mode)
-                        runs[key] = _one_run(b, storage, policy, served, mode)
+                        for n in a.followers:
+                            key = _key(storage, policy, served, mode, n)
+                            runs[key] = _one_run(b, storage, policy, served, mode, n)
     m = {
         "model": {
             "tables": a.tables,

@@ -189,6 +189,9 @@ class ServeConfig:
     """The follower's swap mode: updates are written into a second copy of the tables and
     swapped in, so requests wait microseconds instead of a copy of the changed rows; the
     copy costs the tables' size in memory (see ``torchrec_cnr.Follower``)."""
+    memory_budget_mb: float | None = None
+    """Copy mode: the most memory an update's rows take; a larger update is prepared piece
+    by piece into mapped local files (``Follower(memory_budget=...)``). ``None``: no bound."""
     step_rows: bool = False
     """A consistency probe, for benchmarks and tests: the job writes each step into the last
     row of every table (:func:`torchrec_cnr.write_rows`; those rows no longer train), and
@@ -208,6 +211,10 @@ class ServeConfig:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+        if self.memory_budget_mb is not None and self.memory_budget_mb <= 0:
+            raise ValueError(f"memory_budget_mb must be > 0, got {self.memory_budget_mb}")
+        if self.memory_budget_mb is not None and self.swap:
+            raise ValueError("memory_budget_mb bounds copy mode; swap mode holds a second copy")
 
 
 @dataclass(frozen=True)

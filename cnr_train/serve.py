@@ -153,6 +153,8 @@ class RequestLoop:
         """The steps requests were answered at."""
         self.error: Exception | None = None
         """Why the loop stopped early, if it did."""
+        self.cpu_s = 0.0
+        """CPU seconds the requests took (this thread's)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cnr-serve-requests", daemon=True)
 
@@ -178,6 +180,7 @@ class RequestLoop:
                     if step is not None:
                         self.steps.add(step)
                     k += 1
+                    self.cpu_s = time.thread_time()
                     self._stop.wait(max(0.0, self.period_s - (time.perf_counter() - began)))
         except Exception as e:  # surfaced by Server.run, never swallowed
             self.error = e
@@ -279,9 +282,17 @@ class Server:
         io = dataclasses.replace(config.checkpoint.io, threads=config.serve.io_threads)
         self.storage = open_storage(self.root, io)
         target = serving_target(self.model, config.serve.dtype)
-        self.follower = Follower(self.storage, target, io, swap=config.serve.swap)
+        budget = config.serve.memory_budget_mb
+        self.follower = Follower(
+            self.storage,
+            target,
+            io,
+            swap=config.serve.swap,
+            memory_budget=None if budget is None else int(budget * 2**20),
+        )
         self.probe = StepRows(target) if config.serve.step_rows else None
         self.requests: RequestLoop | None = None
+        self._cpu0 = 0.0  # the process's CPU seconds when run() began
 
     def run(self) -> dict[str, Any]:
         """Follows and serves until the job writes its done marker; then evaluates.
@@ -295,7 +306,7 @@ class Server:
                 last committed step.
         """
         s = self.config.serve
-        started = time.time()
+        started, self._cpu0 = time.time(), time.process_time()
         self.follower.start(s.interval_s)
         print(f"serving: following {self.root} every {s.interval_s} s", file=sys.stderr, flush=True)
         data: BatchStream | None = None
@@ -392,6 +403,14 @@ class Server:
             "request_steps": len(self.requests.steps) if self.requests else 0,
             "request_latency_median_s": statistics.median(latencies) if latencies else None,
             "request_latency_max_s": max(latencies) if latencies else None,
+            # What following cost the store and the host, idle polls included.
+            "polls": self.follower.polls,
+            "idle_polls": self.follower.idle_polls,
+            "idle_requests": self.follower.idle_requests,
+            "storage_requests": self.follower.storage.requests,
+            "storage_bytes": self.follower.storage.bytes_read,
+            "cpu_s": time.process_time() - self._cpu0,
+            "request_cpu_s": self.requests.cpu_s if self.requests else 0.0,
             "eval_batches": self.config.eval.batches,
             **self._probed(infos),
             "update_reports": [asdict(r) for r in reports],

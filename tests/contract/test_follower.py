@@ -43,7 +43,7 @@ from torchrec_cnr.commit import Manifest
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.selection.policy import PolicyName
 from torchrec_cnr.serving import FloatTarget, QuantizedTarget
-from torchrec_cnr.serving.follower import Follower
+from torchrec_cnr.serving.follower import Follower, PendingUpdate
 from torchrec_cnr.storage import open_storage
 
 EVERY = 2
@@ -113,6 +113,77 @@ def test_a_follower_reads_only_changed_rows_and_each_row_once_when_behind(root: 
     changed = [i.rows_changed or 0 for i in list_checkpoints(root) if i.step > 4]
     assert max(changed) <= report.rows < sum(changed)
     follower.close()
+
+
+BUDGET = 32 * 1024
+"""A follower's memory budget, in bytes, far under one update of these tables."""
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("served", ["fp32", "int4"])
+def test_an_update_over_the_memory_budget_is_served_exactly_in_pieces(
+    served: str, root: str, tmp_path: Path
+) -> None:
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    model, target = _serving_target(served)
+    follower = Follower(root, target, memory_budget=BUDGET, spill_dir=str(spill))
+    whole_model, whole = _serving_target(served)
+    unbounded = Follower(root, whole)  # what the same updates serve held whole
+    for last in (4, 8, 10):
+        run_ranks(2, _train, root, "ebc", "intermittent", last, {})
+        assert follower.poll() == unbounded.poll() == last
+        for key, slot in target.tables().items():  # as served: dequantized for INT4
+            ids = torch.arange(slot.num_embeddings)
+            assert torch.equal(target.read_rows(key, ids), whole.read_rows(key, ids)), key
+        if served == "fp32":  # the dense tensors too
+            got, want = _served(model), _served(whole_model)
+            assert [k for k in want if not torch.equal(got[k], want[k])] == []
+        assert list(spill.iterdir()) == []  # each file unlinked once mapped
+    assert all(r.spilled_bytes and r.held_bytes <= BUDGET for r in follower.reports), [
+        (r.rows, r.spilled_bytes, r.held_bytes) for r in follower.reports
+    ]
+    assert [r.rows for r in follower.reports] == [r.rows for r in unbounded.reports]
+    assert all(r.held_bytes > BUDGET for r in unbounded.reports)  # the budget did bind
+    if served == "fp32":
+        _assert_serves_the_root(model, root)
+    follower.close()
+    unbounded.close()
+
+
+@pytest.mark.dist
+def test_a_piece_the_gate_refuses_refuses_the_update_and_changes_nothing(root: str) -> None:
+    model, target = _serving_target("fp32")
+    pieces: dict[int, int] = {}  # step -> pieces of rows the gate saw
+
+    def gate(update: PendingUpdate) -> str | None:
+        if update.rows:
+            pieces[update.step] = pieces.get(update.step, 0) + 1
+        # The second piece of step 6: the first is prepared and spilled by then.
+        return "bad piece" if update.step == 6 and pieces[6] == 2 else None
+
+    follower = Follower(root, target, accept=gate, memory_budget=BUDGET)
+    run_ranks(2, _train, root, "ebc", "consecutive", 4, {})
+    assert follower.poll() == 4
+    before = _served(model)
+    run_ranks(2, _train, root, "ebc", "consecutive", 6, {})
+    assert follower.poll() == 4
+    assert pieces[4] > 1 and pieces[6] == 2, pieces
+    assert [(r.step, r.reason) for r in follower.refused] == [(6, "bad piece")]
+    after = _served(model)
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    follower.close()
+
+
+def test_a_memory_budget_must_be_positive_and_is_for_copy_mode(root: str) -> None:
+    model, target = _serving_target("fp32")
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="memory_budget must be a positive int"):
+            Follower(root, target, memory_budget=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="bounds copy mode"):
+        Follower(root, target, memory_budget=BUDGET, swap=True)
+    with pytest.raises(ValueError, match="is not a folder"):
+        Follower(root, target, memory_budget=BUDGET, spill_dir=f"{root}/absent")
 
 
 _INTERMITTENT_TABLES = [("a", 20000, "table_wise"), ("b", 20001, "row_wise")]
@@ -407,18 +478,19 @@ def _serving_target(served: str) -> tuple[Any, Any]:
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    ("served", "swap"),
-    [("fp32", False), ("int4", False), ("int2", False), ("fp32", True), ("int4", True)],
-)
+    ("served", "swap", "budget"),
+    [("fp32", False, None), ("int4", False, None), ("int2", False, None), ("fp32", True, None),
+     ("int4", True, None), ("fp32", False, BUDGET), ("int4", False, BUDGET)],
+)  # fmt: skip
 def test_every_lookup_sees_the_rows_of_the_step_follower_step_names(
-    served: str, swap: bool, root: str
+    served: str, swap: bool, budget: int | None, root: str
 ) -> None:
     # Every row of every table holds its checkpoint's step (exact in every format: a
     # constant row quantizes to its fp16 bias), so a lookup that reads the rows of one
     # step while follower.step names another is caught, whichever table it reads first.
     _, target = _serving_target(served)
     keys = {k: torch.arange(slot.num_embeddings) for k, slot in target.tables().items()}
-    follower = Follower(root, target, swap=swap)
+    follower = Follower(root, target, swap=swap, memory_budget=budget)
     exclusive = follower._lock.exclusive
 
     @contextlib.contextmanager
@@ -464,6 +536,8 @@ def test_every_lookup_sees_the_rows_of_the_step_follower_step_names(
             t.join()
     assert not errors, errors[:3]
     assert follower.poll() == 6
+    if budget is not None:  # every row changes at every step: each update is spilled
+        assert all(r.spilled_bytes and r.held_bytes <= budget for r in follower.reports)
     torn = [(step, v) for step, v in seen if v != {float(step)}]
     assert not torn, f"lookups saw rows of another step than follower.step: {torn[:3]}"
     if len(follower.reports) >= 3:  # on a loaded machine the follower may take few steps

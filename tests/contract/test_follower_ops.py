@@ -116,6 +116,9 @@ def test_a_refused_update_keeps_the_last_accepted_step_and_is_not_read_again(
     assert got["cnr_follower_updates_total"] == len(follower.reports) == 2
     assert got["cnr_follower_refused_updates_total"] == len(follower.refused) == 2  # pin(6) too
     assert got["cnr_follower_failed_polls_total"] == 0
+    assert got["cnr_follower_polls_total"] == 4  # pin(6) is not a poll
+    assert got["cnr_follower_idle_polls_total"] == 2  # the refused step, then the stat
+    assert got["cnr_follower_requests_total"] == follower.storage.requests
     assert got["cnr_follower_pinned"] == 0
     assert got["cnr_follower_rows_total"] == sum(r.rows for r in follower.reports)
     assert got["cnr_follower_last_update_bytes"] == follower.reports[-1].bytes_read

@@ -22,6 +22,12 @@ RUNS = [
     *((c, f"benchmarks.{c}", ()) for c in CASES),
     ("quantization_vs_greedy", "benchmarks.quantization", ("--vs-greedy",)),
     ("save_cost", "benchmarks.overhead", ("--save-cost",)),
+    ("overhead_paired", "benchmarks.overhead", ("--paired",)),
+    (
+        "serving_fanout",
+        "benchmarks.serving",
+        ("--followers", "1", "2", "--modes", "copy", "--served", "fp32"),
+    ),  # fmt: skip
     ("policy_bytes", "benchmarks.policies", ("--figure",)),
     *((e, f"benchmarks.experiments.{e}", ()) for e in EXPERIMENTS),
 ]

@@ -120,6 +120,14 @@ def test_serve_dtype_names_the_allowed_types() -> None:
         config_file.load(JobConfig, REPO / "configs/demo.yaml", ["serve.dtype=int3"])
     with pytest.raises(config_file.ConfigError, match=r"serve\.interval_s must be > 0"):
         config_file.load(JobConfig, REPO / "configs/demo.yaml", ["serve.interval_s=0"])
+    with pytest.raises(config_file.ConfigError, match=r"memory_budget_mb must be > 0"):
+        config_file.load(JobConfig, REPO / "configs/demo.yaml", ["serve.memory_budget_mb=0"])
+    with pytest.raises(config_file.ConfigError, match=r"bounds copy mode"):
+        config_file.load(
+            JobConfig,
+            REPO / "configs/demo.yaml",
+            ["serve.memory_budget_mb=8", "serve.swap=true"],
+        )
 
 
 def test_a_done_marker_older_than_the_serving_process_is_an_earlier_runs(tmp_path: Path) -> None:

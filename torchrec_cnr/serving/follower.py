@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,7 +50,8 @@ from torchrec_cnr.restore import ChainReader, check_serving, load_committed
 from torchrec_cnr.restore.chain import find_ids
 from torchrec_cnr.schema import MANIFEST_NAME
 from torchrec_cnr.serving.plan import UpdatePlan, changed_rows, plan_update
-from torchrec_cnr.serving.rows import PreparedRows, StoredRows
+from torchrec_cnr.serving.rows import PreparedRows, StoredRows, memory_bytes
+from torchrec_cnr.serving.spill import Spill, piece_bytes, piece_rows
 from torchrec_cnr.serving.targets import ServingTarget
 from torchrec_cnr.storage import CountingStorage, Root, as_storage
 
@@ -84,7 +86,10 @@ class UpdateReport:
     """The root's latest checkpoint is older than the one served before."""
     held_bytes: int = 0
     """Memory the update's rows took at once: as read, and in serving form where that is
-    not a view of them (the spare copy of swap mode is :attr:`Follower.spare_bytes`)."""
+    not a view of them (the spare copy of swap mode is :attr:`Follower.spare_bytes`); over
+    the memory budget, the most one piece took."""
+    spilled_bytes: int = 0
+    """Over the memory budget: the bytes of the rows in mapped files (page cache)."""
 
 
 class _SharedLock:
@@ -144,6 +149,12 @@ class PendingUpdate:
     """(state-dict key, ``(k,)`` ascending global ids, their rows as stored)."""
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
     """Dense tensors that change, by state-dict key."""
+    spill: Spill | None = None
+    """An update over the follower's memory budget: its rows, in serving form, in mapped
+    files instead of :attr:`rows` (the gate saw them piece by piece, each as an update of
+    its own with the same plan)."""
+    refused: str | None = None
+    """Why the gate refused one of its pieces, if it did."""
 
     @property
     def step(self) -> int:
@@ -152,7 +163,8 @@ class PendingUpdate:
 
     @property
     def count(self) -> int:
-        return sum(int(ids.numel()) for _, ids, _ in self.rows)
+        pieces = [] if self.spill is None else self.spill.pieces
+        return sum(int(ids.numel()) for _, ids, _ in [*self.rows, *pieces])
 
 
 AcceptGate = Callable[[PendingUpdate], str | None]
@@ -243,19 +255,6 @@ def _read_table(
     return pieces
 
 
-def _stored_tensors(rows: StoredRows) -> list[torch.Tensor]:
-    if rows.values is not None:
-        return [rows.values]
-    assert rows.packed is not None
-    return list(rows.packed.to_tensors().values())
-
-
-def _storage_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct memory ``tensors`` view."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
-
-
 def _assemble(chain: ChainReader, table: str, ids: torch.Tensor) -> torch.Tensor:
     """Full fp32 rows of a table whose rows are split by column (or resharded)."""
     from torchrec_cnr.offline.tables import table_values
@@ -283,6 +282,11 @@ class Follower:
             Costs the tables' size in memory. The default, copy mode, copies an
             update's rows into the served tables with lookups held off: no second copy,
             and lookups wait about a memcpy of the changed rows.
+        memory_budget: copy mode: the most bytes an update's rows take in memory; a
+            larger update is read in pieces, each shown to the gate, prepared and moved
+            into a mapped, unlinked file (:mod:`torchrec_cnr.serving.spill`). ``None``:
+            an update's rows are held whole.
+        spill_dir: where those files go (on a disk); the temporary folder if ``None``.
 
     Example::
 
@@ -301,7 +305,22 @@ class Follower:
         io: IOOptions | None = None,
         accept: AcceptGate | None = finite_rows,
         swap: bool = False,
+        memory_budget: int | None = None,
+        spill_dir: str | None = None,
     ) -> None:
+        if memory_budget is not None and (
+            not isinstance(memory_budget, int) or isinstance(memory_budget, bool)
+            or memory_budget <= 0
+        ):  # fmt: skip
+            raise ValueError(f"memory_budget must be a positive int (bytes), got {memory_budget!r}")
+        if memory_budget is not None and swap:
+            raise ValueError("memory_budget bounds copy mode; swap mode holds a second copy")
+        if spill_dir is not None and not os.path.isdir(spill_dir):
+            raise ValueError(f"spill_dir {spill_dir!r} is not a folder")
+        self.memory_budget = memory_budget
+        """Copy mode: the most memory an update's rows take (bytes); a larger update is
+        prepared piece by piece into files mapped from ``spill_dir`` (``None``: no bound)."""
+        self.spill_dir = spill_dir
         self._io = IOContext(io)
         self.accept = accept
         self.storage = CountingStorage(as_storage(root, self._io.options), read_only=True)
@@ -316,6 +335,12 @@ class Follower:
         """Why the last poll failed, if it did (the last good step stays served)."""
         self.failures = 0
         """Polls that failed (on the polling thread)."""
+        self.polls = 0
+        """Polls made (:meth:`poll`, on the thread or not)."""
+        self.idle_polls = 0
+        """Polls that found nothing new to serve, once a step was served."""
+        self.idle_requests = 0
+        """Requests those polls made (one stat or HEAD each, while the manifest stays)."""
         self.refused: list[RefusedUpdate] = []
         """Updates the accept gate refused, oldest first."""
         self._pinned = False
@@ -353,7 +378,15 @@ class Follower:
                 changed, and the last good step stays served.
         """
         with self._updating:
-            return self.step if self._pinned else self._update(None)
+            self.polls += 1
+            if self._pinned:
+                return self.step
+            served, requests = self._served, self.storage.requests
+            step = self._update(None)
+            if served is not None and self._served is served:
+                self.idle_polls += 1
+                self.idle_requests += self.storage.requests - requests
+            return step
 
     def pin(self, step: int | None = None) -> int | None:
         """Stops advancing: polls keep the served step until :meth:`unpin`. Given a
@@ -417,7 +450,9 @@ class Follower:
                 plan.target.step,
                 self.step,
             )
-        reason = None if self.accept is None else self.accept(update)
+        reason = update.refused
+        if reason is None and self.accept is not None:
+            reason = self.accept(update)
         if reason is not None:
             self._seen = stamp
             self.refused.append(RefusedUpdate(plan.target.step, plan.target.id, reason))
@@ -441,6 +476,7 @@ class Follower:
             seconds=now - began,
             blocked_s=blocked,
             held_bytes=held,
+            spilled_bytes=0 if update.spill is None else update.spill.bytes,
             lag_s=max(0.0, time.time() - plan.target.committed_at),
             cold=plan.cold,
             rewind=plan.rewind,
@@ -462,7 +498,7 @@ class Follower:
         plan = plan_update(manifest, chain, self._served, served_id)
         if plan is None:
             return None
-        update = PendingUpdate(plan)
+        update = PendingUpdate(plan, spill=self._spill_for(plan, latest))
         for table, shape in latest.tables.items():
             key = shape.state_dict_key
             wanted = None if plan.cold else plan.rows.get(table)
@@ -470,30 +506,69 @@ class Follower:
                 continue
             if wanted is None and not plan.cold:
                 continue
-            for ids, rows in _read_table(chain, table, wanted, plan.newer):
-                update.rows.append((key, ids, rows))
+            if update.spill is None:
+                for ids, rows in _read_table(chain, table, wanted, plan.newer):
+                    update.rows.append((key, ids, rows))
+                continue
+            every = torch.arange(shape.num_embeddings) if wanted is None else wanted
+            assert self.memory_budget is not None
+            for part in every.split(piece_rows(self.memory_budget, shape.embedding_dim)):
+                if not self._spilled(update, key, _read_table(chain, table, part, plan.newer)):
+                    return update  # refused
         if plan.dense or plan.cold:
             shapes, dense = self.target.tables(), self.target.dense_names()
             read = chain.dense([n for n in latest.dense if n in dense or n in shapes])
             for name, tensor in read.items():
                 if name in shapes:  # a data-parallel table: replicated, saved with the dense
                     ids = torch.arange(tensor.shape[0])
-                    update.rows.append((name, ids, StoredRows.fp32(tensor)))
+                    if update.spill is None:
+                        update.rows.append((name, ids, StoredRows.fp32(tensor)))
+                    elif not self._spilled(update, name, [(ids, StoredRows.fp32(tensor))]):
+                        return update
                 else:
                     update.dense[name] = tensor
         return update
+
+    def _spill_for(self, plan: UpdatePlan, latest: Entry) -> Spill | None:
+        """A spill for an update whose rows would take more than the memory budget."""
+        if self.memory_budget is None:
+            return None
+        need = 0
+        for table, shape in latest.tables.items():
+            wanted = plan.rows.get(table)
+            rows = shape.num_embeddings if plan.cold or wanted is None else int(wanted.numel())
+            need += rows * piece_bytes(shape.embedding_dim)
+        return Spill(self.target, self.spill_dir) if need > self.memory_budget else None
+
+    def _spilled(
+        self, update: PendingUpdate, key: str, pieces: list[tuple[torch.Tensor, StoredRows]]
+    ) -> bool:
+        """Shows one piece of the update to the gate and spills it; False if refused."""
+        assert update.spill is not None
+        rows = [(key, ids, r) for ids, r in pieces]
+        if self.accept is not None:
+            update.refused = self.accept(PendingUpdate(update.plan, rows))
+            if update.refused is not None:
+                return False
+        update.spill.add(rows)
+        return True
 
     def _apply(self, update: PendingUpdate) -> tuple[float, int]:
         """Writes what was read and names its step as served, both under the exclusive side
         of the lock: a lookup sees the rows of the step :attr:`step` names, never the rows
         of one step under the name of another. Returns how long serving was blocked, and
         the bytes the update's rows held."""
-        prepared = [(key, ids, self.target.prepare(key, rows)) for key, ids, rows in update.rows]
-        held = _storage_bytes(
-            [ids for _, ids, _ in update.rows]
-            + [t for _, _, rows in update.rows for t in _stored_tensors(rows)]
-            + [t for _, _, rows in prepared for t in rows.tensors]
-        )
+        if update.spill is not None:
+            prepared, held = update.spill.pieces, update.spill.held_bytes
+        else:
+            prepared = [
+                (key, ids, self.target.prepare(key, rows)) for key, ids, rows in update.rows
+            ]
+            held = memory_bytes(
+                [ids for _, ids, _ in update.rows]
+                + [t for _, _, rows in update.rows for t in rows.tensors()]
+                + [t for _, _, rows in prepared for t in rows.tensors]
+            )
         swap = self.target.swapping
         if swap:
             self._write_spare(prepared)

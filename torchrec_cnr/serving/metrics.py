@@ -30,7 +30,8 @@ class FollowerCollector:
     ``last_update_seconds``, ``last_blocked_seconds``, ``last_update_rows``,
     ``last_update_bytes`` and ``last_update_requests``. Counters (``_total``): ``updates``,
     ``rows``, ``read_bytes``, ``blocked_seconds``, ``refused_updates`` (the accept gate's)
-    and ``failed_polls``.
+    and ``failed_polls``; ``polls``, ``idle_polls`` (nothing new found),
+    ``idle_poll_requests`` and ``requests`` (every request to the root).
     """
 
     def __init__(self, follower: Follower, prefix: str = "cnr_follower") -> None:
@@ -74,6 +75,10 @@ class FollowerCollector:
                       sum(r.blocked_s for r in reports))  # fmt: skip
         yield counter("refused_updates", "Updates the accept gate refused.", len(f.refused))
         yield counter("failed_polls", "Polls that failed.", f.failures)
+        yield counter("polls", "Polls made.", f.polls)
+        yield counter("idle_polls", "Polls that found nothing new.", f.idle_polls)
+        yield counter("idle_poll_requests", "Requests of those polls.", f.idle_requests)
+        yield counter("requests", "Requests made to the root.", f.storage.requests)
 
 
 def metrics_text(follower: Follower) -> str:

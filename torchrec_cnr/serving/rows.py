@@ -82,6 +82,13 @@ class StoredRows:
         n, dim = self.values.shape
         return int(n), int(dim)
 
+    def tensors(self) -> list[Tensor]:
+        """The tensors holding the rows."""
+        if self.packed is not None:
+            return list(self.packed.to_tensors().values())
+        assert self.values is not None
+        return [self.values]
+
     def dequantize(self) -> Tensor:
         """(n, dim) fp32 values; may alias :attr:`values` when they are fp32."""
         if self.packed is not None:
@@ -108,3 +115,9 @@ class PreparedRows:
     """Number of rows."""
     tensors: tuple[Tensor, ...]
     """The serving form, private to the target that made it."""
+
+
+def memory_bytes(tensors: list[Tensor]) -> int:
+    """Bytes of the distinct memory ``tensors`` view."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
