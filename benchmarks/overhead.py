@@ -344,17 +344,24 @@ def _interval(b: Bench, trainer: StepLoop, target_s: float, step_s: float) -> di
     return out
 
 
+def _warm_trainer(b: Bench) -> tuple[StepLoop, float]:
+    """The model trained ``--warmup-steps``, and its seconds per step: the median of a few
+    chunks, so that another tenant's burst in one chunk does not set K."""
+    a = b.args
+    work = uniform_model(a)
+    trainer = StepLoop(work, ZipfBatches(work.tables, a.batch, seed=0), b.rank)
+    trainer.train(a.warmup_steps)
+    chunk = max(1, a.probe_steps // 5)
+    step_s = statistics.median(timed(lambda: trainer.train(chunk))[0] / chunk for _ in range(5))
+    b.log(f"{b.world} rank(s): {step_s * 1e3:.1f} ms per step")
+    return trainer, step_s
+
+
 def _world(b: Bench) -> dict[str, Any]:
     """The measurements at this run's world size."""
     a = b.args
     load_before = os.getloadavg()
-    work = uniform_model(a)
-    trainer = StepLoop(work, ZipfBatches(work.tables, a.batch, seed=0), b.rank)
-    trainer.train(a.warmup_steps)
-    # The median of a few chunks: another tenant's burst in one chunk does not set K.
-    chunk = max(1, a.probe_steps // 5)
-    step_s = statistics.median(timed(lambda: trainer.train(chunk))[0] / chunk for _ in range(5))
-    b.log(f"{b.world} rank(s): {step_s * 1e3:.1f} ms per step")
+    trainer, step_s = _warm_trainer(b)
     intervals = {_key(t): _interval(b, trainer, t, step_s) for t in a.intervals}
     return {
         "world_size": b.world,
@@ -780,12 +787,7 @@ def _paired(b: Bench) -> Outcome:
     """``--paired``: throughput lost at each interval, lazy staging (the default), fp32 and
     4-bit, and with saves asked for faster than they commit (``on_busy`` wait, skip)."""
     a = b.args
-    work = uniform_model(a)
-    trainer = StepLoop(work, ZipfBatches(work.tables, a.batch, seed=0), b.rank)
-    trainer.train(a.warmup_steps)
-    chunk = max(1, a.probe_steps // 5)
-    step_s = statistics.median(timed(lambda: trainer.train(chunk))[0] / chunk for _ in range(5))
-    b.log(f"{b.world} rank(s): {step_s * 1e3:.1f} ms per step")
+    trainer, step_s = _warm_trainer(b)
 
     def config(name: str, k: int, quant: str, on_busy: OnBusy = "wait") -> CheckpointConfig:
         return CheckpointConfig(path=str(b.scratch / name), policy="intermittent",
