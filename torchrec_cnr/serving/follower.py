@@ -506,24 +506,21 @@ class Follower:
                 continue
             if wanted is None and not plan.cold:
                 continue
-            if update.spill is None:
-                for ids, rows in _read_table(chain, table, wanted, plan.newer):
-                    update.rows.append((key, ids, rows))
-                continue
-            every = torch.arange(shape.num_embeddings) if wanted is None else wanted
-            assert self.memory_budget is not None
-            for part in every.split(piece_rows(self.memory_budget, shape.embedding_dim)):
-                if not self._spilled(update, key, _read_table(chain, table, part, plan.newer)):
-                    return update  # refused
+            parts: list[torch.Tensor | None] = [wanted]
+            if update.spill is not None:
+                assert self.memory_budget is not None
+                every = torch.arange(shape.num_embeddings) if wanted is None else wanted
+                parts = list(every.split(piece_rows(self.memory_budget, shape.embedding_dim)))
+            for part in parts:
+                if not self._take(update, key, _read_table(chain, table, part, plan.newer)):
+                    return update  # a piece was refused
         if plan.dense or plan.cold:
             shapes, dense = self.target.tables(), self.target.dense_names()
             read = chain.dense([n for n in latest.dense if n in dense or n in shapes])
             for name, tensor in read.items():
                 if name in shapes:  # a data-parallel table: replicated, saved with the dense
                     ids = torch.arange(tensor.shape[0])
-                    if update.spill is None:
-                        update.rows.append((name, ids, StoredRows.fp32(tensor)))
-                    elif not self._spilled(update, name, [(ids, StoredRows.fp32(tensor))]):
+                    if not self._take(update, name, [(ids, StoredRows.fp32(tensor))]):
                         return update
                 else:
                     update.dense[name] = tensor
@@ -540,12 +537,15 @@ class Follower:
             need += rows * piece_bytes(shape.embedding_dim)
         return Spill(self.target, self.spill_dir) if need > self.memory_budget else None
 
-    def _spilled(
+    def _take(
         self, update: PendingUpdate, key: str, pieces: list[tuple[torch.Tensor, StoredRows]]
     ) -> bool:
-        """Shows one piece of the update to the gate and spills it; False if refused."""
-        assert update.spill is not None
+        """Adds rows of ``key`` read together to ``update``: held in it, or, over the memory
+        budget, shown to the gate as one piece and spilled; False if the gate refused it."""
         rows = [(key, ids, r) for ids, r in pieces]
+        if update.spill is None:
+            update.rows += rows
+            return True
         if self.accept is not None:
             update.refused = self.accept(PendingUpdate(update.plan, rows))
             if update.refused is not None:

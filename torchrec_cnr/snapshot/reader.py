@@ -96,7 +96,7 @@ def _spans(
     segment: torch.Tensor,
     extra: float,
     merge_rows: int = 0,
-    many: int = 1024,
+    many: int = Storage.many_requests,
 ) -> list[tuple[int, int]]:
     """``[a, b)`` positions of ``index`` (ascending rows) read with one request each:
     runs of consecutive rows of one stored object, the runs whose gaps are smallest
