@@ -5,6 +5,8 @@
         checkpoint.policy=consecutive train.steps=200
     cnr-train serve --config configs/demo.yaml   # beside the job: follows its checkpoints
     cnr-train criteo-convert /data/criteo/day_* --cache-dir runs/criteo_npy
+    torchrun --standalone --nproc_per_node=2 -m cnr_train import-dcp --config configs/demo.yaml \
+        --from runs/dcp/step_500 --step 500   # the job's root starts from a DCP checkpoint
 
 Every ``key.path=value`` after the options overrides the YAML file.
 """
@@ -24,8 +26,9 @@ import torch.distributed as dist  # noqa: E402
 
 from cnr_train import config_file, criteo  # noqa: E402
 from cnr_train.config import JobConfig  # noqa: E402
-from cnr_train.job import run  # noqa: E402
+from cnr_train.job import Trainer, run  # noqa: E402
 from cnr_train.launch import init_distributed  # noqa: E402
+from torchrec_cnr import CnrError  # noqa: E402
 
 
 def _load(config_path: str | None, overrides: list[str]) -> JobConfig | None:
@@ -77,6 +80,31 @@ def serve(config_path: str | None, overrides: list[str]) -> int:
     return 0
 
 
+def import_dcp(config_path: str | None, overrides: list[str], source: str, step: int) -> int:
+    """Starts the job's root from a DCP checkpoint of its model: imports it into the
+    model (any world size and sharding it was saved from), then saves it as a baseline
+    at ``step``; ``cnr-train run`` then resumes from there."""
+    config = _load(config_path, overrides)
+    if config is None:
+        return 2
+    init_distributed()
+    try:
+        t = Trainer.build(config, config.train.seed)
+        try:
+            t.ckpt.restore(from_dcp=source, step=step)
+            t.ckpt.save(step)
+        finally:
+            t.ckpt.close()
+        if dist.get_rank() == 0:
+            print(f"{source} -> {config.checkpoint.path}: a baseline of step {step}", flush=True)
+    except (CnrError, ValueError) as e:
+        print(f"[rank {dist.get_rank()}] error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
 def criteo_convert(paths: list[str], cache_dir: str) -> int:
     """Converts Criteo TSV files into the ``.npy`` cache that ``data.path`` reads."""
     try:
@@ -102,7 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     p_conv = sub.add_parser("criteo-convert", help="Criteo TSV -> the cache data.path reads")
     p_conv.add_argument("paths", nargs="+", help="TSV files or globs (train.txt, day_*)")
     p_conv.add_argument("--cache-dir", default="runs/criteo_npy", help="as data.cache_dir")
+    p_imp = sub.add_parser("import-dcp", help="start the job's root from a DCP checkpoint")
+    p_imp.add_argument("--config", help="YAML file mapping onto JobConfig (the job's)")
+    p_imp.add_argument("--from", dest="source", required=True, help="the DCP checkpoint")
+    p_imp.add_argument("--step", type=int, default=0, help="the step it stands for")
+    p_imp.add_argument("overrides", nargs="*", help="dotted overrides")
     args = parser.parse_args(argv)
+    if args.command == "import-dcp":
+        return import_dcp(args.config, args.overrides, args.source, args.step)
     if args.command == "criteo-convert":
         return criteo_convert(args.paths, args.cache_dir)
     if args.command == "serve":

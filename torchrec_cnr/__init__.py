@@ -19,7 +19,8 @@ The package follows a checkpoint through its stages:
 options and the thread pools every reader and writer runs on; ``recovery`` CPR's interval
 choice and the save schedule; ``offline`` reads checkpoints outside training (the
 catalog, tables, export); ``serving`` keeps an inference model fresh from a root (the
-follower); ``manager`` only sequences the stages.
+follower); ``interop`` speaks PyTorch's DCP format (import, export); ``manager`` only
+sequences the stages.
 """
 
 from torchrec_cnr.config import CheckpointConfig, IOOptions, QuantizeConfig, RecoveryConfig
@@ -32,6 +33,7 @@ from torchrec_cnr.errors import (
     ModelMismatchError,
     UnsafeObjectError,
 )
+from torchrec_cnr.interop import export_dcp
 from torchrec_cnr.manager import CheckpointManager
 from torchrec_cnr.offline import (
     CheckpointInfo,
@@ -69,6 +71,7 @@ __all__ = [
     "RootInfo",
     "TableInfo",
     "checkpoint_info",
+    "export_dcp",
     "export_state_dict",
     "list_checkpoints",
     "quantize",

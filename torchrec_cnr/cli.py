@@ -2,8 +2,11 @@
 
 cnr inspect ROOT            # the chain: steps, kinds, rows saved, bytes, what a restore needs
 cnr verify ROOT [--step N]  # the manifest, every checksum and every chain's completeness
-cnr export ROOT --out PATH [--step N] [--format torch|safetensors|dcp] [--tables T ...]
+cnr export ROOT --out PATH [--step N] [--format torch|safetensors] [--tables T ...]
                             # the unsharded model's state dict
+cnr export ROOT --out DIR --format dcp [--step N] [--overwrite] [--budget-mb MB]
+                            # a DCP checkpoint a job resumes from with stock dcp.load;
+                            # under torchrun every rank writes its share in parallel
 cnr compact ROOT [--step N] [--take-over]
                             # merge a chain into one full checkpoint, committed like any other
 """
@@ -11,13 +14,17 @@ cnr compact ROOT [--step N] [--take-over]
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import defaultdict
+
+import torch.distributed as dist
 
 from torchrec_cnr.commit import CommitTarget, Manifest, saved_fraction
 from torchrec_cnr.commit.lease import Lease
 from torchrec_cnr.compaction import compact_entry
 from torchrec_cnr.errors import CnrError, ManifestError
+from torchrec_cnr.interop.dcp_export import export_dcp, terminal_progress
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.offline import EXPORT_FORMATS, export_state_dict, save_export
 from torchrec_cnr.offline.catalog import changed_rows
@@ -121,6 +128,31 @@ def _progress(key: str, done: int, total: int) -> None:
     )
 
 
+def _export_dcp(
+    root: str, step: int | None, out: str, args: argparse.Namespace, io: IOContext
+) -> int:
+    """A resumable DCP checkpoint; under torchrun every rank writes its share."""
+    group = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+        group = dist.group.WORLD
+    try:
+        rank = dist.get_rank() if group is not None else 0
+        report = export_dcp(
+            root, out, step, group=group, budget_bytes=args.budget_mb << 20,
+            overwrite=args.overwrite, safe_globals=args.safe_globals,
+            progress=terminal_progress(rank), io=io,
+        )  # fmt: skip
+    finally:
+        if group is not None:
+            dist.destroy_process_group()
+    print(
+        f"{out}: step {report.step}, {report.tables} tables, {len(report.keys)} keys; "
+        f"rank {rank} wrote {report.blocks} blocks, {report.bytes / 1e6:.1f} MB (dcp)"
+    )
+    return 0
+
+
 def _export(
     root: str, step: int | None, out: str, fmt: str, tables: list[str] | None, io: IOContext
 ) -> int:
@@ -180,9 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     p_export.add_argument(
         "--step", type=int, default=None, help="a committed step; the latest if absent"
     )
-    p_export.add_argument("--format", choices=EXPORT_FORMATS, default="torch")
+    p_export.add_argument("--format", choices=(*EXPORT_FORMATS, "dcp"), default="torch")
     p_export.add_argument(
         "--tables", nargs="+", default=None, help="only these tables, no dense state"
+    )
+    p_export.add_argument("--overwrite", action="store_true", help="dcp: replace --out")
+    p_export.add_argument(
+        "--budget-mb", type=int, default=256, help="dcp: the most one block holds, per rank"
+    )
+    p_export.add_argument(
+        "--safe-globals", nargs="*", default=[], help="dcp: types app_state may hold"
     )
     p_compact = sub.add_parser("compact", help="merge a chain into one full checkpoint")
     p_compact.add_argument("root")
@@ -197,12 +236,16 @@ def main(argv: list[str] | None = None) -> int:
         with IOContext() as io:  # the environment's IOOptions
             if args.command == "verify":
                 return _verify(args.root, args.step, io)
+            if args.command == "export" and args.format == "dcp":
+                if args.tables:
+                    raise ValueError("--format dcp exports the whole model: drop --tables")
+                return _export_dcp(args.root, args.step, args.out, args, io)
             if args.command == "export":
                 return _export(args.root, args.step, args.out, args.format, args.tables, io)
             if args.command == "compact":
                 return _compact(args.root, args.step, args.take_over, io)
             return _inspect(args.root, io)
-    except (CnrError, ValueError) as e:  # ValueError: no such step, table or format
+    except (CnrError, ValueError, FileExistsError) as e:  # no such step, table or format
         print(f"error: {e}", file=sys.stderr)
         return 2
 

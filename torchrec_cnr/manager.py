@@ -8,6 +8,7 @@ writes and commits (``commit/``) under the root's lease (``commit/fence.py``), w
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -23,10 +24,11 @@ from torchrec_cnr.compaction import commit_and_compact, compaction_job
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.encoding import FormatResolver, ShardWriter
 from torchrec_cnr.errors import CheckpointError
+from torchrec_cnr.interop.dcp_import import import_dcp
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.recovery import SaveSchedule
 from torchrec_cnr.restore import ModelLoader
-from torchrec_cnr.selection import Policy
+from torchrec_cnr.selection import ChainState, Policy
 from torchrec_cnr.selection.rows import ClearedBits
 from torchrec_cnr.snapshot.objects import check_app_state
 from torchrec_cnr.staging import LazyStaging, Stager
@@ -174,10 +176,17 @@ class CheckpointManager:
         self.close()
 
     def restore(self, step: int | None = None, *, ranks: list[int] | None = None,
-                tables: list[str] | None = None) -> int | None:  # fmt: skip
+                tables: list[str] | None = None, from_dcp: str | os.PathLike[str] | None = None,
+                app_keys: Mapping[str, str] | None = None) -> int | None:  # fmt: skip
         """Loads the committed checkpoint of ``step`` (the latest if ``None``) into the model,
         its optimizer state and ``app_state``, all or nothing (collective); returns its step,
         ``None`` if the root holds none. ``ranks`` or ``tables``: CPR's partial recovery.
+
+        ``from_dcp``: imports a PyTorch DCP checkpoint of this model instead, saved from
+        any world size and sharding (see :mod:`torchrec_cnr.interop.dcp_import` for how
+        its keys map; ``app_keys`` maps an ``app_state`` name to its key there); the next
+        save is a baseline. Returns ``step`` (the step the DCP checkpoint stands for), 0
+        if ``None``.
 
         Raises:
             ValueError, ModelMismatchError, CheckpointReadError, UnsafeObjectError: no
@@ -188,6 +197,16 @@ class CheckpointManager:
             self.wait()
         except CheckpointError as e:
             logger.warning("restoring after a failed checkpoint: %s", e)
+        if from_dcp is not None:
+            if ranks is not None or tables is not None:
+                raise ValueError("from_dcp imports the whole model: ranks and tables do not apply")
+            loader = self._loader
+            try:
+                import_dcp(self._group, os.fspath(from_dcp), self._shards, loader.dense,
+                           self.app_state, app_keys, loader.safe_globals)  # fmt: skip
+            finally:  # even after a partial import, the next save is a baseline
+                self._background.chain = ChainState()
+            return step or 0
         restored = self._loader.restore(self._fence.manifest, step, ranks, tables)
         if restored is None:
             return None

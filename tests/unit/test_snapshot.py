@@ -91,6 +91,20 @@ def test_what_the_writer_writes_torchsnapshot_reads(
     assert len(locations) < len(tensors)
 
 
+def test_torchsnapshot_reads_stored_tensors_but_restores_no_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What docs/design.md says torchsnapshot can and cannot do with our checkpoints."""
+    _, path = _write(tmp_path, monkeypatch)
+    snapshot = Snapshot(path)
+    assert torch.equal(snapshot.read_object(rows_path(0, "s0.w")), _tensors()[rows_path(0, "s0.w")])
+    model = torch.nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(AssertionError, match="model is absent in both manifest and flattened"):
+        snapshot.restore({"model": model})
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
 def test_our_reader_checks_every_piece_and_reads_rows_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

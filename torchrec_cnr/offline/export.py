@@ -13,6 +13,7 @@ Example::
 
     # or from the command line, in a format other tools read:
     #   cnr export /ckpt/run1 --out model.safetensors --format safetensors
+    # and as a DCP checkpoint a job resumes from with stock dcp.load: export_dcp()
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from torchrec_cnr.storage import Root
 
 __all__ = ["EXPORT_FORMATS", "ExportFormat", "export_state_dict", "save_export"]
 
-ExportFormat = Literal["torch", "safetensors", "dcp"]
-EXPORT_FORMATS: tuple[ExportFormat, ...] = ("torch", "safetensors", "dcp")
+ExportFormat = Literal["torch", "safetensors"]
+EXPORT_FORMATS: tuple[ExportFormat, ...] = ("torch", "safetensors")
+"""Single-file formats of the unsharded state dict; a resumable DCP checkpoint is
+:func:`torchrec_cnr.export_dcp`'s."""
 
 Progress = Callable[[str, int, int], None]
 """Called after each table with its key, how many tables are done, and how many in all."""
@@ -84,8 +87,7 @@ def save_export(
     """Writes an exported state dict.
 
     ``torch`` writes one ``torch.save`` file; ``safetensors`` one safetensors file
-    (needs the ``safetensors`` package); ``dcp`` a ``torch.distributed.checkpoint``
-    directory, which ``dcp.load(state_dict, checkpoint_id=out)`` reads in one process.
+    (needs the ``safetensors`` package).
 
     Raises:
         ValueError: an unknown format.
@@ -99,9 +101,5 @@ def save_export(
 
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in state_dict.items()}, str(path))
-    elif fmt == "dcp":
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(state_dict, checkpoint_id=str(path), no_dist=True)
     else:
         raise ValueError(f"format must be one of {EXPORT_FORMATS}, got {fmt!r}")

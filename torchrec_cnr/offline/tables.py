@@ -14,7 +14,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import partial
 
 import torch
@@ -26,7 +26,14 @@ from torchrec_cnr.restore.geometry import place, scatter, whole_table
 from torchrec_cnr.storage import Root
 from torchrec_cnr.tracking.shard import ShardSpec
 
-__all__ = ["read_optimizer_state", "read_table", "table_name", "table_states", "table_values"]
+__all__ = [
+    "read_optimizer_state",
+    "read_table",
+    "table_block",
+    "table_name",
+    "table_states",
+    "table_values",
+]
 
 Rows = Sequence[int] | torch.Tensor
 
@@ -119,6 +126,35 @@ def table_states(
             scatter(out.setdefault(state, torch.zeros(shape)), where, saved)
     if order is not None:
         out = {k: v[order] if v.dim() else v for k, v in out.items()}
+    return out
+
+
+def table_block(
+    chain: ChainReader, dst: ShardSpec, wanted: Collection[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """One block of a table, ``dst`` (``dst.table`` its qualified name), as a restore into
+    a shard ``dst`` gives it: ``"weight"``, ``(rows, cols)`` fp32 values, and each fused
+    optimizer state by FBGEMM name, per element ``(rows, cols)`` or per row ``(rows,)``
+    from the saved shards holding ``dst``'s first column. ``wanted``: only these of them.
+    Without checksum verification only the saved rows that land in ``dst`` are read."""
+    out: dict[str, torch.Tensor] = {}
+    for n, rec in chain.records(dst.table):
+        where = place(rec.spec, chain.saved_ids(n, rec), dst)
+        if where is None:
+            continue
+        if where.keep is None:
+            fetch = chain.fetch(n, rec)
+        else:
+            fetch = partial(chain.subset, n, rec, keep=where.keep)
+        if wanted is None or "weight" in wanted:
+            weight = out.setdefault("weight", torch.zeros(dst.rows, dst.cols))
+            scatter(weight, where, decode_weight(fetch, rec))
+        for state, info in rec.states.items():
+            if wanted is not None and state not in wanted:
+                continue
+            saved = fetch(info.tensor)
+            shape = (dst.rows, dst.cols) if saved.dim() == 2 else (dst.rows,)
+            scatter(out.setdefault(state, torch.zeros(shape)), where, saved)
     return out
 
 

@@ -1,0 +1,292 @@
+"""PyTorch DCP interop: a DCP checkpoint imports into any world size and layout exactly
+as our own restore of the same step does, and as stock ``dcp.load`` does where it can;
+an exported step loads with stock ``dcp.load`` into another world size and layout, into
+an unsharded model and through ``dcp_to_torch_save``, and trains on bit-identically."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.contract import models
+from tests.multiprocess import run_ranks
+from torchrec_cnr import (
+    CheckpointConfig,
+    CheckpointManager,
+    CheckpointReadError,
+    ModelMismatchError,
+    export_dcp,
+)
+
+STEP, MORE = 3, 2
+EBC_FROM = {"t_column_wise": "column_wise", "w_table_row_wise": "table_row_wise"}
+"""The source keeps every table's own layout (table-wise, column-wise, row-wise, table-row-
+wise, ...) but these."""
+ACROSS = {  # each table onto another layout
+    "t_table_wise": "row_wise",
+    "t_row_wise": "table_wise",
+    "t_table_row_wise": "column_wise",
+    "t_column_wise": "table_row_wise",
+    "w_table_wise": "column_wise",
+    "w_column_wise": "row_wise",
+}
+NO_COLUMNS = {
+    "t_column_wise": "table_wise",
+    "t_table_column_wise": "row_wise",
+    "w_column_wise": "table_row_wise",
+    "w_table_column_wise": "table_wise",
+}
+"""A source stock DCP loads onto another world size: TorchRec sizes a column-wise table's
+row-wise optimizer state by its column shards, which then change."""
+STOCK_ACROSS = {
+    "t_table_wise": "row_wise",
+    "t_row_wise": "table_row_wise",
+    "w_table_wise": "row_wise",
+}
+"""Across layouts that stock DCP loads (no table leaves or enters column-wise)."""
+
+
+def _train(job: models.Job, first: int, last: int) -> None:
+    for step in range(first, last + 1):
+        job.step(step)
+
+
+def _make_state(opt: torch.optim.Optimizer) -> None:
+    """Gives a fresh dense optimizer its state, which ``dcp.load`` loads into in place:
+    one step on zero gradients (Adagrad moves no weight; the load replaces the state)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _recipe(job: models.Job) -> dict[str, Any]:
+    """TorchRec's DCP recipe: the model, its fused optimizer, the dense optimizer."""
+    return {
+        "model": job.model.state_dict(),
+        "optim": job.model.fused_optimizer.state_dict(),
+        "dense_opt": job.dense_opt.state_dict(),
+    }
+
+
+def _source(kind: str, layouts: dict[str, str], root: str, dcp_dir: str) -> None:
+    """Trains STEP steps, then saves the step both ways: our checkpoint and stock DCP."""
+    job = models.build(kind, "exact_rowwise_adagrad", seed=1, layouts=layouts)
+    with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
+        _train(job, 1, STEP)
+        ckpt.save(STEP)
+    dcp.save(_recipe(job), checkpoint_id=dcp_dir)
+
+
+def _capture_after(job: models.Job, out: str) -> None:
+    """Captures the job now and after MORE steps, as this rank's file under ``out``."""
+    now = models.capture(job.model, job.app_state)
+    _train(job, STEP + 1, STEP + MORE)
+    later = models.capture(job.model, job.app_state)
+    with open(f"{out}.{dist.get_rank()}", "wb") as f:
+        pickle.dump((now, later), f)
+
+
+def _target(kind: str, layouts: dict[str, str], how: str, src: str, root: str, out: str) -> None:
+    """Loads the step into a fresh job (another seed) ``how``, then trains on."""
+    job = models.build(kind, "exact_rowwise_adagrad", seed=7, layouts=layouts)
+    if how == "stock":  # stock DCP, as TorchRec's users load
+        _make_state(job.dense_opt)
+        sd = _recipe(job)
+        for key in sd:  # one call per object: see docs/migration.md
+            dcp.load({key: sd[key]}, checkpoint_id=src)
+        job.model.load_state_dict(sd["model"])
+        job.model.fused_optimizer.load_state_dict(sd["optim"])
+        job.dense_opt.load_state_dict(sd["dense_opt"])
+        _capture_after(job, out)
+        return
+    with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
+        if how == "import":
+            assert ckpt.restore(from_dcp=src, step=STEP) == STEP
+        else:
+            assert ckpt.restore(step=STEP) == STEP
+        _capture_after(job, out)
+        if how == "import":  # the next save is a baseline, and it restores what was imported
+            ckpt.save(STEP + MORE)
+            ckpt.wait()
+            assert ckpt.restore() == STEP + MORE
+            entry = ckpt._fence.manifest().latest()
+            assert entry is not None and len(entry.chain) == 1
+
+
+def _export(root: str, out: str) -> None:
+    export_dcp(root, out, STEP, budget_bytes=40_000)
+
+
+def _load(out: str) -> list[Any]:
+    found = sorted(Path(out).parent.glob(Path(out).name + ".*"))
+    return [pickle.loads(p.read_bytes()) for p in found]
+
+
+def _same(want: str, got: str, scalars: bool) -> None:
+    """Every rank's captures equal, now and after training on (the kernels' step
+    counters only if ``scalars``: DCP's recipe does not hold them)."""
+    a, b = _load(want), _load(got)
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        for cx, cy in zip(x, y):
+            if not scalars:
+                for c in (cx, cy):
+                    for shard in c["shards"].values():
+                        shard["scalars"] = {}
+            problems = models.differences(cx, cy)
+            assert not problems, problems[:5]
+
+
+def _case(tmp_path: Path, kind: str, src_world: int, src: dict[str, str], dst_world: int,
+          dst: dict[str, str], stock: bool) -> None:  # fmt: skip
+    root, dcp_dir = str(tmp_path / "root"), str(tmp_path / "dcp")
+    run_ranks(src_world, _source, kind, src, root, dcp_dir)
+    o = tmp_path / "out"
+    o.mkdir()
+    run_ranks(dst_world, _target, kind, dst, "restore", "", root, str(o / "restore"))
+    run_ranks(
+        dst_world, _target, kind, dst, "import", dcp_dir, str(tmp_path / "r2"), str(o / "import")
+    )
+    _same(str(o / "restore"), str(o / "import"), scalars=False)
+    if stock:
+        run_ranks(dst_world, _target, kind, dst, "stock", dcp_dir, "", str(o / "stock"))
+        _same(str(o / "stock"), str(o / "import"), scalars=True)
+    # Export the step of our root; stock DCP reads it as our restore reads the root.
+    exported = str(tmp_path / "exported")
+    run_ranks(src_world, _export, root, exported)
+    if stock:
+        run_ranks(dst_world, _target, kind, dst, "stock", exported, "", str(o / "stock_export"))
+        _same(str(o / "restore"), str(o / "stock_export"), scalars=False)
+    run_ranks(
+        dst_world,
+        _target,
+        kind,
+        dst,
+        "import",
+        exported,
+        str(tmp_path / "r3"),
+        str(o / "import_export"),
+    )
+    _same(str(o / "restore"), str(o / "import_export"), scalars=False)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "kind, src_world, src, dst_world, dst, stock",
+    [
+        ("ebc", 2, EBC_FROM, 2, EBC_FROM, True),
+        ("ebc", 2, NO_COLUMNS, 1, {**NO_COLUMNS, **STOCK_ACROSS}, True),
+        ("ebc", 1, EBC_FROM, 2, {**EBC_FROM, **ACROSS}, False),
+        ("ebc", 2, EBC_FROM, 2, {**EBC_FROM, **ACROSS}, False),
+        ("ec", 2, {"t_column_wise": "table_wise"}, 1, {"t_row_wise": "table_wise"}, True),
+        ("ec", 2, {}, 2, {"t_column_wise": "row_wise", "t_row_wise": "column_wise"}, False),
+    ],
+)
+def test_import_and_export_match_our_restore_and_stock_dcp(
+    tmp_path: Path,
+    kind: str,
+    src_world: int,
+    src: dict[str, str],
+    dst_world: int,
+    dst: dict[str, str],
+    stock: bool,
+) -> None:
+    _case(tmp_path, kind, src_world, src, dst_world, dst, stock)
+
+
+def _unsharded(exported: str, torch_save: str, want: str) -> None:
+    """Without a process group: stock DCP into the unsharded model, and the torch file."""
+    assert not dist.is_initialized()
+    module, _, _ = models.unsharded("ebc", device="cpu")
+    sd = {"model": module.state_dict()}
+    dcp.load(sd, checkpoint_id=exported, no_dist=True)
+    module.load_state_dict(sd["model"])
+    expected = torch.load(want)
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    dcp_to_torch_save(exported, torch_save)
+    whole = torch.load(torch_save, weights_only=False)
+    for key, value in expected.items():
+        assert torch.equal(whole["model"][key], value), key
+    opt = whole["optim"]["state"]["sparse.ebc.embedding_bags.t_column_wise.weight"]
+    assert opt["t_column_wise.momentum1"].shape == (2 * 301,)  # two column shards
+
+
+def test_export_loads_into_an_unsharded_model_and_a_torch_file(tmp_path: Path) -> None:
+    root, dcp_dir = str(tmp_path / "root"), str(tmp_path / "dcp")
+    run_ranks(2, _source, "ebc", EBC_FROM, root, dcp_dir)
+    from torchrec_cnr import export_state_dict
+
+    want = tmp_path / "want.pt"
+    torch.save(export_state_dict(root, STEP), want)
+    exported = str(tmp_path / "exported")
+    export_dcp(root, exported)  # one process, no process group
+    _unsharded(exported, str(tmp_path / "whole.pt"), str(want))
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export_dcp(root, exported)
+    export_dcp(root, exported, overwrite=True)
+
+
+def _wrong_model(dcp_dir: str, root: str) -> None:
+    job = models.build("ec", "exact_rowwise_adagrad", seed=7)
+    before = models.capture(job.model, job.app_state)
+    with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
+        with pytest.raises(ModelMismatchError, match="holds none of the model's tables"):
+            ckpt.restore(from_dcp=dcp_dir)
+    assert not models.differences(before, models.capture(job.model, job.app_state))
+
+
+def _no_optimizer_state(dcp_dir: str, root: str) -> None:
+    job = models.build("ebc", "exact_rowwise_adagrad", seed=7, layouts=EBC_FROM)
+    sd = job.model.state_dict()
+    dcp.load(sd, checkpoint_id=dcp_dir)  # what the import must give the rows
+    want = {
+        k: [s.tensor.clone() for s in v.local_shards()]
+        for k, v in sd.items()
+        if hasattr(v, "local_shards")
+    }
+    job = models.build("ebc", "exact_rowwise_adagrad", seed=8, layouts=EBC_FROM)
+    job.step(1)  # its optimizer state is not zero
+    with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
+        with pytest.warns(UserWarning, match="no optimizer state"):
+            ckpt.restore(from_dcp=dcp_dir)
+    got = job.model.state_dict()
+    for key, value in want.items():
+        assert all(torch.equal(s.tensor, v) for s, v in zip(got[key].local_shards(), value)), key
+    for states in job.model.fused_optimizer.state_dict()["state"].values():
+        for st in states.values():
+            assert all(not s.tensor.any() for s in st.local_shards())
+
+
+def _damaged(dcp_dir: str, root: str) -> None:
+    job = models.build("ebc", "exact_rowwise_adagrad", seed=7, layouts=EBC_FROM)
+    with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
+        with pytest.raises(CheckpointReadError, match="distcp"):
+            ckpt.restore(from_dcp=dcp_dir)
+
+
+def _flat_save(dcp_dir: str) -> None:
+    job = models.build("ebc", "exact_rowwise_adagrad", seed=1, layouts=EBC_FROM)
+    _train(job, 1, STEP)
+    dcp.save(job.model.state_dict(), checkpoint_id=dcp_dir)
+
+
+@pytest.mark.dist
+def test_bad_dcp_input_fails_before_anything_changes(tmp_path: Path) -> None:
+    root, dcp_dir = str(tmp_path / "root"), str(tmp_path / "dcp")
+    run_ranks(2, _source, "ebc", EBC_FROM, root, dcp_dir)
+    run_ranks(2, _wrong_model, dcp_dir, str(tmp_path / "r1"))
+    (tmp_path / "dcp" / "__1_0.distcp").unlink()  # rank 1's file: every rank fails alike
+    run_ranks(2, _damaged, dcp_dir, str(tmp_path / "r3"))
+    flat = str(tmp_path / "flat")  # a flat model state dict, without optimizer state
+    run_ranks(2, _flat_save, flat)
+    run_ranks(2, _no_optimizer_state, flat, str(tmp_path / "r2"))

@@ -1,0 +1,67 @@
+"""Reading and writing DCP checkpoints a block at a time, and running no code from one."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from torchrec_cnr.errors import CheckpointReadError, UnsafeObjectError
+from torchrec_cnr.interop.dcp_io import Block, DcpReader, write_blocks
+
+
+class Reader:
+    """An app_state object of a type the reader is not told about."""
+
+    def __init__(self, position: int) -> None:
+        self.position = position
+
+
+def test_blocks_written_in_pieces_read_back_in_other_pieces(tmp_path: Path) -> None:
+    table = torch.randn(10, 6)
+
+    def piece(r0: int, c0: int, n: int) -> Block:
+        def load() -> torch.Tensor:
+            return table[r0 : r0 + n, c0 : c0 + 3]
+
+        return Block(("model", "t.weight"), (r0, c0), (n, 3), (10, 6), load)
+
+    # Two column shards, the first cut in two row pieces.
+    blocks = [piece(0, 0, 4), piece(4, 0, 6), piece(0, 3, 10)]
+    write_blocks(tmp_path / "d", blocks, {"app": {"step": 7, "ids": torch.arange(3)}})
+    reader = DcpReader(tmp_path / "d")
+    assert reader.size("model.t.weight") == (10, 6)
+    assert [o for o, _ in reader.chunks("model.t.weight")] == [(0, 0), (0, 3), (4, 0)]
+    out = torch.zeros(5, 4)
+    reader.read([("model.t.weight", (3, 1), out)])  # across all three chunks
+    assert torch.equal(out, table[3:8, 1:5])
+    app = reader.objects("app", [])
+    assert app["step"] == 7 and torch.equal(app["ids"], torch.arange(3))
+    dcp_to_torch_save(tmp_path / "d", tmp_path / "all.pt")  # nested as saved
+    whole = torch.load(tmp_path / "all.pt", weights_only=False)
+    assert torch.equal(whole["model"]["t.weight"], table) and whole["app"]["step"] == 7
+
+
+def test_objects_and_metadata_run_no_code(tmp_path: Path) -> None:
+    dcp.save({"app": {"reader": Reader(3)}}, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    with pytest.raises(UnsafeObjectError, match="Reader"):
+        DcpReader(tmp_path / "d").objects("app", [])
+    assert DcpReader(tmp_path / "d").objects("app", [Reader])["reader"].position == 3
+
+    ran = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return os.system, (f"touch {ran}",)
+
+    (tmp_path / "d" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointReadError, match="not a readable DCP checkpoint"):
+        DcpReader(tmp_path / "d")
+    assert not ran.exists()
+    with pytest.raises(CheckpointReadError):
+        DcpReader(tmp_path / "nothing")

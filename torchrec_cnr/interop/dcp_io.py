@@ -1,0 +1,322 @@
+"""Reading and writing PyTorch DCP checkpoints a block at a time.
+
+DCP (``torch.distributed.checkpoint``) stores each tensor as chunks, one per shard that
+saved it, and any process can read any block of any tensor. These helpers read and write
+blocks without a process group (or with one, to write in parallel), through DCP's own
+planner interface and file-system storage, so the files are DCP's own:
+
+- :class:`DcpReader` reads a checkpoint's metadata with an unpickler that runs no code,
+  any block of a tensor, and the objects under a key, unpickled as a restore unpickles
+  ``app_state`` (nothing but the types it is told to allow);
+- :func:`write_blocks` writes tensors given as blocks read on demand (memory: one block at
+  a time) and objects, under nested keys that ``dcp_to_torch_save`` rebuilds.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from torchrec_cnr.errors import CheckpointReadError, CnrError
+from torchrec_cnr.snapshot.objects import load_object
+
+__all__ = ["Block", "DcpReader", "write_blocks"]
+
+Path_ = tuple[str | int, ...]
+"""A key's place in the nested state dict: ``("optim", "state", "t0.weight", "t0.momentum1")``."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata``: DCP's own dataclasses, torch sizes, dtypes and
+    layouts, and plain containers; anything else is refused before it runs."""
+
+    _PLAIN = {
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("torch.serialization", "_get_layout"),  # a layout by its name, as torch pickles one
+        ("pathlib", "PosixPath"),  # where the checkpoint was written (StorageMeta)
+        ("pathlib", "PurePosixPath"),
+    }
+    _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in self._PLAIN:
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if name == "Size" or isinstance(value, self._TORCH_VALUES):
+                return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"DCP metadata names {module}.{name}, which is not allowed")
+
+
+class DcpReader:
+    """One DCP checkpoint directory, read without a process group.
+
+    Raises:
+        CheckpointReadError: no checkpoint there, or unreadable metadata.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self.storage = FileSystemReader(self.path)
+        meta = Path(self.path) / ".metadata"
+        try:
+            with open(meta, "rb") as f:
+                self.metadata: Metadata = _MetadataUnpickler(f).load()
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+            raise CheckpointReadError(f"{meta}: not a readable DCP checkpoint ({e})") from e
+        self.storage.read_metadata = lambda *a, **k: self.metadata  # type: ignore[method-assign]
+
+    @property
+    def keys(self) -> dict[str, TensorStorageMetadata | BytesStorageMetadata]:
+        return self.metadata.state_dict_metadata
+
+    def size(self, fqn: str) -> tuple[int, ...] | None:
+        """The global shape of tensor ``fqn``; ``None`` if it is absent or not a tensor."""
+        md = self.keys.get(fqn)
+        return tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
+
+    def chunks(self, fqn: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """``(offsets, sizes)`` of every stored chunk of tensor ``fqn``, in offset order."""
+        md = self.keys[fqn]
+        assert isinstance(md, TensorStorageMetadata)
+        return sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
+
+    def read(self, blocks: Iterable[tuple[str, tuple[int, ...], torch.Tensor]]) -> None:
+        """Reads, for each ``(fqn, offsets, out)``, the block of tensor ``fqn`` at
+        ``offsets`` of ``out``'s shape into ``out`` (any view; dtypes convert), one saved
+        chunk at a time."""
+        first: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        again: list[tuple[torch.Tensor, torch.Tensor]] = []  # one block wanted twice
+        for fqn, offsets, out in blocks:
+            seen = first.setdefault((fqn, tuple(offsets)), out)
+            if seen is not out:
+                again.append((out, seen))
+        if first:
+            self._load(_ReadBlocks([(f, o, t) for (f, o), t in first.items()]))
+        for out, seen in again:
+            out.copy_(seen)
+
+    def objects(self, prefix: str, allowed: Iterable[Any]) -> Any:
+        """The nested state dict saved under key ``prefix`` (tensors and objects), rebuilt
+        as it was saved; objects unpickled running no code beyond ``allowed`` types.
+
+        Raises:
+            UnsafeObjectError: an object names a type not allowed.
+        """
+        planner = _ReadObjects(self, prefix, list(allowed))
+        if planner.tensors or planner.bytes_keys:
+            self._load(planner)
+        return planner.tree.get(prefix)
+
+    def _load(self, planner: DefaultLoadPlanner) -> None:
+        try:
+            dcp.load({}, storage_reader=self.storage, planner=planner, no_dist=True)
+        except CheckpointException as e:
+            cause = _cause(e)
+            if isinstance(cause, CnrError):
+                raise cause from None
+            raise CheckpointReadError(f"{self.path}: {type(cause).__name__}: {cause}") from cause
+
+
+def _cause(e: CheckpointException) -> BaseException:
+    """The exception DCP wrapped (the lowest rank's)."""
+    failures = e.failures
+    return failures[min(failures)][0] if failures else e
+
+
+class _ReadBlocks(DefaultLoadPlanner):
+    """Reads blocks of tensors into given tensors; never unpickles."""
+
+    def __init__(self, blocks: list[tuple[str, tuple[int, ...], torch.Tensor]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.blocks = {(fqn, torch.Size(offsets)): out for fqn, offsets, out in blocks}
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items: list[ReadItem] = []
+        for (fqn, offsets), out in self.blocks.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            assert isinstance(md, TensorStorageMetadata)
+            items += create_read_items_for_chunk_list(
+                fqn, md, [ChunkStorageMetadata(offsets, out.shape)]
+            )
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        assert index.offset is not None
+        return self.blocks[(index.fqn, index.offset)]
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        raise AssertionError("block reads read no objects")
+
+
+class _ReadObjects(_ReadBlocks):
+    """Reads every key under a prefix whole, objects through :func:`load_object`."""
+
+    def __init__(self, reader: DcpReader, prefix: str, allowed: list[Any]) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.bytes_keys: list[str] = []
+        self.allowed = allowed
+        self.tree: dict[str, Any] = {}
+        self.paths: dict[str, Path_] = {}
+        planner_data = reader.metadata.planner_data or {}
+        for fqn, md in reader.keys.items():
+            if not fqn.startswith(prefix + "."):
+                continue
+            self.paths[fqn] = tuple(planner_data.get(fqn, (prefix, fqn[len(prefix) + 1 :])))
+            if isinstance(md, TensorStorageMetadata):
+                self.tensors[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+                set_element(self.tree, self.paths[fqn], self.tensors[fqn])
+            else:
+                self.bytes_keys.append(fqn)
+        super().__init__([(k, (0,) * t.dim(), t) for k, t in self.tensors.items()])
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        for fqn in self.bytes_keys:
+            at = MetadataIndex(fqn)
+            plan.items.append(
+                ReadItem(
+                    LoadItemType.BYTE_IO,
+                    at,
+                    torch.Size((0,)),
+                    at,
+                    torch.Size((0,)),
+                    torch.Size((0,)),
+                )  # fmt: skip
+            )
+        return plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        set_element(self.tree, self.paths[fqn], load_object(value.read(), self.allowed, fqn))
+
+
+@dataclass(frozen=True)
+class Block:
+    """One chunk of a tensor to write, read when DCP's writer reaches it."""
+
+    path: Path_
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    size: tuple[int, ...]
+    """The whole tensor's shape."""
+    load: Callable[[], torch.Tensor]
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def fqn(self) -> str:
+        return ".".join(map(str, self.path))
+
+
+def write_blocks(
+    path: str | Path,
+    blocks: list[Block],
+    objects: Mapping[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+    threads: int = 1,
+) -> None:
+    """Writes a DCP checkpoint of ``blocks`` and ``objects`` (a nested state dict of
+    plain values and tensors, flattened as ``dcp.save`` flattens one).
+
+    With ``group``, every rank of it calls this with its own blocks (together they tile
+    every tensor) and writes its own files; rank 0 writes the metadata. Without one, this
+    process writes everything.
+    """
+    flat, mappings = flatten_state_dict(dict(objects or {}))
+    blocks = list(blocks)
+    values: dict[str, Any] = {}
+    for fqn, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            t = value.detach().contiguous()
+            zero = (0,) * t.dim()
+            shape = tuple(t.shape)
+            blocks.append(Block(mappings[fqn], zero, shape, shape, partial(_same, t), t.dtype))
+        else:
+            values[fqn] = value
+    planner = _WriteBlocks(blocks, values, {b.fqn: b.path for b in blocks} | mappings)
+    writer = FileSystemWriter(str(path), thread_count=threads, sync_files=True)
+    try:
+        dcp.save({}, storage_writer=writer, planner=planner, process_group=group,
+                 no_dist=group is None)  # fmt: skip
+    except CheckpointException as e:
+        raise _cause(e) from None  # the same error on every rank
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _WriteBlocks(DefaultSavePlanner):
+    def __init__(self, blocks: list[Block], values: dict[str, Any], paths: dict[str, Any]):
+        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
+        self.blocks = {MetadataIndex(b.fqn, torch.Size(b.offsets)): b for b in blocks}
+        self.values, self.paths = values, paths
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None,
+                       is_coordinator: bool = False) -> None:  # fmt: skip
+        self.state_dict, self.mappings, self.is_coordinator = {}, self.paths, is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = [
+            WriteItem(
+                index=index,
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)),
+                    properties=TensorProperties(dtype=b.dtype),
+                    size=torch.Size(b.size),
+                ),
+            )
+            for index, b in self.blocks.items()
+        ]
+        items += [
+            WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self.values
+        ]
+        self.plan = SavePlan(items, planner_data=self.mappings)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save(self.values[write_item.index.fqn], buf)
+            buf.seek(0)
+            return buf
+        block = self.blocks[write_item.index]
+        t = block.load()
+        assert tuple(t.shape) == block.sizes, (block.fqn, tuple(t.shape), block.sizes)
+        return t.to(block.dtype).contiguous()
