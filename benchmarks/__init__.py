@@ -8,6 +8,7 @@ Every case takes ``--smoke``: tiny sizes, the same code path, seconds.
 
 CASES = (
     "checkpoint",
+    "dcp_interop",
     "offline",
     "overhead",
     "policies",

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.stateful import Stateful
 
 from tests.contract import models
 from tests.multiprocess import run_ranks
@@ -77,13 +78,28 @@ def _recipe(job: models.Job) -> dict[str, Any]:
     }
 
 
+class _AppState(Stateful):
+    """PyTorch's DCP recipe: one ``Stateful`` holding the model and its optimizers."""
+
+    def __init__(self, job: models.Job) -> None:
+        self.job = job
+
+    def state_dict(self) -> dict[str, Any]:
+        return _recipe(self.job)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise AssertionError("only saved here")
+
+
 def _source(kind: str, layouts: dict[str, str], root: str, dcp_dir: str) -> None:
-    """Trains STEP steps, then saves the step both ways: our checkpoint and stock DCP."""
+    """Trains STEP steps, then saves the step three ways: our checkpoint, TorchRec's DCP
+    recipe, and PyTorch's (under ``app``, in ``<dcp_dir>_app``)."""
     job = models.build(kind, "exact_rowwise_adagrad", seed=1, layouts=layouts)
     with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
         _train(job, 1, STEP)
         ckpt.save(STEP)
     dcp.save(_recipe(job), checkpoint_id=dcp_dir)
+    dcp.save({"app": _AppState(job)}, checkpoint_id=dcp_dir + "_app")
 
 
 def _capture_after(job: models.Job, out: str) -> None:
@@ -109,8 +125,9 @@ def _target(kind: str, layouts: dict[str, str], how: str, src: str, root: str, o
         _capture_after(job, out)
         return
     with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
-        if how == "import":
-            assert ckpt.restore(from_dcp=src, step=STEP) == STEP
+        if how.startswith("import"):
+            keys = {"dense_opt": "app.dense_opt"} if how == "import_app" else None
+            assert ckpt.restore(from_dcp=src, step=STEP, app_keys=keys) == STEP
         else:
             assert ckpt.restore(step=STEP) == STEP
         _capture_after(job, out)
@@ -157,6 +174,17 @@ def _case(tmp_path: Path, kind: str, src_world: int, src: dict[str, str], dst_wo
         dst_world, _target, kind, dst, "import", dcp_dir, str(tmp_path / "r2"), str(o / "import")
     )
     _same(str(o / "restore"), str(o / "import"), scalars=False)
+    run_ranks(
+        dst_world,
+        _target,
+        kind,
+        dst,
+        "import_app",
+        dcp_dir + "_app",
+        str(tmp_path / "r4"),
+        str(o / "import_app"),
+    )
+    _same(str(o / "import"), str(o / "import_app"), scalars=True)
     if stock:
         run_ranks(dst_world, _target, kind, dst, "stock", dcp_dir, "", str(o / "stock"))
         _same(str(o / "stock"), str(o / "import"), scalars=True)

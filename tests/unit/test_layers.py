@@ -25,6 +25,7 @@ STAGES = [
     ("restore",),
     ("compaction",),
     ("offline",),
+    ("interop",),
     ("serving",),
     ("manager",),
     ("cli", "__init__"),

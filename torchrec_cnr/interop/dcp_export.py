@@ -132,18 +132,18 @@ def _table_blocks(
         for r0 in range(0, n, step):
             rows = min(step, n - r0)
             dst = ShardSpec(table, 0, "export", r0, c0, rows, cols, n, dim, key)
-            group = [
-                Block((MODEL, key), (r0, c0), (rows, cols), (n, dim), partial(read, dst, "weight"))
-            ]
+            weight = partial(read, dst, "weight")
+            group = [Block((MODEL, key), (r0, c0), (rows, cols), (n, dim), weight, owned=True)]
             for name, layout in sorted(states.items()):
                 path = (OPTIM, "state", key, f"{short}.{name}")
                 load = partial(read, dst, name)
                 if layout == "element":
-                    group.append(Block(path, (r0, c0), (rows, cols), (n, dim), load))
+                    group.append(Block(path, (r0, c0), (rows, cols), (n, dim), load, owned=True))
                 elif len(split) == 1:
-                    group.append(Block(path, (r0,), (rows,), (n,), load))
+                    group.append(Block(path, (r0,), (rows,), (n,), load, owned=True))
                 else:
-                    group.append(Block(path, (j * n + r0,), (rows,), (len(split) * n,), load))
+                    at, size = (j * n + r0,), (len(split) * n,)
+                    group.append(Block(path, at, (rows,), size, load, owned=True))
             groups.append(group)
     return groups
 
@@ -172,6 +172,7 @@ def export_dcp(
     safe_globals: Collection[str | type] = (),
     progress: Progress | None = None,
     io: IOContext | IOOptions | None = None,
+    threads: int = 1,
 ) -> DcpExport:
     """Writes the committed checkpoint of ``step`` (the latest if ``None``) as a DCP
     checkpoint at ``out`` that stock ``dcp.load`` reads into a TorchRec model (see the
@@ -190,6 +191,8 @@ def export_dcp(
             ``CheckpointConfig.safe_globals``).
         progress: called after each block this rank writes.
         io: the I/O context to read on, or options for one of its own.
+        threads: DCP's writer threads per rank, each writing its own file (and holding
+            its own block).
 
     Raises:
         FileExistsError: ``out`` exists and ``overwrite`` is False (nothing written).
@@ -234,7 +237,7 @@ def export_dcp(
                 raise ValueError(f"app_state names {sorted(clash)} clash with DCP's recipe keys")
             objects = {MODEL: chain.dense(), **app}
         pg = None if ranks is None else (group or dist.group.WORLD)
-        write_blocks(target, mine, objects, pg)
+        write_blocks(target, mine, objects, pg, threads)
         keys = sorted({b.fqn for g in groups for b in g})
         nbytes = sum(4 * int(torch.Size(b.sizes).numel()) for b in mine)
         return DcpExport(chain.entry.step, len(mine), nbytes, len(tables), keys)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -140,7 +141,7 @@ class DcpReader:
         planner = _ReadObjects(self, prefix, list(allowed))
         if planner.tensors or planner.bytes_keys:
             self._load(planner)
-        return planner.tree.get(prefix)
+        return planner.tree
 
     def _load(self, planner: DefaultLoadPlanner) -> None:
         try:
@@ -150,6 +151,16 @@ class DcpReader:
             if isinstance(cause, CnrError):
                 raise cause from None
             raise CheckpointReadError(f"{self.path}: {type(cause).__name__}: {cause}") from cause
+
+
+def _below(prefix: str, fqn: str, path: Iterable[str | int] | None) -> Path_:
+    """The place of ``fqn`` in the state dict saved under ``prefix``: its saved path (DCP's
+    planner data) less the components that spell ``prefix``."""
+    full = tuple(path or ())
+    for cut in range(1, len(full)):
+        if ".".join(map(str, full[:cut])) == prefix:
+            return full[cut:]
+    return (fqn[len(prefix) + 1 :],)
 
 
 def _cause(e: CheckpointException) -> BaseException:
@@ -197,7 +208,7 @@ class _ReadObjects(_ReadBlocks):
         for fqn, md in reader.keys.items():
             if not fqn.startswith(prefix + "."):
                 continue
-            self.paths[fqn] = tuple(planner_data.get(fqn, (prefix, fqn[len(prefix) + 1 :])))
+            self.paths[fqn] = _below(prefix, fqn, planner_data.get(fqn))
             if isinstance(md, TensorStorageMetadata):
                 self.tensors[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
                 set_element(self.tree, self.paths[fqn], self.tensors[fqn])
@@ -237,6 +248,8 @@ class Block:
     """The whole tensor's shape."""
     load: Callable[[], torch.Tensor]
     dtype: torch.dtype = torch.float32
+    owned: bool = False
+    """``load`` returns memory of its own, which the writer frees once written."""
 
     @property
     def fqn(self) -> str:
@@ -286,6 +299,7 @@ class _WriteBlocks(DefaultSavePlanner):
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
         self.blocks = {MetadataIndex(b.fqn, torch.Size(b.offsets)): b for b in blocks}
         self.values, self.paths = values, paths
+        self._written = threading.local()
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None,
                        is_coordinator: bool = False) -> None:  # fmt: skip
@@ -316,7 +330,20 @@ class _WriteBlocks(DefaultSavePlanner):
             torch.save(self.values[write_item.index.fqn], buf)
             buf.seek(0)
             return buf
+        # DCP's writer keeps every tensor of a file until the whole file is written, but
+        # writes them one after another: when it asks for the next block, this thread's
+        # previous one is on disk, and its memory can go (the reference DCP keeps is
+        # only read for the safetensors format, which this writer does not use).
+        done = getattr(self._written, "last", None)
+        if done is not None:
+            done.untyped_storage().resize_(0)
         block = self.blocks[write_item.index]
         t = block.load()
         assert tuple(t.shape) == block.sizes, (block.fqn, tuple(t.shape), block.sizes)
-        return t.to(block.dtype).contiguous()
+        t = t.to(block.dtype).contiguous()
+        if block.owned:
+            storage = t.untyped_storage()
+            if storage.nbytes() != t.nbytes or not storage.resizable():
+                t = t.clone()  # a view (the copy DCP would make) or memory not ours to free
+            self._written.last = t
+        return t

@@ -22,7 +22,7 @@ import torch
 from torchrec_cnr.encoding import decode_weight
 from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.restore.chain import ChainReader
-from torchrec_cnr.restore.geometry import place, scatter, whole_table
+from torchrec_cnr.restore.geometry import Placement, place, scatter, whole_table
 from torchrec_cnr.storage import Root
 from torchrec_cnr.tracking.shard import ShardSpec
 
@@ -138,24 +138,45 @@ def table_block(
     from the saved shards holding ``dst``'s first column. ``wanted``: only these of them.
     Without checksum verification only the saved rows that land in ``dst`` are read."""
     out: dict[str, torch.Tensor] = {}
-    for n, rec in chain.records(dst.table):
-        where = place(rec.spec, chain.saved_ids(n, rec), dst)
-        if where is None:
-            continue
+    placed = [
+        (n, rec, where)
+        for n, rec in chain.records(dst.table)
+        if (where := place(rec.spec, chain.saved_ids(n, rec), dst)) is not None
+    ]
+    for n, rec, where in placed:
         if where.keep is None:
             fetch = chain.fetch(n, rec)
         else:
             fetch = partial(chain.subset, n, rec, keep=where.keep)
+        # One saved shard that is the block itself, rows in order: no copy.
+        whole = len(placed) == 1 and _is_whole(where, rec.spec, dst)
         if wanted is None or "weight" in wanted:
-            weight = out.setdefault("weight", torch.zeros(dst.rows, dst.cols))
-            scatter(weight, where, decode_weight(fetch, rec))
+            values = decode_weight(fetch, rec)
+            if whole:
+                out["weight"] = values
+            else:
+                scatter(out.setdefault("weight", torch.zeros(dst.rows, dst.cols)), where, values)
         for state, info in rec.states.items():
             if wanted is not None and state not in wanted:
                 continue
             saved = fetch(info.tensor)
+            if whole and saved.dtype == torch.float32:
+                out[state] = saved
+                continue
             shape = (dst.rows, dst.cols) if saved.dim() == 2 else (dst.rows,)
             scatter(out.setdefault(state, torch.zeros(shape)), where, saved)
     return out
+
+
+def _is_whole(where: Placement, src: ShardSpec, dst: ShardSpec) -> bool:
+    """Whether the saved shard ``src`` holds exactly block ``dst``, its rows in order."""
+    return (
+        (src.row_offset, src.rows, src.col_offset, src.cols)
+        == (dst.row_offset, dst.rows, dst.col_offset, dst.cols)
+        and where.keep is None
+        and where.count == dst.rows
+        and bool((where.rows == torch.arange(dst.rows)).all())
+    )
 
 
 def read_table(

@@ -1,0 +1,173 @@
+"""DCP import and export of a ~1 GB model, against DCP's own save and load of it.
+
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
+        -m benchmarks.dcp_interop --out out/bench/dcp_interop.json
+
+The model is ``--tables`` table-wise tables of ``--rows`` x ``--dim`` fp32 (8 x 500k x 64,
+1.02 GB) on 2 gloo ranks with fused row-wise Adagrad. In turns, caches dropped before each:
+
+- **export**: ``export_dcp`` of a committed full checkpoint, every rank writing its share
+  (blocks of ``--budget-mb``), against ``dcp.save`` of TorchRec's recipe
+  (``{"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict(), ...}``) from
+  the live model: the same keys and bytes;
+- **import**: ``CheckpointManager.restore(from_dcp=...)`` of that DCP checkpoint into the
+  live model, against stock ``dcp.load`` of it into the recipe's state dict (one call per
+  top-level key, as TorchRec's table-wise optimizer state needs).
+
+Time is the slowest rank's; memory is each rank's peak resident set above what it held
+before (``VmHWM`` after a reset), the largest over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.measure import (
+    GB,
+    max_over_ranks,
+    model_arguments,
+    proc_status_mb,
+    reset_peak_rss,
+    rmtree,
+    timed,
+    timed_save,
+    tree_bytes,
+    uniform_model,
+)
+from benchmarks.results import Goal, Table
+from torchrec_cnr import CheckpointConfig, CheckpointManager, export_dcp
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    model_arguments(p, rows=500_000)
+    p.add_argument("--rounds", type=int, default=3, help="turns of each method")
+    p.add_argument("--budget-mb", type=int, default=256, help="export_dcp's block budget")
+    p.add_argument("--threads", type=int, default=1, help="export_dcp's writer threads")
+
+
+def _recipe(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "model": model.state_dict(),
+        "optim": model.fused_optimizer.state_dict(),  # type: ignore[operator, union-attr]
+        "dense_opt": opt.state_dict(),
+    }
+
+
+def _measured(fn: Callable[[], Any]) -> tuple[float, float]:
+    """The slowest rank's seconds and the largest rank's peak memory above its start, MB."""
+    start = reset_peak_rss()
+    dist.barrier()
+    seconds, _ = timed(fn)
+    peak = proc_status_mb("VmHWM") - start
+    return max_over_ranks(seconds)[0], max_over_ranks(peak)[0]
+
+
+def run(b: Bench) -> Outcome:
+    a = b.args
+    work = uniform_model(a)
+    model, opt = work.model, work.opt
+    root, ours, theirs = b.scratch / "root", b.scratch / "exported", b.scratch / "dcp_save"
+    with CheckpointManager(model, CheckpointConfig(path=str(root), policy="full")) as ckpt:
+        timed_save(ckpt, 1)
+    got: dict[str, list[tuple[float, float]]] = {}
+
+    def turn(name: str, fn: Callable[[], Any]) -> Callable[[], float]:
+        def go() -> float:
+            seconds, peak = _measured(fn)
+            got.setdefault(name, []).append((seconds, peak))
+            return seconds
+
+        return go
+
+    def clear(name: str) -> None:
+        rmtree(ours if name == "export_dcp" else theirs)
+
+    b.log("export: export_dcp against dcp.save")
+    budget = a.budget_mb << 20
+    b.interleaved(
+        a.rounds,
+        {
+            "export_dcp": turn("export_dcp", lambda: export_dcp(str(root), ours, group=dist.group.WORLD, budget_bytes=budget, threads=a.threads)),
+            "dcp_save": turn("dcp_save", lambda: dcp.save(_recipe(model, opt), checkpoint_id=str(theirs))),
+        },
+        prepare=clear,
+        label="export",
+    )  # fmt: skip
+    sizes = {"export_dcp": tree_bytes(ours), "dcp_save": tree_bytes(theirs)}
+
+    def stock_load() -> None:
+        sd = _recipe(model, opt)
+        for key in ("model", "optim"):
+            dcp.load({key: sd[key]}, checkpoint_id=str(theirs))
+
+    importer = CheckpointManager(model, CheckpointConfig(path=str(b.scratch / "imported")))
+
+    b.log("import: restore(from_dcp=) against dcp.load")
+    b.interleaved(
+        a.rounds,
+        {
+            "import": turn("import", lambda: importer.restore(from_dcp=theirs, step=1)),
+            "dcp_load": turn("dcp_load", stock_load),
+        },
+        label="import",
+    )
+    importer.close()
+    m: dict[str, Any] = {
+        name: {
+            "seconds": statistics.median(s for s, _ in runs),
+            "seconds_all": [s for s, _ in runs],
+            "peak_mb": max(p for _, p in runs),
+        }
+        for name, runs in got.items()
+    }
+    m["bytes"] = sizes
+    m["model_gb"] = a.tables * a.rows * a.dim * 4 / GB
+    rows = [
+        [
+            name,
+            m[name]["seconds"],
+            m[name]["peak_mb"],
+            f"{m[peer]['seconds']:.2f} s, {m[peer]['peak_mb']:.0f} MB",
+        ]
+        for name, peer in (("export_dcp", "dcp_save"), ("import", "dcp_load"))
+    ]
+    note = (
+        f"{a.tables} tables x {a.rows} rows x dim {a.dim} fp32 ({m['model_gb']:.2f} GB) on "
+        f"{b.world} ranks, fused row-wise Adagrad; median of {a.rounds} turns, caches dropped "
+        f"before each; export blocks of {a.budget_mb} MB; checkpoint bytes: export "
+        f"{sizes['export_dcp'] / GB:.3f} GB, dcp.save {sizes['dcp_save'] / GB:.3f} GB"
+    )
+    table = Table(
+        "DCP interop against DCP",
+        ["method", "time s (median)", "peak MB over its start (max over ranks)", "DCP peer, same run"],
+        rows,
+        note,
+    )  # fmt: skip
+    goals = [
+        Goal("export_dcp <= dcp.save", "export_dcp.seconds", "<=", "dcp_save.seconds"),
+        Goal("import <= dcp.load", "import.seconds", "<=", "dcp_load.seconds"),
+        Goal("export peak memory <= dcp.save's", "export_dcp.peak_mb", "<=", "dcp_save.peak_mb"),
+        Goal("import peak memory <= dcp.load's", "import.peak_mb", "<=", "dcp_load.peak_mb"),
+    ]
+    return Outcome(m, [table], goals)
+
+
+CASE = Case(
+    name="dcp_interop",
+    title="DCP import and export of a 1 GB model against dcp.save and dcp.load",
+    arguments=_arguments,
+    smoke="--tables 2 --rows 4000 --dim 16 --rounds 1 --budget-mb 1",
+    run=run,
+)
+
+if __name__ == "__main__":
+    sys.exit(main(CASE, __doc__))
