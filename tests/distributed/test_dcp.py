@@ -140,7 +140,7 @@ def _target(kind: str, layouts: dict[str, str], how: str, src: str, root: str, o
 
 
 def _export(root: str, out: str) -> None:
-    export_dcp(root, out, STEP, budget_bytes=40_000)
+    export_dcp(root, out, STEP, group=dist.group.WORLD, budget_bytes=40_000)
 
 
 def _load(out: str) -> list[Any]:
@@ -295,6 +295,21 @@ def _no_optimizer_state(dcp_dir: str, root: str) -> None:
             assert all(not s.tensor.any() for s in st.local_shards())
 
 
+def _wrong_shape(dcp_dir: str, root: str) -> None:
+    """A checkpoint of the model with one table of another size: refused, naming it."""
+    job = models.build("ebc", "exact_rowwise_adagrad", seed=1, layouts=EBC_FROM)
+    sd = _recipe(job)
+    sd["model"]["sparse.ebc.embedding_bags.t_table_wise.weight"] = torch.zeros(300, 16)
+    dcp.save(sd, checkpoint_id=dcp_dir)
+    job = models.build("ebc", "exact_rowwise_adagrad", seed=7, layouts=EBC_FROM)
+    before = models.capture(job.model, job.app_state)
+    with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
+        want = r"t_table_wise.weight: \(300, 16\) in the checkpoint, \(301, 16\) in the model"
+        with pytest.raises(ModelMismatchError, match=want):
+            ckpt.restore(from_dcp=dcp_dir)
+    assert not models.differences(before, models.capture(job.model, job.app_state))
+
+
 def _damaged(dcp_dir: str, root: str) -> None:
     job = models.build("ebc", "exact_rowwise_adagrad", seed=7, layouts=EBC_FROM)
     with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
@@ -313,6 +328,7 @@ def test_bad_dcp_input_fails_before_anything_changes(tmp_path: Path) -> None:
     root, dcp_dir = str(tmp_path / "root"), str(tmp_path / "dcp")
     run_ranks(2, _source, "ebc", EBC_FROM, root, dcp_dir)
     run_ranks(2, _wrong_model, dcp_dir, str(tmp_path / "r1"))
+    run_ranks(2, _wrong_shape, str(tmp_path / "shape"), str(tmp_path / "r4"))
     (tmp_path / "dcp" / "__1_0.distcp").unlink()  # rank 1's file: every rank fails alike
     run_ranks(2, _damaged, dcp_dir, str(tmp_path / "r3"))
     flat = str(tmp_path / "flat")  # a flat model state dict, without optimizer state

@@ -211,7 +211,17 @@ def append(target: CommitTarget, entry: Entry) -> Manifest:
         manifest.save(storage)
     except PreconditionFailed as e:
         raise _stale(storage, generation, Manifest.load(storage).writer_generation) from e
-    retire(storage, manifest, target.keep_last, generation)
+    try:
+        retire(storage, manifest, target.keep_last, generation)
+    except PreconditionFailed:
+        # Committed; another job took the root over before retention rewrote the
+        # manifest. Nothing is retired or deleted, and the next save is refused.
+        logger.warning(
+            "%s: checkpoint %s is committed, but another writer changed the manifest "
+            "before old checkpoints were retired; they stay",
+            storage.url,
+            entry.id,
+        )
     return manifest
 
 

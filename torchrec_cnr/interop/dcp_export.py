@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,8 @@ __all__ = ["DcpExport", "export_dcp", "terminal_progress"]
 
 MODEL, OPTIM = "model", "optim"
 """The top-level keys of TorchRec's DCP recipe."""
+
+T = TypeVar("T")
 
 Progress = Callable[[int, int], None]
 """Called after each block a rank writes, with its blocks done and its blocks in all."""
@@ -183,7 +185,8 @@ def export_dcp(
         out: the DCP checkpoint's directory (a local or shared file system).
         step: the committed step; the latest if ``None``.
         group: with a process group, every rank of it calls this and writes its share of
-            the blocks in parallel (collective); ``None``: this process writes all.
+            the blocks in parallel (collective); ``None``: this process writes all, with or
+            without a process group.
         budget_bytes: the most a block holds (a table's rows and their states); a rank
             holds one block at a time.
         overwrite: replace ``out`` if it exists.
@@ -202,42 +205,53 @@ def export_dcp(
     """
     if budget_bytes < 1024:
         raise ValueError(f"budget_bytes must be at least 1024, got {budget_bytes}")
-    ranks = Collective(group) if group is not None or dist.is_initialized() else None
+    ranks = Collective(group) if group is not None else None
     rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     target = Path(out)
+
+    def everywhere(fn: Callable[[], T]) -> T:
+        """``fn()``, raising on every rank if it failed on any (none waits in DCP's save)."""
+        return fn() if ranks is None else ranks.agree_on(fn)
 
     def prepare() -> None:
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
             if not overwrite:
                 raise FileExistsError(f"{target} exists; pass overwrite=True to replace it")
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
+            if target.is_dir():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
         target.mkdir(parents=True, exist_ok=True)
+
+    def objects(chain: ChainReader) -> dict[str, Any]:
+        """Rank 0's: the dense state and its ``app_state`` objects."""
+        if rank != 0:
+            return {}
+        allowed = resolve_globals(safe_globals)
+        app = load_object(chain.app_state(0), allowed, "app_state of rank 0")
+        clash = {MODEL, OPTIM} & set(app)
+        if clash:
+            raise ValueError(f"app_state names {sorted(clash)} clash with DCP's recipe keys")
+        return {MODEL: chain.dense(), **app}
 
     if ranks is None:
         prepare()
     else:
         ranks.on_rank0(prepare)
-    with ChainReader.open(root, step, io=io) as chain:
+    with everywhere(lambda: ChainReader.open(root, step, io=io)) as chain:
         read = _Reads(chain, progress)
         tables = chain.entry.tables
-        groups = [
-            g
-            for name in sorted(tables)
-            for g in _table_blocks(chain, name, tables[name], budget_bytes, read)
-        ]
+        groups = everywhere(
+            lambda: [
+                g
+                for name in sorted(tables)
+                for g in _table_blocks(chain, name, tables[name], budget_bytes, read)
+            ]
+        )
         mine = _share(groups, rank, world)
         read.total = len(mine)
-        objects: dict[str, Any] = {}
-        if rank == 0:
-            app = load_object(
-                chain.app_state(0), resolve_globals(safe_globals), "app_state of rank 0"
-            )
-            clash = {MODEL, OPTIM} & set(app)
-            if clash:
-                raise ValueError(f"app_state names {sorted(clash)} clash with DCP's recipe keys")
-            objects = {MODEL: chain.dense(), **app}
-        pg = None if ranks is None else (group or dist.group.WORLD)
-        write_blocks(target, mine, objects, pg, threads)
+        saved = everywhere(lambda: objects(chain))
+        write_blocks(target, mine, saved, group, threads)
         keys = sorted({b.fqn for g in groups for b in g})
         nbytes = sum(4 * int(torch.Size(b.sizes).numel()) for b in mine)
         return DcpExport(chain.entry.step, len(mine), nbytes, len(tables), keys)
