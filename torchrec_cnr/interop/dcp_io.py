@@ -60,27 +60,41 @@ Path_ = tuple[str | int, ...]
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata``: DCP's own dataclasses, torch sizes, dtypes and
-    layouts, and plain containers; anything else is refused before it runs."""
+    """Unpickles DCP's ``.metadata``: the types of DCP's metadata, torch sizes, dtypes and
+    layouts, and plain containers. Any other global, and any function (a pickle can call
+    one with arguments of its choosing), is refused before it runs."""
 
-    _PLAIN = {
+    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+    _NAMES = {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("collections", "OrderedDict"),
         ("builtins", "set"),
         ("builtins", "frozenset"),
-        ("torch.serialization", "_get_layout"),  # a layout by its name, as torch pickles one
         ("pathlib", "PosixPath"),  # where the checkpoint was written (StorageMeta)
         ("pathlib", "PurePosixPath"),
     }
     _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint.") or (module, name) in self._PLAIN:
-            return super().find_class(module, name)
-        if module == "torch":
+        if module in self._MODULES or (module, name) in self._NAMES:
+            found = super().find_class(module, name)
+            if isinstance(found, type):
+                return found
+        elif module == "torch.serialization" and name == "_get_layout":
+            return _layout  # how torch pickles a layout: by its name
+        elif module == "torch":
             value = getattr(torch, name, None)
             if name == "Size" or isinstance(value, self._TORCH_VALUES):
                 return super().find_class(module, name)
         raise pickle.UnpicklingError(f"DCP metadata names {module}.{name}, which is not allowed")
+
+
+def _layout(name: str) -> torch.layout:
+    """``torch.strided`` from ``"torch.strided"``, and nothing but a layout."""
+    value = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(value, torch.layout):
+        raise pickle.UnpicklingError(f"DCP metadata names layout {name!r}, which is not one")
+    return value
 
 
 class DcpReader:
