@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.interop.dcp_io import Block, write_blocks
+from torchrec_cnr.interop.dcp_io import Block, fused_state_path, write_blocks
 from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.offline.tables import table_block
 from torchrec_cnr.restore.chain import ChainReader
@@ -119,7 +119,7 @@ def _table_blocks(
 ) -> list[list[Block]]:
     """The blocks of one table: for each piece of rows of each column shard, its weight
     block and its states' blocks (read together, by one rank)."""
-    key, short = shape.state_dict_key, table.rsplit(".", 1)[-1]
+    key = shape.state_dict_key
     if not key:
         raise ValueError(
             f"table {table!r}: the checkpoint does not record its state-dict key "
@@ -137,7 +137,7 @@ def _table_blocks(
             weight = partial(read, dst, "weight")
             group = [Block((MODEL, key), (r0, c0), (rows, cols), (n, dim), weight, owned=True)]
             for name, layout in sorted(states.items()):
-                path = (OPTIM, "state", key, f"{short}.{name}")
+                path = (OPTIM, *fused_state_path(key, table, name))
                 load = partial(read, dst, name)
                 if layout == "element":
                     group.append(Block(path, (r0, c0), (rows, cols), (n, dim), load, owned=True))

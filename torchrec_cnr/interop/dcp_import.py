@@ -25,7 +25,6 @@ stay as they are, as after ``dcp.load``.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -36,13 +35,11 @@ import torch
 
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.errors import ModelMismatchError
-from torchrec_cnr.interop.dcp_io import DcpReader
+from torchrec_cnr.interop.dcp_io import DcpReader, fused_state_path
 from torchrec_cnr.restore.restore import load_app_state
 from torchrec_cnr.tracking.shard import LocalShard, ShardSpec
 
 __all__ = ["DcpPlan", "import_dcp"]
-
-logger = logging.getLogger(__name__)
 
 
 def _prefix(reader: DcpReader, suffixes: Iterable[str]) -> str | None:
@@ -58,8 +55,7 @@ def _prefix(reader: DcpReader, suffixes: Iterable[str]) -> str | None:
 
 
 def _state_key(shard: LocalShard, state: str) -> str:
-    short = shard.spec.table.rsplit(".", 1)[-1]
-    return f"state.{shard.spec.state_dict_key}.{short}.{state}"
+    return ".".join(fused_state_path(shard.spec.state_dict_key, shard.spec.table, state))
 
 
 @dataclass
@@ -204,7 +200,7 @@ def import_dcp(
                     state.zero_()
 
     # Read in place: a read that fails midway (a damaged file) leaves a partial import,
-    # on every rank alike; the root is untouched and the next save is not taken.
+    # on every rank alike; the root is untouched.
     group.agree_on(read)
     if plan.zeroed:
         warnings.warn(
@@ -212,8 +208,5 @@ def import_dcp(
             f"{' ...' if len(plan.zeroed) > 6 else ''}: zeroed, as a fresh kernel's",
             stacklevel=3,
         )
-    missing = [n for n in app_state if n not in plan.app]
-    if missing:
-        logger.warning("%s holds no app_state %s; left as they are", path, missing)
-    load_app_state(group, {n: app_state[n] for n in plan.app}, saved, dense)
+    load_app_state(group, app_state, saved, dense)  # warns of each one it lacks
     return plan

@@ -53,10 +53,16 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torchrec_cnr.errors import CheckpointReadError, CnrError
 from torchrec_cnr.snapshot.objects import load_object
 
-__all__ = ["Block", "DcpReader", "write_blocks"]
+__all__ = ["Block", "DcpReader", "fused_state_path", "write_blocks"]
 
 Path_ = tuple[str | int, ...]
 """A key's place in the nested state dict: ``("optim", "state", "t0.weight", "t0.momentum1")``."""
+
+
+def fused_state_path(state_dict_key: str, table: str, state: str) -> tuple[str, str, str]:
+    """Where TorchRec's ``fused_optimizer.state_dict()`` keeps a table's optimizer state:
+    under ``state``, the table's key, then ``<table>.<state>`` (``t0.momentum1``)."""
+    return ("state", state_dict_key, f"{table.rsplit('.', 1)[-1]}.{state}")
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -77,20 +77,11 @@ def _destination(
 def table_values(chain: ChainReader, table: str, rows: Rows | None = None) -> torch.Tensor:
     """The ``(num_rows, dim)`` fp32 values of ``table``, or ``(len(rows), dim)`` of the
     given global rows, in the order given."""
-    name, dst, wanted, order = _destination(chain, table, rows)
-    n_out = dst.rows if wanted is None else wanted.numel()
-    out = torch.zeros(n_out, dst.cols)
-    for n, rec in chain.records(name):
-        where = place(rec.spec, chain.saved_ids(n, rec), dst, wanted)
-        if where is None:
-            continue
-        if wanted is None:
-            values = decode_weight(chain.fetch(n, rec), rec)
-        else:
-            assert where.keep is not None
-            values = decode_weight(partial(chain.subset, n, rec, keep=where.keep), rec)
-        scatter(out, where, values)
-    return out if order is None else out[order]
+    _, dst, wanted, order = _destination(chain, table, rows)
+    values = table_block(chain, dst, ("weight",), wanted).get("weight")
+    if values is None:  # no saved row
+        values = torch.zeros(dst.rows if wanted is None else wanted.numel(), dst.cols)
+    return values if order is None else values[order]
 
 
 def table_states(
@@ -104,44 +95,39 @@ def table_states(
     :func:`table_values`.
     """
     name, dst, wanted, order = _destination(chain, table, rows)
-    n_out = dst.rows if wanted is None else wanted.numel()
     out: dict[str, torch.Tensor] = {}
+    states: set[str] = set()
     for link in chain.links:
         for rec in link.shards:
             if rec.spec.table == name:
                 out.update({k: torch.tensor(v) for k, v in rec.scalars.items()})  # last wins
-    for n, rec in chain.records(name):
-        if not rec.states:
-            continue
-        where = place(rec.spec, chain.saved_ids(n, rec), dst, wanted)
-        if where is None:
-            continue
-        for state, info in rec.states.items():
-            if wanted is None:
-                saved = chain.tensor(n, rec.spec.rank, info.tensor)
-            else:
-                assert where.keep is not None
-                saved = chain.subset(n, rec, info.tensor, where.keep)
-            shape = (n_out, dst.cols) if saved.dim() == 2 else (n_out,)
-            scatter(out.setdefault(state, torch.zeros(shape)), where, saved)
+                states.update(rec.states)
+    out.update(table_block(chain, dst, states, wanted))
     if order is not None:
         out = {k: v[order] if v.dim() else v for k, v in out.items()}
     return out
 
 
 def table_block(
-    chain: ChainReader, dst: ShardSpec, wanted: Collection[str] | None = None
+    chain: ChainReader,
+    dst: ShardSpec,
+    wanted: Collection[str] | None = None,
+    rows: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """One block of a table, ``dst`` (``dst.table`` its qualified name), as a restore into
     a shard ``dst`` gives it: ``"weight"``, ``(rows, cols)`` fp32 values, and each fused
     optimizer state by FBGEMM name, per element ``(rows, cols)`` or per row ``(rows,)``
     from the saved shards holding ``dst``'s first column. ``wanted``: only these of them.
-    Without checksum verification only the saved rows that land in ``dst`` are read."""
+    ``rows``: only these ascending global rows of ``dst``, in that order. Without checksum
+    verification only the saved rows that land are read. What no saved shard holds is
+    left out."""
+    n_out = dst.rows if rows is None else rows.numel()
     out: dict[str, torch.Tensor] = {}
     placed = [
         (n, rec, where)
         for n, rec in chain.records(dst.table)
-        if (where := place(rec.spec, chain.saved_ids(n, rec), dst)) is not None
+        if wanted is None or "weight" in wanted or set(rec.states) & set(wanted)
+        if (where := place(rec.spec, chain.saved_ids(n, rec), dst, rows)) is not None
     ]
     for n, rec, where in placed:
         if where.keep is None:
@@ -149,13 +135,13 @@ def table_block(
         else:
             fetch = partial(chain.subset, n, rec, keep=where.keep)
         # One saved shard that is the block itself, rows in order: no copy.
-        whole = len(placed) == 1 and _is_whole(where, rec.spec, dst)
+        whole = rows is None and len(placed) == 1 and _is_whole(where, rec.spec, dst)
         if wanted is None or "weight" in wanted:
             values = decode_weight(fetch, rec)
             if whole:
                 out["weight"] = values
             else:
-                scatter(out.setdefault("weight", torch.zeros(dst.rows, dst.cols)), where, values)
+                scatter(out.setdefault("weight", torch.zeros(n_out, dst.cols)), where, values)
         for state, info in rec.states.items():
             if wanted is not None and state not in wanted:
                 continue
@@ -163,7 +149,7 @@ def table_block(
             if whole and saved.dtype == torch.float32:
                 out[state] = saved
                 continue
-            shape = (dst.rows, dst.cols) if saved.dim() == 2 else (dst.rows,)
+            shape = (n_out, dst.cols) if saved.dim() == 2 else (n_out,)
             scatter(out.setdefault(state, torch.zeros(shape)), where, saved)
     return out
 
