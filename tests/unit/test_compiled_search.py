@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from torchrec_cnr.iocontext import IOOptions
-from torchrec_cnr.quantization import _adaptive, _compiled, _uniform, search_ranges
+from torchrec_cnr.quantization import (
+    _adaptive,
+    _compiled,
+    _packing,
+    _uniform,
+    quantize,
+    search_ranges,
+)
 
 
 def _lib() -> ctypes.CDLL:
@@ -189,10 +196,10 @@ def test_the_vector_builds_return_the_baselines_ranges(bits: int, build: str, le
     lib.cnr_search_build.restype = ctypes.c_int
     if lib.cnr_search_build() < level:
         pytest.skip(f"this CPU cannot run the {build} build")
-    names = ("cnr_search_rows_base", f"cnr_search_rows_{build}")
+    names = ("cnr_quantize_rows_base", f"cnr_quantize_rows_{build}")
     for name in names:
         getattr(lib, name).restype = ctypes.c_int
-        getattr(lib, name).argtypes = lib.cnr_search_rows.argtypes
+        getattr(lib, name).argtypes = lib.cnr_quantize_rows.argtypes
     # 602 rows: the last batch is short for 8 and for 16 lanes.
     x = torch.cat([_rows("gaussian", 301, 40, seed=bits), _rows("t3", 301, 40, seed=bits + 1) * 7])
     x[0] = 0.5  # a constant row
@@ -200,9 +207,12 @@ def test_the_vector_builds_return_the_baselines_ranges(bits: int, build: str, le
     x[2] *= 1e-30  # a range below fp16's smallest step
     clips, refine = _adaptive._plan(bits, 40, 200, 0.16, cheap=True)
     arr = (ctypes.c_int32 * len(clips))(*clips)
+    width = _packing.padded_dim(40, bits)
     got = []
     for name in names:
         lo, hi = torch.full((602,), float("nan")), torch.full((602,), float("nan"))
+        codes = torch.zeros(602, width * bits // 8 + 3, dtype=torch.uint8)
+        bad = ctypes.c_int64(7)
         rc = getattr(lib, name)(
             x.data_ptr(),
             602,
@@ -216,8 +226,41 @@ def test_the_vector_builds_return_the_baselines_ranges(bits: int, build: str, le
             _adaptive._frame(bits),
             lo.data_ptr(),
             hi.data_ptr(),
+            codes.data_ptr(),
+            codes.stride(0),
+            width,
+            ctypes.byref(bad),
         )
-        assert rc == 0
-        got.append((lo, hi))
+        assert rc == 0 and bad.value == -1
+        assert not codes[:, -3:].any()  # nothing written past each row's codes
+        got.append((lo, hi, codes))
     assert not got[0][0].isnan().any()
-    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("dim", [1, 5, 16, 33, 64, 128])
+def test_one_pass_encoding_stores_what_the_search_and_the_encoder_store(
+    bits: int, dim: int
+) -> None:
+    # quantize() on CPU searches and encodes each batch of rows in one compiled pass; the
+    # stored rows must be those of the two passes it replaces, byte for byte.
+    x = torch.cat([_rows("gaussian", 301, dim, seed=dim), _rows("t3", 300, dim, dim + 1) * 5 - 1])
+    x[0] = 0.5  # a constant row
+    x[1, : dim // 2 + 1] = 0.0  # ties between grid points
+    x[2] *= 1e-30  # a range below fp16's smallest step
+    if bits == 8:
+        x[3] *= 1e30  # beyond fp16, fine with 8 bits' fp32 parameters
+    want = _uniform.encode_range(x, *search_ranges(x, bits), bits)
+    got = quantize(x, "adaptive", bits).to_tensors()["data"]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("where", [0, 9, 600])
+def test_one_pass_encoding_names_the_first_row_that_is_not_finite(where: int) -> None:
+    x = _rows("gaussian", 601, 24, seed=3)
+    x[where, 5] = float("nan")
+    x[-1, 0] = float("inf")
+    with pytest.raises(ValueError, match=rf"table 't7' row {100 + where} contains NaN or Inf"):
+        quantize(x, "adaptive", 4, name="t7", row_ids=100)

@@ -57,12 +57,14 @@ bins per move (``stride=1`` is PyTorch's algorithm), vectorized the same way.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 
 import torch
 
 from . import _compiled
+from ._packing import padded_dim
 
 # Rows per chunk scale with D so one (rows, D) fp32 buffer holds this many
 # elements: enough to amortise the dispatch of the many small per-row ops,
@@ -419,6 +421,32 @@ def _buffers(rows: int, dim: int, device: torch.device) -> tuple[torch.Tensor, t
     return cached[0][:need].view(rows, dim), cached[1][:need].view(rows, dim)
 
 
+def compiled_search(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    bits: int,
+    n_bins: int,
+    ratio: float,
+    refine: int | None,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    codes: torch.Tensor | None = None,
+) -> int | None:
+    """The compiled search of (N, D) contiguous fp32 ``x`` into ``lo``, ``hi``, with its
+    plan; with ``codes``, also the packed codes (see :func:`_compiled.search_rows`).
+
+    Returns:
+        With ``codes``, the first row that is not finite, else ``None``.
+    """
+    dim = x.shape[1]
+    clips, default_refine = _plan(bits, dim, n_bins, ratio, cheap=True)
+    passes = default_refine if refine is None else refine
+    width = padded_dim(dim, bits) if codes is not None else 0
+    return _compiled.search_rows(
+        lib, x, bits, clips, n_bins, passes, _OMEGA, _frame(bits), lo, hi, codes, width
+    )
+
+
 def search_ranges(
     x: torch.Tensor,
     bits: int,
@@ -461,26 +489,13 @@ def search_ranges(
         else None
     )
     if lib is not None:
-        clips, default_refine = _plan(bits, dim, n_bins, ratio, cheap=True)
-        passes = default_refine if refine is None else refine
         # fp32 contiguous rows go in whole; others are cast chunk by chunk.
         whole = x.dtype == torch.float32 and x.is_contiguous()
         step = n if whole else max(1, _CHUNK_ELEMS // dim)
         for start in range(0, n, step):
             rows = x[start : start + step].float().contiguous()
             part = slice(start, start + rows.shape[0])
-            _compiled.search_rows(
-                lib,
-                rows,
-                bits,
-                clips,
-                n_bins,
-                passes,
-                _OMEGA,
-                _frame(bits),
-                lo_out[part],
-                hi_out[part],
-            )
+            compiled_search(lib, rows, bits, n_bins, ratio, refine, lo_out[part], hi_out[part])
         return lo_out, hi_out
     clips, default_refine = _plan(bits, dim, n_bins, ratio, cheap=x.device.type == "cuda")
     elems = _CHUNK_ELEMS_NARROW if dim < _NARROW else _CHUNK_ELEMS

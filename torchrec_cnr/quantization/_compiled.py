@@ -1,4 +1,4 @@
-"""The compiled range search (``_rowsearch.c``), loaded with ctypes.
+"""The compiled range search and encoder (``_rowsearch.c``), loaded with ctypes.
 
 ``pip install`` builds the C file, with its AVX2 and AVX-512 builds (``_rowsearch_avx2.c``,
 ``_rowsearch_avx512.c``), into ``_rowsearch_lib*.so`` beside this one (``setup.py``).
@@ -25,8 +25,8 @@ def _load() -> ctypes.CDLL | None:
     )
     if lib is None:
         return None
-    lib.cnr_search_rows.restype = ctypes.c_int
-    lib.cnr_search_rows.argtypes = [
+    lib.cnr_quantize_rows.restype = ctypes.c_int
+    lib.cnr_quantize_rows.argtypes = [
         ctypes.c_void_p,  # x
         ctypes.c_int64,  # n
         ctypes.c_int64,  # dim
@@ -39,6 +39,10 @@ def _load() -> ctypes.CDLL | None:
         ctypes.c_float,  # frame
         ctypes.c_void_p,  # lo_out
         ctypes.c_void_p,  # hi_out
+        ctypes.c_void_p,  # codes (NULL: search only)
+        ctypes.c_int64,  # stride (bytes between rows of codes)
+        ctypes.c_int64,  # width (codes per row, padded)
+        ctypes.POINTER(ctypes.c_int64),  # bad_row (NULL: no check)
     ]
     lib.cnr_fp16_round.restype = ctypes.c_float
     lib.cnr_fp16_round.argtypes = [ctypes.c_float]
@@ -61,11 +65,26 @@ def search_rows(
     frame: float,
     lo: torch.Tensor,
     hi: torch.Tensor,
-) -> None:
-    """Ranges of the rows of ``x`` ((N, D) contiguous fp32 on CPU) into ``lo`` and ``hi``."""
+    codes: torch.Tensor | None = None,
+    width: int = 0,
+) -> int | None:
+    """Ranges of the rows of ``x`` ((N, D) contiguous fp32 on CPU) into ``lo`` and ``hi``.
+
+    With ``codes`` ((N, bytes) uint8, rows contiguous), also the rows' packed codes under
+    those ranges into its first ``width * bits / 8`` bytes of each row (``width``: ``D``
+    padded, :func:`~torchrec_cnr.quantization._packing.padded_dim`), and rows that are not
+    finite are looked for.
+
+    Returns:
+        With ``codes``, the first row that is not finite (nothing is written past its
+        batch), else ``None``.
+    """
     arr = (ctypes.c_int32 * max(1, len(clips)))(*clips)
     n, dim = x.shape
-    rc = lib.cnr_search_rows(
+    bad = ctypes.c_int64(-1)
+    if codes is not None:
+        assert codes.dtype == torch.uint8 and codes.shape[0] == n and codes.stride(1) == 1
+    rc = lib.cnr_quantize_rows(
         x.data_ptr(),
         n,
         dim,
@@ -78,10 +97,17 @@ def search_rows(
         frame,
         lo.data_ptr(),
         hi.data_ptr(),
+        None if codes is None else codes.data_ptr(),
+        0 if codes is None else codes.stride(0),
+        width,
+        None if codes is None else ctypes.byref(bad),
     )
+    if rc == -3:
+        return bad.value
     if rc == -2:
         raise MemoryError(f"compiled range search: no memory for a {dim}-wide work block")
     if rc != 0:
         raise ValueError(
             f"compiled range search: bad arguments (bits={bits}, dim={dim}, n_bins={n_bins})"
         )
+    return None

@@ -18,7 +18,7 @@ from ._config import (
 )
 from ._kmeans import kmeans_dequantize, kmeans_quantize
 from ._packing import packed_nbytes
-from ._uniform import decode, encode_minmax, encode_range, fused_row_bytes
+from ._uniform import decode, encode_minmax, encode_range, encode_searched, fused_row_bytes
 
 
 def _expected_layout(
@@ -215,6 +215,17 @@ def quantize(
     n, dim = rows.shape
     if n == 0 or dim == 0:
         return _empty(method, stored_bits, (n, dim), rows.device)
+    if method == "adaptive":
+        # Compiled, the search and the encoding are one pass, which checks finiteness too.
+        searched = encode_searched(rows, stored_bits, n_bins, ratio, compiled)
+        if searched is not None:
+            data, bad = searched
+            if bad is not None:
+                check_finite(rows, name, row_ids)  # raises, naming the row
+                raise AssertionError(f"row {bad} was reported not finite")  # pragma: no cover
+            if stored_bits < 8:
+                check_fp16_stored(_scale_bias(data), name, "scale/bias", row_ids)
+            return QuantizedRows(method, stored_bits, (n, dim), data)
     check_finite(rows, name, row_ids)
 
     if method in CAST_METHODS:

@@ -23,6 +23,11 @@
  *      above, so it competes without a loop of its own;
  *   5. `refine` more polish passes from the best point.
  *
+ * With an output buffer it also encodes: while the batch is still in cache, each row's
+ * codes under its chosen range are packed into the stored layout (_packing.py), so the
+ * encoder's own pass over the rows (and the encoder's read of them from memory) is gone.
+ * The minimum and maximum loop also finds rows that are not finite.
+ *
  * Parameters are compared as the encoder stores them: fp16 bias and scale for
  * 2/3/4 bits (FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf), fp32 with the
  * 1e-8 range epsilon for 8 bits (FloatToFused8BitRowwiseQuantized), and the
@@ -46,14 +51,14 @@
 #endif
 #if defined(CNR_AVX512) /* included by _rowsearch_avx512.c: 16 rows at a time */
 #include <immintrin.h>
-#define CNR_ENTRY cnr_search_rows_avx512
+#define CNR_ENTRY cnr_quantize_rows_avx512
 #define LANES 16
 #elif defined(CNR_AVX2) /* included by _rowsearch_avx2.c */
 #include <immintrin.h>
-#define CNR_ENTRY cnr_search_rows_avx2
+#define CNR_ENTRY cnr_quantize_rows_avx2
 #define LANES 8
 #else
-#define CNR_ENTRY cnr_search_rows_base
+#define CNR_ENTRY cnr_quantize_rows_base
 #define LANES 8
 #endif
 /* Everything below the entry point is inlined into each of its builds. */
@@ -61,6 +66,7 @@
 
 typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
 typedef double vd __attribute__((vector_size(8 * LANES)));
 typedef int64_t vl __attribute__((vector_size(8 * LANES)));
 
@@ -292,26 +298,75 @@ CNR_INLINE void search_batch(const vf *xt, int64_t dim, const plan *p, const int
     *hi_out = sel(ok, best.hi, mx);
 }
 
+/* Lanes whose row holds an infinity or a NaN: v - v is 0 for every finite v. */
+CNR_INLINE vi nonfinite(const vf *xt, int64_t dim) {
+    vf z = {0};
+    for (int64_t i = 0; i < dim; i++)
+        z += xt[i] - xt[i];
+    return z != z;
+}
+
+/* The codes of the rows of block xt (dim, LANES) under ranges [lo, hi], as the encoder
+ * derives them (_uniform.encode_range: clamp(round((x - bias) * inv)), ties to even),
+ * packed into the first `nrows` rows out[l] in _packing.py's layout: code k of a group at
+ * bits [bits k, bits (k + 1)) of a little-endian word, a group being 32 / bits codes in 4
+ * bytes, or 8 codes in 3 bytes at 3 bits; columns from dim up to width get code 0. */
+CNR_INLINE void encode_batch(const vf *xt, int64_t dim, int64_t width, int bits, const plan *p,
+                             vf lo, vf hi, uint8_t *const *out, int nrows) {
+    const cand e = stored(lo, hi, p);
+    const vf top = splat(p->levels);
+    const int64_t group = bits == 3 ? 8 : 32 / bits, gbytes = bits == 3 ? 3 : 4;
+    const int64_t nbytes = width * bits / 8;
+    for (int64_t g = 0; g * group < width; g++) {
+        vu word = {0};
+        const int64_t end = (g + 1) * group < dim ? (g + 1) * group : dim;
+        for (int64_t i = g * group; i < end; i++) {
+            vf t = vmin(vmax((xt[i] - e.bias) * e.inv, splat(0.0f)), top);
+            word |= __builtin_convertvector(round_code(t), vu) << (uint32_t)(bits * (i - g * group));
+        }
+        const int64_t at = g * gbytes;
+        const int64_t take = nbytes - at < gbytes ? nbytes - at : gbytes;
+        for (int l = 0; l < nrows; l++) {
+            const uint32_t w = word[l];
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+            if (take == 4) {
+                memcpy(out[l] + at, &w, 4);
+                continue;
+            }
+#endif
+            for (int64_t b = 0; b < take; b++)
+                out[l][at + b] = (uint8_t)(w >> (8 * b));
+        }
+    }
+}
+
 #if !defined(CNR_AVX2) && !defined(CNR_AVX512)
 /* fp16_round of one value, for the tests. */
 float cnr_fp16_round(float v) { return fp16_round(splat(v))[0]; }
 #endif
 
-/* Ranges (lo, hi) for rows x (n, dim), contiguous fp32, finite.
+/* Ranges (lo, hi) for rows x (n, dim), contiguous fp32, and with `codes`, the rows
+ * encoded under them.
  *
  * bits: 2, 3, 4 or 8; clips: n_clips clippings (bins of range / n_bins per
  * side) to shift and polish; refine: polish passes from the best point at the
  * end; omega: over-relaxation of the least-squares step; frame: 0 or 1/2, the
  * offsets' fractional parts are measured from the grid points or from the
  * midpoints between them (the stand-ins for cos and sin are crude, so the two
- * choose different shifts). Returns 0; -1 for
- * arguments out of range, -2 when a work block cannot be allocated. */
+ * choose different shifts); codes: NULL, or where row r's packed codes go, at
+ * codes + r * stride, `width` (dim padded, see _packing.padded_dim) codes of it; bad_row:
+ * NULL, or where the first row that is not finite is reported (-1 if none; then nothing
+ * past its batch is written). Returns 0; -1 for arguments out of range, -2 when a work
+ * block cannot be allocated, -3 for a row that is not finite. */
 int CNR_ENTRY(const float *x, int64_t n, int64_t dim, int bits, const int32_t *clips,
-                    int n_clips, int n_bins, int refine, double omega, float frame,
-                    float *lo_out, float *hi_out) {
+              int n_clips, int n_bins, int refine, double omega, float frame, float *lo_out,
+              float *hi_out, uint8_t *codes, int64_t stride, int64_t width, int64_t *bad_row) {
     if (n < 0 || dim <= 0 || !(bits == 2 || bits == 3 || bits == 4 || bits == 8) || n_bins <= 0 ||
-        n_clips < 0 || refine < 0 || !(frame == 0.0f || frame == 0.5f))
+        n_clips < 0 || refine < 0 || !(frame == 0.0f || frame == 0.5f) ||
+        (codes != NULL && (width < dim || width * bits % 8 != 0 || stride < width * bits / 8)))
         return -1;
+    if (bad_row != NULL)
+        *bad_row = -1;
     const plan p = {(float)((1 << bits) - 1), bits < 8, omega, frame};
     vf *xt = aligned_alloc(sizeof(vf), (size_t)dim * sizeof(vf));
     if (xt == NULL)
@@ -324,11 +379,27 @@ int CNR_ENTRY(const float *x, int64_t n, int64_t dim, int bits, const int32_t *c
         for (int64_t i = 0; i < dim; i++)
             for (int l = 0; l < LANES; l++)
                 xt[i][l] = src[l][i];
+        const int nrows = n - row < LANES ? (int)(n - row) : LANES;
+        if (bad_row != NULL) {
+            const vi bad = nonfinite(xt, dim);
+            for (int l = 0; l < nrows; l++)
+                if (bad[l]) {
+                    *bad_row = row + l;
+                    free(xt);
+                    return -3;
+                }
+        }
         vf lo, hi;
         search_batch(xt, dim, &p, clips, n_clips, n_bins, refine, &lo, &hi);
-        for (int l = 0; l < LANES && row + l < n; l++) {
+        for (int l = 0; l < nrows; l++) {
             lo_out[row + l] = lo[l];
             hi_out[row + l] = hi[l];
+        }
+        if (codes != NULL) {
+            uint8_t *out[LANES];
+            for (int l = 0; l < nrows; l++)
+                out[l] = codes + (row + l) * stride;
+            encode_batch(xt, dim, width, bits, &p, lo, hi, out, nrows);
         }
     }
     free(xt);
@@ -336,16 +407,19 @@ int CNR_ENTRY(const float *x, int64_t n, int64_t dim, int bits, const int32_t *c
 }
 
 #if !defined(CNR_AVX2) && !defined(CNR_AVX512)
+#define CNR_ARGS                                                                                   \
+    const float *x, int64_t n, int64_t dim, int bits, const int32_t *clips, int n_clips,          \
+        int n_bins, int refine, double omega, float frame, float *lo_out, float *hi_out,           \
+        uint8_t *codes, int64_t stride, int64_t width, int64_t *bad_row
+#define CNR_PASS                                                                                   \
+    x, n, dim, bits, clips, n_clips, n_bins, refine, omega, frame, lo_out, hi_out, codes, stride, \
+        width, bad_row
 #ifdef CNR_HAVE_AVX2
-int cnr_search_rows_avx2(const float *x, int64_t n, int64_t dim, int bits, const int32_t *clips,
-                         int n_clips, int n_bins, int refine, double omega, float frame,
-                         float *lo_out, float *hi_out);
-int cnr_search_rows_avx512(const float *x, int64_t n, int64_t dim, int bits,
-                           const int32_t *clips, int n_clips, int n_bins, int refine,
-                           double omega, float frame, float *lo_out, float *hi_out);
+int cnr_quantize_rows_avx2(CNR_ARGS);
+int cnr_quantize_rows_avx512(CNR_ARGS);
 #endif
 
-/* The build cnr_search_rows runs, for the tests: 2 AVX-512, 1 AVX2, 0 the baseline. */
+/* The build cnr_quantize_rows runs, for the tests: 2 AVX-512, 1 AVX2, 0 the baseline. */
 int cnr_search_build(void) {
 #ifdef CNR_HAVE_AVX2
     if (__builtin_cpu_supports("avx512f"))
@@ -357,20 +431,15 @@ int cnr_search_build(void) {
 }
 
 /* The entry point: the widest build the CPU runs; every build returns the same
- * ranges (the tests compare them). */
-int cnr_search_rows(const float *x, int64_t n, int64_t dim, int bits, const int32_t *clips,
-                    int n_clips, int n_bins, int refine, double omega, float frame, float *lo_out,
-                    float *hi_out) {
+ * ranges and codes (the tests compare them). */
+int cnr_quantize_rows(CNR_ARGS) {
 #ifdef CNR_HAVE_AVX2
     const int build = cnr_search_build();
     if (build == 2)
-        return cnr_search_rows_avx512(x, n, dim, bits, clips, n_clips, n_bins, refine, omega,
-                                      frame, lo_out, hi_out);
+        return cnr_quantize_rows_avx512(CNR_PASS);
     if (build == 1)
-        return cnr_search_rows_avx2(x, n, dim, bits, clips, n_clips, n_bins, refine, omega, frame,
-                                    lo_out, hi_out);
+        return cnr_quantize_rows_avx2(CNR_PASS);
 #endif
-    return cnr_search_rows_base(x, n, dim, bits, clips, n_clips, n_bins, refine, omega, frame,
-                                lo_out, hi_out);
+    return cnr_quantize_rows_base(CNR_PASS);
 }
 #endif

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from . import _compiled
+from ._adaptive import compiled_search
 from ._packing import pack_codes, packed_nbytes, padded_dim, unpack_codes
 
 # Elements per chunk of the torch encoder (its temporaries are ~5x this in bytes).
@@ -132,8 +134,7 @@ def _encode_nbit_into(
     n, dim = x.shape
     width = padded_dim(dim, bits)
     nbytes = packed_nbytes(dim, bits)
-    # Rows are an even number of bytes, so fp16 (scale, bias) go in as int16.
-    out.view(torch.int16)[:, nbytes // 2 :] = torch.stack([scale, bias], 1).half().view(torch.int16)
+    _write_params(out, lo, hi, bits)
     q = _work_buffer(n, width, x.device)
     torch.sub(x, bias[:, None], out=q[:, :dim]).mul_((1.0 / scale)[:, None])
     q[:, :dim].round_().clamp_(0, levels)
@@ -165,7 +166,9 @@ def _encode_8bit_torch(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> t
     # plus clamping because [lo, hi] may be narrower than the row.
     span = hi - lo
     scale = span / 255.0
-    inv = 255.0 / (span + 1e-8)
+    # A true division, as FBGEMM's kernel and the compiled encoder divide (a tensor's
+    # ``255.0 / t`` multiplies by its reciprocal, which rounds differently).
+    inv = torch.full_like(span, 255.0).div_(span + 1e-8)
     q = (x - lo[:, None]).mul_(inv[:, None]).round_().clamp_(0, 255).to(torch.uint8)
     sb = torch.stack([scale, lo], dim=1).contiguous().view(torch.uint8)
     return torch.cat([q, sb], dim=1)
@@ -214,6 +217,48 @@ def encode_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int)
         else:
             _encode_nbit_into(x[j], lo[j], hi[j], bits, out[j])
     return out
+
+
+def encode_searched(
+    x: torch.Tensor, bits: int, n_bins: int, ratio: float, compiled: bool = True
+) -> tuple[torch.Tensor, int | None] | None:
+    """The adaptive search and the encoding of ``x``'s rows in one compiled pass over each
+    row (``_rowsearch.c``): the same rows as ``encode_range(x, *search_ranges(x, bits))``
+    byte for byte, without the encoder's second pass over memory.
+
+    Args:
+        x: (N, D) fp32 rows on CPU, contiguous.
+        bits: 2, 3, 4 or 8.
+
+    Returns:
+        ``(fused rows, None)``; ``(partial rows, i)`` when row ``i`` is the first that is
+        not finite; ``None`` where the compiled library does not run (not built, switched
+        off, CUDA tensors): then use :func:`search_ranges` and :func:`encode_range`.
+    """
+    n, dim = x.shape
+    lib = _compiled.library(compiled) if x.device.type == "cpu" and dim > 0 else None
+    if lib is None or x.dtype != torch.float32 or not x.is_contiguous():
+        return None
+    out = torch.empty(n, fused_row_bytes(dim, bits), dtype=torch.uint8)
+    lo, hi = torch.empty(n), torch.empty(n)
+    bad = compiled_search(lib, x, bits, n_bins, ratio, None, lo, hi, out)
+    if bad is not None:
+        return out, bad
+    _write_params(out, lo, hi, bits)
+    return out, None
+
+
+def _write_params(out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> None:
+    """The stored parameters of ranges ``[lo, hi]`` into the last bytes of fused rows
+    ``out``: fp16 (scale, bias) at 2/3/4 bits, fp32 (scale, bias) at 8 bits, as
+    :func:`encode_range` stores them."""
+    if bits == 8:
+        sb = torch.stack([(hi - lo) / 255.0, lo], 1)
+        out[:, -8:] = sb.view(torch.uint8)
+        return
+    scale, bias = nbit_params(lo, hi, bits)
+    # Rows are an even number of bytes, so fp16 (scale, bias) go in as int16.
+    out.view(torch.int16)[:, -2:] = torch.stack([scale, bias], 1).half().view(torch.int16)
 
 
 def encode_minmax(x: torch.Tensor, bits: int) -> torch.Tensor:
