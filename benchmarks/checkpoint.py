@@ -43,6 +43,7 @@ torchsnapshot's restore, the consecutive chain of 4 <= 1.5 x it, the fp32 commit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import statistics
@@ -61,10 +62,13 @@ from benchmarks.measure import (
     Policy,
     disk_bandwidth,
     from_rank0,
+    max_over_ranks,
     memcpy_s,
     model_arguments,
     modify,
+    proc_status_mb,
     random_rows,
+    reset_peak_rss,
     rmtree,
     timed_restore,
     timed_save,
@@ -76,6 +80,7 @@ from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import (
     CheckpointConfig,
     CheckpointManager,
+    QuantizeConfig,
     checkpoint_info,
     list_checkpoints,
 )
@@ -88,6 +93,26 @@ Rows = list[torch.Tensor]
 
 def _key(policy: str, quant: str, frac: float) -> str:
     return f"{policy}_{quant.replace('-', '')}_{frac:.0%}".rstrip("%")
+
+
+FORMATS = {
+    **QUANTS,
+    **{f"{b}-bit": QuantizeConfig(method="adaptive", bits=b, min_rows=0) for b in (2, 3, 8)},
+}
+"""The stored formats of the side-by-side full commits: the grid's two and the other bit
+widths."""
+
+RESTORE_BUDGET = 1 / 8
+"""The budgeted restore arm's ``staging_memory_mb`` (and so ``restore_memory_mb``), as a
+share of the rows a rank holds."""
+
+
+def _peak(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()`` and the most resident memory it added over its start, in MB, the largest
+    rank's (peak resident set size reset first)."""
+    before = reset_peak_rss()
+    got = fn()
+    return got, max_over_ranks(proc_status_mb("VmHWM") - before)[0]
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -114,20 +139,30 @@ def _cnr(
     policy, quant, frac = key
     root = b.scratch / f"cnr_{_key(*key)}"
     cfg = CheckpointConfig(path=str(root), policy=policy, on_busy="wait", quantize=QUANTS[quant])
-    with CheckpointManager(model, cfg) as ckpt:
-        base_stall, _ = timed_save(ckpt, 1)
-        saves = []
+    # Peak memory over the model's own: the manager (its staging buffers), its first save
+    # and commit, the later ones, and a restore by a fresh manager.
+    ckpt, peak_manager = _peak(lambda: CheckpointManager(model, cfg))
+    with ckpt:
+        (base_stall, _), peak_first = _peak(lambda: timed_save(ckpt, 1))
+        saves, peak_saves = [], 0.0
         for rep in range(b.args.repeats):
             modify(shards, rows)
-            saves.append(timed_save(ckpt, 2 + rep))
+            got, peak = _peak(lambda: timed_save(ckpt, 2 + rep))  # noqa: B023
+            saves.append(got)
+            peak_saves = max(peak_saves, peak)
     infos = from_rank0(lambda: list_checkpoints(str(root)))
     # Rank 0's staged bytes: table-wise tables spread evenly, every rank stages as much.
     memcpy = memcpy_s(infos[-1].staged_bytes)
-    with CheckpointManager(model, cfg) as restorer:
-        restores = [
-            timed_restore(restorer.restore, root, shards, check)
-            for _ in range(b.args.restore_repeats)
-        ]
+    gc.collect()
+
+    def restores_of() -> list[tuple[float, float]]:
+        with CheckpointManager(model, cfg) as restorer:
+            return [
+                timed_restore(restorer.restore, root, shards, check)
+                for _ in range(b.args.restore_repeats)
+            ]
+
+    restores, peak_restore = _peak(restores_of)
     rmtree(root)
     gc.collect()
     stall = statistics.median(s for s, _ in saves)
@@ -145,6 +180,12 @@ def _cnr(
         "restore_chain_len": len(infos[-1].chain),
         "restore_max_abs_err": max(e for _, e in restores),
         "baseline": {"stall_s": base_stall, "bytes": infos[0].bytes},
+        "peak_mb": {
+            "manager": peak_manager,
+            "first_save": peak_first,
+            "saves": peak_saves,
+            "restore": peak_restore,
+        },
     }
     b.log(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     return row
@@ -152,6 +193,8 @@ def _cnr(
 
 PAGE_CACHE = " page cache"
 """The side-by-side arms that read or write through the page cache (the default is ``O_DIRECT``)."""
+BUDGETED = " budget"
+"""The side-by-side restore arm within :data:`RESTORE_BUDGET`."""
 
 
 def _side_by_side(
@@ -165,12 +208,15 @@ def _side_by_side(
             ts_path if arm == "torchsnapshot" else b.scratch / f"sbs_full_{arm.replace(' ', '_')}"
         )
 
+    def full_config(quant: str) -> CheckpointConfig:
+        return CheckpointConfig(path=str(root_of(quant)), policy="full", quantize=FORMATS[quant])
+
     def cnr_full(quant: str, direct: bool = True) -> float:
         name = quant if direct else f"{quant}{PAGE_CACHE}"
         root = root_of(name)
         with CheckpointManager(
             model,
-            CheckpointConfig(path=str(root), policy="full", quantize=QUANTS[quant]),
+            dataclasses.replace(full_config(quant), path=str(root)),
             storage=FsStorage(root, direct_writes=direct),
         ) as ckpt:
             _, commit = timed_save(ckpt, 1)
@@ -179,7 +225,7 @@ def _side_by_side(
 
     arms: dict[str, Callable[[], float]] = {
         "torchsnapshot": lambda: torchsnapshot_take_durable(model, ts_path),
-        **{q: functools.partial(cnr_full, q) for q in QUANTS},
+        **{q: functools.partial(cnr_full, q) for q in FORMATS},
         f"fp32{PAGE_CACHE}": functools.partial(cnr_full, "fp32", False),
     }
     commits = b.interleaved(
@@ -204,22 +250,41 @@ def _side_by_side(
                 if step > 1:
                     modify(shards, sels[frac])
                 timed_save(ckpt, step)
+    # The last commit round's full checkpoints, as they stand: fp32 and 4-bit; and the
+    # first chain again within a memory budget, and through the page cache.
+    first = next(iter(chains))
+    rows_mb = sum(s.weight.numel() * s.weight.element_size() for s in shards) / 2**20
+    budget_mb = max_over_ranks(rows_mb * RESTORE_BUDGET)[0]
+    setups: dict[str, tuple[CheckpointConfig, bool]] = {
+        **{name: (config, True) for name, config in chains.items()},
+        **{f"full_{q.replace('-', '')}": (full_config(q), True) for q in QUANTS},
+        f"{first}{BUDGETED}": (
+            dataclasses.replace(chains[first], staging_memory_mb=budget_mb),
+            True,
+        ),
+        f"{first}{PAGE_CACHE}": (chains[first], False),
+    }
     errors: dict[str, float] = {}
+    peaks: dict[str, float] = {}
 
     def restore(name: str) -> float:
         if name == "torchsnapshot":  # the snapshot of the last commit round
-            took, errors[name] = timed_restore(
-                torchsnapshot_restore(model, ts_path), ts_path, shards, check
-            )
-            return took
-        chain = name.removesuffix(PAGE_CACHE)
-        path = Path(chains[chain].path)
-        storage = FsStorage(path, direct_reads=not name.endswith(PAGE_CACHE))
-        with CheckpointManager(model, chains[chain], storage=storage) as restorer:
-            took, errors[name] = timed_restore(restorer.restore, path, shards, check)
+            fn: Callable[[], Any] = torchsnapshot_restore(model, ts_path)
+            (took, errors[name]), peak = _peak(lambda: timed_restore(fn, ts_path, shards, check))
+        else:
+            config, direct = setups[name]
+            path = Path(config.path)
+
+            def run() -> tuple[float, float]:
+                storage = FsStorage(path, direct_reads=direct)
+                with CheckpointManager(model, config, storage=storage) as restorer:
+                    return timed_restore(restorer.restore, path, shards, check)
+
+            (took, errors[name]), peak = _peak(run)
+        peaks[name] = max(peaks.get(name, 0.0), peak)
         return took
 
-    names = ["torchsnapshot", *chains, f"{next(iter(chains))}{PAGE_CACHE}"]
+    names = ["torchsnapshot", *setups]
     restores = b.interleaved(
         b.args.rounds, {n: functools.partial(restore, n) for n in names}, label="cold restore"
     )
@@ -236,6 +301,10 @@ def _side_by_side(
         "restore_s": {k: statistics.median(v) for k, v in restores.items()},
         "restores": restores,
         "restore_max_abs_err": errors,
+        "restore_peak_mb": peaks,
+        "rows_mb_per_rank": rows_mb,
+        "restore_budget_mb": budget_mb,
+        "bytes": {name: info.bytes for name, info in full.items()},
     }
 
 
@@ -274,8 +343,14 @@ def targets(fracs: list[float], policies: list[Policy]) -> list[Goal]:
         Goal(f"intermittent {small} restore with O_DIRECT <= through the page cache",
                f"{sbs}.restore_s.intermittent_{small[:-1]}", "<=",
                f"{sbs}.restore_s.intermittent_{small[:-1]}{PAGE_CACHE}"),
-        Goal("4-bit full commit <= fp32 full commit (side by side)",
-               f"{sbs}.commit_s.4-bit", "<=", f"{sbs}.commit_s.fp32"),
+        *(
+            Goal(f"{q} full commit <= fp32 full commit (side by side)",
+                   f"{sbs}.commit_s.{q}", "<=", f"{sbs}.commit_s.fp32")
+            for q in FORMATS
+            if q != "fp32"
+        ),
+        Goal("4-bit full restore <= fp32 full restore (side by side)",
+               f"{sbs}.restore_s.full_4bit", "<=", f"{sbs}.restore_s.full_fp32"),
         *(
             Goal(f"intermittent {f} restore <= torchsnapshot's restore",
                    f"{sbs}.restore_s.intermittent_{f[:-1]}", "<=", ts)
@@ -323,6 +398,29 @@ def tables(m: dict[str, Any]) -> list[Table]:
     })  # fmt: skip
     side = [["durable full commit", k, v] for k, v in sbs["commits"].items()]
     side += [["cold restore", k, v] for k, v in sbs["restores"].items()]
+    rows_mb = sbs["rows_mb_per_rank"]
+    memory = Table.of(
+        f"Peak resident memory over the model's, MB, largest rank ({rows_mb:.0f} MB of rows "
+        "per rank)",
+        m["cnr"].values(),
+        {
+            "method": lambda r: f"torchrec_cnr {r['policy']} {r['quant']}",
+            "modified": lambda r: "–" if r["policy"] == "full" else f"{r['fraction']:.0%}",
+            "manager": lambda r: r["peak_mb"]["manager"],
+            "first save + commit": lambda r: r["peak_mb"]["first_save"],
+            "later saves + commits": lambda r: r["peak_mb"]["saves"],
+            "restore (fresh manager)": lambda r: r["peak_mb"]["restore"],
+        },
+        "A manager's staging buffers (a full checkpoint's, faulted in when it is built) are "
+        "reused by every save and by a restore.",
+    )
+    restore_memory = Table.of(
+        "Cold restores side by side: peak resident memory over the model's, MB, largest rank",
+        [{"method": k, "mb": v} for k, v in sbs["restore_peak_mb"].items()],
+        {"method": "method", "peak MB": "mb", "x rows": lambda r: r["mb"] / rows_mb},
+        f"'{BUDGETED.strip()}': staging_memory_mb (and so restore_memory_mb) = "
+        f"{sbs['restore_budget_mb']:.0f} MB, 1/8 of the rows.",
+    )
     return [
         Table.of("Limits measured in the same run", [disk], limits),
         Table(
@@ -341,6 +439,8 @@ def tables(m: dict[str, Any]) -> list[Table]:
                 "rounds s": lambda r: ", ".join(f"{x:.2f}" for x in r["v"]),
             },
         ),
+        memory,
+        restore_memory,
     ]
 
 

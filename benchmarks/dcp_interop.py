@@ -12,7 +12,9 @@ The model is ``--tables`` table-wise tables of ``--rows`` x ``--dim`` fp32 (8 x 
   the live model: the same keys and bytes;
 - **import**: ``CheckpointManager.restore(from_dcp=...)`` of that DCP checkpoint into the
   live model, against stock ``dcp.load`` of it into the recipe's state dict (one call per
-  top-level key, as TorchRec's table-wise optimizer state needs).
+  top-level key, as TorchRec's table-wise optimizer state needs);
+- **resharding**: a restore of the committed checkpoint into the same tables sharded
+  row-wise (a second model), against ``dcp.load`` of the ``dcp.save`` checkpoint into it.
 
 Time is the slowest rank's; memory is each rank's peak resident set above what it held
 before (``VmHWM`` after a reset), the largest over ranks.
@@ -44,6 +46,7 @@ from benchmarks.measure import (
     uniform_model,
 )
 from benchmarks.results import Goal, Table
+from cnr_train.workload import TableSpec, build_model, dense_optimizer
 from torchrec_cnr import CheckpointConfig, CheckpointManager, export_dcp
 
 
@@ -121,6 +124,28 @@ def run(b: Bench) -> Outcome:
         label="import",
     )
     importer.close()
+    # Resharding: both checkpoints (of table-wise tables) into the same tables row-wise.
+    resharded = build_model(
+        [TableSpec(t.name, t.rows, t.dim, "row_wise") for t in work.tables], seed=1
+    )
+    reshard_opt = dense_optimizer(resharded)
+    restorer = CheckpointManager(resharded, CheckpointConfig(path=str(root), policy="full"))
+
+    def stock_reshard() -> None:
+        sd = _recipe(resharded, reshard_opt)
+        for key in ("model", "optim"):
+            dcp.load({key: sd[key]}, checkpoint_id=str(theirs))
+
+    b.log("resharding: restore into row-wise tables against dcp.load")
+    b.interleaved(
+        a.rounds,
+        {
+            "reshard_restore": turn("reshard_restore", lambda: restorer.restore(step=1)),
+            "reshard_dcp_load": turn("reshard_dcp_load", stock_reshard),
+        },
+        label="resharding",
+    )
+    restorer.close()
     m: dict[str, Any] = {
         name: {
             "seconds": statistics.median(s for s, _ in runs),
@@ -138,7 +163,11 @@ def run(b: Bench) -> Outcome:
             m[name]["peak_mb"],
             f"{m[peer]['seconds']:.2f} s, {m[peer]['peak_mb']:.0f} MB",
         ]
-        for name, peer in (("export_dcp", "dcp_save"), ("import", "dcp_load"))
+        for name, peer in (
+            ("export_dcp", "dcp_save"),
+            ("import", "dcp_load"),
+            ("reshard_restore", "reshard_dcp_load"),
+        )
     ]
     note = (
         f"{a.tables} tables x {a.rows} rows x dim {a.dim} fp32 ({m['model_gb']:.2f} GB) on "
@@ -157,7 +186,11 @@ def run(b: Bench) -> Outcome:
         Goal("import <= dcp.load", "import.seconds", "<=", "dcp_load.seconds"),
         Goal("export peak memory <= dcp.save's", "export_dcp.peak_mb", "<=", "dcp_save.peak_mb"),
         Goal("import peak memory <= dcp.load's", "import.peak_mb", "<=", "dcp_load.peak_mb"),
-    ]
+        Goal("resharding restore <= dcp.load (row-wise target)",
+             "reshard_restore.seconds", "<=", "reshard_dcp_load.seconds"),
+        Goal("resharding restore peak memory <= dcp.load's",
+             "reshard_restore.peak_mb", "<=", "reshard_dcp_load.peak_mb"),
+    ]  # fmt: skip
     return Outcome(m, [table], goals)
 
 

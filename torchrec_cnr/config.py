@@ -195,9 +195,15 @@ class CheckpointConfig:
     as ``"package.module.Name"`` (or the type itself). A restore loads ``app_state`` with
     PyTorch's ``weights_only`` unpickler and these allowed: it runs no code a checkpoint
     names, and refuses, before any change, a type not listed."""
-    restore_memory_mb: int | None = None
+    restore_memory_mb: float | None = None
     """Host memory a restore may hold to read and verify the whole chain before it changes
-    the model; ``None`` for no limit. Past it, tensors are verified, dropped and read again."""
+    the model; ``None``: ``staging_memory_mb`` (no limit if that is ``None`` too: the
+    baseline is read into the staging buffers a save holds anyway, and nothing more is
+    held). Past it, tensors are read only to be verified, a few
+    pieces at a time, then read again while applying: a saved shard of the same layout
+    straight into the model, others (deltas, resharded or quantized shards) one at a time,
+    whole. Bytes read: up to twice the chain's; memory: the budget, or the largest such
+    other tensor."""
     take_over: bool = False
     """Claim the root even from another live job; that job's later commits are refused."""
     manifest_fallback: bool = False

@@ -1,9 +1,9 @@
 """``staging_memory_mb``: a checkpoint larger than the budget is staged and written in
 chunks during the stall. The chunks make the same checkpoint as one unchunked save (fp32:
 bit for bit, and it restores exactly; quantized: the same codes but for a rare rounding
-step), a failure in one
-chunk fails every rank at once, and the host memory a save holds stays within the budget
-(peak resident set size, measured in a process of its own)."""
+step), a failure in one chunk fails every rank at once, and the host memory a save holds
+stays within the budget (peak resident set size, measured in a process of its own).
+``restore_memory_mb`` bounds a restore's host memory the same way."""
 
 from __future__ import annotations
 
@@ -122,9 +122,9 @@ def test_a_nan_row_in_one_chunk_fails_every_rank_and_commits_nothing(root: str) 
     run_ranks(2, _nan_in_a_chunk, root)
 
 
-def _peak_mb(root: Path, budget: str) -> float:
+def _peak_mb(root: Path, budget: str, what: str = "save") -> float:
     out = subprocess.run(
-        [sys.executable, "-m", "tests.contract.memory_job", str(root), budget],
+        [sys.executable, "-m", "tests.contract.memory_job", str(root), budget, what],
         cwd=REPO,
         # Objects of the default size: the suite's tiny ones (conftest) multiply the
         # per-object bookkeeping, which is not what a user's save holds.
@@ -153,3 +153,13 @@ def test_the_staging_budget_bounds_the_host_memory_a_full_save_holds(tmp_path: P
         )
         > 64e6
     )
+
+
+def test_the_restore_budget_bounds_the_host_memory_a_restore_holds(tmp_path: Path) -> None:
+    # Unbounded, the 64 MB table is read into the staging buffers, verified, then copied
+    # in; within 8 MB (staging and restore) it is verified a few pieces at a time, then
+    # read straight into place.
+    unbounded = _peak_mb(tmp_path / "whole", "none", "restore")
+    assert unbounded > 60, unbounded
+    bounded = _peak_mb(tmp_path / "bounded", "8", "restore")
+    assert bounded < 2 * 8 + 4, f"a manager and restore within 8 MB held {bounded:.1f} MB"

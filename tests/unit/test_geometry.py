@@ -3,20 +3,27 @@ the saved shard that holds the destination's first column."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchrec_cnr.encoding import FP32, ShardRecord, build_record
+from torchrec_cnr.encoding import FP32, ShardRecord, build_record, decode_weight
+from torchrec_cnr.quantization import quantize
+from torchrec_cnr.restore import geometry
 from torchrec_cnr.restore.geometry import (
     Placement,
     overlap,
     overlaps,
     place,
     scatter,
+    scatter_weight,
     states_fit,
     whole_table,
 )
+from torchrec_cnr.schema import Format
 from torchrec_cnr.tracking.shard import ShardSpec
 
 TABLE = "m.t"
@@ -260,3 +267,35 @@ def test_reading_wanted_rows_of_a_split_table_gives_exactly_those_rows(
         if where is not None:
             scatter(out, where, table[ids, spec.col_offset : spec.col_offset + spec.cols])
     assert torch.equal(out, table[wanted])
+
+
+@pytest.mark.parametrize(
+    "fmt", [Format("adaptive", 4), Format("adaptive", 3), Format("fp16", 16), FP32]
+)
+@pytest.mark.parametrize("saved_ids", ["all", "some"])
+def test_weights_decoded_piece_by_piece_land_as_a_whole_decode_lands(
+    fmt: Format, saved_ids: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A restore decodes quantized rows a few at a time straight into place, on threads;
+    # the result must be the whole decode scattered at once, for rows that land in runs
+    # (a whole shard) and scattered (a delta), across a column split.
+    g = torch.Generator().manual_seed(1)
+    src = ShardSpec(TABLE, 0, "grid", 0, 0, 100, 16, 100, 16)
+    ids = (
+        torch.arange(100) if saved_ids == "all" else torch.randperm(100, generator=g)[:37].sort()[0]
+    )
+    rows = torch.randn(ids.numel(), 16, generator=g)
+    values = {"": rows} if fmt == FP32 else quantize(rows, fmt.method, fmt.bits).to_tensors()
+    rec, tensors = build_record(
+        src, "k", values=values, states={}, ids=None if saved_ids == "all" else ids,
+        optimizer="sgd", scalars={}, fmt=fmt,
+    )  # fmt: skip
+    dst = _spec(20, 70, 4, 12)  # rows 20..89, columns 4..15
+    where = _place(src, ids, dst)
+    want = torch.full((70, 12), -1.0)
+    scatter(want, where, decode_weight(tensors.__getitem__, rec))
+    monkeypatch.setattr(geometry, "DECODE_BYTES", 5 * 16 * 4)  # pieces of 5 rows
+    for executor in (None, ThreadPoolExecutor(3)):
+        got = torch.full((70, 12), -1.0)
+        scatter_weight(got, where, rec, tensors.__getitem__, executor)
+        assert torch.equal(got, want)

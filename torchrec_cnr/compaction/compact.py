@@ -34,10 +34,10 @@ from torchrec_cnr.commit import (
     write_and_commit,
 )
 from torchrec_cnr.commit.background import JobResult
-from torchrec_cnr.encoding import FP32, ShardRecord, build_record, decode_weight
+from torchrec_cnr.encoding import FP32, ShardRecord, build_record
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.restore.chain import ChainReader, missing_step
-from torchrec_cnr.restore.geometry import overlaps, place, scatter, states_fit
+from torchrec_cnr.restore.geometry import overlaps, place, scatter, scatter_weight, states_fit
 from torchrec_cnr.selection.policy import ChainState
 from torchrec_cnr.snapshot import (
     SnapshotWriter,
@@ -87,7 +87,7 @@ def _merge_decoded(
         where = place(rec.spec, chain.saved_ids(n, rec), ts)
         if where is None:
             continue
-        scatter(values, where, decode_weight(chain.fetch(n, rec), rec).float())
+        scatter_weight(values, where, rec, chain.fetch(n, rec), chain.io.encode)
         if not states_fit(rec, target.optimizer, target.states):
             continue  # another optimizer's state does not carry over (as in a restore)
         for name, info in rec.states.items():

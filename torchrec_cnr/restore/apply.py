@@ -4,9 +4,10 @@ A restore is all or nothing. :func:`read_chain` reads and verifies every tensor 
 rank needs from every link of the chain, deserializes ``app_state`` and plans where every
 saved row lands (:mod:`torchrec_cnr.restore.geometry`), checking each saved tensor's
 shape against its destination, before anything changes. Read tensors are held in host
-memory up to a budget; past it they are verified and dropped, then read again (and
-verified again) while applying. Only when every rank has read and planned (the caller
-agrees on it) does :func:`apply_chain` write into the model.
+memory up to a budget; past it they are read only to be verified (a few pieces at a
+time), then read again (and verified again) while applying: a saved shard of the same
+layout straight into the model, others whole. Only when every rank has read and planned
+(the caller agrees on it) does :func:`apply_chain` write into the model.
 
 The chain is applied in order, baseline first, later links winning, so a checkpoint
 restores onto any sharding and world size.
@@ -22,9 +23,9 @@ from typing import Any
 import torch
 
 from torchrec_cnr.commit.manifest import Entry
-from torchrec_cnr.encoding import FP32, ShardRecord, decode_weight, dtype_name
+from torchrec_cnr.encoding import FP32, ShardRecord, dtype_name
 from torchrec_cnr.restore.chain import ChainReader
-from torchrec_cnr.restore.geometry import Placement, place, scatter, states_fit
+from torchrec_cnr.restore.geometry import Placement, place, scatter, scatter_weight, states_fit
 from torchrec_cnr.snapshot.objects import load_object
 from torchrec_cnr.staging import StagingPool
 from torchrec_cnr.tracking.shard import LocalShard
@@ -114,12 +115,12 @@ def _hold(
             chain.hold_many(n, wanted, alloc)
             continue
         for rank, name in wanted:  # one at a time, keeping what fits the budget
-            tensor = chain.hold(n, rank, name)
-            nbytes = tensor.numel() * tensor.element_size()
-            if held + nbytes > budget_bytes:
-                del chain.held[(n, rank, name)]  # verified; read again while applying
-            else:
+            nbytes = chain.nbytes(n, rank, name)
+            if held + nbytes <= budget_bytes:
+                chain.hold(n, rank, name)
                 held += nbytes
+            else:  # verified within what is left of the budget; read again while applying
+                chain.verify_tensor(n, rank, name, budget_bytes - held)
 
 
 def _plan(chain: ChainReader, shards: list[LocalShard], prepared: PreparedRestore) -> None:
@@ -254,16 +255,17 @@ def apply_chain(
         for step in prepared.steps:
             local, rec = shards[step.shard], step.rec
             fetch = chain.fetch(step.link, rec)
-            if step.whole:
-                local.weight.copy_(fetch(rec.weight_name(rec.key)))
+            if step.whole:  # straight into place if not held
+                rank = rec.spec.rank
+                chain.read_into(step.link, rank, rec.weight_name(rec.key), local.weight)
                 for name, state in local.states.items():
-                    state.copy_(fetch(rec.states[name].tensor))
+                    chain.read_into(step.link, rank, rec.states[name].tensor, state)
                 if step.link > 0:
                     touched[step.shard][:] = True
                 continue
             where = step.where
             assert where is not None
-            scatter(local.weight, where, decode_weight(fetch, rec))
+            scatter_weight(local.weight, where, rec, fetch, chain.io.encode)
             if step.link > 0:
                 touched[step.shard][where.rows.to(local.weight.device)] = True
             if states_fit(rec, local.optimizer, local.states):

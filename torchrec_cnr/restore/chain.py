@@ -227,6 +227,23 @@ class ChainReader:
         self.held[(n, rank, name)] = tensor
         return tensor
 
+    def nbytes(self, n: int, rank: int, name: str) -> int:
+        """The size of a stored tensor of link ``n`` (nothing is read)."""
+        return self.reader(n).nbytes(rank, name)
+
+    def verify_tensor(self, n: int, rank: int, name: str, window_bytes: int) -> None:
+        """Reads a stored tensor of link ``n`` only to check it, ``window_bytes`` at a time."""
+        self.reader(n).verify(rank, name, window_bytes)
+
+    def read_into(self, n: int, rank: int, name: str, out: torch.Tensor) -> None:
+        """A stored tensor of link ``n`` into ``out``: copied if held, else read straight
+        into it (and checked)."""
+        held = self.held.get((n, rank, name))
+        if held is not None:
+            out.copy_(held)
+        else:
+            self.reader(n).rows_into(rank, name, out)
+
     def hold_many(
         self,
         n: int,

@@ -14,15 +14,25 @@ One rule, used by every path that reads a checkpoint into something of another s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
 
-from torchrec_cnr.encoding import ShardRecord
+from torchrec_cnr.encoding import FP32, ShardRecord, decode_weight
 from torchrec_cnr.tracking.shard import ShardSpec
 
-__all__ = ["Placement", "overlap", "overlaps", "place", "scatter", "states_fit", "whole_table"]
+__all__ = [
+    "Placement",
+    "overlap",
+    "overlaps",
+    "place",
+    "scatter",
+    "scatter_weight",
+    "states_fit",
+    "whole_table",
+]
 
 
 def overlap(a0: int, an: int, b0: int, bn: int) -> tuple[int, int] | None:
@@ -116,6 +126,21 @@ def place(
     )
 
 
+def _put(dst: torch.Tensor, rows: torch.Tensor, part: torch.Tensor) -> None:
+    """``dst[rows] = part``: one block copy where ``rows`` are consecutive and ascending
+    (a whole saved shard, or a run of a delta), an indexed copy otherwise."""
+    k = rows.numel()
+    if (
+        k
+        and int(rows[-1]) - int(rows[0]) == k - 1
+        and (k == 1 or bool((rows[1:] > rows[:-1]).all()))
+    ):
+        first = int(rows[0])
+        dst[first : first + k].copy_(part)
+    else:
+        dst.index_copy_(0, rows, part)
+
+
 def scatter(dst: torch.Tensor, where: Placement, saved: torch.Tensor) -> bool:
     """Writes the landing part of a saved tensor into ``dst``, converting its dtype.
 
@@ -131,9 +156,52 @@ def scatter(dst: torch.Tensor, where: Placement, saved: torch.Tensor) -> bool:
     rows = where.rows.to(dst.device)
     if dst.dim() == 2:
         part = saved[:, where.src_cols].to(device=dst.device, dtype=dst.dtype)
-        dst[:, where.dst_cols].index_copy_(0, rows, part)
+        _put(dst[:, where.dst_cols], rows, part)
         return True
     if not where.owns_row_state:
         return False
-    dst.index_copy_(0, rows, saved.to(device=dst.device, dtype=dst.dtype))
+    _put(dst, rows, saved.to(device=dst.device, dtype=dst.dtype))
     return True
+
+
+DECODE_BYTES = 8 << 20
+"""fp32 bytes of rows :func:`scatter_weight` decodes at once: small enough for malloc to
+recycle (a whole 1M x 64 shard decoded at once was a fresh 256 MB tensor, page-faulted in
+on every restore) and to stay in cache on its way to the destination."""
+
+
+def scatter_weight(
+    dst: torch.Tensor,
+    where: Placement,
+    rec: ShardRecord,
+    read: Callable[[str], torch.Tensor],
+    executor: Executor | None = None,
+) -> None:
+    """Writes the rows of saved shard ``rec`` that land in ``dst`` (``(rows, cols)``),
+    decoded to fp32: quantized rows are decoded piece by piece straight into place, the
+    pieces on ``executor``'s threads if given. ``read(name)`` gives a stored tensor of
+    ``rec``, all its saved rows."""
+    if rec.format == FP32:
+        scatter(dst, where, read(rec.weight_name(rec.key)))
+        return
+    parts = {name: read(name) for name in rec.value_names}
+    count = where.count
+    step = max(1, DECODE_BYTES // max(1, 4 * rec.spec.cols))
+
+    def piece(j0: int) -> None:
+        j1 = min(j0 + step, count)
+        keep = None if where.keep is None else where.keep[j0:j1]
+        a, b = (j0, j1) if keep is None else (int(keep[0]), int(keep[-1]) + 1)
+        values = decode_weight(lambda name: parts[name][a:b], rec)
+        if keep is not None:
+            values = values[keep - a]
+        part = values[:, where.src_cols].to(device=dst.device, dtype=dst.dtype)
+        _put(dst[:, where.dst_cols], where.rows[j0:j1].to(dst.device), part)
+
+    starts = range(0, count, step)
+    if executor is None or len(starts) < 2:
+        for j0 in starts:
+            piece(j0)
+        return
+    for future in [executor.submit(piece, j0) for j0 in starts]:
+        future.result()

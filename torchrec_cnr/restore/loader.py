@@ -84,8 +84,8 @@ class ModelLoader:
         io: the I/O context reads run on.
         shards, dense, app_state: this rank's shards, dense tensors and ``app_state``.
         config: ``verify_checksums``, ``restore_memory_mb`` (host memory a restore may
-            hold; ``None``: all) and ``safe_globals`` (types ``app_state`` may hold beyond
-            the built-in ones).
+            hold; ``None``: ``staging_memory_mb``, and if that is ``None`` too, all) and
+            ``safe_globals`` (types ``app_state`` may hold beyond the built-in ones).
         policy: the job's policy, to continue a restored chain (see :func:`resume_chain`).
         pool: the staging buffers; a restore reads this rank's baseline into them if
             they are unbounded, a full checkpoint's (see
@@ -111,7 +111,9 @@ class ModelLoader:
         self.shards, self.dense, self.app_state = shards, dense, app_state
         self.verify = config.verify_checksums
         mb = config.restore_memory_mb
-        self.budget_bytes = None if mb is None else mb << 20
+        if mb is None:
+            mb = config.staging_memory_mb
+        self.budget_bytes = None if mb is None else int(mb * (1 << 20))
         self.safe_globals = resolve_globals(config.safe_globals)
         self.policy = policy
         self.pool = pool if pool.budget_bytes is None else None

@@ -12,6 +12,7 @@ and checked against the one recorded at save time.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from collections.abc import Callable
@@ -372,6 +373,67 @@ class SnapshotReader:
             span = torch.empty([hi - lo, *out.shape[1:]], dtype=out.dtype)
             self.storage.read_into(location, start, as_bytes(span))
             out[a:b] = span[index[a:b] - lo]
+
+    def nbytes(self, rank: int, name: str) -> int:
+        """The size of a stored shard tensor of ``rank``, from the index (nothing is read)."""
+        entry = self._entry(rows_path(rank, name))
+        assert isinstance(entry, TensorEntry | ChunkedTensorEntry), name
+        return math.prod(entry.shape) * string_to_dtype(entry.dtype).itemsize
+
+    def rows_into(self, rank: int, name: str, out: torch.Tensor) -> None:
+        """Reads a stored shard tensor of ``rank`` into ``out`` (straight in where it is
+        contiguous), and checks it."""
+        self._read(rows_path(rank, name), out)
+
+    def verify(self, rank: int, name: str, window_bytes: int) -> None:
+        """Reads a stored shard tensor of ``rank`` only to check its checksum, holding at
+        most about ``window_bytes`` of it at once (one piece at least): pieces are read in
+        parallel into a few reused buffers, their CRCs combined in order.
+
+        Raises:
+            CheckpointReadError: the tensor cannot be read.
+            ChecksumError: it does not match its recorded checksum.
+        """
+        logical = rows_path(rank, name)
+        expected = self._sums.get(logical)
+        segments = self._segments(logical)
+        if expected is None or segments is None:  # nothing to check, or not in row blocks
+            self._read(logical)
+            return
+        entry = self._entry(logical)
+        assert isinstance(entry, TensorEntry | ChunkedTensorEntry)
+        row_bytes = math.prod(entry.shape[1:]) * string_to_dtype(entry.dtype).itemsize
+        # About eight pieces in flight, each of whole 4 KiB blocks, 1 MiB at least.
+        step = min(self.piece_bytes, max(1 << 20, window_bytes // 8 // DIRECT_ALIGN * DIRECT_ALIGN))
+        pieces = [
+            (f"{self.name}/{tensor.location}", (tensor.byte_range or (0, 0))[0] + at, length)
+            for _, rows, tensor in segments
+            for at in range(0, rows * row_bytes, step)
+            for length in [min(step, rows * row_bytes - at)]
+        ]
+        window = max(1, min(len(pieces), window_bytes // step))
+        buffers = [as_bytes(page_aligned(step, torch.uint8)) for _ in range(window)]
+        crc, inflight = 0, collections.deque[tuple[Future[int], int]]()
+        try:
+            for i, (location, start, length) in enumerate(pieces):
+                if len(inflight) == window:  # its buffer is the one this piece reuses
+                    future, done = inflight.popleft()
+                    crc = crc32_combine(crc, future.result(), done)
+                view = buffers[i % window][:length]
+                future = self.executor.submit(_get, self.storage, location, start, view, True)
+                inflight.append((future, length))
+            for future, done in inflight:
+                crc = crc32_combine(crc, future.result(), done)
+        except Exception as e:
+            for future, _ in inflight:  # no read may outlive its buffer
+                future.cancel()
+            for future, _ in inflight:
+                try:
+                    future.result()
+                except BaseException:
+                    pass
+            raise CheckpointReadError(f"cannot read {logical!r} from {self.path}: {e}") from e
+        mismatch(crc, expected, f"{self.name}/{logical}")
 
     def read_many(
         self,
