@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 import time
@@ -12,9 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from torchrec_cnr.selection.policy import Kind
+from torchrec_cnr.selection.policy import Decision, Kind
+from torchrec_cnr.snapshot import page_aligned
 from torchrec_cnr.staging import StagedCheckpoint, StagedShard, StagingPool, stage
+from torchrec_cnr.staging.lazy import LazyStaging
 from torchrec_cnr.staging.pool import _buffers_of, chunk_rows
+from torchrec_cnr.staging.shard import stage_shard
 from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.lookups import KernelLookups
 from torchrec_cnr.tracking.shard import LocalShard, ShardSpec
@@ -489,3 +493,99 @@ def test_a_lookup_waits_for_one_background_chunk_at_most() -> None:
     copier.join()
     assert chunks[0] == 60 and len(seen) == 1
     assert len(ended_while_waiting) <= 1, (ended_while_waiting, seen)
+
+
+# ------------------------------------------------------------------------------ GPU
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _on_cuda(shard: LocalShard) -> LocalShard:
+    """``shard`` as the tracker keeps a CUDA kernel's: rows, states and bits on the device."""
+    return dataclasses.replace(
+        shard,
+        weight=shard.weight.cuda(),
+        states={k: v.cuda() for k, v in shard.states.items()},
+        words=None if shard.words is None else shard.words.cuda(),
+        lookups=KernelLookups(),
+    )
+
+
+@pytest.mark.gpu
+@_CUDA
+def test_pinned_buffers_start_on_a_page_boundary() -> None:
+    t = page_aligned(1 << 20, torch.float32, pin=True)
+    assert t.is_pinned() and t.data_ptr() % 4096 == 0
+    assert StagingPool(None, pin=True).take("w", (100, 8), F32).is_pinned()
+
+
+@pytest.mark.gpu
+@_CUDA
+@pytest.mark.parametrize("states", ["row", "element", "none"])
+@pytest.mark.parametrize("rows_on", ["all", "host", "device", "slice"])
+def test_a_cuda_shard_stages_into_pinned_buffers_what_its_host_copy_stages(
+    states: str, rows_on: str
+) -> None:
+    host = _shard(5000, 24, states=states, seed=3)
+    pick = torch.randperm(5000, generator=torch.Generator().manual_seed(1))[:700].sort()[0]
+    rows = {"all": None, "host": pick, "device": pick.cuda(), "slice": slice(1000, 3000)}
+    want = stage_shard(
+        host, "s0", pick if rows_on == "device" else rows[rows_on], StagingPool(None)
+    )
+    got = stage_shard(_on_cuda(host), "s0", rows[rows_on], StagingPool(None, pin=True))
+    assert got.weight.is_pinned() and torch.equal(got.weight, want.weight)
+    assert got.states.keys() == want.states.keys()
+    for name, value in want.states.items():
+        assert torch.equal(got.states[name], value)
+    assert (got.ids is None) == (want.ids is None)
+    if want.ids is not None and got.ids is not None:
+        assert torch.equal(got.ids, want.ids)
+
+
+class _Collect:
+    def __init__(self) -> None:
+        self.got: list[StagedShard] = []
+
+    def add(self, shard: StagedShard, row0: int = 0, total: int | None = None) -> None:
+        self.got.append(shard)
+
+    def start(self) -> None:
+        pass
+
+
+@pytest.mark.gpu
+@_CUDA
+@pytest.mark.parametrize("kind", ["full", "delta"])
+def test_lazy_staging_of_a_cuda_shard_stages_the_rows_as_they_were_at_save(kind: Kind) -> None:
+    # Copy-on-write on CUDA: the lookup hook copies the rows a batch is about to update
+    # (its indices on the device) before training rewrites them; the background copy the
+    # rest. The staged rows are the values at save() either way.
+    shard = _on_cuda(_shard(6000, 16, states="row", seed=5))
+    n = shard.spec.rows
+    picked = torch.arange(0, n, 3)
+    if kind == "delta":
+        assert shard.words is not None
+        shard.words.zero_()
+        bitmap.set_bits(shard.words, picked.cuda())
+    at_save = shard.weight.cpu()
+    states_at_save = {k: v.cpu() for k, v in shard.states.items()}
+    lazy = LazyStaging.begin([shard], ["s0"], Decision(kind, True), StagingPool(None, pin=True))
+    touched = torch.arange(0, n, 7).cuda()
+    assert shard.lookups is not None
+    shard.lookups.before(touched)  # the batch's lookup: the hook copies first
+    with torch.no_grad():
+        shard.weight[touched] += 1.0
+        for v in shard.states.values():
+            v[touched] += 1.0
+    sink = _Collect()
+    lazy.run(sink)  # type: ignore[arg-type]
+    torch.cuda.synchronize()
+    (staged,) = sink.got
+    rows = torch.arange(n) if kind == "full" else picked
+    assert lazy.hook_rows > 0
+    assert torch.equal(staged.weight, at_save[rows])
+    for k, v in states_at_save.items():
+        assert torch.equal(staged.states[k], v[rows])
+    if kind == "delta":
+        assert staged.ids is not None
+        assert torch.equal(staged.ids.long(), rows + shard.spec.row_offset)

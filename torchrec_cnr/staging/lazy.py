@@ -197,10 +197,10 @@ class LazyStaging:
         for s in staged:  # the pool's flags were faulted in with its buffers
             if lib is not None:
                 s.staged = pool.take(staged_claims(s.key), (cow.claim_words(s.n),), torch.int64)
-            elif s.weight.device.type == "cpu":
+            elif s.shard.weight.device.type == "cpu":
                 s.staged = pool.take(staged_flags(s.key), (s.n,), torch.bool)
-            else:
-                s.staged = torch.empty(s.n, dtype=torch.bool, device=s.weight.device)
+            else:  # beside the rows and the lookups' indices
+                s.staged = torch.empty(s.n, dtype=torch.bool, device=s.shard.weight.device)
             s.staged.zero_()
         self = cls(staged)
         if any(s.shard.weight.device.type == "cuda" for s in staged):
@@ -242,7 +242,7 @@ class LazyStaging:
             for s in group:
                 if s.done:
                     continue
-                local = rows - s.shard.lookup_base
+                local = rows.to(s.shard.weight.device) - s.shard.lookup_base
                 local = local[(local >= 0) & (local < s.shard.spec.rows)]
                 if s.selected is None:
                     self.hook_rows += s.copy(local, local)

@@ -112,8 +112,8 @@ def global_ids(
 ) -> torch.Tensor:
     """The table ids of ``shard``'s local ``rows``, as a checkpoint stores them (into
     ``out`` if given)."""
-    if out is None:
-        return (rows + shard.spec.row_offset).to(ids_dtype(shard))
+    if out is None:  # on the host, whatever device ``rows`` is on
+        return (rows.cpu() + shard.spec.row_offset).to(ids_dtype(shard))
     out.copy_(rows)
     out += shard.spec.row_offset
     return out
@@ -133,8 +133,8 @@ def _gather(
             out.copy_(src)
         else:
             torch.index_select(src, 0, rows, out=out)
-    else:
-        picked = src if rows is None else src.index_select(0, rows)
+    else:  # gathered on the device (the rows may come from a host bitmap)
+        picked = src if rows is None else src.index_select(0, rows.to(src.device))
         out.copy_(picked, non_blocking=True)
     return out
 
