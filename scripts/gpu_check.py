@@ -1,6 +1,6 @@
 """The suite's GPU tests that need neither TorchRec nor FBGEMM, on a CUDA machine that has
-neither (a bare PyTorch image): quantization of CUDA rows, pinned staging buffers, and
-eager and lazy (copy-on-write) staging of CUDA shards.
+neither (a bare PyTorch image): quantization of CUDA rows, pinned staging buffers, eager
+and lazy (copy-on-write) staging of CUDA shards, and restored rows written into them.
 
     python scripts/gpu_check.py      # from the repository root; needs torchsnapshot
 
@@ -26,7 +26,8 @@ def main() -> int:
         package = types.ModuleType(name)
         package.__path__ = [str(REPO / name.replace(".", "/"))]
         sys.modules[name] = package
-    tests = [str(REPO / "tests/unit" / f) for f in ("test_quantization.py", "test_staging.py")]
+    names = ("test_quantization.py", "test_staging.py", "test_geometry.py")
+    tests = [str(REPO / "tests/unit" / f) for f in names]
     args = ["-q", "-rs", "--noconftest", "-p", "no:cacheprovider", "-m", "gpu", *tests]
     return pytest.main(args)
 

@@ -175,3 +175,29 @@ def test_the_switch_turns_the_library_off(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("TORCHREC_CNR_COMPILED_STAGING", "maybe")
     with pytest.raises(ValueError, match="TORCHREC_CNR_COMPILED_STAGING"):
         IOOptions()
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("n_words", [0, 1, 3, 1000])
+def test_a_bitmap_snapshot_copies_and_counts_in_one_pass_as_torch_does(
+    masked: bool, n_words: int
+) -> None:
+    # save() copies each delta's bitmap, and the set bits before each word, on the
+    # training thread: one compiled pass, the same as the torch operations it replaces.
+    g = torch.Generator().manual_seed(n_words)
+    words = torch.randint(-(2**63), 2**63 - 1, (n_words,), generator=g, dtype=torch.int64)
+    words[::7] = 0
+    words[1::11] = -1  # every bit
+    mask = torch.randint(-(2**63), 2**63 - 1, (n_words,), generator=g) if masked else None
+    got = []
+    for lib in (cow.library(), None):
+        out, before = torch.full_like(words, 5), torch.full_like(words, 5)
+        total = cow.snapshot_bits(lib, words, mask, out, before)
+        got.append((out, before, total))
+    assert cow.library() is not None
+    (out, before, total), (t_out, t_before, t_total) = got
+    want = words & mask if mask is not None else words
+    assert torch.equal(out, want) and torch.equal(t_out, want)
+    counts = bitmap.popcounts(want)
+    assert torch.equal(before, torch.cumsum(counts, 0) - counts) and torch.equal(before, t_before)
+    assert total == t_total == int(counts.sum())

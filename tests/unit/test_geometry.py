@@ -299,3 +299,29 @@ def test_weights_decoded_piece_by_piece_land_as_a_whole_decode_lands(
         got = torch.full((70, 12), -1.0)
         scatter_weight(got, where, rec, tensors.__getitem__, executor)
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", [Format("adaptive", 4), FP32])
+def test_saved_rows_land_in_a_cuda_shard_as_in_a_host_one(fmt: Format) -> None:
+    # A restore into CUDA shards: read (and decoded) on the host, written on the device.
+    g = torch.Generator().manual_seed(2)
+    src = ShardSpec(TABLE, 0, "grid", 0, 0, 100, 16, 100, 16)
+    ids = torch.randperm(100, generator=g)[:41].sort()[0]
+    rows = torch.randn(41, 16, generator=g)
+    values = {"": rows} if fmt == FP32 else quantize(rows, fmt.method, fmt.bits).to_tensors()
+    rec, tensors = build_record(
+        src, "k", values=values, states={"momentum1": torch.rand(41, generator=g)}, ids=ids,
+        optimizer="sgd", scalars={}, fmt=fmt,
+    )  # fmt: skip
+    where = _place(src, ids, _spec(20, 70, 4, 12))
+    host, device = torch.zeros(70, 12), torch.zeros(70, 12, device="cuda")
+    state_host, state_device = torch.zeros(70), torch.zeros(70, device="cuda")
+    for dst, state, pool in (
+        (host, state_host, None),
+        (device, state_device, ThreadPoolExecutor(2)),
+    ):
+        scatter_weight(dst, where, rec, tensors.__getitem__, pool)
+        scatter(state, where, tensors[rec.states["momentum1"].tensor])
+    assert torch.equal(device.cpu(), host) and torch.equal(state_device.cpu(), state_host)

@@ -310,6 +310,13 @@ def test_prefault_allocates_the_buffers_a_full_save_then_reuses() -> None:
     assert set(pointers) == {
         *("s0.w", "s0.momentum1", "s0/claims", "s1.w", "s1.momentum1", "s1/claims"),
         "dense/mlp.weight",
+        # The copies a save takes of each shard's bitmap (its rows modified since the
+        # previous checkpoint are not tracked here).
+        *(
+            f"s{i}/bits/{name}"
+            for i in (0, 1)
+            for name in ("selected", "selected/before", "cleared")
+        ),
     }
     sink = _RecordingSink()
     staged = _stage(shards, [None, None], pool, sink, dense)

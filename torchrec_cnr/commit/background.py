@@ -65,6 +65,8 @@ class BackgroundWriter:
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="cnr-writer", initializer=lowered_priority(nice)
         )
+        # Its thread starts now, not inside the first save's stall (milliseconds).
+        self._executor.submit(lambda: None).result()
         self._job: _Job | None = None
 
     @property

@@ -9,6 +9,7 @@ put back, so that no update drops out of the chain.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -117,7 +118,10 @@ class ClearedBits:
 
 
 def restart_bits(
-    shards: list[LocalShard], decision: Decision, prioritized: list[torch.Tensor | None] | None
+    shards: list[LocalShard],
+    decision: Decision,
+    prioritized: list[torch.Tensor | None] | None,
+    keep: Callable[[int, str, torch.Tensor], torch.Tensor] | None = None,
 ) -> ClearedBits:
     """Clears the bits (and CPR priorities) of the rows the staged checkpoint covers, and
     every shard's bits of rows modified since the previous checkpoint.
@@ -127,18 +131,25 @@ def restart_bits(
         decision: the staged checkpoint's decision.
         prioritized: the rows a prioritized delta holds; only their bits clear, the
             others wait for the next checkpoint. ``None`` clears every bit.
+        keep: ``keep(i, name, bits)`` copies shard ``i``'s bits about to be cleared
+            (``"cleared"``, ``"recent_cleared"``) into a buffer it may reuse for the next
+            checkpoint's (fresh ones are page-faulted in on the training thread); a clone
+            if ``None``.
 
     Returns:
         A copy of what was cleared, for :func:`put_back_bits`.
     """
+    copy = keep if keep is not None else lambda _i, _name, bits: bits.clone()
     cleared = ClearedBits()
-    for shard in shards:
+    for i, shard in enumerate(shards):
         if shard.recent is not None:
-            cleared.recent.append(shard.recent.clone())
+            cleared.recent.append(copy(i, "recent_cleared", shard.recent))
             shard.recent.zero_()
     if not decision.clear_bits:
         return cleared
-    cleared.words = [s.words.clone() for s in shards if s.words is not None]
+    cleared.words = [
+        copy(i, "cleared", s.words) for i, s in enumerate(shards) if s.words is not None
+    ]
     for i, shard in enumerate(shards):
         if shard.words is None:
             continue

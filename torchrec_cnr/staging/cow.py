@@ -20,12 +20,20 @@ import torch
 from torchrec_cnr.native import load_library
 from torchrec_cnr.tracking import bitmap
 
-__all__ = ["MAX_ARRAYS", "Group", "Rows", "claim_words", "library", "supports"]
+__all__ = [
+    "MAX_ARRAYS",
+    "Group",
+    "Rows",
+    "claim_words",
+    "library",
+    "snapshot_bits",
+    "supports",
+]
 
 MAX_ARRAYS = 8
 """A shard's weight and optimizer states, as many as ``_cow.c`` takes."""
 
-LAYOUT = 2
+LAYOUT = 3
 """``cnr_cow_layout()`` of the ``_cow.c`` this module speaks to."""
 
 _i64 = ctypes.c_int64
@@ -69,6 +77,8 @@ def _load() -> ctypes.CDLL | None:
     lib.cnr_cow_range.argtypes = [ctypes.POINTER(_Shard), _i64, _i64]
     lib.cnr_cow_lookup.restype = _i64
     lib.cnr_cow_lookup.argtypes = [ctypes.POINTER(_Shard), ctypes.c_int32, ctypes.c_void_p, _i64]
+    lib.cnr_cow_snapshot.restype = _i64
+    lib.cnr_cow_snapshot.argtypes = [ctypes.c_void_p] * 4 + [_i64]
     return lib
 
 
@@ -167,3 +177,30 @@ class Group:
         if copied < 0:
             raise ValueError(f"rows {a}:{b} of {shard.n}, or a delta without slot_rows")
         return copied
+
+
+def snapshot_bits(
+    lib: ctypes.CDLL | None,
+    words: torch.Tensor,
+    mask: torch.Tensor | None,
+    out: torch.Tensor,
+    before: torch.Tensor,
+) -> int:
+    """``out = words & mask`` (``words`` if ``mask`` is ``None``) and ``before``, the set
+    bits of ``out`` in the words before each; returns the set bits of ``out``. One compiled
+    pass where ``lib`` is given and the bitmaps are on the CPU, torch otherwise."""
+    if lib is not None and words.device.type == "cpu":
+        return int(
+            lib.cnr_cow_snapshot(
+                words.data_ptr(),
+                None if mask is None else mask.data_ptr(),
+                out.data_ptr(),
+                before.data_ptr(),
+                words.numel(),
+            )
+        )
+    torch.bitwise_and(words, mask, out=out) if mask is not None else out.copy_(words)
+    counts = bitmap.popcounts(out).to(before.device)
+    torch.cumsum(counts, 0, out=before)
+    before -= counts
+    return int(counts.sum())

@@ -35,7 +35,7 @@ from torchrec_cnr.schema import stored_ids, stored_state, stored_weight
 from torchrec_cnr.selection.policy import Decision
 from torchrec_cnr.selection.rows import recent_rows, recorded_recent
 from torchrec_cnr.staging import cow
-from torchrec_cnr.staging.pool import StagingPool, staged_claims, staged_flags
+from torchrec_cnr.staging.pool import StagingPool, bits_buffer, staged_claims, staged_flags
 from torchrec_cnr.staging.shard import Sink, StagedShard, global_ids, ids_dtype
 from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.shard import LocalShard
@@ -167,31 +167,29 @@ class LazyStaging:
         """Takes the buffers and copies of the bitmaps, and starts the hooks; call with
         every lookup in the bitmaps (``shard.drain()``), before the bits restart."""
         staged = []
+        lib = pool.copier
         for shard, key in zip(shards, keys):
             selected = before = None
             n = shard.spec.rows
             if decision.kind != "full":
                 assert shard.words is not None
-                selected = shard.words.clone()
-                counts = bitmap.popcounts(selected)
-                before = torch.cumsum(counts, 0) - counts
-                n = int(counts.sum())
+                selected, before, n = _snapshot(pool, lib, key, "selected", shard.words)
                 if n == shard.spec.rows:  # a delta of every row stores no ids, as eagerly
                     selected = before = None
             recent = recorded_recent(shard, decision)
-            recent = None if recent is None else recent.clone()
             tail = None
             if selected is not None and recent is not None:
-                recent &= selected
-                counts = bitmap.popcounts(recent)
-                tail = (recent, torch.cumsum(counts, 0) - counts, n - int(counts.sum()))
+                last, last_before, k = _snapshot(pool, lib, key, "recent", recent, selected)
+                tail = (last, last_before, n - k)
+                recent = last
+            elif recent is not None:
+                recent = _snapshot(pool, lib, key, "recent", recent)[0]
             weight = _take(pool, stored_weight(key), shard.weight, n)
             states = {k: _take(pool, stored_state(key, k), v, n) for k, v in shard.states.items()}
             ids = None if selected is None else pool.take(stored_ids(key), (n,), ids_dtype(shard))
             s = _Shard(shard, key, selected, before, weight, states, ids, torch.empty(0),
                        shard.scalar_states(), recent, tail)  # fmt: skip
             staged.append(s)
-        lib = pool.copier
         if lib is not None and not all(cow.supports(s.pairs()) for s in staged):
             lib = None  # on CUDA: torch copies them, under each kernel's lock
         for s in staged:  # the pool's flags were faulted in with its buffers
@@ -330,6 +328,22 @@ def _compiled_args(s: _Shard) -> cow.Rows:
         selected = (s.selected, s.before)
     rows, base = s.shard.spec.rows, s.shard.lookup_base
     return cow.Rows(s.pairs(), rows, base, selected, s.staged, s.tail)
+
+
+def _snapshot(
+    pool: StagingPool,
+    lib: Any,
+    key: str,
+    name: str,
+    words: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A copy of bitmap ``words`` (``& mask``) at the save, the set bits before each of its
+    words, and its set bits: one pass into pooled buffers (see :func:`cow.snapshot_bits`)."""
+    shape = tuple(words.shape)
+    bits = pool.take(bits_buffer(key, name), shape, words.dtype, words.device)
+    before = pool.take(bits_buffer(key, f"{name}/before"), shape, torch.int64, words.device)
+    return bits, before, cow.snapshot_bits(lib, words, mask, bits, before)
 
 
 def _take(pool: StagingPool, key: str, like: torch.Tensor, n: int) -> torch.Tensor:

@@ -46,15 +46,26 @@ class StagingPool:
         """A new checkpoint: buffers it does not take may be given up for ones it does."""
         self._in_use.clear()
 
-    def take(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A contiguous ``shape`` tensor whose storage may be reused by the next checkpoint."""
+    def take(
+        self,
+        key: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> torch.Tensor:
+        """A contiguous ``shape`` tensor whose storage may be reused by the next checkpoint;
+        on the host unless ``device`` says otherwise (a CUDA shard's bitmaps)."""
         numel = 1
         for d in shape:
             numel *= d
         self._in_use.add(key)
         buf = self._buffers.get(key)
         if buf is not None and buf.dtype == dtype and buf.numel() >= numel:
-            return buf[:numel].view(shape)
+            if device is None or buf.device == device:
+                return buf[:numel].view(shape)
+        if device is not None and device.type != "cpu":
+            buf = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+            return buf.view(shape)
         self._buffers.pop(key, None)
         # Without a budget, grow with headroom: deltas grow from one checkpoint to the
         # next. Within one, take exactly what is asked: the buffers a checkpoint takes
@@ -85,6 +96,27 @@ class StagingPool:
             self.take(key, shape, dtype).zero_()
         for name, tensor in (dense or {}).items():
             self.take(dense_buffer(name), tuple(tensor.shape), tensor.dtype).zero_()
+        # The copies of the bitmaps a save takes on the training thread (see BITS).
+        for i, shard in enumerate(shards):
+            for bits, names in ((shard.words, BITS[:3]), (shard.recent, BITS[3:])):
+                for name in names if bits is not None else ():
+                    dtype = torch.int64 if name.endswith("before") else bits.dtype
+                    buf = self.take(
+                        bits_buffer(f"s{i}", name), tuple(bits.shape), dtype, bits.device
+                    )
+                    buf.zero_()
+
+
+BITS = ("selected", "selected/before", "cleared", "recent", "recent/before", "recent_cleared")
+"""The copies a save takes of a shard's bitmaps, under :func:`bits_buffer`: the rows a
+delta selects and the set bits before each word (lazy staging), what ``restart_bits``
+clears (put back if the checkpoint fails), and the same of the rows modified since the
+previous checkpoint."""
+
+
+def bits_buffer(key: str, name: str) -> str:
+    """The pool key of the copy ``name`` (one of :data:`BITS`) of shard ``key``'s bitmaps."""
+    return f"{key}/bits/{name}"
 
 
 def dense_buffer(name: str) -> str:

@@ -29,7 +29,7 @@ from torchrec_cnr.selection.rows import (
 from torchrec_cnr.snapshot.objects import serialize_app_state
 from torchrec_cnr.staging.eager import stage
 from torchrec_cnr.staging.lazy import LazyStaging, lazy_fallback
-from torchrec_cnr.staging.pool import StagingPool, staging_bytes
+from torchrec_cnr.staging.pool import StagingPool, bits_buffer, staging_bytes
 from torchrec_cnr.staging.shard import Sink, StagedCheckpoint
 from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.shard import LocalShard
@@ -109,13 +109,18 @@ class Stager:
                 staged.staged_bytes += self.lazy.nbytes
             # Rows modified while the write runs belong to the next checkpoint.
             chosen = rows if priority_bytes is not None else None
-            cleared = restart_bits(self.shards, decision, chosen)
+            cleared = restart_bits(self.shards, decision, chosen, self._keep_bits)
         except Exception as e:
             self.detach()
             sink.abandon()
             return None, ClearedBits(), e
         staged.stall_s = time.perf_counter() - began
         return staged, cleared, None
+
+    def _keep_bits(self, i: int, name: str, bits: torch.Tensor) -> torch.Tensor:
+        """A copy of shard ``i``'s ``bits`` in a pooled buffer (see :func:`restart_bits`)."""
+        key = bits_buffer(f"s{i}", name)
+        return self.pool.take(key, tuple(bits.shape), bits.dtype, bits.device).copy_(bits)
 
     def _lazy_shards(self, decision: Decision, prioritized: bool) -> list[int]:
         """The shards this save stages lazily; it logs why others are not."""
