@@ -99,12 +99,12 @@ class StagingPool:
         # The copies of the bitmaps a save takes on the training thread (see BITS).
         for i, shard in enumerate(shards):
             for bits, names in ((shard.words, BITS[:3]), (shard.recent, BITS[3:])):
-                for name in names if bits is not None else ():
+                if bits is None:
+                    continue
+                for name in names:
                     dtype = torch.int64 if name.endswith("before") else bits.dtype
-                    buf = self.take(
-                        bits_buffer(f"s{i}", name), tuple(bits.shape), dtype, bits.device
-                    )
-                    buf.zero_()
+                    key = bits_buffer(f"s{i}", name)
+                    self.take(key, tuple(bits.shape), dtype, bits.device).zero_()
 
 
 BITS = ("selected", "selected/before", "cleared", "recent", "recent/before", "recent_cleared")
