@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import (
@@ -70,6 +71,7 @@ from benchmarks.measure import (
     random_rows,
     reset_peak_rss,
     rmtree,
+    timed,
     timed_restore,
     timed_save,
     uniform_model,
@@ -84,6 +86,8 @@ from torchrec_cnr import (
     checkpoint_info,
     list_checkpoints,
 )
+from torchrec_cnr.encoding.writer import ENCODE_BYTES
+from torchrec_cnr.quantization import quantize
 from torchrec_cnr.storage.fs import FsStorage
 from torchrec_cnr.tracking.model_state import local_shards
 from torchrec_cnr.tracking.shard import LocalShard
@@ -128,6 +132,23 @@ class _Watched:
         got = self.fn()
         self.mb = max(self.mb, proc_status_mb("VmHWM") - before)
         return got
+
+
+def encode_rates(shards: list[LocalShard]) -> dict[str, float]:
+    """GB of fp32 rows per second that one thread quantizes, per format: the first 32 MB
+    of this rank's first shard, each encoded as a commit encodes a piece, best of 3, every
+    rank at once (so each on its own core where the cores are as many as the ranks); the
+    slowest rank's rate."""
+    rows = shards[0].weight.detach()[: ENCODE_BYTES // (4 * shards[0].weight.shape[1])]
+    rows = rows.contiguous()
+    rates = {}
+    for name, q in FORMATS.items():
+        if name == "fp32":
+            continue
+        dist.barrier()
+        best = min(timed(lambda: quantize(rows, q.method, int(q.bits)))[0] for _ in range(3))  # noqa: B023
+        rates[name] = rows.numel() * 4 / max_over_ranks(best)[0] / GB
+    return rates
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -383,6 +404,9 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "disk read GB/s": "read_gb_s",
         "memcpy GB/s per rank": lambda _: mem["bytes"] / mem["s"] / GB,
         "disk test": lambda d: f"{d['bytes'] / GB:.2f} GB, best of {len(d['passes'])} passes",
+        "quantized GB/s of fp32 rows per thread": lambda _: ", ".join(
+            f"{k} {v:.2f}" for k, v in m["encode_gb_s_per_thread"].items()
+        ),
     }
     ok = [p for p in m["peers"].values() if "error" not in p]
     failed = [
@@ -467,6 +491,7 @@ def run(b: Bench) -> Outcome:
     shards = local_shards(model)
     sels = random_rows(shards, a.fractions)
     check = sels[max(a.fractions)]
+    encode = encode_rates(shards)
     side_by_side = _side_by_side(b, model, shards, sels, check)
     peers = run_peers(model, b.scratch, shards, check)
     keys = [(p, q, f) for p in a.policies for q in QUANTS for f in a.fractions]
@@ -476,6 +501,7 @@ def run(b: Bench) -> Outcome:
         "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim},
         "disk": disk,
         "memcpy_full": {"bytes": staged, "s": memcpy_s(staged)},
+        "encode_gb_s_per_thread": encode,
         "peers": peers,
         "cnr": cnr,
         "side_by_side": side_by_side,

@@ -386,9 +386,10 @@ class SnapshotReader:
         self._read(rows_path(rank, name), out)
 
     def verify(self, rank: int, name: str, window_bytes: int) -> None:
-        """Reads a stored shard tensor of ``rank`` only to check its checksum, holding at
-        most about ``window_bytes`` of it at once (one piece at least): pieces are read in
-        parallel into a few reused buffers, their CRCs combined in order.
+        """Reads a stored shard tensor of ``rank`` only to check its checksum (or, without
+        one, that it reads whole), holding at most about ``window_bytes`` of it at once (one
+        piece at least): pieces are read in parallel into a few reused buffers, their CRCs
+        combined in order.
 
         Raises:
             CheckpointReadError: the tensor cannot be read.
@@ -397,7 +398,7 @@ class SnapshotReader:
         logical = rows_path(rank, name)
         expected = self._sums.get(logical)
         segments = self._segments(logical)
-        if expected is None or segments is None:  # nothing to check, or not in row blocks
+        if segments is None:  # not stored in blocks of rows: read whole
             self._read(logical)
             return
         entry = self._entry(logical)
@@ -414,13 +415,14 @@ class SnapshotReader:
         window = max(1, min(len(pieces), window_bytes // step))
         buffers = [as_bytes(page_aligned(step, torch.uint8)) for _ in range(window)]
         crc, inflight = 0, collections.deque[tuple[Future[int], int]]()
+        with_crc = expected is not None  # without a checksum: that it reads whole
         try:
             for i, (location, start, length) in enumerate(pieces):
                 if len(inflight) == window:  # its buffer is the one this piece reuses
                     future, done = inflight.popleft()
                     crc = crc32_combine(crc, future.result(), done)
                 view = buffers[i % window][:length]
-                future = self.executor.submit(_get, self.storage, location, start, view, True)
+                future = self.executor.submit(_get, self.storage, location, start, view, with_crc)
                 inflight.append((future, length))
             for future, done in inflight:
                 crc = crc32_combine(crc, future.result(), done)
