@@ -89,8 +89,11 @@ def _hold(
     budget_bytes: int | None,
     pool: StagingPool | None,
 ) -> None:
-    """Reads every tensor the restore needs into ``chain.held``, within the budget."""
+    """Reads every tensor the restore needs into ``chain.held``, within the budget: what
+    fits is held, the rest verified afterwards within what is left (so that memory freed by
+    a verification is never held again on top of it)."""
     held = 0
+    over: list[tuple[int, int, str]] = []
     own_rank = shards[0].spec.rank if shards else -1
     for n, link in enumerate(chain.links):
         wanted = list(
@@ -119,8 +122,10 @@ def _hold(
             if held + nbytes <= budget_bytes:
                 chain.hold(n, rank, name)
                 held += nbytes
-            else:  # verified within what is left of the budget; read again while applying
-                chain.verify_tensor(n, rank, name, budget_bytes - held)
+            else:
+                over.append((n, rank, name))
+    for n, rank, name in over:  # read again while applying
+        chain.verify_tensor(n, rank, name, (budget_bytes or 0) - held)
 
 
 def _plan(chain: ChainReader, shards: list[LocalShard], prepared: PreparedRestore) -> None:
