@@ -26,18 +26,22 @@ with checksums verified, after the rows of the 25% subset were corrupted, which 
 compared with their saved values.
 
 Side by side (``--rounds`` interleaved rounds, medians, each method from a settled disk):
-durable full commits of torchsnapshot ``take`` + fsync, torchrec_cnr fp32 and 4-bit (data
-objects written with ``O_DIRECT``, the default) and fp32 through the page cache; cold
-restores of torchsnapshot's snapshot, of intermittent chains (baseline + one delta) at each
-fraction, of a consecutive chain of 4 (read with ``O_DIRECT``, the default), and of the
-first intermittent chain read through the page cache.
+durable full commits of torchsnapshot ``take`` + fsync, torchrec_cnr fp32 and adaptive 2-,
+3-, 4- and 8-bit (data objects written with ``O_DIRECT``, the default) and fp32 through the
+page cache; cold restores of torchsnapshot's snapshot, of intermittent chains (baseline +
+one delta) at each fraction, of a consecutive chain of 4 (read with ``O_DIRECT``, the
+default), of the last full fp32 and 4-bit commits, and of the first intermittent chain
+within a memory budget of 1/8 of the rows and through the page cache. Memory: each rank's
+peak resident set added by a manager, its saves and commits, and each restore call (reset
+before each), the largest rank's. Limits also measured: the quantizer's rate per thread.
 
 Targets: intermittent fp32 stall <= async_take (copying) stall / 10 at 5%, / 3 at 25%;
 every delta stall <= 2 x the memcpy of its staged bytes; a manager's first full stall <=
 2 x its later ones; side by side: full fp32 commit <= torchsnapshot take + fsync and >= 70%
-of the disk's write bandwidth, 4-bit commit <= fp32 commit, intermittent restores <=
-torchsnapshot's restore, the consecutive chain of 4 <= 1.5 x it, the fp32 commit with
-``O_DIRECT`` <= through the page cache, and so the restore.
+of the disk's write bandwidth, every quantized commit <= fp32 commit, the 4-bit full restore
+<= the fp32 one, intermittent restores <= torchsnapshot's restore, the consecutive chain of
+4 <= 1.5 x it, the fp32 commit with ``O_DIRECT`` <= through the page cache, and so the
+restore.
 """
 
 from __future__ import annotations
