@@ -134,7 +134,7 @@ def _encode_nbit_into(
     n, dim = x.shape
     width = padded_dim(dim, bits)
     nbytes = packed_nbytes(dim, bits)
-    _write_params(out, lo, hi, bits)
+    _write_params(out, scale, bias, bits)
     q = _work_buffer(n, width, x.device)
     torch.sub(x, bias[:, None], out=q[:, :dim]).mul_((1.0 / scale)[:, None])
     q[:, :dim].round_().clamp_(0, levels)
@@ -244,19 +244,18 @@ def encode_searched(
     bad = compiled_search(lib, x, bits, n_bins, ratio, None, lo, hi, out)
     if bad is not None:
         return out, bad
-    _write_params(out, lo, hi, bits)
+    params = ((hi - lo) / 255.0, lo) if bits == 8 else nbit_params(lo, hi, bits)
+    _write_params(out, *params, bits)
     return out, None
 
 
-def _write_params(out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> None:
-    """The stored parameters of ranges ``[lo, hi]`` into the last bytes of fused rows
-    ``out``: fp16 (scale, bias) at 2/3/4 bits, fp32 (scale, bias) at 8 bits, as
-    :func:`encode_range` stores them."""
+def _write_params(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, bits: int) -> None:
+    """Rows' stored ``scale`` and ``bias`` into the last bytes of fused rows ``out``: fp16
+    at 2/3/4 bits (:func:`nbit_params`' values), fp32 at 8 bits, as :func:`encode_range`
+    stores them."""
     if bits == 8:
-        sb = torch.stack([(hi - lo) / 255.0, lo], 1)
-        out[:, -8:] = sb.view(torch.uint8)
+        out[:, -8:] = torch.stack([scale, bias], 1).view(torch.uint8)
         return
-    scale, bias = nbit_params(lo, hi, bits)
     # Rows are an even number of bytes, so fp16 (scale, bias) go in as int16.
     out.view(torch.int16)[:, -2:] = torch.stack([scale, bias], 1).half().view(torch.int16)
 

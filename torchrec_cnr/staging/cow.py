@@ -199,7 +199,10 @@ def snapshot_bits(
                 words.numel(),
             )
         )
-    torch.bitwise_and(words, mask, out=out) if mask is not None else out.copy_(words)
+    if mask is None:
+        out.copy_(words)
+    else:
+        torch.bitwise_and(words, mask, out=out)
     counts = bitmap.popcounts(out).to(before.device)
     torch.cumsum(counts, 0, out=before)
     before -= counts
