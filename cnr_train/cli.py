@@ -27,8 +27,8 @@ import torch.distributed as dist  # noqa: E402
 from cnr_train import config_file, criteo  # noqa: E402
 from cnr_train.config import JobConfig  # noqa: E402
 from cnr_train.job import Trainer, run  # noqa: E402
-from cnr_train.launch import init_distributed  # noqa: E402
 from torchrec_cnr import CnrError  # noqa: E402
+from torchrec_cnr.launch import init_distributed  # noqa: E402
 
 
 def _load(config_path: str | None, overrides: list[str]) -> JobConfig | None:

@@ -115,7 +115,8 @@ class FailureConfig:
 
     Run under ``torchrun --max-restarts=N``: the restarted job resumes from the
     latest committed checkpoint. Each failure fires once (a marker in the
-    checkpoint root remembers it across restarts).
+    checkpoint root remembers it across restarts). At a step that saves, the rank dies
+    right after ``save()`` returns, while that checkpoint commits in the background.
     """
 
     steps: list[int] = field(default_factory=list)

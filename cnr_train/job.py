@@ -200,20 +200,31 @@ def _restore_check(config: JobConfig, t: Trainer, latest: CheckpointInfo) -> dic
     }
 
 
-def _maybe_fail(config: JobConfig, step: int) -> None:
-    """Kills this rank after ``step`` if a failure is configured there and has not fired yet."""
+def _arm_failure(config: JobConfig, step: int) -> bool:
+    """Whether this rank dies after ``step``: a failure is configured there, has not fired
+    yet (a marker in the root remembers it across restarts), and this is its rank.
+
+    Decided before the step's save, so that the kill follows the save at once: where
+    ``step`` saves, the rank dies while that checkpoint commits in the background.
+    """
     f = config.failure
     if step not in f.steps:
-        return
+        return False
     storage = open_storage(config.checkpoint.path)
     marker = f".failures/step-{step}"
     dist.barrier()  # every rank checks the marker before the victim writes it
     fired = storage.exists(marker)
     dist.barrier()
     if fired or dist.get_rank() != f.rank:
-        return
+        return False
     storage.write(marker, str(time.time()).encode())
-    print(f"[rank {f.rank}] injected failure after step {step}: SIGKILL", flush=True)
+    return True
+
+
+def _fail(step: int, saved: bool) -> None:
+    when = ", while its checkpoint commits" if saved else ""
+    print(f"[rank {dist.get_rank()}] injected failure after step {step}{when}: SIGKILL",
+          flush=True)  # fmt: skip
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -253,10 +264,13 @@ def run(config: JobConfig) -> dict[str, Any]:
         loss = train_step(t.model, t.opt, t.data.next(rank))
         if probed:
             write_step_rows(t.model, probed, step)
-        if t.ckpt.maybe_save(step):
+        dies = _arm_failure(config, step)
+        did_save = t.ckpt.maybe_save(step)
+        if dies:
+            _fail(step, did_save)
+        if did_save:
             bar.set_postfix(loss=f"{loss:.4f}", ckpt=step)
         bar.update(1)
-        _maybe_fail(config, step)
     bar.close()
     t.ckpt.wait()
     result: dict[str, Any] = {

@@ -11,7 +11,6 @@ port for the whole session; each test gets a bucket of its own. Clients find it 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.multiprocess import free_port
 
 
 @pytest.fixture(autouse=True)
@@ -47,16 +48,10 @@ def refs(tmp_path: Path) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """The URL of a moto S3 server running in its own process on loopback."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
@@ -85,8 +80,8 @@ def s3_endpoint() -> Iterator[str]:
 
 
 @pytest.fixture
-def s3_root(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    """``s3://<fresh bucket>/ckpt`` on the moto server, with the environment pointing at it."""
+def s3_env(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The environment pointing at the moto server; returns its URL."""
     for key in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(key)  # never a real profile or endpoint
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
@@ -94,6 +89,12 @@ def s3_root(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    return s3_endpoint
+
+
+@pytest.fixture
+def s3_root(s3_env: str) -> str:
+    """``s3://<fresh bucket>/ckpt`` on the moto server, with the environment pointing at it."""
     import boto3
 
     bucket = f"test-{uuid.uuid4().hex[:12]}"

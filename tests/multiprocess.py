@@ -1,7 +1,9 @@
 """Runs a module-level function on N CPU ranks with gloo.
 
-The ranks are worker processes that live for the whole test session, one pool per
-world size: a call pays for its own work, not for starting Python and importing
+Each rank joins its group as a user's job does under torchrun: torchrun's variables
+(``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) and the library's public
+:func:`torchrec_cnr.launch.init_distributed`. The ranks are worker processes that live
+for the whole test session, one pool per world size: a call pays for its own work, not for starting Python and importing
 torchrec on every rank (about 4 s on two cores). Each call runs with the caller's
 environment variables and ends with a barrier. A call that fails, hangs or loses a rank
 replaces the pool, so the next call starts from fresh processes.
@@ -12,11 +14,10 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import tempfile
+import socket
 import time
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -30,19 +31,19 @@ GRACE_S = 10.0
 they may be waiting in a collective the failed rank will never join."""
 
 
-def _worker(rank: int, world_size: int, init_file: str, backend: str, conn: Connection) -> None:
+def _worker(rank: int, world_size: int, port: int, backend: str, conn: Connection) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )  # fmt: skip
     import torch
     import torch.distributed as dist
 
+    from torchrec_cnr.launch import init_distributed
+
     torch.set_num_threads(1)
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=CALL_TIMEOUT_S),
-    )
+    init_distributed(backend, timeout_s=CALL_TIMEOUT_S)
     while True:
         try:
             call = conn.recv()
@@ -64,15 +65,14 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, conn: Conn
 class _Pool:
     def __init__(self, world_size: int, backend: str) -> None:
         ctx = mp.get_context("spawn")
-        self.folder = tempfile.TemporaryDirectory()
-        init_file = os.path.join(self.folder.name, "rendezvous")
+        port = free_port()
         self.conns: list[Connection] = []
         self.procs = []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, init_file, backend, child),
+                args=(rank, world_size, port, backend, child),
                 daemon=True,
                 name=f"rank{rank}",
             )
@@ -141,7 +141,13 @@ class _Pool:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        self.folder.cleanup()
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 _pools: dict[tuple[int, str], _Pool] = {}

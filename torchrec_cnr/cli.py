@@ -26,6 +26,7 @@ from torchrec_cnr.compaction import compact_entry
 from torchrec_cnr.errors import CnrError, ManifestError
 from torchrec_cnr.interop.dcp_export import export_dcp, terminal_progress
 from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.launch import init_distributed
 from torchrec_cnr.offline import EXPORT_FORMATS, export_state_dict, save_export
 from torchrec_cnr.offline.catalog import changed_rows
 from torchrec_cnr.restore import verify_chains
@@ -134,7 +135,7 @@ def _export_dcp(
     """A resumable DCP checkpoint; under torchrun every rank writes its share."""
     group = None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        init_distributed("gloo")  # under torchrun: every rank its share
         group = dist.group.WORLD
     try:
         rank = dist.get_rank() if group is not None else 0

@@ -4,9 +4,10 @@ Checkpointing is collective: when one rank fails (a full disk, a NaN row, a dama
 file), every rank must learn of it at the same point, raise, and leave together. A rank
 that raised alone would leave the others waiting in the next collective until its
 timeout. :meth:`Collective.agree` is that point: every rank says whether it failed, and
-if any did, all raise the same exception type with the failing rank's message; the
-error raised on behalf of another rank names it and carries its traceback (see
-:mod:`torchrec_cnr.errors`).
+if any did, every rank raises the same error, built from the lowest failing rank's: its
+type, a message that names that rank and repeats its message, ``rank`` and
+``remote_traceback`` set (see :mod:`torchrec_cnr.errors`). The failing rank's ``__cause__``
+is its own exception; elsewhere it is a :class:`~torchrec_cnr.errors.RemoteTraceback`.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ class Failure:
         text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         return cls(type(error), str(error), text)
 
-    def rebuild(self, rank: int) -> Exception:
-        """The same exception type, its message prefixed with the failing ``rank``, with
-        ``rank`` and ``remote_traceback`` set; ``RuntimeError`` where the type cannot be
-        built from a message."""
-        message = f"on rank {rank}: {self.message}"
+    def rebuild(self, rank: int, others: str = "") -> Exception:
+        """The same exception type, its message prefixed with the failing ``rank`` (and
+        ``others``, the other failing ranks' messages, appended), with ``rank`` and
+        ``remote_traceback`` set; ``RuntimeError`` where the type cannot be built from a
+        message."""
+        message = f"on rank {rank}: {self.message}{others}"
         error: Exception | None = None
         try:
             if issubclass(self.kind, Exception):
@@ -56,6 +58,18 @@ class Failure:
         error.remote_traceback = self.traceback  # type: ignore[attr-defined]
         error.__cause__ = RemoteTraceback(self.traceback)
         return error
+
+
+def _raise_agreed(failures: list[tuple[int, Failure]], own: BaseException | None) -> None:
+    """Raises the error every rank raises for ``failures`` (in rank order): the lowest
+    failing rank's, naming the others, caused by ``own`` (that rank's own exception, on
+    that rank)."""
+    (rank, first), rest = failures[0], failures[1:]
+    others = "".join(f"; also on rank {r}: {f.kind.__name__}: {f.message}" for r, f in rest)
+    error = first.rebuild(rank, others)
+    if own is not None:
+        raise error from own
+    raise error
 
 
 class Collective:
@@ -102,19 +116,15 @@ class Collective:
     def agree(self, error: BaseException | None) -> None:
         """Raises on every rank if any rank passes an error; returns on every rank otherwise.
 
-        A failing rank re-raises its own error, traceback included. The others raise
-        the same exception type (``RuntimeError`` if it cannot be built from a message)
-        whose message names the rank and repeats its message, carrying its traceback
-        (:meth:`Failure.rebuild`); with several failures, the lowest rank's.
+        Every rank raises the same error (:meth:`Failure.rebuild`): the lowest failing
+        rank's type, ``"on rank N: <its message>"`` (with the other failing ranks'
+        messages after it), ``rank`` and ``remote_traceback`` set. On rank N its
+        ``__cause__`` is the rank's own exception, elsewhere a ``RemoteTraceback``.
         """
         report = None if error is None else Failure.of(error)
         failures = [(r, f) for r, f in enumerate(self.gather(report)) if f is not None]
-        if not failures:
-            return
-        if error is not None:
-            raise error
-        rank, failure = failures[0]
-        raise failure.rebuild(rank)
+        if failures:
+            _raise_agreed(failures, error if failures[0][0] == self.rank else None)
 
     def agree_on(self, fn: Callable[[], T]) -> T:
         """Runs ``fn`` on every rank; returns its result, or raises on every rank (see
@@ -132,8 +142,7 @@ class Collective:
         """Runs ``fn`` on rank 0 only; every rank gets its result, or raises its error.
 
         No rank waits for a collective that rank 0 will never join: rank 0 broadcasts
-        whatever happened, and every other rank raises the same exception type with the
-        same message.
+        whatever happened, and every rank raises the same error, as :meth:`agree` does.
         """
         result: Any = None
         error: Exception | None = None
@@ -146,6 +155,5 @@ class Collective:
         ok, value = self.broadcast(report)
         if ok:
             return value  # type: ignore[no-any-return]
-        if error is not None:
-            raise error
-        raise value.rebuild(0)
+        _raise_agreed([(0, value)], error)
+        raise AssertionError("unreachable")

@@ -4,14 +4,16 @@ Every one derives from :class:`CnrError`, so ``except CnrError`` catches whateve
 library raises on purpose; each also keeps the built-in base it always had
 (``RuntimeError`` or ``ValueError``), so code that catches those still does.
 
-Checkpointing is collective: when one rank fails, every rank raises (see
-:meth:`torchrec_cnr.collectives.Collective.agree`). The failing rank raises its own
-error; the others raise the same type with a message naming that rank, and carry the
-failing rank's traceback text as :attr:`CnrError.remote_traceback` and as the
-exception's ``__cause__``.
+Checkpointing is collective: when one rank fails, every rank raises the same error (see
+:meth:`torchrec_cnr.collectives.Collective.agree`): the failing rank's type, a message
+naming that rank (``on rank N: ...``), ``rank`` set to N and ``remote_traceback`` to its
+traceback text. An error that wraps it on its way up (a ``CheckpointError`` from the
+background writer, say) keeps both (:func:`wrapping`).
 """
 
 from __future__ import annotations
+
+from typing import TypeVar
 
 __all__ = [
     "CheckpointError",
@@ -29,7 +31,8 @@ class CnrError(Exception):
     """The base of every exception torchrec_cnr defines."""
 
     rank: int | None = None
-    """The rank that failed, when this error was raised on its behalf by another rank."""
+    """The rank that failed, when every rank raised this error for a collective failure
+    (the failing rank too); ``None`` for an error of this rank alone."""
     remote_traceback: str | None = None
     """That rank's traceback, as text."""
 
@@ -65,3 +68,20 @@ class ModelMismatchError(CnrError, ValueError):
 class UnsafeObjectError(CheckpointReadError):
     """A pickled object in a checkpoint names a type or function a restore may not load
     (see ``CheckpointConfig.safe_globals``); nothing of it ran."""
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def wrapping(error: E, cause: BaseException) -> E:
+    """``error`` raised because of ``cause``, as its ``__cause__``, keeping the failing
+    rank and traceback that ``cause`` (or an error it came from) carries: ``raise
+    wrapping(CheckpointError(...), e)``."""
+    found: BaseException | None = cause
+    while found is not None and getattr(found, "rank", None) is None:
+        found = found.__cause__
+    if found is not None:
+        error.rank = found.rank  # type: ignore[attr-defined]
+        error.remote_traceback = found.remote_traceback  # type: ignore[attr-defined]
+    error.__cause__ = cause
+    return error

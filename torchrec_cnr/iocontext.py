@@ -15,9 +15,11 @@ go with the thread when the pool shuts down.
 
 The threads of a checkpoint run in the background of training and should yield to it:
 with ``nice``, each lowers its own scheduling priority (Linux: ``setpriority`` of the
-thread) when it starts. Measured with 1 training rank on 2 cores: a full 4-bit checkpoint's
-encoding, two CPU-bound threads, cost training 130-160 ms at the same priority and 70-110
-ms at nice 10; fp32 commits, bound by memory rather than CPU, cost the same either way.
+thread) when it starts, so that a core the training thread wants goes to it first. This
+matters most for a quantized checkpoint, whose encoding threads are CPU-bound; an fp32
+commit is bound by memory and the disk rather than by the CPU. Where training takes every
+core, a lowered priority makes the commit take longer instead. What a checkpoint costs
+training is measured by ``benchmarks.overhead --save-cost`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class IOOptions:
         default_factory=lambda: env_flag("TORCHREC_CNR_COMPILED_SEARCH", True)
     )
     """Run adaptive quantization's range search compiled where the library is built; off,
-    as torch code (~5x slower; ``TORCHREC_CNR_COMPILED_SEARCH``)."""
+    as torch code, which is slower (``TORCHREC_CNR_COMPILED_SEARCH``)."""
     compiled_staging: bool = field(
         default_factory=lambda: env_flag("TORCHREC_CNR_COMPILED_STAGING", True)
     )

@@ -26,6 +26,7 @@ from torchrec_cnr.encoding import FormatResolver, ShardWriter
 from torchrec_cnr.errors import CheckpointError
 from torchrec_cnr.interop.dcp_import import import_dcp
 from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.launch import warn_if_restarts_unsafe
 from torchrec_cnr.recovery import SaveSchedule
 from torchrec_cnr.restore import ModelLoader
 from torchrec_cnr.selection import ChainState, Policy
@@ -76,6 +77,7 @@ class CheckpointManager:
         self.storage = storage if storage is not None else open_storage(config.path, config.io)
         self.policy = Policy(config.policy, config.baseline_rule)
         self._group = Collective(pg)  # raises unless torch.distributed is initialized
+        warn_if_restarts_unsafe()
         self.rank, self.world_size = self._group.rank, self._group.world_size
         self._shards = model_state.local_shards(model)
         dense = model_state.dense_state(model)

@@ -59,14 +59,26 @@ def _train(job: models.Job, first: int, last: int) -> None:
         job.step(step)
 
 
-def _make_state(opt: torch.optim.Optimizer) -> None:
-    """Gives a fresh dense optimizer its state, which ``dcp.load`` loads into in place:
-    one step on zero gradients (Adagrad moves no weight; the load replaces the state)."""
-    params = [p for group in opt.param_groups for p in group["params"]]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+def _stock_load(job: models.Job, checkpoint_id: str) -> None:
+    """docs/migration.md's recipe: stock ``dcp.load`` into a fresh job, one call per object,
+    the dense optimizer given a state for each parameter the checkpoint holds one for."""
+    for group in job.dense_opt.param_groups:  # a state for dcp.load to fill in place
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    job.dense_opt.step()
+    job.dense_opt.zero_grad(set_to_none=True)
+    saved = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    sd = _recipe(job)
+    sd["dense_opt"]["state"] = {
+        i: s
+        for i, s in sd["dense_opt"]["state"].items()
+        if any(k.startswith(f"dense_opt.state.{i}.") for k in saved)
+    }
+    for key in sd:
+        dcp.load({key: sd[key]}, checkpoint_id=checkpoint_id)
+    job.model.load_state_dict(sd["model"])
+    job.model.fused_optimizer.load_state_dict(sd["optim"])
+    job.dense_opt.load_state_dict(sd["dense_opt"])
 
 
 def _recipe(job: models.Job) -> dict[str, Any]:
@@ -76,6 +88,20 @@ def _recipe(job: models.Job) -> dict[str, Any]:
         "optim": job.model.fused_optimizer.state_dict(),
         "dense_opt": job.dense_opt.state_dict(),
     }
+
+
+class _Holder:
+    """An ``app_state`` object that is not the optimizer but forwards to it, as PyTorch's
+    DCP recipe wraps one in a ``Stateful``."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.opt.load_state_dict(state_dict)
 
 
 class _AppState(Stateful):
@@ -115,16 +141,12 @@ def _target(kind: str, layouts: dict[str, str], how: str, src: str, root: str, o
     """Loads the step into a fresh job (another seed) ``how``, then trains on."""
     job = models.build(kind, "exact_rowwise_adagrad", seed=7, layouts=layouts)
     if how == "stock":  # stock DCP, as TorchRec's users load
-        _make_state(job.dense_opt)
-        sd = _recipe(job)
-        for key in sd:  # one call per object: see docs/migration.md
-            dcp.load({key: sd[key]}, checkpoint_id=src)
-        job.model.load_state_dict(sd["model"])
-        job.model.fused_optimizer.load_state_dict(sd["optim"])
-        job.dense_opt.load_state_dict(sd["dense_opt"])
+        _stock_load(job, src)
         _capture_after(job, out)
         return
-    with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
+    # The Stateful recipe's import goes to an object that only forwards to the optimizer.
+    app = {"dense_opt": _Holder(job.dense_opt)} if how == "import_app" else job.app_state
+    with CheckpointManager(job.model, CheckpointConfig(path=root), app) as ckpt:
         if how.startswith("import"):
             keys = {"dense_opt": "app.dense_opt"} if how == "import_app" else None
             assert ckpt.restore(from_dcp=src, step=STEP, app_keys=keys) == STEP

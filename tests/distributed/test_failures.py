@@ -3,6 +3,7 @@ nothing, and damaged files are named by restore and by ``cnr verify``."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from tests.jobs import Job, make_job
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointError, IOOptions
 from torchrec_cnr.commit import Manifest
+from torchrec_cnr.errors import RemoteTraceback
 from torchrec_cnr.tracking import model_state
 
 TABLES = [
@@ -78,8 +80,9 @@ def _io_error_then_recover(root: str, refs: str, policy: str) -> None:
     job.ckpt.wait()
     job.train(2)
     job.ckpt.save(4)  # rank 1 fails with ENOSPC in the background
-    with pytest.raises(CheckpointError, match="step 4 failed"):
+    with pytest.raises(CheckpointError, match="step 4 failed") as info:
         job.ckpt.wait()
+    _reported_as_documented(info.value, failed_rank=1, cause="injected: no space left")
     assert Manifest.load(root).steps() == [2], "a failed checkpoint must not commit"
     job.train(2)
     job.ckpt.save(6)
@@ -87,9 +90,40 @@ def _io_error_then_recover(root: str, refs: str, policy: str) -> None:
     job.ckpt.wait()
 
 
+def _causes(error: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__  # type: ignore[assignment]
+    return chain
+
+
+def _reported_as_documented(error: BaseException, failed_rank: int, cause: str) -> None:
+    """docs/user-guide.md, "When a save fails": every rank the same message naming the
+    failing rank and its error, ``rank`` and ``remote_traceback`` set; ``__cause__`` leads
+    to the failing rank's own exception there and to a ``RemoteTraceback`` elsewhere."""
+    assert f"on rank {failed_rank}: " in str(error) and cause in str(error)
+    assert len(set(_gather(str(error)))) == 1, "every rank raises the same message"
+    assert getattr(error, "rank", None) == failed_rank
+    remote = getattr(error, "remote_traceback", None)
+    assert remote is not None and "Traceback" in remote and cause in remote
+    causes = _causes(error)
+    if dist.get_rank() == failed_rank:
+        own = [e for e in causes if type(e) is OSError and e.errno == errno.ENOSPC]
+        assert own and cause in str(own[0]) and "on rank" not in str(own[0])
+    else:
+        assert isinstance(causes[-1], RemoteTraceback) and str(causes[-1]) == remote
+
+
+def _gather(obj: str) -> list[str]:
+    out: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("policy", ["consecutive", "intermittent"])
-def test_injected_io_error_surfaces_keeps_previous_and_carries_rows(
+def test_injected_io_error_surfaces_on_every_rank_as_documented_keeps_previous_and_carries_rows(
     policy, tmp_path, monkeypatch
 ) -> None:
     root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"

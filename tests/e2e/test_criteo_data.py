@@ -14,7 +14,8 @@ import torch
 
 from cnr_train import criteo
 from cnr_train.workload import criteo_tables
-from tests.e2e.test_train_script import SMALL, assert_failed_run_matches_clean_run
+from tests.e2e.test_restarts import assert_failed_run_matches_clean_run
+from tests.e2e.test_train_script import SMALL
 
 ROWS = 300  # table cap used by the reader tests
 

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -47,29 +46,6 @@ SMALL = (
 
 
 @pytest.mark.dist
-def test_demo_config_trains_checkpoints_and_restores_bit_exact_under_torchrun(
-    tmp_path: Path,
-) -> None:
-    root = tmp_path / "ckpt"
-    proc = _train(f"checkpoint.path={root}", *SMALL, f"train.metrics_path={tmp_path / 'm.json'}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "restore check: step 60 into a fresh model: bit-exact" in proc.stdout
-    metrics = json.loads((tmp_path / "m.json").read_text())
-    assert 0.5 < metrics["auc"] <= 1 and metrics["logloss"] > 0
-    manifest = Manifest.load(root)
-    assert manifest.steps() == [20, 40, 60]
-    assert [e.kind for e in manifest.checkpoints][0] == "full"
-
-    assert "x |" in proc.stdout and "one full fp32 checkpoint is" in proc.stdout
-
-    # A second run resumes from the committed step 60 and goes on to 80.
-    proc = _train(f"checkpoint.path={root}", *SMALL, "train.steps=80", "train.clean_start=false")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from step 60" in proc.stdout
-    assert Manifest.load(root).steps() == [20, 40, 60, 80]
-
-
-@pytest.mark.dist
 def test_quantized_demo_restores_the_quantizer_round_trip_and_draws_the_bytes(
     tmp_path: Path,
 ) -> None:
@@ -89,37 +65,6 @@ def test_quantized_demo_restores_the_quantizer_round_trip_and_draws_the_bytes(
     assert metrics["restore_checked"] and not metrics["restore_exact"]
     assert metrics["written_reduction"] > 1 and metrics["stored_reduction"] > 1
     assert figure.read_bytes()[:4] == b"\x89PNG"
-
-
-def assert_failed_run_matches_clean_run(tmp_path: Path, *overrides: str) -> dict[str, Any]:
-    """Runs the job uninterrupted and with rank 1 killed after step 50 (resuming from step 40).
-
-    Asserts both end in the same state, bit for bit; returns the clean run's metrics and stdout.
-    """
-    clean = _train(
-        f"checkpoint.path={tmp_path / 'a'}", *overrides, f"train.metrics_path={tmp_path / 'a.json'}"
-    )
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    failed = _train(
-        f"checkpoint.path={tmp_path / 'b'}",
-        *overrides,
-        "failure.steps=[50]",
-        f"train.metrics_path={tmp_path / 'b.json'}",
-        restarts=1,
-    )
-    assert failed.returncode == 0, failed.stderr[-3000:]
-    assert "injected failure after step 50" in failed.stdout
-    assert "resumed from step 40 (restart 1)" in failed.stdout
-    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
-    assert b["resumed_from"] == 40 and a["resumed_from"] == 0
-    assert a["digest"] == b["digest"], "the resumed run must end in the same state, bit for bit"
-    assert a["auc"] == b["auc"] and a["logloss"] == b["logloss"]
-    return {**a, "stdout": clean.stdout}
-
-
-@pytest.mark.dist
-def test_run_with_injected_failure_ends_bit_identical_to_uninterrupted_run(tmp_path: Path) -> None:
-    assert_failed_run_matches_clean_run(tmp_path, *SMALL)
 
 
 @pytest.mark.dist

@@ -82,18 +82,33 @@ def test_agree_returns_when_no_rank_failed() -> None:
     assert collective.gathered == [None, None, None]
 
 
-def test_a_failing_rank_reraises_its_own_exception_object() -> None:
+def test_a_failing_rank_raises_the_agreed_error_caused_by_its_own_exception() -> None:
     own = _raised(OSError(28, "no space left on device"))
     with pytest.raises(OSError) as info:
         _Simulated(0, [None, None]).agree(own)
-    assert info.value is own
+    assert type(info.value) is OSError
+    assert str(info.value) == f"on rank 0: {own}"
+    assert info.value.__cause__ is own
+    assert getattr(info.value, "rank", None) == 0
+    assert getattr(info.value, "remote_traceback", None) == Failure.of(own).traceback
 
 
-def test_a_failing_rank_reraises_its_own_error_even_when_a_lower_rank_failed() -> None:
+def test_every_rank_raises_the_lowest_failing_ranks_error_naming_the_others() -> None:
+    rank0 = _report(ValueError("rank 0's"))
     own = _raised(KeyError("mine"))
-    with pytest.raises(KeyError) as info:
-        _Simulated(2, [_report(ValueError("rank 0's")), None, None]).agree(own)
-    assert info.value is own
+    raised = []
+    for rank, peers, mine in [
+        (2, [rank0, None, None], own),
+        (1, [rank0, None, Failure.of(own)], None),
+    ]:
+        with pytest.raises(ValueError) as info:
+            _Simulated(rank, peers).agree(mine)
+        raised.append(info.value)
+        assert type(info.value) is ValueError and getattr(info.value, "rank", None) == 0
+        assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert (
+        str(raised[0]) == str(raised[1]) == "on rank 0: rank 0's; also on rank 2: KeyError: 'mine'"
+    )
 
 
 def test_every_rank_sends_its_failure_with_its_traceback() -> None:
@@ -161,7 +176,7 @@ def test_agree_on_returns_the_result_when_every_rank_succeeded() -> None:
     assert _Simulated(0, [None, None]).agree_on(lambda: 42) == 42
 
 
-def test_agree_on_reraises_this_ranks_own_error() -> None:
+def test_agree_on_raises_this_ranks_error_as_every_rank_does() -> None:
     own = ValueError("here")
 
     def fail() -> int:
@@ -169,7 +184,7 @@ def test_agree_on_reraises_this_ranks_own_error() -> None:
 
     with pytest.raises(ValueError) as info:
         _Simulated(0, [None, None]).agree_on(fail)
-    assert info.value is own
+    assert str(info.value) == "on rank 0: here" and info.value.__cause__ is own
 
 
 def test_agree_on_raises_another_ranks_failure_even_though_this_rank_succeeded() -> None:
@@ -200,7 +215,7 @@ def test_on_rank0_runs_only_on_rank_0_and_gives_every_rank_its_result() -> None:
     assert other_calls == []
 
 
-def test_on_rank0_reraises_rank_0s_own_error_there() -> None:
+def test_on_rank0_raises_rank_0s_error_there_as_the_others_do() -> None:
     own = CheckpointReadError("missing file")
 
     def fail() -> None:
@@ -208,7 +223,8 @@ def test_on_rank0_reraises_rank_0s_own_error_there() -> None:
 
     with pytest.raises(CheckpointReadError) as info:
         _Simulated(0, [None, None]).on_rank0(fail)
-    assert info.value is own
+    assert str(info.value) == "on rank 0: missing file"
+    assert info.value.rank == 0 and info.value.__cause__ is own
 
 
 def test_on_rank0_raises_rank_0s_failure_on_the_other_ranks() -> None:
@@ -219,6 +235,18 @@ def test_on_rank0_raises_rank_0s_failure_on_the_other_ranks() -> None:
     assert str(info.value) == "on rank 0: missing file"
     assert info.value.rank == 0 and info.value.remote_traceback == failure.traceback
     assert calls == []
+
+
+def test_an_error_wrapping_an_agreed_failure_keeps_its_rank_and_traceback() -> None:
+    failure = _report(OSError("disk full"))
+    with pytest.raises(OSError) as info:
+        _Simulated(0, [None, failure]).agree(None)
+    wrapped = errors.wrapping(CheckpointError(f"save failed: {info.value}"), info.value)
+    again = errors.wrapping(CheckpointError(f"outer: {wrapped}"), wrapped)
+    for error in (wrapped, again):
+        assert error.rank == 1 and error.remote_traceback == failure.traceback
+    assert again.__cause__ is wrapped and "on rank 1: disk full" in str(again)
+    assert errors.wrapping(CheckpointError("local"), ValueError("x")).rank is None
 
 
 # The exception hierarchy

@@ -12,7 +12,17 @@ PACKAGE = Path(__file__).resolve().parents[2] / "torchrec_cnr"
 
 # The pipeline, in order; a module may import its own stage and the stages before it.
 STAGES = [
-    ("errors", "env", "native", "shutdown", "iocontext", "schema", "collectives", "quantization"),
+    (
+        "errors",
+        "env",
+        "native",
+        "shutdown",
+        "launch",
+        "iocontext",
+        "schema",
+        "collectives",
+        "quantization",
+    ),  # fmt: skip
     ("tracking",),
     ("selection",),
     ("config",),

@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.errors import CheckpointError
+from torchrec_cnr.errors import CheckpointError, wrapping
 from torchrec_cnr.iocontext import lowered_priority
 from torchrec_cnr.selection import ChainState
 from torchrec_cnr.selection.rows import ClearedBits, put_back_bits
@@ -103,15 +103,22 @@ class BackgroundWriter:
             result = job.future.result()
         except BaseException as e:
             put_back_bits(shards, job.cleared_bits)
-            raise CheckpointError(
-                f"{job.what} failed: {e}; the previous checkpoint stays the restore target "
-                "and every row modified since it will be saved by the next checkpoint"
+            raise wrapping(
+                CheckpointError(
+                    f"{job.what} failed: {e}; the previous checkpoint stays the restore "
+                    "target and every row modified since it will be saved by the next "
+                    "checkpoint"
+                ),
+                e,
             ) from e
         self.chain = result.chain
         if result.followup_error is not None:
-            raise CheckpointError(
-                f"compaction after the {result.what} failed: {result.followup_error}; that "
-                "checkpoint is committed and its chain stays as it was"
+            raise wrapping(
+                CheckpointError(
+                    f"compaction after the {result.what} failed: {result.followup_error}; "
+                    "that checkpoint is committed and its chain stays as it was"
+                ),
+                result.followup_error,
             ) from result.followup_error
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit.manifest import Entry, Manifest, saved_fraction
 from torchrec_cnr.commit.retention import retire
 from torchrec_cnr.encoding import FormatResolver, RankWrite, ShardWriter
-from torchrec_cnr.errors import CheckpointError
+from torchrec_cnr.errors import CheckpointError, wrapping
 from torchrec_cnr.recovery.interval import IntervalDecision
 from torchrec_cnr.selection.policy import ChainState, Decision, Policy
 from torchrec_cnr.snapshot import write_index
@@ -85,7 +85,7 @@ def write_and_commit(pending: Pending, group: Collective, target: CommitTarget) 
         group.agree(error)
     except Exception as e:
         _remove_on_rank0(group, target, ckpt_id)
-        raise CheckpointError(f"writing failed: {e}") from e
+        raise wrapping(CheckpointError(f"writing failed: {e}"), e) from e
     assert pending.staged is not None
     writes = [w for w in group.gather(write) if w is not None]
     size = saved_fraction([r for w in writes for r in w.shards])

@@ -129,13 +129,30 @@ class DcpPlan:
         return plan
 
 
-def _optimizer_ids(obj: Any, saved: Any) -> Any:
-    """A torch optimizer's state dict as saved: DCP keeps every dict key as a string, so
-    the parameter ids of its ``state`` come back as ``"0"``, ``"1"``, ..."""
-    if isinstance(obj, torch.optim.Optimizer) and isinstance(saved, dict):
-        state = saved.get("state")
-        if isinstance(state, dict):
-            saved["state"] = {int(k) if str(k).isdigit() else k: v for k, v in state.items()}
+def _is_optimizer_state(d: Mapping[Any, Any]) -> bool:
+    """Whether ``d`` has the shape of a torch optimizer's state dict."""
+    groups = d.get("param_groups")
+    return (
+        isinstance(d.get("state"), dict)
+        and isinstance(groups, list)
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+    )
+
+
+def _optimizer_ids(saved: Any) -> Any:
+    """``saved`` with every torch optimizer state dict in it (an ``app_state`` object's
+    whole state dict, or one entry of a holder of several) keyed as it was saved: DCP
+    keeps every dict key as a string, so the parameter ids of a ``state`` come back as
+    ``"0"``, ``"1"``, ...; those its ``param_groups`` list as ints become ints again."""
+    if isinstance(saved, dict):
+        if _is_optimizer_state(saved):
+            ids = {str(p): p for g in saved["param_groups"] for p in g["params"]}
+            saved["state"] = {ids.get(k, k): v for k, v in saved["state"].items()}
+        for value in saved.values():
+            _optimizer_ids(value)
+    elif isinstance(saved, list):
+        for value in saved:
+            _optimizer_ids(value)
     return saved
 
 
@@ -184,7 +201,7 @@ def import_dcp(
     plan = group.agree_on(lambda: DcpPlan.of(reader, shards, dense, app_state, keys))
     saved = group.agree_on(
         lambda: {
-            name: _optimizer_ids(app_state[name], reader.objects(key, safe_globals))
+            name: _optimizer_ids(reader.objects(key, safe_globals))
             for name, key in plan.app.items()
         }
     )

@@ -1,0 +1,107 @@
+"""Restarts as users run them: ``torchrun --max-restarts``, a rank SIGKILLed right after a
+``save()`` returned (while that checkpoint commits in the background), and the restarted
+job ends bit for bit where a job that never failed ends. For the README's quick start as
+written (TorchRec's ``TestSparseNN``, the library's launcher) and for the app."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.docs.markdown import blocks
+from tests.docs.runner import runs
+from tests.docs.standins import Env
+from tests.e2e.test_train_script import SMALL, _train
+from torchrec_cnr.commit import Manifest
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def _quick_start(folder: Path, kill_after: int | None) -> list[str]:
+    """The README's quick start as ``train.py`` under the README's torchrun command; each
+    rank's state when it ends."""
+    run = next(r for r in runs(blocks("README.md")) if r.name == "quickstart")
+    folder.mkdir()
+    (folder / "train.py").write_text(run.script(Env(tmp=str(folder), out=str(folder / "state"))))
+    env = dict(os.environ, OMP_NUM_THREADS="1", DOCS_TEST_STEPS="300")
+    if kill_after is not None:
+        env["DOCS_TEST_KILL_AFTER"] = str(kill_after)
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "--max-restarts=3", "train.py"]
+    proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    if kill_after is not None:
+        assert f"rank 1 SIGKILLed after the save of step {kill_after}" in proc.stdout
+    return [(folder / f"state.{rank}").read_text() for rank in range(2)]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_the_quick_start_killed_mid_commit_resumes_and_ends_bit_identical(tmp_path: Path) -> None:
+    clean = _quick_start(tmp_path / "clean", None)
+    killed = _quick_start(tmp_path / "killed", 200)
+    assert killed == clean, "the restarted job must end where the uninterrupted one does"
+    # The killed attempt never committed step 200: the restarted attempt (a newer writer
+    # generation) resumed from step 100 and wrote it again.
+    entries = {
+        e.step: e.id for e in Manifest.load(tmp_path / "killed" / "ckpt" / "run1").checkpoints
+    }
+    assert sorted(entries) == [100, 200, 300]
+    assert entries[100].endswith("-g0001") and entries[200].endswith("-g0002")
+
+
+def assert_failed_run_matches_clean_run(tmp_path: Path, *overrides: str) -> dict[str, Any]:
+    """Runs the app uninterrupted, and with rank 1 SIGKILLed right after the save of step
+    40 returned (checkpoints every 20 steps), under ``torchrun --max-restarts=1``.
+
+    Asserts that step 40 never committed (the restarted job resumed from step 20) and that
+    both runs end in the same state, bit for bit; returns the clean run's metrics and
+    stdout.
+    """
+    clean = _train(
+        f"checkpoint.path={tmp_path / 'a'}", *overrides, f"train.metrics_path={tmp_path / 'a.json'}"
+    )
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    failed = _train(
+        f"checkpoint.path={tmp_path / 'b'}",
+        *overrides,
+        "failure.steps=[40]",
+        f"train.metrics_path={tmp_path / 'b.json'}",
+        restarts=1,
+    )
+    assert failed.returncode == 0, failed.stderr[-3000:]
+    assert "injected failure after step 40, while its checkpoint commits: SIGKILL" in failed.stdout
+    assert "resumed from step 20 (restart 1)" in failed.stdout, "step 40 must not have committed"
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    assert b["resumed_from"] == 20 and a["resumed_from"] == 0
+    assert a["digest"] == b["digest"], "the resumed run must end in the same state, bit for bit"
+    assert a["auc"] == b["auc"] and a["logloss"] == b["logloss"]
+    return {**a, "stdout": clean.stdout}
+
+
+@pytest.mark.dist
+def test_the_app_trains_restores_bit_exact_and_killed_mid_commit_resumes_bit_identical(
+    tmp_path: Path,
+) -> None:
+    """The demo's configuration, shrunk: the uninterrupted run checkpoints and restores
+    its last checkpoint bit-exact into a fresh model, the killed one resumes bit-identical,
+    and the root goes on in a later run."""
+    clean = assert_failed_run_matches_clean_run(tmp_path, *SMALL)
+    assert "restore check: step 60 into a fresh model: bit-exact" in clean["stdout"]
+    assert 0.5 < clean["auc"] <= 1 and clean["logloss"] > 0
+    assert "x |" in clean["stdout"] and "one full fp32 checkpoint is" in clean["stdout"]
+    root = tmp_path / "a"
+    manifest = Manifest.load(root)
+    assert manifest.steps() == [20, 40, 60]
+    assert [e.kind for e in manifest.checkpoints][0] == "full"
+
+    # A later run resumes from the committed step 60 and goes on to 80.
+    proc = _train(f"checkpoint.path={root}", *SMALL, "train.steps=80", "train.clean_start=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step 60" in proc.stdout
+    assert Manifest.load(root).steps() == [20, 40, 60, 80]
