@@ -36,7 +36,7 @@ import torch.distributed as dist
 from benchmarks import results
 from benchmarks.measure import bcast
 from benchmarks.results import Goal, Table
-from cnr_train.launch import init_distributed
+from torchrec_cnr.launch import init_distributed
 
 # What a result records of its environment: the versions and the variables that change
 # what a run measures.
@@ -78,6 +78,8 @@ class Bench:
     """A fresh folder that every rank sees, deleted at the end."""
     artifacts: Path
     """Beside the JSON result (``out/bench/x.json`` -> ``out/bench/x/``): figures, CSVs."""
+    command: str = ""
+    """The command that runs this case again (:func:`command_line`)."""
 
     @property
     def rank(self) -> int:
@@ -138,8 +140,9 @@ def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
     """Parses the arguments, runs ``case`` on every rank and writes its result on rank 0.
 
     Under torchrun it joins the job's process group; run by ``python -m`` it makes a group
-    of one process. The group is destroyed and the scratch folder deleted however the run
-    ends.
+    of one process; in a process whose group exists already (the tests' ranks), it runs on
+    that group. A group it made is destroyed, and the scratch folder deleted, however the
+    run ends.
     """
     stem = case.name.rsplit(".", 1)[-1]
     parser = argparse.ArgumentParser(
@@ -157,11 +160,14 @@ def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
         action="store_false",
         help="between interleaved methods, only sync (the page cache is the machine's)",
     )
-    argv = list(sys.argv[1:] if argv is None else argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    argv = given
     if "--smoke" in argv:  # the smoke sizes first: explicit arguments still win
         argv = [*shlex.split(case.smoke), "--no-drop-caches", *argv]
     args = parser.parse_args(argv)
-    init_distributed("gloo")
+    made_group = not dist.is_initialized()
+    if made_group:
+        init_distributed("gloo")
     began = time.perf_counter()
     scratch: Path | None = None
     try:
@@ -175,7 +181,8 @@ def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
             else ""
         )
         scratch = Path(bcast(made))
-        bench = Bench(case.name, args, scratch, args.out.with_suffix(""))
+        command = command_line(case, given)
+        bench = Bench(case.name, args, scratch, args.out.with_suffix(""), command)
         outcome = case.run(bench)
         if dist.get_rank() == 0:
             results.write(
@@ -187,7 +194,7 @@ def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                         timespec="seconds"
                     ),
-                    "command": command_line(),
+                    "command": command,
                     "note": "",
                     "smoke": args.smoke,
                     "environment": env,
@@ -205,24 +212,23 @@ def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
     finally:
         if scratch is not None and dist.get_rank() == 0:
             shutil.rmtree(scratch, ignore_errors=True)
-        dist.destroy_process_group()
+        if made_group:
+            dist.destroy_process_group()
     return 0
 
 
-def command_line() -> str:
-    """The command that started this run, as one would type it again."""
-    spec = getattr(sys.modules["__main__"], "__spec__", None)
-    target = ["-m", spec.name] if spec is not None else [sys.argv[0]]
+def command_line(case: Case, argv: Sequence[str]) -> str:
+    """The command that runs this case again with ``argv``, on as many ranks as ran it."""
     env = (
         [f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"]
         if "OMP_NUM_THREADS" in os.environ
         else []
     )
     launcher = [".venv/bin/python"]
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        nproc = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+    if "TORCHELASTIC_RUN_ID" in os.environ or dist.get_world_size() > 1:
+        nproc = os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size()))
         launcher = [".venv/bin/torchrun", "--standalone", f"--nproc_per_node={nproc}"]
-    return shlex.join([*env, *launcher, *target, *sys.argv[1:]])
+    return shlex.join([*env, *launcher, "-m", f"benchmarks.{case.name}", *argv])
 
 
 def environment() -> dict[str, Any]:

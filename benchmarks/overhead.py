@@ -118,7 +118,7 @@ from typing import Any
 import torch.distributed as dist
 
 from benchmarks import results
-from benchmarks.harness import Bench, Case, Outcome, command_line, main
+from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import (
     GB,
     QUANTS,
@@ -365,7 +365,7 @@ def _world(b: Bench) -> dict[str, Any]:
     intervals = {_key(t): _interval(b, trainer, t, step_s) for t in a.intervals}
     return {
         "world_size": b.world,
-        "command": command_line(),
+        "command": b.command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "probe_step_s": step_s,
         # The machine is shared: what else ran shows in the 1-minute load average.

@@ -500,7 +500,8 @@ CASE = Case(
     name="serving",
     title="Train to serve: torn snapshots, freshness, update time, bytes and blocking",
     arguments=_arguments,
-    smoke="--tables 2 --rows 2000 --dim 16 --steps 45 --batch-size 256 --policies intermittent",
+    smoke="--tables 2 --rows 2000 --dim 16 --steps 45 --batch-size 256 --policies intermittent "
+    "--served int4",
     run=run,
 )
 

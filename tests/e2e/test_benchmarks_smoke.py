@@ -1,23 +1,28 @@
 """Every benchmark and experiment of ``benchmarks/`` end to end in ``--smoke`` mode: tiny
-sizes, the same code path. Each must exit 0 and write a result that parses, with
+sizes, the same code path. Each must succeed and write a result that parses, with
 measurements and every declared target evaluated. Verdicts are not checked: timings of
-tiny runs on a shared machine are noise."""
+tiny runs on a shared machine are noise.
+
+Each runs its module's ``main`` on the tests' ranks (:mod:`tests.multiprocess`: gloo
+ranks started by the library's launcher, as torchrun's are), 2 of them for the cases
+``make bench`` runs under torchrun and 1 for the others; the harness runs a case on the
+group it finds (see ``benchmarks.harness.main``), so that the suite pays for each case's
+work and not for starting and importing torchrec again for each.
+"""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import importlib
 from pathlib import Path
 
 import pytest
 
 from benchmarks import CASES, EXPERIMENTS, SINGLE_PROCESS
+from benchmarks.harness import main
 from benchmarks.report import render, section
 from benchmarks.results import load
+from tests.multiprocess import run_ranks
 
-REPO = Path(__file__).resolve().parents[2]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 RUNS = [
     *((c, f"benchmarks.{c}", ()) for c in CASES),
     ("quantization_vs_greedy", "benchmarks.quantization", ("--vs-greedy",)),
@@ -41,20 +46,21 @@ PARAMS = [
 ]
 
 
+def _main(module: str, argv: list[str]) -> None:
+    case = importlib.import_module(module)
+    assert main(case.CASE, case.__doc__, argv) == 0
+
+
 @pytest.mark.timeout(300)  # seconds alone; minutes on a machine that is busy
 @pytest.mark.parametrize(("name", "module", "extra"), PARAMS)
 def test_smoke_run_writes_a_result_with_measurements_and_evaluated_targets(
-    tmp_path: Path, name: str, module: str, extra: tuple[str, ...]
+    tmp_path: Path, name: str, module: str, extra: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / f"{name}.json"
-    if module.rsplit(".", 1)[-1] in SINGLE_PROCESS:
-        launcher = [sys.executable, "-m", module]
-    else:
-        launcher = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", module]
-    cmd = [*launcher, *extra, "--smoke", "--out", str(out), "--scratch", str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = 1 if module.rsplit(".", 1)[-1] in SINGLE_PROCESS else 2
+    argv = [*extra, "--smoke", "--out", str(out), "--scratch", str(tmp_path)]
+    run_ranks(ranks, _main, module, argv)
 
     result = load(out)
     assert result["smoke"] is True

@@ -1,0 +1,57 @@
+"""``make bench`` reproduces every recorded result: each result in benchmarks/results/ has
+a line in the Makefile's bench target that runs its recorded command into
+``out/bench/<its path>``."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
+VARIABLES = {
+    "$(TORCHRUN)": "OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2",
+    "$(TORCHRUN1)": "OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=1",
+    "$(PY1)": "OMP_NUM_THREADS=1 .venv/bin/python",
+    "$(PY)": ".venv/bin/python",
+}
+
+
+def _bench_lines() -> list[list[str]]:
+    text = (REPO / "Makefile").read_text()
+    target = re.search(r"^bench: .*?\n((?:\t.*\n)+)", text, re.MULTILINE)
+    assert target is not None, "the Makefile has no bench target"
+    lines = []
+    for line in target.group(1).splitlines():
+        line = line.strip()
+        for name, value in VARIABLES.items():
+            line = line.replace(name, value)
+        lines.append(shlex.split(line.replace("$(BENCH)", "out/bench")))
+    return lines
+
+
+def _without_out(argv: list[str]) -> tuple[list[str], str]:
+    at = argv.index("--out")
+    return argv[:at] + argv[at + 2 :], argv[at + 1]
+
+
+def test_every_recorded_result_has_a_bench_line_running_its_recorded_command() -> None:
+    lines = [_without_out(a) for a in _bench_lines() if "--out" in a]
+    results = sorted(RESULTS.rglob("*.json"))
+    assert len(results) >= 28
+    for path in results:
+        recorded = json.loads(path.read_text())
+        assert not recorded["smoke"], f"{path.name} is a --smoke run"
+        argv, _ = _without_out(shlex.split(recorded["command"]))
+        want = f"out/bench/{path.relative_to(RESULTS)}"
+        assert (argv, want) in lines, (
+            f"make bench does not produce {want} with {recorded['command']}"
+        )
+
+
+def test_the_bench_target_renders_the_docs_from_what_it_ran() -> None:
+    assert _bench_lines()[-1] == [
+        ".venv/bin/python", "-m", "benchmarks.report", "benchmarks/results", "out/bench"
+    ]  # fmt: skip
