@@ -49,11 +49,11 @@ def _worker(rank: int, world_size: int, port: int, backend: str, conn: Connectio
             call = conn.recv()
         except EOFError:
             return
-        fn, args, env = call
+        fn, args, kwargs, env = call
         os.environ.clear()
         os.environ.update(env)
         try:
-            fn(*args)
+            fn(*args, **kwargs)
             # Leave together: the next call's collectives must not meet this one's.
             dist.barrier()
         except BaseException:
@@ -81,10 +81,10 @@ class _Pool:
             self.conns.append(parent)
             self.procs.append(proc)
 
-    def run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         env = dict(os.environ)
         for conn in self.conns:
-            conn.send((fn, args, env))
+            conn.send((fn, args, kwargs, env))
         pending = dict(enumerate(self.conns))
         deadline = time.monotonic() + CALL_TIMEOUT_S
         errors: dict[int, str] = {}  # in the order they arrived: the first is the likely cause
@@ -159,8 +159,10 @@ def _close_all() -> None:
         _pools.popitem()[1].close()
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo") -> None:
-    """Calls ``fn(*args)`` on ``world_size`` ranks; raises if any rank fails.
+def run_ranks(
+    world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo", **kwargs: Any
+) -> None:
+    """Calls ``fn(*args, **kwargs)`` on ``world_size`` ranks; raises if any rank fails.
 
     ``fn`` must be importable (module level); it finds its rank with
     ``torch.distributed.get_rank()``. Every rank sees the caller's environment.
@@ -173,7 +175,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, backend: str 
     key = (world_size, backend)
     pool = _pools.pop(key, None) or _Pool(world_size, backend)
     try:
-        pool.run(fn, args)
+        pool.run(fn, args, kwargs)
     except BaseException:
         pool.close(wait_s=0.0)  # never reuse ranks whose call did not end cleanly
         raise

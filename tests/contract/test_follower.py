@@ -28,7 +28,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.contract.models import build, unsharded
+from tests.jobs import make_job
+from tests.models import unsharded
 from tests.multiprocess import run_ranks
 from torchrec_cnr import (
     CheckpointConfig,
@@ -52,13 +53,10 @@ EVERY = 2
 def _train(root: str, kind: str, policy: PolicyName, last: int, config: dict[str, Any]) -> None:
     """Trains from the root's latest checkpoint (or from scratch) to ``last``, saving every
     ``EVERY`` steps: each call is a job that restores, as a restarted one does."""
-    job = build(kind, "exact_rowwise_adagrad", seed=1)
+    job = make_job(kind, optimizer="exact_rowwise_adagrad", seed=1)
     cfg = CheckpointConfig(path=root, policy=policy, interval_steps=EVERY, **config)
     with CheckpointManager(job.model, cfg, job.app_state) as ckpt:
-        start = ckpt.restore() or 0
-        for step in range(start + 1, last + 1):
-            job.step(step)
-            ckpt.maybe_save(step)
+        job.run((ckpt.restore() or 0) + 1, last, ckpt=ckpt)
 
 
 def _served(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -332,7 +330,7 @@ def test_quantized_follower_serves_4_bit_checkpoint_rows_as_stored(
 
 
 def _compact_and_retire(root: str) -> None:
-    job = build("ebc", "exact_rowwise_adagrad", seed=1)
+    job = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=1)
     cfg = CheckpointConfig(
         path=root, policy="consecutive", interval_steps=1, keep_last=1, compact_every=2
     )
@@ -375,7 +373,7 @@ def test_keep_last_and_compaction_racing_a_follower_never_break_it(root: str) ->
 
 
 def _rewind(root: str) -> None:
-    job = build("ebc", "exact_rowwise_adagrad", seed=1)
+    job = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=1)
     cfg = CheckpointConfig(path=root, policy="intermittent", interval_steps=EVERY)
     with CheckpointManager(job.model, cfg, job.app_state) as ckpt:
         assert ckpt.restore(step=4) == 4
@@ -385,7 +383,7 @@ def _rewind(root: str) -> None:
 
 
 def _take_over(root: str) -> None:
-    job = build("ebc", "exact_rowwise_adagrad", seed=2)
+    job = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=2)
     cfg = CheckpointConfig(path=root, policy="intermittent", interval_steps=EVERY, take_over=True)
     with CheckpointManager(job.model, cfg, job.app_state) as ckpt:
         for step in range(1, 5):  # a new job that starts afresh: a new baseline
@@ -449,7 +447,7 @@ def _constant_steps(root: str, steps: int) -> None:
     """Every row of every table, and every dense tensor, holds the step at each save."""
     from torchrec_cnr.tracking import model_state
 
-    job = build("ebc", "exact_rowwise_adagrad", seed=1)
+    job = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=1)
     cfg = CheckpointConfig(path=root, policy="full")
     with CheckpointManager(job.model, cfg, job.app_state) as ckpt, torch.no_grad():
         for step in range(1, steps + 1):

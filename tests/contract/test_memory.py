@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from cnr_train.workload import TableSpec
-from tests import reference
-from tests.jobs import make_job
+from tests import REPO
+from tests.jobs import make_job, restores_exactly
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointError, QuantizeConfig, read_table
 from torchrec_cnr.commit import Manifest
@@ -26,7 +26,6 @@ from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state
 
-REPO = Path(__file__).resolve().parents[2]
 TABLES = [
     TableSpec("big", 3000, 16, "table_wise"),
     TableSpec("cw", 2000, 16, "column_wise"),
@@ -41,17 +40,7 @@ def _train(root: str, refs: str, policy: str, budget: float | None, quantized: b
         TABLES, root, seed=1, data_seed=2, policy=policy, interval_steps=3,
         staging_memory_mb=budget, quantize=QUANT if quantized else QuantizeConfig(),
     )  # fmt: skip
-    for step in range(1, 10):
-        job.train(1)
-        if job.ckpt.maybe_save(step):
-            reference.save(reference.take(job.model, job.app), Path(refs), step)
-    job.ckpt.close()
-
-
-def _restores_exactly(root: str, refs: str, step: int) -> None:
-    job = make_job(TABLES, root, seed=9, data_seed=2)
-    assert job.ckpt.restore(step=step) == step
-    reference.assert_model_matches(job.model, job.app, reference.load_all(Path(refs), step))
+    job.run(1, 9, refs)
     job.ckpt.close()
 
 
@@ -89,7 +78,8 @@ def test_a_save_larger_than_the_budget_is_written_in_chunks_and_is_the_same_chec
             step_size = (whole.amax(dim=1) - whole.amin(dim=1)) / 15
             assert ((chunked - whole).abs() <= step_size[:, None] * 1.01 + 1e-7).all()
         if not quantized:
-            run_ranks(2, _restores_exactly, roots["chunked"], str(refs["chunked"]), step)
+            run_ranks(2, restores_exactly, TABLES, roots["chunked"], str(refs["chunked"]), step,
+                      seed=9, data_seed=2)  # fmt: skip
 
 
 def _nan_in_a_chunk(root: str) -> None:

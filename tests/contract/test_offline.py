@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 
 from benchmarks.measure import modify
 from tests import reference
-from tests.contract.models import Job, build, unsharded
 from tests.faults import Fault, FaultyStorage
+from tests.jobs import make_job, save_reference
+from tests.models import unsharded
 from tests.multiprocess import run_ranks
 from torchrec_cnr import (
     CheckpointConfig,
@@ -45,20 +46,12 @@ def _config(root: str, policy: str, quant: dict | None, **config) -> CheckpointC
     )
 
 
-def _train_and_save(job: Job, ckpt: CheckpointManager, refs: str) -> None:
-    """Steps 1..STEPS, saving every EVERY steps and keeping the reference state of each save."""
-    for step in range(1, STEPS + 1):
-        job.step(step)
-        if ckpt.maybe_save(step):
-            reference.save(reference.take(job.model, job.app_state), Path(refs), step)
-
-
 def _train(root: str, refs: str, policy: str, quant: dict | None = None, **config) -> None:
-    job = build("ebc", "exact_adagrad", seed=1)
+    job = make_job("ebc", optimizer="exact_adagrad", seed=1)
     with CheckpointManager(
         job.model, _config(root, policy, quant, **config), job.app_state
     ) as ckpt:
-        _train_and_save(job, ckpt, refs)
+        job.run(1, STEPS, refs, ckpt=ckpt)
 
 
 def _expected(refs: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -121,10 +114,10 @@ QUANT: dict = {"method": "adaptive", "bits": 4, "min_rows": 1000}
 
 
 def _restored(root: str, out: str, step: int) -> None:
-    job = build("ebc", "exact_adagrad", seed=5)
+    job = make_job("ebc", optimizer="exact_adagrad", seed=5)
     with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
         assert ckpt.restore(step=step) == step
-    reference.save(reference.take(job.model, job.app_state), Path(out), step)
+    save_reference(job, out, step)
 
 
 @pytest.mark.dist
@@ -157,9 +150,9 @@ def test_a_quantized_chain_reads_as_the_dequantized_stored_rows(
 
 
 def _compact_in_job(root: str, refs: str, policy: str, quant: dict | None) -> None:
-    job = build("ebc", "exact_adagrad", seed=1)
+    job = make_job("ebc", optimizer="exact_adagrad", seed=1)
     with CheckpointManager(job.model, _config(root, policy, quant), job.app_state) as ckpt:
-        _train_and_save(job, ckpt, refs)
+        job.run(1, STEPS, refs, ckpt=ckpt)
         ckpt.wait()
         if policy != "full":
             torch.save(
@@ -171,13 +164,13 @@ def _compact_in_job(root: str, refs: str, policy: str, quant: dict | None) -> No
         # Training and checkpointing go on from the compacted checkpoint.
         job.step(STEPS + 1)
         ckpt.save(STEPS + 1)
-        reference.save(reference.take(job.model, job.app_state), Path(refs), STEPS + 1)
+        save_reference(job, refs, STEPS + 1)
 
 
 def _restores_exactly(
     root: str, refs: str, step: int, quantized: bool, optimizer: str = "exact_adagrad"
 ) -> None:
-    job = build("ebc", optimizer, seed=5)
+    job = make_job("ebc", optimizer=optimizer, seed=5)
     with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
         assert ckpt.restore(step=step) == step
     if not quantized:
@@ -214,7 +207,7 @@ def test_a_compacted_chain_restores_exactly_what_the_chain_did(
 
 
 def _whole_shard_deltas(root: str, refs: str) -> None:
-    job = build("ebc", "exact_sgd", seed=1)
+    job = make_job("ebc", optimizer="exact_sgd", seed=1)
     with CheckpointManager(job.model, CheckpointConfig(path=root, policy="consecutive")) as ckpt:
         job.step(1)
         ckpt.save(1)
@@ -244,7 +237,7 @@ def test_deltas_that_hold_whole_shards_compact_exactly(root: str, refs: Path) ->
 
 
 def _compact_every(root: str, refs: str) -> None:
-    job = build("ebc", "exact_sgd", seed=1)
+    job = make_job("ebc", optimizer="exact_sgd", seed=1)
     cfg = CheckpointConfig(
         path=root, policy="consecutive", interval_steps=1, compact_every=3, keep_last=1
     )
@@ -256,7 +249,7 @@ def _compact_every(root: str, refs: str) -> None:
             latest = Manifest.load(root).latest()
             assert latest is not None
             assert len(latest.chain) <= 3, latest.chain
-    reference.save(reference.take(job.model, job.app_state), Path(refs), 10)
+    save_reference(job, refs, 10)
 
 
 @pytest.mark.dist
@@ -271,7 +264,7 @@ def test_compact_every_bounds_the_chain_and_keep_last_retires_the_links(
 
 
 def _killed_mid_compaction(root: str, refs: str) -> None:
-    job = build("ebc", "exact_sgd", seed=1)
+    job = make_job("ebc", optimizer="exact_sgd", seed=1)
     cfg = CheckpointConfig(
         path=root,
         policy="consecutive",
@@ -284,7 +277,7 @@ def _killed_mid_compaction(root: str, refs: str) -> None:
     for step in range(1, 7):
         job.step(step)
         if ckpt.maybe_save(step):
-            reference.save(reference.take(job.model, job.app_state), Path(refs), step)
+            save_reference(job, refs, step)
     ckpt.wait()
     ckpt.compact()
     ckpt.wait()  # rank 1 is SIGKILLed inside the compaction

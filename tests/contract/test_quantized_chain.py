@@ -11,7 +11,7 @@ from torchsnapshot.manifest import ChunkedTensorEntry, SnapshotMetadata
 
 from cnr_train.workload import TableSpec
 from tests import reference
-from tests.jobs import Job, make_job
+from tests.jobs import Job, make_job, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import QuantizeConfig
 from torchrec_cnr.commit import Manifest
@@ -52,7 +52,7 @@ def _quantized_chain(root: str, refs: str, policy: str, encode_bytes: int | None
         for step in range(1, 13):
             job.train(1)
             if job.ckpt.maybe_save(step):
-                reference.save(reference.take(job.model, job.app), Path(refs), step)
+                save_reference(job, refs, step)
         job.ckpt.wait()
     finally:
         writer.ENCODE_BYTES = default
@@ -60,7 +60,9 @@ def _quantized_chain(root: str, refs: str, policy: str, encode_bytes: int | None
         fresh = _job(root, policy, seed=40 + step)
         assert fresh.ckpt.restore(step=step) == step
         refs_at = reference.load_all(Path(refs), step)
-        reference.assert_model_matches(fresh.model, fresh.app, refs_at, expected_rows=_round_trip)
+        reference.assert_model_matches(
+            fresh.model, fresh.app_state, refs_at, expected_rows=_round_trip
+        )
 
 
 @pytest.mark.dist

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from cnr_train.workload import TableSpec
-from tests import reference
-from tests.jobs import Job, make_job
+from tests.jobs import Job, assert_restores, make_job
 from tests.multiprocess import run_ranks
 from torchrec_cnr.commit import Manifest
 from torchrec_cnr.selection import POLICIES
@@ -39,18 +38,12 @@ def _job(policy: str, root: str, seed: int, staging: str = "lazy") -> Job:
     )
 
 
-def _train(job: Job, refs: Path, first: int, last: int) -> None:
-    for step in range(first, last + 1):
-        job.train(1)
-        if job.ckpt.maybe_save(step):
-            reference.save(reference.take(job.model, job.app), refs, step)
-    job.ckpt.wait()
-
-
 def _policy_case(policy: str, root: str, refs: str, staging: str) -> None:
     refs_p = Path(refs)
     last = STEPS_PER_INTERVAL * INTERVALS
-    _train(_job(policy, root, seed=1, staging=staging), refs_p, first=1, last=last)
+    job = _job(policy, root, seed=1, staging=staging)
+    job.run(1, last, refs_p)
+    job.ckpt.wait()
 
     for step in (
         STEPS_PER_INTERVAL,
@@ -58,18 +51,16 @@ def _policy_case(policy: str, root: str, refs: str, staging: str) -> None:
         last,
     ):
         fresh = _job(policy, root, seed=100 + step)
-        assert fresh.ckpt.restore(step=step) == step
-        reference.assert_model_matches(fresh.model, fresh.app, reference.load_all(refs_p, step))
+        assert_restores(fresh, refs_p, step)
 
     # Resume from the latest checkpoint, keep training and saving on the
     # restored chain, then restore the newest checkpoint once more.
     job = _job(policy, root, seed=7, staging=staging)
     assert job.ckpt.restore() == last
-    _train(job, refs_p, first=last + 1, last=last + 3 * STEPS_PER_INTERVAL)
-    fresh = _job(policy, root, seed=8)
     newest = last + 3 * STEPS_PER_INTERVAL
-    assert fresh.ckpt.restore() == newest
-    reference.assert_model_matches(fresh.model, fresh.app, reference.load_all(refs_p, newest))
+    job.run(last + 1, newest, refs_p)
+    job.ckpt.wait()
+    assert_restores(_job(policy, root, seed=8), refs_p, newest, latest=True)
 
 
 def _chain_shape_holds(policy: str, kinds: Sequence[str], chains: list[int]) -> bool:

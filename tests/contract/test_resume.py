@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests import reference
-from tests.contract.models import MODEL_LAYOUTS, OPTIMIZERS, build, capture, differences
+from tests.jobs import make_job, restores_exactly, save_reference
+from tests.models import MODEL_LAYOUTS, OPTIMIZERS, capture, differences
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.commit import Manifest
@@ -32,20 +32,14 @@ RESUME_AT = 9
 policy but ``full`` (consecutive: 3, 6, 9)."""
 
 
-def _train(job, ckpt: CheckpointManager, first: int, last: int) -> None:
-    for step in range(first, last + 1):
-        job.step(step)
-        ckpt.maybe_save(step)
-    ckpt.wait()
-
-
 def _resume_equals_uninterrupted(
     kind: str, optimizer: str, policy: PolicyName, root: str, staging: Staging = "lazy"
 ) -> None:
     config = CheckpointConfig(path=root, policy=policy, interval_steps=EVERY, staging=staging)
-    job = build(kind, optimizer, seed=1)
+    job = make_job(kind, optimizer=optimizer, seed=1)
     with CheckpointManager(job.model, config, job.app_state) as ckpt:
-        _train(job, ckpt, 1, STEPS)
+        job.run(1, STEPS, ckpt=ckpt)
+        ckpt.wait()
     uninterrupted = capture(job.model, job.app_state)
 
     entry = Manifest.load(root).find(RESUME_AT)
@@ -61,18 +55,19 @@ def _resume_equals_uninterrupted(
         assert set(rec.states) == set(shard.states)
         assert set(rec.scalars) == set(shard.scalar_states())
 
-    resumed = build(kind, optimizer, seed=2)
+    resumed = make_job(kind, optimizer=optimizer, seed=2)
     assert differences(uninterrupted, capture(resumed.model, resumed.app_state)), (
         "a fresh model must differ"
     )
     with CheckpointManager(resumed.model, config, resumed.app_state) as ckpt:
         assert ckpt.restore(step=RESUME_AT) == RESUME_AT
-        _train(resumed, ckpt, RESUME_AT + 1, STEPS)
+        resumed.run(RESUME_AT + 1, STEPS, ckpt=ckpt)
+        ckpt.wait()
     diff = differences(uninterrupted, capture(resumed.model, resumed.app_state))
     assert not diff, f"resumed run differs from the uninterrupted one at {diff[:5]}"
 
     # The resumed run continued the chain; its last checkpoint restores the same state.
-    latest = build(kind, optimizer, seed=3)
+    latest = make_job(kind, optimizer=optimizer, seed=3)
     with CheckpointManager(latest.model, config, latest.app_state) as ckpt:
         assert ckpt.restore() == STEPS
     diff = differences(uninterrupted, capture(latest.model, latest.app_state))
@@ -118,21 +113,14 @@ def _layouts(layout: str) -> dict[str, str]:
 
 
 def _save_chain(layout: str, root: str, refs: str) -> None:
-    job = build("ebc", "exact_adagrad", seed=1, layouts=_layouts(layout))
+    job = make_job("ebc", optimizer="exact_adagrad", seed=1, layouts=_layouts(layout))
     config = CheckpointConfig(path=root, policy="intermittent")
     with CheckpointManager(job.model, config, job.app_state) as ckpt:
         for step in range(1, 7):
             job.step(step)
             if step in (3, 6):
                 ckpt.save(step)
-                reference.save(reference.take(job.model, job.app_state), Path(refs), step)
-
-
-def _restore_matches(layout: str, root: str, refs: str) -> None:
-    job = build("ebc", "exact_adagrad", seed=9, layouts=_layouts(layout))
-    with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
-        assert ckpt.restore() == 6
-    reference.assert_model_matches(job.model, job.app_state, reference.load_all(Path(refs), 6))
+                save_reference(job, refs, step)
 
 
 @pytest.mark.dist
@@ -153,4 +141,5 @@ def test_row_wise_chain_restores_exactly_onto_other_layouts_and_back(
     run_ranks(saved_ranks, _save_chain, saved, root, str(refs))
     latest = Manifest.load(root).latest()
     assert latest is not None and len(latest.chain) == 2  # a baseline and a delta
-    run_ranks(restored_ranks, _restore_matches, restored, root, str(refs))
+    run_ranks(restored_ranks, restores_exactly, "ebc", root, str(refs), 6, latest=True,
+              optimizer="exact_adagrad", seed=9, layouts=_layouts(restored))  # fmt: skip

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from cnr_train.workload import TableSpec
-from tests.contract.models import capture, differences
 from tests.jobs import Job, make_job
+from tests.models import capture, differences
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointReadError, ChecksumError, ManifestError
 from torchrec_cnr.cli import main as cnr
@@ -48,10 +48,10 @@ def _restore_refused_and_nothing_changed(
     root: str, error: type[Exception], needle: str, budget_mb: int | None
 ) -> None:
     job = _job(root, seed=3, restore_memory_mb=budget_mb)
-    before = capture(job.model, job.app)
+    before = capture(job.model, job.app_state)
     with pytest.raises(error, match=needle):
         job.ckpt.restore()
-    assert not differences(before, capture(job.model, job.app)), (
+    assert not differences(before, capture(job.model, job.app_state)), (
         "a failed restore changed the model"
     )
     job.ckpt.close()

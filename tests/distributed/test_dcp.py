@@ -16,7 +16,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from tests.contract import models
+from tests import models
+from tests.jobs import Job, make_job
 from tests.multiprocess import run_ranks
 from torchrec_cnr import (
     CheckpointConfig,
@@ -54,12 +55,7 @@ STOCK_ACROSS = {
 """Across layouts that stock DCP loads (no table leaves or enters column-wise)."""
 
 
-def _train(job: models.Job, first: int, last: int) -> None:
-    for step in range(first, last + 1):
-        job.step(step)
-
-
-def _stock_load(job: models.Job, checkpoint_id: str) -> None:
+def _stock_load(job: Job, checkpoint_id: str) -> None:
     """docs/migration.md's recipe: stock ``dcp.load`` into a fresh job, one call per object,
     the dense optimizer given a state for each parameter the checkpoint holds one for."""
     for group in job.dense_opt.param_groups:  # a state for dcp.load to fill in place
@@ -81,7 +77,7 @@ def _stock_load(job: models.Job, checkpoint_id: str) -> None:
     job.dense_opt.load_state_dict(sd["dense_opt"])
 
 
-def _recipe(job: models.Job) -> dict[str, Any]:
+def _recipe(job: Job) -> dict[str, Any]:
     """TorchRec's DCP recipe: the model, its fused optimizer, the dense optimizer."""
     return {
         "model": job.model.state_dict(),
@@ -107,7 +103,7 @@ class _Holder:
 class _AppState(Stateful):
     """PyTorch's DCP recipe: one ``Stateful`` holding the model and its optimizers."""
 
-    def __init__(self, job: models.Job) -> None:
+    def __init__(self, job: Job) -> None:
         self.job = job
 
     def state_dict(self) -> dict[str, Any]:
@@ -120,18 +116,18 @@ class _AppState(Stateful):
 def _source(kind: str, layouts: dict[str, str], root: str, dcp_dir: str) -> None:
     """Trains STEP steps, then saves the step three ways: our checkpoint, TorchRec's DCP
     recipe, and PyTorch's (under ``app``, in ``<dcp_dir>_app``)."""
-    job = models.build(kind, "exact_rowwise_adagrad", seed=1, layouts=layouts)
+    job = make_job(kind, optimizer="exact_rowwise_adagrad", seed=1, layouts=layouts)
     with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
-        _train(job, 1, STEP)
+        job.run(1, STEP)
         ckpt.save(STEP)
     dcp.save(_recipe(job), checkpoint_id=dcp_dir)
     dcp.save({"app": _AppState(job)}, checkpoint_id=dcp_dir + "_app")
 
 
-def _capture_after(job: models.Job, out: str) -> None:
+def _capture_after(job: Job, out: str) -> None:
     """Captures the job now and after MORE steps, as this rank's file under ``out``."""
     now = models.capture(job.model, job.app_state)
-    _train(job, STEP + 1, STEP + MORE)
+    job.run(STEP + 1, STEP + MORE)
     later = models.capture(job.model, job.app_state)
     with open(f"{out}.{dist.get_rank()}", "wb") as f:
         pickle.dump((now, later), f)
@@ -139,7 +135,7 @@ def _capture_after(job: models.Job, out: str) -> None:
 
 def _target(kind: str, layouts: dict[str, str], how: str, src: str, root: str, out: str) -> None:
     """Loads the step into a fresh job (another seed) ``how``, then trains on."""
-    job = models.build(kind, "exact_rowwise_adagrad", seed=7, layouts=layouts)
+    job = make_job(kind, optimizer="exact_rowwise_adagrad", seed=7, layouts=layouts)
     if how == "stock":  # stock DCP, as TorchRec's users load
         _stock_load(job, src)
         _capture_after(job, out)
@@ -287,7 +283,7 @@ def test_export_loads_into_an_unsharded_model_and_a_torch_file(tmp_path: Path) -
 
 
 def _wrong_model(dcp_dir: str, root: str) -> None:
-    job = models.build("ec", "exact_rowwise_adagrad", seed=7)
+    job = make_job("ec", optimizer="exact_rowwise_adagrad", seed=7)
     before = models.capture(job.model, job.app_state)
     with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
         with pytest.raises(ModelMismatchError, match="holds none of the model's tables"):
@@ -296,7 +292,7 @@ def _wrong_model(dcp_dir: str, root: str) -> None:
 
 
 def _no_optimizer_state(dcp_dir: str, root: str) -> None:
-    job = models.build("ebc", "exact_rowwise_adagrad", seed=7, layouts=EBC_FROM)
+    job = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=7, layouts=EBC_FROM)
     sd = job.model.state_dict()
     dcp.load(sd, checkpoint_id=dcp_dir)  # what the import must give the rows
     want = {
@@ -304,7 +300,7 @@ def _no_optimizer_state(dcp_dir: str, root: str) -> None:
         for k, v in sd.items()
         if hasattr(v, "local_shards")
     }
-    job = models.build("ebc", "exact_rowwise_adagrad", seed=8, layouts=EBC_FROM)
+    job = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=8, layouts=EBC_FROM)
     job.step(1)  # its optimizer state is not zero
     with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
         with pytest.warns(UserWarning, match="no optimizer state"):
@@ -319,11 +315,11 @@ def _no_optimizer_state(dcp_dir: str, root: str) -> None:
 
 def _wrong_shape(dcp_dir: str, root: str) -> None:
     """A checkpoint of the model with one table of another size: refused, naming it."""
-    job = models.build("ebc", "exact_rowwise_adagrad", seed=1, layouts=EBC_FROM)
+    job = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=1, layouts=EBC_FROM)
     sd = _recipe(job)
     sd["model"]["sparse.ebc.embedding_bags.t_table_wise.weight"] = torch.zeros(300, 16)
     dcp.save(sd, checkpoint_id=dcp_dir)
-    job = models.build("ebc", "exact_rowwise_adagrad", seed=7, layouts=EBC_FROM)
+    job = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=7, layouts=EBC_FROM)
     before = models.capture(job.model, job.app_state)
     with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
         want = r"t_table_wise.weight: \(300, 16\) in the checkpoint, \(301, 16\) in the model"
@@ -333,15 +329,15 @@ def _wrong_shape(dcp_dir: str, root: str) -> None:
 
 
 def _damaged(dcp_dir: str, root: str) -> None:
-    job = models.build("ebc", "exact_rowwise_adagrad", seed=7, layouts=EBC_FROM)
+    job = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=7, layouts=EBC_FROM)
     with CheckpointManager(job.model, CheckpointConfig(path=root), job.app_state) as ckpt:
         with pytest.raises(CheckpointReadError, match="distcp"):
             ckpt.restore(from_dcp=dcp_dir)
 
 
 def _flat_save(dcp_dir: str) -> None:
-    job = models.build("ebc", "exact_rowwise_adagrad", seed=1, layouts=EBC_FROM)
-    _train(job, 1, STEP)
+    job = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=1, layouts=EBC_FROM)
+    job.run(1, STEP)
     dcp.save(job.model.state_dict(), checkpoint_id=dcp_dir)
 
 

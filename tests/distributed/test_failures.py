@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from cnr_train.workload import TableSpec
 from tests import reference
 from tests.faults import Fault, FaultyStorage
-from tests.jobs import Job, make_job
+from tests.jobs import Job, make_job, restores_exactly, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointError, IOOptions
 from torchrec_cnr.commit import Manifest
@@ -32,10 +32,8 @@ def _job(root: str, seed: int, **config) -> Job:
     return make_job(TABLES, root, seed=seed, data_seed=4, **config)
 
 
-def _restore_matches(root: str, refs: str, step: int, policy: str = "consecutive") -> None:
-    job = _job(root, seed=90, policy=policy)
-    assert job.ckpt.restore() == step
-    reference.assert_model_matches(job.model, job.app, reference.load_all(Path(refs), step))
+def _restores_latest(root: str, refs: str, step: int, policy: str = "consecutive") -> None:
+    restores_exactly(TABLES, root, refs, step, latest=True, seed=90, data_seed=4, policy=policy)
 
 
 # -- training during a write; back-pressure --------------------------------
@@ -46,7 +44,7 @@ def _trains_while_writing(root: str, refs: str) -> None:
     job = _job(root, seed=1, policy="consecutive", on_busy="skip", storage=slow)
     job.train(2)
     assert job.ckpt.save(2)
-    reference.save(reference.take(job.model, job.app), Path(refs), 2)
+    save_reference(job, refs, 2)
     assert job.ckpt._background.busy == "checkpoint of step 2", "save must return mid-write"
     job.train(2)  # trains while step 2 is being written (3 s injected delay)
     with pytest.warns(UserWarning, match="checkpoint of step 4 skipped"):
@@ -55,7 +53,7 @@ def _trains_while_writing(root: str, refs: str) -> None:
     assert Manifest.load(root).steps() == [2]
     job.train(2)
     assert job.ckpt.save(6)  # holds the rows of steps 3..6, including the skipped interval
-    reference.save(reference.take(job.model, job.app), Path(refs), 6)
+    save_reference(job, refs, 6)
     job.ckpt.wait()
 
 
@@ -66,7 +64,7 @@ def test_training_continues_during_a_write_and_a_skipped_save_loses_nothing(
     root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
     refs.mkdir()
     run_ranks(2, _trains_while_writing, root, str(refs))
-    run_ranks(2, _restore_matches, root, str(refs), 6)
+    run_ranks(2, _restores_latest, root, str(refs), 6)
 
 
 # -- injected I/O error ----------------------------------------------------
@@ -86,7 +84,7 @@ def _io_error_then_recover(root: str, refs: str, policy: str) -> None:
     assert Manifest.load(root).steps() == [2], "a failed checkpoint must not commit"
     job.train(2)
     job.ckpt.save(6)
-    reference.save(reference.take(job.model, job.app), Path(refs), 6)
+    save_reference(job, refs, 6)
     job.ckpt.wait()
 
 
@@ -130,7 +128,7 @@ def test_injected_io_error_surfaces_on_every_rank_as_documented_keeps_previous_a
     refs.mkdir()
     run_ranks(2, _io_error_then_recover, root, str(refs), policy)
     assert Manifest.load(root).steps() == [2, 6]
-    run_ranks(2, _restore_matches, root, str(refs), 6, policy)
+    run_ranks(2, _restores_latest, root, str(refs), 6, policy)
 
 
 # -- a rank killed mid-write -------------------------------------------------
@@ -144,7 +142,7 @@ def _save_then_get_killed(root: str, refs: str) -> None:
     )
     job.train(2)
     job.ckpt.save(2)
-    reference.save(reference.take(job.model, job.app), Path(refs), 2)
+    save_reference(job, refs, 2)
     job.ckpt.wait()
     job.train(2)
     job.ckpt.save(4)  # both ranks are SIGKILLed inside the background write
@@ -154,10 +152,10 @@ def _save_then_get_killed(root: str, refs: str) -> None:
 def _restore_then_save_again(root: str, refs: str) -> None:
     job = _job(root, seed=5, policy="consecutive")
     assert job.ckpt.restore() == 2
-    reference.assert_model_matches(job.model, job.app, reference.load_all(Path(refs), 2))
+    reference.assert_model_matches(job.model, job.app_state, reference.load_all(Path(refs), 2))
     job.train(3)
     job.ckpt.save(5)
-    reference.save(reference.take(job.model, job.app), Path(refs), 5)
+    save_reference(job, refs, 5)
     job.ckpt.wait()
 
 
@@ -175,7 +173,7 @@ def test_rank_killed_mid_write_leaves_previous_checkpoint_exact(tmp_path, monkey
     assert Manifest.load(root).steps() == [2, 5]
     # The restarted job claimed a newer generation, which removes the dead write's files.
     assert not any("step0000000004" in p.name for p in Path(root).iterdir())
-    run_ranks(2, _restore_matches, root, str(refs), 5)
+    run_ranks(2, _restores_latest, root, str(refs), 5)
 
 
 # -- replicas that drifted apart -----------------------------------------------

@@ -12,15 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests import reference
+from tests import REPO
 from tests.distributed.other_job import TABLES
-from tests.jobs import make_job
+from tests.jobs import make_job, restores_exactly, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointError
 from torchrec_cnr.cli import main as cnr
 from torchrec_cnr.commit import Manifest
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _same_process_takes_over(root: str) -> None:
@@ -72,15 +70,8 @@ def _takes_over_and_saves(root: str, refs: str) -> None:
         job.train(1)
         job.ckpt.save(step)
         job.ckpt.wait()
-        reference.save(reference.take(job.model, job.app), Path(refs), step)
+        save_reference(job, refs, step)
         time.sleep(0.1)  # the other job keeps trying meanwhile
-    job.ckpt.close()
-
-
-def _restores_exactly(root: str, refs: str, step: int) -> None:
-    job = make_job(TABLES, root, seed=7, data_seed=3)
-    assert job.ckpt.restore(step=step) == step
-    reference.assert_model_matches(job.model, job.app, reference.load_all(Path(refs), step))
     job.ckpt.close()
 
 
@@ -119,4 +110,4 @@ def test_a_second_live_job_is_refused_until_it_takes_over_and_nothing_committed_
     ours = sorted(int(p.stem.split("-")[1]) for p in refs.glob("ref-*-0.pt"))
     assert len(ours) == 5 and Manifest.load(any_root).steps()[-5:] == ours
     for step in (ours[0], ours[-1]):
-        run_ranks(2, _restores_exactly, any_root, str(refs), step)
+        run_ranks(2, restores_exactly, TABLES, any_root, str(refs), step, seed=7, data_seed=3)

@@ -22,11 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from torch import nn
 
 from cnr_train.workload import TableSpec, ZipfBatches, dense_optimizer, dlrm, hand_plan
 from tests import reference
-from tests.jobs import Job, make_job
+from tests.jobs import Job, make_job, restores_exactly, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import (
     CheckpointConfig,
@@ -73,13 +72,6 @@ def _job(root: str, policy: str, seed: int) -> Job:
     return make_job(TABLES, root, seed=seed, data_seed=3, alpha=1.05, policy=policy)
 
 
-def _restores_exactly(fresh: Job, refs: str, step: int) -> None:
-    """A fresh job restores ``step`` and equals the reference taken when it was saved."""
-    assert fresh.ckpt.restore(step=step) == step
-    reference.assert_model_matches(fresh.model, fresh.app, reference.load_all(Path(refs), step))
-    fresh.ckpt.close()
-
-
 def _hooks_copy_what_training_updates(policy: str, root: str, refs: str) -> None:
     job = _job(root, policy, seed=1)
     done = 0
@@ -88,7 +80,7 @@ def _hooks_copy_what_training_updates(policy: str, root: str, refs: str) -> None
         done = step + trained_after
         with _holding() as gate:
             assert job.ckpt.save(step)
-            reference.save(reference.take(job.model, job.app), Path(refs), step)
+            save_reference(job, refs, step)
             pending = job.ckpt.lazy_staging
             assert pending is not None, "every layout but data_parallel stages lazily"
             job.train(trained_after)  # updates rows whose copy is still to come
@@ -101,7 +93,9 @@ def _hooks_copy_what_training_updates(policy: str, root: str, refs: str) -> None
             assert pending.hook_rows > 0, "the lookup hooks copied nothing"
     job.ckpt.close()
     for step in (3, 8, 12):
-        _restores_exactly(_job(root, policy, seed=50 + step), refs, step)
+        restores_exactly(
+            TABLES, root, refs, step, seed=50 + step, data_seed=3, alpha=1.05, policy=policy
+        )
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -142,15 +136,14 @@ def _racing(policy: str, root: str, refs: str, seed: int, compiled: bool) -> Non
         for step in range(1, 13):
             job.train(1)
             assert job.ckpt.maybe_save(step)
-            reference.save(reference.take(job.model, job.app), Path(refs), step)
+            save_reference(job, refs, step)
         job.ckpt.close()
     finally:
         lazy.CHUNK_ROWS, lazy._Shard.copy_block = original_chunk, original_block  # type: ignore[method-assign]
         cow.Group.copy = original_copy  # type: ignore[method-assign]
     assert set(used) == {"compiled" if compiled else "torch"}, set(used)
     for step in (1, 6, 12):
-        fresh = make_job(TABLES, root, seed=70 + step, data_seed=9, policy=policy)
-        _restores_exactly(fresh, refs, step)
+        restores_exactly(TABLES, root, refs, step, seed=70 + step, data_seed=9, policy=policy)
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
@@ -168,7 +161,7 @@ def _rows_written_by_hand(policy: str, root: str, refs: str) -> None:
     job.train(3)
     with _holding() as gate:
         assert job.ckpt.save(3)
-        reference.save(reference.take(job.model, job.app), Path(refs), 3)
+        save_reference(job, refs, 3)
         for t in sharded:  # after save() returned, before the rows were copied
             written = torch.tensor(
                 write_rows(job.model, t.name, rows[t.name], torch.full((3, t.dim), 7.0))
@@ -181,10 +174,12 @@ def _rows_written_by_hand(policy: str, root: str, refs: str) -> None:
         write_rows(job.model, "t_dp", torch.tensor([0]), torch.zeros(1, 8))
     job.train(1)
     assert job.ckpt.save(4)
-    reference.save(reference.take(job.model, job.app), Path(refs), 4)
+    save_reference(job, refs, 4)
     job.ckpt.close()
-    _restores_exactly(_job(root, policy, seed=60), refs, 3)
-    _restores_exactly(_job(root, policy, seed=61), refs, 4)  # with the written rows
+    restores_exactly(TABLES, root, refs, 3, seed=60, data_seed=3, alpha=1.05, policy=policy)
+    restores_exactly(
+        TABLES, root, refs, 4, seed=61, data_seed=3, alpha=1.05, policy=policy
+    )  # with the written rows
 
 
 @pytest.mark.parametrize("policy", ["full", "intermittent"])
@@ -202,24 +197,22 @@ def _save_between_forward_and_backward(root: str, refs: str) -> None:
     logging.getLogger("torchrec_cnr.staging.stager").setLevel(logging.INFO)
     job = _job(root, "consecutive", seed=2)
     job.train(3)
-    batch = job.data.next(dist.get_rank())
-    job.opt.zero_grad()
-    loss = nn.functional.binary_cross_entropy_with_logits(
-        job.model(batch.dense, batch.sparse).squeeze(-1), batch.labels
-    )
+    job.data.position = 4
+    job.dense_opt.zero_grad()
+    loss = job.loss(job.model, job.data.batch(dist.get_rank(), 4))
     with _holding() as gate:
         assert job.ckpt.save(4)  # the batch is looked up; its update is still to come
-        reference.save(reference.take(job.model, job.app), Path(refs), 4)
+        save_reference(job, refs, 4)
         assert job.ckpt.lazy_staging is None, "a pending update must make the save eager"
         loss.backward()
-        job.opt.step()
+        job.dense_opt.step()
         gate.set()
         job.ckpt.wait()
     assert any("looked up and not yet updated" in m for m in said), said
     job.train(2)
     assert job.ckpt.save(6) and job.ckpt.lazy_staging is not None, "lazy again after backward"
     job.ckpt.close()
-    _restores_exactly(_job(root, "consecutive", seed=3), refs, 4)
+    restores_exactly(TABLES, root, refs, 4, seed=3, data_seed=3, alpha=1.05, policy="consecutive")
 
 
 def test_a_save_between_a_lookup_and_its_update_falls_back_to_eager(root: str, refs: Path) -> None:
@@ -295,11 +288,11 @@ def _partial_restore_while_staging(root: str, refs: str) -> None:
     job.train(3)
     assert job.ckpt.save(3)
     job.ckpt.wait()
-    reference.save(reference.take(job.model, job.app), Path(refs), 3)
+    save_reference(job, refs, 3)
     job.train(2)
     with _holding() as gate:
         assert job.ckpt.save(5)
-        reference.save(reference.take(job.model, job.app), Path(refs), 5)
+        save_reference(job, refs, 5)
         assert job.ckpt.lazy_staging is not None
         job.train(2)
         # The restore must first let the pending copy finish (it waits for the job):
@@ -313,7 +306,7 @@ def _partial_restore_while_staging(root: str, refs: str) -> None:
             key = (shard.spec.table, shard.spec.row_offset, shard.spec.col_offset)
             assert torch.equal(shard.weight, want[key]), key
     job.ckpt.close()
-    _restores_exactly(_job(root, "consecutive", seed=5), refs, 5)
+    restores_exactly(TABLES, root, refs, 5, seed=5, data_seed=3, alpha=1.05, policy="consecutive")
 
 
 def test_a_partial_restore_while_rows_are_staged_waits_for_them(root: str, refs: Path) -> None:

@@ -1,15 +1,18 @@
-"""The manager owns its threads and buffers, and ``close()`` releases every one of them."""
+"""Whoever starts a thread joins it: the manager on close(), the offline readers, the cnr
+command and a follower before they return (and the manager frees its staging buffers)."""
 
 from __future__ import annotations
 
 import threading
 
 import pytest
+import torch
 
-from cnr_train.workload import TableSpec
+import torchrec_cnr
+from cnr_train.workload import TableSpec, dlrm
 from tests.jobs import make_job
 from tests.multiprocess import run_ranks
-from torchrec_cnr import QuantizeConfig
+from torchrec_cnr import QuantizeConfig, cli
 from torchrec_cnr.tracking import model_state
 
 TABLES = [TableSpec("a", 2000, 16, "table_wise"), TableSpec("b", 1500, 16, "column_wise")]
@@ -53,3 +56,41 @@ def _close_releases_everything(root: str) -> None:
 @pytest.mark.dist
 def test_close_stops_every_library_thread_and_frees_staging_memory(root: str) -> None:
     run_ranks(2, _close_releases_everything, root)
+
+
+def _readers_leave_no_thread(root: str, out: str) -> None:
+    """Every path that reads a root outside training joins what it started: the offline
+    readers, the ``cnr`` command, a follower closed or used as a context manager."""
+    job = make_job(TABLES, root, seed=1)
+    with job.ckpt:
+        job.train(1)
+        job.ckpt.save(1)
+    for tracker in model_state.trackers(job.model).values():
+        tracker.close()
+    earlier = set(threading.enumerate())
+    reads = [
+        lambda: torchrec_cnr.read_table(root, "a"),
+        lambda: torchrec_cnr.read_table(root, "a", rows=[0, 5]),
+        lambda: torchrec_cnr.read_optimizer_state(root, "a"),
+        lambda: torchrec_cnr.export_state_dict(root),
+        lambda: torchrec_cnr.list_checkpoints(root),
+        lambda: torchrec_cnr.export_dcp(root, f"{out}/dcp", overwrite=True),
+        lambda: cli.main(["verify", root]),
+        lambda: cli.main(["export", root, "--out", f"{out}/model.pt"]),
+    ]
+    for read in reads:
+        before = set(threading.enumerate())
+        read()
+        assert _library_threads(before) == [], read
+    served = torchrec_cnr.FloatTarget(dlrm(TABLES, 4, torch.device("cpu"), torch.device("cpu")))
+    with torchrec_cnr.Follower(root, served) as follower:
+        follower.start(interval_s=0.01)
+        assert follower.poll() is not None
+    assert not [n for n in _library_threads(earlier) if "follower" in n or "io" in n]
+
+
+@pytest.mark.dist
+def test_the_offline_readers_the_cli_and_a_follower_join_every_thread_they_start(
+    root: str, tmp_path
+) -> None:
+    run_ranks(1, _readers_leave_no_thread, root, str(tmp_path))

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cnr_train.workload import TableSpec, train_step
+from cnr_train.workload import TableSpec
 from tests import reference
 from tests.jobs import make_job
 from tests.multiprocess import run_ranks
@@ -37,14 +37,12 @@ def _shards_equal(shards, snapshot) -> list[bool]:
 def _partial(root: str, refs: str) -> None:
     rank = dist.get_rank()
     job = make_job(TABLES, root, seed=1, data_seed=3, batch_size=32, policy="consecutive")
-    model, opt, data, app, ckpt = job.model, job.opt, job.data, job.app, job.ckpt
-    for _ in range(1, 5):
-        train_step(model, opt, data.next(rank))
+    model, data, app, ckpt = job.model, job.data, job.app_state, job.ckpt
+    job.train(4)
     ckpt.save(4)
     ckpt.wait()
     saved = reference.take(model, app)
-    for _ in range(5, 8):
-        train_step(model, opt, data.next(rank))
+    job.train(3)
     live = reference.take(model, app)
     shards = model_state.local_shards(model)
     assert not any(_shards_equal(shards, saved["shards"])), "training must have changed every shard"
@@ -69,13 +67,13 @@ def _partial(root: str, refs: str) -> None:
     with pytest.raises(ValueError, match=r"ranks \[5\] are outside 0..1"):
         ckpt.restore(ranks=[5])
     # Training and checkpointing go on after a partial recovery, and the chain stays exact.
-    train_step(model, opt, data.next(rank))
+    job.train(1)
     ckpt.save(8)
     reference.save(reference.take(model, app), Path(refs), 8)
     ckpt.wait()
     fresh = make_job(TABLES, root, seed=9, data_seed=3, batch_size=32, policy="consecutive")
     assert fresh.ckpt.restore() == 8
-    reference.assert_model_matches(fresh.model, fresh.app, reference.load_all(Path(refs), 8))
+    reference.assert_model_matches(fresh.model, fresh.app_state, reference.load_all(Path(refs), 8))
 
 
 @pytest.mark.dist

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cnr_train.workload import TableSpec, train_step
+from cnr_train.workload import TableSpec
 from tests import reference
 from tests.jobs import make_job
 from tests.multiprocess import run_ranks
@@ -34,14 +34,12 @@ def _prioritized(root: str, refs: str, mode: TrackingMode) -> None:
         policy="consecutive",
         priority_budget_mb=BUDGET_MB,
     )
-    model, opt, data, app, ckpt = job.model, job.opt, job.data, job.app, job.ckpt
-    for _ in range(2):
-        train_step(model, opt, data.next(rank))
+    model, app, ckpt = job.model, job.app_state, job.ckpt
+    job.train(2)
     ckpt.save(2)
     ckpt.wait()
     reference.save(reference.take(model, app), Path(refs), 2)
-    for _ in range(3, 7):
-        train_step(model, opt, data.next(rank))
+    job.train(4)
     shards = model_state.local_shards(model)
     modified = [s.modified_mask().clone() for s in shards]
     scores = []

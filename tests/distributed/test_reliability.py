@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from cnr_train.workload import TableSpec
 from tests import reference
-from tests.contract.models import capture, differences
 from tests.faults import Fault, FaultyStorage
-from tests.jobs import Job, make_job
+from tests.jobs import Job, make_job, restores_exactly, save_reference
+from tests.models import capture, differences
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointError, CheckpointManager
 from torchrec_cnr.commit import Manifest
@@ -51,13 +51,6 @@ def _uncommitted(root: str) -> list[str]:
     """Checkpoint directories the manifest does not name."""
     named = {e.id for e in Manifest.load(root).checkpoints}
     return sorted(set(open_storage(root).children()) - named)
-
-
-def _restore_matches(root: str, refs: str, step: int) -> None:
-    job = _job(root, seed=90, policy="consecutive")
-    assert job.ckpt.restore() == step
-    reference.assert_model_matches(job.model, job.app, reference.load_all(Path(refs), step))
-    job.ckpt.close()
 
 
 # -- injected ENOSPC: an object, the manifest, the lease ------------------------
@@ -84,7 +77,7 @@ def _object_or_manifest_write_fails(root: str, refs: str, where: str) -> None:
     assert _uncommitted(root) == [], "the failed checkpoint's files must be gone at once"
     job.train(2)
     job.ckpt.save(6)  # holds every row changed since step 2
-    reference.save(reference.take(job.model, job.app), Path(refs), 6)
+    save_reference(job, refs, 6)
     job.ckpt.close()
 
 
@@ -95,7 +88,8 @@ def test_enospc_fails_the_save_on_every_rank_and_removes_its_files(
 ) -> None:
     run_ranks(2, _object_or_manifest_write_fails, any_root, str(refs), where)
     assert Manifest.load(any_root).steps() == [2, 6]
-    run_ranks(2, _restore_matches, any_root, str(refs), 6)
+    run_ranks(2, restores_exactly, TABLES, any_root, str(refs), 6, latest=True, seed=90,
+              data_seed=4, policy="consecutive")  # fmt: skip
 
 
 def _save_two(root: str, refs: str) -> None:
@@ -103,7 +97,7 @@ def _save_two(root: str, refs: str) -> None:
     for step in (2, 4):
         job.train(2)
         job.ckpt.save(step)
-        reference.save(reference.take(job.model, job.app), Path(refs), step)
+        save_reference(job, refs, step)
     job.ckpt.close()
 
 
@@ -112,7 +106,7 @@ def _lease_cannot_be_written(root: str, refs: str) -> None:
     storage = FaultyStorage(root, Fault("write", "lease.json"))
     job = _job(root, seed=7, policy="consecutive", storage=storage)
     assert job.ckpt.restore() == 4
-    reference.assert_model_matches(job.model, job.app, reference.load_all(Path(refs), 4))
+    reference.assert_model_matches(job.model, job.app_state, reference.load_all(Path(refs), 4))
     job.train(2)
     with pytest.raises(CheckpointError, match=r"cannot be written \(OSError: .*no space left"):
         job.ckpt.save(6)
@@ -177,7 +171,7 @@ def _save_until_full(root: str, refs: str) -> None:
             assert "No space left on device" in str(e), e
             break
         committed = step
-        reference.save(reference.take(job.model, job.app), Path(refs), step)
+        save_reference(job, refs, step)
     else:
         pytest.fail("the file system never filled up")
     dist.barrier()
@@ -192,7 +186,7 @@ def _restore_on_full_disk(root: str, refs: str) -> None:
     job = _job(root, seed=5, policy="full")
     step = Manifest.load(root).steps()[-1]
     assert job.ckpt.restore() == step
-    reference.assert_model_matches(job.model, job.app, reference.load_all(Path(refs), step))
+    reference.assert_model_matches(job.model, job.app_state, reference.load_all(Path(refs), step))
     job.train(2)
     with pytest.raises(CheckpointError):
         job.ckpt.save(step + 2)
@@ -208,7 +202,7 @@ def _save_after_growth(root: str, refs: str) -> None:
     assert step is not None
     job.train(2)
     job.ckpt.save(step + 2)
-    reference.save(reference.take(job.model, job.app), Path(refs), step + 2)
+    save_reference(job, refs, step + 2)
     job.ckpt.close()
 
 
@@ -233,17 +227,11 @@ def test_a_real_full_tmpfs_fails_saves_cleanly_restores_and_recovers(tmp_path: P
         (mnt / "filler").unlink(missing_ok=True)
         run_ranks(2, _save_after_growth, root, str(refs))
         last = Manifest.load(root).steps()[-1]
-        run_ranks(2, _restore_matches_full, root, str(refs), last)
+        run_ranks(2, restores_exactly, TABLES, root, str(refs), last, latest=True, seed=91,
+                  data_seed=4, policy="full")  # fmt: skip
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
         shutil.rmtree(mnt, ignore_errors=True)
-
-
-def _restore_matches_full(root: str, refs: str, step: int) -> None:
-    job = _job(root, seed=91, policy="full")
-    assert job.ckpt.restore() == step
-    reference.assert_model_matches(job.model, job.app, reference.load_all(Path(refs), step))
-    job.ckpt.close()
 
 
 # -- restores that fail change nothing ------------------------------------------
@@ -270,7 +258,7 @@ def _save_with_extra(root: str) -> None:
     job.ckpt.close()
     extra = _Refuses(rank=-1)
     extra.value += dist.get_rank() + 1
-    app = {**job.app, "extra": extra}
+    app = {**job.app_state, "extra": extra}
     ckpt = CheckpointManager(job.model, CheckpointConfig(path=root, policy="consecutive"), app)
     for step in (2, 4):
         job.train(2)
@@ -283,7 +271,7 @@ def _app_state_refuses(root: str) -> None:
     job.train(1)  # a dense optimizer with state, so that its rollback is visible
     job.ckpt.close()
     extra = _Refuses(rank=1)
-    app = {**job.app, "extra": extra}
+    app = {**job.app_state, "extra": extra}
     ckpt = CheckpointManager(job.model, CheckpointConfig(path=root, policy="consecutive"), app)
     before = capture(job.model, app)
     with pytest.raises(CheckpointError, match=r"app_state 'extra' on rank 1 refused"):
@@ -294,10 +282,10 @@ def _app_state_refuses(root: str) -> None:
 
 def _data_does_not_fit(root: str) -> None:
     job = _job(root, seed=3, policy="consecutive", verify_checksums=False)
-    before = capture(job.model, job.app)
+    before = capture(job.model, job.app_state)
     with pytest.raises(CheckpointError, match="failed before any change.*holds .* rows"):
         job.ckpt.restore()
-    assert not differences(before, capture(job.model, job.app)), (
+    assert not differences(before, capture(job.model, job.app_state)), (
         "a failed restore changed the model"
     )
     job.ckpt.close()

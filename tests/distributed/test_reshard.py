@@ -12,7 +12,7 @@ import torch
 
 from cnr_train.workload import TableSpec
 from tests import reference
-from tests.jobs import Job, make_job
+from tests.jobs import Job, make_job, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointReadError, ModelMismatchError
 from torchrec_cnr.tracking import model_state
@@ -39,7 +39,7 @@ def _save(tables, root: str, refs: str, steps: tuple[int, ...]) -> None:
         job.train(1)
         if step in steps:
             job.ckpt.save(step)
-            reference.save(reference.take(job.model, job.app), Path(refs), step)
+            save_reference(job, refs, step)
     job.ckpt.wait()
 
 
@@ -47,7 +47,7 @@ def _restore_and_compare(tables, root: str, refs: str, step: int, check_states: 
     job = _job(tables, root, seed=50)
     assert job.ckpt.restore(step=step) == step
     reference.assert_model_matches(
-        job.model, job.app, reference.load_all(Path(refs), step), check_states
+        job.model, job.app_state, reference.load_all(Path(refs), step), check_states
     )
 
 
@@ -74,7 +74,7 @@ def test_chain_restores_onto_other_sharding(saved: str, restored: str, tmp_path:
 
 def _refuses(tables, root: str, expected: type[Exception], needles: list[str]) -> None:
     job = _job(tables, root, seed=77)
-    before = reference.take(job.model, job.app)
+    before = reference.take(job.model, job.app_state)
     with pytest.raises(expected) as info:
         job.ckpt.restore()
     for needle in needles:

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from cnr_train.workload import TableSpec
-from tests import reference
-from tests.jobs import make_job
+from tests.jobs import assert_restores, make_job, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr.cli import main as cnr
 from torchrec_cnr.commit import Manifest
@@ -24,14 +23,13 @@ def _save(root: str, refs: str, policy: str) -> None:
         job.train(1)
         if job.ckpt.maybe_save(step):
             job.ckpt.wait()
-            reference.save(reference.take(job.model, job.app), Path(refs), step)
+            save_reference(job, refs, step)
     job.ckpt.close()
 
 
 def _restores(root: str, refs: str, step: int) -> None:
     job = make_job(TABLES, root, seed=9, data_seed=2)
-    assert job.ckpt.restore(step=step) == step
-    reference.assert_model_matches(job.model, job.app, reference.load_all(Path(refs), step))
+    assert_restores(job, refs, step)
     job.ckpt.close()
 
 

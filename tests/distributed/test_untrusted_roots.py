@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer
-from tests.contract.models import capture, differences
+from tests.models import capture, differences
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointManager, UnsafeObjectError
 from torchrec_cnr.snapshot.objects import load_object, resolve_globals

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
+
 PAGES = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]
 GENERATED = {"docs/benchmarks.md", "docs/experiments.md"}
 """Pages rendered from benchmark results: their commands are the benchmarks', which

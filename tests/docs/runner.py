@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests import TORCHRUN
 from tests.docs.markdown import REPO, Block
 from tests.docs.standins import Env, localize
-
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 @dataclass

@@ -20,7 +20,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import torchrec_cnr
+from tests import BIN
 from tests.docs.markdown import GENERATED, PAGES, REPO, blocks
 from tests.docs.standins import EVERY, TRAINED, localize
 from tests.e2e.test_criteo_data import _write_tsv as write_criteo_tsv
@@ -44,7 +44,6 @@ SHRINK = (
     "train.metrics_path=null",
 )
 PLACEHOLDERS = {"S": str(TRAINED), "MB": "64", "T": "collections.OrderedDict"}
-BIN = Path(sys.executable).parent
 
 
 def expand(synopsis: str) -> list[str]:

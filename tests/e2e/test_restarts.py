@@ -8,19 +8,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests import TORCHRUN
 from tests.docs.markdown import blocks
 from tests.docs.runner import runs
 from tests.docs.standins import Env
-from tests.e2e.test_train_script import SMALL, _train
+from tests.e2e.test_train_script import SMALL, run_app
 from torchrec_cnr.commit import Manifest
-
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 def _quick_start(folder: Path, kill_after: int | None) -> list[str]:
@@ -63,11 +61,11 @@ def assert_failed_run_matches_clean_run(tmp_path: Path, *overrides: str) -> dict
     both runs end in the same state, bit for bit; returns the clean run's metrics and
     stdout.
     """
-    clean = _train(
+    clean = run_app(
         f"checkpoint.path={tmp_path / 'a'}", *overrides, f"train.metrics_path={tmp_path / 'a.json'}"
     )
     assert clean.returncode == 0, clean.stderr[-3000:]
-    failed = _train(
+    failed = run_app(
         f"checkpoint.path={tmp_path / 'b'}",
         *overrides,
         "failure.steps=[40]",
@@ -101,7 +99,7 @@ def test_the_app_trains_restores_bit_exact_and_killed_mid_commit_resumes_bit_ide
     assert [e.kind for e in manifest.checkpoints][0] == "full"
 
     # A later run resumes from the committed step 60 and goes on to 80.
-    proc = _train(f"checkpoint.path={root}", *SMALL, "train.steps=80", "train.clean_start=false")
+    proc = run_app(f"checkpoint.path={root}", *SMALL, "train.steps=80", "train.clean_start=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step 60" in proc.stdout
     assert Manifest.load(root).steps() == [20, 40, 60, 80]

@@ -17,11 +17,9 @@ import pytest
 from cnr_train import config_file
 from cnr_train.config import JobConfig
 from cnr_train.job import DONE_MARKER
+from tests import REPO, TORCHRUN
 from torchrec_cnr.commit import Manifest
 from torchrec_cnr.storage import open_storage
-
-REPO = Path(__file__).resolve().parents[2]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 # 20,000 rows per table: an interval changes a small part of the Zipf-drawn rows, as in
 # the demo (with 2,000, most rows change every interval). fp32 checkpoints, so the

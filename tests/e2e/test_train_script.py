@@ -12,13 +12,13 @@ import pytest
 
 from cnr_train import config_file
 from cnr_train.config import JobConfig
+from tests import REPO, TORCHRUN
 from torchrec_cnr.commit import Manifest
 
-REPO = Path(__file__).resolve().parents[2]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 
-
-def _train(*overrides: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
+def run_app(*overrides: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
+    """``scripts/train.py`` on ``configs/demo.yaml`` with ``overrides``, under torchrun on
+    2 ranks (``--max-restarts=restarts``)."""
     cmd = [
         str(TORCHRUN),
         "--standalone",
@@ -50,7 +50,7 @@ def test_quantized_demo_restores_the_quantizer_round_trip_and_draws_the_bytes(
     tmp_path: Path,
 ) -> None:
     figure = tmp_path / "bytes.png"
-    proc = _train(
+    proc = run_app(
         f"checkpoint.path={tmp_path / 'ckpt'}",
         *(o for o in SMALL if not o.startswith(("checkpoint.quantize", "train.figure"))),
         f"train.figure_path={figure}",
@@ -70,7 +70,7 @@ def test_quantized_demo_restores_the_quantizer_round_trip_and_draws_the_bytes(
 @pytest.mark.dist
 def test_auto_interval_records_cpr_decision_and_saves_at_that_interval(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
-    proc = _train(
+    proc = run_app(
         f"checkpoint.path={root}",
         *SMALL,
         "train.steps=80",

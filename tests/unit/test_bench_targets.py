@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
+
 RESULTS = REPO / "benchmarks" / "results"
 VARIABLES = {
     "$(TORCHRUN)": "OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2",

@@ -4,13 +4,10 @@ the committed pages are what ``python -m benchmarks.report`` writes from
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from benchmarks.report import README, RECORDED, TEMPLATES, collect, render, render_readme
-
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
 
 
 def test_committed_pages_are_rendered_from_the_recorded_results() -> None:

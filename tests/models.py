@@ -1,4 +1,5 @@
-"""The models, optimizers and batches the contract suite runs on.
+"""The TorchRec models the tests train beside the app's DLRM, their batches, and the
+bit-for-bit comparison of a rank's whole state (:func:`capture`, :func:`differences`).
 
 - ``ebc``: TorchRec's own ``TestSparseNN`` with an EmbeddingBagCollection and a
   weighted EmbeddingBagCollection (id-score-list features), each holding a table of
@@ -8,12 +9,12 @@
 
 Row-wise tables have 4001 rows, so their blocks differ in size. Batches are a pure
 function of ``(rank, step)``, so a resumed run sees the batches of an uninterrupted one.
+:func:`tests.jobs.make_job` builds jobs on them.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +30,6 @@ from torchrec import EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, K
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.test_utils.test_model import ModelInput, TestSparseNN
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from cnr_train.workload import LAYOUTS, hand_plan
@@ -94,22 +94,16 @@ class SequenceModel(nn.Module):
         return self.over(torch.relu(hidden)).squeeze(-1)
 
 
-@dataclass
-class Job:
-    """One rank's model, dense optimizer and app_state for one case."""
+class TorchRecBatches:
+    """The ``kind`` model's batches: a pure function of ``(rank, step)``."""
 
-    model: DistributedModelParallel
-    dense_opt: torch.optim.Optimizer
-    kind: str
-    tables: list[Any]
-    weighted: list[Any]
+    def __init__(self, kind: str, tables: list[Any], weighted: list[Any]) -> None:
+        self.kind, self.tables, self.weighted = kind, tables, weighted
+        self.position = 0
+        """The step of the last batch trained on (the job's, not saved)."""
 
-    @property
-    def app_state(self) -> dict[str, Any]:
-        return {"dense_opt": self.dense_opt}
-
-    def batch(self, step: int) -> Any:
-        rank, world = dist.get_rank(), dist.get_world_size()
+    def batch(self, rank: int, step: int) -> Any:
+        world = dist.get_world_size()
         with torch.random.fork_rng():
             if self.kind == "ebc":
                 _, local = ModelInput.generate(
@@ -137,17 +131,13 @@ class Job:
             labels = (torch.rand(BATCH, generator=g) < 0.5).float()
             return dense, sparse, labels
 
-    def step(self, step: int) -> None:
-        batch = self.batch(step)
-        self.dense_opt.zero_grad()
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         if self.kind == "ebc":
-            loss, _ = self.model(batch)
-        else:
-            dense, sparse, labels = batch
-            logits = self.model(dense, sparse)
-            loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
-        loss.backward()
-        self.dense_opt.step()
+            loss, _ = model(batch)
+            return loss  # type: ignore[no-any-return]
+        dense, sparse, labels = batch
+        logits = model(dense, sparse)
+        return nn.functional.binary_cross_entropy_with_logits(logits, labels)
 
 
 def unsharded(kind: str, device: str = "meta") -> tuple[nn.Module, list[Any], list[Any]]:
@@ -190,17 +180,17 @@ def unsharded(kind: str, device: str = "meta") -> tuple[nn.Module, list[Any], li
     return module, tables, weighted
 
 
-def build(kind: str, optimizer: str, seed: int, layouts: dict[str, str] | None = None) -> Job:
-    """Builds and shards the ``kind`` model on the current process group.
+def sharded(
+    kind: str, optimizer: str, layouts: dict[str, str] | None = None
+) -> tuple[DistributedModelParallel, TorchRecBatches]:
+    """The ``kind`` model sharded on the current process group, and its batches.
 
     Args:
         kind: ``ebc`` or ``ec``.
         optimizer: a key of :data:`OPTIMIZERS`.
-        seed: model initialisation; batches depend only on rank and step.
         layouts: table name -> layout, overriding each table's own (for resharding).
     """
     fused = OPTIMIZERS[optimizer]
-    torch.manual_seed(seed)
     module, tables, weighted = unsharded(kind)
     sparse: Any = module.sparse if kind == "ebc" else module
     sparse_modules = [sparse.ebc, sparse.weighted_ebc] if kind == "ebc" else [sparse.ec]
@@ -214,13 +204,7 @@ def build(kind: str, optimizer: str, seed: int, layouts: dict[str, str] | None =
     model = DistributedModelParallel(
         module, plan=plan, sharders=sharders, device=torch.device("cpu")
     )
-    # Kernels initialise their tables from the global RNG; seed again per rank so that
-    # two builds with one seed are identical.
-    torch.manual_seed(seed + 1)
-    params = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
-    # Adam, as TorchRec's examples use: its state appears lazily, and TestSparseNN has a
-    # parameter that never gets a gradient, so the checkpoint holds no state for it.
-    return Job(model, torch.optim.Adam(params, lr=0.01), kind, tables, weighted)
+    return model, TorchRecBatches(kind, tables, weighted)
 
 
 def capture(model: nn.Module, app_state: dict[str, Any]) -> dict[str, Any]:
