@@ -109,6 +109,7 @@ class Folder:
     def job(self, root: Path, steps: int) -> list[str]:
         """``job.yaml``'s overrides: the demo's model shrunk, fp32 checkpoints every 100 steps."""
         return [*SHRINK, "checkpoint.quantize.method=none", f"checkpoint.interval_steps={EVERY}",
+                "train.verify_restore=false",
                 f"checkpoint.path={root}", f"train.steps={steps}"]  # fmt: skip
 
     def argv(self, command: str) -> list[str]:
