@@ -9,6 +9,7 @@ Every case takes ``--smoke``: tiny sizes, the same code path, seconds.
 CASES = (
     "checkpoint",
     "dcp_interop",
+    "history",
     "offline",
     "overhead",
     "policies",

@@ -76,16 +76,24 @@ def _inspect(root: str, io: IOContext) -> int:
 def _check(
     storage: Storage, manifest: Manifest, step: int | None, io: IOContext
 ) -> list[str] | None:
-    """The problems of the chains (of ``step``, or of every checkpoint); ``None`` if no such step."""
-    entries = manifest.checkpoints
+    """The problems of the chains (of ``step``, or of every checkpoint); ``None`` if no such
+    step. A damaged history segment is a problem; the checkpoints it leaves are checked."""
+    damaged = []
+    try:
+        entries = manifest.checkpoints
+    except ManifestError as e:
+        damaged, entries = (
+            [f"{e}: the checkpoints before step {manifest.tail[0].step} are unreadable"],
+            manifest.tail,
+        )
     if step is not None:
-        found = manifest.find(step)
+        found = next((e for e in reversed(entries) if e.step == step), None)
         if found is None:
-            return None
+            return None if not damaged else damaged
         entries = [found]
     checked, problems = verify_chains(storage, manifest, entries, io)
     print(f"{storage.url}: {checked} checkpoint(s) read")
-    return problems
+    return damaged + problems
 
 
 def _verify(root: str, step: int | None, io: IOContext) -> int:
@@ -103,7 +111,7 @@ def _verify(root: str, step: int | None, io: IOContext) -> int:
                 f"{state}. CheckpointConfig(manifest_fallback=True) restores from it"
             )
         return 1
-    if not manifest.checkpoints:
+    if manifest.latest() is None:
         print(f"{root}: no committed checkpoint")
         return 1
     problems = _check(storage, manifest, step, io)

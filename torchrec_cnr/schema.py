@@ -1,21 +1,29 @@
 """The on-disk contract, in one place: every type a root persists and every name in it.
 
-A root holds the chain manifest (``manifest.json``, and the previous committed one), the
-writer's lease (``lease.json``) and one torchsnapshot snapshot per checkpoint::
+A root holds the manifest (``manifest.json``: the root's index, and the previous
+committed one), sealed history segments, the writer's lease (``lease.json``) and one
+torchsnapshot snapshot per checkpoint, with that checkpoint's record::
 
     ROOT/manifest.json
     ROOT/manifest.json.prev
+    ROOT/history-000000-000011-<digest>.json
     ROOT/lease.json
     ROOT/000000-step0000000500-g0001/
+        checkpoint.json       the checkpoint's record (format 6)
         <rank>/rows/<name>    a shard's stored tensors (names: stored_weight, ...)
         dense/<name>          replicated tensors, written once (read as 0/dense/<name>)
         <rank>/app/blob       the rank's app_state, serialized
 
-The manifest lists every committed checkpoint (:class:`Entry`): its chain, the sharding
-of each table (:class:`ShardSpec`), what each stored shard holds (:class:`ShardRecord`:
-format, optimizer states, checksums), CPR's interval decision (:class:`IntervalDecision`);
-each checkpoint directory has torchsnapshot's index (:func:`parse_index`,
-:func:`index_bytes`). Each type is a dataclass with ``to_json``/``from_json`` (or bytes for the manifest and the
+Each committed checkpoint is an :class:`Entry`: its summary (step, kind, chain, sizes,
+bytes, CPR's interval decision: :class:`IntervalDecision`) and its detail: the sharding of
+each table (:class:`ShardSpec`), what each stored shard holds (:class:`ShardRecord`:
+format, optimizer states, checksums) and the checksums of its dense tensors and
+``app_state``. Since format 6 the detail lives in the checkpoint's own record, and the
+manifest holds the summaries of the latest checkpoints and names the newest sealed history
+segment, which holds older summaries and names the segment before it
+(:class:`SegmentRef`): a commit reads and writes a bounded number of bytes whatever the
+history. Formats 1-5 kept every entry, whole, in the manifest. Each checkpoint directory
+also has torchsnapshot's index (:func:`parse_index`, :func:`index_bytes`). Each type is a dataclass with ``to_json``/``from_json`` (or bytes for the manifest and the
 lease); nothing outside this module reads or writes the JSON. Reading and writing the
 files themselves is :mod:`torchrec_cnr.commit`'s (the manifest, the lease) and
 :mod:`torchrec_cnr.snapshot`'s (the tensors). The manifest carries ``format_version``;
@@ -30,7 +38,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -53,6 +61,7 @@ __all__ = [
     "LEASE_NAME",
     "MANIFEST_NAME",
     "PREVIOUS_MANIFEST_NAME",
+    "RECORD_NAME",
     "SNAPSHOT_MARKER",
     "CheckpointName",
     "DenseInfo",
@@ -65,6 +74,7 @@ __all__ = [
     "Recent",
     "ShardRecord",
     "ShardSpec",
+    "SegmentRef",
     "StateInfo",
     "TableShape",
     "app_path",
@@ -75,6 +85,8 @@ __all__ = [
     "index_bytes",
     "parse_checkpoint_id",
     "parse_index",
+    "record_path",
+    "segment_name",
     "rows_path",
     "saved_fraction",
     "stored_ids",
@@ -94,6 +106,8 @@ Kind = Literal["full", "delta"]
 MANIFEST_NAME = "manifest.json"
 PREVIOUS_MANIFEST_NAME = "manifest.json.prev"
 LEASE_NAME = "lease.json"
+RECORD_NAME = "checkpoint.json"
+"""A checkpoint's record, in its directory (format 6)."""
 SNAPSHOT_MARKER = ".snapshot_metadata"
 """torchsnapshot writes it last: a checkpoint directory without it was never completed."""
 
@@ -128,6 +142,17 @@ def parse_checkpoint_id(name: str) -> CheckpointName | None:
         return None
     seq, step, generation, compacted = match.groups()
     return CheckpointName(int(seq), int(step), int(generation or 0), compacted is not None)
+
+
+def record_path(ckpt_id: str) -> str:
+    """Name of checkpoint ``ckpt_id``'s record."""
+    return f"{ckpt_id}/{RECORD_NAME}"
+
+
+def segment_name(first_seq: int, last_seq: int, digest: str) -> str:
+    """Name of a sealed history segment holding checkpoints ``first_seq..last_seq``; a
+    rewritten one (retention) differs in ``digest``, so a name is never written twice."""
+    return f"history-{first_seq:06d}-{last_seq:06d}-{digest.removeprefix('sha256:')[:16]}.json"
 
 
 def stored_weight(key: str) -> str:
@@ -369,14 +394,19 @@ class IntervalDecision:
 
 # -- the manifest -----------------------------------------------------------------------
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 """2: optimizer states by FBGEMM name with layout and dtype, and the kernels' step counters.
 3: a checksum of the manifest itself, the writer generation that may commit, each table's key
 in the unsharded module's state dict, and compacted checkpoints (``compacted_from``).
 4: which rows changed since the previous checkpoint (``Entry.since``, ``ShardRecord.recent``
 and a ``<key>.recent`` tensor), so that a serving follower reads only those.
 5: a cumulative delta stores those rows last (``ShardRecord.recent == "tail"``), so that a
-follower one checkpoint behind reads them in one run, whatever their ids."""
+follower one checkpoint behind reads them in one run, whatever their ids.
+6: each checkpoint's detail in its own record (``<id>/checkpoint.json``); the manifest holds
+the latest checkpoints' summaries and names the newest sealed history segment."""
+
+DETAIL = ("tables", "dense", "shards", "dense_checksums", "app_checksums")
+"""The fields of an :class:`Entry` its record holds and its summary does not."""
 
 # Version 1 named each shard's states state0, state1, ... in FBGEMM's order.
 _V1_STATE_ORDER = {
@@ -432,7 +462,7 @@ def describe(manifest: ManifestRecord) -> str:
     latest = manifest.latest()
     if latest is None:
         return "no checkpoint"
-    return f"{len(manifest.checkpoints)} checkpoint(s), latest step {latest.step}"
+    return f"{manifest.count()} checkpoint(s), latest step {latest.step}"
 
 
 def saved_fraction(shards: list[ShardRecord]) -> float:
@@ -483,6 +513,32 @@ class Entry:
     """The checkpoint its shards' ``recent`` rows changed since: the one this job committed
     (or restored) before it; ``None`` for a job's first, or before format 4."""
 
+    def __getattr__(self, name: str) -> Any:
+        # Called only for an attribute not set: the detail of an entry read from a summary,
+        # fetched from its record on first use.
+        fetch = self.__dict__.get("_fetch")
+        if name in DETAIL and fetch is not None:
+            detail = fetch()
+            for key in DETAIL:
+                self.__dict__.setdefault(key, getattr(detail, key))
+            del self.__dict__["_fetch"]
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @classmethod
+    def lazy(cls, summary: Entry, fetch: Callable[[], Entry]) -> Entry:
+        """``summary`` (an entry whose detail fields are empty) with its detail read by
+        ``fetch`` on first use; ``fetch`` is pickled with it (see ``commit.manifest``)."""
+        for key in DETAIL:
+            del summary.__dict__[key]
+        summary.__dict__["_fetch"] = fetch
+        return summary
+
+    @property
+    def has_detail(self) -> bool:
+        """Whether the detail is in memory (not yet to be fetched from the record)."""
+        return "_fetch" not in self.__dict__
+
     @staticmethod
     def signature(
         shards: list[ShardSpec], dense: Mapping[str, torch.Tensor]
@@ -504,15 +560,29 @@ class Entry:
         sums.update({app_path(rank): crc for rank, crc in enumerate(self.app_checksums)})
         return sums
 
+    def summary_json(self) -> dict[str, Any]:
+        """The JSON of the summary alone, as the manifest and history segments hold it."""
+        raw = {k: v for k, v in self.__dict__.items() if k not in DETAIL and k != "_fetch"}
+        if self.interval_decision is not None:
+            raw["interval_decision"] = self.interval_decision.to_json()
+        return raw
+
+    @classmethod
+    def from_summary(cls, raw: dict[str, Any]) -> Entry:
+        """An entry from :meth:`summary_json`, its detail fields empty."""
+        empty: dict[str, Any] = {"tables": {}, "dense": {}, "shards": [],
+                                 "dense_checksums": {}, "app_checksums": []}  # fmt: skip
+        return cls.from_json(raw | empty)
+
     def to_json(self) -> dict[str, Any]:
-        raw = dict(self.__dict__)
+        raw = self.summary_json()
+        raw["dense_checksums"] = self.dense_checksums
+        raw["app_checksums"] = self.app_checksums
         raw["tables"] = {k: dict(v.__dict__) for k, v in self.tables.items()}
         raw["dense"] = {
             k: {"shape": list(v.shape), "dtype": v.dtype} for k, v in self.dense.items()
         }
         raw["shards"] = [s.to_json() for s in self.shards]
-        if self.interval_decision is not None:
-            raw["interval_decision"] = self.interval_decision.to_json()
         return raw
 
     @classmethod
@@ -539,19 +609,158 @@ def _checksum(payload: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(canonical).hexdigest()
 
 
-@dataclass
-class ManifestRecord:
-    """The parsed manifest of a checkpoint root (reading and writing it:
-    :class:`torchrec_cnr.commit.Manifest`)."""
+def sealed_bytes(payload: dict[str, Any]) -> tuple[bytes, str]:
+    """``payload`` as JSON with its checksum added (``checksum``: the SHA-256 of the
+    canonical JSON of the rest), serialized once; and that checksum."""
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+    digest = "sha256:" + hashlib.sha256(canonical).hexdigest()
+    return canonical[:-1] + b',"checksum":"' + digest.encode() + b'"}', digest
 
-    checkpoints: list[Entry] = field(default_factory=list)
-    """Committed checkpoints, oldest first."""
-    restores: int = 0
-    """Restores performed from this root."""
-    writer_generation: int = 0
-    """The generation of the job that may commit to this root (see ``commit.lease``)."""
-    version: str | None = field(default=None, compare=False)
-    """The storage version it was read at; a save replaces exactly that version."""
+
+def open_sealed(data: bytes, where: str, what: str = "") -> dict[str, Any]:
+    """The JSON object of :func:`sealed_bytes`' bytes, its checksum checked and removed.
+
+    Raises:
+        ManifestError: not JSON, not of a format version this library reads, or damaged.
+    """
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{where} is not valid JSON ({e})") from e
+    version = raw.get("format_version") if isinstance(raw, dict) else None
+    if not isinstance(version, int) or version not in range(1, FORMAT_VERSION + 1):
+        raise ManifestError(
+            f"{where} has format_version {version!r}; this torchrec_cnr reads 1 to {FORMAT_VERSION}"
+        )
+    if version >= 3:
+        recorded = raw.pop("checksum", None)
+        if recorded != _checksum(raw):
+            raise ManifestError(f"{where} is damaged: its checksum does not match its content")
+    return raw
+
+
+def record_bytes(entry: Entry) -> bytes:
+    """A checkpoint's record (format 6): its whole entry."""
+    return sealed_bytes({"format_version": FORMAT_VERSION, "entry": entry.to_json()})[0]
+
+
+def parse_record(data: bytes, where: str, ckpt_id: str) -> Entry:
+    """The entry of checkpoint ``ckpt_id``'s record.
+
+    Raises:
+        ManifestError: the record is damaged, or is another checkpoint's.
+    """
+    raw = open_sealed(data, where)
+    try:
+        entry = Entry.from_json(raw["entry"], raw["format_version"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ManifestError(f"{where} is malformed: {e!r}") from e
+    if entry.id != ckpt_id:
+        raise ManifestError(f"{where} is the record of {entry.id}, not of {ckpt_id}")
+    return entry
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    """A sealed history segment, as the manifest (or the next segment) names it."""
+
+    name: str
+    first_seq: int
+    last_seq: int
+    count: int
+    """Checkpoints in it and in every segment before it."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any] | None) -> SegmentRef | None:
+        return None if raw is None else cls(**raw)
+
+
+def segment_bytes(entries: list[Entry], previous: SegmentRef | None) -> tuple[bytes, str]:
+    """A history segment of ``entries``' summaries, naming the segment before it; and its
+    checksum."""
+    return sealed_bytes({
+        "format_version": FORMAT_VERSION,
+        "checkpoints": [e.summary_json() for e in entries],
+        "previous": None if previous is None else previous.to_json(),
+    })  # fmt: skip
+
+
+def parse_segment(data: bytes, where: str) -> tuple[list[Entry], SegmentRef | None]:
+    """The summaries of a history segment (their detail empty), and the segment before it.
+
+    Raises:
+        ManifestError: the segment is damaged.
+    """
+    raw = open_sealed(data, where)
+    try:
+        entries = [Entry.from_summary(e) for e in raw["checkpoints"]]
+        return entries, SegmentRef.from_json(raw["previous"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ManifestError(f"{where} is malformed: {e!r}") from e
+
+
+class ManifestRecord:
+    """The parsed manifest of a checkpoint root (reading and writing it, and the parts it
+    names: :class:`torchrec_cnr.commit.Manifest`).
+
+    It holds the latest checkpoints (:attr:`tail`) and names the newest sealed history
+    segment (:attr:`history`), which holds the ones before; :attr:`checkpoints` is all of
+    them, read from the segments on first use. A format-1-5 manifest holds them all.
+    """
+
+    def __init__(
+        self,
+        checkpoints: list[Entry] | None = None,
+        restores: int = 0,
+        writer_generation: int = 0,
+        version: str | None = None,
+        history: SegmentRef | None = None,
+    ) -> None:
+        self.tail: list[Entry] = list(checkpoints or [])
+        """The latest committed checkpoints, oldest first (every one, without a history)."""
+        self.history = history
+        """The newest sealed history segment; ``None`` if every checkpoint is in :attr:`tail`."""
+        self.restores = restores
+        """Restores performed from this root."""
+        self.writer_generation = writer_generation
+        """The generation of the job that may commit to this root (see ``commit.lease``)."""
+        self.version = version
+        """The storage version it was read at; a save replaces exactly that version."""
+        self._older: list[Entry] | None = None if history is not None else []
+        self._segments: list[str] = []
+        """The names of the history segments read (newest first)."""
+        self._stale_segments: list[str] = []
+        """Segments a replaced history named: deleted once this manifest is saved."""
+        self.read_format = FORMAT_VERSION
+        """The format version it was read in."""
+
+    @property
+    def checkpoints(self) -> list[Entry]:
+        """Every committed checkpoint, oldest first (reads the history segments once)."""
+        if self._older is None:
+            self._older = self.read_history()
+        return self._older + self.tail
+
+    @checkpoints.setter
+    def checkpoints(self, entries: list[Entry]) -> None:
+        """Replaces every checkpoint (retention); the history is sealed again when saved."""
+        if self.history is not None:
+            self.checkpoints  # noqa: B018 - the names of the segments it replaces
+        self._stale_segments += self._segments
+        self.tail, self.history, self._older, self._segments = list(entries), None, [], []
+
+    def read_history(self) -> list[Entry]:
+        """The checkpoints of the sealed history segments, oldest first."""
+        if self.history is not None:
+            raise ManifestError("this manifest names history segments but was read without a root")
+        return []
+
+    def count(self) -> int:
+        """How many checkpoints are committed (without reading the history)."""
+        return len(self.tail) + (0 if self.history is None else self.history.count)
 
     @classmethod
     def parse(cls: type[_M], data: bytes, where: str) -> _M:
@@ -560,65 +769,71 @@ class ManifestRecord:
         Raises:
             ManifestError: the bytes are not a manifest this library reads, or are damaged.
         """
+        raw = open_sealed(data, where)
+        version = raw["format_version"]
         try:
-            raw = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ManifestError(f"{where} is not valid JSON ({e})") from e
-        version = raw.get("format_version") if isinstance(raw, dict) else None
-        if not isinstance(version, int) or version not in range(1, FORMAT_VERSION + 1):
-            raise ManifestError(
-                f"{where} has format_version {version!r}; this torchrec_cnr reads 1 to {FORMAT_VERSION}"
-            )
-        if version >= 3:
-            recorded = raw.pop("checksum", None)
-            if recorded != _checksum(raw):
-                raise ManifestError(f"{where} is damaged: its checksum does not match its content")
-        try:
-            return cls(
-                checkpoints=[Entry.from_json(e, version) for e in raw.get("checkpoints", [])],
+            if version >= 6:
+                entries = [Entry.from_summary(e) for e in raw.get("checkpoints", [])]
+            else:
+                entries = [Entry.from_json(e, version) for e in raw.get("checkpoints", [])]
+            manifest = cls(
+                checkpoints=entries,
                 restores=int(raw.get("restores", 0)),
                 writer_generation=int(raw.get("writer_generation", 0)),
+                history=SegmentRef.from_json(raw.get("history")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"{where} is malformed: {e!r}") from e
+        manifest.read_format = version
+        return manifest
 
     def to_bytes(self) -> bytes:
-        payload: dict[str, Any] = {
+        """The manifest's bytes: the summaries of :attr:`tail` (their records are written
+        by the commit, see :func:`record_bytes`)."""
+        return sealed_bytes({
             "format_version": FORMAT_VERSION,
             "writer_generation": self.writer_generation,
             "restores": self.restores,
-            "checkpoints": [e.to_json() for e in self.checkpoints],
-        }
-        payload["checksum"] = _checksum(payload)
-        return json.dumps(payload, indent=1).encode()
+            "checkpoints": [e.summary_json() for e in self.tail],
+            "history": None if self.history is None else self.history.to_json(),
+        })[0]  # fmt: skip
 
     def latest(self) -> Entry | None:
-        return self.checkpoints[-1] if self.checkpoints else None
+        return self.tail[-1] if self.tail else None
 
     def find(self, step: int | None) -> Entry | None:
         """The newest committed checkpoint of ``step`` (the latest one if ``None``)."""
         if step is None:
             return self.latest()
-        for entry in reversed(self.checkpoints):
-            if entry.step == step:
-                return entry
-        return None
+        found = next((e for e in reversed(self.tail) if e.step == step), None)
+        if found is None and self.history is not None:
+            found = next((e for e in reversed(self.checkpoints) if e.step == step), None)
+        return found
 
     def find_id(self, ckpt_id: str) -> Entry | None:
         """The committed checkpoint of directory ``ckpt_id``, if the manifest names it."""
+        found = next((e for e in self.tail if e.id == ckpt_id), None)
+        name = parse_checkpoint_id(ckpt_id)
+        if found is not None or self.history is None or name is None:
+            return found
+        if name.seq > self.history.last_seq:
+            return None  # newer than every sealed one: the tail would hold it
         return next((e for e in self.checkpoints if e.id == ckpt_id), None)
 
     def by_id(self, ckpt_id: str) -> Entry:
-        for entry in self.checkpoints:
-            if entry.id == ckpt_id:
-                return entry
-        raise ManifestError(f"checkpoint {ckpt_id!r} is named in a chain but not in the manifest")
+        entry = self.find_id(ckpt_id)
+        if entry is None:
+            raise ManifestError(
+                f"checkpoint {ckpt_id!r} is named in a chain but not in the manifest"
+            )
+        return entry
 
     def steps(self) -> list[int]:
         return [e.step for e in self.checkpoints]
 
     def next_seq(self) -> int:
-        return max((e.seq for e in self.checkpoints), default=-1) + 1
+        last = -1 if self.history is None else self.history.last_seq
+        return max((e.seq for e in self.tail), default=last) + 1
 
     def chain_bytes(self, entry: Entry) -> int:
         """Bytes a restore of ``entry`` reads: its chain's checkpoints."""
@@ -626,7 +841,10 @@ class ManifestRecord:
 
     def needed_ids(self, last: int | None) -> set[str]:
         """Ids the chains of the last ``last`` checkpoints need (all if ``None``)."""
-        entries = self.checkpoints if last is None else self.checkpoints[-last:]
+        if last is not None and last <= len(self.tail):
+            entries = self.tail[-last:]
+        else:
+            entries = self.checkpoints if last is None else self.checkpoints[-last:]
         return {i for e in entries for i in e.chain}
 
 

@@ -23,6 +23,7 @@ from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointReadError, ChecksumError, ManifestError
 from torchrec_cnr.cli import main as cnr
 from torchrec_cnr.commit import Manifest
+from torchrec_cnr.commit.manifest import TAIL
 from torchrec_cnr.storage import open_storage
 
 TABLES = [
@@ -45,12 +46,12 @@ def _save_chain(root: str) -> None:
 
 
 def _restore_refused_and_nothing_changed(
-    root: str, error: type[Exception], needle: str, budget_mb: int | None
+    root: str, error: type[Exception], needle: str, budget_mb: int | None, step: int | None = None
 ) -> None:
     job = _job(root, seed=3, restore_memory_mb=budget_mb)
     before = capture(job.model, job.app_state)
     with pytest.raises(error, match=needle):
-        job.ckpt.restore()
+        job.ckpt.restore(step)
     assert not differences(before, capture(job.model, job.app_state)), (
         "a failed restore changed the model"
     )
@@ -133,7 +134,7 @@ def test_a_damaged_manifest_fails_every_rank_at_once_and_the_previous_one_is_kep
     elif how == "garbage":
         storage.write("manifest.json", b"\x00\x17 not a manifest")
     else:
-        data[data.index(b'"step": 4') + 8] ^= 0x01  # step 4 becomes step 5: valid JSON
+        data[data.index(b'"step":4,') + 7] ^= 0x01  # step 4 becomes step 5: valid JSON
         storage.write("manifest.json", bytes(data))
     run_ranks(2, _manifest_error_on_every_rank, any_root)
     capsys.readouterr()
@@ -147,3 +148,61 @@ def test_a_damaged_manifest_fails_every_rank_at_once_and_the_previous_one_is_kep
     run_ranks(2, _falls_back, any_root)
     assert Manifest.load(any_root).steps() == [2, 4, 6]
     assert cnr(["verify", any_root]) == 0
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("how", ["corrupt", "truncated", "missing"])
+def test_a_damaged_checkpoint_record_is_named_and_a_restore_changes_nothing(
+    how: str, any_root: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_ranks(2, _save_chain, any_root)
+    last = Manifest.load(any_root).latest()
+    assert last is not None
+    link = last.chain[1]  # a delta the restore of the latest applies
+    name = f"{link}/checkpoint.json"
+    got = open_storage(any_root).read(name)
+    assert got is not None
+    _damage(any_root, name, 0, len(got[0]), how)
+    capsys.readouterr()
+    assert cnr(["verify", any_root]) == 1
+    out = capsys.readouterr().out
+    assert name in out, out
+    run_ranks(2, _restore_refused_and_nothing_changed, any_root, CheckpointReadError, name, None)
+
+
+def _save_long_history(root: str) -> None:
+    job = _job(root, seed=1, compact_every=2)
+    for step in range(1, 2 * TAIL + 5):
+        job.train(1)
+        job.ckpt.save(step)
+    job.ckpt.close()
+
+
+def _restore_step(root: str, step: int) -> None:
+    job = _job(root, seed=3)
+    assert job.ckpt.restore(step) == step
+    job.ckpt.close()
+
+
+@pytest.mark.dist
+def test_a_damaged_history_segment_is_named_and_the_latest_still_restores(
+    any_root: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_ranks(2, _save_long_history, any_root)
+    manifest = Manifest.load(any_root)
+    assert manifest.history is not None
+    old = manifest.checkpoints[0].step
+    got = open_storage(any_root).read(manifest.history.name)
+    assert got is not None
+    _damage(any_root, manifest.history.name, 0, len(got[0]), "corrupt")
+    capsys.readouterr()
+    assert cnr(["verify", any_root]) == 1
+    out = capsys.readouterr().out
+    assert f"{manifest.history.name} is not valid JSON" in out, out
+    refused = (ManifestError, manifest.history.name, None, old)
+    run_ranks(2, _restore_refused_and_nothing_changed, any_root, *refused)
+    latest = manifest.latest()
+    assert latest is not None
+    run_ranks(2, _restore_step, any_root, latest.step)
+    with pytest.raises(ManifestError, match=manifest.history.name):
+        Manifest.load(any_root).find(old)

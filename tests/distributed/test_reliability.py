@@ -34,6 +34,7 @@ from tests.models import capture, differences
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointError, CheckpointManager
 from torchrec_cnr.commit import Manifest
+from torchrec_cnr.schema import record_bytes, record_path
 from torchrec_cnr.storage import open_storage
 
 TABLES = [
@@ -297,12 +298,11 @@ def test_a_restore_that_fails_anywhere_leaves_model_and_app_state_bit_identical(
 ) -> None:
     run_ranks(2, _save_with_extra, root)
     run_ranks(2, _app_state_refuses, root)
-    # A manifest that promises more rows than a stored tensor holds: read, then refused.
-    manifest = Manifest.load(root)
-    last = manifest.checkpoints[-1]
+    # A record that promises more rows than a stored tensor holds: read, then refused.
+    last = Manifest.load(root).checkpoints[-1]
     rec = next(r for r in last.shards if not r.all_rows and r.saved_rows > 0)
     rec.saved_rows += 1
-    manifest.save(open_storage(root))
+    open_storage(root).write(record_path(last.id), record_bytes(last))
     run_ranks(2, _data_does_not_fit, root)
 
 

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from torchrec_cnr import CheckpointConfig, ManifestError
-from torchrec_cnr.commit.manifest import FORMAT_VERSION, DenseInfo, Entry, Manifest, TableShape
+from torchrec_cnr import CheckpointConfig, CheckpointReadError, ManifestError
+from torchrec_cnr.commit.commit import CommitTarget, append
+from torchrec_cnr.commit.manifest import (
+    FORMAT_VERSION,
+    TAIL,
+    DenseInfo,
+    Entry,
+    Manifest,
+    TableShape,
+)
 from torchrec_cnr.encoding import FP32, ShardRecord, StateInfo
+from torchrec_cnr.schema import checkpoint_id
+from torchrec_cnr.selection.policy import Policy
+from torchrec_cnr.storage import ANY, CountingStorage, Storage, StorageWrapper
 from torchrec_cnr.storage.fs import FsStorage
 from torchrec_cnr.tracking import ShardSpec
 
@@ -50,12 +64,14 @@ def _entry(seq: int, step: int, chain: list[str], nbytes: int) -> Entry:
 
 def test_manifest_round_trips_and_names_its_format_version(tmp_path: Path) -> None:
     m = Manifest()
-    m.checkpoints.append(_entry(0, 10, ["a"], 100))
-    m.checkpoints.append(_entry(1, 20, ["a", "b"], 10))
+    for entry in (_entry(0, 10, ["a"], 100), _entry(1, 20, ["a", "b"], 10)):
+        m.add(entry)
     m.save(FsStorage(tmp_path))
     raw = json.loads((tmp_path / "manifest.json").read_text())
     assert raw["format_version"] == FORMAT_VERSION
+    assert "shards" not in raw["checkpoints"][0]  # the detail is in the record
     loaded = Manifest.load(tmp_path)
+    assert not loaded.checkpoints[0].has_detail
     assert loaded.checkpoints == m.checkpoints  # every typed field survives JSON
     assert loaded.steps() == [10, 20] and loaded.next_seq() == 2
     latest, first = loaded.find(None), loaded.find(10)
@@ -112,3 +128,117 @@ def test_config_rejects_out_of_range_values_naming_the_field(kwargs: dict, field
     args = {"path": "/tmp/x", **kwargs}
     with pytest.raises(ValueError, match=field):
         CheckpointConfig(**args)
+
+
+def _commit_run(
+    storage: Storage, count: int, start: int = 0, keep_last: int | None = None
+) -> list[tuple[int, int]]:
+    """Commits checkpoints ``start..start + count - 1`` as a job does (a baseline every
+    7th), each with its record; returns, per commit, the bytes it read and wrote."""
+    costs = []
+    for seq in range(start, start + count):
+        ckpt_id = checkpoint_id(seq, 10 * seq, 0)
+        base = checkpoint_id(seq - seq % 7, 10 * (seq - seq % 7), 0)
+        entry = _entry(seq, 10 * seq, [base] if base == ckpt_id else [base, ckpt_id], 10)
+        entry.id = ckpt_id
+        counting = CountingStorage(storage)
+        written = _Written(counting)
+        append(CommitTarget(written, Policy("intermittent"), 0, keep_last), entry)
+        costs.append((counting.bytes_read, written.bytes))
+    return costs
+
+
+class _Written(StorageWrapper):
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner)
+        self.bytes = 0
+
+    def write(self, name: str, data: bytes, expect: Any = ANY) -> str:
+        self.bytes += len(data)
+        return super().write(name, data, expect)
+
+
+def test_a_commit_reads_and_writes_the_same_bytes_whatever_the_history(tmp_path: Path) -> None:
+    storage = FsStorage(tmp_path)
+    costs = _commit_run(storage, 300)
+    # Steady once the first segment is sealed: the same sawtooth, whatever came before.
+    early = costs[2 * TAIL : 2 * TAIL + 7 * TAIL]
+    late = costs[-7 * TAIL :]
+    for i in (0, 1):
+        assert max(c[i] for c in late) <= 1.2 * max(c[i] for c in early), (early, late)
+        assert sum(c[i] for c in late) <= 1.2 * sum(c[i] for c in early)
+    assert (tmp_path / "manifest.json").stat().st_size < 2 * TAIL * 1000
+
+
+def test_the_history_is_read_from_its_segments_and_a_chain_from_records(tmp_path: Path) -> None:
+    storage = FsStorage(tmp_path)
+    _commit_run(storage, 100)
+    manifest = Manifest.load(tmp_path)
+    assert len(manifest.tail) < 2 * TAIL and manifest.count() == 100
+    latest = manifest.latest()
+    assert latest is not None and latest.seq == 99 and manifest.next_seq() == 100
+    # A chain's baseline older than the held summaries comes from its record alone.
+    counting = CountingStorage(storage)
+    reader = Manifest.load(counting)
+    base = reader.by_id(checkpoint_id(98, 980, 0))
+    assert base.step == 980 and base.shards[0].key == "s0"
+    assert counting.requests <= 3  # the manifest, the record; no segment
+    assert [e.seq for e in manifest.checkpoints] == list(range(100))
+    assert manifest.steps() == [10 * i for i in range(100)]
+    found = manifest.find(30)
+    assert found is not None and found.shards[0].checksums == {
+        "s0.w": 1,
+        "s0.ids": 2,
+        "s0.momentum1": 3,
+    }
+    assert manifest.find_id(checkpoint_id(3, 30, 0)) is not None
+    assert manifest.find_id(checkpoint_id(100, 1000, 0)) is None
+
+
+def test_a_damaged_segment_or_record_is_named(tmp_path: Path) -> None:
+    storage = FsStorage(tmp_path)
+    _commit_run(storage, 40)
+    segment = sorted(tmp_path.glob("history-*.json"))[0]
+    segment.write_bytes(segment.read_bytes().replace(b'"step":10,', b'"step":11,'))
+    manifest = Manifest.load(tmp_path)
+    assert manifest.latest() is not None  # the latest needs no segment
+    with pytest.raises(ManifestError, match=f"{segment.name} is damaged"):
+        manifest.steps()
+    record = tmp_path / checkpoint_id(39, 390, 0) / "checkpoint.json"
+    record.write_bytes(record.read_bytes()[:-10])
+    latest = Manifest.load(tmp_path).latest()
+    assert latest is not None
+    with pytest.raises(CheckpointReadError, match="checkpoint.json"):
+        latest.shards  # noqa: B018
+
+
+def test_a_format_5_manifest_gets_records_when_first_written(tmp_path: Path) -> None:
+    data = Path(__file__).parents[1] / "data" / "format_v5" / "intermittent"
+    root = shutil.copytree(data, tmp_path / "root")
+    old = Manifest.load(root)
+    assert old.read_format == 5 and all(e.has_detail for e in old.checkpoints)
+    entry = copy.copy(old.checkpoints[-1])
+    entry.id, entry.seq = checkpoint_id(6, 14, 1), 6
+    append(CommitTarget(FsStorage(root), Policy("intermittent"), 1, None), entry)
+    new = Manifest.load(root)
+    assert new.read_format == FORMAT_VERSION
+    assert [e.id for e in new.checkpoints] == [e.id for e in old.checkpoints] + [entry.id]
+    for before, after in zip(old.checkpoints, new.checkpoints, strict=False):
+        assert not after.has_detail and after == before
+
+
+def test_retention_rewrites_a_sealed_history_and_deletes_its_segments(tmp_path: Path) -> None:
+    storage = FsStorage(tmp_path)
+    _commit_run(storage, 30)
+    assert len(list(tmp_path.glob("history-*.json"))) > 1
+    _commit_run(storage, 1, start=30, keep_last=2)
+    manifest = Manifest.load(tmp_path)
+    kept = [checkpoint_id(s, 10 * s, 0) for s in (28, 29, 30)]  # 30's chain: [28, 30]
+    assert [e.id for e in manifest.checkpoints] == kept
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == kept
+    assert not list(tmp_path.glob("history-*.json"))  # three summaries: no segment
+    _commit_run(storage, 20, start=31, keep_last=12)
+    manifest = Manifest.load(tmp_path)
+    assert manifest.history is not None and manifest.count() == len(manifest.checkpoints)
+    named = set(manifest._segments)
+    assert {p.name for p in tmp_path.glob("history-*.json")} == named

@@ -15,6 +15,7 @@ from torchrec_cnr.commit.retention import retire
 from torchrec_cnr.encoding import FormatResolver, RankWrite, ShardWriter
 from torchrec_cnr.errors import CheckpointError, wrapping
 from torchrec_cnr.recovery.interval import IntervalDecision
+from torchrec_cnr.schema import parse_checkpoint_id
 from torchrec_cnr.selection.policy import ChainState, Decision, Policy
 from torchrec_cnr.snapshot import write_index
 from torchrec_cnr.staging import StagedCheckpoint
@@ -193,7 +194,8 @@ def _stale(storage: Storage, generation: int, found: int) -> CheckpointError:
 
 
 def append(target: CommitTarget, entry: Entry) -> Manifest:
-    """Commits ``entry`` to the root's manifest, then applies retention (rank 0 only).
+    """Commits ``entry`` (its record, then the root's manifest), then applies retention
+    (rank 0 only).
 
     IMPORTANT: call this only after every rank reported its files durable; the
     manifest's rename (or PUT) is what makes the checkpoint exist.
@@ -206,13 +208,17 @@ def append(target: CommitTarget, entry: Entry) -> Manifest:
     manifest = Manifest.load(storage)
     if manifest.writer_generation != generation:
         raise _stale(storage, generation, manifest.writer_generation)
-    manifest.checkpoints.append(entry)
+    previous = manifest.latest()
+    manifest.add(entry)
     try:
         manifest.save(storage)
     except PreconditionFailed as e:
         raise _stale(storage, generation, Manifest.load(storage).writer_generation) from e
+    # A writer's first commit also removes what older writers left uncommitted.
+    named = None if previous is None else parse_checkpoint_id(previous.id)
+    first = named is None or named.generation != generation
     try:
-        retire(storage, manifest, target.keep_last, generation)
+        retire(storage, manifest, target.keep_last, generation, sweep=first)
     except PreconditionFailed:
         # Committed; another job took the root over before retention rewrote the
         # manifest. Nothing is retired or deleted, and the next save is refused.

@@ -79,7 +79,8 @@ class Fence:
     def manifest(self) -> Manifest:
         """The root's manifest, read by rank 0: every rank gets its view, or its error."""
         storage, fallback = self.storage, self.fallback
-        return self.group.on_rank0(lambda: Manifest.load(storage, fallback=fallback))
+        manifest = self.group.on_rank0(lambda: Manifest.load(storage, fallback=fallback))
+        return manifest.attach(storage)
 
     def _claim(self) -> None:
         def claim() -> tuple[int, str | None]:

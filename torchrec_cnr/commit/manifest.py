@@ -1,17 +1,25 @@
-"""The chain manifest, read and committed: the versioned contract between save and restore.
+"""The manifest, read and committed: the versioned contract between save and restore.
 
-One JSON file, ``<root>/manifest.json``, lists every committed checkpoint (its types and
-JSON are :mod:`torchrec_cnr.schema`'s). It is replaced atomically (write a temporary
-file, fsync, rename, fsync the directory) and only after every rank's data is durable, so
-its rename is the commit: a checkpoint directory the manifest does not name does not
-exist for a restore.
+One JSON file, ``<root>/manifest.json``, names every committed checkpoint (its types and
+JSON are :mod:`torchrec_cnr.schema`'s): the latest ones by their summaries, the older
+ones through the newest sealed history segment. Each checkpoint's detail is its record,
+``<id>/checkpoint.json``, read when first used. The manifest is replaced atomically (write
+a temporary file, fsync, rename, fsync the directory) and only after every rank's data, the
+record and any new segment are durable, so its rename is the commit: a checkpoint
+directory the manifest does not name does not exist for a restore.
+
+Its size is bounded whatever the history: once it holds ``2 * TAIL`` summaries, all but the
+last ``TAIL`` go into a new sealed segment (written once, never changed), which names the
+segment before it.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
+from typing import Any
 
-from torchrec_cnr.errors import ManifestError
+from torchrec_cnr.errors import CheckpointReadError, ManifestError
 from torchrec_cnr.schema import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -19,9 +27,17 @@ from torchrec_cnr.schema import (
     DenseInfo,
     Entry,
     ManifestRecord,
+    SegmentRef,
     TableShape,
     describe,
+    parse_checkpoint_id,
+    parse_record,
+    parse_segment,
+    record_bytes,
+    record_path,
     saved_fraction,
+    segment_bytes,
+    segment_name,
 )
 from torchrec_cnr.storage import PreconditionFailed, Root, Storage, as_storage
 
@@ -33,6 +49,58 @@ __all__ = [
     "TableShape",
     "saved_fraction",
 ]
+
+logger = logging.getLogger(__name__)
+
+TAIL = 4
+"""Summaries a manifest keeps after sealing the older ones into a history segment."""
+
+
+class _Source:
+    """The storage a manifest's records and segments are read from. Not pickled: a
+    manifest sent to another rank reads them once :meth:`Manifest.attach` gives it one."""
+
+    def __init__(self, storage: Storage | None) -> None:
+        self.storage = storage
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.storage = None
+
+    def get(self) -> Storage:
+        if self.storage is None:
+            raise RuntimeError(
+                "a manifest received from another rank needs Manifest.attach(storage)"
+            )
+        return self.storage
+
+
+class _Record:
+    """Reads a checkpoint's record: an entry's detail, fetched on first use."""
+
+    def __init__(self, source: _Source, ckpt_id: str) -> None:
+        self.source, self.ckpt_id = source, ckpt_id
+
+    def __call__(self) -> Entry:
+        return read_record(self.source.get(), self.ckpt_id)
+
+
+def read_record(storage: Storage, ckpt_id: str) -> Entry:
+    """The whole entry of checkpoint ``ckpt_id``, from its record.
+
+    Raises:
+        CheckpointReadError: the record is missing or damaged.
+    """
+    name = record_path(ckpt_id)
+    got = storage.read(name)
+    if got is None:
+        raise CheckpointReadError(f"{storage.path(name)} is missing")
+    try:
+        return parse_record(got[0], storage.path(name), ckpt_id)
+    except ManifestError as e:
+        raise CheckpointReadError(str(e)) from e
 
 
 class Manifest(ManifestRecord):
@@ -61,7 +129,7 @@ class Manifest(ManifestRecord):
             try:
                 manifest = cls.parse(got[0], where)
                 manifest.version = got[1]
-                return manifest
+                return manifest.attach(storage)
             except ManifestError as e:
                 problem = str(e)
         else:
@@ -74,7 +142,7 @@ class Manifest(ManifestRecord):
             )
             # The next commit replaces what is there now, damaged or not.
             previous.version = None if got is None else got[1]
-            return previous
+            return previous.attach(storage)
         hint = (
             f"; the previous committed manifest {PREVIOUS_MANIFEST_NAME} is intact "
             f"({describe(previous)}): CheckpointConfig(manifest_fallback=True) uses it"
@@ -91,9 +159,66 @@ class Manifest(ManifestRecord):
         if got is None:
             return None
         try:
-            return cls.parse(got[0], storage.path(PREVIOUS_MANIFEST_NAME))
+            return cls.parse(got[0], storage.path(PREVIOUS_MANIFEST_NAME)).attach(storage)
         except ManifestError:
             return None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._source = _Source(None)
+        self._unrecorded: list[Entry] = list(self.tail)
+        """Entries whose records :meth:`save` writes first: those added, and a format-1-5
+        manifest's (whole, without records until the root is first written)."""
+
+    def add(self, entry: Entry) -> None:
+        """Adds a newly committed checkpoint (its record is written when saved)."""
+        self.tail.append(entry)
+        self._unrecorded.append(entry)
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> Manifest:
+        manifest = super().parse(data, where)
+        if manifest.read_format >= 6:  # summaries: each reads its record when first used
+            manifest._unrecorded = []
+            manifest.tail = [Entry.lazy(e, _Record(manifest._source, e.id)) for e in manifest.tail]
+        return manifest
+
+    def attach(self, storage: Storage) -> Manifest:
+        """Reads this manifest's records and segments from ``storage`` (a manifest sent
+        from another rank, see :class:`_Source`); returns it."""
+        self._source.storage = storage
+        return self
+
+    def read_history(self) -> list[Entry]:
+        """The checkpoints of the sealed history segments, oldest first.
+
+        Raises:
+            ManifestError: a segment is missing or damaged.
+        """
+        storage = self._source.get() if self.history is not None else None
+        parts: list[list[Entry]] = []
+        ref = self.history
+        while ref is not None:
+            assert storage is not None
+            got = storage.read(ref.name)
+            if got is None:
+                raise ManifestError(f"{storage.path(ref.name)} (a history segment) is missing")
+            entries, previous = parse_segment(got[0], storage.path(ref.name))
+            parts.append([Entry.lazy(e, _Record(self._source, e.id)) for e in entries])
+            self._segments.append(ref.name)
+            ref = previous
+        return [e for part in reversed(parts) for e in part]
+
+    def by_id(self, ckpt_id: str) -> Entry:
+        """The committed checkpoint ``ckpt_id`` that a committed chain names: from the
+        summaries held, or else from its record alone (no history read)."""
+        found = next((e for e in self.tail if e.id == ckpt_id), None)
+        name = parse_checkpoint_id(ckpt_id)
+        if found is not None or self.history is None or name is None:
+            return found or super().by_id(ckpt_id)
+        if self._older is not None:
+            return super().by_id(ckpt_id)
+        return read_record(self._source.get(), ckpt_id)
 
     def save(self, storage: Storage) -> None:
         """Commits this manifest in place of the version it was read at.
@@ -112,6 +237,10 @@ class Manifest(ManifestRecord):
                 f"{storage.path(MANIFEST_NAME)} changed since it was read (another writer?)"
             )
         first = current is None and not storage.exists(PREVIOUS_MANIFEST_NAME)
+        for entry in self._unrecorded:
+            storage.write(record_path(entry.id), record_bytes(entry))
+        self._unrecorded = []
+        self._seal(storage)
         if current is not None:
             try:
                 Manifest.parse(current[0], MANIFEST_NAME)
@@ -124,3 +253,21 @@ class Manifest(ManifestRecord):
             # manifest means a lost one, not a fresh root. It goes after the manifest, so
             # that a reader (a follower) never finds a previous manifest and no manifest.
             storage.write(PREVIOUS_MANIFEST_NAME, Manifest().to_bytes())
+        for name in self._stale_segments:
+            storage.delete(name)  # the history a retention replaced
+        self._stale_segments = []
+
+    def _seal(self, storage: Storage) -> None:
+        """Moves all but the last :data:`TAIL` summaries into a new history segment once
+        the manifest holds ``2 * TAIL`` (the segment is durable before the manifest)."""
+        if len(self.tail) < 2 * TAIL:
+            return
+        older, self.tail = self.tail[:-TAIL], self.tail[-TAIL:]
+        data, digest = segment_bytes(older, self.history)
+        count = len(older) + (0 if self.history is None else self.history.count)
+        name = segment_name(older[0].seq, older[-1].seq, digest)
+        storage.write(name, data)
+        if self._older is not None:
+            self._older = self._older + older
+        self._segments.insert(0, name)
+        self.history = SegmentRef(name, older[0].seq, max(e.seq for e in older), count)

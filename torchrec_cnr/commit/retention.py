@@ -14,12 +14,17 @@ __all__ = ["retire"]
 
 
 def retire(
-    storage: Storage, manifest: Manifest, keep_last: int | None, generation: int
+    storage: Storage,
+    manifest: Manifest,
+    keep_last: int | None,
+    generation: int,
+    sweep: bool = True,
 ) -> list[str]:
     """Drops what the chains of the last ``keep_last`` checkpoints do not need (rank 0 only).
 
-    Also deletes directories that older generations started but never committed. The
-    manifest forgets checkpoints before their files go, so no committed manifest ever
+    With ``sweep`` (a writer's first commit), also deletes directories that older
+    generations started but never committed: it lists the root and reads the whole history.
+    The manifest forgets checkpoints before their files go, so no committed manifest ever
     names a missing file.
 
     Returns:
@@ -32,11 +37,12 @@ def retire(
         if dropped:
             manifest.checkpoints = [e for e in manifest.checkpoints if e.id in needed]
             manifest.save(storage)
-    named = {e.id for e in manifest.checkpoints}
-    for name in storage.children():
-        found = parse_checkpoint_id(name)
-        if name not in named and found is not None and found.generation < generation:
-            dropped.append(name)
+    if sweep:
+        named = {e.id for e in manifest.checkpoints}
+        for name in storage.children():
+            found = parse_checkpoint_id(name)
+            if name not in named and found is not None and found.generation < generation:
+                dropped.append(name)
     for ckpt_id in dropped:
         storage.delete_tree(ckpt_id)
     return dropped

@@ -251,6 +251,7 @@ def compact(
         CheckpointReadError: the chain is damaged; nothing was committed.
     """
     manifest: Manifest = group.on_rank0(lambda: Manifest.load(target.storage))
+    manifest.attach(target.storage)
     latest = manifest.latest()
     if latest is None or len(latest.chain) - 1 < max(every or 1, 1):
         return None

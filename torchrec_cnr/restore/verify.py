@@ -17,8 +17,10 @@ __all__ = ["verify_chains", "verify_checkpoint"]
 
 
 def verify_checkpoint(storage: Storage, ckpt: Entry, io: IOContext) -> list[str]:
-    """Reads every tensor of one checkpoint and checks it; returns the problems found."""
+    """Reads every tensor of one checkpoint (and its record) and checks it; returns the
+    problems found."""
     try:
+        ckpt.shards  # noqa: B018 - its record, read and checked
         reader = SnapshotReader(storage, ckpt.id, io.io, io.object_bytes)
     except CheckpointReadError as e:
         return [str(e)]
@@ -60,7 +62,7 @@ def verify_chains(
             checked.add(ckpt_id)
             try:
                 ckpt = manifest.by_id(ckpt_id)
-            except ManifestError as e:
+            except (ManifestError, CheckpointReadError) as e:
                 problems.append(f"step {entry.step}: {e}")
                 continue
             found = verify_checkpoint(storage, ckpt, io)

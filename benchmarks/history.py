@@ -1,0 +1,225 @@
+"""A commit's cost against the history before it: save + commit, the manifest bytes a
+commit reads and writes, the writer's CPU time, a follower's update and a restore's
+planning, at checkpoint 10 and up to checkpoint 10,000.
+
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
+        -m benchmarks.history --out out/bench/history.json
+
+The model is ``--tables`` table-wise tables of ``--rows`` x ``--dim`` (the DLRM, fused
+row-wise Adagrad) on 2 gloo ranks; it trains one step between saves, a save every step,
+each waited for, with default retention (every checkpoint kept), for each policy in
+``--policies``. Around each checkpoint count in ``--probes`` (the ``--window`` commits
+ending there: whole cycles of the manifest's sealing, see ``commit.manifest.TAIL``) it
+records per commit:
+
+- save + commit: from ``save()`` until ``wait()`` returns, the slowest rank's;
+- the metadata bytes rank 0's commit reads and writes (the manifest, records, segments;
+  not the tensors, whose bytes do not depend on the history);
+- the writer's CPU time: the background writer thread's CPU seconds for the write and
+  commit, the slowest rank's;
+- a follower's update (a ``Follower`` on rank 0 polls after each commit): seconds,
+  requests and bytes;
+- a restore's planning on rank 0: reading the manifest and resolving the latest chain with
+  every link's record (``ChainReader.open``), seconds and bytes.
+
+The figures at each probe are medians (times) and means (bytes) over the window; the
+targets compare the last probe with the first (within 1.2x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.measure import (
+    Policy,
+    StepLoop,
+    Workload,
+    bcast,
+    max_over_ranks,
+    model_arguments,
+    timed_save,
+    uniform_model,
+)
+from benchmarks.results import Column, Goal, Table
+from cnr_train.serve import serving_model
+from cnr_train.workload import ZipfBatches
+from torchrec_cnr import CheckpointConfig, CheckpointManager, Follower
+from torchrec_cnr.restore import ChainReader
+from torchrec_cnr.serving import FloatTarget
+from torchrec_cnr.storage import ANY, CountingStorage, Storage, open_storage
+
+# The module whose background job calls write_and_commit (the package exports a function
+# of the same name).
+compact: Any = importlib.import_module("torchrec_cnr.compaction.compact")
+
+FIGURES = ("commit_s", "read_b", "written_b", "writer_cpu_s", "follow_s", "follow_b",
+           "plan_s", "plan_b")  # fmt: skip
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    model_arguments(p, rows=5000, tables=4, dim=16)
+    p.add_argument("--policies", nargs="+", default=["intermittent", "consecutive"])
+    p.add_argument("--probes", type=int, nargs="+", default=[10, 100, 300, 1000, 3000, 10000])
+    p.add_argument("--window", type=int, default=8, help="commits per probe (two sealing cycles)")
+
+
+class _Metered(CountingStorage):
+    """Counts, besides the bytes read, the bytes of the metadata writes (``write``)."""
+
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner)
+        self.bytes_written = 0
+
+    def write(self, name: str, data: bytes, expect: Any = ANY) -> str:
+        self.bytes_written += len(data)
+        return super().write(name, data, expect)
+
+
+class _WriterClock:
+    """The background writer's CPU seconds for each write and commit on this rank."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self._inner = compact.write_and_commit
+        compact.write_and_commit = self._timed
+
+    def _timed(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.thread_time()
+        try:
+            return self._inner(*args, **kwargs)
+        finally:
+            self.last = time.thread_time() - t0
+
+    def close(self) -> None:
+        compact.write_and_commit = self._inner
+
+
+def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
+    a = b.args
+    work = uniform_model(a)
+    loop = StepLoop(work, ZipfBatches(work.tables, batch_size=64, seed=3), b.rank)
+    root = b.scratch / policy
+    storage = _Metered(open_storage(str(root)))
+    ckpt = CheckpointManager(work.model, CheckpointConfig(path=str(root), policy=policy),
+                             {"dense_opt": work.opt}, storage=storage)  # fmt: skip
+    follower_box: list[Follower] = []
+    clock = _WriterClock()
+    last = max(a.probes)
+    measured = {p for probe in a.probes for p in range(probe - a.window + 1, probe + 1)}
+    rows: list[dict[str, Any]] = []
+    window: list[dict[str, float]] = []
+    try:
+        for step in range(1, last + 1):
+            loop.train(1)
+            storage.bytes_read = storage.bytes_written = 0
+            commit_s = timed_save(ckpt, step)[1]
+            if step + 1 in measured and step not in measured and b.rank == 0:
+                _follower(root, follower_box, work).poll()  # one behind at the window's start
+            if step not in measured:
+                continue
+            got = {"commit_s": commit_s, "read_b": storage.bytes_read,
+                   "written_b": storage.bytes_written}  # fmt: skip
+            got["writer_cpu_s"] = max_over_ranks(clock.last)[0]
+            got |= bcast(_follow_and_plan(root, follower_box, work) if b.rank == 0 else {})
+            window.append(got)
+            if step in a.probes:
+                rows.append(_summary(policy, step, window, root))
+                b.log(", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items() if k != "policy"))
+                window = []
+            dist.barrier()
+    finally:
+        clock.close()
+        for follower in follower_box:
+            follower.close()
+        ckpt.close()
+    return rows
+
+
+def _follower(root: Path, box: list[Follower], work: Workload) -> Follower:
+    """The follower of ``root``, made at the first window (its first poll loads cold)."""
+    if not box:
+        box.append(Follower(str(root), FloatTarget(serving_model(work.tables, 4, "fp32"))))
+    return box[0]
+
+
+def _follow_and_plan(root: Path, box: list[Follower], work: Workload) -> dict[str, float]:
+    """A follower's update to the commit just made, and a restore's planning of it."""
+    follower = _follower(root, box, work)
+    follower.poll()
+    report = follower.reports[-1]
+    planner = CountingStorage(open_storage(str(root)))
+    t0 = time.perf_counter()
+    with ChainReader.open(planner, verify=False) as chain:
+        assert all(link.shards for link in chain.links)  # every link's record
+    return {"follow_s": report.seconds, "follow_b": report.bytes_read,
+            "plan_s": time.perf_counter() - t0, "plan_b": planner.bytes_read}  # fmt: skip
+
+
+def _summary(policy: str, step: int, window: list[dict[str, float]], root: Any) -> dict[str, Any]:
+    row: dict[str, Any] = {"policy": policy, "checkpoint": step}
+    for key in FIGURES:
+        values = [w[key] for w in window if key in w]
+        if not values:
+            continue
+        row[key] = statistics.median(values) if key.endswith("_s") else statistics.fmean(values)
+    manifest = root / "manifest.json"
+    row["manifest_b"] = manifest.stat().st_size if manifest.exists() else 0
+    return row
+
+
+def _goals(probes: list[int], policies: list[str]) -> list[Goal]:
+    first, last = min(probes), max(probes)
+    goals = []
+    for policy in policies:
+        for key, what in (("commit_s", "save + commit"), ("read_b", "bytes a commit reads"),
+                          ("written_b", "bytes a commit writes"),
+                          ("writer_cpu_s", "the writer's CPU per commit"),
+                          ("follow_s", "a follower's update"), ("plan_s", "a restore's planning")):  # fmt: skip
+            goals.append(Goal(f"{policy}: {what} at checkpoint {last} <= 1.2x checkpoint {first}",
+                              f"{policy}.{last}.{key}", "<=", f"{policy}.{first}.{key}", 1.2))  # fmt: skip
+    return goals
+
+
+def run(b: Bench) -> Outcome:
+    a = b.args
+    rows = [r for policy in a.policies for r in _policy(b, policy)]
+    by: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        by.setdefault(r["policy"], {})[str(r["checkpoint"])] = r
+    columns: dict[str, Column] = {"policy": "policy", "checkpoint": "checkpoint",
+               "save + commit (ms)": lambda r: 1e3 * r["commit_s"],
+               "commit reads (KB)": lambda r: r["read_b"] / 1e3,
+               "commit writes (KB)": lambda r: r["written_b"] / 1e3,
+               "writer CPU (ms)": lambda r: 1e3 * r["writer_cpu_s"],
+               "follower update (ms)": lambda r: 1e3 * r["follow_s"],
+               "restore planning (ms)": lambda r: 1e3 * r["plan_s"],
+               "manifest.json (KB)": lambda r: r["manifest_b"] / 1e3}  # fmt: skip
+    table = Table.of(
+        "A commit against the history before it (medians and means over each window)",
+        rows,
+        columns,
+        note=f"{a.tables} tables of {a.rows} x {a.dim}, 2 ranks, a save every step, each "
+        f"waited for, every checkpoint kept; {a.window} commits per probe",
+    )
+    return Outcome({"rows": rows, **by}, [table], _goals(a.probes, a.policies))
+
+
+CASE = Case(
+    name="history",
+    title="History: a commit's cost from checkpoint 10 to 10,000",
+    arguments=_arguments,
+    smoke="--probes 10 40 --rows 500",
+    run=run,
+)
+
+if __name__ == "__main__":
+    sys.exit(main(CASE, __doc__))
