@@ -9,7 +9,7 @@ The model is ``--tables`` table-wise tables of ``--rows`` x ``--dim`` (the DLRM,
 row-wise Adagrad) on 2 gloo ranks; it trains one step between saves, a save every step,
 each waited for, with default retention (every checkpoint kept), for each policy in
 ``--policies``. Around each checkpoint count in ``--probes`` (the ``--window`` commits
-ending there: whole cycles of the manifest's sealing, see ``commit.manifest.TAIL``) it
+ending there: a whole cycle of the manifest's sealing, ``commit.manifest.TAIL``) it
 records per commit:
 
 - save + commit: from ``save()`` until ``wait()`` returns, the slowest rank's;
@@ -53,6 +53,7 @@ from benchmarks.results import Column, Goal, Table
 from cnr_train.serve import serving_model
 from cnr_train.workload import ZipfBatches
 from torchrec_cnr import CheckpointConfig, CheckpointManager, Follower
+from torchrec_cnr.commit.manifest import TAIL
 from torchrec_cnr.restore import ChainReader
 from torchrec_cnr.serving import FloatTarget
 from torchrec_cnr.storage import ANY, CountingStorage, Storage, open_storage
@@ -61,7 +62,7 @@ from torchrec_cnr.storage import ANY, CountingStorage, Storage, open_storage
 # of the same name).
 compact: Any = importlib.import_module("torchrec_cnr.compaction.compact")
 
-FIGURES = ("commit_s", "read_b", "written_b", "writer_cpu_s", "follow_s", "follow_b",
+FIGURES = ("stall_s", "commit_s", "read_b", "written_b", "writer_cpu_s", "follow_s", "follow_b",
            "plan_s", "plan_b")  # fmt: skip
 
 
@@ -69,7 +70,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     model_arguments(p, rows=5000, tables=4, dim=16)
     p.add_argument("--policies", nargs="+", default=["intermittent", "consecutive"])
     p.add_argument("--probes", type=int, nargs="+", default=[10, 100, 300, 1000, 3000, 10000])
-    p.add_argument("--window", type=int, default=8, help="commits per probe (two sealing cycles)")
+    p.add_argument("--window", type=int, default=TAIL, help="commits per probe (a sealing cycle)")
 
 
 class _Metered(CountingStorage):
@@ -121,12 +122,12 @@ def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
         for step in range(1, last + 1):
             loop.train(1)
             storage.bytes_read = storage.bytes_written = 0
-            commit_s = timed_save(ckpt, step)[1]
+            stall_s, commit_s = timed_save(ckpt, step)
             if step + 1 in measured and step not in measured and b.rank == 0:
                 _follower(root, follower_box, work).poll()  # one behind at the window's start
             if step not in measured:
                 continue
-            got = {"commit_s": commit_s, "read_b": storage.bytes_read,
+            got = {"stall_s": stall_s, "commit_s": commit_s, "read_b": storage.bytes_read,
                    "written_b": storage.bytes_written}  # fmt: skip
             got["writer_cpu_s"] = max_over_ranks(clock.last)[0]
             got |= bcast(_follow_and_plan(root, follower_box, work) if b.rank == 0 else {})
@@ -196,6 +197,7 @@ def run(b: Bench) -> Outcome:
     for r in rows:
         by.setdefault(r["policy"], {})[str(r["checkpoint"])] = r
     columns: dict[str, Column] = {"policy": "policy", "checkpoint": "checkpoint",
+               "stall (ms)": lambda r: 1e3 * r["stall_s"],
                "save + commit (ms)": lambda r: 1e3 * r["commit_s"],
                "commit reads (KB)": lambda r: r["read_b"] / 1e3,
                "commit writes (KB)": lambda r: r["written_b"] / 1e3,

@@ -211,7 +211,12 @@ class Manifest(ManifestRecord):
 
     def by_id(self, ckpt_id: str) -> Entry:
         """The committed checkpoint ``ckpt_id`` that a committed chain names: from the
-        summaries held, or else from its record alone (no history read)."""
+        summaries held, or else from its record alone (no history read).
+
+        Raises:
+            ManifestError: the manifest does not name it (and has no history).
+            CheckpointReadError: its record is missing or damaged.
+        """
         found = next((e for e in self.tail if e.id == ckpt_id), None)
         name = parse_checkpoint_id(ckpt_id)
         if found is not None or self.history is None or name is None:
@@ -219,6 +224,18 @@ class Manifest(ManifestRecord):
         if self._older is not None:
             return super().by_id(ckpt_id)
         return read_record(self._source.get(), ckpt_id)
+
+    def link(self, ckpt_id: str) -> Entry | None:
+        """The checkpoint a committed one links to (``since``), as :meth:`by_id` finds it;
+        ``None`` if the root no longer holds it (retired)."""
+        try:
+            return self.by_id(ckpt_id)
+        except ManifestError:
+            return None
+        except CheckpointReadError:
+            if self._source.get().exists(record_path(ckpt_id)):
+                raise  # there, but damaged
+            return None
 
     def save(self, storage: Storage) -> None:
         """Commits this manifest in place of the version it was read at.

@@ -17,6 +17,7 @@ gives every row whose value differs, read once each however far behind the follo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -57,26 +58,49 @@ def _same_state(entry: Entry, ckpt_id: str) -> bool:
     return entry.id == ckpt_id or entry.compacted_from == ckpt_id
 
 
-def _lineage(manifest: Manifest, start: Entry) -> list[tuple[set[str], Entry | None]]:
+def _lineage(manifest: Manifest, start: Entry) -> Iterator[tuple[set[str], Entry | None]]:
     """``start`` and the checkpoints it links back to through ``since``, newest first, each
     as the ids that name its state (its own, and the one it compacted) and its entry; the
-    last may be a link the manifest no longer names (entry ``None``): nothing is known
-    beyond it."""
-    out: list[tuple[set[str], Entry | None]] = []
+    last may be a link the root no longer holds (entry ``None``): nothing is known beyond
+    it. Read as far as its caller goes: each link is the manifest's or its own record."""
     entry: Entry | None = start
     seen: set[str] = set()
     while entry is not None and entry.id not in seen:
         seen.add(entry.id)
-        out.append(
-            ({entry.id} | ({entry.compacted_from} if entry.compacted_from else set()), entry)
-        )
+        yield {entry.id} | ({entry.compacted_from} if entry.compacted_from else set()), entry
         if entry.since is None:
-            break
-        previous = manifest.find_id(entry.since)
+            return
+        previous = manifest.link(entry.since)
         if previous is None:
-            out.append(({entry.since}, None))
+            yield {entry.since}, None
         entry = previous
-    return out
+
+
+def _meet(
+    ahead: Iterator[tuple[set[str], Entry | None]], behind: Iterator[tuple[set[str], Entry | None]]
+) -> tuple[list[Entry | None], list[Entry | None], tuple[int, int] | None]:
+    """Walks both lineages a link at a time until one reaches a state the other has: their
+    newest common checkpoint (each side meets the other's ancestors in order, so the first
+    shared state found is it). Returns each side's links walked and where they meet."""
+    sides: list[list[tuple[set[str], Entry | None]]] = [[], []]
+    going: list[Iterator[tuple[set[str], Entry | None]] | None] = [ahead, behind]
+    while going[0] is not None or going[1] is not None:
+        for side in (0, 1):
+            walk = going[side]
+            if walk is None:
+                continue
+            step = next(walk, None)
+            if step is None:
+                going[side] = None
+                continue
+            sides[side].append(step)
+            other = sides[1 - side]
+            at = next((i for i, (names, _) in enumerate(other) if names & step[0]), None)
+            if at is not None:
+                mine = len(sides[side]) - 1
+                meet = (mine, at) if side == 0 else (at, mine)
+                return [e for _, e in sides[0]], [e for _, e in sides[1]], meet
+    return [e for _, e in sides[0]], [e for _, e in sides[1]], None
 
 
 def changed_rows(
@@ -134,19 +158,13 @@ def plan_update(
     if served is not None:
         plan.dense = served.dense_checksums != target.dense_checksums
         plan.rewind = target.step < served.step
-    ahead = _lineage(manifest, target)
-    behind = _lineage(manifest, served) if served is not None else [({served_id or ""}, None)]
-    meet = None
-    for a, (names, _) in enumerate(ahead):
-        b = next((b for b, (theirs, _) in enumerate(behind) if names & theirs), None)
-        if b is not None:
-            meet = (a, b)
-            break
+    behind = _lineage(manifest, served) if served is not None else iter([({served_id or ""}, None)])
+    ahead, walked, meet = _meet(_lineage(manifest, target), behind)
     if served_id is None or meet is None:
         plan.cold = True
         return plan
     a, b = meet
-    path = [e for _, e in ahead[:a]] + [e for _, e in behind[:b]]
+    path = ahead[:a] + walked[:b]
     if any(e is None for e in path):
         plan.cold = True
         return plan
