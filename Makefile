@@ -40,7 +40,7 @@ lint: setup
 	$(PY) -m mypy torchrec_cnr cnr_train tests scripts benchmarks
 
 test: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadfile -W ignore::DeprecationWarning
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadfile --durations=10 -W ignore::DeprecationWarning
 
 # One line per result in benchmarks/results/ (tests/unit/test_bench_targets.py checks it).
 bench: setup

@@ -15,7 +15,6 @@ segment before it.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import Any
 
@@ -50,7 +49,6 @@ __all__ = [
     "saved_fraction",
 ]
 
-logger = logging.getLogger(__name__)
 
 TAIL = 4
 """Summaries a manifest keeps after sealing the older ones into a history segment."""
@@ -124,7 +122,7 @@ class Manifest(ManifestRecord):
         where = storage.path(MANIFEST_NAME)
         got = storage.read(MANIFEST_NAME)
         if got is None and not storage.exists(PREVIOUS_MANIFEST_NAME):
-            return cls()  # a fresh root
+            return cls().attach(storage)  # a fresh root
         if got is not None:
             try:
                 manifest = cls.parse(got[0], where)
