@@ -28,6 +28,7 @@ RUNS = [
     ("quantization_vs_greedy", "benchmarks.quantization", ("--vs-greedy",)),
     ("save_cost", "benchmarks.overhead", ("--save-cost",)),
     ("overhead_paired", "benchmarks.overhead", ("--paired",)),
+    ("overhead_gil", "benchmarks.overhead", ("--gil",)),
     (
         "serving_fanout",
         "benchmarks.serving",
