@@ -56,7 +56,7 @@ from torchrec_cnr import CheckpointConfig, CheckpointManager, Follower
 from torchrec_cnr.commit.manifest import TAIL
 from torchrec_cnr.restore import ChainReader
 from torchrec_cnr.serving import FloatTarget
-from torchrec_cnr.storage import ANY, CountingStorage, Storage, open_storage
+from torchrec_cnr.storage import CountingStorage, open_storage
 
 # The module whose background job calls write_and_commit (the package exports a function
 # of the same name).
@@ -71,18 +71,6 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", nargs="+", default=["intermittent", "consecutive"])
     p.add_argument("--probes", type=int, nargs="+", default=[10, 100, 300, 1000, 3000, 10000])
     p.add_argument("--window", type=int, default=TAIL, help="commits per probe (a sealing cycle)")
-
-
-class _Metered(CountingStorage):
-    """Counts, besides the bytes read, the bytes of the metadata writes (``write``)."""
-
-    def __init__(self, inner: Storage) -> None:
-        super().__init__(inner)
-        self.bytes_written = 0
-
-    def write(self, name: str, data: bytes, expect: Any = ANY) -> str:
-        self.bytes_written += len(data)
-        return super().write(name, data, expect)
 
 
 class _WriterClock:
@@ -109,7 +97,7 @@ def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
     work = uniform_model(a)
     loop = StepLoop(work, ZipfBatches(work.tables, batch_size=64, seed=3), b.rank)
     root = b.scratch / policy
-    storage = _Metered(open_storage(str(root)))
+    storage = CountingStorage(open_storage(str(root)))
     ckpt = CheckpointManager(work.model, CheckpointConfig(path=str(root), policy=policy),
                              {"dense_opt": work.opt}, storage=storage)  # fmt: skip
     follower_box: list[Follower] = []

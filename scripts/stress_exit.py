@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -51,12 +52,23 @@ def _load(stop: mp.synchronize.Event) -> None:
 # -- the library-only job, as a user writes it ------------------------------------------
 
 
+def _tables() -> list[Any]:
+    """The tables of the library-only job and of its follower."""
+    from torchrec import EmbeddingBagConfig
+
+    return [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=16, num_embeddings=4000, feature_names=[f"f{i}"]
+        )  # fmt: skip
+        for i in range(3)
+    ]
+
+
 def quickstart(root: str, kernels: str, steps: int) -> None:
     """One rank of a job that uses the library and TorchRec only."""
     import torch
     import torch.distributed as dist
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec import EmbeddingBagConfig
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.test_utils.test_model import ModelInput, TestSparseNN
@@ -70,12 +82,7 @@ def quickstart(root: str, kernels: str, steps: int) -> None:
     init_distributed()
     try:
         torch.manual_seed(0)
-        tables = [
-            EmbeddingBagConfig(
-                name=f"t{i}", embedding_dim=16, num_embeddings=4000, feature_names=[f"f{i}"]
-            )  # fmt: skip
-            for i in range(3)
-        ]
+        tables = _tables()
         module = TestSparseNN(tables=tables, num_float_features=8,
                               sparse_device=torch.device("meta"))  # fmt: skip
         if kernels == "unfused":
@@ -124,18 +131,12 @@ def follow(root: str, done: str) -> None:
     """A serving process: follows ``root`` until the file ``done`` exists, then exits
     with its follower still open."""
     import torch
-    from torchrec import EmbeddingBagConfig
     from torchrec.distributed.test_utils.test_model import TestSparseNN
 
     import torchrec_cnr
 
     torch.manual_seed(0)
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}", embedding_dim=16, num_embeddings=4000, feature_names=[f"f{i}"]
-        )  # fmt: skip
-        for i in range(3)
-    ]
+    tables = _tables()
     served = TestSparseNN(tables=tables, num_float_features=8)
     follower = torchrec_cnr.Follower(root, torchrec_cnr.FloatTarget(served))
     follower.start(interval_s=0.05)

@@ -140,6 +140,20 @@ class TorchRecBatches:
         return nn.functional.binary_cross_entropy_with_logits(logits, labels)
 
 
+def _configs(config: Any, kind: str, name: str, feature: str) -> list[Any]:
+    """A table config of class ``config`` per layout of ``kind``'s model: ``<name><layout>``,
+    fed by feature ``<feature><layout>``."""
+    return [
+        config(
+            name=f"{name}{layout}",
+            embedding_dim=DIM,
+            num_embeddings=_rows(layout),
+            feature_names=[f"{feature}{layout}"],
+        )
+        for layout in MODEL_LAYOUTS[kind]
+    ]
+
+
 def unsharded(kind: str, device: str = "meta") -> tuple[nn.Module, list[Any], list[Any]]:
     """The ``kind`` model before sharding, with its table configs (tables, weighted ones).
 
@@ -148,26 +162,10 @@ def unsharded(kind: str, device: str = "meta") -> tuple[nn.Module, list[Any], li
     weighted: list[Any] = []
     if kind == "ebc":
         config = EmbeddingBagConfig
-        weighted = [
-            EmbeddingBagConfig(
-                name=f"w_{layout}",
-                embedding_dim=DIM,
-                num_embeddings=_rows(layout),
-                feature_names=[f"wf_{layout}"],
-            )
-            for layout in MODEL_LAYOUTS[kind]
-        ]
+        weighted = _configs(EmbeddingBagConfig, kind, "w_", "wf_")
     else:
         config = EmbeddingConfig
-    tables: list[Any] = [
-        config(
-            name=f"t_{layout}",
-            embedding_dim=DIM,
-            num_embeddings=_rows(layout),
-            feature_names=[f"f_{layout}"],
-        )
-        for layout in MODEL_LAYOUTS[kind]
-    ]
+    tables = _configs(config, kind, "t_", "f_")
     if kind == "ebc":
         module: nn.Module = TestSparseNN(
             tables=tables,

@@ -215,13 +215,11 @@ class Manifest(ManifestRecord):
             ManifestError: the manifest does not name it (and has no history).
             CheckpointReadError: its record is missing or damaged.
         """
-        found = next((e for e in self.tail if e.id == ckpt_id), None)
-        name = parse_checkpoint_id(ckpt_id)
-        if found is not None or self.history is None or name is None:
-            return found or super().by_id(ckpt_id)
-        if self._older is not None:
-            return super().by_id(ckpt_id)
-        return read_record(self._source.get(), ckpt_id)
+        unread = self.history is not None and self._older is None
+        if unread and parse_checkpoint_id(ckpt_id) is not None:
+            found = next((e for e in self.tail if e.id == ckpt_id), None)
+            return found or read_record(self._source.get(), ckpt_id)
+        return super().by_id(ckpt_id)
 
     def link(self, ckpt_id: str) -> Entry | None:
         """The checkpoint a committed one links to (``since``), as :meth:`by_id` finds it;

@@ -92,13 +92,16 @@ class StorageWrapper(Storage):
 
 
 class CountingStorage(StorageWrapper):
-    """Counts the requests made and the bytes read; refuses writes if ``read_only``."""
+    """Counts the requests made, the bytes read and the bytes of the small objects written
+    whole (:meth:`Storage.write`: the manifest, records, segments, the lease; not the
+    tensors' data objects); refuses writes if ``read_only``."""
 
     def __init__(self, inner: Storage, read_only: bool = False) -> None:
         super().__init__(inner)
         self.read_only = read_only
         self.requests = 0
         self.bytes_read = 0
+        self.bytes_written = 0
         self._lock = threading.Lock()
 
     def before(self, op: str, name: str) -> None:
@@ -117,3 +120,9 @@ class CountingStorage(StorageWrapper):
         super().read_into(name, offset, out)
         with self._lock:
             self.bytes_read += len(out)
+
+    def write(self, name: str, data: bytes, expect: str | None | _Any = ANY) -> str:
+        version = super().write(name, data, expect)
+        with self._lock:
+            self.bytes_written += len(data)
+        return version
