@@ -47,10 +47,16 @@ def _inspect(root: str, io: IOContext) -> int:
         f"{'step':>8} {'kind':>6} {'policy':>13} {'ranks':>5} {'rows saved':>11} "
         f"{'changed':>9} {'MB':>9}  restore needs"
     )
+    base: dict[str, str] = {}  # id -> its chain's baseline: a long chain is not walked again
     for e in manifest.checkpoints:
         saved = sum(s.saved_rows for s in e.shards)
         changed = changed_rows(e)
-        needs = ", ".join(str(manifest.by_id(i).step) for i in e.chain)
+        first = (base.get(e.parent or "") if e.depth > 2 else None) or e.chain[0]
+        base[e.id] = first
+        if e.depth > 3:
+            needs = f"{manifest.by_id(first).step}, ..., {e.step} ({e.depth})"
+        else:
+            needs = ", ".join(str(manifest.by_id(i).step) for i in e.chain)
         print(
             f"{e.step:>8} {e.kind:>6} {e.policy:>13} {e.world_size:>5} {saved:>11} "
             f"{'?' if changed is None else changed:>9} {e.bytes / 1e6:>9.2f}  steps {needs}"
@@ -68,7 +74,7 @@ def _inspect(root: str, io: IOContext) -> int:
             f"{sum(r.nbytes for r in recs) / 1e6:8.2f} MB  {kind}"
         )
     print(
-        f"restoring it reads {manifest.chain_bytes(latest) / 1e6:.2f} MB from {len(latest.chain)} checkpoint(s)"
+        f"restoring it reads {manifest.chain_bytes(latest) / 1e6:.2f} MB from {latest.depth} checkpoint(s)"
     )
     return 0
 

@@ -139,7 +139,7 @@ class CheckpointManager:
         self._fence.check_writable()
         self.wait()
         latest = self._fence.manifest().latest()
-        if latest is None or len(latest.chain) == 1:
+        if latest is None or latest.depth == 1:
             return False
         what, chain = f"compaction of step {latest.step}", self._background.chain
         job = partial(compaction_job, self._fence.target(), self._io, chain, what)

@@ -394,7 +394,7 @@ class IntervalDecision:
 
 # -- the manifest -----------------------------------------------------------------------
 
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 """2: optimizer states by FBGEMM name with layout and dtype, and the kernels' step counters.
 3: a checksum of the manifest itself, the writer generation that may commit, each table's key
 in the unsharded module's state dict, and compacted checkpoints (``compacted_from``).
@@ -403,7 +403,10 @@ and a ``<key>.recent`` tensor), so that a serving follower reads only those.
 5: a cumulative delta stores those rows last (``ShardRecord.recent == "tail"``), so that a
 follower one checkpoint behind reads them in one run, whatever their ids.
 6: each checkpoint's detail in its own record (``<id>/checkpoint.json``); the manifest holds
-the latest checkpoints' summaries and names the newest sealed history segment."""
+the latest checkpoints' summaries and names the newest sealed history segment.
+7: a chain longer than two (consecutive deltas) is stored as its last link's predecessor
+and its length (``parent``, ``depth``), not listed whole; ``sizes`` only where the policy
+decides from them (intermittent)."""
 
 DETAIL = ("tables", "dense", "shards", "dense_checksums", "app_checksums")
 """The fields of an :class:`Entry` its record holds and its summary does not."""
@@ -483,9 +486,12 @@ class Entry:
     kind: Kind
     policy: str
     chain: list[str]
-    """Ids a restore of this checkpoint applies, baseline first."""
+    """Ids a restore of this checkpoint applies, baseline first. Stored (format 7) as the
+    link before this one and the length when longer than two, and read from the manifest
+    that names it on first use (:meth:`Entry.linked`)."""
     sizes: list[float]
-    """S_1..S_i of the deltas since the baseline."""
+    """S_1..S_i of the deltas since the baseline, for the policy that decides baselines
+    from them (``intermittent``); empty for the others since format 7."""
     world_size: int
     tables: dict[str, TableShape]
     dense: dict[str, DenseInfo]
@@ -515,7 +521,14 @@ class Entry:
 
     def __getattr__(self, name: str) -> Any:
         # Called only for an attribute not set: the detail of an entry read from a summary,
-        # fetched from its record on first use.
+        # fetched from its record on first use; or a chain stored by its parent.
+        if name == "chain" and "_parent" in self.__dict__:
+            owner = self.__dict__.get("_owner")
+            if owner is None:
+                raise RuntimeError(f"the chain of {self.id} is read through the manifest naming it")
+            chain = [link.id for link in owner.links(self)]
+            self.__dict__["chain"] = chain
+            return chain
         fetch = self.__dict__.get("_fetch")
         if name in DETAIL and fetch is not None:
             detail = fetch()
@@ -533,6 +546,26 @@ class Entry:
             del summary.__dict__[key]
         summary.__dict__["_fetch"] = fetch
         return summary
+
+    def linked(self, owner: Any) -> Entry:
+        """This entry, its chain (if stored by its parent) read through ``owner`` (a
+        manifest's :meth:`links`) when first used."""
+        if "chain" not in self.__dict__:
+            self.__dict__["_owner"] = owner
+        return self
+
+    @property
+    def parent(self) -> str | None:
+        """The link before this one in its chain, without reading the chain."""
+        stored = self.__dict__.get("_parent")
+        if stored is not None or "chain" not in self.__dict__:
+            return stored
+        return self.chain[-2] if len(self.chain) > 1 else None
+
+    @property
+    def depth(self) -> int:
+        """How many checkpoints its chain has, without reading the chain."""
+        return self.__dict__["_depth"] if "chain" not in self.__dict__ else len(self.chain)
 
     @property
     def has_detail(self) -> bool:
@@ -562,7 +595,10 @@ class Entry:
 
     def summary_json(self) -> dict[str, Any]:
         """The JSON of the summary alone, as the manifest and history segments hold it."""
-        raw = {k: v for k, v in self.__dict__.items() if k not in DETAIL and k != "_fetch"}
+        raw = {k: v for k, v in self.__dict__.items() if k not in DETAIL and k[0] != "_"}
+        if self.depth > 2:  # a chain of consecutive deltas: named by its parent
+            raw.pop("chain", None)
+            raw["parent"], raw["depth"] = self.parent, self.depth
         if self.interval_decision is not None:
             raw["interval_decision"] = self.interval_decision.to_json()
         return raw
@@ -589,9 +625,10 @@ class Entry:
     def from_json(cls, raw: dict[str, Any], version: int = FORMAT_VERSION) -> Entry:
         shards = raw["shards"] if version > 1 else [_upgrade_v1(s) for s in raw["shards"]]
         known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
-        return cls(
+        entry = cls(
             **known
             | {
+                "chain": raw.get("chain", []),
                 "tables": {k: TableShape(**v) for k, v in raw["tables"].items()},
                 "dense": {
                     k: DenseInfo(tuple(v["shape"]), v["dtype"]) for k, v in raw["dense"].items()
@@ -602,6 +639,10 @@ class Entry:
                 else IntervalDecision.from_json(raw["interval_decision"]),
             }
         )
+        if "chain" not in raw:
+            del entry.__dict__["chain"]
+            entry.__dict__["_parent"], entry.__dict__["_depth"] = raw["parent"], int(raw["depth"])
+        return entry
 
 
 def _checksum(payload: dict[str, Any]) -> str:
@@ -730,6 +771,8 @@ class ManifestRecord:
         self.version = version
         """The storage version it was read at; a save replaces exactly that version."""
         self._older: list[Entry] | None = None if history is not None else []
+        self._index: tuple[list[Entry] | None, dict[str, Entry]] = (None, {})
+        """:attr:`_older` by id, and the list it was built from."""
         self._segments: list[str] = []
         """The names of the history segments read (newest first)."""
         self._stale_segments: list[str] = []
@@ -785,6 +828,7 @@ class ManifestRecord:
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"{where} is malformed: {e!r}") from e
         manifest.read_format = version
+        manifest.tail = [e.linked(manifest) for e in manifest.tail]
         return manifest
 
     def to_bytes(self) -> bytes:
@@ -818,7 +862,10 @@ class ManifestRecord:
             return found
         if name.seq > self.history.last_seq:
             return None  # newer than every sealed one: the tail would hold it
-        return next((e for e in self.checkpoints if e.id == ckpt_id), None)
+        self.checkpoints  # noqa: B018 - reads the history once
+        if self._index[0] is not self._older:
+            self._index = (self._older, {e.id: e for e in self._older or []})
+        return self._index[1].get(ckpt_id)
 
     def by_id(self, ckpt_id: str) -> Entry:
         entry = self.find_id(ckpt_id)
@@ -834,6 +881,15 @@ class ManifestRecord:
     def next_seq(self) -> int:
         last = -1 if self.history is None else self.history.last_seq
         return max((e.seq for e in self.tail), default=last) + 1
+
+    def links(self, entry: Entry) -> list[Entry]:
+        """The checkpoints of ``entry``'s chain, baseline first; a chain stored by its
+        parent is walked back link by link (see :attr:`Entry.chain`)."""
+        walked = []
+        while "chain" not in entry.__dict__:
+            walked.append(entry)
+            entry = self.by_id(entry.__dict__["_parent"])
+        return [self.by_id(i) for i in entry.chain[:-1]] + [entry] + walked[::-1]
 
     def chain_bytes(self, entry: Entry) -> int:
         """Bytes a restore of ``entry`` reads: its chain's checkpoints."""

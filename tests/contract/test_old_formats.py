@@ -1,11 +1,14 @@
 """Roots written by earlier formats restore, follow, verify and export as they were
 written, and keep doing so once this version commits to them.
 
-``tests/data/format_v5``: two roots of format 5 (one manifest holding every entry whole),
-2 ranks, tables a: 600 x 8 table-wise and c: 401 x 8 row-wise, a checkpoint every second
-step from 2 to 12: ``intermittent`` (its step 8 compacted) and ``consecutive``, each with
-what ``export_state_dict`` gave at every step then (``<policy>.pt``), written by
-the last format-5 version (commit 2e83adc).
+Each ``tests/data/format_v<N>`` holds two roots written by ``scripts/format_fixture.py``
+in the last version of format N: 2 ranks, tables a: 600 x 8 table-wise and c: 401 x 8
+row-wise, a checkpoint every second step, ``intermittent`` (its step 8 compacted) and
+``consecutive``, each with what ``export_state_dict`` gave at every step then
+(``<policy>.pt``).
+
+- format 5 (one manifest holding every entry whole): steps 2 to 12, commit 2e83adc.
+- format 6 (records, history segments, chains listed whole): steps 2 to 24, commit 64caeb3.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from tests.multiprocess import run_ranks
 from torchrec_cnr import Follower, export_state_dict
 from torchrec_cnr.cli import main as cnr
 from torchrec_cnr.commit import Manifest
+from torchrec_cnr.schema import FORMAT_VERSION
 from torchrec_cnr.serving import FloatTarget
 
-DATA = Path(__file__).parents[1] / "data" / "format_v5"
+DATA = Path(__file__).parents[1] / "data"
 TABLES = [TableSpec("a", 600, 8, "table_wise"), TableSpec("c", 401, 8, "row_wise")]
 
 
@@ -46,15 +50,18 @@ def _restore_and_commit(root: str, policy: str, step: int, new_step: int) -> Non
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("version", [5, 6])
 @pytest.mark.parametrize("policy", ["intermittent", "consecutive"])
-def test_a_format_5_root_restores_follows_verifies_and_exports_before_and_after_a_commit(
-    policy: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_an_old_root_restores_follows_verifies_and_exports_before_and_after_a_commit(
+    version: int, policy: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    root = str(shutil.copytree(DATA / policy, tmp_path / "ckpt"))
+    data = DATA / f"format_v{version}"
+    root = str(shutil.copytree(data / policy, tmp_path / "ckpt"))
     expected: dict[int, dict[str, torch.Tensor]] = torch.load(
-        DATA / f"{policy}.pt", weights_only=True
+        data / f"{policy}.pt", weights_only=True
     )
-    assert json.loads((DATA / policy / "manifest.json").read_text())["format_version"] == 5
+    manifest_json = json.loads((data / policy / "manifest.json").read_text())
+    assert manifest_json["format_version"] == version
     assert cnr(["verify", root]) == 0 and cnr(["inspect", root]) == 0
     served = serving_model(TABLES, 4, "fp32")
     follower = Follower(root, FloatTarget(served))
@@ -62,17 +69,18 @@ def test_a_format_5_root_restores_follows_verifies_and_exports_before_and_after_
         assert _equal(want, export_state_dict(root, step)), step
         assert follower.pin(step) == step
         assert _equal(want, {k: v.detach() for k, v in served.state_dict().items()}), step
-    # This version's first commit: a restore of step 6, saved again as step 14.
-    run_ranks(2, _restore_and_commit, root, policy, 6, 14)
+    # This version's first commit: a restore of step 6, saved again after the last.
+    last = max(expected)
+    run_ranks(2, _restore_and_commit, root, policy, 6, last + 2)
     manifest = Manifest.load(root)
-    assert manifest.read_format == 6 and manifest.steps()[-1] == 14
+    assert manifest.read_format == FORMAT_VERSION and manifest.steps()[-1] == last + 2
     assert all((Path(root) / e.id / "checkpoint.json").exists() for e in manifest.checkpoints)
     capsys.readouterr()
     assert cnr(["verify", root]) == 0, capsys.readouterr().out
     for step, want in sorted(expected.items()):
         assert _equal(want, export_state_dict(root, step)), step
-    assert _equal(expected[6], export_state_dict(root, 14))
+    assert _equal(expected[6], export_state_dict(root, last + 2))
     follower.unpin()
-    assert follower.poll() == 14
+    assert follower.poll() == last + 2
     assert _equal(expected[6], {k: v.detach() for k, v in served.state_dict().items()})
     follower.close()

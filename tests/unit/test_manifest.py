@@ -130,25 +130,38 @@ def test_config_rejects_out_of_range_values_naming_the_field(kwargs: dict, field
 
 
 def _commit_run(
-    storage: Storage, count: int, start: int = 0, keep_last: int | None = None
+    storage: Storage,
+    count: int,
+    start: int = 0,
+    keep_last: int | None = None,
+    policy: str = "intermittent",
 ) -> list[tuple[int, int]]:
-    """Commits checkpoints ``start..start + count - 1`` as a job does (a baseline every
-    7th), each with its record; returns, per commit, the bytes it read and wrote."""
+    """Commits checkpoints ``start..start + count - 1`` as a job does, each with its
+    record: intermittent (a baseline every 7th) or consecutive (one baseline, then a chain
+    of every delta); returns, per commit, the bytes it read and wrote."""
     costs = []
+    chain: list[str] = []
     for seq in range(start, start + count):
         ckpt_id = checkpoint_id(seq, 10 * seq, 0)
-        base = checkpoint_id(seq - seq % 7, 10 * (seq - seq % 7), 0)
-        entry = _entry(seq, 10 * seq, [base] if base == ckpt_id else [base, ckpt_id], 10)
-        entry.id = ckpt_id
+        if policy == "consecutive":
+            chain = [*chain, ckpt_id]
+        else:
+            base = checkpoint_id(seq - seq % 7, 10 * (seq - seq % 7), 0)
+            chain = [base] if base == ckpt_id else [base, ckpt_id]
+        entry = _entry(seq, 10 * seq, chain, 10)
+        entry.policy = policy
         counting = CountingStorage(storage)
-        append(CommitTarget(counting, Policy("intermittent"), 0, keep_last), entry)
+        append(CommitTarget(counting, Policy(policy), 0, keep_last), entry)  # type: ignore[arg-type]
         costs.append((counting.bytes_read, counting.bytes_written))
     return costs
 
 
-def test_a_commit_reads_and_writes_the_same_bytes_whatever_the_history(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["intermittent", "consecutive"])
+def test_a_commit_reads_and_writes_the_same_bytes_whatever_the_history(
+    policy: str, tmp_path: Path
+) -> None:
     storage = FsStorage(tmp_path)
-    costs = _commit_run(storage, 300)
+    costs = _commit_run(storage, 300, policy=policy)
     # Steady once the first segment is sealed: the same sawtooth, whatever came before.
     early = costs[2 * TAIL : 2 * TAIL + 7 * TAIL]
     late = costs[-7 * TAIL :]
@@ -181,6 +194,27 @@ def test_the_history_is_read_from_its_segments_and_a_chain_from_records(tmp_path
     }
     assert manifest.find_id(checkpoint_id(3, 30, 0)) is not None
     assert manifest.find_id(checkpoint_id(100, 1000, 0)) is None
+
+
+def test_a_consecutive_chain_is_stored_by_parents_and_walked_back_when_read(
+    tmp_path: Path,
+) -> None:
+    storage = FsStorage(tmp_path)
+    _commit_run(storage, 60, policy="consecutive")
+    ids = [checkpoint_id(seq, 10 * seq, 0) for seq in range(60)]
+    record = json.loads((tmp_path / ids[-1] / "checkpoint.json").read_text())["entry"]
+    assert "chain" not in record and (record["parent"], record["depth"]) == (ids[-2], 60)
+    # A follower's idle poll and update plan read the summaries, not the chain.
+    counting = CountingStorage(storage)
+    latest = Manifest.load(counting).latest()
+    assert latest is not None and latest.depth == 60 and latest.parent == ids[-2]
+    assert counting.requests == 1
+    # A restore's planning walks it back: from the records, or from the history once read.
+    assert latest.chain == ids and counting.requests == 1 + 60 - len(Manifest.load(tmp_path).tail)
+    whole = Manifest.load(tmp_path)
+    assert [e.id for e in whole.links(whole.checkpoints[-1])] == ids
+    assert [e.chain for e in whole.checkpoints] == [ids[: i + 1] for i in range(60)]
+    assert whole.by_id(ids[30]).depth == 31 and whole.by_id(ids[30]).parent == ids[29]
 
 
 def test_a_damaged_segment_or_record_is_named(tmp_path: Path) -> None:

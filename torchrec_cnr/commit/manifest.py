@@ -202,7 +202,7 @@ class Manifest(ManifestRecord):
             if got is None:
                 raise ManifestError(f"{storage.path(ref.name)} (a history segment) is missing")
             entries, previous = parse_segment(got[0], storage.path(ref.name))
-            parts.append([Entry.lazy(e, _Record(self._source, e.id)) for e in entries])
+            parts.append([Entry.lazy(e, _Record(self._source, e.id)).linked(self) for e in entries])
             self._segments.append(ref.name)
             ref = previous
         return [e for part in reversed(parts) for e in part]
@@ -218,7 +218,7 @@ class Manifest(ManifestRecord):
         unread = self.history is not None and self._older is None
         if unread and parse_checkpoint_id(ckpt_id) is not None:
             found = next((e for e in self.tail if e.id == ckpt_id), None)
-            return found or read_record(self._source.get(), ckpt_id)
+            return found or read_record(self._source.get(), ckpt_id).linked(self)
         return super().by_id(ckpt_id)
 
     def link(self, ckpt_id: str) -> Entry | None:

@@ -223,7 +223,7 @@ def compact_entry(target: CommitTarget, io: IOContext, step: int | None = None) 
     entry = manifest.find(step)
     if entry is None:
         raise missing_step(manifest, step, target.storage.url)
-    if len(entry.chain) == 1:
+    if entry.depth == 1:
         return None
     chain = ChainReader(target.storage, manifest, entry, io)
     new_id = checkpoint_id(entry.seq, entry.step, target.generation, compacted=True)
@@ -253,7 +253,7 @@ def compact(
     manifest: Manifest = group.on_rank0(lambda: Manifest.load(target.storage))
     manifest.attach(target.storage)
     latest = manifest.latest()
-    if latest is None or len(latest.chain) - 1 < max(every or 1, 1):
+    if latest is None or latest.depth - 1 < max(every or 1, 1):
         return None
     new_id = checkpoint_id(latest.seq, latest.step, target.generation, compacted=True)
     error: Exception | None = None

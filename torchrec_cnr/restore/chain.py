@@ -9,6 +9,7 @@ changes anything).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -67,7 +68,6 @@ class ChainReader:
         self.entry = entry
         self.verify = verify
         self.io = io
-        self.links = [manifest.by_id(i) for i in entry.chain]
         self._snapshots: dict[str, SnapshotReader] = {}
         self._kept: dict[tuple[str, int, str], torch.Tensor] = {}
         if not lazy:
@@ -76,6 +76,12 @@ class ChainReader:
         self.held: dict[TensorKey, torch.Tensor] = {}
         """Tensors read ahead (:meth:`hold`, :meth:`hold_many`), served from memory."""
         self._owned: IOContext | None = None
+
+    @functools.cached_property
+    def links(self) -> list[Entry]:
+        """The chain's checkpoints, baseline first (a lazy reader reads them when first
+        used: a follower's warm update need not)."""
+        return self.manifest.links(self.entry)
 
     @classmethod
     def open(
@@ -141,7 +147,8 @@ class ChainReader:
     def kept(self, entry: Entry, rank: int, name: str) -> torch.Tensor:
         """A stored tensor of any committed checkpoint of the root, read once and kept
         (with the held tensors if ``entry`` is a link)."""
-        n = next((i for i, link in enumerate(self.links) if link.id == entry.id), None)
+        links = self.__dict__.get("links", ())  # nothing is held before they are read
+        n = next((i for i, link in enumerate(links) if link.id == entry.id), None)
         if n is not None:
             held = self.held.get((n, rank, name))
             return held if held is not None else self.hold(n, rank, name)

@@ -56,7 +56,10 @@ def verify_chains(
     problems: list[str] = []
     checked: set[str] = set()
     for entry in entries:
-        for ckpt_id in entry.chain:
+        # A consecutive delta whose parent was checked adds only itself: a chain holds
+        # the whole chain of each of its links.
+        ids = [entry.id] if entry.depth > 2 and entry.parent in checked else entry.chain
+        for ckpt_id in ids:
             if ckpt_id in checked:
                 continue
             checked.add(ckpt_id)

@@ -85,7 +85,8 @@ class ChainState:
     chain: list[str] = field(default_factory=list)
     """Checkpoint ids a restore of the last checkpoint applies, baseline first."""
     sizes: list[float] = field(default_factory=list)
-    """S_1..S_i of the deltas since the baseline."""
+    """S_1..S_i of the deltas since the baseline (kept by ``intermittent`` only, which
+    decides from them)."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class Policy:
         """The chain after committing checkpoint ``ckpt_id`` of relative size ``size``."""
         if decision.kind == "full":
             return ChainState([ckpt_id], [])
+        sizes = [*state.sizes, size] if self.name == "intermittent" else []
         if self.name == "consecutive":
-            return ChainState([*state.chain, ckpt_id], [*state.sizes, size])
-        return ChainState([state.chain[0], ckpt_id], [*state.sizes, size])
+            return ChainState([*state.chain, ckpt_id], sizes)
+        return ChainState([state.chain[0], ckpt_id], sizes)

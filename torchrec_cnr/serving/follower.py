@@ -241,6 +241,8 @@ def _read_table(
             remaining = remaining[~hit]
     if deferred:
         remaining = torch.sort(torch.cat([remaining, *deferred])).values
+    if not remaining.numel():
+        return pieces  # a warm update: its chain's links are not read
     for n in reversed(range(len(chain.links))):
         for rec in chain.links[n].shards:
             if rec.spec.table != table or rec.saved_rows == 0 or not remaining.numel():
