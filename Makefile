@@ -57,7 +57,8 @@ bench: setup
 	$(TORCHRUN) -m benchmarks.scaling --out $(BENCH)/scaling.json
 	$(TORCHRUN) -m benchmarks.storage --out $(BENCH)/storage.json
 	$(TORCHRUN) -m benchmarks.history --policies intermittent --out $(BENCH)/history.json
-	$(TORCHRUN) -m benchmarks.history --policies consecutive --probes 10 100 300 1000 --out $(BENCH)/history_consecutive.json
+	$(TORCHRUN) -m benchmarks.history --policies consecutive --out $(BENCH)/history_consecutive.json
+	$(PY1) -m benchmarks.shards --out $(BENCH)/shards.json
 	$(TORCHRUN) -m benchmarks.offline --out $(BENCH)/offline.json
 	$(TORCHRUN) -m benchmarks.dcp_interop --out $(BENCH)/dcp_interop.json
 	$(PY1) -m benchmarks.serving --out $(BENCH)/serving.json

@@ -16,6 +16,7 @@ CASES = (
     "quantization",
     "scaling",
     "serving",
+    "shards",
     "stall",
     "storage",
     "tracking",
@@ -23,6 +24,6 @@ CASES = (
 """The benchmarks: ``benchmarks.<name>``, results in ``out/bench/<name>.json``."""
 EXPERIMENTS = ("cpr", "quantized_restores")
 """The experiments: ``benchmarks.experiments.<name>``, in ``out/bench/experiments/``."""
-SINGLE_PROCESS = ("quantization", "serving")
+SINGLE_PROCESS = ("quantization", "serving", "shards")
 """Cases run by ``python -m`` in one process (serving starts its own job and serving
-process); the others by torchrun on 2 ranks."""
+process, shards simulates its ranks); the others by torchrun on 2 ranks."""

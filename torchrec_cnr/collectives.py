@@ -95,6 +95,13 @@ class Collective:
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
+    def gather_on_rank0(self, obj: T) -> list[T] | None:
+        """Every rank's ``obj``, in rank order, on rank 0 only (``None`` elsewhere): what
+        only rank 0 needs is not sent to, or held by, every rank."""
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, group=self.pg, group_dst=0)
+        return out
+
     def broadcast(self, obj: T | None, src: int = 0) -> T:
         """Rank ``src``'s ``obj`` on every rank."""
         box: list[Any] = [obj]

@@ -10,6 +10,8 @@ torchsnapshot snapshot per checkpoint, with that checkpoint's record::
     ROOT/lease.json
     ROOT/000000-step0000000500-g0001/
         checkpoint.json       the checkpoint's record (format 6)
+        shards.json           every rank's shard records (format 7)
+        shards-<rank>.json    a rank's shard records, written by that rank (format 7)
         <rank>/rows/<name>    a shard's stored tensors (names: stored_weight, ...)
         dense/<name>          replicated tensors, written once (read as 0/dense/<name>)
         <rank>/app/blob       the rank's app_state, serialized
@@ -32,14 +34,16 @@ every older version still reads.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import os
 import re
 import socket
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -52,6 +56,7 @@ from torchsnapshot.manifest import (
     TensorEntry,
 )
 from torchsnapshot.manifest import Entry as IndexEntry
+from torchsnapshot.manifest import Shard as IndexShard
 
 from torchrec_cnr.errors import ManifestError
 
@@ -82,8 +87,14 @@ __all__ = [
     "dense_path",
     "describe",
     "dtype_name",
+    "IndexPart",
     "index_bytes",
+    "index_part",
+    "without_gc",
     "parse_checkpoint_id",
+    "parse_part",
+    "part_bytes",
+    "part_path",
     "parse_index",
     "record_path",
     "segment_name",
@@ -147,6 +158,12 @@ def parse_checkpoint_id(name: str) -> CheckpointName | None:
 def record_path(ckpt_id: str) -> str:
     """Name of checkpoint ``ckpt_id``'s record."""
     return f"{ckpt_id}/{RECORD_NAME}"
+
+
+def part_path(ckpt_id: str, rank: int | None) -> str:
+    """Name of the shard records of storage rank ``rank`` of checkpoint ``ckpt_id``, or of
+    every rank if ``None`` (format 7)."""
+    return f"{ckpt_id}/shards.json" if rank is None else f"{ckpt_id}/shards-{rank}.json"
 
 
 def segment_name(first_seq: int, last_seq: int, digest: str) -> str:
@@ -406,9 +423,11 @@ follower one checkpoint behind reads them in one run, whatever their ids.
 the latest checkpoints' summaries and names the newest sealed history segment.
 7: a chain longer than two (consecutive deltas) is stored as its last link's predecessor
 and its length (``parent``, ``depth``), not listed whole; ``sizes`` only where the policy
-decides from them (intermittent)."""
+decides from them (intermittent). The shard records leave the record: every rank's in
+``shards.json`` (rank 0, with the record), and each rank's in ``shards-<rank>.json``,
+written by that rank, which is all a restore onto the same sharding reads."""
 
-DETAIL = ("tables", "dense", "shards", "dense_checksums", "app_checksums")
+DETAIL = ("tables", "dense", "shards", "dense_checksums", "app_checksums", "shard_parts")
 """The fields of an :class:`Entry` its record holds and its summary does not."""
 
 # Version 1 named each shard's states state0, state1, ... in FBGEMM's order.
@@ -518,6 +537,11 @@ class Entry:
     since: str | None = None
     """The checkpoint its shards' ``recent`` rows changed since: the one this job committed
     (or restored) before it; ``None`` for a job's first, or before format 4."""
+    shard_parts: dict[str, str] = field(default_factory=dict)
+    """Format 7: the checksums of the files of its shard records (:func:`part_path`), by
+    storage rank (the part that rank wrote itself) and ``"all"`` (every rank's, written
+    with the record); empty where the record holds ``shards`` (formats 1-6). :attr:`shards`
+    reads the one with every rank's on first use, :meth:`shards_of` a rank's part."""
 
     def __getattr__(self, name: str) -> Any:
         # Called only for an attribute not set: the detail of an entry read from a summary,
@@ -532,10 +556,16 @@ class Entry:
         fetch = self.__dict__.get("_fetch")
         if name in DETAIL and fetch is not None:
             detail = fetch()
-            for key in DETAIL:
-                self.__dict__.setdefault(key, getattr(detail, key))
+            for key in (*DETAIL, "_parts"):  # its parts, if any, still unread
+                if key in detail.__dict__:
+                    self.__dict__.setdefault(key, detail.__dict__[key])
             del self.__dict__["_fetch"]
-            return self.__dict__[name]
+            return getattr(self, name)
+        parts = self.__dict__.get("_parts")
+        if name == "shards" and parts is not None:
+            shards = parts(self.id, None, self.shard_parts["all"])
+            self.__dict__["shards"] = shards
+            return shards
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
@@ -552,6 +582,26 @@ class Entry:
         manifest's :meth:`links`) when first used."""
         if "chain" not in self.__dict__:
             self.__dict__["_owner"] = owner
+        return self
+
+    def shards_of(self, rank: int) -> list[ShardRecord]:
+        """The records of the shards storage rank ``rank`` saved: from that rank's part
+        alone, where the checkpoint was read from a root and has parts (format 7)."""
+        checksum = self.shard_parts.get(str(rank))  # (the detail first: it brings "_parts")
+        read = self.__dict__.get("_parts")
+        if read is None or checksum is None:
+            return [rec for rec in self.shards if rec.spec.rank == rank]
+        cache = self.__dict__.setdefault("_part_cache", {})
+        if rank not in cache:
+            cache[rank] = read(self.id, rank, checksum)
+        return cache[rank]  # type: ignore[no-any-return]
+
+    def parts_from(self, read: Callable[[str, int | None, str], list[ShardRecord]]) -> Entry:
+        """This entry, its shards (if its record names parts) read by ``read(ckpt_id,
+        rank or None for every rank's, checksum)`` when first used; ``read`` is pickled
+        with it."""
+        if self.shard_parts and "shards" not in self.__dict__:
+            self.__dict__["_parts"] = read
         return self
 
     @property
@@ -582,16 +632,10 @@ class Entry:
             {k: DenseInfo.of(v) for k, v in dense.items()},
         )
 
-    def checksums_by_path(self) -> dict[str, int]:
-        """Logical tensor path -> CRC32, for every tensor this checkpoint stores."""
-        sums = {
-            rows_path(rec.spec.rank, name): crc
-            for rec in self.shards
-            for name, crc in rec.checksums.items()
-        }
-        sums.update({dense_path(name): crc for name, crc in self.dense_checksums.items()})
-        sums.update({app_path(rank): crc for rank, crc in enumerate(self.app_checksums)})
-        return sums
+    def checksums_by_path(self) -> Mapping[str, int]:
+        """Logical tensor path -> CRC32, for every tensor this checkpoint stores; a shard's
+        are read (from its storage rank's part) when first asked for."""
+        return _Checksums(self)
 
     def summary_json(self) -> dict[str, Any]:
         """The JSON of the summary alone, as the manifest and history segments hold it."""
@@ -612,18 +656,20 @@ class Entry:
 
     def to_json(self) -> dict[str, Any]:
         raw = self.summary_json()
+        raw["shard_parts"] = self.shard_parts
         raw["dense_checksums"] = self.dense_checksums
         raw["app_checksums"] = self.app_checksums
         raw["tables"] = {k: dict(v.__dict__) for k, v in self.tables.items()}
         raw["dense"] = {
             k: {"shape": list(v.shape), "dtype": v.dtype} for k, v in self.dense.items()
         }
-        raw["shards"] = [s.to_json() for s in self.shards]
+        if not self.shard_parts:  # else each storage rank's part holds them
+            raw["shards"] = [s.to_json() for s in self.shards]
         return raw
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], version: int = FORMAT_VERSION) -> Entry:
-        shards = raw["shards"] if version > 1 else [_upgrade_v1(s) for s in raw["shards"]]
+        shards = raw.get("shards") if version > 1 else [_upgrade_v1(s) for s in raw["shards"]]
         known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
         entry = cls(
             **known
@@ -633,12 +679,14 @@ class Entry:
                 "dense": {
                     k: DenseInfo(tuple(v["shape"]), v["dtype"]) for k, v in raw["dense"].items()
                 },
-                "shards": [ShardRecord.from_json(s) for s in shards],
+                "shards": [ShardRecord.from_json(s) for s in shards or []],
                 "interval_decision": None
                 if raw.get("interval_decision") is None
                 else IntervalDecision.from_json(raw["interval_decision"]),
             }
         )
+        if raw.get("shard_parts") and "shards" not in raw:
+            del entry.__dict__["shards"]  # read from the parts (Entry.parts_from)
         if "chain" not in raw:
             del entry.__dict__["chain"]
             entry.__dict__["_parent"], entry.__dict__["_depth"] = raw["parent"], int(raw["depth"])
@@ -658,8 +706,9 @@ def sealed_bytes(payload: dict[str, Any]) -> tuple[bytes, str]:
     return canonical[:-1] + b',"checksum":"' + digest.encode() + b'"}', digest
 
 
-def open_sealed(data: bytes, where: str, what: str = "") -> dict[str, Any]:
-    """The JSON object of :func:`sealed_bytes`' bytes, its checksum checked and removed.
+def open_sealed(data: bytes, where: str, expect: str | None = None) -> dict[str, Any]:
+    """The JSON object of :func:`sealed_bytes`' bytes, its checksum checked (and, with
+    ``expect``, that it is that one) and removed.
 
     Raises:
         ManifestError: not JSON, not of a format version this library reads, or damaged.
@@ -677,6 +726,8 @@ def open_sealed(data: bytes, where: str, what: str = "") -> dict[str, Any]:
         recorded = raw.pop("checksum", None)
         if recorded != _checksum(raw):
             raise ManifestError(f"{where} is damaged: its checksum does not match its content")
+        if expect is not None and recorded != expect:
+            raise ManifestError(f"{where} is not the file its checkpoint's record names")
     return raw
 
 
@@ -693,12 +744,93 @@ def parse_record(data: bytes, where: str, ckpt_id: str) -> Entry:
     """
     raw = open_sealed(data, where)
     try:
-        entry = Entry.from_json(raw["entry"], raw["format_version"])
+        with without_gc():
+            entry = Entry.from_json(raw["entry"], raw["format_version"])
     except (KeyError, TypeError, ValueError) as e:
         raise ManifestError(f"{where} is malformed: {e!r}") from e
     if entry.id != ckpt_id:
         raise ManifestError(f"{where} is the record of {entry.id}, not of {ckpt_id}")
     return entry
+
+
+@contextlib.contextmanager
+def without_gc() -> Iterator[None]:
+    """Builds or parses many small objects (a checkpoint's shard records) without Python's
+    cyclic garbage collector (left off if it was): each full collection walks every live
+    object, and making many long-lived objects triggers them, so with it a commit's cost
+    per shard grows with its shards (``benchmarks.shards``). Shard records hold no cycles
+    to collect."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def part_bytes(ckpt_id: str, rank: int | None, shards: list[ShardRecord]) -> tuple[bytes, str]:
+    """The part of storage rank ``rank`` of a checkpoint (its shard records; every rank's
+    if ``None``), and its checksum (which the checkpoint's record names)."""
+    return sealed_bytes({
+        "format_version": FORMAT_VERSION,
+        "checkpoint": ckpt_id,
+        "rank": rank,
+        "shards": [s.to_json() for s in shards],
+    })  # fmt: skip
+
+
+def parse_part(data: bytes, where: str, checksum: str) -> list[ShardRecord]:
+    """The shard records of a part whose checksum the record names ``checksum``.
+
+    Raises:
+        ManifestError: the part is damaged, or another than the one the record names.
+    """
+    raw = open_sealed(data, where, expect=checksum)
+    try:
+        with without_gc():
+            return [ShardRecord.from_json(s) for s in raw["shards"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ManifestError(f"{where} is malformed: {e!r}") from e
+
+
+class _Checksums(Mapping[str, int]):
+    """An entry's logical path -> CRC32, a storage rank's shards read when first asked for."""
+
+    def __init__(self, entry: Entry) -> None:
+        self.entry = entry
+        self._ranks: dict[int, dict[str, int]] = {}
+
+    def __getitem__(self, path: str) -> int:
+        first, _, rest = path.partition("/")
+        kind, _, name = rest.partition("/")
+        if not first.isdigit():
+            raise KeyError(path)
+        rank = int(first)
+        if kind == "rows":
+            if rank not in self._ranks:
+                recs = self.entry.shards_of(rank)
+                self._ranks[rank] = {n: crc for rec in recs for n, crc in rec.checksums.items()}
+            return self._ranks[rank][name]
+        if kind == "dense" and rank == 0:
+            return self.entry.dense_checksums[name]
+        if kind == "app" and name == "blob" and rank < len(self.entry.app_checksums):
+            return self.entry.app_checksums[rank]
+        raise KeyError(path)
+
+    def _paths(self) -> list[str]:
+        e = self.entry
+        return [
+            *(rows_path(rec.spec.rank, n) for rec in e.shards for n in rec.checksums),
+            *(dense_path(n) for n in e.dense_checksums),
+            *(app_path(r) for r in range(len(e.app_checksums))),
+        ]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths())
+
+    def __len__(self) -> int:
+        return len(self._paths())
 
 
 @dataclass(frozen=True)
@@ -995,19 +1127,69 @@ def parse_index(data: bytes) -> dict[str, IndexEntry]:
     return out
 
 
-def index_bytes(parts: list[dict[str, IndexEntry]], world_size: int) -> bytes:
-    """The index of a checkpoint directory from its writers' entries (logical path ->
-    torchsnapshot entry), with the folder entries torchsnapshot's reader expects."""
-    entries = {k: v for part in parts for k, v in part.items()}
-    manifest: dict[str, IndexEntry] = {}
+@dataclass
+class IndexPart:
+    """One writer's share of a checkpoint's torchsnapshot index, serialized by that writer
+    (so that the rank that writes the index only joins them)."""
+
+    entries: bytes
+    """Its entries as the members of a JSON object: ``"<logical path>": {...}, ...``."""
+    folders: dict[str, list[str]]
+    """The folder entries its paths need: folder -> keys, in order."""
+
+
+def index_part(entries: dict[str, IndexEntry]) -> IndexPart:
+    """A writer's share of the index: ``entries`` (logical path -> torchsnapshot entry)."""
+    folders: dict[str, dict[str, None]] = {}
     for logical in sorted(entries):
         path = logical
         while "/" in path:
             parent, _, key = path.rpartition("/")
-            folder = manifest.setdefault(parent, DictEntry(keys=[]))
-            assert isinstance(folder, DictEntry)
-            if key not in folder.keys:
-                folder.keys.append(key)
+            folders.setdefault(parent, {})[key] = None
             path = parent
-    manifest.update(entries)
-    return SnapshotMetadata(SNAPSHOT_VERSION, world_size, manifest).to_yaml().encode()
+    members = json.dumps(_plain(entries))[1:-1].encode()
+    return IndexPart(members, {k: list(v) for k, v in folders.items()})
+
+
+def index_bytes(parts: list[IndexPart], world_size: int) -> bytes:
+    """The index of a checkpoint directory from its writers' shares, with the folder
+    entries torchsnapshot's reader expects.
+
+    torchsnapshot's own ``to_yaml`` (``dataclasses.asdict``, then ``json.dumps`` with an
+    indent, which runs json's pure-Python encoder) costs ~300 us an entry, on one rank: a
+    commit of 100k shards would spend a minute on it. The same JSON on one line is YAML too,
+    and reads alike."""
+    folders: dict[str, dict[str, None]] = {}
+    for part in parts:
+        for folder, keys in part.folders.items():
+            folders.setdefault(folder, {}).update(dict.fromkeys(keys))
+    dicts = {k: DictEntry(keys=list(v)) for k, v in folders.items()}
+    members = [json.dumps(_plain(dicts))[1:-1].encode(), *(p.entries for p in parts)]
+    head = json.dumps({"version": SNAPSHOT_VERSION, "world_size": world_size})[:-1]
+    return f'{head}, "manifest": {{'.encode() + b", ".join(m for m in members if m) + b"}}"
+
+
+def _plain(obj: Any) -> Any:
+    """``dataclasses.asdict`` of torchsnapshot's entries, without its deep copies."""
+    if isinstance(obj, list):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    names = _FIELDS.get(type(obj))
+    if names is None:
+        return obj
+    return {name: _plain(getattr(obj, name)) for name in names}
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {
+    cls: tuple(f.name for f in fields(cls))
+    for cls in (
+        SnapshotMetadata,
+        DictEntry,
+        TensorEntry,
+        ChunkedTensorEntry,
+        IndexShard,
+        PrimitiveEntry,
+        ObjectEntry,
+    )  # fmt: skip
+}

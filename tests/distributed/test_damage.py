@@ -20,7 +20,7 @@ from cnr_train.workload import TableSpec
 from tests.jobs import Job, make_job
 from tests.models import capture, differences
 from tests.multiprocess import run_ranks
-from torchrec_cnr import CheckpointReadError, ChecksumError, ManifestError
+from torchrec_cnr import CheckpointReadError, ChecksumError, ManifestError, export_state_dict
 from torchrec_cnr.cli import main as cnr
 from torchrec_cnr.commit import Manifest
 from torchrec_cnr.commit.manifest import TAIL
@@ -151,15 +151,18 @@ def test_a_damaged_manifest_fails_every_rank_at_once_and_the_previous_one_is_kep
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("file", ["checkpoint.json", "shards-1.json", "shards.json"])
 @pytest.mark.parametrize("how", ["corrupt", "truncated", "missing"])
 def test_a_damaged_checkpoint_record_is_named_and_a_restore_changes_nothing(
-    how: str, any_root: str, capsys: pytest.CaptureFixture[str]
+    how: str, file: str, any_root: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The record, a rank's part of its shard records (what that rank's restore reads), or
+    every rank's (what a follower, a resharding restore and the offline readers read)."""
     run_ranks(2, _save_chain, any_root)
     last = Manifest.load(any_root).latest()
     assert last is not None
     link = last.chain[1]  # a delta the restore of the latest applies
-    name = f"{link}/checkpoint.json"
+    name = f"{link}/{file}"
     got = open_storage(any_root).read(name)
     assert got is not None
     _damage(any_root, name, 0, len(got[0]), how)
@@ -167,7 +170,14 @@ def test_a_damaged_checkpoint_record_is_named_and_a_restore_changes_nothing(
     assert cnr(["verify", any_root]) == 1
     out = capsys.readouterr().out
     assert name in out, out
-    run_ranks(2, _restore_refused_and_nothing_changed, any_root, CheckpointReadError, name, None)
+    if file == "shards.json":  # a restore on the same sharding reads its parts alone
+        run_ranks(2, _restore_step, any_root, last.step)
+        with pytest.raises(CheckpointReadError, match=name):
+            export_state_dict(any_root)
+    else:
+        run_ranks(
+            2, _restore_refused_and_nothing_changed, any_root, CheckpointReadError, name, None
+        )
 
 
 def _save_long_history(root: str) -> None:

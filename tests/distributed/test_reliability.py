@@ -34,7 +34,7 @@ from tests.models import capture, differences
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointError, CheckpointManager
 from torchrec_cnr.commit import Manifest
-from torchrec_cnr.schema import record_bytes, record_path
+from torchrec_cnr.schema import part_bytes, part_path, record_bytes, record_path
 from torchrec_cnr.storage import open_storage
 
 TABLES = [
@@ -302,7 +302,14 @@ def test_a_restore_that_fails_anywhere_leaves_model_and_app_state_bit_identical(
     last = Manifest.load(root).checkpoints[-1]
     rec = next(r for r in last.shards if not r.all_rows and r.saved_rows > 0)
     rec.saved_rows += 1
-    open_storage(root).write(record_path(last.id), record_bytes(last))
+    storage, shards = open_storage(root), last.shards
+    for rank in (None, rec.spec.rank):  # every rank's shard records, and its rank's part
+        mine = shards if rank is None else [r for r in shards if r.spec.rank == rank]
+        data, last.shard_parts["all" if rank is None else str(rank)] = part_bytes(
+            last.id, rank, mine
+        )
+        storage.write(part_path(last.id, rank), data)
+    storage.write(record_path(last.id), record_bytes(last))
     run_ranks(2, _data_does_not_fit, root)
 
 

@@ -15,6 +15,7 @@ from tests import reference
 from tests.jobs import Job, make_job, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointReadError, ModelMismatchError
+from torchrec_cnr.storage import CountingStorage, open_storage
 from torchrec_cnr.tracking import model_state
 
 MIXED = [
@@ -86,6 +87,35 @@ def _refuses(tables, root: str, expected: type[Exception], needles: list[str]) -
     dense = model_state.dense_state(job.model)
     assert all(torch.equal(v, dense[k]) for k, v in before["dense"].items())
     job.ckpt.close()
+
+
+ROW_WISE = [TableSpec("r", 20000, 16, "row_wise"), TableSpec("s", 12000, 16, "row_wise")]
+
+
+def _restore_counting(root: str, refs: str, step: int, out: str) -> None:
+    import torch.distributed as dist
+
+    storage = CountingStorage(open_storage(root))
+    job = make_job(ROW_WISE, root, seed=50, data_seed=2, policy="intermittent", storage=storage)
+    assert job.ckpt.restore(step=step) == step
+    reference.assert_model_matches(
+        job.model, job.app_state, reference.load_all(Path(refs), step), True
+    )
+    Path(out, f"rank{dist.get_rank()}").write_text(str(storage.bytes_read))
+
+
+@pytest.mark.dist
+def test_a_restore_reads_only_the_saved_shards_its_rows_come_from(tmp_path: Path) -> None:
+    root, refs, out = str(tmp_path / "ckpt"), tmp_path / "refs", tmp_path / "out"
+    refs.mkdir()
+    out.mkdir()
+    run_ranks(2, _save, ROW_WISE, root, str(refs), (2,))
+    stored = sum(f.stat().st_size for f in Path(root).rglob("data/*"))
+    run_ranks(2, _restore_counting, root, str(refs), 2, str(out))
+    read = [int((out / f"rank{r}").read_text()) for r in range(2)]
+    # Each rank's rows lie in its own saved shards: half the stored rows, not all of them.
+    assert all(n < 0.6 * stored for n in read), (read, stored)
+    assert sum(read) < 1.2 * stored, (read, stored)
 
 
 @pytest.mark.dist

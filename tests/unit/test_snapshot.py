@@ -67,7 +67,7 @@ def _write(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, int],
                 writer.write(logical, t, replicated=logical.startswith("0/dense"))
         writer.add_bytes(app_path(rank), f"app of rank {rank}".encode())
         part = writer.finish()
-        parts.append(part.entries)
+        parts.append(part.index)
         checksums.update(part.checksums)
     write_index(storage, "ckpt", parts, world_size=2)
     return checksums, str(root / "ckpt")

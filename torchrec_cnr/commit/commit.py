@@ -15,7 +15,7 @@ from torchrec_cnr.commit.retention import retire
 from torchrec_cnr.encoding import FormatResolver, RankWrite, ShardWriter
 from torchrec_cnr.errors import CheckpointError, wrapping
 from torchrec_cnr.recovery.interval import IntervalDecision
-from torchrec_cnr.schema import parse_checkpoint_id
+from torchrec_cnr.schema import parse_checkpoint_id, without_gc
 from torchrec_cnr.selection.policy import ChainState, Decision, Policy
 from torchrec_cnr.snapshot import write_index
 from torchrec_cnr.staging import StagedCheckpoint
@@ -87,24 +87,33 @@ def write_and_commit(pending: Pending, group: Collective, target: CommitTarget) 
     except Exception as e:
         _remove_on_rank0(group, target, ckpt_id)
         raise wrapping(CheckpointError(f"writing failed: {e}"), e) from e
-    assert pending.staged is not None
-    writes = [w for w in group.gather(write) if w is not None]
-    size = saved_fraction([r for w in writes for r in w.shards])
-    chain = target.policy.advance(pending.chain, pending.decision, ckpt_id, size)
-    error = None
-    if group.rank == 0:
+    staged = pending.staged
+    assert staged is not None
+    # Only rank 0 commits: only it receives (and holds) every rank's shard records.
+    with without_gc():
+        gathered = group.gather_on_rank0(write)
+
+    def commit() -> float:
+        assert gathered is not None
+        writes = [w for w in gathered if w is not None]
+        size = saved_fraction([r for w in writes for r in w.shards])
+        chain = target.policy.advance(pending.chain, pending.decision, ckpt_id, size)
         try:
-            entry = _entry(ckpt_id, pending, pending.staged, chain, writes, target)
+            entry = _entry(ckpt_id, pending, staged, chain, writes, target)
             # IMPORTANT: every rank's part is durable: the index goes last, then the manifest.
-            write_index(target.storage, ckpt_id, [w.entries for w in writes], len(writes))
+            write_index(target.storage, ckpt_id, [w.index for w in writes], len(writes))
             entry.bytes = target.storage.tree_bytes(ckpt_id)
             append(target, entry)
-        except Exception as e:
-            error = e
+        except Exception:
             remove_failed(target, ckpt_id)
-    group.agree(error)
-    logger.info("checkpoint %s committed (%s)", ckpt_id, pending.staged.kind)
-    return chain
+            raise
+        return size
+
+    with without_gc():
+        size = group.on_rank0(commit)
+    # Every rank advances its own chain (sending it would cost as much as the chain is long).
+    logger.info("checkpoint %s committed (%s)", ckpt_id, staged.kind)
+    return target.policy.advance(pending.chain, pending.decision, ckpt_id, size)
 
 
 def _remove_on_rank0(group: Collective, target: CommitTarget, ckpt_id: str) -> None:
@@ -179,6 +188,7 @@ def _entry(
         stall_s=max(w.stall_s for w in writes),
         interval_decision=pending.interval_decision,
         since=pending.chain.chain[-1] if pending.chain.chain else None,
+        shard_parts={str(rank): w.part_checksum for rank, w in enumerate(writes)},
     )
 
 

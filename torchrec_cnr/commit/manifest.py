@@ -27,11 +27,15 @@ from torchrec_cnr.schema import (
     Entry,
     ManifestRecord,
     SegmentRef,
+    ShardRecord,
     TableShape,
     describe,
     parse_checkpoint_id,
+    parse_part,
     parse_record,
     parse_segment,
+    part_bytes,
+    part_path,
     record_bytes,
     record_path,
     saved_fraction,
@@ -82,23 +86,45 @@ class _Record:
         self.source, self.ckpt_id = source, ckpt_id
 
     def __call__(self) -> Entry:
-        return read_record(self.source.get(), self.ckpt_id)
+        return read_record(self.source, self.ckpt_id)
 
 
-def read_record(storage: Storage, ckpt_id: str) -> Entry:
-    """The whole entry of checkpoint ``ckpt_id``, from its record.
+class _Parts:
+    """Reads a storage rank's part of a checkpoint: its shard records (format 7)."""
+
+    def __init__(self, source: _Source) -> None:
+        self.source = source
+
+    def __call__(self, ckpt_id: str, rank: int | None, checksum: str) -> list[ShardRecord]:
+        storage = self.source.get()
+        name = part_path(ckpt_id, rank)
+        got = storage.read(name)
+        if got is None:
+            raise CheckpointReadError(f"{storage.path(name)} is missing")
+        try:
+            return parse_part(got[0], storage.path(name), checksum)
+        except ManifestError as e:
+            raise CheckpointReadError(str(e)) from e
+
+
+def read_record(source: _Source | Storage, ckpt_id: str) -> Entry:
+    """The entry of checkpoint ``ckpt_id``, from its record (its shards, where parts hold
+    them, read from those when first used).
 
     Raises:
         CheckpointReadError: the record is missing or damaged.
     """
+    source = source if isinstance(source, _Source) else _Source(source)
+    storage = source.get()
     name = record_path(ckpt_id)
     got = storage.read(name)
     if got is None:
         raise CheckpointReadError(f"{storage.path(name)} is missing")
     try:
-        return parse_record(got[0], storage.path(name), ckpt_id)
+        entry = parse_record(got[0], storage.path(name), ckpt_id)
     except ManifestError as e:
         raise CheckpointReadError(str(e)) from e
+    return entry.parts_from(_Parts(source))
 
 
 class Manifest(ManifestRecord):
@@ -218,7 +244,7 @@ class Manifest(ManifestRecord):
         unread = self.history is not None and self._older is None
         if unread and parse_checkpoint_id(ckpt_id) is not None:
             found = next((e for e in self.tail if e.id == ckpt_id), None)
-            return found or read_record(self._source.get(), ckpt_id).linked(self)
+            return found or read_record(self._source, ckpt_id).linked(self)
         return super().by_id(ckpt_id)
 
     def link(self, ckpt_id: str) -> Entry | None:
@@ -251,6 +277,9 @@ class Manifest(ManifestRecord):
             )
         first = current is None and not storage.exists(PREVIOUS_MANIFEST_NAME)
         for entry in self._unrecorded:
+            if entry.shard_parts:  # format 7: every rank's shard records in one file too
+                data, entry.shard_parts["all"] = part_bytes(entry.id, None, entry.shards)
+                storage.write(part_path(entry.id, None), data)
             storage.write(record_path(entry.id), record_bytes(entry))
         self._unrecorded = []
         self._seal(storage)

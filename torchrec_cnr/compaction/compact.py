@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from torchsnapshot.manifest import Entry as IndexEntry
 
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit import (
@@ -38,6 +37,7 @@ from torchrec_cnr.encoding import FP32, ShardRecord, build_record
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.restore.chain import ChainReader, missing_step
 from torchrec_cnr.restore.geometry import overlaps, place, scatter, scatter_weight, states_fit
+from torchrec_cnr.schema import IndexPart, part_bytes, part_path
 from torchrec_cnr.selection.policy import ChainState
 from torchrec_cnr.snapshot import (
     SnapshotWriter,
@@ -104,7 +104,9 @@ def _compact_record(
 
     It stands for that checkpoint, so it keeps which rows changed since the one before.
     """
-    sources = [(n, rec) for n, rec in chain.records() if overlaps(rec.spec, target.spec)]
+    sources = [
+        (n, rec) for n, rec in chain.records(target.spec.table) if overlaps(rec.spec, target.spec)
+    ]
     first = sources[0][1] if sources else target
     as_stored = (
         bool(sources)
@@ -154,7 +156,9 @@ class _Part:
     """What one writer contributed to a compacted checkpoint."""
 
     records: list[ShardRecord] = field(default_factory=list)
-    entries: dict[str, IndexEntry] = field(default_factory=dict)
+    index: IndexPart = field(default_factory=lambda: IndexPart(b"", {}))
+    parts: dict[int, str] = field(default_factory=dict)
+    """Storage rank -> the checksum of the part of its records this writer wrote."""
 
 
 def _write_part(chain: ChainReader, new_id: str, rank: int, world: int, io: IOContext) -> _Part:
@@ -176,17 +180,22 @@ def _write_part(chain: ChainReader, new_id: str, rank: int, world: int, io: IOCo
         for r in range(entry.world_size):
             writer.add_bytes(app_path(r), chain.app_state(r))
     part = writer.finish()
+    by_rank: dict[int, list[ShardRecord]] = {}
     for record in out.records:
         record.take_checksums(part.checksums)
+        by_rank.setdefault(record.spec.rank, []).append(record)
+    for storage_rank, records in by_rank.items():  # each storage rank's records: one part
+        data, out.parts[storage_rank] = part_bytes(new_id, storage_rank, records)
+        chain.storage.write(part_path(new_id, storage_rank), data)
     chain.storage.make_durable(new_id)
-    out.entries = part.entries
+    out.index = part.index
     return out
 
 
 def _commit(chain: ChainReader, new_id: str, parts: list[_Part], target: CommitTarget) -> Entry:
     entry = chain.entry
     # IMPORTANT: every writer's part is durable: the index goes last, then the manifest.
-    write_index(chain.storage, new_id, [p.entries for p in parts], entry.world_size)
+    write_index(chain.storage, new_id, [p.index for p in parts], entry.world_size)
     records = sorted((r for p in parts for r in p.records), key=lambda r: int(r.key[1:]))
     compacted = Entry(
         id=new_id,
@@ -208,6 +217,7 @@ def _commit(chain: ChainReader, new_id: str, parts: list[_Part], target: CommitT
         interval_decision=entry.interval_decision,
         compacted_from=entry.id,
         since=entry.since,
+        shard_parts={str(r): c for p in parts for r, c in sorted(p.parts.items())},
     )
     append(target, compacted)
     return compacted
@@ -271,8 +281,10 @@ def compact(
             remove_failed(target, new_id)
         raise
     assert chain is not None
-    parts = group.gather(part)
-    group.on_rank0(lambda: _commit(chain, new_id, [p for p in parts if p is not None], target))
+    parts = group.gather_on_rank0(part)
+    group.on_rank0(
+        lambda: _commit(chain, new_id, [p for p in parts or [] if p is not None], target)
+    )
     return ChainState([new_id], [])
 
 

@@ -18,11 +18,10 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from torchsnapshot.manifest import Entry as IndexEntry
-
 from torchrec_cnr.encoding.codec import ShardRecord, encode_shard
 from torchrec_cnr.encoding.formats import FP32, Format, FormatResolver
 from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.schema import IndexPart, part_bytes, part_path
 from torchrec_cnr.snapshot import SnapshotWriter, app_path, crc32, dense_path, rows_path
 from torchrec_cnr.staging import StagedCheckpoint, StagedShard
 from torchrec_cnr.storage import Storage
@@ -47,8 +46,10 @@ class RankWrite:
     nbytes: int
     staged_bytes: int
     stall_s: float
-    entries: dict[str, IndexEntry] = field(default_factory=dict)
-    """This rank's torchsnapshot index entries."""
+    index: IndexPart = field(default_factory=lambda: IndexPart(b"", {}))
+    """This rank's torchsnapshot index entries, serialized by this rank."""
+    part_checksum: str = ""
+    """The checksum of the part holding ``shards`` that this rank wrote (``part_path``)."""
 
 
 class ShardWriter:
@@ -157,6 +158,9 @@ class ShardWriter:
         records = list(self._records.values())
         for rec in records:
             rec.take_checksums(part.checksums)
+        # This rank's shard records, in a part of their own: rank 0's record names it.
+        data, part_checksum = part_bytes(self.ckpt_id, self.rank, records)
+        self.snapshot.storage.write(part_path(self.ckpt_id, self.rank), data)
         self.snapshot.storage.make_durable(self.ckpt_id)
         dense_bytes = sum(t.numel() * t.element_size() for t in staged.dense.values())
         return RankWrite(
@@ -166,7 +170,8 @@ class ShardWriter:
             nbytes=part.nbytes,
             staged_bytes=staged.staged_bytes + dense_bytes + len(staged.app_state),
             stall_s=staged.stall_s,
-            entries=part.entries,
+            index=part.index,
+            part_checksum=part_checksum,
         )
 
     def abandon(self) -> None:

@@ -22,15 +22,22 @@ from typing import Any
 
 import torch
 
-from torchrec_cnr.commit.manifest import Entry
 from torchrec_cnr.encoding import FP32, ShardRecord, dtype_name
 from torchrec_cnr.restore.chain import ChainReader
-from torchrec_cnr.restore.geometry import Placement, place, scatter, scatter_weight, states_fit
+from torchrec_cnr.restore.geometry import (
+    Placement,
+    overlaps,
+    place,
+    scatter,
+    scatter_weight,
+    states_fit,
+)
+from torchrec_cnr.schema import without_gc
 from torchrec_cnr.snapshot.objects import load_object
 from torchrec_cnr.staging import StagingPool
 from torchrec_cnr.tracking.shard import LocalShard
 
-__all__ = ["PreparedRestore", "apply_chain", "read_chain"]
+__all__ = ["PreparedRestore", "apply_chain", "own_part_suffices", "read_chain"]
 
 
 def _same_layout(rec: ShardRecord, local: LocalShard) -> bool:
@@ -83,6 +90,34 @@ class PreparedRestore:
     """Optimizer states that do not carry over, one message per table."""
 
 
+def own_part_suffices(chain: ChainReader, shards: list[LocalShard], rank: int) -> bool:
+    """Whether storage rank ``rank`` saved every one of ``shards``, with its very geometry,
+    in every link of the chain: then no other rank's records hold any of their rows (a
+    table's shards are disjoint, or replicas), and a restore reads that rank's alone."""
+    want = {(s.spec.table, s.spec.row_offset, s.spec.col_offset, s.spec.rows, s.spec.cols)
+            for s in shards}  # fmt: skip
+    for link in chain.links:
+        have = {(r.spec.table, r.spec.row_offset, r.spec.col_offset, r.spec.rows, r.spec.cols)
+                for r in link.shards_of(rank)}  # fmt: skip
+        if not want <= have:
+            return False
+    return True
+
+
+def _sources(
+    chain: ChainReader, shards: list[LocalShard]
+) -> list[tuple[int, ShardRecord, int, LocalShard]]:
+    """``(link, saved shard, index of the local shard, local shard)`` for every saved shard
+    of the chain that holds some element of a local shard: by table, then by overlap, so
+    that a rank reads only the saved shards its own come from."""
+    return [
+        (n, rec, i, local)
+        for i, local in enumerate(shards)
+        for n, rec in chain.records(local.spec.table)
+        if overlaps(rec.spec, local.spec)
+    ]
+
+
 def _hold(
     chain: ChainReader,
     shards: list[LocalShard],
@@ -95,17 +130,11 @@ def _hold(
     held = 0
     over: list[tuple[int, int, str]] = []
     own_rank = shards[0].spec.rank if shards else -1
-    for n, link in enumerate(chain.links):
-        wanted = list(
-            dict.fromkeys(
-                (rec.spec.rank, name)
-                for rec in link.shards
-                if rec.saved_rows > 0
-                for local in shards
-                if local.spec.table == rec.spec.table
-                for name in _needs(rec, local)
-            )
-        )
+    needed: list[dict[tuple[int, str], None]] = [{} for _ in chain.links]
+    for n, rec, _, local in _sources(chain, shards):
+        needed[n].update(dict.fromkeys((rec.spec.rank, name) for name in _needs(rec, local)))
+    for n, wanted_keys in enumerate(needed):
+        wanted = list(wanted_keys)
         if budget_bytes is None:  # hold everything: read it all at once, in parallel
             alloc = None
             if pool is not None and n == 0:
@@ -130,11 +159,9 @@ def _hold(
 
 def _plan(chain: ChainReader, shards: list[LocalShard], prepared: PreparedRestore) -> None:
     """Where every saved shard of the chain lands; checks each stored tensor's rows."""
-    warned: set[str] = set()
-    for n, rec in chain.records():
-        for i, local in enumerate(shards):
-            if local.spec.table != rec.spec.table:
-                continue
+    with without_gc():  # many small objects (see schema.without_gc)
+        warned: set[str] = set()
+        for n, rec, i, local in _sources(chain, shards):
             if _same_layout(rec, local):
                 prepared.steps.append(_Step(n, i, rec, True, None))
                 continue
@@ -153,17 +180,17 @@ def _plan(chain: ChainReader, shards: list[LocalShard], prepared: PreparedRestor
                     f"{sorted(local.states)}; its weights are restored, its optimizer state "
                     "is left as initialized"
                 )
-    for step in prepared.steps:  # the stored tensors must fit where they go
-        rec, local = step.rec, shards[step.shard]
-        for name in _needs(step.rec, local):
-            if (step.link, rec.spec.rank, name) not in chain.held:
-                continue  # over the budget: checked when read again
-            rows = chain.held[(step.link, rec.spec.rank, name)].shape[0]
-            if rows != rec.saved_rows:
-                raise ValueError(
-                    f"{chain.links[step.link].id}: {name} holds {rows} rows, the manifest "
-                    f"records {rec.saved_rows}"
-                )
+        for step in prepared.steps:  # the stored tensors must fit where they go
+            rec, local = step.rec, shards[step.shard]
+            for name in _needs(step.rec, local):
+                if (step.link, rec.spec.rank, name) not in chain.held:
+                    continue  # over the budget: checked when read again
+                rows = chain.held[(step.link, rec.spec.rank, name)].shape[0]
+                if rows != rec.saved_rows:
+                    raise ValueError(
+                        f"{chain.links[step.link].id}: {name} holds {rows} rows, the manifest "
+                        f"records {rec.saved_rows}"
+                    )
 
 
 def read_chain(
@@ -216,18 +243,19 @@ def read_chain(
     return prepared
 
 
-def _load_scalars(entry: Entry, shards: list[LocalShard]) -> None:
+def _load_scalars(chain: ChainReader, shards: list[LocalShard]) -> None:
     """Sets each kernel's step counters to the saved ones of the tables it holds.
 
     After resharding, a kernel may hold tables that sat in different kernels; those
     counted the same steps, and the largest value is taken.
     """
+    by_table: dict[str, list[ShardRecord]] = {}
+    for rec in chain.link_records(-1):
+        by_table.setdefault(rec.spec.table, []).append(rec)
     by_kernel: dict[int, tuple[LocalShard, dict[str, float]]] = {}
     for local in shards:
-        for rec in entry.shards:
-            if rec.spec.table != local.spec.table or not states_fit(
-                rec, local.optimizer, local.states
-            ):
+        for rec in by_table.get(local.spec.table, []):
+            if not states_fit(rec, local.optimizer, local.states):
                 continue
             _, merged = by_kernel.setdefault(id(local.kernel), (local, {}))
             for name, value in rec.scalars.items():
@@ -277,7 +305,7 @@ def apply_chain(
                 for name, state in local.states.items():
                     scatter(state, where, fetch(rec.states[name].tensor))
         if scalars:
-            _load_scalars(chain.entry, shards)
+            _load_scalars(chain, shards)
         for name, tensor in dense.items():
             tensor.copy_(prepared.dense[name])
     return touched

@@ -73,6 +73,9 @@ class ChainReader:
         if not lazy:
             for link in self.links:
                 self.snapshot(link)
+        self.only_rank: int | None = None
+        """Set before the records are first used: read only this storage rank's shard
+        records (a restore onto the sharding that rank saved, see ``restore.apply``)."""
         self.held: dict[TensorKey, torch.Tensor] = {}
         """Tensors read ahead (:meth:`hold`, :meth:`hold_many`), served from memory."""
         self._owned: IOContext | None = None
@@ -82,6 +85,14 @@ class ChainReader:
         """The chain's checkpoints, baseline first (a lazy reader reads them when first
         used: a follower's warm update need not)."""
         return self.manifest.links(self.entry)
+
+    def narrowed(self, links: list[Entry]) -> ChainReader:
+        """A reader of ``links`` alone (committed checkpoints of this root, oldest first,
+        the last one its entry), sharing this reader's open checkpoints."""
+        sub = ChainReader(self.storage, self.manifest, links[-1], self.io, self.verify, lazy=True)
+        sub.__dict__["links"] = links
+        sub._snapshots, sub._kept = self._snapshots, self._kept
+        return sub
 
     @classmethod
     def open(
@@ -141,8 +152,8 @@ class ChainReader:
         return reader
 
     def reader(self, n: int) -> SnapshotReader:
-        """The reader of link ``n``."""
-        return self.snapshot(self.links[n])
+        """The reader of link ``n`` (``-1``: the chain's checkpoint, its links unread)."""
+        return self.snapshot(self.entry if n == -1 else self.links[n])
 
     def kept(self, entry: Entry, rank: int, name: str) -> torch.Tensor:
         """A stored tensor of any committed checkpoint of the root, read once and kept
@@ -161,12 +172,24 @@ class ChainReader:
     def records(self, table: str | None = None) -> list[tuple[int, ShardRecord]]:
         """``(link index, shard record)`` of every saved shard (of ``table``) that saved
         rows, baseline first: later links win."""
-        return [
-            (n, rec)
-            for n, e in enumerate(self.links)
-            for rec in e.shards
-            if rec.saved_rows > 0 and (table is None or rec.spec.table == table)
-        ]
+        if table is None:
+            return [(n, rec) for recs in self._by_table.values() for n, rec in recs]
+        return self._by_table.get(table, [])
+
+    def link_records(self, n: int) -> list[ShardRecord]:
+        """The shard records of link ``n`` (``-1``: the chain's checkpoint) this reader
+        uses: with :attr:`only_rank`, that storage rank's alone (its part of each record)."""
+        link = self.entry if n == -1 else self.links[n]
+        return link.shards if self.only_rank is None else link.shards_of(self.only_rank)
+
+    @functools.cached_property
+    def _by_table(self) -> dict[str, list[tuple[int, ShardRecord]]]:
+        out: dict[str, list[tuple[int, ShardRecord]]] = {}
+        for n in range(len(self.links)):
+            for rec in self.link_records(n):
+                if rec.saved_rows > 0:
+                    out.setdefault(rec.spec.table, []).append((n, rec))
+        return out
 
     def tensor(self, n: int, rank: int, name: str) -> torch.Tensor:
         """A stored tensor of link ``n``: from memory if held, else read (and verified)."""

@@ -146,7 +146,10 @@ class ModelLoader:
                 # A partial restore keeps the live chain: the reloaded rows hold checkpointed
                 # values and their bits stay set, so the next checkpoint saves them.
                 state = ChainState(list(entry.chain), list(entry.sizes))
-                requantized = any(rec.format != FP32 for rec in entry.shards)
+                mine = self.group.agree_on(
+                    lambda: any(rec.format != FP32 for rec in reader.link_records(-1))
+                )
+                requantized = self.group.any(mine)
                 chain = resume_chain(
                     self.shards, self.policy, entry.policy, state, touched, requantized
                 )

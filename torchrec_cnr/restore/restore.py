@@ -24,7 +24,12 @@ import torch
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit.manifest import Entry, TableShape
 from torchrec_cnr.errors import CheckpointError
-from torchrec_cnr.restore.apply import PreparedRestore, apply_chain, read_chain
+from torchrec_cnr.restore.apply import (
+    PreparedRestore,
+    apply_chain,
+    own_part_suffices,
+    read_chain,
+)
 from torchrec_cnr.restore.chain import ChainReader
 from torchrec_cnr.restore.compat import check_compatible
 from torchrec_cnr.restore.partial import select_shards
@@ -147,6 +152,8 @@ def restore_entry(
     error: BaseException | None = None
     prepared: PreparedRestore | None = None
     try:
+        if own_part_suffices(chain, chosen, group.rank):
+            chain.only_rank = group.rank  # the other ranks' shard records are not read
         prepared = read_chain(
             chain, chosen,
             [] if partial else list(dense),

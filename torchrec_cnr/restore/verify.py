@@ -25,6 +25,16 @@ def verify_checkpoint(storage: Storage, ckpt: Entry, io: IOContext) -> list[str]
     except CheckpointReadError as e:
         return [str(e)]
     problems: list[str] = []
+    for key in ckpt.shard_parts:  # each rank's part, which its restores read alone
+        if key == "all":
+            continue
+        try:
+            part = [r.to_json() for r in ckpt.shards_of(int(key))]
+        except CheckpointReadError as e:
+            problems.append(str(e))
+            continue
+        if part != [r.to_json() for r in ckpt.shards if r.spec.rank == int(key)]:
+            problems.append(f"{ckpt.id}: the part of rank {key} differs from its shard records")
 
     def attempt(read: Callable[[], torch.Tensor | bytes], expected: int, what: str) -> None:
         try:

@@ -215,13 +215,12 @@ def _read_table(
     each row read once: ``(ids, rows)`` pieces. First from ``newer`` (the checkpoints
     since the served one, newest first: see :attr:`UpdatePlan.newer`), each row from the
     newest that changed it, where those rows lie in one run; then from ``chain``, newest
-    link first."""
+    link first (a warm update: from ``newer`` alone, which stores every row it wants)."""
     shape = chain.entry.tables[table]
     remaining = torch.arange(shape.num_embeddings) if wanted is None else wanted
-    ours = [rec for _, rec in chain.records(table)]
-    full_width = all(rec.spec.cols == shape.embedding_dim for rec in ours)
-    if not full_width:
-        return [(remaining, StoredRows.fp32(_assemble(chain, table, remaining)))]
+    # The target's own records: a row read from a newer checkpoint must be stored as the
+    # target stores it (its chain's older links are not read for a warm update).
+    ours = [rec for rec in chain.entry.shards if rec.spec.table == table]
     pieces = []
     deferred = []  # changed by a checkpoint that does not store them in a run
     for entry in newer:
@@ -242,14 +241,19 @@ def _read_table(
     if deferred:
         remaining = torch.sort(torch.cat([remaining, *deferred])).values
     if not remaining.numel():
-        return pieces  # a warm update: its chain's links are not read
-    for n in reversed(range(len(chain.links))):
-        for rec in chain.links[n].shards:
+        return pieces
+    # The rest from the newest checkpoint that stores each: every row a warm update wants
+    # was changed, and so stored, by one of ``newer`` (its target's chain is not read).
+    source = chain.narrowed(newer[::-1]) if newer else chain
+    if not all(rec.spec.cols == shape.embedding_dim for _, rec in source.records(table)):
+        return [*pieces, (remaining, StoredRows.fp32(_assemble(source, table, remaining)))]
+    for n in reversed(range(len(source.links))):
+        for rec in source.links[n].shards:
             if rec.spec.table != table or rec.saved_rows == 0 or not remaining.numel():
                 continue
-            found = chain.locate(n, rec, remaining)
+            found = source.locate(n, rec, remaining)
             for ids, keep in found:
-                read = functools.partial(chain.subset, n, rec)
+                read = functools.partial(source.subset, n, rec)
                 pieces.append((ids, _stored(read, rec, keep)))
             if found:
                 taken = torch.cat([ids for ids, _ in found])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,7 +146,7 @@ class SnapshotReader:
         ckpt_id: str,
         executor: Executor,
         piece_bytes: int,
-        checksums: dict[str, int] | None = None,
+        checksums: Mapping[str, int] | None = None,
     ) -> None:
         self.storage = storage
         self.name = ckpt_id
@@ -160,7 +160,7 @@ class SnapshotReader:
             self._entries = parse_index(got[0])
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointReadError(f"{self.path}/{SNAPSHOT_MARKER} is damaged: {e!r}") from e
-        self._sums = checksums or {}
+        self._sums: Mapping[str, int] = {} if checksums is None else checksums
 
     def _entry(self, logical: str) -> Entry:
         entry = self._entries.get(logical)

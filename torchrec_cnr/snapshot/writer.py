@@ -34,7 +34,7 @@ from torchsnapshot.manifest import (
 )
 from torchsnapshot.serialization import dtype_to_string
 
-from torchrec_cnr.schema import SNAPSHOT_MARKER, index_bytes
+from torchrec_cnr.schema import SNAPSHOT_MARKER, IndexPart, index_bytes, index_part
 from torchrec_cnr.snapshot.checksum import as_bytes, crc32_bytes, crc32_combine
 from torchrec_cnr.storage import Storage
 
@@ -77,8 +77,8 @@ class _Logical:
 class RankPart:
     """What one rank wrote into a checkpoint directory."""
 
-    entries: dict[str, Entry]
-    """Logical path -> torchsnapshot index entry."""
+    index: IndexPart
+    """Its torchsnapshot index entries, serialized (:func:`write_index` joins them)."""
     checksums: dict[str, int]
     """Logical path -> CRC32 of the whole tensor (or bytes)."""
     nbytes: int
@@ -213,7 +213,7 @@ class SnapshotWriter:
             entries[logical] = PrimitiveEntry("bytes", base64.b64encode(value).decode(), False)
             checksums[logical] = crc32_bytes(value)
             nbytes += len(value)
-        return RankPart(entries, checksums, nbytes)
+        return RankPart(index_part(entries), checksums, nbytes)
 
 
 def _tensor_entry(t: _Logical, piece: _Piece, shape: list[int]) -> TensorEntry:
@@ -243,9 +243,7 @@ def _entry(t: _Logical, pieces: list[_Piece]) -> Entry:
     )
 
 
-def write_index(
-    storage: Storage, ckpt_id: str, parts: list[dict[str, Entry]], world_size: int
-) -> None:
+def write_index(storage: Storage, ckpt_id: str, parts: list[IndexPart], world_size: int) -> None:
     """Writes the index of a checkpoint directory from its writers' entries.
 
     IMPORTANT: call it last, once every writer's part is durable: the directory reads as
