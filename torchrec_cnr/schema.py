@@ -1132,9 +1132,9 @@ class IndexPart:
     """One writer's share of a checkpoint's torchsnapshot index, serialized by that writer
     (so that the rank that writes the index only joins them)."""
 
-    entries: bytes
+    entries: bytes = b""
     """Its entries as the members of a JSON object: ``"<logical path>": {...}, ...``."""
-    folders: dict[str, list[str]]
+    folders: dict[str, list[str]] = field(default_factory=dict)
     """The folder entries its paths need: folder -> keys, in order."""
 
 

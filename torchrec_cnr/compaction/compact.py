@@ -156,7 +156,7 @@ class _Part:
     """What one writer contributed to a compacted checkpoint."""
 
     records: list[ShardRecord] = field(default_factory=list)
-    index: IndexPart = field(default_factory=lambda: IndexPart(b"", {}))
+    index: IndexPart = field(default_factory=IndexPart)
     parts: dict[int, str] = field(default_factory=dict)
     """Storage rank -> the checksum of the part of its records this writer wrote."""
 

@@ -46,7 +46,7 @@ class RankWrite:
     nbytes: int
     staged_bytes: int
     stall_s: float
-    index: IndexPart = field(default_factory=lambda: IndexPart(b"", {}))
+    index: IndexPart = field(default_factory=IndexPart)
     """This rank's torchsnapshot index entries, serialized by this rank."""
     part_checksum: str = ""
     """The checksum of the part holding ``shards`` that this rank wrote (``part_path``)."""

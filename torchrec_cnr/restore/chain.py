@@ -169,11 +169,9 @@ class ChainReader:
             tensor = self._kept[key] = self.snapshot(entry).rows(rank, name)
         return tensor
 
-    def records(self, table: str | None = None) -> list[tuple[int, ShardRecord]]:
-        """``(link index, shard record)`` of every saved shard (of ``table``) that saved
+    def records(self, table: str) -> list[tuple[int, ShardRecord]]:
+        """``(link index, shard record)`` of every saved shard of ``table`` that saved
         rows, baseline first: later links win."""
-        if table is None:
-            return [(n, rec) for recs in self._by_table.values() for n, rec in recs]
         return self._by_table.get(table, [])
 
     def link_records(self, n: int) -> list[ShardRecord]:
