@@ -20,7 +20,7 @@ import copy
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.selection.policy import PolicyName
 from torchrec_cnr.serving import FloatTarget, QuantizedTarget
 from torchrec_cnr.serving.follower import Follower, PendingUpdate
-from torchrec_cnr.storage import open_storage
+from torchrec_cnr.storage import Storage, StorageWrapper, open_storage
 
 EVERY = 2
 
@@ -132,6 +132,51 @@ def test_one_behind_on_a_long_consecutive_chain_costs_what_it_does_on_a_short_on
     _assert_serves_the_root(model, root)
     # Reading the 18 more links' records would take 18 more requests.
     assert requests[40] <= requests[4] + 4, requests
+    follower.close()
+
+
+def _baseline_after_five(sizes: Sequence[float]) -> bool:
+    return len(sizes) >= 5
+
+
+class _DataBytes(StorageWrapper):
+    """Counts the bytes read from the checkpoints' data objects (not their indexes)."""
+
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner)
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        super().read_into(name, offset, out)
+        if "/data/" in name:
+            with self._lock:
+                self.bytes += len(out)
+
+
+@pytest.mark.dist
+def test_far_behind_a_new_baseline_an_update_reads_the_changed_rows_from_it(root: str) -> None:
+    """The target a full baseline, the follower five deltas behind: each changed row is
+    read from the target, column-wise tables too, not from every checkpoint since that
+    changed it (the survivors of older deltas lie scattered through them)."""
+    run_ranks(2, _train, root, "ebc", "intermittent", 14, {"baseline_rule": _baseline_after_five})
+    entries = {e.step: e for e in Manifest.load(root).checkpoints}
+    assert entries[14].kind == "full" and entries[4].kind == "delta"
+    model, _, _ = unsharded("ebc", device="cpu")
+    storage = _DataBytes(open_storage(root))
+    follower = Follower(storage, FloatTarget(model))
+    follower.pin(14)
+    cold = storage.bytes
+    follower.pin(4)
+    storage.bytes = 0
+    follower.pin(14)
+    warm = follower.reports[-1]
+    _assert_serves_the_root(model, root)
+    assert follower.reports[0].cold and not warm.cold
+    total = sum(t.num_embeddings for t in entries[14].tables.values())
+    # Each changed row is read about once, its bytes at most twice (the reader merges
+    # nearby runs): far under the whole tables a cold read takes.
+    assert storage.bytes <= 2 * cold * warm.rows / total, (storage.bytes, cold, warm.rows, total)
     follower.close()
 
 

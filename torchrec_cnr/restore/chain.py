@@ -157,12 +157,12 @@ class ChainReader:
 
     def kept(self, entry: Entry, rank: int, name: str) -> torch.Tensor:
         """A stored tensor of any committed checkpoint of the root, read once and kept
-        (with the held tensors if ``entry`` is a link)."""
+        (shared with :meth:`narrowed` readers; held already if ``entry`` is a link)."""
         links = self.__dict__.get("links", ())  # nothing is held before they are read
         n = next((i for i, link in enumerate(links) if link.id == entry.id), None)
-        if n is not None:
-            held = self.held.get((n, rank, name))
-            return held if held is not None else self.hold(n, rank, name)
+        held = None if n is None else self.held.get((n, rank, name))
+        if held is not None:
+            return held
         key = (entry.id, rank, name)
         tensor = self._kept.get(key)
         if tensor is None:
@@ -205,14 +205,6 @@ class ChainReader:
             return self.tensor(n, rec.spec.rank, name)[keep]
         return self.reader(n).rows_subset(rec.spec.rank, name, keep)
 
-    def subset_of(
-        self, entry: Entry, rec: ShardRecord, name: str, keep: torch.Tensor
-    ) -> torch.Tensor:
-        """:meth:`subset` of any committed checkpoint of the root."""
-        if self.verify:
-            return self.kept(entry, rec.spec.rank, name)[keep]
-        return self.snapshot(entry).rows_subset(rec.spec.rank, name, keep)
-
     def saved_ids(self, n: int, rec: ShardRecord) -> torch.Tensor:
         """``(saved_rows,)`` int64 global ids of the rows ``rec`` (of link ``n``) saved."""
         ss = rec.spec
@@ -232,22 +224,30 @@ class ChainReader:
         """
         pieces = []
         saved: torch.Tensor | None = None
+        link, rank = self.links[n], rec.spec.rank
         if rec.recent == "tail" and rec.recent_rows:
             start = rec.saved_rows - rec.recent_rows
-            last = self.tensor(n, rec.spec.rank, rec.recent_name).to(torch.int64)
+            last = self.kept(link, rank, rec.recent_name).to(torch.int64)
             hit, at = find_ids(last, wanted)
             if bool(hit.any()):
                 pieces.append((wanted[hit], start + at[hit]))
                 wanted = wanted[~hit]
             if wanted.numel():
-                saved = self.saved_ids(n, rec)[:start]  # the others, ascending
+                saved = self._kept_ids(link, rec)[:start]  # the others, ascending
         elif wanted.numel():
-            saved = self.saved_ids(n, rec)
+            saved = self._kept_ids(link, rec)
         if saved is not None and saved.numel():
             hit, at = find_ids(saved, wanted)
             if bool(hit.any()):
                 pieces.append((wanted[hit], at[hit]))
         return pieces
+
+    def _kept_ids(self, entry: Entry, rec: ShardRecord) -> torch.Tensor:
+        """:meth:`saved_ids` of ``rec`` of ``entry``, kept (:meth:`kept`)."""
+        ss = rec.spec
+        if rec.all_rows:
+            return torch.arange(ss.row_offset, ss.row_offset + ss.rows)
+        return self.kept(entry, ss.rank, rec.ids_name(rec.key)).to(torch.int64)
 
     def hold(self, n: int, rank: int, name: str) -> torch.Tensor:
         """Reads a stored tensor of link ``n`` and keeps it in memory."""

@@ -29,7 +29,6 @@ the next commit's update carries its rows again.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import threading
@@ -53,6 +52,7 @@ from torchrec_cnr.serving.plan import UpdatePlan, changed_rows, plan_update
 from torchrec_cnr.serving.rows import PreparedRows, StoredRows, memory_bytes
 from torchrec_cnr.serving.spill import Spill, piece_bytes, piece_rows
 from torchrec_cnr.serving.targets import ServingTarget
+from torchrec_cnr.snapshot import SnapshotReader
 from torchrec_cnr.storage import CountingStorage, Root, as_storage
 
 __all__ = ["Follower", "PendingUpdate", "RefusedUpdate", "UpdateReport", "finite_rows"]
@@ -184,15 +184,41 @@ def finite_rows(update: PendingUpdate) -> str | None:
     return None if not bad else "non-finite values in " + ", ".join(bad)
 
 
-def _stored(
-    read: Callable[[str, torch.Tensor], torch.Tensor], rec: ShardRecord, keep: torch.Tensor
-) -> StoredRows:
-    """Rows ``keep`` (positions) of a saved shard, as stored; ``read(name, keep)`` reads
-    them from one of its tensors."""
+def _names(rec: ShardRecord) -> list[str]:
+    """The stored tensors that hold ``rec``'s rows."""
     if rec.format == FP32:
-        return StoredRows.fp32(read(rec.weight_name(rec.key), keep))
-    parts = {p: read(rec.part_name(rec.key, p), keep) for p in rec.parts}
-    return StoredRows.quantized(parts, rec.format.method, rec.format.bits, rec.spec.cols)
+        return [rec.weight_name(rec.key)]
+    return [rec.part_name(rec.key, p) for p in rec.parts]
+
+
+@dataclass
+class _Piece:
+    """Rows ``ids`` of a table, stored at positions ``keep`` of ``rec`` of ``snapshot``'s
+    checkpoint."""
+
+    ids: torch.Tensor
+    rec: ShardRecord
+    keep: torch.Tensor
+    snapshot: SnapshotReader
+
+    def cost(self) -> int:
+        """The bytes its read fetches, a request counted as ``request_bytes`` more."""
+        total = 0
+        for name in _names(self.rec):
+            nbytes, requests = self.snapshot.subset_cost(self.rec.spec.rank, name, self.keep)
+            total += nbytes + requests * self.snapshot.storage.request_bytes
+        return total
+
+    def read(self) -> tuple[torch.Tensor, StoredRows]:
+        """``(ids, rows)``, the rows as stored."""
+        rec = self.rec
+        parts = {n: self.snapshot.rows_subset(rec.spec.rank, n, self.keep) for n in _names(rec)}
+        if rec.format == FP32:
+            return self.ids, StoredRows.fp32(parts[rec.weight_name(rec.key)])
+        by_part = {p: parts[rec.part_name(rec.key, p)] for p in rec.parts}
+        return self.ids, StoredRows.quantized(
+            by_part, rec.format.method, rec.format.bits, rec.spec.cols
+        )
 
 
 def _same_values(rec: ShardRecord, ours: list[ShardRecord], cols: int) -> bool:
@@ -208,64 +234,120 @@ def _same_values(rec: ShardRecord, ours: list[ShardRecord], cols: int) -> bool:
     )
 
 
-def _read_table(
-    chain: ChainReader, table: str, wanted: torch.Tensor | None, newer: list[Entry]
-) -> list[tuple[torch.Tensor, StoredRows]]:
-    """The latest stored version of rows ``wanted`` (every row if ``None``) of ``table``,
-    each row read once: ``(ids, rows)`` pieces. First from ``newer`` (the checkpoints
-    since the served one, newest first: see :attr:`UpdatePlan.newer`), each row from the
-    newest that changed it, where those rows lie in one run; then from ``chain``, newest
-    link first (a warm update: from ``newer`` alone, which stores every row it wants)."""
-    shape = chain.entry.tables[table]
-    remaining = torch.arange(shape.num_embeddings) if wanted is None else wanted
+def _located(
+    source: ChainReader, table: str, wanted: torch.Tensor
+) -> tuple[list[_Piece], torch.Tensor] | None:
+    """Where ``source``'s links, newest first, store rows ``wanted`` of ``table``: each
+    row's pieces, and the rows none stores; ``None`` if a record splits the table's rows
+    by column (see :func:`_assemble`)."""
+    dim = source.entry.tables[table].embedding_dim
+    if not all(rec.spec.cols == dim for _, rec in source.records(table)):
+        return None
+    pieces = []
+    for n in reversed(range(len(source.links))):
+        for rec in source.links[n].shards:
+            if rec.spec.table != table or rec.saved_rows == 0 or not wanted.numel():
+                continue
+            found = source.locate(n, rec, wanted)
+            pieces += [_Piece(ids, rec, keep, source.reader(n)) for ids, keep in found]
+            if found:
+                wanted = wanted[~torch.isin(wanted, torch.cat([ids for ids, _ in found]))]
+    return pieces, wanted
+
+
+def _from_newer(
+    chain: ChainReader, table: str, wanted: torch.Tensor, newer: list[Entry]
+) -> tuple[list[_Piece], torch.Tensor]:
+    """Rows ``wanted`` of ``table`` from ``newer`` (the checkpoints since the served one,
+    newest first: see :attr:`UpdatePlan.newer`), each from the newest that changed it,
+    where those rows lie in one run: the pieces, and the rows left."""
     # The target's own records: a row read from a newer checkpoint must be stored as the
     # target stores it (its chain's older links are not read for a warm update).
     ours = [rec for rec in chain.entry.shards if rec.spec.table == table]
+    dim = chain.entry.tables[table].embedding_dim
     pieces = []
     deferred = []  # changed by a checkpoint that does not store them in a run
     for entry in newer:
         for rec in entry.shards:
-            if rec.spec.table != table or rec.saved_rows == 0 or not remaining.numel():
+            if rec.spec.table != table or rec.saved_rows == 0 or not wanted.numel():
                 continue
             ids, start = changed_rows(chain, entry, rec)
-            hit, at = find_ids(ids, remaining)
+            hit, at = find_ids(ids, wanted)
             if not bool(hit.any()):
                 continue
-            if start is None or not _same_values(rec, ours, shape.embedding_dim):
+            if start is None or not _same_values(rec, ours, dim):
                 # Their value is the target chain's: older checkpoints hold older ones.
-                deferred.append(remaining[hit])
+                deferred.append(wanted[hit])
             else:
-                read = functools.partial(chain.subset_of, entry, rec)
-                pieces.append((remaining[hit], _stored(read, rec, start + at[hit])))
-            remaining = remaining[~hit]
+                pieces.append(_Piece(wanted[hit], rec, start + at[hit], chain.snapshot(entry)))
+            wanted = wanted[~hit]
     if deferred:
-        remaining = torch.sort(torch.cat([remaining, *deferred])).values
-    if not remaining.numel():
-        return pieces
-    # The rest from the newest checkpoint that stores each: every row a warm update wants
-    # was changed, and so stored, by one of ``newer`` (its target's chain is not read).
-    source = chain.narrowed(newer[::-1]) if newer else chain
-    if not all(rec.spec.cols == shape.embedding_dim for _, rec in source.records(table)):
-        return [*pieces, (remaining, StoredRows.fp32(_assemble(source, table, remaining)))]
-    for n in reversed(range(len(source.links))):
-        for rec in source.links[n].shards:
-            if rec.spec.table != table or rec.saved_rows == 0 or not remaining.numel():
-                continue
-            found = source.locate(n, rec, remaining)
-            for ids, keep in found:
-                read = functools.partial(source.subset, n, rec)
-                pieces.append((ids, _stored(read, rec, keep)))
-            if found:
-                taken = torch.cat([ids for ids, _ in found])
-                remaining = remaining[~torch.isin(remaining, taken)]
-    return pieces
+        wanted = torch.sort(torch.cat([wanted, *deferred])).values
+    return pieces, wanted
 
 
-def _assemble(chain: ChainReader, table: str, ids: torch.Tensor) -> torch.Tensor:
-    """Full fp32 rows of a table whose rows are split by column (or resharded)."""
+def _read_table(
+    chain: ChainReader, table: str, wanted: torch.Tensor | None, newer: list[Entry]
+) -> list[tuple[torch.Tensor, StoredRows]]:
+    """The latest stored version of rows ``wanted`` (every row if ``None``) of ``table``,
+    each row read once: ``(ids, rows)`` pieces.
+
+    A cold update reads them from ``chain``, newest link first. A warm one reads them
+    from ``newer`` alone, which stores every row it wants (the target's chain is not
+    read): each from the newest checkpoint that changed it where those lie in one run
+    (:func:`_from_newer`), the rest from the newest that stores it; or, where the target
+    stores them all (a full checkpoint, or a delta since a baseline no later than the
+    served one) and that costs less, all from the target (the survivors of older
+    checkpoints' runs lie scattered through them)."""
+    rows = torch.arange(chain.entry.tables[table].num_embeddings) if wanted is None else wanted
+    if not newer:
+        return _read_rest(chain, table, [], rows)
+    source = chain.narrowed(newer[::-1])
+    pieces, rest = _from_newer(chain, table, rows, newer)
+    if len(newer) > 1 and (alone := _located(chain.narrowed([chain.entry]), table, rows)):
+        found = _located(source, table, rest)
+        if not alone[1].numel() and (
+            found is None
+            or sum(p.cost() for p in alone[0]) < sum(p.cost() for p in pieces + found[0])
+        ):
+            return [p.read() for p in alone[0]]
+    return _read_rest(source, table, pieces, rest)
+
+
+def _read_rest(
+    source: ChainReader, table: str, pieces: list[_Piece], rest: torch.Tensor
+) -> list[tuple[torch.Tensor, StoredRows]]:
+    """``pieces`` read, then rows ``rest`` from ``source``'s links, newest first."""
+    found = _located(source, table, rest) if rest.numel() else ([], rest)
+    if found is None:
+        assembled = StoredRows.fp32(_assemble(source, table, rest))
+        return [*(p.read() for p in pieces), (rest, assembled)]
+    return [p.read() for p in pieces + found[0]]
+
+
+def _assemble(source: ChainReader, table: str, wanted: torch.Tensor) -> torch.Tensor:
+    """Full fp32 rows ``wanted`` of a table whose rows are split by column (or
+    resharded): each from the newest of ``source``'s links that stores all its columns;
+    a row no link stores whole, from every link, oldest first (as a restore does)."""
     from torchrec_cnr.offline.tables import table_values
 
-    return table_values(chain, table, ids)
+    dim = source.entry.tables[table].embedding_dim
+    out = torch.zeros(wanted.numel(), dim)
+    left = torch.arange(wanted.numel())  # positions in ``wanted`` still to read
+    for n in reversed(range(len(source.links))):
+        cover = torch.zeros(left.numel(), dtype=torch.int64)  # columns link n stores
+        for rec in source.links[n].shards:
+            if rec.spec.table == table and rec.saved_rows and left.numel():
+                for ids, _ in source.locate(n, rec, wanted[left]):
+                    cover[find_ids(wanted[left], ids)[1]] += rec.spec.cols
+        whole = cover == dim
+        if bool(whole.any()):
+            link = source.narrowed([source.links[n]])
+            out[left[whole]] = table_values(link, table, wanted[left[whole]])
+            left = left[~whole]
+    if left.numel():
+        out[left] = table_values(source, table, wanted[left])
+    return out
 
 
 class Follower:

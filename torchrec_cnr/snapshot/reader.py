@@ -320,27 +320,12 @@ class SnapshotReader:
         parallel on the executor. No checksum can be checked (it covers the whole
         tensor).
         """
-        logical = rows_path(rank, name)
-        segments = self._segments(logical)
-        if segments is None:
+        plan = self._subset_plan(rank, name, index, extra)
+        if plan is None:
             return self.rows(rank, name)[index]  # pickled or chunked by column: read it whole
-        entry = self._entry(logical)
-        assert isinstance(entry, TensorEntry | ChunkedTensorEntry)
-        dtype = string_to_dtype(entry.dtype)
-        out = torch.empty([index.numel(), *entry.shape[1:]], dtype=dtype)
-        if not index.numel():
+        out, tasks = plan
+        if not tasks:
             return out
-        firsts = torch.tensor([first for first, _, _ in segments])
-        segment = torch.searchsorted(firsts, index, right=True) - 1
-        row_bytes = max(1, out[0].numel() * out.element_size())
-        storage = self.storage
-        spans = _spans(
-            index, segment, extra, storage.request_bytes // row_bytes, storage.many_requests
-        )
-        starts = torch.tensor([a for a, _ in spans])
-        ends = torch.tensor([b for _, b in spans])
-        firsts_of = zip(segment[starts].tolist(), index[starts].tolist(), index[ends - 1].tolist())
-        tasks = [(segments[k], lo, hi + 1, a, b) for (k, lo, hi), (a, b) in zip(firsts_of, spans)]
         # A task per batch of spans, not per span: a span is often one small pread.
         batch = max(1, len(tasks) // 16)
         try:
@@ -351,8 +336,50 @@ class SnapshotReader:
             for read in reads:
                 read.result()
         except Exception as e:
-            raise CheckpointReadError(f"cannot read {logical!r} from {self.path}: {e}") from e
+            raise CheckpointReadError(
+                f"cannot read {rows_path(rank, name)!r} from {self.path}: {e}"
+            ) from e
         return out
+
+    def subset_cost(
+        self, rank: int, name: str, index: torch.Tensor, extra: float = COALESCE_EXTRA
+    ) -> tuple[int, int]:
+        """``(bytes, requests)`` :meth:`rows_subset` would read (only the index is read)."""
+        plan = self._subset_plan(rank, name, index, extra)
+        if plan is None:
+            return self.nbytes(rank, name), 1
+        out, tasks = plan
+        row_bytes = out[0].numel() * out.element_size() if out.numel() else 0
+        return sum(hi - lo for _, lo, hi, _, _ in tasks) * row_bytes, len(tasks)
+
+    def _subset_plan(
+        self, rank: int, name: str, index: torch.Tensor, extra: float
+    ) -> tuple[torch.Tensor, list[tuple[tuple[int, int, TensorEntry], int, int, int, int]]] | None:
+        """:meth:`rows_subset`'s output, empty, and its reads (see :meth:`_read_spans`);
+        ``None`` for a tensor not stored in blocks of whole rows (read whole)."""
+        logical = rows_path(rank, name)
+        segments = self._segments(logical)
+        if segments is None:
+            return None
+        entry = self._entry(logical)
+        assert isinstance(entry, TensorEntry | ChunkedTensorEntry)
+        dtype = string_to_dtype(entry.dtype)
+        out = torch.empty([index.numel(), *entry.shape[1:]], dtype=dtype)
+        if not index.numel():
+            return out, []
+        firsts = torch.tensor([first for first, _, _ in segments])
+        segment = torch.searchsorted(firsts, index, right=True) - 1
+        row_bytes = max(1, math.prod(entry.shape[1:]) * dtype.itemsize)
+        storage = self.storage
+        spans = _spans(
+            index, segment, extra, storage.request_bytes // row_bytes, storage.many_requests
+        )
+        starts = torch.tensor([a for a, _ in spans])
+        ends = torch.tensor([b for _, b in spans])
+        firsts_of = zip(segment[starts].tolist(), index[starts].tolist(), index[ends - 1].tolist())
+        return out, [
+            (segments[k], lo, hi + 1, a, b) for (k, lo, hi), (a, b) in zip(firsts_of, spans)
+        ]
 
     def _read_spans(
         self,
