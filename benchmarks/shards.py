@@ -176,6 +176,9 @@ class _MadeUp(ChainReader):
     def kept(self, entry: Any, rank: int, name: str) -> torch.Tensor:
         return torch.arange(64)  # a shard's changed ids (their values do not matter here)
 
+    def hold(self, n: int, rank: int, name: str) -> torch.Tensor:
+        return torch.empty(0)  # the ids a restore holds first: made up by saved_ids
+
 
 def _measure(fn: Callable[[], Any], trace: bool) -> float:
     """Seconds ``fn`` takes; with ``trace``, the peak MB of Python memory it allocates
@@ -238,7 +241,7 @@ def _restore_plan(a: argparse.Namespace, root: Path, ranks: int, tables: int, io
     if apply.own_part_suffices(chain, shards, rank):  # as restore_entry decides
         chain.only_rank = rank
     prepared = apply.PreparedRestore(chain)
-    apply._plan(chain, shards, prepared)
+    apply._place(chain, shards, prepared)
     assert len(prepared.steps) == len(chain.links) * tables, len(prepared.steps)
     return storage.bytes_read
 

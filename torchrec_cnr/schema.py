@@ -309,6 +309,12 @@ class ShardRecord:
     cumulative delta); ``unknown`` not recorded (format 3 and older): any row may have."""
     recent_rows: int = 0
     """How many ids the ``<key>.recent`` tensor holds (``ids`` and ``tail``)."""
+    block_checksums: dict[str, list[int]] = field(default_factory=dict)
+    """Stored name -> ``[rows per block, CRC32 of each block...]`` for a tensor stored in
+    several blocks of rows (each data object's rows cut in blocks of that many from its
+    first, see ``snapshot.writer.BLOCK_BYTES``), in row order; empty in roots written
+    before they were recorded. A restore onto another sharding reads and checks only the
+    blocks its rows lie in."""
 
     weight_name = staticmethod(stored_weight)
     part_name = staticmethod(stored_part)
@@ -330,16 +336,20 @@ class ShardRecord:
         """Every stored tensor with one entry per saved row: values, then states (not ids)."""
         return self.value_names + [info.tensor for info in self.states.values()]
 
-    def take_checksums(self, checksums: dict[str, int]) -> None:
+    def take_checksums(
+        self, checksums: dict[str, int], blocks: dict[str, list[int]] | None = None
+    ) -> None:
         """Keeps the CRC32s of this record's tensors out of a writer's ``logical path ->
-        CRC32`` (the record's tensors are under its storage rank's ``rows`` folder)."""
+        CRC32`` (the record's tensors are under its storage rank's ``rows`` folder), and
+        of their blocks out of ``blocks`` (see :attr:`block_checksums`)."""
         prefix = rows_path(self.spec.rank, "")
         own = f"{prefix}{self.key}."
-        self.checksums = {
-            logical.removeprefix(prefix): crc
-            for logical, crc in checksums.items()
-            if logical.startswith(own)
-        }
+
+        def mine(by_path: Mapping[str, Any]) -> dict[str, Any]:
+            return {p.removeprefix(prefix): v for p, v in by_path.items() if p.startswith(own)}
+
+        self.checksums = mine(checksums)
+        self.block_checksums = mine(blocks or {})
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -355,6 +365,7 @@ class ShardRecord:
             "checksums": self.checksums,
             "recent": self.recent,
             "recent_rows": self.recent_rows,
+            **({"block_checksums": self.block_checksums} if self.block_checksums else {}),
         }
 
     @classmethod
@@ -374,6 +385,9 @@ class ShardRecord:
             checksums={k: int(v) for k, v in raw["checksums"].items()},
             recent=raw.get("recent", "unknown"),
             recent_rows=int(raw.get("recent_rows", 0)),
+            block_checksums={
+                k: [int(c) for c in v] for k, v in raw.get("block_checksums", {}).items()
+            },
         )
 
 

@@ -143,3 +143,53 @@ def test_missing_checkpoint_files_are_named_and_change_nothing(tmp_path: Path) -
     baseline = sorted(p for p in root.iterdir() if p.is_dir())[0]
     shutil.rmtree(baseline)
     run_ranks(2, _refuses, MIXED, str(root), CheckpointReadError, [baseline.name])
+
+
+TABLE_WISE = _resharded(ROW_WISE, "table_wise")
+SMALL_OBJECTS = "64"
+"""KiB: each table's weights stored in 20 and 12 blocks of rows, each with its checksum."""
+
+
+@pytest.mark.dist
+def test_a_resharding_restore_reads_and_checks_only_the_blocks_its_rows_lie_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saved table-wise (each table whole on one rank), restored row-wise: each rank's
+    half of every table is read in the blocks it lies in, not the saved shards whole."""
+    monkeypatch.setenv("TORCHREC_CNR_OBJECT_KB", SMALL_OBJECTS)
+    root, refs, out = str(tmp_path / "ckpt"), tmp_path / "refs", tmp_path / "out"
+    refs.mkdir()
+    out.mkdir()
+    run_ranks(2, _save, TABLE_WISE, root, str(refs), (2,))
+    stored = sum(f.stat().st_size for f in Path(root).rglob("data/*"))
+    run_ranks(2, _restore_counting, root, str(refs), 2, str(out))
+    read = [int((out / f"rank{r}").read_text()) for r in range(2)]
+    assert all(n < 0.6 * stored for n in read), (read, stored)
+
+
+@pytest.mark.dist
+def test_a_damaged_block_fails_a_resharding_restore_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchrec_cnr.errors import ChecksumError
+    from torchrec_cnr.restore import ChainReader
+    from torchrec_cnr.schema import rows_path
+
+    monkeypatch.setenv("TORCHREC_CNR_OBJECT_KB", SMALL_OBJECTS)
+    root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
+    refs.mkdir()
+    run_ranks(2, _save, TABLE_WISE, root, str(refs), (2,))
+    with ChainReader.open(root) as chain:
+        rec = next(r for r in chain.entry.shards if r.spec.table.endswith(".r"))
+        name = rec.weight_name(rec.key)
+        assert len(rec.block_checksums[name]) == 1 + 20
+        reader = chain.reader(-1)
+        segments = reader._segments(rows_path(rec.spec.rank, name))
+        assert segments is not None
+        _, _, block = segments[-1]  # its last object: rows 19,xxx
+    assert block.byte_range is not None
+    data = Path(root, chain.entry.id, block.location)
+    raw = bytearray(data.read_bytes())
+    raw[block.byte_range[0] + 100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    run_ranks(2, _refuses, ROW_WISE, root, ChecksumError, [name])

@@ -24,8 +24,9 @@ from torchrec_cnr.snapshot import (
     rows_path,
     write_index,
 )
+from torchrec_cnr.snapshot import writer as snapshot_writer
 from torchrec_cnr.snapshot.reader import _spans
-from torchrec_cnr.storage import open_storage
+from torchrec_cnr.storage import CountingStorage, open_storage
 
 IO = ThreadPoolExecutor(4, thread_name_prefix="test-io")
 PIECE = 32 << 10  # bytes per object and per read: the tensors below span several
@@ -134,6 +135,45 @@ def test_our_reader_checks_every_piece_and_reads_rows_alone(
         SnapshotReader(storage, "ckpt", IO, PIECE, checksums).rows(1, "s1.w"),
         tensors[rows_path(1, "s1.w")],
     )
+
+
+def test_rows_in_a_window_are_read_and_checked_in_their_blocks_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(snapshot_writer, "BLOCK_BYTES", 8 << 10)  # 128 rows of s0.w
+    storage = open_storage(str(tmp_path))
+    storage.create()
+    logical = rows_path(0, "s0.w")
+    whole = _tensors()[logical]
+    writer = SnapshotWriter(storage, "ckpt", "0", IO, PIECE)
+    writer.write(logical, whole)
+    part = writer.finish()
+    write_index(storage, "ckpt", [part.index], world_size=1)
+    assert part.checksums[logical] == crc32(whole)  # combined from the blocks'
+    blocks = part.blocks[logical]
+    assert blocks[0] == 128 and len(blocks) == 1 + 6 * 4  # 6 objects of 4 blocks (3000 rows)
+    counting = CountingStorage(storage)
+    reader = SnapshotReader(counting, "ckpt", IO, PIECE, part.checksums)
+    row_bytes = 16 * 4
+    for lo, hi in [(0, 1), (100, 700), (511, 513), (2999, 3000), (0, 3000)]:
+        before = counting.bytes_read
+        got = reader.rows_window(0, "s0.w", lo, hi, blocks)
+        assert got is not None and torch.equal(got, whole[lo:hi]), (lo, hi)
+        assert counting.bytes_read - before <= (hi - lo + 2 * 128) * row_bytes, (lo, hi)
+    assert reader.rows_window(0, "s0.w", 0, 10, None) is None  # several blocks, no sums
+    # One flipped byte in rows 1024..1151 (the third object's first block).
+    chunked = reader._entries[logical]
+    assert isinstance(chunked, ChunkedTensorEntry)
+    entry = next(c.tensor for c in chunked.chunks if c.offsets[0] == 1024)
+    assert entry.byte_range is not None
+    target = tmp_path / "ckpt" / entry.location
+    data = bytearray(target.read_bytes())
+    data[entry.byte_range[0] + 100] ^= 0x40
+    target.write_bytes(bytes(data))
+    got = reader.rows_window(0, "s0.w", 900, 1024, blocks)  # beside it: intact
+    assert got is not None and torch.equal(got, whole[900:1024])
+    with pytest.raises(ChecksumError, match=r"ckpt/0/rows/s0.w is corrupt"):
+        reader.rows_window(0, "s0.w", 1100, 1101, blocks)
 
 
 def test_a_tensor_whose_chunks_leave_a_gap_is_refused(tmp_path: Path) -> None:

@@ -182,7 +182,7 @@ def _write_part(chain: ChainReader, new_id: str, rank: int, world: int, io: IOCo
     part = writer.finish()
     by_rank: dict[int, list[ShardRecord]] = {}
     for record in out.records:
-        record.take_checksums(part.checksums)
+        record.take_checksums(part.checksums, part.blocks)
         by_rank.setdefault(record.spec.rank, []).append(record)
     for storage_rank, records in by_rank.items():  # each storage rank's records: one part
         data, out.parts[storage_rank] = part_bytes(new_id, storage_rank, records)

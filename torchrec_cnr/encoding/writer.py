@@ -157,7 +157,7 @@ class ShardWriter:
             raise
         records = list(self._records.values())
         for rec in records:
-            rec.take_checksums(part.checksums)
+            rec.take_checksums(part.checksums, part.blocks)
         # This rank's shard records, in a part of their own: rank 0's record names it.
         data, part_checksum = part_bytes(self.ckpt_id, self.rank, records)
         self.snapshot.storage.write(part_path(self.ckpt_id, self.rank), data)

@@ -6,7 +6,8 @@ saved row lands (:mod:`torchrec_cnr.restore.geometry`), checking each saved tens
 shape against its destination, before anything changes. Read tensors are held in host
 memory up to a budget; past it they are read only to be verified (a few pieces at a
 time), then read again (and verified again) while applying: a saved shard of the same
-layout straight into the model, others whole. Only when every rank has read and planned
+layout straight into the model, others whole. Without a budget, a saved shard of which
+only some rows land on this rank is read in the checksummed blocks those lie in. Only when every rank has read and planned
 (the caller agrees on it) does :func:`apply_chain` write into the model.
 
 The chain is applied in order, baseline first, later links winning, so a checkpoint
@@ -15,6 +16,7 @@ restores onto any sharding and world size.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -118,21 +120,87 @@ def _sources(
     ]
 
 
+Window = tuple[int, int]
+"""Rows ``lo..hi - 1`` of a saved shard: the only ones of its rows that land on this rank."""
+
+
+def _place(chain: ChainReader, shards: list[LocalShard], prepared: PreparedRestore) -> None:
+    """Where every saved shard of the chain lands (a delta's ids read first, and held)."""
+    with without_gc():  # many small objects (see schema.without_gc)
+        warned: set[str] = set()
+        for n, rec, i, local in _sources(chain, shards):
+            if _same_layout(rec, local):
+                prepared.steps.append(_Step(n, i, rec, True, None))
+                continue
+            ids = rec.ids_name(rec.key)
+            if not rec.all_rows and (n, rec.spec.rank, ids) not in chain.held:
+                chain.hold(n, rec.spec.rank, ids)
+            where = place(rec.spec, chain.saved_ids(n, rec), local.spec)
+            if where is None:
+                continue
+            prepared.steps.append(_Step(n, i, rec, False, where))
+            if (
+                not states_fit(rec, local.optimizer, local.states)
+                and local.spec.table not in warned
+            ):
+                warned.add(local.spec.table)
+                prepared.warnings.append(
+                    f"table {local.spec.table!r}: the checkpoint holds {rec.optimizer} state "
+                    f"{sorted(rec.states)}, the model trains with {local.optimizer} "
+                    f"{sorted(local.states)}; its weights are restored, its optimizer state "
+                    "is left as initialized"
+                )
+
+
+def _windows(steps: list[_Step]) -> dict[tuple[int, int, str], Window]:
+    """``(link, storage rank, record key)`` -> the rows of a saved shard that land on this
+    rank, for each saved shard placed by rows where some of its rows land elsewhere (a
+    restore onto another sharding reads only those, see :func:`_hold`)."""
+    spans: dict[tuple[int, int, str], Window] = {}
+    whole: set[tuple[int, int, str]] = set()
+    for step in steps:
+        key = (step.link, step.rec.spec.rank, step.rec.key)
+        keep = None if step.where is None else step.where.keep
+        if step.whole or keep is None:
+            whole.add(key)
+        elif keep.numel():
+            lo, hi = int(keep.min()), int(keep.max()) + 1
+            old = spans.get(key, (lo, hi))
+            spans[key] = (min(lo, old[0]), max(hi, old[1]))
+    saved = {(s.link, s.rec.spec.rank, s.rec.key): s.rec.saved_rows for s in steps}
+    return {
+        key: (lo, hi)
+        for key, (lo, hi) in spans.items()
+        if key not in whole and hi - lo < saved[key]
+    }
+
+
 def _hold(
     chain: ChainReader,
+    steps: list[_Step],
     shards: list[LocalShard],
+    windows: dict[tuple[int, int, str], Window],
     budget_bytes: int | None,
     pool: StagingPool | None,
 ) -> None:
     """Reads every tensor the restore needs into ``chain.held``, within the budget: what
     fits is held, the rest verified afterwards within what is left (so that memory freed by
-    a verification is never held again on top of it)."""
-    held = 0
+    a verification is never held again on top of it). Without a budget, a saved shard of
+    which only ``windows`` land is read in the blocks they lie in, each checked alone."""
+    held = sum(t.numel() * t.element_size() for t in chain.held.values())
     over: list[tuple[int, int, str]] = []
     own_rank = shards[0].spec.rank if shards else -1
     needed: list[dict[tuple[int, str], None]] = [{} for _ in chain.links]
-    for n, rec, _, local in _sources(chain, shards):
-        needed[n].update(dict.fromkeys((rec.spec.rank, name) for name in _needs(rec, local)))
+    for step in steps:
+        rec = step.rec
+        window = windows.get((step.link, rec.spec.rank, rec.key))
+        for name in _needs(rec, shards[step.shard]):
+            if (step.link, rec.spec.rank, name) in chain.held:
+                continue
+            if window is not None and name in rec.row_names:
+                chain.hold_window(step.link, rec, name, *window)
+                continue
+            needed[step.link][(rec.spec.rank, name)] = None
     for n, wanted_keys in enumerate(needed):
         wanted = list(wanted_keys)
         if budget_bytes is None:  # hold everything: read it all at once, in parallel
@@ -157,40 +225,34 @@ def _hold(
         chain.verify_tensor(n, rank, name, (budget_bytes or 0) - held)
 
 
-def _plan(chain: ChainReader, shards: list[LocalShard], prepared: PreparedRestore) -> None:
-    """Where every saved shard of the chain lands; checks each stored tensor's rows."""
-    with without_gc():  # many small objects (see schema.without_gc)
-        warned: set[str] = set()
-        for n, rec, i, local in _sources(chain, shards):
-            if _same_layout(rec, local):
-                prepared.steps.append(_Step(n, i, rec, True, None))
-                continue
-            where = place(rec.spec, chain.saved_ids(n, rec), local.spec)
-            if where is None:
-                continue
-            prepared.steps.append(_Step(n, i, rec, False, where))
-            if (
-                not states_fit(rec, local.optimizer, local.states)
-                and local.spec.table not in warned
-            ):
-                warned.add(local.spec.table)
-                prepared.warnings.append(
-                    f"table {local.spec.table!r}: the checkpoint holds {rec.optimizer} state "
-                    f"{sorted(rec.states)}, the model trains with {local.optimizer} "
-                    f"{sorted(local.states)}; its weights are restored, its optimizer state "
-                    "is left as initialized"
+def _check(
+    chain: ChainReader,
+    shards: list[LocalShard],
+    prepared: PreparedRestore,
+    windows: dict[tuple[int, int, str], Window],
+) -> None:
+    """Checks each held tensor's rows against its record; points each step read in a
+    window at the window's rows."""
+    for k, step in enumerate(prepared.steps):
+        rec, local = step.rec, shards[step.shard]
+        window = windows.get((step.link, rec.spec.rank, rec.key))
+        if window is not None:
+            assert step.where is not None and step.where.keep is not None
+            where = dataclasses.replace(step.where, keep=step.where.keep - window[0])
+            prepared.steps[k] = dataclasses.replace(step, where=where)
+        for name in _needs(rec, local):
+            if (step.link, rec.spec.rank, name) not in chain.held:
+                continue  # over the budget: checked when read again
+            rows = chain.held[(step.link, rec.spec.rank, name)].shape[0]
+            if window is not None and name in rec.row_names:
+                expected = window[1] - window[0]
+            else:
+                expected = rec.saved_rows
+            if rows != expected:
+                raise ValueError(
+                    f"{chain.links[step.link].id}: {name} holds {rows} rows, the manifest "
+                    f"records {rec.saved_rows}"
                 )
-        for step in prepared.steps:  # the stored tensors must fit where they go
-            rec, local = step.rec, shards[step.shard]
-            for name in _needs(step.rec, local):
-                if (step.link, rec.spec.rank, name) not in chain.held:
-                    continue  # over the budget: checked when read again
-                rows = chain.held[(step.link, rec.spec.rank, name)].shape[0]
-                if rows != rec.saved_rows:
-                    raise ValueError(
-                        f"{chain.links[step.link].id}: {name} holds {rows} rows, the manifest "
-                        f"records {rec.saved_rows}"
-                    )
 
 
 def read_chain(
@@ -225,9 +287,11 @@ def read_chain(
         ValueError: a stored tensor does not fit where it goes.
         UnsafeObjectError: the saved ``app_state`` names a type that is not allowed.
     """
-    _hold(chain, shards, budget_bytes, pool)
     prepared = PreparedRestore(chain)
-    _plan(chain, shards, prepared)
+    _place(chain, shards, prepared)
+    windows = _windows(prepared.steps) if budget_bytes is None else {}
+    _hold(chain, prepared.steps, shards, windows, budget_bytes, pool)
+    _check(chain, shards, prepared, windows)
     prepared.dense = chain.dense(dense_names)
     if app_rank is not None:
         world = chain.entry.world_size

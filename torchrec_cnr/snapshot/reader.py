@@ -176,11 +176,17 @@ class SnapshotReader:
                 f"{self.name}/{read.logical}: stored {dtype} {shape}, "
                 f"wanted {target.dtype} {list(target.shape)}"
             )
-        location = f"{self.name}/{entry.location}"
         start = entry.byte_range[0] if entry.byte_range else 0
+        crc = read.logical in self._sums
+        self._queue(read, target, f"{self.name}/{entry.location}", start, crc)
+
+    def _queue(
+        self, read: _Read, target: torch.Tensor, location: str, start: int, crc: bool
+    ) -> None:
+        """Queues the reads of ``target``'s bytes (of ``read``) from ``location`` at
+        ``start``, in pieces of at most ``piece_bytes``, each checksummed if ``crc``."""
         data = as_bytes(target)
         step = self.piece_bytes
-        crc = read.logical in self._sums
         for offset in range(0, len(data), step):
             view = data[offset : offset + step]
             future = self.executor.submit(_get, self.storage, location, start + offset, view, crc)
@@ -239,8 +245,9 @@ class SnapshotReader:
         self._start(read, entry, value)
         return read
 
-    def _finish(self, read: _Read | Any, check: bool = True) -> Any:
-        """Waits for ``read`` and checks its checksum; returns the value."""
+    def _finish(self, read: _Read | Any, check: bool = True, expected: int | None = None) -> Any:
+        """Waits for ``read`` and checks its checksum (``expected``, else the recorded
+        one); returns the value."""
         if not isinstance(read, _Read):
             return read
         crc = 0
@@ -249,7 +256,8 @@ class SnapshotReader:
                 crc = crc32_combine(crc, future.result(), length)
         except Exception as e:  # a missing or short file, a broken connection, ...
             raise CheckpointReadError(f"cannot read {read.logical!r} from {self.path}: {e}") from e
-        expected = self._sums.get(read.logical)
+        if expected is None:
+            expected = self._sums.get(read.logical)
         if check and expected is not None:
             if read.whole:
                 crc = crc32(read.value)
@@ -307,6 +315,54 @@ class SnapshotReader:
                 return None
             out.append((chunk.offsets[0], chunk.sizes[0], chunk.tensor))
         return sorted(out, key=lambda s: s[0])
+
+    def rows_window(
+        self, rank: int, name: str, lo: int, hi: int, blocks: list[int] | None
+    ) -> torch.Tensor | None:
+        """Rows ``lo..hi - 1`` of a stored shard tensor, reading only the blocks of rows
+        they lie in, each checked against its own CRC32 (``blocks``: the record's
+        :attr:`~torchrec_cnr.schema.ShardRecord.block_checksums` entry; a tensor stored in
+        one block is checked against its whole checksum). ``None`` where that cannot be
+        done: a tensor stored otherwise, or in several blocks none recorded.
+
+        Raises:
+            CheckpointReadError: a block cannot be read.
+            ChecksumError: a block read does not match its checksum.
+        """
+        logical = rows_path(rank, name)
+        segments = self._segments(logical)
+        if segments is None:
+            return None
+        if blocks is None and len(segments) == 1:
+            blocks = [segments[0][1], self._sums[logical] if logical in self._sums else 0]
+        if blocks is None:
+            return None
+        per, sums = max(1, blocks[0]), blocks[1:]
+        cut = [  # (first row, rows, object entry, row in it) of each block, in row order
+            (row0 + at, min(per, rows - at), tensor, at)
+            for row0, rows, tensor in segments
+            for at in range(0, rows, per)
+        ]
+        if len(cut) != len(sums):
+            return None
+        picked = [k for k, (row0, rows, _, _) in enumerate(cut) if row0 < hi and row0 + rows > lo]
+        first = cut[picked[0]][0] if picked else lo
+        last = cut[picked[-1]][0] + cut[picked[-1]][1] if picked else lo
+        entry = self._entry(logical)
+        assert isinstance(entry, TensorEntry | ChunkedTensorEntry)
+        value = _empty([last - first, *entry.shape[1:]], string_to_dtype(entry.dtype))
+        row_bytes = math.prod(entry.shape[1:]) * value.element_size()
+        check = logical in self._sums
+        reads = []
+        for k in picked:
+            row0, rows, tensor, at = cut[k]
+            read = _Read(logical, value[row0 - first : row0 - first + rows])
+            start = (tensor.byte_range or (0, 0))[0] + at * row_bytes
+            self._queue(read, read.value, f"{self.name}/{tensor.location}", start, check)
+            reads.append((read, sums[k]))
+        for read, crc in reads:
+            self._finish(read, check=check, expected=crc)
+        return value[lo - first : hi - first]
 
     def rows_subset(
         self, rank: int, name: str, index: torch.Tensor, extra: float = COALESCE_EXTRA

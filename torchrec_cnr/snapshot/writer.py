@@ -21,6 +21,7 @@ restore.
 from __future__ import annotations
 
 import base64
+import math
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
@@ -43,10 +44,21 @@ __all__ = ["RankPart", "SnapshotWriter", "write_index"]
 """The torchsnapshot format version the index declares."""
 
 
-def _put(storage: Storage, name: str, data: memoryview) -> int:
-    crc = crc32_bytes(data)
+BLOCK_BYTES = 8 << 20
+"""A stored tensor's rows are checksummed in blocks of about this many bytes (whole rows,
+each object's from its first row): a restore that needs some rows reads and checks only
+their blocks (:attr:`~torchrec_cnr.schema.ShardRecord.block_checksums`)."""
+
+
+def _block_sums(data: memoryview, block_bytes: int) -> list[int]:
+    """The CRC32 of each ``block_bytes`` of ``data`` (the last one shorter)."""
+    return [crc32_bytes(data[at : at + block_bytes]) for at in range(0, len(data), block_bytes)]
+
+
+def _put(storage: Storage, name: str, data: memoryview, block_bytes: int) -> list[int]:
+    sums = _block_sums(data, block_bytes)
     storage.write_object(name, data)
-    return crc
+    return sums
 
 
 @dataclass
@@ -56,10 +68,20 @@ class _Piece:
     location: str
     start: int
     nbytes: int
-    crc: Future[int] | int
+    crcs: Future[list[int]] | list[int]
+    """The CRC32 of each of its blocks of ``block_bytes``."""
+    block_bytes: int
+
+    def blocks(self) -> list[int]:
+        return self.crcs if isinstance(self.crcs, list) else self.crcs.result()
 
     def checksum(self) -> int:
-        return self.crc if isinstance(self.crc, int) else self.crc.result()
+        crc, blocks = 0, self.blocks()
+        for k, block in enumerate(blocks):
+            last = k == len(blocks) - 1
+            length = self.nbytes - k * self.block_bytes if last else self.block_bytes
+            crc = crc32_combine(crc, block, length)
+        return crc
 
 
 @dataclass
@@ -82,6 +104,9 @@ class RankPart:
     checksums: dict[str, int]
     """Logical path -> CRC32 of the whole tensor (or bytes)."""
     nbytes: int
+    blocks: dict[str, list[int]] = field(default_factory=dict)
+    """Logical path -> CRC32 of each stored block of rows, in row order, for a tensor
+    stored in more than one: a reader of some rows reads and checks only their blocks."""
 
 
 class SnapshotWriter:
@@ -106,7 +131,7 @@ class SnapshotWriter:
         # Smaller tensors are packed into shared objects (copied: at most this much each).
         self.small_bytes = min(1 << 20, self.object_bytes // 8)
         self._objects = 0
-        self._futures: list[Future[int]] = []
+        self._futures: list[Future[list[int]]] = []
         self._tensors: dict[str, _Logical] = {}
         self._inline: dict[str, bytes] = {}
         self._batch: list[tuple[_Piece, bytes]] = []
@@ -116,8 +141,9 @@ class SnapshotWriter:
         self._objects += 1
         return f"data/{self.prefix}-{self._objects - 1}"
 
-    def _submit(self, location: str, data: memoryview) -> Future[int]:
-        future = self.executor.submit(_put, self.storage, f"{self.ckpt_id}/{location}", data)
+    def _submit(self, location: str, data: memoryview, block_bytes: int) -> Future[list[int]]:
+        name = f"{self.ckpt_id}/{location}"
+        future = self.executor.submit(_put, self.storage, name, data, block_bytes)
         self._futures.append(future)
         return future
 
@@ -149,21 +175,27 @@ class SnapshotWriter:
             raise ValueError(f"{logical}: a chunk of another dtype or shape")
         data = as_bytes(t)
         if len(data) < self.small_bytes:
-            piece = _Piece(row0, rows, "", self._batch_bytes, len(data), crc32_bytes(data))
+            crcs = [crc32_bytes(data)]
+            piece = _Piece(row0, rows, "", self._batch_bytes, len(data), crcs, len(data))
             self._batch.append((piece, bytes(data)))
             self._batch_bytes += len(data)
             known.pieces.append(piece)
             if self._batch_bytes >= self.object_bytes // 2:
                 self._flush_batch()
             return
-        row_bytes = len(data) // max(rows, 1)
-        step = max(1, self.object_bytes // max(row_bytes, 1))
+        row_bytes = _row_bytes(known)
+        step = max(1, self.object_bytes // row_bytes)
+        block = self._block_rows(row_bytes) * row_bytes
         for first in range(0, rows, step):
             n = min(step, rows - first)
             location = self._location()
             view = data[first * row_bytes : (first + n) * row_bytes]
-            future = self._submit(location, view)
-            known.pieces.append(_Piece(row0 + first, n, location, 0, len(view), future))
+            future = self._submit(location, view, block)
+            known.pieces.append(_Piece(row0 + first, n, location, 0, len(view), future, block))
+
+    def _block_rows(self, row_bytes: int) -> int:
+        """Rows per checksummed block of a tensor's objects (see :data:`BLOCK_BYTES`)."""
+        return max(1, min(self.object_bytes, BLOCK_BYTES) // row_bytes)
 
     def add_bytes(self, logical: str, value: bytes) -> None:
         """Stores ``value`` inline in the index, as torchsnapshot stores ``bytes``."""
@@ -175,7 +207,8 @@ class SnapshotWriter:
         location = self._location()
         for piece, _ in self._batch:
             piece.location = location
-        self._submit(location, memoryview(b"".join(data for _, data in self._batch)))
+        data = memoryview(b"".join(data for _, data in self._batch))
+        self._submit(location, data, max(1, len(data)))
         self._batch, self._batch_bytes = [], 0
 
     def wait(self) -> None:
@@ -194,6 +227,7 @@ class SnapshotWriter:
         self.wait()
         entries: dict[str, Entry] = {}
         checksums: dict[str, int] = {}
+        blocks: dict[str, list[int]] = {}
         nbytes = 0
         for logical, t in self._tensors.items():
             pieces = sorted(t.pieces, key=lambda p: p.row0)
@@ -208,12 +242,19 @@ class SnapshotWriter:
                 raise ValueError(f"{logical}: {covered} of {t.rows} rows written")
             entries[logical] = _entry(t, pieces)
             checksums[logical] = crc
+            sums = [crc for piece in pieces for crc in piece.blocks()]
+            if len(sums) > 1:
+                blocks[logical] = [self._block_rows(_row_bytes(t)), *sums]
             nbytes += sum(p.nbytes for p in pieces)
         for logical, value in self._inline.items():
             entries[logical] = PrimitiveEntry("bytes", base64.b64encode(value).decode(), False)
             checksums[logical] = crc32_bytes(value)
             nbytes += len(value)
-        return RankPart(index_part(entries), checksums, nbytes)
+        return RankPart(index_part(entries), checksums, nbytes, blocks)
+
+
+def _row_bytes(t: _Logical) -> int:
+    return max(1, math.prod(t.row_shape) * t.dtype.itemsize)
 
 
 def _tensor_entry(t: _Logical, piece: _Piece, shape: list[int]) -> TensorEntry:
