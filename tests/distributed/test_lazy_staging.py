@@ -311,3 +311,40 @@ def _partial_restore_while_staging(root: str, refs: str) -> None:
 
 def test_a_partial_restore_while_rows_are_staged_waits_for_them(root: str, refs: Path) -> None:
     run_ranks(2, _partial_restore_while_staging, root, str(refs))
+
+
+def _late_bits(policy: str, root: str, refs: str) -> None:
+    from torchrec_cnr.tracking import tracker
+
+    submit = tracker._Marker.submit
+
+    def late(self: Any, work: Any) -> None:  # the worker thread marks each batch late
+        def slow() -> None:
+            time.sleep(0.05)
+            work()
+
+        submit(self, slow)
+
+    tracker._Marker.submit = late  # type: ignore[method-assign]
+    lazy_only = [t for t in TABLES if t.sharding != "data_parallel"]
+    job = make_job(lazy_only, root, seed=1, data_seed=3, alpha=1.05, policy=policy)
+    for step in range(1, 5):
+        job.train(1)
+        assert job.ckpt.save(step)
+        assert job.ckpt.lazy_staging is not None
+        save_reference(job, refs, step)
+    job.ckpt.close()
+    for step in range(1, 5):
+        restores_exactly(
+            lazy_only, root, refs, step, seed=50 + step, data_seed=3, alpha=1.05, policy=policy
+        )
+
+
+@pytest.mark.parametrize("policy", ["consecutive", "intermittent"])
+def test_a_save_holds_the_rows_of_lookups_still_being_marked(
+    policy: str, root: str, refs: Path
+) -> None:
+    """Every shard staged lazily (no eager shard whose selection waits for the tracker):
+    the bits of the last batches, still on the tracker's thread when save() begins, are
+    in the checkpoint. It lost them once under load (the README's quick start)."""
+    run_ranks(2, _late_bits, policy, root, str(refs))

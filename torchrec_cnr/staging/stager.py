@@ -88,6 +88,10 @@ class Stager:
             the sink is abandoned, and every rank learns of it at the commit).
         """
         began = time.perf_counter()
+        # Every lookup so far into the bits (the tracker marks them on a thread of its own)
+        # before any bit is read or cleared: lazy staging snapshots them unselected.
+        for shard in self.shards:
+            shard.drain()
         priority_bytes = self.priority_bytes
         lazy = self._lazy_shards(decision, priority_bytes is not None)
         eager = [i for i in range(len(self.shards)) if i not in lazy]
@@ -143,7 +147,6 @@ class Stager:
         if lazy and budget is not None:
             counts: list[int | None] = []
             for shard in self.shards:
-                shard.drain()
                 full = decision.kind == "full"
                 counts.append(None if full or shard.words is None else bitmap.count(shard.words))
             need = staging_bytes(self.shards, counts)
