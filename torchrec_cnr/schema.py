@@ -38,9 +38,7 @@ import contextlib
 import gc
 import hashlib
 import json
-import os
 import re
-import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -1052,22 +1050,11 @@ class ManifestRecord:
 
 # -- the writer's lease -----------------------------------------------------------------
 
-_STARTED = time.time()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 @dataclass
 class Holder:
-    """The job that holds (or held) a root."""
+    """The job that holds (or held) a root, as ``lease.json`` records it (whether it still
+    counts is the lease's rule: :func:`torchrec_cnr.commit.lease.holder_gone`)."""
 
     generation: int
     run_id: str
@@ -1079,18 +1066,6 @@ class Holder:
     heartbeat_at: float
     released: bool = False
 
-    @classmethod
-    def me(cls, generation: int) -> Holder:
-        now = time.time()
-        return cls(
-            generation,
-            os.environ.get("TORCHELASTIC_RUN_ID", ""),
-            socket.gethostname(),
-            os.getpid(),
-            _STARTED,
-            now,
-        )
-
     def describe(self) -> str:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started_at))
         return f"generation {self.generation} (host {self.host}, pid {self.pid}, started {started})"
@@ -1101,12 +1076,6 @@ class Holder:
     @classmethod
     def from_bytes(cls, data: bytes) -> Holder:
         return cls(**json.loads(data))
-
-    def gone(self, ttl_s: float) -> bool:
-        """Whether this holder no longer counts: released, silent past ``ttl_s``, or dead here."""
-        if self.released or time.time() - self.heartbeat_at > ttl_s:
-            return True
-        return self.host == socket.gethostname() and not _pid_alive(self.pid)
 
 
 # -- a checkpoint directory's index: torchsnapshot's own --------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults import Fault, FaultyStorage
-from torchrec_cnr.commit.lease import Holder, Lease
+from torchrec_cnr.commit.lease import Holder, Lease, holder_gone
 from torchrec_cnr.commit.manifest import Manifest
 from torchrec_cnr.storage import Storage, open_storage
 
@@ -73,26 +73,26 @@ def _write_lease(storage: Storage, holder: Holder) -> None:
     storage.write("lease.json", json.dumps(asdict(holder)).encode())
 
 
-# Holder.gone
+# holder_gone
 
 
 def test_a_released_holder_is_gone() -> None:
-    assert _holder(released=True).gone(TTL_S)
+    assert holder_gone(_holder(released=True), TTL_S)
 
 
 def test_a_holder_silent_past_the_ttl_is_gone() -> None:
-    assert _holder(age_s=TTL_S + 1).gone(TTL_S)
-    assert not _holder(age_s=TTL_S - 1).gone(TTL_S)
+    assert holder_gone(_holder(age_s=TTL_S + 1), TTL_S)
+    assert not holder_gone(_holder(age_s=TTL_S - 1), TTL_S)
 
 
 def test_a_holder_whose_process_died_on_this_host_is_gone() -> None:
-    assert _holder(host=socket.gethostname(), pid=_dead_pid()).gone(TTL_S)
+    assert holder_gone(_holder(host=socket.gethostname(), pid=_dead_pid()), TTL_S)
 
 
 def test_a_live_holder_is_not_gone() -> None:
-    assert not _holder(host=socket.gethostname(), pid=os.getpid()).gone(TTL_S)
+    assert not holder_gone(_holder(host=socket.gethostname(), pid=os.getpid()), TTL_S)
     # On another host its pid says nothing: only its heartbeat counts.
-    assert not _holder(host="some-other-host", pid=_dead_pid()).gone(TTL_S)
+    assert not holder_gone(_holder(host="some-other-host", pid=_dead_pid()), TTL_S)
 
 
 # Claims

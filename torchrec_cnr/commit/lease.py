@@ -22,6 +22,8 @@ and each side's retention would delete the other's checkpoints. Fencing prevents
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 
@@ -30,9 +32,41 @@ from torchrec_cnr.commit.manifest import Manifest
 from torchrec_cnr.schema import LEASE_NAME, Holder
 from torchrec_cnr.storage import PreconditionFailed, Storage
 
-__all__ = ["Holder", "Lease", "read_lease"]
+__all__ = ["Holder", "Lease", "holder_gone", "read_lease", "this_process"]
 
 logger = logging.getLogger(__name__)
+
+
+_STARTED = time.time()
+
+
+def this_process(generation: int) -> Holder:
+    """This process as the holder of ``generation``, heard from now."""
+    return Holder(
+        generation,
+        os.environ.get("TORCHELASTIC_RUN_ID", ""),
+        socket.gethostname(),
+        os.getpid(),
+        _STARTED,
+        time.time(),
+    )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def holder_gone(holder: Holder, ttl_s: float) -> bool:
+    """Whether ``holder`` no longer counts: released, silent past ``ttl_s``, or dead here."""
+    if holder.released or time.time() - holder.heartbeat_at > ttl_s:
+        return True
+    return holder.host == socket.gethostname() and not _pid_alive(holder.pid)
 
 
 def read_lease(storage: Storage) -> tuple[Holder | None, str | None]:
@@ -70,10 +104,10 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     def _takeable(self, holder: Holder) -> bool:
-        me = Holder.me(0)
+        me = this_process(0)
         return (
             self.take_over
-            or holder.gone(self.ttl_s)
+            or holder_gone(holder, self.ttl_s)
             or bool(holder.run_id and holder.run_id == me.run_id)
             or (holder.host == me.host and holder.pid == me.pid)
         )
@@ -84,7 +118,7 @@ class Lease:
             holder, version = read_lease(self.storage)
             if holder is not None and not self._takeable(holder):
                 return holder
-            mine = Holder.me((holder.generation if holder else 0) + 1)
+            mine = this_process((holder.generation if holder else 0) + 1)
             try:
                 self._version = self.storage.write(LEASE_NAME, mine.to_bytes(), expect=version)
             except PreconditionFailed:
