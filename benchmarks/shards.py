@@ -56,8 +56,8 @@ from torchrec_cnr.commit.lease import Lease
 from torchrec_cnr.commit.manifest import Manifest
 from torchrec_cnr.encoding import RankWrite, ShardRecord
 from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.restore import apply
-from torchrec_cnr.restore.chain import ChainReader
 from torchrec_cnr.schema import (
     checkpoint_id,
     index_part,

@@ -2,7 +2,7 @@
 
 ``save`` stages on the training thread (``staging/stager.py``); a background thread per rank
 writes and commits (``commit/``) under the root's lease (``commit/fence.py``), when
-``recovery/schedule.py`` says; ``restore`` reads through ``restore/loader.py``.
+``recovery/schedule.py`` says; ``restore`` reads through ``restore/loader.py`` (and ``read/``).
 """
 
 from __future__ import annotations

@@ -283,7 +283,7 @@ def test_one_checkpoint_behind_a_cumulative_delta_costs_the_requests_of_a_consec
     """Format 5: the rows changed since the served checkpoint are read as one run per
     stored tensor, however they lie among the delta's other rows."""
     from cnr_train.serve import serving_model
-    from torchrec_cnr.restore.chain import ChainReader
+    from torchrec_cnr.read.chain import ChainReader
 
     run_ranks(2, _intermittent, root)
     entries = Manifest.load(root).checkpoints

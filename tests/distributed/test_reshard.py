@@ -172,7 +172,7 @@ def test_a_damaged_block_fails_a_resharding_restore_on_every_rank(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from torchrec_cnr.errors import ChecksumError
-    from torchrec_cnr.restore import ChainReader
+    from torchrec_cnr.read import ChainReader
     from torchrec_cnr.schema import rows_path
 
     monkeypatch.setenv("TORCHREC_CNR_OBJECT_KB", SMALL_OBJECTS)

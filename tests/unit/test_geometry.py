@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from torchrec_cnr.encoding import FP32, ShardRecord, build_record, decode_weight
 from torchrec_cnr.quantization import quantize
-from torchrec_cnr.restore import geometry
-from torchrec_cnr.restore.geometry import (
+from torchrec_cnr.read import geometry
+from torchrec_cnr.read.geometry import (
     Placement,
     overlap,
     overlaps,

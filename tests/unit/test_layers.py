@@ -32,6 +32,7 @@ STAGES = [
     ("staging",),
     ("encoding",),
     ("commit",),
+    ("read",),
     ("restore",),
     ("compaction",),
     ("offline",),

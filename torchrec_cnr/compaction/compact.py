@@ -35,8 +35,8 @@ from torchrec_cnr.commit import (
 from torchrec_cnr.commit.background import JobResult
 from torchrec_cnr.encoding import FP32, ShardRecord, build_record
 from torchrec_cnr.iocontext import IOContext
-from torchrec_cnr.restore.chain import ChainReader, missing_step
-from torchrec_cnr.restore.geometry import overlaps, place, scatter, scatter_weight, states_fit
+from torchrec_cnr.read.chain import ChainReader, missing_step
+from torchrec_cnr.read.geometry import overlaps, place, scatter, scatter_weight, states_fit
 from torchrec_cnr.schema import IndexPart, part_bytes, part_path
 from torchrec_cnr.selection.policy import ChainState
 from torchrec_cnr.snapshot import (

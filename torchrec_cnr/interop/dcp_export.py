@@ -39,8 +39,8 @@ import torch.distributed as dist
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.interop.dcp_io import Block, fused_state_path, write_blocks
 from torchrec_cnr.iocontext import IOContext, IOOptions
-from torchrec_cnr.offline.tables import table_block
-from torchrec_cnr.restore.chain import ChainReader
+from torchrec_cnr.read.chain import ChainReader
+from torchrec_cnr.read.tables import table_block
 from torchrec_cnr.schema import ShardRecord, TableShape
 from torchrec_cnr.snapshot.objects import load_object, resolve_globals
 from torchrec_cnr.storage import Root

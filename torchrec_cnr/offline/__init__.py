@@ -11,7 +11,7 @@ from torchrec_cnr.offline.catalog import (
     root_info,
 )
 from torchrec_cnr.offline.export import EXPORT_FORMATS, export_state_dict, save_export
-from torchrec_cnr.offline.tables import read_optimizer_state, read_table
+from torchrec_cnr.read.tables import read_optimizer_state, read_table
 
 __all__ = [
     "EXPORT_FORMATS",

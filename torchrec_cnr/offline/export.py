@@ -26,8 +26,8 @@ from typing import Literal
 import torch
 
 from torchrec_cnr.iocontext import IOContext, IOOptions
-from torchrec_cnr.offline.tables import table_name, table_values
-from torchrec_cnr.restore.chain import ChainReader
+from torchrec_cnr.read.chain import ChainReader
+from torchrec_cnr.read.tables import table_name, table_values
 from torchrec_cnr.storage import Root
 
 __all__ = ["EXPORT_FORMATS", "ExportFormat", "export_state_dict", "save_export"]

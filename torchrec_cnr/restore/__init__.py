@@ -1,27 +1,22 @@
-"""Stage 7: loading a committed chain into a live model (with a retry when it is retired while
-read, shared with the serving follower), compatibility checks, partial recovery, verify.
-
-``geometry`` is the one rule of where saved rows land in another shard; ``chain`` the one
-way a chain is read. Both also serve compaction and model-free reads (``offline``).
+"""Stage 8: loading a committed chain into a live model, compatibility checks, partial
+recovery, verify. It reads through :mod:`torchrec_cnr.read` (the chain reader, where saved
+rows land, the retry when a checkpoint is retired while read).
 """
 
 from torchrec_cnr.restore.apply import PreparedRestore, apply_chain, read_chain
-from torchrec_cnr.restore.chain import ChainReader
 from torchrec_cnr.restore.compat import check_compatible, check_serving
-from torchrec_cnr.restore.loader import ModelLoader, Restored, load_committed
+from torchrec_cnr.restore.loader import ModelLoader, Restored
 from torchrec_cnr.restore.partial import select_shards
 from torchrec_cnr.restore.restore import load_app_state, restore_entry
 from torchrec_cnr.restore.verify import verify_chains, verify_checkpoint
 
 __all__ = [
-    "ChainReader",
     "ModelLoader",
     "PreparedRestore",
     "Restored",
     "apply_chain",
     "check_compatible",
     "check_serving",
-    "load_committed",
     "load_app_state",
     "read_chain",
     "restore_entry",

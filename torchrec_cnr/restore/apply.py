@@ -2,7 +2,7 @@
 
 A restore is all or nothing. :func:`read_chain` reads and verifies every tensor this
 rank needs from every link of the chain, deserializes ``app_state`` and plans where every
-saved row lands (:mod:`torchrec_cnr.restore.geometry`), checking each saved tensor's
+saved row lands (:mod:`torchrec_cnr.read.geometry`), checking each saved tensor's
 shape against its destination, before anything changes. Read tensors are held in host
 memory up to a budget; past it they are read only to be verified (a few pieces at a
 time), then read again (and verified again) while applying: a saved shard of the same
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from torchrec_cnr.encoding import FP32, ShardRecord, dtype_name
-from torchrec_cnr.restore.chain import ChainReader
-from torchrec_cnr.restore.geometry import (
+from torchrec_cnr.read.chain import ChainReader
+from torchrec_cnr.read.geometry import (
     Placement,
     overlaps,
     place,

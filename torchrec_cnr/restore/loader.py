@@ -1,19 +1,12 @@
-"""Loading a committed checkpoint, again if it was retired while read.
-
-A checkpoint can vanish under a reader: another job's ``keep_last`` retires it, or
-compaction replaces its chain, between reading the manifest and reading the files. Then
-the read fails with :class:`~torchrec_cnr.errors.CheckpointReadError` before anything
-changed, and :func:`load_committed` reads what the manifest names now. Only when the
-manifest still names the very checkpoint that failed is the error real. The manager's
-``restore()`` and the serving follower both load through it.
-"""
+"""Restoring committed checkpoints into one rank's live model (:class:`ModelLoader`),
+read again if retired while read (:func:`torchrec_cnr.read.retry.load_committed`)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -21,9 +14,8 @@ from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.encoding import FP32
-from torchrec_cnr.errors import CheckpointReadError
 from torchrec_cnr.iocontext import IOContext
-from torchrec_cnr.restore.chain import ChainReader, missing_step
+from torchrec_cnr.read import ChainReader, load_committed
 from torchrec_cnr.restore.restore import restore_entry
 from torchrec_cnr.selection import ChainState, Policy
 from torchrec_cnr.selection.rows import resume_chain
@@ -32,47 +24,9 @@ from torchrec_cnr.staging import StagingPool
 from torchrec_cnr.storage import Storage
 from torchrec_cnr.tracking.shard import LocalShard
 
-__all__ = ["ATTEMPTS", "ModelLoader", "Restored", "load_committed"]
+__all__ = ["ModelLoader", "Restored"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-ATTEMPTS = 8
-"""Reads of a step before a checkpoint that keeps being retired counts as unreadable."""
-
-
-def load_committed(
-    manifest: Callable[[], Manifest],
-    step: int | None,
-    load: Callable[[Manifest, Entry], T],
-    url: str,
-) -> tuple[Entry, T] | None:
-    """``load(manifest, entry)`` of the committed checkpoint of ``step`` (the latest if
-    ``None``), read again from a fresh ``manifest()`` if it was retired while read.
-
-    Returns:
-        The entry loaded and what ``load`` returned; ``None`` if ``step`` is ``None`` and
-        the root holds no checkpoint.
-
-    Raises:
-        ValueError: no committed checkpoint has ``step``.
-        CheckpointReadError: the checkpoint is unreadable (and still committed).
-    """
-    for attempt in range(ATTEMPTS):
-        current = manifest()
-        entry = current.find(step)
-        if entry is None:
-            if step is None:
-                return None
-            raise missing_step(current, step, url)
-        try:
-            return entry, load(current, entry)
-        except CheckpointReadError:
-            if attempt == ATTEMPTS - 1 or manifest().find(step) == entry:
-                raise
-            logger.warning("checkpoint %s was retired while read; reading again", entry.id)
-    raise AssertionError("unreachable")
 
 
 class ModelLoader:

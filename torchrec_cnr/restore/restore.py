@@ -24,13 +24,13 @@ import torch
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit.manifest import Entry, TableShape
 from torchrec_cnr.errors import CheckpointError
+from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.restore.apply import (
     PreparedRestore,
     apply_chain,
     own_part_suffices,
     read_chain,
 )
-from torchrec_cnr.restore.chain import ChainReader
 from torchrec_cnr.restore.compat import check_compatible
 from torchrec_cnr.restore.partial import select_shards
 from torchrec_cnr.snapshot.objects import serialize_app_state

@@ -45,8 +45,8 @@ from torchrec_cnr.encoding import FP32, ShardRecord
 from torchrec_cnr.errors import CnrError
 from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.quantization import UNIFORM_METHODS
-from torchrec_cnr.restore import ChainReader, check_serving, load_committed
-from torchrec_cnr.restore.chain import find_ids
+from torchrec_cnr.read import ChainReader, find_ids, load_committed
+from torchrec_cnr.restore import check_serving
 from torchrec_cnr.schema import MANIFEST_NAME
 from torchrec_cnr.serving.plan import UpdatePlan, changed_rows, plan_update
 from torchrec_cnr.serving.rows import PreparedRows, StoredRows, memory_bytes
@@ -329,7 +329,7 @@ def _assemble(source: ChainReader, table: str, wanted: torch.Tensor) -> torch.Te
     """Full fp32 rows ``wanted`` of a table whose rows are split by column (or
     resharded): each from the newest of ``source``'s links that stores all its columns;
     a row no link stores whole, from every link, oldest first (as a restore does)."""
-    from torchrec_cnr.offline.tables import table_values
+    from torchrec_cnr.read.tables import table_values
 
     dim = source.entry.tables[table].embedding_dim
     out = torch.zeros(wanted.numel(), dim)

@@ -24,7 +24,7 @@ import torch
 
 from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.encoding import ShardRecord
-from torchrec_cnr.restore.chain import ChainReader
+from torchrec_cnr.read.chain import ChainReader
 
 __all__ = ["UpdatePlan", "changed_rows", "changed_since", "plan_update"]
 

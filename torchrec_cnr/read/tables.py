@@ -1,7 +1,7 @@
 """Reading a committed checkpoint's tables without a process group or a model.
 
 A table is assembled from its saved shards, baseline first and later links of the chain
-winning, one saved shard at a time (:mod:`torchrec_cnr.restore.geometry` says where each
+winning, one saved shard at a time (:mod:`torchrec_cnr.read.geometry` says where each
 row lands): memory is the table itself plus one shard. Quantized rows come back
 dequantized, exactly as a restore gives them.
 
@@ -21,8 +21,8 @@ import torch
 
 from torchrec_cnr.encoding import decode_weight
 from torchrec_cnr.iocontext import IOContext, IOOptions
-from torchrec_cnr.restore.chain import ChainReader
-from torchrec_cnr.restore.geometry import Placement, place, scatter, whole_table
+from torchrec_cnr.read.chain import ChainReader
+from torchrec_cnr.read.geometry import Placement, place, scatter, whole_table
 from torchrec_cnr.storage import Root
 from torchrec_cnr.tracking.shard import ShardSpec
 
