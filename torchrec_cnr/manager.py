@@ -29,7 +29,7 @@ from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.launch import warn_if_restarts_unsafe
 from torchrec_cnr.recovery import SaveSchedule
 from torchrec_cnr.restore import ModelLoader
-from torchrec_cnr.selection import ChainState, Policy
+from torchrec_cnr.selection import Policy
 from torchrec_cnr.selection.rows import ClearedBits
 from torchrec_cnr.snapshot.objects import check_app_state
 from torchrec_cnr.staging import LazyStaging, Stager
@@ -130,7 +130,7 @@ class CheckpointManager:
         self._background.submit(
             what, partial(commit_and_compact, job, target, self._io, every, what), cleared
         )
-        self._schedule.last_saved = step
+        self._schedule.saved(step)
         return True
 
     def compact(self) -> bool:
@@ -207,14 +207,14 @@ class CheckpointManager:
                 import_dcp(self._group, os.fspath(from_dcp), self._shards, loader.dense,
                            self.app_state, app_keys, loader.safe_globals)  # fmt: skip
             finally:  # even after a partial import, the next save is a baseline
-                self._background.chain = ChainState()
+                self._background.restart_chain()
             return step or 0
         restored = self._loader.restore(self._fence.manifest, step, ranks, tables)
         if restored is None:
             return None
         if restored.chain is not None:
-            self._background.chain = restored.chain
+            self._background.restart_chain(restored.chain)
             self._fence.restored(restored.next_seq)
-            self._schedule.last_saved = restored.entry.step
+            self._schedule.saved(restored.entry.step)
         self._fence.count_restore()
         return restored.entry.step

@@ -57,8 +57,7 @@ class BackgroundWriter:
 
     def __init__(self, pg: dist.ProcessGroup | None, timeout_s: float, nice: int = 0) -> None:
         ranks = dist.get_process_group_ranks(pg) if pg is not None else None
-        self.chain = ChainState()
-        """The chain after the last committed checkpoint (or the one a restore set)."""
+        self._chain = ChainState()
         self.group: Collective | None = Collective(
             dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
         )
@@ -68,6 +67,16 @@ class BackgroundWriter:
         # Its thread starts now, not inside the first save's stall (milliseconds).
         self._executor.submit(lambda: None).result()
         self._job: _Job | None = None
+
+    @property
+    def chain(self) -> ChainState:
+        """The chain after the last committed checkpoint (or the one a restore set)."""
+        return self._chain
+
+    def restart_chain(self, chain: ChainState | None = None) -> None:
+        """The next checkpoint continues ``chain`` (a restored checkpoint's); without one,
+        it starts a new baseline."""
+        self._chain = ChainState() if chain is None else chain
 
     @property
     def busy(self) -> str | None:
@@ -111,7 +120,7 @@ class BackgroundWriter:
                 ),
                 e,
             ) from e
-        self.chain = result.chain
+        self._chain = result.chain
         if result.followup_error is not None:
             raise wrapping(
                 CheckpointError(

@@ -32,8 +32,7 @@ class SaveSchedule:
         self.group = group
         self.on_busy = config.on_busy
         self.probe = IntervalProbe(config.recovery, group)
-        self.last_saved: int | None = None
-        """The step of the last save started (or restored)."""
+        self._last: int | None = None  # the step of the last save started (or restored)
 
     @property
     def decision(self) -> IntervalDecision | None:
@@ -47,9 +46,13 @@ class SaveSchedule:
             if self.probe.interval_steps is None:
                 return self.probe.maybe_probe(step, lambda: save(step), wait)
             interval = self.probe.interval_steps
-        if not isinstance(interval, int) or step <= 0 or step == self.last_saved:
+        if not isinstance(interval, int) or step <= 0 or step == self._last:
             return False
         return step % interval == 0 and save(step)
+
+    def saved(self, step: int) -> None:
+        """Records that ``step`` was saved (or restored): it is not saved again."""
+        self._last = step
 
     def skips(self, step: int, busy: str | None) -> bool:
         """Whether the save of ``step`` is skipped because a job still runs (``busy`` names
