@@ -18,6 +18,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from torchrec_cnr.encoding import write_part
 from torchrec_cnr.errors import CheckpointReadError, ManifestError
 from torchrec_cnr.schema import (
     FORMAT_VERSION,
@@ -34,7 +35,6 @@ from torchrec_cnr.schema import (
     parse_part,
     parse_record,
     parse_segment,
-    part_bytes,
     part_path,
     record_bytes,
     record_path,
@@ -278,8 +278,7 @@ class Manifest(ManifestRecord):
         first = current is None and not storage.exists(PREVIOUS_MANIFEST_NAME)
         for entry in self._unrecorded:
             if entry.shard_parts:  # format 7: every rank's shard records in one file too
-                data, entry.shard_parts["all"] = part_bytes(entry.id, None, entry.shards)
-                storage.write(part_path(entry.id, None), data)
+                entry.shard_parts["all"] = write_part(storage, entry.id, None, entry.shards)
             storage.write(record_path(entry.id), record_bytes(entry))
         self._unrecorded = []
         self._seal(storage)

@@ -33,11 +33,11 @@ from torchrec_cnr.commit import (
     write_and_commit,
 )
 from torchrec_cnr.commit.background import JobResult
-from torchrec_cnr.encoding import FP32, ShardRecord, build_record
+from torchrec_cnr.encoding import FP32, ShardRecord, build_record, write_part
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.read.chain import ChainReader, missing_step
 from torchrec_cnr.read.geometry import overlaps, place, scatter, scatter_weight, states_fit
-from torchrec_cnr.schema import IndexPart, part_bytes, part_path
+from torchrec_cnr.schema import IndexPart
 from torchrec_cnr.selection.policy import ChainState
 from torchrec_cnr.snapshot import (
     SnapshotWriter,
@@ -185,8 +185,7 @@ def _write_part(chain: ChainReader, new_id: str, rank: int, world: int, io: IOCo
         record.take_checksums(part.checksums, part.blocks)
         by_rank.setdefault(record.spec.rank, []).append(record)
     for storage_rank, records in by_rank.items():  # each storage rank's records: one part
-        data, out.parts[storage_rank] = part_bytes(new_id, storage_rank, records)
-        chain.storage.write(part_path(new_id, storage_rank), data)
+        out.parts[storage_rank] = write_part(chain.storage, new_id, storage_rank, records)
     chain.storage.make_durable(new_id)
     out.index = part.index
     return out

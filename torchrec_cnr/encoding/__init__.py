@@ -3,7 +3,7 @@ that encodes staged rows and writes them in the checkpoint format."""
 
 from torchrec_cnr.encoding.codec import EncodedShard, build_record, decode_weight, encode_shard
 from torchrec_cnr.encoding.formats import FormatResolver
-from torchrec_cnr.encoding.writer import RankWrite, ShardWriter
+from torchrec_cnr.encoding.writer import RankWrite, ShardWriter, write_part
 from torchrec_cnr.schema import FP32, Format, ShardRecord, StateInfo, dtype_name
 
 __all__ = [
@@ -19,4 +19,5 @@ __all__ = [
     "decode_weight",
     "dtype_name",
     "encode_shard",
+    "write_part",
 ]

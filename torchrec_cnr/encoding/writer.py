@@ -26,7 +26,7 @@ from torchrec_cnr.snapshot import SnapshotWriter, app_path, crc32, dense_path, r
 from torchrec_cnr.staging import StagedCheckpoint, StagedShard
 from torchrec_cnr.storage import Storage
 
-__all__ = ["ENCODE_BYTES", "RankWrite", "ShardWriter"]
+__all__ = ["ENCODE_BYTES", "RankWrite", "ShardWriter", "write_part"]
 
 ENCODE_BYTES = 32 << 20
 """Bytes of staged rows a quantizing encode takes at once. Whole, a 1M x 64 shard's 4-bit
@@ -159,8 +159,7 @@ class ShardWriter:
         for rec in records:
             rec.take_checksums(part.checksums, part.blocks)
         # This rank's shard records, in a part of their own: rank 0's record names it.
-        data, part_checksum = part_bytes(self.ckpt_id, self.rank, records)
-        self.snapshot.storage.write(part_path(self.ckpt_id, self.rank), data)
+        part_checksum = write_part(self.snapshot.storage, self.ckpt_id, self.rank, records)
         self.snapshot.storage.make_durable(self.ckpt_id)
         dense_bytes = sum(t.numel() * t.element_size() for t in staged.dense.values())
         return RankWrite(
@@ -186,3 +185,12 @@ class ShardWriter:
             self.snapshot.wait()
         except BaseException:
             pass
+
+
+def write_part(storage: Storage, ckpt_id: str, rank: int | None, records: list[ShardRecord]) -> str:
+    """Writes the part of storage rank ``rank`` of a checkpoint (its shard records; every
+    rank's if ``None``, see :func:`~torchrec_cnr.schema.part_path`); returns its checksum,
+    which the checkpoint's record names."""
+    data, checksum = part_bytes(ckpt_id, rank, records)
+    storage.write(part_path(ckpt_id, rank), data)
+    return checksum
