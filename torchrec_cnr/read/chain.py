@@ -255,18 +255,21 @@ class ChainReader:
         self.held[(n, rank, name)] = tensor
         return tensor
 
-    def hold_window(self, n: int, rec: ShardRecord, name: str, lo: int, hi: int) -> torch.Tensor:
-        """Rows ``lo..hi - 1`` of a stored tensor of ``rec`` (of link ``n``), kept in
-        memory: only the blocks they lie in are read and checked where the record has
-        their checksums (:attr:`~torchrec_cnr.schema.ShardRecord.block_checksums`), else
-        the whole tensor is."""
-        rank = rec.spec.rank
+    def hold_windows(self, n: int, windows: list[tuple[ShardRecord, str, int, int]]) -> None:
+        """Reads rows ``lo..hi - 1`` of stored tensors ``(record, name, lo, hi)`` of link
+        ``n`` and keeps them, every read in parallel: only the blocks they lie in are read
+        and checked where the record has their checksums
+        (:attr:`~torchrec_cnr.schema.ShardRecord.block_checksums`), else the whole tensor."""
         reader = self.reader(n)
-        window = reader.rows_window(rank, name, lo, hi, rec.block_checksums.get(name))
-        if window is None:
-            window = reader.rows(rank, name)[lo:hi]
-        self.held[(n, rank, name)] = window
-        return window
+        started = [
+            (rec, name, lo, hi, reader.begin_window(
+                rec.spec.rank, name, lo, hi, rec.block_checksums.get(name)))
+            for rec, name, lo, hi in windows
+        ]  # fmt: skip
+        for rec, name, lo, hi, finish in started:
+            rank = rec.spec.rank
+            window = finish() if finish is not None else reader.rows(rank, name)[lo:hi]
+            self.held[(n, rank, name)] = window
 
     def nbytes(self, n: int, rank: int, name: str) -> int:
         """The size of a stored tensor of link ``n`` (nothing is read)."""

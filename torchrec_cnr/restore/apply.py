@@ -191,6 +191,9 @@ def _hold(
     over: list[tuple[int, int, str]] = []
     own_rank = shards[0].spec.rank if shards else -1
     needed: list[dict[tuple[int, str], None]] = [{} for _ in chain.links]
+    in_windows: list[dict[tuple[int, str], tuple[ShardRecord, str, int, int]]] = [
+        {} for _ in chain.links
+    ]
     for step in steps:
         rec = step.rec
         window = windows.get((step.link, rec.spec.rank, rec.key))
@@ -198,9 +201,12 @@ def _hold(
             if (step.link, rec.spec.rank, name) in chain.held:
                 continue
             if window is not None and name in rec.row_names:
-                chain.hold_window(step.link, rec, name, *window)
+                in_windows[step.link][(rec.spec.rank, name)] = (rec, name, *window)
                 continue
             needed[step.link][(rec.spec.rank, name)] = None
+    for n, those in enumerate(in_windows):
+        if those:
+            chain.hold_windows(n, list(those.values()))
     for n, wanted_keys in enumerate(needed):
         wanted = list(wanted_keys)
         if budget_bytes is None:  # hold everything: read it all at once, in parallel

@@ -329,6 +329,14 @@ class SnapshotReader:
             CheckpointReadError: a block cannot be read.
             ChecksumError: a block read does not match its checksum.
         """
+        finish = self.begin_window(rank, name, lo, hi, blocks)
+        return None if finish is None else finish()
+
+    def begin_window(
+        self, rank: int, name: str, lo: int, hi: int, blocks: list[int] | None
+    ) -> Callable[[], torch.Tensor] | None:
+        """Starts :meth:`rows_window`'s reads (many windows' run in parallel); the call it
+        returns waits for them, checks each block and returns the rows."""
         logical = rows_path(rank, name)
         segments = self._segments(logical)
         if segments is None:
@@ -360,9 +368,13 @@ class SnapshotReader:
             start = (tensor.byte_range or (0, 0))[0] + at * row_bytes
             self._queue(read, read.value, f"{self.name}/{tensor.location}", start, check)
             reads.append((read, sums[k]))
-        for read, crc in reads:
-            self._finish(read, check=check, expected=crc)
-        return value[lo - first : hi - first]
+
+        def finish() -> torch.Tensor:
+            for read, crc in reads:
+                self._finish(read, check=check, expected=crc)
+            return value[lo - first : hi - first]
+
+        return finish
 
     def rows_subset(
         self, rank: int, name: str, index: torch.Tensor, extra: float = COALESCE_EXTRA
