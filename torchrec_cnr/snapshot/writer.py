@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import math
+from concurrent import futures
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
@@ -212,12 +213,14 @@ class SnapshotWriter:
         self._batch, self._batch_bytes = [], 0
 
     def wait(self) -> None:
-        """Blocks until everything written so far is durable (so its buffers may be reused).
+        """Blocks until everything written so far is durable (so its buffers may be reused),
+        or has failed: no write is left running, whichever failed first.
 
         Raises:
             OSError: a write failed (the first error).
         """
         self._flush_batch()
+        futures.wait(self._futures)
         for future in self._futures:
             future.result()
 
