@@ -184,13 +184,6 @@ def finite_rows(update: PendingUpdate) -> str | None:
     return None if not bad else "non-finite values in " + ", ".join(bad)
 
 
-def _names(rec: ShardRecord) -> list[str]:
-    """The stored tensors that hold ``rec``'s rows."""
-    if rec.format == FP32:
-        return [rec.weight_name(rec.key)]
-    return [rec.part_name(rec.key, p) for p in rec.parts]
-
-
 @dataclass
 class _Piece:
     """Rows ``ids`` of a table, stored at positions ``keep`` of ``rec`` of ``snapshot``'s
@@ -204,7 +197,7 @@ class _Piece:
     def cost(self) -> int:
         """The bytes its read fetches, a request counted as ``request_bytes`` more."""
         total = 0
-        for name in _names(self.rec):
+        for name in self.rec.value_names:
             nbytes, requests = self.snapshot.subset_cost(self.rec.spec.rank, name, self.keep)
             total += nbytes + requests * self.snapshot.storage.request_bytes
         return total
@@ -212,12 +205,15 @@ class _Piece:
     def read(self) -> tuple[torch.Tensor, StoredRows]:
         """``(ids, rows)``, the rows as stored."""
         rec = self.rec
-        parts = {n: self.snapshot.rows_subset(rec.spec.rank, n, self.keep) for n in _names(rec)}
+
+        def read(name: str) -> torch.Tensor:
+            return self.snapshot.rows_subset(rec.spec.rank, name, self.keep)
+
         if rec.format == FP32:
-            return self.ids, StoredRows.fp32(parts[rec.weight_name(rec.key)])
-        by_part = {p: parts[rec.part_name(rec.key, p)] for p in rec.parts}
+            return self.ids, StoredRows.fp32(read(rec.weight_name(rec.key)))
+        parts = {p: read(rec.part_name(rec.key, p)) for p in rec.parts}
         return self.ids, StoredRows.quantized(
-            by_part, rec.format.method, rec.format.bits, rec.spec.cols
+            parts, rec.format.method, rec.format.bits, rec.spec.cols
         )
 
 
