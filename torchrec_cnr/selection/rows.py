@@ -39,10 +39,9 @@ def select_rows(
 
     ``None`` stands for every row: a baseline, a kernel whose every row counts as
     modified, or a delta that happens to hold every row. With ``budget_bytes`` a delta
-    holds CPR's prioritized rows (see :func:`prioritize`).
+    holds CPR's prioritized rows (see :func:`prioritize`). Call it with every lookup so
+    far in the bits (``shard.drain()``: the stager drains every shard first).
     """
-    for shard in shards:
-        shard.drain()  # every lookup so far must be in the bits
     if decision.kind == "full":
         return [None] * len(shards)
     if budget_bytes is not None:

@@ -297,28 +297,34 @@ def _read_table(
     checkpoints' runs lie scattered through them)."""
     rows = torch.arange(chain.entry.tables[table].num_embeddings) if wanted is None else wanted
     if not newer:
-        return _read_rest(chain, table, [], rows)
+        return _read_rest(chain, table, [], rows, _located(chain, table, rows))
     source = chain.narrowed(newer[::-1])
     pieces, rest = _from_newer(chain, table, rows, newer)
+    found = _located(source, table, rest)
     if len(newer) > 1 and (alone := _located(chain.narrowed([chain.entry]), table, rows)):
-        found = _located(source, table, rest)
         if not alone[1].numel() and (
             found is None
             or sum(p.cost() for p in alone[0]) < sum(p.cost() for p in pieces + found[0])
         ):
             return [p.read() for p in alone[0]]
-    return _read_rest(source, table, pieces, rest)
+    return _read_rest(source, table, pieces, rest, found)
 
 
 def _read_rest(
-    source: ChainReader, table: str, pieces: list[_Piece], rest: torch.Tensor
+    source: ChainReader,
+    table: str,
+    pieces: list[_Piece],
+    rest: torch.Tensor,
+    found: tuple[list[_Piece], torch.Tensor] | None,
 ) -> list[tuple[torch.Tensor, StoredRows]]:
-    """``pieces`` read, then rows ``rest`` from ``source``'s links, newest first."""
-    found = _located(source, table, rest) if rest.numel() else ([], rest)
-    if found is None:
-        assembled = StoredRows.fp32(_assemble(source, table, rest))
-        return [*(p.read() for p in pieces), (rest, assembled)]
-    return [p.read() for p in pieces + found[0]]
+    """``pieces`` read, then rows ``rest`` where :func:`_located` ``found`` them in
+    ``source`` (``None``: assembled from its links, split by column)."""
+    if found is not None:
+        return [p.read() for p in pieces + found[0]]
+    read = [p.read() for p in pieces]
+    if not rest.numel():
+        return read
+    return [*read, (rest, StoredRows.fp32(_assemble(source, table, rest)))]
 
 
 def _assemble(source: ChainReader, table: str, wanted: torch.Tensor) -> torch.Tensor:
