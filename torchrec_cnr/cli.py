@@ -20,9 +20,11 @@ from collections import defaultdict
 
 import torch.distributed as dist
 
-from torchrec_cnr.commit import CommitTarget, Manifest, saved_fraction
-from torchrec_cnr.commit.lease import Lease
+from torchrec_cnr.collectives import Collective
+from torchrec_cnr.commit import Manifest, saved_fraction
+from torchrec_cnr.commit.fence import Fence
 from torchrec_cnr.compaction import compact_entry
+from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.errors import CnrError, ManifestError
 from torchrec_cnr.interop.dcp_export import export_dcp, terminal_progress
 from torchrec_cnr.iocontext import IOContext
@@ -184,21 +186,15 @@ def _compact(root: str, step: int | None, take_over: bool, io: IOContext) -> int
     if latest is None:
         print(f"{root}: no committed checkpoint")
         return 1
-    lease = Lease(storage, take_over=take_over, fallback=False, ttl_s=io.options.lease_ttl_s)
-    holder = lease.acquire()
-    if holder is not None:
-        print(
-            f"error: {root} is held by a live job, {holder.describe()}; stop it, compact from "
-            "inside it (CheckpointManager.compact()), or pass --take-over",
-            file=sys.stderr,
-        )
-        return 2
+    config = CheckpointConfig(path=root, take_over=take_over, io=io.options)
+    fence = Fence(storage, Collective.alone(), config, Policy(latest.policy))  # type: ignore[arg-type]
     try:
-        assert lease.mine is not None
-        target = CommitTarget(storage, Policy(latest.policy), lease.mine.generation, keep_last=None)  # type: ignore[arg-type]
-        entry = compact_entry(target, io, step)
+        if fence.blocked is not None:
+            print(f"error: {fence.blocked}", file=sys.stderr)
+            return 2
+        entry = compact_entry(fence.target(), io, step)
     finally:
-        lease.release()
+        fence.release()
     if entry is None:
         print(
             f"{root}: step {step if step is not None else latest.step} is already one full checkpoint"

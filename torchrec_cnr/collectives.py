@@ -86,6 +86,12 @@ class Collective:
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
 
+    @staticmethod
+    def alone() -> Collective:
+        """The collectives of one process without ``torch.distributed`` (``cnr compact``):
+        each returns what this process passes."""
+        return _Alone()
+
     def barrier(self) -> None:
         dist.barrier(group=self.pg)
 
@@ -164,3 +170,29 @@ class Collective:
             return value  # type: ignore[no-any-return]
         _raise_agreed([(0, value)], error)
         raise AssertionError("unreachable")
+
+
+class _Alone(Collective):
+    """:meth:`Collective.alone`: a group of one, no process group."""
+
+    def __init__(self) -> None:
+        self.pg = None
+        self.rank, self.world_size = 0, 1
+
+    def barrier(self) -> None:
+        pass
+
+    def gather(self, obj: T) -> list[T]:
+        return [obj]
+
+    def gather_on_rank0(self, obj: T) -> list[T] | None:
+        return [obj]
+
+    def broadcast(self, obj: T | None, src: int = 0) -> T:
+        return obj  # type: ignore[return-value]
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+    def max(self, values: list[float]) -> list[float]:
+        return list(values)

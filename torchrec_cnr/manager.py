@@ -31,7 +31,7 @@ from torchrec_cnr.recovery import SaveSchedule
 from torchrec_cnr.restore import ModelLoader
 from torchrec_cnr.selection import Policy
 from torchrec_cnr.selection.rows import ClearedBits
-from torchrec_cnr.snapshot.objects import check_app_state
+from torchrec_cnr.snapshot.objects import check_app_state, resolve_globals
 from torchrec_cnr.staging import LazyStaging, Stager
 from torchrec_cnr.storage import Storage, open_storage
 from torchrec_cnr.tracking import model_state
@@ -80,10 +80,10 @@ class CheckpointManager:
         warn_if_restarts_unsafe()
         self.rank, self.world_size = self._group.rank, self._group.world_size
         self._shards = model_state.local_shards(model)
-        dense = model_state.dense_state(model)
-        self._stager = Stager(self._shards, dense, config)
+        self._dense = model_state.dense_state(model)
+        self._stager = Stager(self._shards, self._dense, config)
         self._io = IOContext(config.io)
-        self._loader = ModelLoader(self._group, self.storage, self._io, self._shards, dense,
+        self._loader = ModelLoader(self._group, self.storage, self._io, self._shards, self._dense,
                                    self.app_state, config, self.policy, self._stager.pool)  # fmt: skip
         self._schedule = SaveSchedule(config, self._group)
         self._background = BackgroundWriter(pg, config.io.collective_timeout_s, config.io.nice)
@@ -202,10 +202,9 @@ class CheckpointManager:
         if from_dcp is not None:
             if ranks is not None or tables is not None:
                 raise ValueError("from_dcp imports the whole model: ranks and tables do not apply")
-            loader = self._loader
             try:
-                import_dcp(self._group, os.fspath(from_dcp), self._shards, loader.dense,
-                           self.app_state, app_keys, loader.safe_globals)  # fmt: skip
+                import_dcp(self._group, os.fspath(from_dcp), self._shards, self._dense,
+                           self.app_state, app_keys, resolve_globals(self.config.safe_globals))  # fmt: skip
             finally:  # even after a partial import, the next save is a baseline
                 self._background.restart_chain()
             return step or 0

@@ -5,6 +5,7 @@ damaged while both write, on every storage backend."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -77,7 +78,7 @@ def _takes_over_and_saves(root: str, refs: str) -> None:
 
 @pytest.mark.dist
 def test_a_second_live_job_is_refused_until_it_takes_over_and_nothing_committed_is_damaged(
-    any_root: str, refs: Path, tmp_path: Path
+    any_root: str, refs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     control = tmp_path / "control"
     control.mkdir()
@@ -92,6 +93,13 @@ def test_a_second_live_job_is_refused_until_it_takes_over_and_nothing_committed_
             assert other.poll() is None, "the other job died"
             assert time.monotonic() < deadline, "the other job never committed"
             time.sleep(0.1)
+        # The CLI's compaction goes through the same fence: refused, naming the holder.
+        assert cnr(["compact", any_root]) == 2
+        assert re.search(
+            rf"held by another live job, generation 1 \(host .*, pid {other.pid}, "
+            r"started .*\).*cnr compact --take-over",
+            capsys.readouterr().err,
+        )
         run_ranks(2, _refused_while_held, any_root, other.pid)
         run_ranks(2, _takes_over_and_saves, any_root, str(refs))
         time.sleep(1)  # a few more attempts of the other job after the takeover

@@ -274,3 +274,17 @@ def test_library_errors_keep_their_builtin_bases() -> None:
     assert issubclass(CheckpointError, RuntimeError)
     assert issubclass(CheckpointReadError, RuntimeError)
     assert issubclass(errors.ChecksumError, CheckpointReadError)
+
+
+def test_a_group_of_one_runs_without_a_process_group_and_raises_its_own_error() -> None:
+    alone = Collective.alone()
+    assert (alone.rank, alone.world_size) == (0, 1)
+    assert alone.on_rank0(lambda: 7) == 7 and alone.gather("x") == ["x"]
+    assert alone.any(True) and not alone.any(False) and alone.max([1.0, 2.0]) == [1.0, 2.0]
+
+    def fail() -> None:
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="on rank 0: disk gone") as info:
+        alone.on_rank0(fail)
+    assert isinstance(info.value.__cause__, OSError)

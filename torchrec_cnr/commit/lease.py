@@ -145,8 +145,8 @@ class Lease:
             return None
         return (
             f"{self.storage.url} is held by another live job, {blocker.describe()}: stop "
-            "it, or pass CheckpointConfig(take_over=True) to take the root over "
-            "deliberately (that job's later commits are then refused)"
+            "it, or take the root over deliberately with CheckpointConfig(take_over=True) "
+            "(cnr compact --take-over); that job's later commits are then refused"
         )
 
     def _fence(self) -> None:

@@ -55,7 +55,9 @@ def load_committed(
         try:
             return entry, load(current, entry)
         except CheckpointReadError:
-            if attempt == ATTEMPTS - 1 or manifest().find(step) == entry:
+            now = manifest().find(step)
+            # By id: an entry's records are read lazily, and a retired one's are gone.
+            if attempt == ATTEMPTS - 1 or (now is not None and now.id == entry.id):
                 raise
             logger.warning("checkpoint %s was retired while read; reading again", entry.id)
     raise AssertionError("unreachable")
