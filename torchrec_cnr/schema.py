@@ -98,6 +98,7 @@ __all__ = [
     "segment_name",
     "rows_path",
     "saved_fraction",
+    "shard_key",
     "stored_ids",
     "stored_part",
     "stored_recent",
@@ -168,6 +169,11 @@ def segment_name(first_seq: int, last_seq: int, digest: str) -> str:
     """Name of a sealed history segment holding checkpoints ``first_seq..last_seq``; a
     rewritten one (retention) differs in ``digest``, so a name is never written twice."""
     return f"history-{first_seq:06d}-{last_seq:06d}-{digest.removeprefix('sha256:')[:16]}.json"
+
+
+def shard_key(i: int) -> str:
+    """The name of a rank's ``i``-th shard inside its checkpoint (and of its buffers)."""
+    return f"s{i}"
 
 
 def stored_weight(key: str) -> str:

@@ -17,6 +17,7 @@ from torchrec_cnr.selection.policy import Decision, Kind
 from torchrec_cnr.snapshot import page_aligned
 from torchrec_cnr.staging import StagedCheckpoint, StagedShard, StagingPool, stage
 from torchrec_cnr.staging.lazy import LazyStaging
+from torchrec_cnr.staging.plan import plan_save
 from torchrec_cnr.staging.pool import _buffers_of, chunk_rows
 from torchrec_cnr.staging.shard import stage_shard
 from torchrec_cnr.tracking import bitmap
@@ -149,8 +150,15 @@ def _stage(
     sink: _RecordingSink,
     dense: dict[str, torch.Tensor] | None = None,
 ) -> StagedCheckpoint:
+    """Stages ``rows`` of each shard (every row where ``None``) as planned from their bits."""
     kind: Kind = "full" if all(r is None for r in rows) else "delta"
-    return stage(3, kind, shards, rows, dense or {}, {"app": _AppState(5)}, pool, sink)
+    for shard, r in zip(shards, rows):
+        if shard.words is not None:  # None: a kernel whose every row counts as modified
+            shard.words.zero_()
+            bitmap.set_bits(shard.words, torch.arange(shard.spec.rows) if r is None else r)
+    decision = Decision(kind, True)
+    plan = plan_save(3, shards, decision, [False] * len(shards), pool.budget_bytes)
+    return stage(plan, dense or {}, {"app": _AppState(5)}, pool, sink)
 
 
 # StagingPool
@@ -576,7 +584,9 @@ def test_lazy_staging_of_a_cuda_shard_stages_the_rows_as_they_were_at_save(kind:
         bitmap.set_bits(shard.words, picked.cuda())
     at_save = shard.weight.cpu()
     states_at_save = {k: v.cpu() for k, v in shard.states.items()}
-    lazy = LazyStaging.begin([shard], ["s0"], Decision(kind, True), StagingPool(None, pin=True))
+    decision = Decision(kind, True)
+    plan = plan_save(0, [shard], decision, [True], None)
+    lazy = LazyStaging.begin(plan.staged("lazy"), decision, StagingPool(None, pin=True))
     touched = torch.arange(0, n, 7).cuda()
     assert shard.lookups is not None
     shard.lookups.before(touched)  # the batch's lookup: the hook copies first
@@ -596,3 +606,42 @@ def test_lazy_staging_of_a_cuda_shard_stages_the_rows_as_they_were_at_save(kind:
     if kind == "delta":
         assert staged.ids is not None
         assert torch.equal(staged.ids.long(), rows + shard.spec.row_offset)
+
+
+# plan_save
+
+
+def _marked(shard: LocalShard, rows: list[int]) -> LocalShard:
+    assert shard.words is not None
+    shard.words.zero_()
+    bitmap.set_bits(shard.words, torch.tensor(rows, dtype=torch.int64))
+    return shard
+
+
+def test_a_plan_stages_lazily_where_allowed_and_chooses_the_eager_shards_rows() -> None:
+    shards = [_marked(_shard(rows=10), [1, 4]), _marked(_shard(rows=10, seed=1), [2, 3, 9])]
+    plan = plan_save(5, shards, Decision("delta", True), [True, False], budget_bytes=None)
+    lazy, eager = plan.shards
+    assert (lazy.strategy, lazy.key, lazy.rows, lazy.count) == ("lazy", "s0", None, None)
+    assert eager.strategy == "eager" and eager.key == "s1" and eager.count == 3
+    assert eager.rows is not None and eager.rows.tolist() == [2, 3, 9]
+    assert plan.nbytes is None, "no budget: nothing counted"
+
+
+def test_a_plan_over_the_budget_chunks_every_shard_with_its_rows_chosen() -> None:
+    shards = [_marked(_shard(rows=10), [1, 4, 5]), _marked(_shard(rows=10, seed=1), [2])]
+    row_bytes = shards[0].row_bytes(True)  # 4 fp32 columns, a momentum and an id
+    fits = plan_save(5, shards, Decision("delta", True), [True, True], 4 * row_bytes)
+    assert [p.strategy for p in fits.staged("lazy")] == ["lazy", "lazy"]
+    assert fits.nbytes == 4 * row_bytes and [p.count for p in fits.shards] == [3, 1]
+    over = plan_save(5, shards, Decision("delta", True), [True, False], 4 * row_bytes - 1)
+    assert [p.strategy for p in over.shards] == ["chunked", "chunked"]
+    assert [p.rows.tolist() for p in over.shards if p.rows is not None] == [[1, 4, 5], [2]]
+
+
+def test_a_delta_of_every_row_is_planned_as_a_baseline_shard_without_ids() -> None:
+    everything = list(range(10))
+    shards = [_marked(_shard(rows=10), everything), _marked(_shard(rows=10, seed=1), everything)]
+    plan = plan_save(5, shards, Decision("delta", True), [True, False], budget_bytes=10**6)
+    assert [(p.rows, p.count) for p in plan.shards] == [(None, None), (None, None)]
+    assert plan.nbytes == 2 * 10 * shards[0].row_bytes(False)

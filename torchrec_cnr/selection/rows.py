@@ -28,6 +28,7 @@ __all__ = [
     "resume_chain",
     "select_recent",
     "select_rows",
+    "stored_count",
     "tail_order",
 ]
 
@@ -51,9 +52,15 @@ def select_rows(
             None if s.words is None else bitmap.to_indices(s.words, s.spec.rows) for s in shards
         ]
     return [
-        None if rows is not None and rows.numel() == s.spec.rows else rows
+        None if rows is None or stored_count(s, rows.numel()) is None else rows
         for s, rows in zip(shards, picked)
     ]
+
+
+def stored_count(shard: LocalShard, selected: int) -> int | None:
+    """Rows a checkpoint stores of ``shard`` when ``selected`` of them are chosen: ``None``
+    where that is every row, stored as a baseline stores it (without ids)."""
+    return None if selected == shard.spec.rows else selected
 
 
 def select_recent(

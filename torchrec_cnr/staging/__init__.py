@@ -1,7 +1,8 @@
 """Stage 3: copy what a checkpoint needs out of the live model into host memory.
 
-:class:`~torchrec_cnr.staging.stager.Stager` stages each save, choosing per shard between
-two ways (``CheckpointConfig.staging``, and what each shard allows):
+:class:`~torchrec_cnr.staging.stager.Stager` stages each save as its plan says
+(:mod:`~torchrec_cnr.staging.plan`: each shard's rows, and which of two ways stages it,
+from ``CheckpointConfig.staging``, the memory budget and what each shard allows):
 
 - :mod:`~torchrec_cnr.staging.eager`: ``save()`` copies every selected row before it
   returns; the stall grows with the checkpoint.
@@ -15,6 +16,7 @@ to the checkpoint's writer (a :class:`~torchrec_cnr.staging.shard.Sink`).
 
 from torchrec_cnr.staging.eager import stage
 from torchrec_cnr.staging.lazy import LazyStaging, lazy_fallback
+from torchrec_cnr.staging.plan import SavePlan, ShardPlan, plan_save
 from torchrec_cnr.staging.pool import StagingPool
 from torchrec_cnr.staging.shard import (
     Sink,
@@ -26,12 +28,15 @@ from torchrec_cnr.staging.stager import Stager
 
 __all__ = [
     "LazyStaging",
+    "SavePlan",
+    "ShardPlan",
     "Sink",
     "StagedCheckpoint",
     "StagedShard",
     "Stager",
     "StagingPool",
     "lazy_fallback",
+    "plan_save",
     "stage",
     "stage_shard",
 ]

@@ -37,8 +37,9 @@ import torch
 
 from torchrec_cnr.schema import stored_ids, stored_state, stored_weight
 from torchrec_cnr.selection.policy import Decision
-from torchrec_cnr.selection.rows import recent_rows, recorded_recent
+from torchrec_cnr.selection.rows import recent_rows, recorded_recent, stored_count
 from torchrec_cnr.staging import cow
+from torchrec_cnr.staging.plan import ShardPlan
 from torchrec_cnr.staging.pool import StagingPool, bits_buffer, staged_claims, staged_flags
 from torchrec_cnr.staging.shard import Sink, StagedShard, global_ids, ids_dtype
 from torchrec_cnr.tracking import bitmap
@@ -161,24 +162,20 @@ class LazyStaging:
     _stream: Any = None
 
     @classmethod
-    def begin(
-        cls,
-        shards: list[LocalShard],
-        keys: list[str],
-        decision: Decision,
-        pool: StagingPool,
-    ) -> LazyStaging:
-        """Takes the buffers and copies of the bitmaps, and starts the hooks; call with
-        every lookup in the bitmaps (``shard.drain()``), before the bits restart."""
+    def begin(cls, plans: list[ShardPlan], decision: Decision, pool: StagingPool) -> LazyStaging:
+        """Takes the buffers and copies of the bitmaps of the shards ``plans`` stage
+        lazily, and starts the hooks; call with every lookup in the bitmaps
+        (``shard.drain()``), before the bits restart."""
         staged = []
         lib = pool.copier
-        for shard, key in zip(shards, keys):
+        for plan in plans:
+            shard, key = plan.shard, plan.key
             selected = before = None
             n = shard.spec.rows
             if decision.kind != "full":
                 assert shard.words is not None
                 selected, before, n = _snapshot(pool, lib, key, "selected", shard.words)
-                if n == shard.spec.rows:  # a delta of every row stores no ids, as eagerly
+                if stored_count(shard, n) is None:
                     selected = before = None
             recent = recorded_recent(shard, decision)
             tail = None

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from torchrec_cnr.schema import stored_state, stored_weight
+from torchrec_cnr.schema import shard_key, stored_state, stored_weight
 from torchrec_cnr.snapshot import page_aligned
 from torchrec_cnr.staging import cow
 from torchrec_cnr.tracking.shard import LocalShard
@@ -103,7 +103,7 @@ class StagingPool:
                     continue
                 for name in names:
                     dtype = torch.int64 if name.endswith("before") else bits.dtype
-                    key = bits_buffer(f"s{i}", name)
+                    key = bits_buffer(shard_key(i), name)
                     self.take(key, tuple(bits.shape), dtype, bits.device).zero_()
 
 
@@ -155,11 +155,10 @@ def _buffers_of(
 ) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
     """The pool buffers a full checkpoint takes: one set per shard (with the row flags or
     claims of lazy staging), or one chunk set (chunks are staged eagerly)."""
-    full = sum(s.spec.rows * s.row_bytes(False) for s in shards)
-    chunked = budget is not None and full > budget
+    chunked = budget is not None and staging_bytes(shards, [None] * len(shards)) > budget
     for i, s in enumerate(shards):
         rows = min(s.spec.rows, chunk_rows(s, False, budget) or s.spec.rows)
-        key = "chunk" if chunked else f"s{i}"
+        key = "chunk" if chunked else shard_key(i)
         yield stored_weight(key), (rows, *s.weight.shape[1:]), s.weight.dtype
         for name, state in s.states.items():
             yield stored_state(key, name), (rows, *state.shape[1:]), state.dtype

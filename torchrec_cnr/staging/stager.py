@@ -1,11 +1,10 @@
 """The stager: one save's rows, from the live shards into a finished staged checkpoint.
 
-For each save it selects the rows (:mod:`torchrec_cnr.selection`), chooses for each
-shard between copy-on-write (:mod:`.lazy`) and an eager copy (:mod:`.eager`), stages,
-and restarts the shards' bits so that rows modified while the write runs go into the
-next checkpoint. The choice, with its memory-budget rule (:func:`~.pool.staging_bytes`),
-lives here and nowhere else; each shard that cannot be staged lazily is logged once,
-with the reason.
+For each save it makes the plan (:mod:`.plan`: the rows of each shard, and whether it is
+staged by copy-on-write, :mod:`.lazy`, or copied at once, :mod:`.eager`), stages as
+planned, and restarts the shards' bits so that rows modified while the write runs go into
+the next checkpoint. Each shard that cannot be staged lazily is logged once, with the
+reason.
 """
 
 from __future__ import annotations
@@ -19,19 +18,13 @@ import torch
 
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.selection.policy import Decision
-from torchrec_cnr.selection.rows import (
-    ClearedBits,
-    restart_bits,
-    select_recent,
-    select_rows,
-    tail_order,
-)
+from torchrec_cnr.selection.rows import ClearedBits, restart_bits
 from torchrec_cnr.snapshot.objects import serialize_app_state
 from torchrec_cnr.staging.eager import stage
 from torchrec_cnr.staging.lazy import LazyStaging, lazy_fallback
-from torchrec_cnr.staging.pool import StagingPool, bits_buffer, staging_bytes
+from torchrec_cnr.staging.plan import SavePlan, plan_save, shard_key
+from torchrec_cnr.staging.pool import StagingPool, bits_buffer
 from torchrec_cnr.staging.shard import Sink, StagedCheckpoint
-from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.shard import LocalShard
 
 __all__ = ["Stager"]
@@ -92,27 +85,17 @@ class Stager:
         # before any bit is read or cleared: lazy staging snapshots them unselected.
         for shard in self.shards:
             shard.drain()
-        priority_bytes = self.priority_bytes
-        lazy = self._lazy_shards(decision, priority_bytes is not None)
-        eager = [i for i in range(len(self.shards)) if i not in lazy]
         self.lazy = None
         try:
-            shards = [self.shards[i] for i in eager]
-            rows = select_rows(shards, decision, priority_bytes)
-            recent = select_recent(shards, decision, rows)
-            rows = [tail_order(r, c) for r, c in zip(rows, recent)]
-            keys = [f"s{i}" for i in eager]
-            staged = stage(
-                step, decision.kind, shards, rows, self.dense, app_state, self.pool, sink, recent, keys
-            )  # fmt: skip
+            plan = self.plan(step, decision)
+            staged = stage(plan, self.dense, app_state, self.pool, sink)
+            lazy = plan.staged("lazy")
             if lazy:
-                self.lazy = LazyStaging.begin(
-                    [self.shards[i] for i in lazy], [f"s{i}" for i in lazy], decision, self.pool
-                )
+                self.lazy = LazyStaging.begin(lazy, decision, self.pool)
                 staged.rest = self.lazy.run
                 staged.staged_bytes += self.lazy.nbytes
             # Rows modified while the write runs belong to the next checkpoint.
-            chosen = rows if priority_bytes is not None else None
+            chosen = plan.chosen if self.priority_bytes is not None else None
             cleared = restart_bits(self.shards, decision, chosen, self._keep_bits)
         except Exception as e:
             self.detach()
@@ -121,42 +104,39 @@ class Stager:
         staged.stall_s = time.perf_counter() - began
         return staged, cleared, None
 
+    def plan(self, step: int, decision: Decision) -> SavePlan:
+        """The plan of this save (:func:`~.plan.plan_save`); logs why shards are not lazy."""
+        plan = plan_save(step, self.shards, decision, self._lazy_allowed(),
+                         self.pool.budget_bytes, self.priority_bytes)  # fmt: skip
+        if plan.nbytes is not None and plan.staged("chunked"):
+            self._say(
+                f"this save needs {plan.nbytes / 2**20:.0f} MB of staging buffers, more than "
+                f"staging_memory_mb={self.memory_mb}: staged in chunks"
+            )
+        return plan
+
     def _keep_bits(self, i: int, name: str, bits: torch.Tensor) -> torch.Tensor:
         """A copy of shard ``i``'s ``bits`` in a pooled buffer (see :func:`restart_bits`)."""
-        key = bits_buffer(f"s{i}", name)
+        key = bits_buffer(shard_key(i), name)
         return self.pool.take(key, tuple(bits.shape), bits.dtype, bits.device).copy_(bits)
 
-    def _lazy_shards(self, decision: Decision, prioritized: bool) -> list[int]:
-        """The shards this save stages lazily; it logs why others are not."""
+    def _lazy_allowed(self) -> list[bool]:
+        """For each shard, whether this save may stage it lazily; logs why not."""
         if not self.lazy_mode:
-            return []
-        if prioritized:
+            return [False] * len(self.shards)
+        if self.priority_bytes is not None:
             self._say("prioritized saves (priority_budget_mb) choose their rows at save()")
-            return []
-        lazy: list[int] = []
+            return [False] * len(self.shards)
+        allowed: list[bool] = []
         why: dict[str, list[str]] = {}
-        for i, shard in enumerate(self.shards):
+        for shard in self.shards:
             reason = lazy_fallback(shard)
-            if reason is None:
-                lazy.append(i)
-            else:
+            allowed.append(reason is None)
+            if reason is not None:
                 why.setdefault(reason, []).append(shard.spec.table)
         for reason, tables in why.items():
             self._say(f"{', '.join(sorted(set(tables)))}: {reason}")
-        budget = self.pool.budget_bytes
-        if lazy and budget is not None:
-            counts: list[int | None] = []
-            for shard in self.shards:
-                full = decision.kind == "full"
-                counts.append(None if full or shard.words is None else bitmap.count(shard.words))
-            need = staging_bytes(self.shards, counts)
-            if need > budget:
-                self._say(
-                    f"this save needs {need / 2**20:.0f} MB of staging buffers, more than "
-                    f"staging_memory_mb={self.memory_mb}: staged in chunks"
-                )
-                return []
-        return lazy
+        return allowed
 
     def _say(self, why: str) -> None:
         if why not in self._said:
