@@ -10,7 +10,7 @@
   (:data:`QUANTS`), random row subsets (:func:`random_rows`), marking exactly those
   rows modified (:func:`modify`) and checking that a restore brought them back
   (:func:`timed_restore`).
-- An S3 store: a moto server on loopback (:func:`s3_server`).
+- An S3 store: a moto server on loopback (:func:`moto_server`, :func:`s3_server`).
 """
 
 from __future__ import annotations
@@ -362,20 +362,24 @@ def timed_restore(
 
 
 @contextlib.contextmanager
-def s3_server() -> Iterator[str]:
-    """An S3 endpoint for every rank: ``AWS_ENDPOINT_URL`` if set, else a moto server
-    that rank 0 starts on a free loopback port (a local process keeping objects in memory).
+def moto_server() -> Iterator[str]:
+    """A moto S3 server in a process of its own on a free loopback port, once it answers:
+    its URL. It keeps objects in memory and takes any credentials. The tests' S3 fixtures
+    start theirs here too.
+
+    Raises:
+        RuntimeError: it exited, or did not answer within 30 s.
     """
-    server, url = None, os.environ.get("AWS_ENDPOINT_URL")
-    if url is None and dist.get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            url = f"http://127.0.0.1:{s.getsockname()[1]}"
-        server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", url.rsplit(":", 1)[1]],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -383,25 +387,42 @@ def s3_server() -> Iterator[str]:
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    server.kill()
-                    raise RuntimeError(f"the moto S3 server at {url} did not start") from None
+                    raise RuntimeError(
+                        f"the moto S3 server at {url} did not start (exit {server.poll()})"
+                    ) from None
                 time.sleep(0.05)
-    url, started = bcast((url, server is not None))
-    assert url is not None
-    if started:  # moto takes any credentials; a real store's must not be replaced
-        os.environ.update(
-            AWS_ENDPOINT_URL=url,
-            AWS_ACCESS_KEY_ID="bench",
-            AWS_SECRET_ACCESS_KEY="bench",
-            AWS_DEFAULT_REGION="us-east-1",
-        )
-    try:
         yield url
     finally:
-        dist.barrier()
-        if server is not None:
-            server.terminate()
+        server.terminate()
+        try:
             server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[str]:
+    """An S3 endpoint for every rank: ``AWS_ENDPOINT_URL`` if set, else a
+    :func:`moto_server` that rank 0 starts."""
+    with contextlib.ExitStack() as stack:
+        url = os.environ.get("AWS_ENDPOINT_URL")
+        started = url is None and dist.get_rank() == 0
+        if started:
+            url = stack.enter_context(moto_server())
+        url, started = bcast((url, started))
+        assert url is not None
+        if started:  # moto takes any credentials; a real store's must not be replaced
+            os.environ.update(
+                AWS_ENDPOINT_URL=url,
+                AWS_ACCESS_KEY_ID="bench",
+                AWS_SECRET_ACCESS_KEY="bench",
+                AWS_DEFAULT_REGION="us-east-1",
+            )
+        try:
+            yield url
+        finally:
+            dist.barrier()
 
 
 def s3_bucket() -> str:
