@@ -42,12 +42,12 @@ from benchmarks.measure import (
     rmtree,
     timed,
     timed_save,
-    tree_bytes,
     uniform_model,
 )
 from benchmarks.results import Goal, Table
 from cnr_train.workload import TableSpec, build_model, dense_optimizer
 from torchrec_cnr import CheckpointConfig, CheckpointManager, export_dcp
+from torchrec_cnr.storage.fs import tree_bytes
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:

@@ -37,6 +37,7 @@ from torchrec.distributed import DistributedModelParallel
 
 from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
 from torchrec_cnr import CheckpointManager, QuantizeConfig
+from torchrec_cnr.storage import fs
 from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.shard import LocalShard
 from torchrec_cnr.tracking.tracker import TrackingMode
@@ -118,35 +119,20 @@ def rmtree(path: Path) -> None:
     dist.barrier()
 
 
-def tree_bytes(path: Path) -> int:
-    """Bytes of every file under ``path``: what a checkpoint takes on disk."""
-    return sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(path) for n in ns)
-
-
-def _each(path: Path, dirs: bool, fn: Callable[[int], Any]) -> None:
-    for d, _, names in os.walk(path):
-        for n in [*names, "."] if dirs else names:
-            fd = os.open(os.path.join(d, n), os.O_RDONLY)
-            try:
-                fn(fd)
-            finally:
-                os.close(fd)
-
-
 def fsync_tree(path: Path) -> None:
     """fsyncs every file and folder under ``path`` (what torchsnapshot leaves out)."""
-    _each(path, True, os.fsync)
+    for d, _, names in os.walk(path):
+        for n in [*names, "."]:
+            fs.fsync_dir(os.path.join(d, n))  # an fsync through a read-only descriptor
 
 
 def evict(path: Path) -> None:
     """Makes every file under ``path`` durable and drops it from the page cache, so that
-    the next read is cold. In this process alone; :func:`drop_cache` is the collective."""
-    _each(path, False, _fsync_and_drop)
-
-
-def _fsync_and_drop(fd: int) -> None:
-    os.fsync(fd)  # a dirty page cannot be dropped
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    the next read is cold, as the library does with a checkpoint it wrote. In this process
+    alone; :func:`drop_cache` is the collective."""
+    for d, _, names in os.walk(path):
+        for n in names:
+            fs._fsync_and_drop(Path(d, n))
 
 
 def drop_cache(path: Path) -> None:

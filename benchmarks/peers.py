@@ -31,8 +31,8 @@ from benchmarks.measure import (
     rmtree,
     timed,
     timed_restore,
-    tree_bytes,
 )
+from torchrec_cnr.storage.fs import tree_bytes
 from torchrec_cnr.tracking.shard import LocalShard
 
 Row = dict[str, Any]

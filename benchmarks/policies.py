@@ -27,12 +27,12 @@ from benchmarks.measure import (
     from_rank0,
     model_arguments,
     rmtree,
-    tree_bytes,
     uniform_model,
 )
 from benchmarks.results import Table
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import CheckpointConfig, CheckpointManager, checkpoint_info
+from torchrec_cnr.storage.fs import tree_bytes
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
