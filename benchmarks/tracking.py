@@ -2,9 +2,6 @@
 CPR's MFU counters, with SSU sampling) and TorchRec's ModelDeltaTracker (ID_ONLY), on one
 model in one run.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
-        -m benchmarks.tracking --out out/bench/tracking.json
-
 One model (8 table-wise tables x 500k rows x dim 64, batch 2048 per rank, pooling 4)
 carries both trackers, and each round switches them on in turn, in a rotating order, for
 ``--iters`` iterations: every variant runs the same kernels and memory layout on the same

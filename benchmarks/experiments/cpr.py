@@ -2,9 +2,6 @@
 quality of full recovery, partial recovery, and partial recovery with MFU / SSU
 prioritized saves, under emulated failures of single embedding shards.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
-        -m benchmarks.experiments.cpr --out out/bench/experiments/cpr.json
-
 **Emulated shards.** CPR's embedding tables live on N parameter-server shards and a failure
 takes one of them down. Here each rank's tables are split into ``--shards / world`` groups
 of about equal bytes (``--shards 16``: 8 per rank on 2 ranks), each group one emulated
