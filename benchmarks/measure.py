@@ -58,6 +58,13 @@ def bcast(obj: T) -> T:
     return box[0]
 
 
+def gathered(obj: T) -> list[T]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
+
+
 def from_rank0(fn: Callable[[], T]) -> T:
     """``fn()`` run by rank 0 alone (e.g. reading a manifest), its value on every rank."""
     dist.barrier()
@@ -199,9 +206,7 @@ _MEMCPY: dict[tuple[int, ...], float] = {}
 def memcpy_s(nbytes: int) -> float:
     """Slowest rank's time to copy its ``nbytes`` between warm host buffers, every rank at
     once as staging copies do (median of 3; cached per size)."""
-    sizes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(sizes, nbytes)
-    key = tuple(sizes)
+    key = tuple(gathered(nbytes))
     if key not in _MEMCPY:
         src = torch.ones(max(nbytes, 1), dtype=torch.uint8)
         dst = torch.empty_like(src)

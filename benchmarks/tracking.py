@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
 
 from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import model_arguments, uniform_model
+from benchmarks.measure import gathered, model_arguments, uniform_model
 from benchmarks.results import Goal, Table
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr.tracking import model_state
@@ -139,8 +139,7 @@ def run(b: Bench) -> Outcome:
         }
         for k in VARIANTS
     }
-    per_rank: list[Any] = [None] * b.world
-    dist.all_gather_object(per_rank, variants)
+    per_rank = gathered(variants)
     shard_bytes = sum(
         s.weight.numel() * s.weight.element_size() for s in model_state.local_shards(model)
     )

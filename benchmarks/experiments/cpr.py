@@ -45,7 +45,7 @@ from typing import Any
 import torch.distributed as dist
 
 from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
-from benchmarks.measure import Policy, from_rank0, max_over_ranks, rmtree, timed_save
+from benchmarks.measure import Policy, from_rank0, gathered, max_over_ranks, rmtree, timed_save
 from benchmarks.results import Goal, Table
 from cnr_train.config import DataConfig, JobConfig, ModelConfig, OptimizerConfig
 from cnr_train.job import Trainer, evaluate
@@ -115,9 +115,7 @@ def _emulated_shards(t: Trainer, num_shards: int) -> list[list[str]]:
         i = sizes.index(min(sizes))
         groups[i].append(table)
         sizes[i] += size
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, groups)
-    return [group for rank_groups in every for group in rank_groups]
+    return [group for rank_groups in gathered(groups) for group in rank_groups]
 
 
 def _probe(b: Bench) -> dict[str, Any]:

@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from benchmarks import results
 from benchmarks.harness import Bench, Outcome
-from benchmarks.measure import GB, QUANTS, StepLoop, from_rank0, rmtree, timed
+from benchmarks.measure import GB, QUANTS, StepLoop, from_rank0, gathered, rmtree, timed
 from benchmarks.overhead.common import LOSS_BOUND, interval_key, pct, warm_trainer
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
@@ -95,9 +95,8 @@ def _clean_step_s(
         t for t, e in zip(took, ends) if not any(e >= lo and e - t <= hi for lo, hi in windows)
     ]
     mean = statistics.fmean(clean) if len(clean) >= max(10, len(took) // 10) else None
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mean)
-    return None if None in every else max(every)
+    every = [m for m in gathered(mean) if m is not None]
+    return max(every) if len(every) == dist.get_world_size() else None
 
 
 def _arm(

@@ -20,11 +20,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from benchmarks.harness import Bench, Outcome
-from benchmarks.measure import QUANTS, StepLoop, rmtree
+from benchmarks.measure import QUANTS, StepLoop, gathered, max_over_ranks, rmtree
 from benchmarks.overhead.common import warm_trainer
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
@@ -53,12 +52,6 @@ def _gil_shares(raw: str) -> dict[str, float]:
     return {g: c / total for g, c in counts.items()} | {"samples": total}
 
 
-def _any_rank(flag: bool) -> bool:
-    t = torch.tensor([int(flag)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def _gil_run(b: Bench, trainer: StepLoop, quant: str) -> dict[str, Any]:
     """One format: train and save every step for ``--gil-s`` seconds under py-spy."""
     root = b.scratch / f"gil_{quant}"
@@ -80,7 +73,7 @@ def _gil_run(b: Bench, trainer: StepLoop, quant: str) -> dict[str, Any]:
         saves = steps = 0
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*skipped: the checkpoint of step")
-            while not _any_rank(spy.poll() is not None):  # the ranks step together
+            while not max_over_ranks(float(spy.poll() is not None))[0]:  # the ranks step together
                 trainer.train(1)
                 steps += 1
                 saves += bool(ckpt.save(trainer.step))
@@ -91,9 +84,8 @@ def _gil_run(b: Bench, trainer: StepLoop, quant: str) -> dict[str, Any]:
         )
     shares = _gil_shares(out.read_text())
     rmtree(root)
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, shares | {"saves": saves, "steps": steps})
-    return {"format": quant, **every[0], "writer": every[0]["cnr-writer"] + every[0]["cnr-io"]}
+    first = gathered(shares | {"saves": saves, "steps": steps})[0]
+    return {"format": quant, **first, "writer": first["cnr-writer"] + first["cnr-io"]}
 
 
 def run(b: Bench) -> Outcome:

@@ -22,12 +22,11 @@ lazy fp32 one's <= one copied by torch under the lock.
 from __future__ import annotations
 
 import statistics
-from typing import Any
 
 import torch.distributed as dist
 
 from benchmarks.harness import Bench, Outcome
-from benchmarks.measure import QUANTS, StepLoop, from_rank0, rmtree, uniform_model
+from benchmarks.measure import QUANTS, StepLoop, from_rank0, gathered, rmtree, uniform_model
 from benchmarks.overhead.common import now
 from benchmarks.results import Goal, Table
 from cnr_train.workload import ZipfBatches
@@ -78,9 +77,7 @@ def _save_cost_once(
     if len(inside) >= b.args.after:
         raise RuntimeError(f"the commit outlasted --after {b.args.after} steps: raise it")
     cost = stall + sum(inside) - clean * len(inside)
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (cost, stall, info.committed_at - saved_at, clean))
-    worst = max(every)  # the slowest rank's
+    worst = max(gathered((cost, stall, info.committed_at - saved_at, clean)))  # the slowest rank's
     return {
         "cost_s": worst[0],
         "stall_s": worst[1],
