@@ -2,9 +2,6 @@
 sharded model: torchrec_cnr's four policies (fp32 and 4-bit adaptive) against
 torchsnapshot and torch.distributed.checkpoint (DCP), in one run on one model.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
-        -m benchmarks.checkpoint --out out/bench/checkpoint.json
-
 The model is 8 table-wise tables x 1,000,000 rows x dim 64 (2.05 GB of fp32 weights,
 row-wise Adagrad) on 2 gloo ranks; every method checkpoints that same model.
 

@@ -1,8 +1,5 @@
 """DCP import and export of a ~1 GB model, against DCP's own save and load of it.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
-        -m benchmarks.dcp_interop --out out/bench/dcp_interop.json
-
 The model is ``--tables`` table-wise tables of ``--rows`` x ``--dim`` fp32 (8 x 500k x 64,
 1.02 GB) on 2 gloo ranks with fused row-wise Adagrad. In turns, caches dropped before each:
 
@@ -42,12 +39,12 @@ from benchmarks.measure import (
     rmtree,
     timed,
     timed_save,
-    tree_bytes,
     uniform_model,
 )
 from benchmarks.results import Goal, Table
 from cnr_train.workload import TableSpec, build_model, dense_optimizer
 from torchrec_cnr import CheckpointConfig, CheckpointManager, export_dcp
+from torchrec_cnr.storage.fs import tree_bytes
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:

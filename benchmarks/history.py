@@ -2,9 +2,6 @@
 commit reads and writes, the writer's CPU time, a follower's update and a restore's
 planning, at checkpoint 10 and up to checkpoint 10,000.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
-        -m benchmarks.history --out out/bench/history.json
-
 The model is ``--tables`` table-wise tables of ``--rows`` x ``--dim`` (the DLRM, fused
 row-wise Adagrad) on 2 gloo ranks; it trains one step between saves, a save every step,
 each waited for, with default retention (every checkpoint kept), for each policy in

@@ -10,7 +10,7 @@
   (:data:`QUANTS`), random row subsets (:func:`random_rows`), marking exactly those
   rows modified (:func:`modify`) and checking that a restore brought them back
   (:func:`timed_restore`).
-- An S3 store: a moto server on loopback (:func:`s3_server`).
+- An S3 store: a moto server on loopback (:func:`moto_server`, :func:`s3_server`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from torchrec.distributed import DistributedModelParallel
 
 from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
 from torchrec_cnr import CheckpointManager, QuantizeConfig
+from torchrec_cnr.storage import fs
 from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.shard import LocalShard
 from torchrec_cnr.tracking.tracker import TrackingMode
@@ -55,6 +56,13 @@ def bcast(obj: T) -> T:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gathered(obj: T) -> list[T]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
 
 
 def from_rank0(fn: Callable[[], T]) -> T:
@@ -118,35 +126,20 @@ def rmtree(path: Path) -> None:
     dist.barrier()
 
 
-def tree_bytes(path: Path) -> int:
-    """Bytes of every file under ``path``: what a checkpoint takes on disk."""
-    return sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(path) for n in ns)
-
-
-def _each(path: Path, dirs: bool, fn: Callable[[int], Any]) -> None:
-    for d, _, names in os.walk(path):
-        for n in [*names, "."] if dirs else names:
-            fd = os.open(os.path.join(d, n), os.O_RDONLY)
-            try:
-                fn(fd)
-            finally:
-                os.close(fd)
-
-
 def fsync_tree(path: Path) -> None:
     """fsyncs every file and folder under ``path`` (what torchsnapshot leaves out)."""
-    _each(path, True, os.fsync)
+    for d, _, names in os.walk(path):
+        for n in [*names, "."]:
+            fs.fsync_dir(os.path.join(d, n))  # an fsync through a read-only descriptor
 
 
 def evict(path: Path) -> None:
     """Makes every file under ``path`` durable and drops it from the page cache, so that
-    the next read is cold. In this process alone; :func:`drop_cache` is the collective."""
-    _each(path, False, _fsync_and_drop)
-
-
-def _fsync_and_drop(fd: int) -> None:
-    os.fsync(fd)  # a dirty page cannot be dropped
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    the next read is cold, as the library does with a checkpoint it wrote. In this process
+    alone; :func:`drop_cache` is the collective."""
+    for d, _, names in os.walk(path):
+        for n in names:
+            fs._fsync_and_drop(Path(d, n))
 
 
 def drop_cache(path: Path) -> None:
@@ -213,9 +206,7 @@ _MEMCPY: dict[tuple[int, ...], float] = {}
 def memcpy_s(nbytes: int) -> float:
     """Slowest rank's time to copy its ``nbytes`` between warm host buffers, every rank at
     once as staging copies do (median of 3; cached per size)."""
-    sizes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(sizes, nbytes)
-    key = tuple(sizes)
+    key = tuple(gathered(nbytes))
     if key not in _MEMCPY:
         src = torch.ones(max(nbytes, 1), dtype=torch.uint8)
         dst = torch.empty_like(src)
@@ -362,20 +353,24 @@ def timed_restore(
 
 
 @contextlib.contextmanager
-def s3_server() -> Iterator[str]:
-    """An S3 endpoint for every rank: ``AWS_ENDPOINT_URL`` if set, else a moto server
-    that rank 0 starts on a free loopback port (a local process keeping objects in memory).
+def moto_server() -> Iterator[str]:
+    """A moto S3 server in a process of its own on a free loopback port, once it answers:
+    its URL. It keeps objects in memory and takes any credentials. The tests' S3 fixtures
+    start theirs here too.
+
+    Raises:
+        RuntimeError: it exited, or did not answer within 30 s.
     """
-    server, url = None, os.environ.get("AWS_ENDPOINT_URL")
-    if url is None and dist.get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            url = f"http://127.0.0.1:{s.getsockname()[1]}"
-        server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", url.rsplit(":", 1)[1]],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -383,25 +378,42 @@ def s3_server() -> Iterator[str]:
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    server.kill()
-                    raise RuntimeError(f"the moto S3 server at {url} did not start") from None
+                    raise RuntimeError(
+                        f"the moto S3 server at {url} did not start (exit {server.poll()})"
+                    ) from None
                 time.sleep(0.05)
-    url, started = bcast((url, server is not None))
-    assert url is not None
-    if started:  # moto takes any credentials; a real store's must not be replaced
-        os.environ.update(
-            AWS_ENDPOINT_URL=url,
-            AWS_ACCESS_KEY_ID="bench",
-            AWS_SECRET_ACCESS_KEY="bench",
-            AWS_DEFAULT_REGION="us-east-1",
-        )
-    try:
         yield url
     finally:
-        dist.barrier()
-        if server is not None:
-            server.terminate()
+        server.terminate()
+        try:
             server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[str]:
+    """An S3 endpoint for every rank: ``AWS_ENDPOINT_URL`` if set, else a
+    :func:`moto_server` that rank 0 starts."""
+    with contextlib.ExitStack() as stack:
+        url = os.environ.get("AWS_ENDPOINT_URL")
+        started = url is None and dist.get_rank() == 0
+        if started:
+            url = stack.enter_context(moto_server())
+        url, started = bcast((url, started))
+        assert url is not None
+        if started:  # moto takes any credentials; a real store's must not be replaced
+            os.environ.update(
+                AWS_ENDPOINT_URL=url,
+                AWS_ACCESS_KEY_ID="bench",
+                AWS_SECRET_ACCESS_KEY="bench",
+                AWS_DEFAULT_REGION="us-east-1",
+            )
+        try:
+            yield url
+        finally:
+            dist.barrier()
 
 
 def s3_bucket() -> str:

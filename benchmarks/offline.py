@@ -1,8 +1,5 @@
 """Export and compaction of a ~1 GB chain, against a full save and the disk.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
-        -m benchmarks.offline --out out/bench/offline.json
-
 The model is ``--tables`` table-wise tables of ``--rows`` x ``--dim`` fp32 (8 x 500k x 64,
 1.02 GB) on 2 gloo ranks with fused row-wise Adagrad. A consecutive chain is built: a full
 baseline, then ``--deltas`` deltas that each modify ``--fraction`` of the rows (a new

@@ -26,13 +26,14 @@ from benchmarks.measure import (
     drop_cache,
     from_rank0,
     fsync_tree,
+    gathered,
     max_abs_diff,
     max_over_ranks,
     rmtree,
     timed,
     timed_restore,
-    tree_bytes,
 )
+from torchrec_cnr.storage.fs import tree_bytes
 from torchrec_cnr.tracking.shard import LocalShard
 
 Row = dict[str, Any]
@@ -177,9 +178,7 @@ def _dcp_async_save(model: torch.nn.Module, path: Path) -> Row:
         t2 = time.perf_counter()
     except Exception as e:  # reported in the row: the other methods still run
         error = f"{type(e).__name__}: {e}"
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    failed = [f"rank {r}: {e}" for r, e in enumerate(gathered(error)) if e]
     stall, commit = max_over_ranks(t1 - t0, t2 - t0)
     if failed:
         return {"method": "DCP async_save", "error": "; ".join(failed)}

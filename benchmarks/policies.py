@@ -1,17 +1,11 @@
 """Bytes written and bytes stored at each interval, per policy (Check-N-Run Figs. 15, 16).
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
-        -m benchmarks.policies --out out/bench/policies.json
-
 Each policy trains the same model (8 table-wise tables x 100k rows x dim 64) on the same
 Zipf batches and checkpoints at every interval with ``keep_last=1``, so the root holds
 only what restoring the latest checkpoint needs: "stored" is measured on disk after each
 commit. "Written" is the bytes of the checkpoint just committed. Both are relative to one
 full checkpoint of the model. With ``--figure`` it also plots them (``fig15_16.png``) and
-writes ``results.csv`` beside the JSON result (the experiment of docs/experiments.md)::
-
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
-        -m benchmarks.policies --figure --out out/bench/experiments/policy_bytes.json
+writes ``results.csv`` beside the JSON result (the experiment of docs/experiments.md).
 """
 
 from __future__ import annotations
@@ -27,12 +21,12 @@ from benchmarks.measure import (
     from_rank0,
     model_arguments,
     rmtree,
-    tree_bytes,
     uniform_model,
 )
 from benchmarks.results import Table
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import CheckpointConfig, CheckpointManager, checkpoint_info
+from torchrec_cnr.storage.fs import tree_bytes
 
 
 def arguments(p: argparse.ArgumentParser) -> None:

@@ -1,9 +1,5 @@
 """Per-row checkpoint quantization: error, compression and throughput (Check-N-Run Fig. 9),
-against PyTorch's and FBGEMM's quantizers. One process:
-
-    .venv/bin/python -m benchmarks.quantization --out out/bench/quantization.json
-    .venv/bin/python -m benchmarks.quantization --vs-greedy \\
-        --out out/bench/quantization_vs_greedy.json
+against PyTorch's and FBGEMM's quantizers, in one process.
 
 Every method (symmetric, asymmetric, kmeans, adaptive at 2/3/4/8 bits, fp16, bf16) on
 ``--rows`` Gaussian rows of ``--dim`` (or ``--rows-file``, a ``torch.save``'d fp32 ``(N, D)``

@@ -1,9 +1,6 @@
 """The scaling curve: stall, commit, restore and peak host memory per rank against the
 embedding bytes each rank holds, for full saves and 5%/25% deltas, fp32 and 4-bit.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
-        -m benchmarks.scaling --out out/bench/scaling.json
-
 For each size in ``--gb-per-rank`` (default 0.25 0.5 1 2 4, what 24 GiB of host memory
 allows: the model, a staging pool as large as a full checkpoint, and a restore's reads)
 the model is 2 x ``--gb-per-rank`` GB of table-wise tables of ``--rows`` x 64 fp32 with

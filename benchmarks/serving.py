@@ -1,7 +1,5 @@
 """Train to serve: the app's training job and its serving process, side by side at 1 GB.
 
-    .venv/bin/python -m benchmarks.serving --out out/bench/serving.json
-
 Each run is the app itself (``configs/serving.yaml``): ``scripts/serve.py`` starts first, in
 its own process, then ``torchrun scripts/train.py`` trains the DLRM of 4 table-wise tables x
 1M rows x dim 64 (1 GB of fp32 rows, row-wise Adagrad) on 2 ranks, committing a checkpoint

@@ -2,8 +2,6 @@
 restore's planning and a follower's planning for ``--ranks`` x ``--tables`` row-wise
 tables, without training or tensors.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.shards --out out/bench/shards.json
-
 Every shard record and torchsnapshot index entry is a real save's: the row-wise shard of
 a delta in ``tests/data/format_v6`` (a 2-rank save of the app's DLRM), its table, rank,
 rows and names changed (each table ``--rows`` rows of ``--dim``, split over every rank).

@@ -1,8 +1,5 @@
 """The stall of one save, eager against lazy (copy-on-write) staging, as the delta grows.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
-        -m benchmarks.stall --out out/bench/stall.json
-
 The model is 8 table-wise tables x 1,000,000 rows x dim 64 with row-wise Adagrad on 2
 gloo ranks (1.02 GB of fp32 weights per rank). For each staging mode and share of rows
 modified, on a fresh root: a baseline, then ``--repeats`` saves after exactly that share

@@ -1,8 +1,5 @@
 """Commit and restore times of the same checkpoints on a local file system and on S3.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
-        -m benchmarks.storage --out out/bench/storage.json
-
 The S3 store is a moto server started on loopback (an S3-compatible server in a local
 process that keeps objects in memory, as the tests use), unless ``AWS_ENDPOINT_URL``
 already names one: its figures show the protocol's cost, not a network's. The model is

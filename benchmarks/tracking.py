@@ -2,9 +2,6 @@
 CPR's MFU counters, with SSU sampling) and TorchRec's ModelDeltaTracker (ID_ONLY), on one
 model in one run.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
-        -m benchmarks.tracking --out out/bench/tracking.json
-
 One model (8 table-wise tables x 500k rows x dim 64, batch 2048 per rank, pooling 4)
 carries both trackers, and each round switches them on in turn, in a rotating order, for
 ``--iters`` iterations: every variant runs the same kernels and memory layout on the same
@@ -27,7 +24,7 @@ import torch.distributed as dist
 from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
 
 from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import model_arguments, uniform_model
+from benchmarks.measure import gathered, model_arguments, uniform_model
 from benchmarks.results import Goal, Table
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr.tracking import model_state
@@ -142,8 +139,7 @@ def run(b: Bench) -> Outcome:
         }
         for k in VARIANTS
     }
-    per_rank: list[Any] = [None] * b.world
-    dist.all_gather_object(per_rank, variants)
+    per_rank = gathered(variants)
     shard_bytes = sum(
         s.weight.numel() * s.weight.element_size() for s in model_state.local_shards(model)
     )

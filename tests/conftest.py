@@ -11,17 +11,11 @@ port for the whole session; each test gets a bucket of its own. Clients find it 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from tests.multiprocess import free_port
 
 
 @pytest.fixture(autouse=True)
@@ -50,33 +44,12 @@ def refs(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
-    """The URL of a moto S3 server running in its own process on loopback."""
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        if server.poll() is not None:
-            pytest.fail(f"the moto S3 server exited with code {server.returncode}")
-        try:
-            urllib.request.urlopen(url + "/moto-api/", timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                server.kill()
-                pytest.fail("the moto S3 server did not answer within 30 s")
-            time.sleep(0.05)
-    yield url
-    server.terminate()
-    try:
-        server.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
+    """The URL of a moto S3 server running in its own process on loopback, started as the
+    benchmarks start theirs."""
+    from benchmarks.measure import moto_server  # torchrec's import only where S3 is used
+
+    with moto_server() as url:
+        yield url
 
 
 @pytest.fixture

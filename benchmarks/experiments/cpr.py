@@ -2,9 +2,6 @@
 quality of full recovery, partial recovery, and partial recovery with MFU / SSU
 prioritized saves, under emulated failures of single embedding shards.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
-        -m benchmarks.experiments.cpr --out out/bench/experiments/cpr.json
-
 **Emulated shards.** CPR's embedding tables live on N parameter-server shards and a failure
 takes one of them down. Here each rank's tables are split into ``--shards / world`` groups
 of about equal bytes (``--shards 16``: 8 per rank on 2 ranks), each group one emulated
@@ -48,7 +45,7 @@ from typing import Any
 import torch.distributed as dist
 
 from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
-from benchmarks.measure import Policy, from_rank0, max_over_ranks, rmtree, timed_save
+from benchmarks.measure import Policy, from_rank0, gathered, max_over_ranks, rmtree, timed_save
 from benchmarks.results import Goal, Table
 from cnr_train.config import DataConfig, JobConfig, ModelConfig, OptimizerConfig
 from cnr_train.job import Trainer, evaluate
@@ -118,9 +115,7 @@ def _emulated_shards(t: Trainer, num_shards: int) -> list[list[str]]:
         i = sizes.index(min(sizes))
         groups[i].append(table)
         sizes[i] += size
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, groups)
-    return [group for rank_groups in every for group in rank_groups]
+    return [group for rank_groups in gathered(groups) for group in rank_groups]
 
 
 def _probe(b: Bench) -> dict[str, Any]:

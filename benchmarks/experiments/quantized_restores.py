@@ -1,10 +1,6 @@
 """Check-N-Run Figs. 14 and 17 on the synthetic Criteo-like DLRM: accuracy after L
 restores from quantized checkpoints, and the write and capacity reductions.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
-        -m benchmarks.experiments.quantized_restores \\
-        --out out/bench/experiments/quantized_restores.json
-
 Every run trains the same model (26 Criteo tables capped at ``--max-rows``, dim ``--dim``)
 on the same batches for ``--steps`` steps, checkpointing every ``--interval`` steps with the
 intermittent policy. A run with L restores restores the model from its latest checkpoint

@@ -5,31 +5,12 @@ a line in the Makefile's bench target that runs its recorded command into
 from __future__ import annotations
 
 import json
-import re
 import shlex
 
+from benchmarks import bench_runs
 from tests import REPO
 
 RESULTS = REPO / "benchmarks" / "results"
-VARIABLES = {
-    "$(TORCHRUN)": "OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2",
-    "$(TORCHRUN1)": "OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=1",
-    "$(PY1)": "OMP_NUM_THREADS=1 .venv/bin/python",
-    "$(PY)": ".venv/bin/python",
-}
-
-
-def _bench_lines() -> list[list[str]]:
-    text = (REPO / "Makefile").read_text()
-    target = re.search(r"^bench: .*?\n((?:\t.*\n)+)", text, re.MULTILINE)
-    assert target is not None, "the Makefile has no bench target"
-    lines = []
-    for line in target.group(1).splitlines():
-        line = line.strip()
-        for name, value in VARIABLES.items():
-            line = line.replace(name, value)
-        lines.append(shlex.split(line.replace("$(BENCH)", "out/bench")))
-    return lines
 
 
 def _without_out(argv: list[str]) -> tuple[list[str], str]:
@@ -38,7 +19,7 @@ def _without_out(argv: list[str]) -> tuple[list[str], str]:
 
 
 def test_every_recorded_result_has_a_bench_line_running_its_recorded_command() -> None:
-    lines = [_without_out(a) for a in _bench_lines() if "--out" in a]
+    lines = [_without_out(a) for a in bench_runs() if "--out" in a]
     results = sorted(RESULTS.rglob("*.json"))
     assert len(results) >= 28
     for path in results:
@@ -52,6 +33,6 @@ def test_every_recorded_result_has_a_bench_line_running_its_recorded_command() -
 
 
 def test_the_bench_target_renders_the_docs_from_what_it_ran() -> None:
-    assert _bench_lines()[-1] == [
+    assert bench_runs()[-1] == [
         ".venv/bin/python", "-m", "benchmarks.report", "benchmarks/results", "out/bench"
     ]  # fmt: skip

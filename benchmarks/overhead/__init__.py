@@ -1,0 +1,114 @@
+"""End-to-end overhead: the training throughput that checkpointing costs, asked four ways
+of one training job.
+
+The job is the DLRM of :mod:`cnr_train.workload`: ``--tables`` table-wise tables of
+``--rows`` x ``--dim`` (by default 8 x 200,000 x 64: 410 MB of fp32 weights, row-wise
+Adagrad), batch ``--batch`` per rank, Zipf ids; each step draws its batch on the training
+thread (``ZipfBatches.batch``), as an input pipeline without workers would. Checkpoints
+are fp32 or 4-bit adaptive with ``min_rows=0`` (:data:`benchmarks.measure.QUANTS`). The
+tracker runs in every arm, those without checkpoints included: what is measured is
+checkpointing; tracking's cost is :mod:`benchmarks.tracking`'s.
+
+- By default: the throughput lost to a checkpoint every K steps at each of ``--intervals``
+  seconds, arms with and without checkpoints taking turns, eager and lazy staging
+  (:mod:`benchmarks.overhead.arms`).
+- ``--save-cost``: the training time one full checkpoint costs, measured alone many times
+  (:mod:`benchmarks.overhead.save_cost`).
+- ``--paired``: the loss at each interval from adjacent stretches with and without a
+  checkpoint, an estimate that resolves 1%, and saves asked for faster than they commit
+  (:mod:`benchmarks.overhead.paired`).
+- ``--gil``: which threads hold the GIL while commits run back to back
+  (:mod:`benchmarks.overhead.gil`).
+
+Each runs under torchrun, on 1 rank (the other core free for the background writer, as on
+a GPU host) or on 2 (no core to spare).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from benchmarks.harness import Bench, Case, Outcome
+from benchmarks.measure import model_arguments
+from benchmarks.overhead import arms, gil, paired, save_cost
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    model_arguments(p, rows=200_000)
+    p.add_argument("--batch", type=int, default=512, help="samples per rank per step")
+    p.add_argument(
+        "--intervals",
+        type=float,
+        nargs="+",
+        default=[2.0, 5.0, 15.0, 30.0, 60.0],
+        help="target checkpoint intervals, seconds of training",
+    )
+    p.add_argument("--arm-s", type=float, default=10.0, help="least training time of an arm")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per interval")
+    p.add_argument("--warmup-steps", type=int, default=30, help="untimed training steps first")
+    p.add_argument("--probe-steps", type=int, default=100, help="timed steps that set K")
+    p.add_argument(
+        "--headline-s",
+        type=float,
+        default=30.0,
+        help="the throughput target's interval (the nearest measured one)",
+    )
+    p.add_argument(
+        "--save-cost",
+        action="store_true",
+        help="measure instead the training time one full checkpoint costs, --saves times "
+        "per arm: eager, lazy, lazy with torch's locked copy; fp32 and 4-bit",
+    )
+    p.add_argument("--saves", type=int, default=8, help="--save-cost: checkpoints per arm")
+    p.add_argument("--before", type=int, default=100, help="--save-cost: steps before a save")
+    p.add_argument("--after", type=int, default=200, help="--save-cost: steps after it")
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help="measure instead the loss at each --intervals from adjacent stretches with "
+        "and without a checkpoint (lazy staging, fp32 and 4-bit), and saves asked for "
+        "faster than they commit",
+    )
+    p.add_argument(
+        "--pair-s",
+        type=float,
+        default=90.0,
+        help="--paired: seconds of pairs per interval and format (at least 3)",
+    )
+    p.add_argument("--busy-steps", type=int, default=60, help="--paired: steps per busy stretch")
+    p.add_argument("--busy-pairs", type=int, default=5, help="--paired: pairs per busy arm")
+    p.add_argument(
+        "--gil",
+        action="store_true",
+        help="measure instead which threads hold the GIL while the job trains and commits "
+        "continuously (py-spy record --gil --threads), fp32 and 4-bit",
+    )
+    p.add_argument("--gil-s", type=float, default=20.0, help="--gil: seconds sampled per format")
+    p.add_argument(
+        "--merge",
+        type=Path,
+        help="a result of this case at another world size, carried into this one's",
+    )
+
+
+def run(b: Bench) -> Outcome:
+    """The question the flags ask (the arms without one)."""
+    if b.args.gil:
+        return gil.run(b)
+    if b.args.save_cost:
+        return save_cost.run(b)
+    if b.args.paired:
+        return paired.run(b)
+    return arms.run(b)
+
+
+CASE = Case(
+    name="overhead",
+    title="End-to-end overhead: throughput lost to checkpoints every K steps",
+    arguments=_arguments,
+    smoke="--tables 2 --rows 4000 --dim 16 --batch 64 --intervals 0.3 0.6 --arm-s 0.6 "
+    "--rounds 1 --warmup-steps 3 --probe-steps 20 --saves 1 --before 5 --after 40 "
+    "--pair-s 1.2 --busy-steps 6 --busy-pairs 2 --gil-s 2",
+    run=run,
+)

@@ -1,0 +1,424 @@
+"""The default question of :mod:`benchmarks.overhead`: the training throughput lost to a
+checkpoint every K steps, at each of ``--intervals`` seconds, eager and lazy staging.
+
+For each target interval (``--intervals``, seconds of training), ``interval_steps`` K is
+set so that K steps last about that long at the step time a warm-up measured (the median
+of five chunks of ``--probe-steps / 5``); the interval reported is the one measured, K x
+the step time without checkpoints. Then, in ``--rounds`` interleaved rounds (the arms take
+turns, the order rotating, each from a settled disk), every arm trains the same number of
+steps, n x K with n = ``max(1, ceil(--arm-s / interval))``:
+
+- ``none``: no checkpoint manager;
+- one arm per staging mode x quantization: {``eager`` (``save()`` copies the selected rows
+  before it returns), ``lazy`` (copy-on-write: they are copied after it returns)} x {fp32,
+  4-bit adaptive with ``min_rows=0``}, the intermittent policy, ``maybe_save`` every K
+  steps.
+
+A checkpointing arm builds a fresh manager on a fresh root before its timer starts (its
+staging buffers are touched then). Its timed steps hold n saves, one in the middle of each
+interval, so that each save's background commit runs within the arm: the first is the
+chain's full baseline, the others what the intermittent rule takes (deltas of every row
+changed since the baseline, or a new baseline). The arm ends with ``wait()``, timed: a
+commit that outlasts the steps counts as stall. Every arm thus pays one full checkpoint
+per n intervals, as a job's first n intervals do; at the long intervals (n = 1), a full
+checkpoint per interval: more work than the intermittent policy does in a long run, where
+baselines are rarer.
+
+Throughput lost = 1 - (steps/s with checkpoints) / (steps/s without), per round against
+the ``none`` arm of the same round, then the median over rounds. Steps/s are the slowest
+rank's.
+
+Also per arm: the median stall per checkpoint (``CheckpointInfo.stall_s``, the slowest
+rank's; full and delta apart too) as a fraction of the interval (K x the ``none`` arm's
+step time), the median commit latency (save to commit), and a second estimate of the loss,
+from per-step times within the arm, which drift between arms cannot reach: 1 - (steps x
+the mean time of the steps that overlap no checkpoint, from its save to its commit) / the
+arm's time.
+
+Targets (for each measured world size and quantization): throughput lost <= 1% at the
+measured interval nearest to ``--headline-s`` (30 s), from the arms and from step times;
+median stall <= 0.4% of the interval at the longest measured interval (Check-N-Run's
+anchor: about 7 s of a 30-minute interval); lazy staging's throughput lost <= eager's at
+every measured interval, by both estimates. CPR's anchor, 0.53-0.68% total overhead of
+failure handling, is recorded beside them.
+
+``--merge`` carries a result of another world size into this one's (1 rank, then 2), so
+that one JSON holds both, each with its command.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import math
+import os
+import statistics
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch.distributed as dist
+
+from benchmarks import results
+from benchmarks.harness import Bench, Outcome
+from benchmarks.measure import GB, QUANTS, StepLoop, from_rank0, gathered, rmtree, timed
+from benchmarks.overhead.common import LOSS_BOUND, interval_key, pct, warm_trainer
+from benchmarks.results import Goal, Table
+from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
+
+STAGINGS: dict[str, dict[str, Any]] = {
+    "eager": {"staging": "eager"},  # save() copies the selected rows before it returns
+    "lazy": {"staging": "lazy"},  # copy-on-write: the rows are copied after it returns
+}
+NONE = "none"
+STALL_BOUND = 0.004
+"""Check-N-Run's stall: under 0.4% of the (30-minute) interval."""
+LOSS_ESTIMATES = {"throughput_lost": "", "lost_from_step_times": " from step times"}
+"""The two estimates of throughput lost: against the arm without checkpoints, and from
+the arm's own step times (which the drift between arms cannot reach)."""
+ANCHORS: dict[str, Any] = {
+    "check_n_run_stall_of_interval": STALL_BOUND,
+    "cpr_total_overhead": [0.0053, 0.0068],
+}
+
+
+def _clean_step_s(
+    took: list[float], ends: list[float], windows: list[tuple[float, float]]
+) -> float | None:
+    """The mean seconds of the steps that overlap none of ``windows`` (wall-clock spans from
+    a save to its commit), the slowest rank's; ``None`` where too few steps are left.
+
+    The mean, not the median: other tenants' bursts lengthen the steps inside the windows
+    as often as those outside, and only the mean lets them cancel.
+    """
+    clean = [
+        t for t, e in zip(took, ends) if not any(e >= lo and e - t <= hi for lo, hi in windows)
+    ]
+    mean = statistics.fmean(clean) if len(clean) >= max(10, len(took) // 10) else None
+    every = [m for m in gathered(mean) if m is not None]
+    return max(every) if len(every) == dist.get_world_size() else None
+
+
+def _arm(
+    b: Bench, trainer: StepLoop, k: int, n: int, staging: str | None, quant: str | None
+) -> tuple[float, dict[str, Any]]:
+    """One arm: ``n * k`` timed steps, with a checkpoint every ``k`` if ``quant`` is set.
+    Its steps/s and what its checkpoints were."""
+    trainer.align(k)
+    if staging is None or quant is None:
+        seconds, took = timed(lambda: trainer.train(n * k))
+        return n * k / seconds, {"median_step_s": statistics.median(took)}
+    root = b.scratch / f"{staging}_{quant}_{k}"
+    rmtree(root)
+    cfg = CheckpointConfig(
+        path=str(root),
+        policy="intermittent",
+        interval_steps=k,
+        on_busy="wait",
+        quantize=QUANTS[quant],
+        **STAGINGS[staging],
+    )
+    ends: list[float] = []
+    saves: list[float] = []
+
+    def after(step: int) -> None:
+        began = time.time()
+        if ckpt.maybe_save(step):
+            saves.append(began)
+        ends.append(time.time())
+
+    # The manager is built (and its staging buffers touched) before the timer starts; the
+    # arm's first save is its full baseline, and wait() is timed: a commit that outlasts
+    # the arm's steps counts as stall.
+    with CheckpointManager(trainer.work.model, cfg) as ckpt:
+
+        def train() -> list[float]:
+            took = trainer.train(n * k, after)
+            ckpt.wait()
+            return took
+
+        seconds, took = timed(train)
+    infos = from_rank0(lambda: list_checkpoints(str(root)))
+    rmtree(root)
+    assert len(infos) == len(saves) == n, (len(infos), len(saves), n)
+    clean = _clean_step_s(took, ends, [(s, i.committed_at) for s, i in zip(saves, infos)])
+    detail = {
+        "kind_each": [i.kind for i in infos],
+        "stall_s_each": [i.stall_s for i in infos],
+        "commit_s_each": [i.committed_at - s for s, i in zip(saves, infos)],
+        "bytes_each": [i.bytes for i in infos],
+        "saved_fraction_each": [i.saved_fraction for i in infos],
+        # The arm's time against its steps at the pace of those away from any checkpoint.
+        "lost_from_step_times": None if clean is None else 1 - n * k * clean / seconds,
+    }
+    return n * k / seconds, detail
+
+
+def _interval(b: Bench, trainer: StepLoop, target_s: float, step_s: float) -> dict[str, Any]:
+    """Every arm at one target interval, in interleaved rounds."""
+    a = b.args
+    k = max(2, round(target_s / step_s))
+    n = max(1, math.ceil(a.arm_s / target_s))
+    arms = {NONE: (None, None), **{f"{s} {q}": (s, q) for s in STAGINGS for q in QUANTS}}
+    details: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
+
+    def run_arm(name: str) -> float:
+        rate, detail = _arm(b, trainer, k, n, *arms[name])
+        details[name].append(detail)
+        return rate
+
+    b.log(f"interval {target_s:g} s: K = {k} steps, {n} interval(s) per arm")
+    rates = b.interleaved(
+        a.rounds,
+        {name: functools.partial(run_arm, name) for name in arms},
+        label=f"{target_s:g} s steps/s",
+    )
+    base = rates[NONE]
+    none_step_s = statistics.median(d["median_step_s"] for d in details[NONE])
+    interval_s = k / statistics.median(base)
+    out: dict[str, Any] = {
+        "target_s": target_s,
+        "interval_steps": k,
+        "interval_s": interval_s,
+        "intervals_per_arm": n,
+        "steps_per_arm": n * k,
+        NONE: {"steps_per_s": statistics.median(base), "rounds": base, "step_s": none_step_s},
+    }
+    for name, (staging, quant) in arms.items():
+        if staging is None or quant is None:
+            continue
+        lost = [1 - r / r0 for r, r0 in zip(rates[name], base)]
+        ds = details[name]
+        each = {f: [x for d in ds for x in d[f"{f}_each"]] for f in ("kind", "stall_s")}
+        stall = statistics.median(each["stall_s"])
+        by_kind = {
+            kind: [t for t, k_ in zip(each["stall_s"], each["kind"]) if k_ == kind]
+            for kind in ("full", "delta")
+        }
+        out.setdefault(staging, {})[quant] = {
+            "staging": staging,
+            "quant": quant,
+            "steps_per_s": statistics.median(rates[name]),
+            "rounds": rates[name],
+            "throughput_lost": statistics.median(lost),
+            "throughput_lost_rounds": lost,
+            "lost_from_step_times": _median_or_none(d["lost_from_step_times"] for d in ds),
+            "stall_s": stall,
+            "stall_of_interval": stall / interval_s,
+            "stall_full_s": _median_or_none(by_kind["full"]),
+            "stall_delta_s": _median_or_none(by_kind["delta"]),
+            "commit_s": statistics.median(x for d in ds for x in d["commit_s_each"]),
+            "bytes": statistics.median(x for d in ds for x in d["bytes_each"]),
+            "full": len(by_kind["full"]),
+            "deltas": len(by_kind["delta"]),
+            "arms": ds,
+        }
+    return out
+
+
+def _world(b: Bench) -> dict[str, Any]:
+    """The measurements at this run's world size."""
+    a = b.args
+    load_before = os.getloadavg()
+    trainer, step_s = warm_trainer(b)
+    intervals = {interval_key(t): _interval(b, trainer, t, step_s) for t in a.intervals}
+    return {
+        "world_size": b.world,
+        "command": b.command,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "probe_step_s": step_s,
+        # The machine is shared: what else ran shows in the 1-minute load average.
+        "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
+        "intervals": intervals,
+    }
+
+
+def _merged(b: Bench, model: dict[str, Any]) -> dict[str, Any]:
+    """The other world sizes' measurements from ``--merge``'s result.
+
+    Raises:
+        ValueError: it is not this case's result, or has another model, smoke setting or
+            this run's world size.
+    """
+    path = b.args.merge
+    if path is None:
+        return {}
+    other = results.load(path)
+    m = other["measurements"]
+    worlds = {k: v for k, v in m.items() if k.startswith("ranks_")}
+    if other["case"] != "overhead" or m.get("model") != model or other["smoke"] != b.args.smoke:
+        raise ValueError(f"--merge {path}: not an overhead result of the same model and --smoke")
+    if f"ranks_{b.world}" in worlds:
+        raise ValueError(f"--merge {path}: it has {b.world} rank(s) too, as this run")
+    return worlds
+
+
+def _arms(m: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per world size x interval x staging x quantization."""
+    rows = []
+    for world in _worlds(m):
+        for iv in m[world]["intervals"].values():
+            for staging in STAGINGS:
+                for r in iv.get(staging, {}).values():
+                    rows.append({"ranks": m[world]["world_size"], "iv": iv, **r})
+    return rows
+
+
+def _worlds(m: dict[str, Any]) -> list[str]:
+    return sorted((k for k in m if k.startswith("ranks_")), key=lambda k: int(k[6:]))
+
+
+def _median_or_none(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def tables(m: dict[str, Any]) -> list[Table]:
+    rows = _arms(m)
+    lost = Table.of(
+        "Throughput lost and stall per checkpoint",
+        rows,
+        {
+            "ranks": "ranks",
+            "interval s (measured)": lambda r: r["iv"]["interval_s"],
+            "staging": "staging",
+            "checkpoint": "quant",
+            "throughput lost": lambda r: pct(r["throughput_lost"]),
+            "per round": lambda r: ", ".join(pct(x) for x in r["throughput_lost_rounds"]),
+            "from step times": lambda r: pct(r["lost_from_step_times"]),
+            "median stall s": "stall_s",
+            "stall / interval": lambda r: pct(r["stall_of_interval"]),
+            "stall s full, delta": lambda r: ", ".join(
+                "–" if x is None else f"{x:.3f}" for x in (r["stall_full_s"], r["stall_delta_s"])
+            ),
+            "commit s": "commit_s",
+            "MB per ckpt": lambda r: r["bytes"] / 1e6,
+            "full + deltas": lambda r: f"{r['full']} + {r['deltas']}",
+        },
+        "Throughput lost: median over rounds of 1 - (steps/s with) / (steps/s without, same "
+        "round). From step times: 1 - (steps x the mean time of the steps that overlap no "
+        "checkpoint, from its save to its commit) / the arm's time, median over rounds. Stall, commit (save to commit) and MB on storage: "
+        "medians over every checkpoint of the rounds, whose first in each arm is its full "
+        "baseline.",
+    )
+    setup = [
+        {"ranks": m[w]["world_size"], "probe": m[w]["probe_step_s"], **iv}
+        for w in _worlds(m)
+        for iv in m[w]["intervals"].values()
+    ]
+    arms = Table.of(
+        "Arms: the same steps with checkpoints and without",
+        setup,
+        {
+            "ranks": "ranks",
+            "target interval s": "target_s",
+            "K steps": "interval_steps",
+            "measured interval s": "interval_s",
+            "steps per arm": lambda r: f"{r['steps_per_arm']:,} ({r['intervals_per_arm']} x K)",
+            "steps/s without": lambda r: r[NONE]["steps_per_s"],
+            "rounds": lambda r: ", ".join(f"{x:.2f}" for x in r[NONE]["rounds"]),
+            "spread": lambda r: pct(1 - min(r[NONE]["rounds"]) / max(r[NONE]["rounds"])),
+            "warm-up ms/step (sets K)": lambda r: r["probe"] * 1e3,
+        },
+        "Measured interval: K x the step time without checkpoints (median over rounds). "
+        "Spread: 1 - slowest / fastest round without checkpoints, what the machine's other "
+        "tenants alone make of the same steps.",
+    )
+    commands = Table.of(
+        "Runs merged into this result",
+        [m[w] for w in _worlds(m)],
+        {
+            "ranks": "world_size",
+            "date": "date",
+            "load average before, after": lambda r: "{before:.2f}, {after:.2f}".format(
+                **r["load_average_1m"]
+            ),
+            "command": "command",
+        },
+    )
+    anchors = Table(
+        "Anchors",
+        ["figure", "value", "note"],
+        [
+            ["Check-N-Run stall", "< 0.4% of the interval", "about 7 s per 30-minute interval"],
+            ["CPR total overhead", "0.53–0.68%", "failure handling, all included (Criteo)"],
+        ],
+    )
+    return [lost, arms, commands, anchors]
+
+
+def targets(m: dict[str, Any], headline_s: float) -> list[Goal]:
+    """Per measured world size and quantization: throughput lost <= 1% at the measured
+    interval nearest ``headline_s`` (from the arms, and from step times); stall <= 0.4% of
+    the interval at the longest measured interval."""
+    out = []
+    for world in _worlds(m):
+        ivs = m[world]["intervals"]
+        head = min(ivs, key=lambda k: abs(ivs[k]["interval_s"] - headline_s))
+        longest = max(ivs, key=lambda k: ivs[k]["interval_s"])
+        ranks = m[world]["world_size"]
+        who = f"{ranks} training rank{'s' if ranks > 1 else ''}"
+        for staging in STAGINGS:
+            for quant in QUANTS:
+                at = f"{world}.intervals.{head}.{staging}.{quant}"
+                out.append(
+                    Goal(
+                        f"{who}, {staging} {quant}: throughput lost <= 1% at the interval "
+                        f"nearest {headline_s:g} s ({ivs[head]['interval_s']:.1f} s)",
+                        f"{at}.throughput_lost",
+                        "<=",
+                        LOSS_BOUND,
+                    )
+                )
+                out.append(
+                    Goal(
+                        f"{who}, {staging} {quant}: throughput lost from step times <= 1% at "
+                        f"the interval nearest {headline_s:g} s ({ivs[head]['interval_s']:.1f} s)",
+                        f"{at}.lost_from_step_times",
+                        "<=",
+                        LOSS_BOUND,
+                    )
+                )
+                for key, iv in ivs.items() if staging == "lazy" else ():
+                    for field, what in LOSS_ESTIMATES.items():
+                        out.append(
+                            Goal(
+                                f"{who}, lazy {quant}: throughput lost{what} <= eager's at "
+                                f"{iv['interval_s']:.1f} s",
+                                f"{world}.intervals.{key}.lazy.{quant}.{field}",
+                                "<=",
+                                f"{world}.intervals.{key}.eager.{quant}.{field}",
+                            )
+                        )
+                at = f"{world}.intervals.{longest}.{staging}.{quant}"
+                out.append(
+                    Goal(
+                        f"{who}, {staging} {quant}: stall <= 0.4% of the interval at the "
+                        f"longest ({ivs[longest]['interval_s']:.1f} s)",
+                        f"{at}.stall_of_interval",
+                        "<=",
+                        STALL_BOUND,
+                    )
+                )
+    return out
+
+
+def run(b: Bench) -> Outcome:
+    """Every arm at every interval, at this run's world size, and ``--merge``'s."""
+    a = b.args
+    model = {
+        "tables": a.tables,
+        "rows": a.rows,
+        "dim": a.dim,
+        "batch": a.batch,
+        "fp32_weights_gb": a.tables * a.rows * a.dim * 4 / GB,
+    }
+    merged = _merged(b, model)  # before the run: a bad --merge fails at once
+    m: dict[str, Any] = {
+        "model": model,
+        "stagings": list(STAGINGS),
+        **merged,
+        f"ranks_{b.world}": _world(b),
+        "anchors": ANCHORS,
+    }
+    return Outcome(m, tables(m), targets(m, a.headline_s))

@@ -1,0 +1,278 @@
+"""``--paired`` of :mod:`benchmarks.overhead`: the curve of throughput lost over the
+interval, with an estimate that resolves 1%, for lazy staging (the default), the
+intermittent policy, fp32 and 4-bit.
+
+Arms run minutes apart move with the machine's other tenants by more than 1% (in
+:mod:`benchmarks.overhead.arms`, the no-checkpoint arm's rounds spread up to 10%). Here
+each measurement is a pair of adjacent stretches of K steps, one with a checkpoint in its
+middle and its commit waited for at its end, one without, in alternating order; a pair's
+loss is 1 - (time without) / (time with), and the figure is the median over pairs
+(``--pair-s`` seconds of pairs per interval and format, at least 3), with its 95%
+interval (1.58 IQR / sqrt(n)). The manager saves its baseline before the first pair;
+skipped stretches put their rows into the next delta, so deltas are larger than at a
+checkpoint every interval.
+
+Also: saves asked for faster than they commit (every 2 steps, fp32), with ``on_busy``
+"wait" (the default: ``save()`` waits for the previous commit) and "skip" (the save is
+skipped, its rows go into the next): saves made, the loss, and the stall.
+
+Targets: fp32 at the interval nearest 10 s loses <= 1%, resolved to ± 0.5%.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import Bench, Outcome
+from benchmarks.measure import QUANTS, StepLoop, from_rank0, max_over_ranks, rmtree, timed
+from benchmarks.overhead.common import LOSS_BOUND, interval_key, now, pct, warm_trainer
+from benchmarks.results import Goal, Table
+from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
+from torchrec_cnr.config import OnBusy
+
+NOTCH = 1.58
+"""A median's 95% interval is about ± 1.58 IQR / sqrt(n) (McGill's notches)."""
+BUSY_STEPS = 2
+"""``--paired``'s busy arms save every 2 steps: each save is asked for while the previous
+one still commits."""
+
+
+def _segment(b: Bench, trainer: StepLoop, ckpt: CheckpointManager | None, steps: int,
+             k: int) -> dict[str, Any]:  # fmt: skip
+    """``steps`` steps from a multiple of ``k`` on, ``ckpt.maybe_save`` after each if given,
+    then its ``wait()``: the slowest rank's seconds; the saves asked for and made; the
+    training thread's time in each save asked for (made or skipped); what the last
+    checkpoint was; and, for one save, the training time it cost from the step times
+    (:func:`_step_cost`)."""
+    trainer.align(k)
+    stalls: list[float] = []
+    ends: list[float] = []
+    saved_at: list[float] = []
+    made = 0
+
+    def after(step: int) -> None:
+        nonlocal made
+        if ckpt is not None and step % k == 0:
+            saved_at.append(now())
+            began = time.perf_counter()
+            made += ckpt.maybe_save(step)
+            stalls.append(time.perf_counter() - began)
+        ends.append(now())
+
+    def train() -> list[float]:
+        took = trainer.train(steps, after)
+        if ckpt is not None:
+            ckpt.wait()
+        return took
+
+    seconds, took = timed(train)
+    out: dict[str, Any] = {"seconds": seconds, "asked": len(stalls), "made": made, "stalls": stalls}
+    if ckpt is not None and made:
+        last = from_rank0(lambda: list_checkpoints(str(ckpt.config.path))[-1])
+        out.update(kind=last.kind, mb=last.bytes / 1e6)
+        if made == 1:
+            cost = _step_cost(took, ends, saved_at[0], last.committed_at, stalls[0])
+            out["cost_s"] = max_over_ranks(cost)[0]
+            out["step_loss"] = out["cost_s"] / seconds
+    return out
+
+
+def _step_cost(took: list[float], ends: list[float], saved_at: float, committed_at: float,
+               stall: float) -> float:  # fmt: skip
+    """One checkpoint's cost to training, from the step times of its stretch: its stall
+    plus what the steps from its save to its commit took beyond the mean of the stretch's
+    other steps (seconds apart on the same machine, so its other tenants weigh alike)."""
+    inside = [e >= saved_at and e - t <= committed_at for t, e in zip(took, ends)]
+    clean = [t for t, i in zip(took, inside) if not i]
+    if len(clean) < 10:
+        return math.nan  # the commit overlapped nearly every step: no reference pace
+    over = sum(t for t, i in zip(took, inside) if i) - statistics.fmean(clean) * sum(inside)
+    return stall + over
+
+
+def _spread(values: list[float]) -> float:
+    """The 95% interval of the median of ``values``: ± 1.58 IQR / sqrt(n)."""
+    if len(values) < 2:
+        return math.nan
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return NOTCH * (q3 - q1) / math.sqrt(len(values))
+
+
+def _pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: int, k: int,
+           pairs: int) -> dict[str, Any]:  # fmt: skip
+    """``pairs`` pairs of adjacent stretches of ``steps`` steps, one with checkpoints every
+    ``k`` steps and one without, their order alternating. Two estimates of the loss per
+    pair: 1 - (time without) / (time with), and from the step times of the stretch with
+    the checkpoint (:func:`_step_cost` over its time). The manager saves its baseline
+    before the first pair."""
+    rmtree(Path(cfg.path))
+    losses, saving = [], []
+    with CheckpointManager(trainer.work.model, cfg) as ckpt:
+        ckpt.save(trainer.step)
+        ckpt.wait()
+        for i in range(pairs):
+            b.settle()
+            got = {}
+            for with_ckpt in (True, False) if i % 2 == 0 else (False, True):
+                got[with_ckpt] = _segment(b, trainer, ckpt if with_ckpt else None, steps, k)
+            losses.append(1 - got[False]["seconds"] / got[True]["seconds"])
+            saving.append(got[True])
+    rmtree(Path(cfg.path))
+    stalls = [t for s in saving for t in s["stalls"]]
+    stall, worst = max_over_ranks(statistics.median(stalls), max(stalls))
+    known = [s for s in saving if not math.isnan(s.get("cost_s", math.nan))]
+    step_losses = [s["step_loss"] for s in known]
+    return {
+        "loss": statistics.median(losses),
+        "loss_each": losses,
+        "resolution": _spread(losses),
+        "step_loss": statistics.median(step_losses) if step_losses else None,
+        "step_loss_each": step_losses,
+        "step_resolution": _spread(step_losses) if step_losses else None,
+        "cost_each_s": [s["cost_s"] for s in known],
+        "saves_asked": sum(s["asked"] for s in saving),
+        "saves_made": sum(s["made"] for s in saving),
+        "stall_s": stall,
+        "stall_max_s": worst,
+        "kinds": [s.get("kind") for s in saving],
+        "mb_each": [s["mb"] for s in saving if "mb" in s],
+    }
+
+
+def run(b: Bench) -> Outcome:
+    """Throughput lost at each interval, lazy staging (the default), fp32 and
+    4-bit, and with saves asked for faster than they commit (``on_busy`` wait, skip)."""
+    a = b.args
+    trainer, step_s = warm_trainer(b)
+
+    def config(name: str, k: int, quant: str, on_busy: OnBusy = "wait") -> CheckpointConfig:
+        return CheckpointConfig(path=str(b.scratch / name), policy="intermittent",
+                                interval_steps=k, on_busy=on_busy, quantize=QUANTS[quant],
+                                staging="lazy", keep_last=2)  # fmt: skip
+
+    intervals: dict[str, dict[str, dict[str, Any]]] = {}
+    for target in a.intervals:
+        k = max(2, round(target / step_s))
+        pairs = max(3, round(a.pair_s / (2 * target)))
+        for quant in QUANTS:
+            r = _pairs(b, trainer, config(f"{interval_key(target)}_{quant}", k, quant), k, k, pairs)
+            r.update(target_s=target, interval_s=k * step_s, interval_steps=k, quant=quant,
+                     pairs=pairs)  # fmt: skip
+            intervals.setdefault(interval_key(target), {})[quant] = r
+            b.log(f"{target:g} s {quant}: lost {r['loss']:.2%} ± {r['resolution']:.2%} over "
+                  f"{pairs} pairs, from step times {pct(r['step_loss'])} ± "
+                  f"{pct(r['step_resolution'])}, stall {r['stall_s'] * 1e3:.1f} ms")  # fmt: skip
+    pooled = {}  # one checkpoint's cost, every interval's pairs together
+    for quant in QUANTS:
+        costs = [c for iv in intervals.values() for c in iv[quant]["cost_each_s"]]
+        pooled[quant] = {"cost_s": statistics.median(costs), "spread_s": _spread(costs),
+                         "checkpoints": len(costs)}  # fmt: skip
+        for iv in intervals.values():
+            r = iv[quant]
+            r["pooled_loss"] = pooled[quant]["cost_s"] / r["interval_s"]
+            r["pooled_resolution"] = pooled[quant]["spread_s"] / r["interval_s"]
+        b.log(f"{quant}: a checkpoint costs {pooled[quant]['cost_s'] * 1e3:.0f} ± "
+              f"{pooled[quant]['spread_s'] * 1e3:.0f} ms over {len(costs)}")  # fmt: skip
+    busy = {}
+    on_busy: OnBusy
+    for on_busy in ("wait", "skip"):
+        cfg = config(f"busy_{on_busy}", BUSY_STEPS, "fp32", on_busy)
+        with warnings.catch_warnings():  # "skip" warns at each save it skips
+            warnings.simplefilter("ignore", UserWarning)
+            r = _pairs(b, trainer, cfg, a.busy_steps, BUSY_STEPS, a.busy_pairs)
+        r.update(on_busy=on_busy, interval_s=BUSY_STEPS * step_s)
+        busy[on_busy] = r
+        b.log(f"busy, on_busy={on_busy}: lost {r['loss']:.2%}, {r['saves_made']} of "
+              f"{r['saves_asked']} saves made")  # fmt: skip
+    m = {
+        "mode": "paired",
+        "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim, "batch": a.batch},
+        "world_size": b.world,
+        "step_s": step_s,
+        "intervals": intervals,
+        "cost": pooled,
+        "busy": busy,
+    }
+    return Outcome(m, _paired_tables(m), _paired_targets(m))
+
+
+def _paired_tables(m: dict[str, Any]) -> list[Table]:
+    rows = [r for iv in m["intervals"].values() for r in iv.values()]
+    lost = Table.of(
+        f"Throughput lost at each interval ({m['world_size']} training rank(s), lazy staging, "
+        "intermittent)",
+        rows,
+        {
+            "interval s": "interval_s",
+            "K steps": "interval_steps",
+            "checkpoint": "quant",
+            "lost: pooled cost / interval": lambda r: pct(r["pooled_loss"]),
+            "± (95%)": lambda r: pct(r["pooled_resolution"]),
+            "lost, from step times": lambda r: pct(r["step_loss"]),
+            "± (95%), step times": lambda r: pct(r["step_resolution"]),
+            "lost, pair times": lambda r: pct(r["loss"]),
+            "± (95%), pair times": lambda r: pct(r["resolution"]),
+            "pairs": "pairs",
+            "each pair (pair times)": lambda r: ", ".join(pct(x) for x in r["loss_each"]),
+            "stall ms (median)": lambda r: r["stall_s"] * 1e3,
+            "full, delta": lambda r: f"{r['kinds'].count('full')}, {r['kinds'].count('delta')}",
+            "MB per checkpoint": lambda r: statistics.median(r["mb_each"]),
+        },
+        "Each pair: two adjacent stretches of K steps, one with a checkpoint in its middle "
+        "(its commit waited for at the end), one without, in alternating order. A "
+        "checkpoint's cost: its stall plus what the steps from its save to its commit took "
+        "beyond the mean of the stretch's other steps. Pooled: the median cost of every "
+        "checkpoint of every interval (of one format) over the interval. From step times: "
+        "this interval's costs, each over its stretch's time, median over pairs. Pair times: 1 - (time without) / (time with), median over pairs. ±: "
+        "the 95% interval of the median, 1.58 IQR / sqrt(pairs). A stretch "
+        "without a checkpoint puts its changed rows into the next delta: deltas hold two "
+        "intervals' rows, more than a job checkpointing every interval writes.",
+    )
+    busy = Table.of(
+        "A save asked for while the previous one still commits (fp32, a save every "
+        f"{BUSY_STEPS} steps)",
+        list(m["busy"].values()),
+        {
+            "on_busy": "on_busy",
+            "interval s": "interval_s",
+            "saves made / asked": lambda r: f"{r['saves_made']} / {r['saves_asked']}",
+            "lost": lambda r: pct(r["loss"]),
+            "± (95%)": lambda r: pct(r["resolution"]),
+            "stall ms (median)": lambda r: r["stall_s"] * 1e3,
+            "stall ms (worst)": lambda r: r["stall_max_s"] * 1e3,
+        },
+        "wait: save() waits for the previous commit (the default); skip: the save is "
+        "skipped with a warning, its rows go into the next one. Neither queues nor merges "
+        "two saves in flight. Stall: training blocked inside save(), its wait included.",
+    )
+    return [lost, busy]
+
+
+def _paired_targets(m: dict[str, Any]) -> list[Goal]:
+    """fp32 at the interval nearest 10 s: lost <= 1% (from step times), resolved to
+    ± 0.5%; the same from pair times."""
+    ivs = m["intervals"]
+    ten = min(ivs, key=lambda k: abs(ivs[k]["fp32"]["target_s"] - 10))
+    at = f"intervals.{ten}.fp32"
+    s = f"{ivs[ten]['fp32']['interval_s']:.1f} s"
+    out = []
+    spreads = {"pooled_loss": "pooled_resolution", "step_loss": "step_resolution",
+               "loss": "resolution"}  # fmt: skip
+    whats = (("pooled_loss", "from the pooled cost"), ("step_loss", "from step times"),
+             ("loss", "from pair times"))  # fmt: skip
+    for field, what in whats:
+        spread = spreads[field]
+        if ivs[ten]["fp32"][field] is None:
+            continue  # every commit overlapped nearly every step: no reference pace
+        out += [
+            Goal(f"fp32: throughput lost <= 1% at {s}, {what}", f"{at}.{field}", "<=",
+                 LOSS_BOUND),
+            Goal(f"fp32: the estimate {what} at {s} resolves ± 0.5%", f"{at}.{spread}",
+                 "<=", 0.005),
+        ]  # fmt: skip
+    return out

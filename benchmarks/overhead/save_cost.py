@@ -1,0 +1,148 @@
+"""``--save-cost`` of :mod:`benchmarks.overhead`: the training time one checkpoint costs,
+from its save to its commit, measured alone many times (the arms of
+:mod:`benchmarks.overhead.arms` move with the machine's other tenants by more than a
+checkpoint costs).
+
+The model trains ``--before`` steps, then a full checkpoint is saved, and training goes
+on for ``--after`` steps (past the commit). The checkpoint costs training its stall plus
+what the steps overlapping it, from the save to the commit, took beyond the mean of the
+steps around them that overlap none. The arms take turns, ``--saves`` times each, on a
+fresh root each time:
+
+- eager: ``save()`` copies every row before it returns (fp32, 4-bit);
+- lazy: copy-on-write, rows claimed with atomic bits by the compiled copier
+  (``staging/_cow.c``), the default (fp32, 4-bit);
+- lazy with ``IOOptions(compiled_staging=False)``: torch copies the rows under each
+  kernel's lock, in chunks, the path CUDA takes (fp32).
+
+Targets: the median cost of a lazy checkpoint <= an eager one's (fp32 and 4-bit), and a
+lazy fp32 one's <= one copied by torch under the lock.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch.distributed as dist
+
+from benchmarks.harness import Bench, Outcome
+from benchmarks.measure import QUANTS, StepLoop, from_rank0, gathered, rmtree, uniform_model
+from benchmarks.overhead.common import now
+from benchmarks.results import Goal, Table
+from cnr_train.workload import ZipfBatches
+from torchrec_cnr import CheckpointConfig, CheckpointManager, IOOptions, list_checkpoints
+
+COST_ARMS: dict[str, tuple[str, bool, str]] = {
+    "eager_fp32": ("eager", True, "fp32"),
+    "lazy_fp32": ("lazy", True, "fp32"),
+    "lazy_torch_fp32": ("lazy", False, "fp32"),
+    "eager_4bit": ("eager", True, "4-bit"),
+    "lazy_4bit": ("lazy", True, "4-bit"),
+}
+"""``--save-cost`` arm -> (staging, ``IOOptions.compiled_staging``, checkpoint format)."""
+STAGING_NAMES = {
+    ("eager", True): "eager",
+    ("lazy", True): "lazy (compiled copier)",
+    ("lazy", False): "lazy, torch copy under the lock",
+}
+
+
+def _save_cost_once(
+    b: Bench, trainer: StepLoop, staging: str, compiled: bool, quant: str, n: int
+) -> dict[str, float]:
+    """One checkpoint of one arm: its stall, commit and the training time it cost."""
+    root = b.scratch / f"{staging}_{compiled}_{quant}_{n}"
+    rmtree(root)
+    cfg = CheckpointConfig(
+        path=str(root),
+        policy="full",
+        staging=staging,  # type: ignore[arg-type]
+        quantize=QUANTS[quant],
+        io=IOOptions(compiled_staging=compiled),
+    )
+    ends: list[float] = []
+    with CheckpointManager(trainer.work.model, cfg) as ckpt:
+        took = trainer.train(b.args.before, lambda _: ends.append(now()))
+        dist.barrier()
+        saved_at = now()
+        ckpt.save(trainer.step)
+        stall = now() - saved_at
+        took += trainer.train(b.args.after, lambda _: ends.append(now()))
+        ckpt.wait()
+    info = from_rank0(lambda: list_checkpoints(str(root))[-1])
+    rmtree(root)
+    overlaps = [e >= saved_at and e - t <= info.committed_at for t, e in zip(took, ends)]
+    inside = [t for t, o in zip(took, overlaps) if o]
+    clean = statistics.fmean(t for t, o in zip(took, overlaps) if not o)
+    if len(inside) >= b.args.after:
+        raise RuntimeError(f"the commit outlasted --after {b.args.after} steps: raise it")
+    cost = stall + sum(inside) - clean * len(inside)
+    worst = max(gathered((cost, stall, info.committed_at - saved_at, clean)))  # the slowest rank's
+    return {
+        "cost_s": worst[0],
+        "stall_s": worst[1],
+        "commit_s": worst[2],
+        "step_s": worst[3],
+        "steps": len(inside),
+    }
+
+
+def run(b: Bench) -> Outcome:
+    """The training time one full checkpoint costs, per arm."""
+    a = b.args
+    work = uniform_model(a)
+    trainer = StepLoop(work, ZipfBatches(work.tables, a.batch, seed=0), b.rank)
+    trainer.train(a.warmup_steps)
+    each: dict[str, list[dict[str, float]]] = {name: [] for name in COST_ARMS}
+    names = list(COST_ARMS)
+    for n in range(a.saves):
+        for name in names[n % len(names) :] + names[: n % len(names)]:
+            b.settle()
+            each[name].append(_save_cost_once(b, trainer, *COST_ARMS[name], n))
+        b.log(
+            f"save {n + 1}/{a.saves}: "
+            + ", ".join(f"{k} {v[-1]['cost_s'] * 1e3:.0f} ms" for k, v in each.items())
+        )
+    arms = {
+        name: {
+            "staging": STAGING_NAMES[COST_ARMS[name][:2]],
+            "checkpoint": COST_ARMS[name][2],
+            "cost_s": statistics.median(r["cost_s"] for r in rs),
+            "costs_s": [r["cost_s"] for r in rs],
+            "stall_s": statistics.median(r["stall_s"] for r in rs),
+            "commit_s": statistics.median(r["commit_s"] for r in rs),
+            "steps_overlapped": statistics.median(r["steps"] for r in rs),
+        }
+        for name, rs in each.items()
+    }
+    m = {
+        "mode": "save_cost",
+        "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim, "batch": a.batch},
+        "world_size": b.world,
+        "step_s": statistics.median(r["step_s"] for rs in each.values() for r in rs),
+        "arms": arms,
+    }
+    table = Table.of(
+        f"Training time one full checkpoint costs (median of {a.saves}, {b.world} rank(s))",
+        list(arms.values()),
+        {
+            "staging": "staging",
+            "checkpoint": "checkpoint",
+            "cost ms": lambda r: r["cost_s"] * 1e3,
+            "each ms": lambda r: ", ".join(f"{x * 1e3:.0f}" for x in r["costs_s"]),
+            "stall ms": lambda r: r["stall_s"] * 1e3,
+            "commit s": "commit_s",
+            "steps overlapped": "steps_overlapped",
+        },
+        "Cost: the stall plus what the steps from the save to the commit took beyond the "
+        "mean step outside that window, the slowest rank's.",
+    )
+    targets = [
+        Goal(f"lazy {q} checkpoint costs <= eager's", f"arms.lazy_{k}.cost_s", "<=",
+               f"arms.eager_{k}.cost_s")
+        for q, k in (("fp32", "fp32"), ("4-bit", "4bit"))
+    ] + [
+        Goal("lazy fp32 checkpoint costs <= lazy with torch's locked copy",
+               "arms.lazy_fp32.cost_s", "<=", "arms.lazy_torch_fp32.cost_s"),
+    ]  # fmt: skip
+    return Outcome(m, [table], targets)
