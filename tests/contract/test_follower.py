@@ -43,8 +43,7 @@ from torchrec_cnr import (
 from torchrec_cnr.commit import Manifest
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.selection.policy import PolicyName
-from torchrec_cnr.serving import FloatTarget, QuantizedTarget
-from torchrec_cnr.serving.follower import Follower, PendingUpdate
+from torchrec_cnr.serving import FloatTarget, Follower, PendingUpdate, QuantizedTarget
 from torchrec_cnr.storage import Storage, StorageWrapper, open_storage
 
 EVERY = 2
