@@ -1,7 +1,8 @@
 """Serving from checkpoints: a follower keeps an inference model at the latest committed
 step of a root, reading only the rows that changed.
 
-An update, in the order it runs:
+:class:`FollowerOptions` (``options``) says how a follower reads, checks and applies
+updates. An update, in the order it runs:
 
 - ``plan``: which rows changed between two committed checkpoints;
 - ``locate``: which checkpoint of the chain each of those rows is read from, and the
@@ -19,6 +20,7 @@ An update, in the order it runs:
 from torchrec_cnr.serving.counters import UpdateReport
 from torchrec_cnr.serving.follower import Follower
 from torchrec_cnr.serving.gate import PendingUpdate, RefusedUpdate, finite_rows
+from torchrec_cnr.serving.options import FollowerOptions
 from torchrec_cnr.serving.rows import PreparedRows, StoredRows
 from torchrec_cnr.serving.targets import (
     FloatTarget,
@@ -31,6 +33,7 @@ from torchrec_cnr.serving.targets import (
 __all__ = [
     "FloatTarget",
     "Follower",
+    "FollowerOptions",
     "PendingUpdate",
     "RefusedUpdate",
     "PreparedRows",

@@ -43,13 +43,14 @@ from typing import Any
 from torchrec_cnr import shutdown
 from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.errors import CnrError
-from torchrec_cnr.iocontext import IOContext, IOOptions
+from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.read import load_committed
 from torchrec_cnr.schema import MANIFEST_NAME
 from torchrec_cnr.serving.apply import Applier
 from torchrec_cnr.serving.counters import Counters, UpdateReport
 from torchrec_cnr.serving.fetch import UpdateReader
-from torchrec_cnr.serving.gate import AcceptGate, PendingUpdate, RefusedUpdate, finite_rows
+from torchrec_cnr.serving.gate import PendingUpdate, RefusedUpdate
+from torchrec_cnr.serving.options import FollowerOptions
 from torchrec_cnr.serving.poller import Poller
 from torchrec_cnr.serving.targets import ServingTarget
 from torchrec_cnr.storage import CountingStorage, Root, as_storage
@@ -70,20 +71,13 @@ class Follower:
         target: the serving model, wrapped (:class:`~torchrec_cnr.serving.FloatTarget`
             for the unsharded fp32 model, :class:`~torchrec_cnr.serving.QuantizedTarget`
             for TorchRec's quantized inference model).
-        io: the I/O options its reads run with (threads, request size, direct reads);
-            the environment's :class:`~torchrec_cnr.IOOptions` if ``None``.
-        accept: the accept gate (see :data:`AcceptGate`); ``None`` accepts every update.
-        swap: swap mode: the target keeps a second copy of its tables, each update is
-            written into it while the served copy serves, and lookups wait only while
-            the two are swapped (pointer assignments, plus the dense tensors' copies).
-            Costs the tables' size in memory. The default, copy mode, copies an
-            update's rows into the served tables with lookups held off: no second copy,
-            and lookups wait about a memcpy of the changed rows.
-        memory_budget: copy mode: the most bytes an update's rows take in memory; a
-            larger update is read in pieces, each shown to the gate, prepared and moved
-            into a mapped, unlinked file (:mod:`torchrec_cnr.serving.spill`). ``None``:
-            an update's rows are held whole.
-        spill_dir: where those files go (on a disk); the temporary folder if ``None``.
+        options: how it reads, checks and applies updates (:class:`FollowerOptions`: the
+            I/O options, the accept gate, swap mode, the memory budget in MB and where
+            spilled rows go); the defaults if ``None``.
+
+    Raises:
+        ValueError: ``options`` is not a :class:`FollowerOptions`, or its ``spill_dir``
+            is not a folder.
 
     Example::
 
@@ -93,39 +87,36 @@ class Follower:
         with follower.serving():              # forwards see one committed step
             scores = model(batch)
         follower.stop()
+
+        # swap mode, reading with 4 threads:
+        Follower(root, target, FollowerOptions(io=IOOptions(threads=4), swap=True))
     """
 
     def __init__(
         self,
         root: Root,
         target: ServingTarget,
-        io: IOOptions | None = None,
-        accept: AcceptGate | None = finite_rows,
-        swap: bool = False,
-        memory_budget: int | None = None,
-        spill_dir: str | None = None,
+        options: FollowerOptions | None = None,
     ) -> None:
-        if memory_budget is not None and (
-            not isinstance(memory_budget, int) or isinstance(memory_budget, bool)
-            or memory_budget <= 0
-        ):  # fmt: skip
-            raise ValueError(f"memory_budget must be a positive int (bytes), got {memory_budget!r}")
-        if memory_budget is not None and swap:
-            raise ValueError("memory_budget bounds copy mode; swap mode holds a second copy")
-        if spill_dir is not None and not os.path.isdir(spill_dir):
-            raise ValueError(f"spill_dir {spill_dir!r} is not a folder")
-        self.memory_budget = memory_budget
-        """Copy mode: the most memory an update's rows take (bytes); a larger update is
-        prepared piece by piece into files mapped from ``spill_dir`` (``None``: no bound)."""
-        self.spill_dir = spill_dir
-        self._io = IOContext(io)
-        self.accept = accept
+        options = FollowerOptions() if options is None else options
+        if not isinstance(options, FollowerOptions):
+            raise ValueError(f"options must be a FollowerOptions or None, got {options!r}")
+        if options.spill_dir is not None and not os.path.isdir(options.spill_dir):
+            raise ValueError(f"spill_dir {options.spill_dir!r} is not a folder")
+        self.options = options
+        """How it reads, checks and applies updates."""
+        self._io = IOContext(options.io)
         self.storage = CountingStorage(as_storage(root, self._io.options), read_only=True)
         self.target = target
         self._reader = UpdateReader(
-            self.storage, self._io, target, accept, memory_budget, spill_dir
+            self.storage,
+            self._io,
+            target,
+            options.accept,
+            options.memory_budget_bytes,
+            options.spill_dir,
         )
-        self._applier = Applier(target, swap)
+        self._applier = Applier(target, options.swap)
         self._lock = self._applier.lock
         self._poller = Poller(self.poll, self.storage.url)
         self.counters = Counters()
@@ -273,8 +264,9 @@ class Follower:
                 self.step,
             )
         reason = update.refused
-        if reason is None and self.accept is not None:
-            reason = self.accept(update)
+        accept = self.options.accept
+        if reason is None and accept is not None:
+            reason = accept(update)
         if reason is not None:
             self._seen = stamp
             self.refused.append(RefusedUpdate(plan.target.step, plan.target.id, reason))
