@@ -617,7 +617,7 @@ def test_every_lookup_sees_the_rows_of_the_step_follower_step_names(
     assert not errors, errors[:3]
     assert follower.poll() == 6
     if budget is not None:  # every row changes at every step: each update is spilled
-        assert all(r.spilled_bytes and r.held_bytes <= budget for r in follower.reports)
+        assert all(r.spilled_bytes and r.held_bytes <= BUDGET for r in follower.reports)
     torn = [(step, v) for step, v in seen if v != {float(step)}]
     assert not torn, f"lookups saw rows of another step than follower.step: {torn[:3]}"
     if len(follower.reports) >= 3:  # on a loaded machine the follower may take few steps
