@@ -112,8 +112,8 @@ def _overrides(b: Bench, root: str, policy: str, served: str, mode: str, out: Pa
         f"train.steps={a.steps}",
         f"train.metrics_path={out / 'train.json'}",
         f"serve.dtype={dtype}",
-        f"serve.swap={mode == 'swap'}",
-        *([f"serve.memory_budget_mb={a.budget_mb}"] if mode == "budget" else []),
+        f"serve.follower.swap={mode == 'swap'}",
+        *([f"serve.follower.memory_budget_mb={a.budget_mb}"] if mode == "budget" else []),
         f"serve.metrics_path={out / 'serve.json'}",
         *([] if a.requests_per_s is None else [f"serve.requests_per_s={a.requests_per_s}"]),
     ]

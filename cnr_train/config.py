@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from cnr_train.workload import LAYOUTS
-from torchrec_cnr import CheckpointConfig
+from torchrec_cnr import CheckpointConfig, FollowerOptions
 
 __all__ = [
     "DataConfig",
@@ -181,18 +181,16 @@ class ServeConfig:
     requests_per_s: float = 5.0
     """Requests (one held-out batch each) answered per second while the job trains."""
     io_threads: int = 2
-    """Threads the follower reads with."""
+    """Threads the follower reads with; its other I/O options are the job's
+    ``checkpoint.io``."""
     timeout_s: float = 900.0
     """Longest wait for the job to finish (its done marker) before giving up."""
     metrics_path: str | None = None
     """JSON file for the serving metrics; ``None`` writes none."""
-    swap: bool = False
-    """The follower's swap mode: updates are written into a second copy of the tables and
-    swapped in, so requests wait microseconds instead of a copy of the changed rows; the
-    copy costs the tables' size in memory (see ``torchrec_cnr.Follower``)."""
-    memory_budget_mb: float | None = None
-    """Copy mode: the most memory an update's rows take; a larger update is prepared piece
-    by piece into mapped local files (``Follower(memory_budget=...)``). ``None``: no bound."""
+    follower: FollowerOptions = field(default_factory=FollowerOptions)
+    """The follower's options (swap mode, the memory budget in MB, where spilled rows go):
+    the library's :class:`torchrec_cnr.FollowerOptions`, one key a field, validated there.
+    Its ``io`` stays null (the follower reads with ``checkpoint.io`` and ``io_threads``)."""
     step_rows: bool = False
     """A consistency probe, for benchmarks and tests: the job writes each step into the last
     row of every table (:func:`torchrec_cnr.write_rows`; those rows no longer train), and
@@ -212,10 +210,11 @@ class ServeConfig:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
-        if self.memory_budget_mb is not None and self.memory_budget_mb <= 0:
-            raise ValueError(f"memory_budget_mb must be > 0, got {self.memory_budget_mb}")
-        if self.memory_budget_mb is not None and self.swap:
-            raise ValueError("memory_budget_mb bounds copy mode; swap mode holds a second copy")
+        if self.follower.io is not None:
+            # One way in: a second set of I/O options here would leave io_threads unused.
+            raise ValueError(
+                "follower.io must be null: the follower reads with checkpoint.io and io_threads"
+            )
 
 
 @dataclass(frozen=True)

@@ -282,14 +282,8 @@ class Server:
         io = dataclasses.replace(config.checkpoint.io, threads=config.serve.io_threads)
         self.storage = open_storage(self.root, io)
         target = serving_target(self.model, config.serve.dtype)
-        budget = config.serve.memory_budget_mb
-        self.follower = Follower(
-            self.storage,
-            target,
-            io,
-            swap=config.serve.swap,
-            memory_budget=None if budget is None else int(budget * 2**20),
-        )
+        options = dataclasses.replace(config.serve.follower, io=io)
+        self.follower = Follower(self.storage, target, options)
         self.probe = StepRows(target) if config.serve.step_rows else None
         self.requests: RequestLoop | None = None
         self._cpu0 = 0.0  # the process's CPU seconds when run() began
@@ -397,7 +391,7 @@ class Server:
             "fresh_max_s": max(f["worst_s"] for f in fresh) if fresh else None,
             "blocked_median_s": statistics.median(blocked),
             "blocked_max_s": max(blocked),
-            "swap": self.config.serve.swap,
+            "swap": self.config.serve.follower.swap,
             "spare_bytes": self.follower.spare_bytes,
             "requests": len(latencies),
             "request_steps": len(self.requests.steps) if self.requests else 0,

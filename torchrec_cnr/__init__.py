@@ -47,7 +47,7 @@ from torchrec_cnr.offline import (
     root_info,
 )
 from torchrec_cnr.quantization import QuantizedRows, quantize
-from torchrec_cnr.serving import FloatTarget, Follower, QuantizedTarget
+from torchrec_cnr.serving import FloatTarget, Follower, FollowerOptions, QuantizedTarget
 from torchrec_cnr.tracking import tracking_sharders, write_rows
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "CnrError",
     "FloatTarget",
     "Follower",
+    "FollowerOptions",
     "IOOptions",
     "ManifestError",
     "ModelMismatchError",

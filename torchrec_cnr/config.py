@@ -30,7 +30,19 @@ __all__ = [
     "Staging",
     "QuantizeConfig",
     "RecoveryConfig",
+    "mb_bytes",
 ]
+
+
+def mb_bytes(mb: float | None) -> int | None:
+    """``mb`` megabytes in bytes, whole; ``None`` (no bound) stays ``None``.
+
+    Every option in MB (``staging_memory_mb``, ``restore_memory_mb``,
+    ``priority_budget_mb``, the follower's ``memory_budget_mb``) counts a MB as 2**20
+    bytes, here and nowhere else.
+    """
+    return None if mb is None else int(mb * 2**20)
+
 
 OnBusy = Literal["wait", "skip"]
 ON_BUSY: tuple[OnBusy, ...] = ("wait", "skip")

@@ -34,6 +34,7 @@ from tests.multiprocess import run_ranks
 from torchrec_cnr import (
     CheckpointConfig,
     CheckpointManager,
+    IOOptions,
     ModelMismatchError,
     QuantizeConfig,
     export_state_dict,
@@ -43,8 +44,13 @@ from torchrec_cnr import (
 from torchrec_cnr.commit import Manifest
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.selection.policy import PolicyName
-from torchrec_cnr.serving import FloatTarget, QuantizedTarget
-from torchrec_cnr.serving.follower import Follower, PendingUpdate
+from torchrec_cnr.serving import (
+    FloatTarget,
+    Follower,
+    FollowerOptions,
+    PendingUpdate,
+    QuantizedTarget,
+)
 from torchrec_cnr.storage import Storage, StorageWrapper, open_storage
 
 EVERY = 2
@@ -81,7 +87,7 @@ def test_fp32_follower_serves_exactly_the_latest_checkpoint_after_every_update(
     kind: str, policy: PolicyName, swap: bool, root: str
 ) -> None:
     model, _, _ = unsharded(kind, device="cpu")
-    follower = Follower(root, FloatTarget(model), swap=swap)
+    follower = Follower(root, FloatTarget(model), FollowerOptions(swap=swap))
     assert follower.poll() is None  # a fresh root: nothing to serve yet
     for last in (4, 6, 12):
         run_ranks(2, _train, root, kind, policy, last, {})
@@ -182,6 +188,8 @@ def test_far_behind_a_new_baseline_an_update_reads_the_changed_rows_from_it(root
 
 BUDGET = 32 * 1024
 """A follower's memory budget, in bytes, far under one update of these tables."""
+BUDGET_MB = BUDGET / 2**20
+"""The same in MB, as :class:`FollowerOptions` takes it."""
 
 
 @pytest.mark.dist
@@ -192,7 +200,8 @@ def test_an_update_over_the_memory_budget_is_served_exactly_in_pieces(
     spill = tmp_path / "spill"
     spill.mkdir()
     model, target = _serving_target(served)
-    follower = Follower(root, target, memory_budget=BUDGET, spill_dir=str(spill))
+    options = FollowerOptions(memory_budget_mb=BUDGET_MB, spill_dir=str(spill))
+    follower = Follower(root, target, options)
     whole_model, whole = _serving_target(served)
     unbounded = Follower(root, whole)  # what the same updates serve held whole
     for last in (4, 8, 10):
@@ -227,7 +236,7 @@ def test_a_piece_the_gate_refuses_refuses_the_update_and_changes_nothing(root: s
         # The second piece of step 6: the first is prepared and spilled by then.
         return "bad piece" if update.step == 6 and pieces[6] == 2 else None
 
-    follower = Follower(root, target, accept=gate, memory_budget=BUDGET)
+    follower = Follower(root, target, FollowerOptions(accept=gate, memory_budget_mb=BUDGET_MB))
     run_ranks(2, _train, root, "ebc", "consecutive", 4, {})
     assert follower.poll() == 4
     before = _served(model)
@@ -242,13 +251,18 @@ def test_a_piece_the_gate_refuses_refuses_the_update_and_changes_nothing(root: s
 
 def test_a_memory_budget_must_be_positive_and_is_for_copy_mode(root: str) -> None:
     model, target = _serving_target("fp32")
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="memory_budget must be a positive int"):
-            Follower(root, target, memory_budget=bad)  # type: ignore[arg-type]
+    for bad in (0, -1, float("nan"), float("inf"), True, "8"):
+        with pytest.raises(ValueError, match="memory_budget_mb must be > 0"):
+            FollowerOptions(memory_budget_mb=bad)  # type: ignore[arg-type]
+    assert FollowerOptions(memory_budget_mb=BUDGET_MB).memory_budget_bytes == BUDGET
+    assert FollowerOptions(memory_budget_mb=1.5).memory_budget_bytes == 3 << 19
     with pytest.raises(ValueError, match="bounds copy mode"):
-        Follower(root, target, memory_budget=BUDGET, swap=True)
+        FollowerOptions(memory_budget_mb=BUDGET_MB, swap=True)
+    absent = FollowerOptions(memory_budget_mb=BUDGET_MB, spill_dir=f"{root}/absent")
     with pytest.raises(ValueError, match="is not a folder"):
-        Follower(root, target, memory_budget=BUDGET, spill_dir=f"{root}/absent")
+        Follower(root, target, absent)
+    with pytest.raises(ValueError, match="options must be a FollowerOptions"):
+        Follower(root, target, IOOptions())  # type: ignore[arg-type]
 
 
 _INTERMITTENT_TABLES = [("a", 20000, "table_wise"), ("b", 20001, "row_wise")]
@@ -546,17 +560,17 @@ def _serving_target(served: str) -> tuple[Any, Any]:
 @pytest.mark.parametrize(
     ("served", "swap", "budget"),
     [("fp32", False, None), ("int4", False, None), ("int2", False, None), ("fp32", True, None),
-     ("int4", True, None), ("fp32", False, BUDGET), ("int4", False, BUDGET)],
+     ("int4", True, None), ("fp32", False, BUDGET_MB), ("int4", False, BUDGET_MB)],
 )  # fmt: skip
 def test_every_lookup_sees_the_rows_of_the_step_follower_step_names(
-    served: str, swap: bool, budget: int | None, root: str
+    served: str, swap: bool, budget: float | None, root: str
 ) -> None:
     # Every row of every table holds its checkpoint's step (exact in every format: a
     # constant row quantizes to its fp16 bias), so a lookup that reads the rows of one
     # step while follower.step names another is caught, whichever table it reads first.
     _, target = _serving_target(served)
     keys = {k: torch.arange(slot.num_embeddings) for k, slot in target.tables().items()}
-    follower = Follower(root, target, swap=swap, memory_budget=budget)
+    follower = Follower(root, target, FollowerOptions(swap=swap, memory_budget_mb=budget))
     exclusive = follower._lock.exclusive
 
     @contextlib.contextmanager
@@ -603,7 +617,7 @@ def test_every_lookup_sees_the_rows_of_the_step_follower_step_names(
     assert not errors, errors[:3]
     assert follower.poll() == 6
     if budget is not None:  # every row changes at every step: each update is spilled
-        assert all(r.spilled_bytes and r.held_bytes <= budget for r in follower.reports)
+        assert all(r.spilled_bytes and r.held_bytes <= BUDGET for r in follower.reports)
     torn = [(step, v) for step, v in seen if v != {float(step)}]
     assert not torn, f"lookups saw rows of another step than follower.step: {torn[:3]}"
     if len(follower.reports) >= 3:  # on a loaded machine the follower may take few steps

@@ -23,6 +23,7 @@ from torchrec_cnr import CnrError, export_state_dict, list_checkpoints, quantize
 from torchrec_cnr.serving import (
     FloatTarget,
     Follower,
+    FollowerOptions,
     PendingUpdate,
     StoredRows,
     finite_rows,
@@ -91,7 +92,7 @@ def test_a_refused_update_keeps_the_last_accepted_step_and_is_not_read_again(
         return "step 6 is bad" if update.step == 6 else None
 
     model, _, _ = unsharded("ebc", device="cpu")
-    follower = Follower(root, FloatTarget(model), accept=gate)
+    follower = Follower(root, FloatTarget(model), FollowerOptions(accept=gate))
     run_ranks(2, _train, root, "ebc", "consecutive", 4, {})
     assert follower.poll() == 4
     run_ranks(2, _train, root, "ebc", "consecutive", 6, {})

@@ -519,6 +519,19 @@ def _serving_follow(env: Env, ns: dict[str, Any]) -> Check:
     return check
 
 
+@standin("docs/serving.md", "options")
+def _serving_options(env: Env, ns: dict[str, Any]) -> Check:
+    ns.update(root=env.path("/ckpt/run1"), target=_target(env), spill_dir=env.tmp)
+
+    def check(ns: dict[str, Any]) -> None:
+        follower = ns["follower"]
+        assert follower.options.memory_budget_bytes == 64 << 20
+        assert follower.poll() == TRAINED
+        follower.close()
+
+    return check
+
+
 @standin("docs/serving.md", "pin")
 def _serving_pin(env: Env, ns: dict[str, Any]) -> Check:
     ns["follower"] = torchrec_cnr.Follower(env.path("/ckpt/run1"), _target(env))

@@ -18,6 +18,7 @@ from cnr_train import config_file
 from cnr_train.config import JobConfig
 from cnr_train.job import DONE_MARKER
 from tests import REPO, TORCHRUN
+from torchrec_cnr import FollowerOptions
 from torchrec_cnr.commit import Manifest
 from torchrec_cnr.storage import open_storage
 
@@ -118,13 +119,27 @@ def test_serve_dtype_names_the_allowed_types() -> None:
         config_file.load(JobConfig, REPO / "configs/demo.yaml", ["serve.dtype=int3"])
     with pytest.raises(config_file.ConfigError, match=r"serve\.interval_s must be > 0"):
         config_file.load(JobConfig, REPO / "configs/demo.yaml", ["serve.interval_s=0"])
-    with pytest.raises(config_file.ConfigError, match=r"memory_budget_mb must be > 0"):
-        config_file.load(JobConfig, REPO / "configs/demo.yaml", ["serve.memory_budget_mb=0"])
+    with pytest.raises(
+        config_file.ConfigError, match=r"serve\.follower\.memory_budget_mb must be > 0"
+    ):
+        config_file.load(
+            JobConfig, REPO / "configs/demo.yaml", ["serve.follower.memory_budget_mb=0"]
+        )
+    with pytest.raises(config_file.ConfigError, match=r"serve\.follower\.io must be null"):
+        config_file.load(JobConfig, REPO / "configs/demo.yaml", ["serve.follower.io={threads: 4}"])
+    # The section is the library's options, one key a field.
+    config = config_file.load(
+        JobConfig,
+        REPO / "configs/demo.yaml",
+        ["serve.follower.memory_budget_mb=8", "serve.follower.spill_dir=/tmp"],
+    )
+    assert config.serve.follower == FollowerOptions(memory_budget_mb=8.0, spill_dir="/tmp")
+    assert config.serve.follower.memory_budget_bytes == 8 << 20
     with pytest.raises(config_file.ConfigError, match=r"bounds copy mode"):
         config_file.load(
             JobConfig,
             REPO / "configs/demo.yaml",
-            ["serve.memory_budget_mb=8", "serve.swap=true"],
+            ["serve.follower.memory_budget_mb=8", "serve.follower.swap=true"],
         )
 
 

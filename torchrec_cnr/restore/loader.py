@@ -12,7 +12,7 @@ import torch
 
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit.manifest import Entry, Manifest
-from torchrec_cnr.config import CheckpointConfig
+from torchrec_cnr.config import CheckpointConfig, mb_bytes
 from torchrec_cnr.encoding import FP32
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.read import ChainReader, load_committed
@@ -67,7 +67,7 @@ class ModelLoader:
         mb = config.restore_memory_mb
         if mb is None:
             mb = config.staging_memory_mb
-        self.budget_bytes = None if mb is None else int(mb * (1 << 20))
+        self.budget_bytes = mb_bytes(mb)
         self.safe_globals = resolve_globals(config.safe_globals)
         self.policy = policy
         self.pool = pool if pool.budget_bytes is None else None

@@ -4,9 +4,9 @@ files.
 Copy mode writes an update's rows into the served tables under the exclusive hold, so the
 rows must be ready, all of them, before the hold: read, checked by the accept gate and in
 serving form. Held in memory, they grow the serving process by the update's size. With
-``Follower(memory_budget=...)`` an update whose rows would take more is read in pieces of
-at most the budget; each piece is checked and prepared, then copied into a file mapped
-from ``spill_dir`` and dropped. The files are unlinked as soon as they are mapped: their
+``FollowerOptions(memory_budget_mb=...)`` an update whose rows would take more is read in
+pieces of at most the budget; each piece is checked and prepared, then copied into a file
+mapped from ``spill_dir`` and dropped. The files are unlinked as soon as they are mapped: their
 pages are the page cache's, which the kernel writes back and evicts under pressure, not
 the process's heap, and nothing is left behind if the process dies. Under the hold the
 rows are copied from the mapped files, as they would be from memory (pages evicted since

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torchrec_cnr.config import CheckpointConfig
+from torchrec_cnr.config import CheckpointConfig, mb_bytes
 from torchrec_cnr.selection.policy import Decision
 from torchrec_cnr.selection.rows import ClearedBits, restart_bits
 from torchrec_cnr.snapshot.objects import serialize_app_state
@@ -53,13 +53,13 @@ class Stager:
         priority_mb = config.priority_budget_mb
         if priority_mb is not None and any(s.priority is None for s in shards):
             raise ValueError("priority_budget_mb needs tracking_sharders(mode='mfu' or 'ssu')")
-        self.priority_bytes = None if priority_mb is None else int(priority_mb * 2**20)
+        self.priority_bytes = mb_bytes(priority_mb)
         self.shards = shards
         self.dense = dense
         self.lazy_mode = config.staging == "lazy"
         self.memory_mb = config.staging_memory_mb
         on_gpu = any(s.weight.device.type == "cuda" for s in shards)
-        budget = None if self.memory_mb is None else int(self.memory_mb * 2**20)
+        budget = mb_bytes(self.memory_mb)
         self.pool = StagingPool(budget, pin=on_gpu, compiled=config.io.compiled_staging)
         # So that the first save stalls no longer than the others: the buffers of a full
         # checkpoint faulted in, and torch.save's imports (done on its first call) done.

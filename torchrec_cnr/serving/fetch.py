@@ -1,0 +1,129 @@
+"""Reads one update, ready to apply: plans it, reads its rows and dense state, and shows
+them to the accept gate, spilling them to mapped files over the memory budget.
+
+Nothing here changes the serving model: everything that can fail (a file retired or
+replaced while read, a damaged file, a model that does not match) fails before
+:mod:`.apply` runs, and the follower keeps serving the last good step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchrec_cnr.commit.manifest import Entry, Manifest
+from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.read import ChainReader
+from torchrec_cnr.restore import check_serving
+from torchrec_cnr.serving.gate import AcceptGate, PendingUpdate
+from torchrec_cnr.serving.locate import read_table
+from torchrec_cnr.serving.plan import UpdatePlan, plan_update
+from torchrec_cnr.serving.rows import StoredRows
+from torchrec_cnr.serving.spill import Spill, piece_bytes, piece_rows
+from torchrec_cnr.serving.targets import ServingTarget
+from torchrec_cnr.storage import Storage
+
+__all__ = ["UpdateReader"]
+
+
+class UpdateReader:
+    """Reads updates of ``target`` from ``storage``.
+
+    Args:
+        storage: the root, read only.
+        io: the I/O context its reads run on.
+        target: the serving model, wrapped: its tables and dense tensors say what to read
+            (and must match the checkpoint's).
+        accept: the accept gate; ``None`` accepts everything. Over the memory budget it
+            sees each piece as it is read; otherwise the follower shows it the whole
+            update.
+        memory_budget: the most bytes an update's rows take in memory; a larger update is
+            read in pieces and spilled (:mod:`.spill`). ``None``: no bound.
+        spill_dir: where the spilled files go; the temporary folder if ``None``.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        io: IOContext,
+        target: ServingTarget,
+        accept: AcceptGate | None = None,
+        memory_budget: int | None = None,
+        spill_dir: str | None = None,
+    ) -> None:
+        self.storage = storage
+        self.io = io
+        self.target = target
+        self.accept = accept
+        self.memory_budget = memory_budget
+        self.spill_dir = spill_dir
+
+    def read(self, manifest: Manifest, latest: Entry, served: Entry | None) -> PendingUpdate | None:
+        """The update from ``served`` to ``latest``, read and ready; ``None`` if ``latest``
+        is served already. Over the memory budget, an update a piece of which the gate
+        refused has :attr:`PendingUpdate.refused` set and is read no further.
+
+        Raises:
+            ModelMismatchError: the checkpoint does not match the target.
+        """
+        chain = ChainReader(self.storage, manifest, latest, self.io, verify=False, lazy=True)
+        slots = {
+            key: (s.num_embeddings, s.embedding_dim) for key, s in self.target.tables().items()
+        }
+        check_serving(latest, slots, self.target.dense_names(), self.storage.url)
+        plan = plan_update(manifest, chain, served, None if served is None else served.id)
+        if plan is None:
+            return None
+        update = PendingUpdate(plan, spill=self._spill_for(plan, latest))
+        for table, shape in latest.tables.items():
+            key = shape.state_dict_key
+            wanted = None if plan.cold else plan.rows.get(table)
+            if wanted is not None and not wanted.numel():
+                continue
+            if wanted is None and not plan.cold:
+                continue
+            parts: list[torch.Tensor | None] = [wanted]
+            if update.spill is not None:
+                assert self.memory_budget is not None
+                every = torch.arange(shape.num_embeddings) if wanted is None else wanted
+                parts = list(every.split(piece_rows(self.memory_budget, shape.embedding_dim)))
+            for part in parts:
+                if not self._take(update, key, read_table(chain, table, part, plan.newer)):
+                    return update  # a piece was refused
+        if plan.dense or plan.cold:
+            shapes, dense = self.target.tables(), self.target.dense_names()
+            read = chain.dense([n for n in latest.dense if n in dense or n in shapes])
+            for name, tensor in read.items():
+                if name in shapes:  # a data-parallel table: replicated, saved with the dense
+                    ids = torch.arange(tensor.shape[0])
+                    if not self._take(update, name, [(ids, StoredRows.fp32(tensor))]):
+                        return update
+                else:
+                    update.dense[name] = tensor
+        return update
+
+    def _spill_for(self, plan: UpdatePlan, latest: Entry) -> Spill | None:
+        """A spill for an update whose rows would take more than the memory budget."""
+        if self.memory_budget is None:
+            return None
+        need = 0
+        for table, shape in latest.tables.items():
+            wanted = plan.rows.get(table)
+            rows = shape.num_embeddings if plan.cold or wanted is None else int(wanted.numel())
+            need += rows * piece_bytes(shape.embedding_dim)
+        return Spill(self.target, self.spill_dir) if need > self.memory_budget else None
+
+    def _take(
+        self, update: PendingUpdate, key: str, pieces: list[tuple[torch.Tensor, StoredRows]]
+    ) -> bool:
+        """Adds rows of ``key`` read together to ``update``: held in it, or, over the memory
+        budget, shown to the gate as one piece and spilled; False if the gate refused it."""
+        rows = [(key, ids, r) for ids, r in pieces]
+        if update.spill is None:
+            update.rows += rows
+            return True
+        if self.accept is not None:
+            update.refused = self.accept(PendingUpdate(update.plan, rows))
+            if update.refused is not None:
+                return False
+        update.spill.add(rows)
+        return True

@@ -1,0 +1,73 @@
+"""How a follower reads, checks and applies its updates: one frozen dataclass.
+
+``cnr-train serve`` builds it from the ``serve.follower`` section of its YAML, one key a
+field; :class:`FollowerOptions` validates itself, there and in the library alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torchrec_cnr.config import mb_bytes
+from torchrec_cnr.iocontext import IOOptions
+from torchrec_cnr.serving.gate import AcceptGate, finite_rows
+
+__all__ = ["FollowerOptions"]
+
+
+@dataclass(frozen=True)
+class FollowerOptions:
+    """Options of a :class:`~torchrec_cnr.serving.Follower`.
+
+    Example::
+
+        FollowerOptions(io=IOOptions(threads=4), memory_budget_mb=64, spill_dir="/data/spill")
+    """
+
+    io: IOOptions | None = None
+    """The I/O options its reads run with (threads, request size, direct reads); the
+    environment's :class:`~torchrec_cnr.IOOptions` if ``None``."""
+    accept: AcceptGate | None = finite_rows
+    """The accept gate, which sees each update before it is served (see
+    :data:`~torchrec_cnr.serving.gate.AcceptGate`); ``None`` accepts every update."""
+    swap: bool = False
+    """Swap mode: the target keeps a second copy of its tables, each update is written
+    into it while the served copy serves, and lookups wait only while the two are swapped
+    (pointer assignments, plus the dense tensors' copies). Costs the tables' size in
+    memory. The default, copy mode, copies an update's rows into the served tables with
+    lookups held off: no second copy, and lookups wait about a memcpy of the changed
+    rows."""
+    memory_budget_mb: float | None = None
+    """Copy mode: the most memory an update's rows take, in MB; a larger update is read in
+    pieces, each shown to the gate, prepared and moved into a mapped, unlinked file
+    (:mod:`torchrec_cnr.serving.spill`). ``None``: an update's rows are held whole."""
+    spill_dir: str | None = None
+    """Where those files go (a folder on a disk, which must exist when the follower is
+    made); the system's temporary folder if ``None``."""
+
+    def __post_init__(self) -> None:
+        if self.io is not None and not isinstance(self.io, IOOptions):
+            raise ValueError(f"io must be an IOOptions or None, got {self.io!r}")
+        if self.accept is not None and not callable(self.accept):
+            raise ValueError(
+                f"accept must be a function of the update or None, got {self.accept!r}"
+            )
+        if not isinstance(self.swap, bool):
+            raise ValueError(f"swap must be a bool, got {self.swap!r}")
+        mb = self.memory_budget_mb
+        if mb is not None and (
+            not isinstance(mb, int | float) or isinstance(mb, bool)
+            or not math.isfinite(mb) or mb <= 0
+        ):  # fmt: skip
+            raise ValueError(f"memory_budget_mb must be > 0 (MB, finite) or None, got {mb!r}")
+        if mb is not None and self.swap:
+            raise ValueError("memory_budget_mb bounds copy mode; swap mode holds a second copy")
+        if self.spill_dir is not None and not isinstance(self.spill_dir, str):
+            raise ValueError(f"spill_dir must be a folder's path or None, got {self.spill_dir!r}")
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """:attr:`memory_budget_mb` in bytes (at least one); ``None``: no bound."""
+        budget = mb_bytes(self.memory_budget_mb)
+        return None if budget is None else max(1, budget)
