@@ -72,7 +72,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", nargs="+", default=["fs"], choices=["fs", "s3"])
     p.add_argument("--nproc", type=int, default=2, help="training ranks")
     p.add_argument("--modes", nargs="+", default=["copy", "swap"], choices=MODES,
-                   help="the follower's copy mode (the default), swap mode, and copy mode "
+                   help="the follower's copy mode, swap mode, and copy mode "
                         "with a memory budget")  # fmt: skip
     p.add_argument("--budget-mb", type=float, default=16.0,
                    help="--modes budget: the follower's memory budget")  # fmt: skip

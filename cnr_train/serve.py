@@ -391,7 +391,7 @@ class Server:
             "fresh_max_s": max(f["worst_s"] for f in fresh) if fresh else None,
             "blocked_median_s": statistics.median(blocked),
             "blocked_max_s": max(blocked),
-            "swap": self.config.serve.follower.swap,
+            "swap": self.follower.target.swapping,
             "spare_bytes": self.follower.spare_bytes,
             "requests": len(latencies),
             "request_steps": len(self.requests.steps) if self.requests else 0,

@@ -51,6 +51,7 @@ from torchrec_cnr.serving import (
     PendingUpdate,
     QuantizedTarget,
 )
+from torchrec_cnr.serving.options import SWAP_SHARE, available_memory, swap_mode
 from torchrec_cnr.storage import Storage, StorageWrapper, open_storage
 
 EVERY = 2
@@ -263,6 +264,30 @@ def test_a_memory_budget_must_be_positive_and_is_for_copy_mode(root: str) -> Non
         Follower(root, target, absent)
     with pytest.raises(ValueError, match="options must be a FollowerOptions"):
         Follower(root, target, IOOptions())  # type: ignore[arg-type]
+
+
+def test_by_default_a_follower_swaps_where_the_second_copy_fits_in_half_the_free_memory(
+    root: str,
+) -> None:
+    model, target = _serving_target("fp32")
+    free = available_memory()
+    assert free > 0
+    chosen = FollowerOptions()
+    assert chosen.swap is None
+    assert swap_mode(chosen, int(SWAP_SHARE * free) // 2)
+    assert not swap_mode(chosen, int(SWAP_SHARE * free) * 2), "no room: copy mode"
+    assert not swap_mode(FollowerOptions(memory_budget_mb=BUDGET_MB), 1), "a budget: copy mode"
+    assert swap_mode(FollowerOptions(swap=True), 2**62) and not swap_mode(
+        FollowerOptions(swap=False), 1
+    )
+    with pytest.raises(ValueError, match="swap must be a bool or None"):
+        FollowerOptions(swap="yes")  # type: ignore[arg-type]
+    follower = Follower(root, target)  # a small model: it fits
+    assert target.swapping and follower.spare_bytes == target.table_bytes() > 0
+    follower.close()
+    copying = Follower(root, _serving_target("fp32")[1], FollowerOptions(swap=False))
+    assert copying.spare_bytes == 0 and not copying.target.swapping
+    copying.close()
 
 
 _INTERMITTENT_TABLES = [("a", 20000, "table_wise"), ("b", 20001, "row_wise")]

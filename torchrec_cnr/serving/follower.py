@@ -50,7 +50,7 @@ from torchrec_cnr.serving.apply import Applier
 from torchrec_cnr.serving.counters import Counters, UpdateReport
 from torchrec_cnr.serving.fetch import UpdateReader
 from torchrec_cnr.serving.gate import PendingUpdate, RefusedUpdate
-from torchrec_cnr.serving.options import FollowerOptions
+from torchrec_cnr.serving.options import FollowerOptions, swap_mode
 from torchrec_cnr.serving.poller import Poller
 from torchrec_cnr.serving.targets import ServingTarget
 from torchrec_cnr.storage import CountingStorage, Root, as_storage
@@ -116,7 +116,7 @@ class Follower:
             options.memory_budget_bytes,
             options.spill_dir,
         )
-        self._applier = Applier(target, options.swap)
+        self._applier = Applier(target, swap_mode(options, target.table_bytes()))
         self._lock = self._applier.lock
         self._poller = Poller(self.poll, self.storage.url)
         self.counters = Counters()

@@ -7,13 +7,19 @@ field; :class:`FollowerOptions` validates itself, there and in the library alike
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from torchrec_cnr.config import mb_bytes
 from torchrec_cnr.iocontext import IOOptions
 from torchrec_cnr.serving.gate import AcceptGate, finite_rows
 
-__all__ = ["FollowerOptions"]
+__all__ = ["SWAP_SHARE", "FollowerOptions", "available_memory", "swap_mode"]
+
+SWAP_SHARE = 0.5
+"""The most of the host's available memory (``MemAvailable``) that swap mode's second copy
+of the tables may take for ``FollowerOptions(swap=None)`` to choose it: the other half is
+left for the update's rows, the page cache and whatever else the host runs."""
 
 
 @dataclass(frozen=True)
@@ -31,13 +37,15 @@ class FollowerOptions:
     accept: AcceptGate | None = finite_rows
     """The accept gate, which sees each update before it is served (see
     :data:`~torchrec_cnr.serving.gate.AcceptGate`); ``None`` accepts every update."""
-    swap: bool = False
+    swap: bool | None = None
     """Swap mode: the target keeps a second copy of its tables, each update is written
     into it while the served copy serves, and lookups wait only while the two are swapped
     (pointer assignments, plus the dense tensors' copies). Costs the tables' size in
-    memory. The default, copy mode, copies an update's rows into the served tables with
-    lookups held off: no second copy, and lookups wait about a memcpy of the changed
-    rows."""
+    memory. Copy mode copies an update's rows into the served tables with lookups held
+    off: no second copy, and lookups wait about a memcpy of the changed rows. ``None``
+    (the default) chooses when the follower is made: swap mode where the second copy
+    takes at most :data:`SWAP_SHARE` of the memory available then and no memory budget is
+    set, copy mode otherwise (:func:`swap_mode`)."""
     memory_budget_mb: float | None = None
     """Copy mode: the most memory an update's rows take, in MB; a larger update is read in
     pieces, each shown to the gate, prepared and moved into a mapped, unlinked file
@@ -53,15 +61,15 @@ class FollowerOptions:
             raise ValueError(
                 f"accept must be a function of the update or None, got {self.accept!r}"
             )
-        if not isinstance(self.swap, bool):
-            raise ValueError(f"swap must be a bool, got {self.swap!r}")
+        if self.swap is not None and not isinstance(self.swap, bool):
+            raise ValueError(f"swap must be a bool or None (chosen by memory), got {self.swap!r}")
         mb = self.memory_budget_mb
         if mb is not None and (
             not isinstance(mb, int | float) or isinstance(mb, bool)
             or not math.isfinite(mb) or mb <= 0
         ):  # fmt: skip
             raise ValueError(f"memory_budget_mb must be > 0 (MB, finite) or None, got {mb!r}")
-        if mb is not None and self.swap:
+        if mb is not None and self.swap is True:
             raise ValueError("memory_budget_mb bounds copy mode; swap mode holds a second copy")
         if self.spill_dir is not None and not isinstance(self.spill_dir, str):
             raise ValueError(f"spill_dir must be a folder's path or None, got {self.spill_dir!r}")
@@ -71,3 +79,27 @@ class FollowerOptions:
         """:attr:`memory_budget_mb` in bytes (at least one); ``None``: no bound."""
         budget = mb_bytes(self.memory_budget_mb)
         return None if budget is None else max(1, budget)
+
+
+def available_memory() -> int:
+    """Bytes of memory the kernel says are available now without swapping
+    (``MemAvailable`` of ``/proc/meminfo``; free pages where that is not there)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def swap_mode(options: FollowerOptions, spare_bytes: int) -> bool:
+    """Whether a follower with ``options`` serves in swap mode, its tables taking
+    ``spare_bytes``: as set, or, for ``swap=None``, where no memory budget is set and the
+    second copy fits in :data:`SWAP_SHARE` of :func:`available_memory`."""
+    if options.swap is not None:
+        return options.swap
+    if options.memory_budget_mb is not None:
+        return False
+    return spare_bytes <= SWAP_SHARE * available_memory()

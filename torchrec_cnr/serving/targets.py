@@ -116,6 +116,10 @@ class ServingTarget(abc.ABC):
         """Whether :meth:`enable_swap` made a spare copy of the tables."""
         return self._spare is not None
 
+    def table_bytes(self) -> int:
+        """Bytes of the buffers that hold table rows: what swap mode's spare copy takes."""
+        return sum(t.numel() * t.element_size() for t in self._buffers().values())
+
     def enable_swap(self) -> int:
         """Makes a spare copy of every buffer that holds table rows (the weights, or each
         TBE's one weights buffer): writes with ``spare=True`` go there, and
