@@ -33,7 +33,7 @@ from torchrec_cnr.errors import (
     ModelMismatchError,
     UnsafeObjectError,
 )
-from torchrec_cnr.interop import export_dcp
+from torchrec_cnr.interop import ExportOptions, export_dcp
 from torchrec_cnr.manager import CheckpointManager
 from torchrec_cnr.offline import (
     CheckpointInfo,
@@ -58,6 +58,7 @@ __all__ = [
     "CheckpointReadError",
     "ChecksumError",
     "CnrError",
+    "ExportOptions",
     "FloatTarget",
     "Follower",
     "FollowerOptions",
