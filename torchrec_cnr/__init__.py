@@ -23,7 +23,13 @@ follower); ``interop`` speaks PyTorch's DCP format (import, export); ``manager``
 sequences the stages.
 """
 
-from torchrec_cnr.config import CheckpointConfig, IOOptions, QuantizeConfig, RecoveryConfig
+from torchrec_cnr.config import (
+    CheckpointConfig,
+    IOOptions,
+    QuantizeConfig,
+    RecoveryConfig,
+    Timeouts,
+)
 from torchrec_cnr.errors import (
     CheckpointError,
     CheckpointReadError,
@@ -72,6 +78,7 @@ __all__ = [
     "RecoveryConfig",
     "RootInfo",
     "TableInfo",
+    "Timeouts",
     "checkpoint_info",
     "export_dcp",
     "export_state_dict",
