@@ -43,7 +43,7 @@ from benchmarks.measure import (
 )
 from benchmarks.results import Goal, Table
 from cnr_train.workload import TableSpec, build_model, dense_optimizer
-from torchrec_cnr import CheckpointConfig, CheckpointManager, export_dcp
+from torchrec_cnr import CheckpointConfig, CheckpointManager, ExportOptions, export_dcp
 from torchrec_cnr.storage.fs import tree_bytes
 
 
@@ -92,11 +92,11 @@ def run(b: Bench) -> Outcome:
         rmtree(ours if name == "export_dcp" else theirs)
 
     b.log("export: export_dcp against dcp.save")
-    budget = a.budget_mb << 20
+    options = ExportOptions(budget_mb=a.budget_mb, threads=a.threads)
     b.interleaved(
         a.rounds,
         {
-            "export_dcp": turn("export_dcp", lambda: export_dcp(str(root), ours, group=dist.group.WORLD, budget_bytes=budget, threads=a.threads)),
+            "export_dcp": turn("export_dcp", lambda: export_dcp(str(root), ours, options=options, group=dist.group.WORLD)),
             "dcp_save": turn("dcp_save", lambda: dcp.save(_recipe(model, opt), checkpoint_id=str(theirs))),
         },
         prepare=clear,

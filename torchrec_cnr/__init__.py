@@ -23,7 +23,13 @@ follower); ``interop`` speaks PyTorch's DCP format (import, export); ``manager``
 sequences the stages.
 """
 
-from torchrec_cnr.config import CheckpointConfig, IOOptions, QuantizeConfig, RecoveryConfig
+from torchrec_cnr.config import (
+    CheckpointConfig,
+    IOOptions,
+    QuantizeConfig,
+    RecoveryConfig,
+    Timeouts,
+)
 from torchrec_cnr.errors import (
     CheckpointError,
     CheckpointReadError,
@@ -33,7 +39,7 @@ from torchrec_cnr.errors import (
     ModelMismatchError,
     UnsafeObjectError,
 )
-from torchrec_cnr.interop import export_dcp
+from torchrec_cnr.interop import ExportOptions, export_dcp
 from torchrec_cnr.manager import CheckpointManager
 from torchrec_cnr.offline import (
     CheckpointInfo,
@@ -58,6 +64,7 @@ __all__ = [
     "CheckpointReadError",
     "ChecksumError",
     "CnrError",
+    "ExportOptions",
     "FloatTarget",
     "Follower",
     "FollowerOptions",
@@ -71,6 +78,7 @@ __all__ = [
     "RecoveryConfig",
     "RootInfo",
     "TableInfo",
+    "Timeouts",
     "checkpoint_info",
     "export_dcp",
     "export_state_dict",

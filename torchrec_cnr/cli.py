@@ -14,6 +14,7 @@ cnr compact ROOT [--step N] [--take-over]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections import defaultdict
@@ -26,7 +27,7 @@ from torchrec_cnr.commit.fence import Fence
 from torchrec_cnr.compaction import compact_entry
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.errors import CnrError, ManifestError
-from torchrec_cnr.interop.dcp_export import export_dcp, terminal_progress
+from torchrec_cnr.interop.dcp_export import ExportOptions, export_dcp, terminal_progress
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.launch import init_distributed
 from torchrec_cnr.offline import EXPORT_FORMATS, export_state_dict, save_export
@@ -146,7 +147,7 @@ def _progress(key: str, done: int, total: int) -> None:
 
 
 def _export_dcp(
-    root: str, step: int | None, out: str, args: argparse.Namespace, io: IOContext
+    root: str, step: int | None, out: str, options: ExportOptions, io: IOContext
 ) -> int:
     """A resumable DCP checkpoint; under torchrun every rank writes its share."""
     group = None
@@ -155,11 +156,8 @@ def _export_dcp(
         group = dist.group.WORLD
     try:
         rank = dist.get_rank() if group is not None else 0
-        report = export_dcp(
-            root, out, step, group=group, budget_bytes=args.budget_mb << 20,
-            overwrite=args.overwrite, safe_globals=args.safe_globals,
-            progress=terminal_progress(rank), io=io,
-        )  # fmt: skip
+        options = dataclasses.replace(options, progress=terminal_progress(rank))
+        report = export_dcp(root, out, step, options, group=group, io=io)
     finally:
         if group is not None:
             dist.destroy_process_group()
@@ -229,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_export.add_argument("--overwrite", action="store_true", help="dcp: replace --out")
     p_export.add_argument(
-        "--budget-mb", type=int, default=256, help="dcp: the most one block holds, per rank"
+        "--budget-mb",
+        type=float,
+        default=ExportOptions.budget_mb,
+        help="dcp: the most one block holds, per rank",
     )
     p_export.add_argument(
         "--safe-globals", nargs="*", default=[], help="dcp: types app_state may hold"
@@ -250,7 +251,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "export" and args.format == "dcp":
                 if args.tables:
                     raise ValueError("--format dcp exports the whole model: drop --tables")
-                return _export_dcp(args.root, args.step, args.out, args, io)
+                options = ExportOptions(
+                    budget_mb=args.budget_mb,
+                    overwrite=args.overwrite,
+                    safe_globals=tuple(args.safe_globals),
+                )
+                return _export_dcp(args.root, args.step, args.out, options, io)
             if args.command == "export":
                 return _export(args.root, args.step, args.out, args.format, args.tables, io)
             if args.command == "compact":

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from torchrec_cnr.env import env_number
 from torchrec_cnr.iocontext import IOOptions
 from torchrec_cnr.quantization import (
     BITS,
@@ -30,6 +31,7 @@ __all__ = [
     "Staging",
     "QuantizeConfig",
     "RecoveryConfig",
+    "Timeouts",
     "mb_bytes",
 ]
 
@@ -161,6 +163,36 @@ class RecoveryConfig:
 
 
 @dataclass(frozen=True)
+class Timeouts:
+    """How long this job waits for its own ranks, and for another job's lease to lapse.
+
+    Behaviour, not performance: too short, and a slow rank fails the job or a live job
+    loses its root; too long, and a hung rank or a dead job's lease holds everyone up. Each
+    default comes from an environment variable when it is set, read once, when the
+    timeouts are built; an argument always wins.
+
+    Example::
+
+        CheckpointConfig(path="/ckpt/run1", timeouts=Timeouts(collective_timeout_s=120))
+    """
+
+    collective_timeout_s: float = field(
+        default_factory=lambda: env_number("TORCHREC_CNR_COLLECTIVE_TIMEOUT_S", 600)
+    )
+    """Seconds a rank waits for the others at a checkpoint's collectives
+    (``TORCHREC_CNR_COLLECTIVE_TIMEOUT_S``)."""
+    lease_ttl_s: float = field(default_factory=lambda: env_number("TORCHREC_CNR_LEASE_TTL_S", 60))
+    """Seconds after its last refresh that a root's lease stops counting as held by a live
+    job; the holder refreshes it every quarter of this (``TORCHREC_CNR_LEASE_TTL_S``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("collective_timeout_s", "lease_ttl_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name} must be > 0 (seconds), got {value!r}")
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """How, where and when to checkpoint.
 
@@ -227,7 +259,10 @@ class CheckpointConfig:
     """CPR prioritized saves: deltas hold the highest-priority modified rows up to this many MB per rank.
     Needs ``policy: consecutive`` and ``tracking_sharders(mode="mfu" | "ssu")``."""
     io: IOOptions = field(default_factory=IOOptions)
-    """Threads, object size and timeouts of the I/O."""
+    """Threads, object size and the other performance knobs of the I/O."""
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    """How long ranks wait for each other at collectives, and how long a silent lease still
+    counts as a live job's."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:

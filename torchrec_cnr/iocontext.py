@@ -60,14 +60,6 @@ class IOOptions:
     """Largest data object a checkpoint writes, in KiB (whole rows): a larger tensor is
     written as several objects, in parallel, and read in pieces of this size
     (``TORCHREC_CNR_OBJECT_KB``)."""
-    collective_timeout_s: float = field(
-        default_factory=lambda: env_number("TORCHREC_CNR_COLLECTIVE_TIMEOUT_S", 600)
-    )
-    """Seconds a rank waits for the others at a checkpoint's collectives
-    (``TORCHREC_CNR_COLLECTIVE_TIMEOUT_S``)."""
-    lease_ttl_s: float = field(default_factory=lambda: env_number("TORCHREC_CNR_LEASE_TTL_S", 60))
-    """Seconds after its last refresh that a root's lease stops counting as held by a live
-    job; the holder refreshes it every quarter of this (``TORCHREC_CNR_LEASE_TTL_S``)."""
     nice: int = field(default_factory=lambda: int(env_number("TORCHREC_CNR_NICE", 10)))
     """How far below training's the scheduling priority of the background writer, encoding
     and I/O threads is (Linux nice, 0 to 19; 0: the same), so that a CPU the training
@@ -101,9 +93,6 @@ class IOOptions:
             or not 0 <= self.nice <= 19
         ):
             raise ValueError(f"io.nice must be an int from 0 to 19, got {self.nice!r}")
-        for name in ("collective_timeout_s", "lease_ttl_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"io.{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("direct_writes", "direct_reads", "compiled_search", "compiled_staging"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"io.{name} must be a bool, got {getattr(self, name)!r}")

@@ -86,7 +86,9 @@ class CheckpointManager:
         self._loader = ModelLoader(self._group, self.storage, self._io, self._shards, self._dense,
                                    self.app_state, config, self.policy, self._stager.pool)  # fmt: skip
         self._schedule = SaveSchedule(config, self._group)
-        self._background = BackgroundWriter(pg, config.io.collective_timeout_s, config.io.nice)
+        self._background = BackgroundWriter(
+            pg, config.timeouts.collective_timeout_s, config.io.nice
+        )
         try:
             self._fence = Fence(self.storage, self._group, config, self.policy)
         except BaseException:

@@ -20,8 +20,8 @@ from tests.multiprocess import run_ranks
 from torchrec_cnr import (
     CheckpointConfig,
     CheckpointManager,
-    IOOptions,
     QuantizeConfig,
+    Timeouts,
     export_state_dict,
     read_optimizer_state,
     read_table,
@@ -269,7 +269,7 @@ def _killed_mid_compaction(root: str, refs: str) -> None:
         path=root,
         policy="consecutive",
         interval_steps=EVERY,
-        io=IOOptions(collective_timeout_s=30),
+        timeouts=Timeouts(collective_timeout_s=30),
     )
     kill = Fault("make_durable", "-c", "sigkill") if dist.get_rank() == 1 else None
     storage = FaultyStorage(root, *filter(None, [kill]))

@@ -23,6 +23,7 @@ from torchrec_cnr import (
     CheckpointConfig,
     CheckpointManager,
     CheckpointReadError,
+    ExportOptions,
     ModelMismatchError,
     export_dcp,
 )
@@ -158,7 +159,8 @@ def _target(kind: str, layouts: dict[str, str], how: str, src: str, root: str, o
 
 
 def _export(root: str, out: str) -> None:
-    export_dcp(root, out, STEP, group=dist.group.WORLD, budget_bytes=40_000)
+    options = ExportOptions(budget_mb=40_000 / 2**20)  # blocks of 40,000 bytes
+    export_dcp(root, out, STEP, options, group=dist.group.WORLD)
 
 
 def _load(out: str) -> list[Any]:
@@ -279,7 +281,7 @@ def test_export_loads_into_an_unsharded_model_and_a_torch_file(tmp_path: Path) -
     _unsharded(exported, str(tmp_path / "whole.pt"), str(want))
     with pytest.raises(FileExistsError, match="overwrite"):
         export_dcp(root, exported)
-    export_dcp(root, exported, overwrite=True)
+    export_dcp(root, exported, options=ExportOptions(overwrite=True))
 
 
 def _wrong_model(dcp_dir: str, root: str) -> None:

@@ -16,7 +16,7 @@ from tests import reference
 from tests.faults import Fault, FaultyStorage
 from tests.jobs import Job, make_job, restores_exactly, save_reference
 from tests.multiprocess import run_ranks
-from torchrec_cnr import CheckpointError, IOOptions
+from torchrec_cnr import CheckpointError, Timeouts
 from torchrec_cnr.commit import Manifest
 from torchrec_cnr.errors import RemoteTraceback
 from torchrec_cnr.tracking import model_state
@@ -138,7 +138,11 @@ def _save_then_get_killed(root: str, refs: str) -> None:
     # The whole job dies mid-write (a rank that survived would remove the files at once).
     storage = FaultyStorage(root, Fault("make_durable", "step0000000004", "sigkill"))
     job = _job(
-        root, seed=1, policy="consecutive", io=IOOptions(collective_timeout_s=30), storage=storage
+        root,
+        seed=1,
+        policy="consecutive",
+        timeouts=Timeouts(collective_timeout_s=30),
+        storage=storage,
     )
     job.train(2)
     job.ckpt.save(2)

@@ -74,7 +74,9 @@ def _readers_leave_no_thread(root: str, out: str) -> None:
         lambda: torchrec_cnr.read_optimizer_state(root, "a"),
         lambda: torchrec_cnr.export_state_dict(root),
         lambda: torchrec_cnr.list_checkpoints(root),
-        lambda: torchrec_cnr.export_dcp(root, f"{out}/dcp", overwrite=True),
+        lambda: torchrec_cnr.export_dcp(
+            root, f"{out}/dcp", options=torchrec_cnr.ExportOptions(overwrite=True)
+        ),
         lambda: cli.main(["verify", root]),
         lambda: cli.main(["export", root, "--out", f"{out}/model.pt"]),
     ]

@@ -115,9 +115,12 @@ def test_unknown_config_key_stops_the_script_naming_it() -> None:
 
 def test_config_file_maps_yaml_and_overrides_onto_dataclasses() -> None:
     cfg = config_file.load(
-        JobConfig, REPO / "configs/demo.yaml", ["checkpoint.policy=consecutive", "train.steps=7"]
+        JobConfig,
+        REPO / "configs/demo.yaml",
+        ["checkpoint.policy=consecutive", "train.steps=7", "checkpoint.timeouts.lease_ttl_s=30"],
     )
     assert cfg.checkpoint.policy == "consecutive" and cfg.train.steps == 7
+    assert cfg.checkpoint.timeouts.lease_ttl_s == 30.0
     assert cfg.sharding.types[1] == "column_wise" and cfg.failure.steps == [230]
 
 
@@ -136,6 +139,8 @@ def test_every_shipped_config_builds_a_job_config(path: Path) -> None:
         ("data.nope=1", "data.nope"),
         ("train", "must look like key.path=value"),
         ("data.eval_path=/x", "eval_path needs path"),
+        ("checkpoint.timeouts.lease_ttl_s=0", "checkpoint.timeouts.lease_ttl_s must be > 0"),
+        ("checkpoint.io.lease_ttl_s=30", "checkpoint.io.lease_ttl_s"),
     ],
 )
 def test_invalid_config_values_raise_config_error_naming_the_key(

@@ -1,4 +1,5 @@
-"""Reading and writing DCP checkpoints a block at a time, and running no code from one."""
+"""Reading and writing DCP checkpoints a block at a time, running no code from one, and the
+export's options."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from torchrec_cnr.errors import CheckpointReadError, UnsafeObjectError
+from torchrec_cnr.interop.dcp_export import ExportOptions, export_dcp
 from torchrec_cnr.interop.dcp_io import Block, DcpReader, write_blocks
 
 
@@ -65,3 +67,25 @@ def test_objects_and_metadata_run_no_code(tmp_path: Path) -> None:
     assert not ran.exists()
     with pytest.raises(CheckpointReadError):
         DcpReader(tmp_path / "nothing")
+
+
+def test_export_options_take_the_budget_in_mb_and_name_a_bad_field() -> None:
+    assert ExportOptions().budget_bytes == 256 << 20
+    assert ExportOptions(budget_mb=1.5).budget_bytes == 3 << 19
+    assert ExportOptions(budget_mb=1 / 1024).budget_bytes == 1024
+    listed = ExportOptions(safe_globals=["a.B"])  # type: ignore[arg-type]
+    assert listed.safe_globals == ("a.B",)  # a list is kept as a tuple
+    bad: list[tuple[dict[str, object], str]] = [
+        ({"budget_mb": 1 / 2048}, "budget_mb must be at least"),
+        ({"budget_mb": float("inf")}, "budget_mb must be at least"),
+        ({"budget_mb": "64"}, "budget_mb must be at least"),
+        ({"overwrite": 1}, "overwrite must be a bool"),
+        ({"safe_globals": (3,)}, "safe_globals entries must be"),
+        ({"threads": 0}, "threads must be a positive int"),
+        ({"progress": 3}, "progress must be a function"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            ExportOptions(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="options must be an ExportOptions"):
+        export_dcp("/nowhere", "/nowhere/out", None, {"budget_mb": 64})  # type: ignore[arg-type]

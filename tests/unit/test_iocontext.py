@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from torchrec_cnr.config import CheckpointConfig, Timeouts
 from torchrec_cnr.iocontext import IOContext, IOOptions, lowered_priority
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux")
@@ -92,11 +93,29 @@ def test_each_switch_is_an_option_whose_default_reads_the_environment(
         IOOptions(**{field: 1})  # type: ignore[arg-type]
 
 
+def test_timeouts_are_options_whose_defaults_read_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert Timeouts() == Timeouts(collective_timeout_s=600, lease_ttl_s=60)
+    monkeypatch.setenv("TORCHREC_CNR_COLLECTIVE_TIMEOUT_S", "30")
+    monkeypatch.setenv("TORCHREC_CNR_LEASE_TTL_S", "5")
+    assert Timeouts() == Timeouts(collective_timeout_s=30, lease_ttl_s=5)
+    assert Timeouts(lease_ttl_s=9).lease_ttl_s == 9  # an argument wins
+    assert CheckpointConfig(path="/tmp/x").timeouts.lease_ttl_s == 5
+    for bad in (0, -1, float("nan"), "60", True):
+        with pytest.raises(ValueError, match="lease_ttl_s must be > 0"):
+            Timeouts(lease_ttl_s=bad)  # type: ignore[arg-type]
+    assert not hasattr(IOOptions(), "lease_ttl_s")  # performance knobs only
+
+
 def test_no_library_module_but_the_options_names_a_variable_of_ours() -> None:
+    """The I/O options (``iocontext.py``) and the timeouts (``config.py``) read them."""
     package = Path(__file__).resolve().parents[2] / "torchrec_cnr"
+    options = {"iocontext.py", "config.py"}
     readers = sorted(
         str(p.relative_to(package))
         for p in package.rglob("*.py")
-        if p.name != "iocontext.py" and re.search(r"[\"']TORCHREC_CNR_", p.read_text())
+        if str(p.relative_to(package)) not in options
+        and re.search(r"[\"']TORCHREC_CNR_", p.read_text())
     )
-    assert readers == [], f"TORCHREC_CNR_* variables read outside iocontext.py: {readers}"
+    assert readers == [], f"TORCHREC_CNR_* variables read outside {sorted(options)}: {readers}"

@@ -39,7 +39,7 @@ class Fence:
         group: the job's ranks.
         config: ``take_over`` (claim the root even from another live job),
             ``manifest_fallback`` (read the previous manifest if the current one is
-            damaged), ``io.lease_ttl_s``, and ``keep_last`` for commits.
+            damaged), ``timeouts.lease_ttl_s``, and ``keep_last`` for commits.
         policy: the job's policy, for commits.
     """
 
@@ -49,7 +49,7 @@ class Fence:
         self.storage = storage
         self.group = group
         self.fallback = config.manifest_fallback
-        self.ttl_s = config.io.lease_ttl_s
+        self.ttl_s = config.timeouts.lease_ttl_s
         self.policy = policy
         self.keep_last = config.keep_last
         self._lease = Lease(storage, config.take_over, self.fallback, self.ttl_s)

@@ -2,7 +2,7 @@
 (``CheckpointManager.restore(from_dcp=...)``) and committed steps exported as DCP
 checkpoints a job trains on from with stock ``dcp.load``."""
 
-from torchrec_cnr.interop.dcp_export import DcpExport, export_dcp
+from torchrec_cnr.interop.dcp_export import DcpExport, ExportOptions, export_dcp
 from torchrec_cnr.interop.dcp_import import import_dcp
 
-__all__ = ["DcpExport", "export_dcp", "import_dcp"]
+__all__ = ["DcpExport", "ExportOptions", "export_dcp", "import_dcp"]

@@ -18,16 +18,17 @@ The checkpoint holds what ``dcp.save`` holds after TorchRec's recipe
 Quantized rows are written dequantized. The kernels' step counters (``iter``) are not
 written: ``fused_optimizer.state_dict()`` does not hold them.
 
-Every table is written in blocks of at most ``budget_bytes``, each read from the chain
-only when DCP's writer reaches it. Under ``torchrun`` every rank writes its share of the
+Every table is written in blocks of at most ``ExportOptions.budget_mb``, each read from the
+chain only when DCP's writer reaches it. Under ``torchrun`` every rank writes its share of the
 blocks into its own files in parallel; rank 0 writes the metadata.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_cnr.collectives import Collective
+from torchrec_cnr.config import mb_bytes
 from torchrec_cnr.interop.dcp_io import Block, fused_state_path, write_blocks
 from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.read.chain import ChainReader
@@ -46,7 +48,7 @@ from torchrec_cnr.snapshot.objects import load_object, resolve_globals
 from torchrec_cnr.storage import Root
 from torchrec_cnr.tracking.shard import ShardSpec
 
-__all__ = ["DcpExport", "export_dcp", "terminal_progress"]
+__all__ = ["DcpExport", "ExportOptions", "export_dcp", "terminal_progress"]
 
 MODEL, OPTIM = "model", "optim"
 """The top-level keys of TorchRec's DCP recipe."""
@@ -55,6 +57,59 @@ T = TypeVar("T")
 
 Progress = Callable[[int, int], None]
 """Called after each block a rank writes, with its blocks done and its blocks in all."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """Options of :func:`export_dcp`: how large its blocks are, what it may replace and load,
+    and how many threads write.
+
+    Example::
+
+        export_dcp(root, "/ckpt/dcp_out", options=ExportOptions(budget_mb=64, overwrite=True))
+    """
+
+    budget_mb: float = 256
+    """The most a block holds (a table's rows and their optimizer states), in MB; a rank
+    holds one block at a time (per writer thread), plus the saved shard it reads it from.
+    At least 1 KiB (``1 / 1024``)."""
+    overwrite: bool = False
+    """Replace ``out`` if it exists; otherwise an existing ``out`` is refused before anything
+    is written."""
+    safe_globals: tuple[str | type, ...] = ()
+    """Types ``app_state`` may hold beyond the built-in ones, as
+    :attr:`~torchrec_cnr.CheckpointConfig.safe_globals` (``"package.module.Name"`` or the
+    type itself)."""
+    threads: int = 1
+    """DCP's writer threads per rank, each writing its own file (and holding its own block)."""
+    progress: Progress | None = None
+    """Called after each block this rank writes, with its blocks done and its blocks in all
+    (:func:`terminal_progress` prints them); ``None`` reports nothing."""
+
+    def __post_init__(self) -> None:
+        mb = self.budget_mb
+        if (
+            not isinstance(mb, int | float) or isinstance(mb, bool)
+            or not math.isfinite(mb) or self.budget_bytes < 1024
+        ):  # fmt: skip
+            raise ValueError(f"budget_mb must be at least 1/1024 (1 KiB, finite), got {mb!r}")
+        if not isinstance(self.overwrite, bool):
+            raise ValueError(f"overwrite must be a bool, got {self.overwrite!r}")
+        object.__setattr__(self, "safe_globals", tuple(self.safe_globals))
+        for name in self.safe_globals:
+            if not isinstance(name, str | type):
+                raise ValueError(f"safe_globals entries must be strings or types, got {name!r}")
+        if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1:
+            raise ValueError(f"threads must be a positive int, got {self.threads!r}")
+        if self.progress is not None and not callable(self.progress):
+            raise ValueError(f"progress must be a function or None, got {self.progress!r}")
+
+    @property
+    def budget_bytes(self) -> int:
+        """:attr:`budget_mb` in bytes."""
+        budget = mb_bytes(self.budget_mb)
+        assert budget is not None  # a number, checked on construction
+        return budget
 
 
 @dataclass
@@ -167,44 +222,44 @@ def export_dcp(
     root: Root,
     out: str | Path,
     step: int | None = None,
+    options: ExportOptions | None = None,
     *,
     group: dist.ProcessGroup | None = None,
-    budget_bytes: int = 256 << 20,
-    overwrite: bool = False,
-    safe_globals: Collection[str | type] = (),
-    progress: Progress | None = None,
     io: IOContext | IOOptions | None = None,
-    threads: int = 1,
 ) -> DcpExport:
     """Writes the committed checkpoint of ``step`` (the latest if ``None``) as a DCP
     checkpoint at ``out`` that stock ``dcp.load`` reads into a TorchRec model (see the
     module's docstring for the keys).
 
+    The options say how the export runs; ``group`` and ``io`` are what it runs on (who
+    takes part, and the I/O threads it reads with), as in the library's other readers.
+
     Args:
         root: the checkpoint root: a path, an ``s3://bucket/prefix`` URL or a ``Storage``.
         out: the DCP checkpoint's directory (a local or shared file system).
         step: the committed step; the latest if ``None``.
+        options: the block budget in MB, ``overwrite``, ``safe_globals``, the writer
+            threads and the progress callback (:class:`ExportOptions`); the defaults if
+            ``None``.
         group: with a process group, every rank of it calls this and writes its share of
             the blocks in parallel (collective); ``None``: this process writes all, with or
             without a process group.
-        budget_bytes: the most a block holds (a table's rows and their states); a rank
-            holds one block at a time.
-        overwrite: replace ``out`` if it exists.
-        safe_globals: types ``app_state`` may hold beyond the built-in ones (as
-            ``CheckpointConfig.safe_globals``).
-        progress: called after each block this rank writes.
         io: the I/O context to read on, or options for one of its own.
-        threads: DCP's writer threads per rank, each writing its own file (and holding
-            its own block).
 
     Raises:
-        FileExistsError: ``out`` exists and ``overwrite`` is False (nothing written).
-        ValueError: no such step, a bad budget, or an ``app_state`` named ``model`` or
-            ``optim``.
-        UnsafeObjectError: ``app_state`` holds a type not in ``safe_globals``.
+        FileExistsError: ``out`` exists and ``options.overwrite`` is False (nothing written).
+        ValueError: no such step, ``options`` not an :class:`ExportOptions`, or an
+            ``app_state`` named ``model`` or ``optim``.
+        UnsafeObjectError: ``app_state`` holds a type not in ``options.safe_globals``.
+
+    Example::
+
+        export_dcp("/ckpt/run1", "/ckpt/dcp_out", step=500)
+        export_dcp(root, out, options=ExportOptions(budget_mb=64), group=dist.group.WORLD)
     """
-    if budget_bytes < 1024:
-        raise ValueError(f"budget_bytes must be at least 1024, got {budget_bytes}")
+    options = ExportOptions() if options is None else options
+    if not isinstance(options, ExportOptions):
+        raise ValueError(f"options must be an ExportOptions or None, got {options!r}")
     ranks = Collective(group) if group is not None else None
     rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     target = Path(out)
@@ -215,8 +270,10 @@ def export_dcp(
 
     def prepare() -> None:
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
-            if not overwrite:
-                raise FileExistsError(f"{target} exists; pass overwrite=True to replace it")
+            if not options.overwrite:
+                raise FileExistsError(
+                    f"{target} exists; ExportOptions(overwrite=True) (cnr: --overwrite) replaces it"
+                )
             if target.is_dir():
                 shutil.rmtree(target)
             else:
@@ -227,7 +284,7 @@ def export_dcp(
         """Rank 0's: the dense state and its ``app_state`` objects."""
         if rank != 0:
             return {}
-        allowed = resolve_globals(safe_globals)
+        allowed = resolve_globals(options.safe_globals)
         app = load_object(chain.app_state(0), allowed, "app_state of rank 0")
         clash = {MODEL, OPTIM} & set(app)
         if clash:
@@ -239,19 +296,19 @@ def export_dcp(
     else:
         ranks.on_rank0(prepare)
     with everywhere(lambda: ChainReader.open(root, step, io=io)) as chain:
-        read = _Reads(chain, progress)
+        read = _Reads(chain, options.progress)
         tables = chain.entry.tables
         groups = everywhere(
             lambda: [
                 g
                 for name in sorted(tables)
-                for g in _table_blocks(chain, name, tables[name], budget_bytes, read)
+                for g in _table_blocks(chain, name, tables[name], options.budget_bytes, read)
             ]
         )
         mine = _share(groups, rank, world)
         read.total = len(mine)
         saved = everywhere(lambda: objects(chain))
-        write_blocks(target, mine, saved, group, threads)
+        write_blocks(target, mine, saved, group, options.threads)
         keys = sorted({b.fqn for g in groups for b in g})
         nbytes = sum(4 * int(torch.Size(b.sizes).numel()) for b in mine)
         return DcpExport(chain.entry.step, len(mine), nbytes, len(tables), keys)
