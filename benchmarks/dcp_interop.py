@@ -32,10 +32,8 @@ import torch.distributed.checkpoint as dcp
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import (
     GB,
-    max_over_ranks,
+    Peak,
     model_arguments,
-    proc_status_mb,
-    reset_peak_rss,
     rmtree,
     timed,
     timed_save,
@@ -62,15 +60,6 @@ def _recipe(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any
     }
 
 
-def _measured(fn: Callable[[], Any]) -> tuple[float, float]:
-    """The slowest rank's seconds and the largest rank's peak memory above its start, MB."""
-    start = reset_peak_rss()
-    dist.barrier()
-    seconds, _ = timed(fn)
-    peak = proc_status_mb("VmHWM") - start
-    return max_over_ranks(seconds)[0], max_over_ranks(peak)[0]
-
-
 def run(b: Bench) -> Outcome:
     a = b.args
     work = uniform_model(a)
@@ -82,8 +71,9 @@ def run(b: Bench) -> Outcome:
 
     def turn(name: str, fn: Callable[[], Any]) -> Callable[[], float]:
         def go() -> float:
-            seconds, peak = _measured(fn)
-            got.setdefault(name, []).append((seconds, peak))
+            watched = Peak(fn)
+            seconds, _ = timed(watched)
+            got.setdefault(name, []).append((seconds, watched.over_ranks()))
             return seconds
 
         return go

@@ -121,7 +121,7 @@ def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
             window.append(got)
             if step in a.probes:
                 rows.append(_summary(policy, step, window, root))
-                b.log(", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items() if k != "policy"))
+                b.log_row(rows[-1])
                 window = []
             dist.barrier()
     finally:

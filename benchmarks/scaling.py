@@ -94,12 +94,7 @@ def _size(b: Bench, gb: float) -> list[dict[str, Any]]:
                         **dict(zip(FIGURES, got)),
                     }
                 )
-                b.log(
-                    ", ".join(
-                        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                        for k, v in rows[-1].items()
-                    )
-                )
+                b.log_row(rows[-1])
         del ckpt  # its staging buffers go before the next manager takes its own
         rmtree(root)
     del model, shards, sels

@@ -297,7 +297,7 @@ def run(b: Bench) -> Outcome:
             # A rank's restore planning per shard of its own; the others per shard of all.
             row |= {f"{k}_per_shard": v / (tables if k.startswith("plan") else shards)
                     for k, v in got.items()}  # fmt: skip
-            b.log(", ".join(f"{k} {v:.4g}" for k, v in row.items()))
+            b.log_row(row)
             rows.append(row)
     measured = [r for r in rows if "commit_s" in r]
     small, large = measured[0], max(measured, key=lambda r: r["shards"])

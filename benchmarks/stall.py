@@ -23,6 +23,7 @@ from typing import Any
 
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import (
+    StepLoop,
     max_over_ranks,
     memcpy_s,
     model_arguments,
@@ -31,10 +32,8 @@ from benchmarks.measure import (
     rmtree,
     timed,
     timed_save,
-    uniform_model,
 )
 from benchmarks.results import Goal, Table
-from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
 from torchrec_cnr.config import Staging
 from torchrec_cnr.tracking import model_state
@@ -77,7 +76,7 @@ def _case(b: Bench, w: Any, shards: list[Any], mode: Staging, frac: float, rows:
         "memcpy_s": memcpy_s(info.staged_bytes),
         "background_copy_s": statistics.median(hook),
     }
-    b.log(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    b.log_row(row)
     return row
 
 
@@ -102,10 +101,7 @@ def targets(fractions: list[float]) -> list[Goal]:
 
 def run(b: Bench) -> Outcome:
     a = b.args
-    w = uniform_model(a)
-    data = ZipfBatches(w.tables, 512, seed=0)
-    for step in range(1, 3):
-        train_step(w.model, w.opt, data.batch(b.rank, step))
+    w = StepLoop.warm(a, 512, 2).work
     shards = model_state.local_shards(w.model)
     sels = random_rows(shards, a.fractions)
     dense = model_state.dense_state(w.model)

@@ -93,8 +93,7 @@ def run(b: Bench) -> Outcome:
     trainer, _ = warm_trainer(b)
     rows = [_gil_run(b, trainer, quant) for quant in QUANTS]
     for r in rows:
-        b.log(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-                        for k, v in r.items()))  # fmt: skip
+        b.log_row(r)
     m = {"mode": "gil", "world_size": b.world, "seconds": b.args.gil_s,
          "formats": {r["format"].replace("-", ""): r for r in rows}}  # fmt: skip
     table = Table.of(

@@ -30,7 +30,7 @@ from typing import Any
 
 from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import QUANTS, StepLoop, from_rank0, max_over_ranks, rmtree, timed
-from benchmarks.overhead.common import LOSS_BOUND, interval_key, now, pct, warm_trainer
+from benchmarks.overhead.common import LOSS_BOUND, interval_key, now, pct, split_steps, warm_trainer
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
 from torchrec_cnr.config import OnBusy
@@ -87,12 +87,10 @@ def _step_cost(took: list[float], ends: list[float], saved_at: float, committed_
     """One checkpoint's cost to training, from the step times of its stretch: its stall
     plus what the steps from its save to its commit took beyond the mean of the stretch's
     other steps (seconds apart on the same machine, so its other tenants weigh alike)."""
-    inside = [e >= saved_at and e - t <= committed_at for t, e in zip(took, ends)]
-    clean = [t for t, i in zip(took, inside) if not i]
+    inside, clean = split_steps(took, ends, [(saved_at, committed_at)])
     if len(clean) < 10:
         return math.nan  # the commit overlapped nearly every step: no reference pace
-    over = sum(t for t, i in zip(took, inside) if i) - statistics.fmean(clean) * sum(inside)
-    return stall + over
+    return stall + sum(inside) - statistics.fmean(clean) * len(inside)
 
 
 def _spread(values: list[float]) -> float:
