@@ -1,16 +1,6 @@
-"""What the benchmarks measure with, written once.
-
-- Timing over ranks: every figure is the slowest rank's (:func:`timed`), and a
-  checkpoint's stall and commit come from one "timed save, then wait" (:func:`timed_save`).
-- The limits figures are compared with: the disk's sequential bandwidth
-  (:func:`disk_bandwidth`) and a memory copy (:func:`memcpy_s`).
-- Files: cold reads (:func:`drop_cache`), sizes, deletion between barriers.
-- The model and its rows: the table-wise DLRM most cases checkpoint
-  (:func:`uniform_model`, trained by :class:`StepLoop`), the formats compared
-  (:data:`QUANTS`), random row subsets (:func:`random_rows`), marking exactly those
-  rows modified (:func:`modify`) and checking that a restore brought them back
-  (:func:`timed_restore`).
-- An S3 store: a moto server on loopback (:func:`moto_server`, :func:`s3_server`).
+"""What the benchmarks measure with, written once: timing over ranks (every figure the
+slowest rank's), the limits figures are compared with (the disk, a memcpy), cold reads and
+peak memory, the model most cases checkpoint and the rows they modify, and an S3 store.
 """
 
 from __future__ import annotations

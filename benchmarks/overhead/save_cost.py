@@ -1,22 +1,15 @@
-"""``--save-cost`` of :mod:`benchmarks.overhead`: the training time one checkpoint costs,
-from its save to its commit, measured alone many times (the arms of
-:mod:`benchmarks.overhead.arms` move with the machine's other tenants by more than a
-checkpoint costs).
+"""``--save-cost`` of :mod:`benchmarks.overhead`: the training time one full checkpoint
+costs, measured alone many times (the arms move with the machine's other tenants by more
+than a checkpoint costs).
 
-The model trains ``--before`` steps, then a full checkpoint is saved, and training goes
-on for ``--after`` steps (past the commit). The checkpoint costs training its stall plus
-what the steps overlapping it, from the save to the commit, took beyond the mean of the
-steps around them that overlap none. The arms take turns, ``--saves`` times each, on a
-fresh root each time:
+Train ``--before`` steps, save, train ``--after`` steps (past the commit): the cost is the
+stall plus what the steps from the save to the commit took beyond the mean of the others.
+The arms take turns, ``--saves`` times each, on a fresh root: eager and lazy staging (the
+compiled copier, ``staging/_cow.c``), fp32 and 4-bit, and lazy fp32 with
+``IOOptions(compiled_staging=False)`` (torch's copy under each kernel's lock, as on CUDA).
 
-- eager: ``save()`` copies every row before it returns (fp32, 4-bit);
-- lazy: copy-on-write, rows claimed with atomic bits by the compiled copier
-  (``staging/_cow.c``), the default (fp32, 4-bit);
-- lazy with ``IOOptions(compiled_staging=False)``: torch copies the rows under each
-  kernel's lock, in chunks, the path CUDA takes (fp32).
-
-Targets: the median cost of a lazy checkpoint <= an eager one's (fp32 and 4-bit), and a
-lazy fp32 one's <= one copied by torch under the lock.
+Targets: a lazy checkpoint's median cost <= an eager one's (fp32, 4-bit), and lazy fp32's
+<= torch's locked copy's.
 """
 
 from __future__ import annotations
