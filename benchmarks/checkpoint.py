@@ -1,44 +1,32 @@
 """Training stall, commit time, bytes written and restore time of one checkpoint of a
-sharded model: torchrec_cnr's four policies (fp32 and 4-bit adaptive) against
+sharded model (8 table-wise tables x 1M rows x dim 64, 2.05 GB of fp32 weights, row-wise
+Adagrad, 2 gloo ranks): torchrec_cnr's four policies, fp32 and 4-bit adaptive, against
 torchsnapshot and torch.distributed.checkpoint (DCP), in one run on one model.
 
-The model is 8 table-wise tables x 1,000,000 rows x dim 64 (2.05 GB of fp32 weights,
-row-wise Adagrad) on 2 gloo ranks; every method checkpoints that same model.
-
-- Limits, measured in the same run: the disk's sequential write and read bandwidth, and a
-  memory copy of each checkpoint's staged bytes (every rank at once, warm pages).
-- torchsnapshot ``take`` (stall = commit) and ``async_take`` (stall until it returns,
-  commit until ``wait()``), the latter as shipped and patched to copy CPU tensors as its
-  code intends (see :mod:`benchmarks.peers`); rows modified right after it returns show
-  whether the snapshot is torn. torchsnapshot never fsyncs: a following fsync of the tree
-  is reported apart. DCP ``save`` (fsyncs) and ``async_save`` (its error, if it raises).
-- torchrec_cnr, for each policy x {fp32, 4-bit adaptive} x {5%, 25%} of rows modified, on
-  a fresh root: a baseline, then ``--repeats`` timed saves, each after exactly that share
-  of each shard's rows was modified (tracker bits set, weights nudged). Stall: inside
-  ``save()``; commit: until ``wait()`` returns.
-
-Times are the slowest rank's; stall and commit the median of ``--repeats``, restores the
-median of ``--restore-repeats``. Restores are cold (page cache dropped), run on every rank
-with checksums verified, after the rows of the 25% subset were corrupted, which are then
-compared with their saved values.
-
-Side by side (``--rounds`` interleaved rounds, medians, each method from a settled disk):
-durable full commits of torchsnapshot ``take`` + fsync, torchrec_cnr fp32 and adaptive 2-,
-3-, 4- and 8-bit (data objects written with ``O_DIRECT``, the default) and fp32 through the
-page cache; cold restores of torchsnapshot's snapshot, of intermittent chains (baseline +
-one delta) at each fraction, of a consecutive chain of 4 (read with ``O_DIRECT``, the
-default), of the last full fp32 and 4-bit commits, and of the first intermittent chain
-within a memory budget of 1/8 of the rows and through the page cache. Memory: each rank's
-peak resident set added by a manager, its saves and commits, and each restore call (reset
-before each), the largest rank's. Limits also measured: the quantizer's rate per thread.
+- Limits measured in the same run: the disk's sequential bandwidth, a memcpy of each
+  checkpoint's staged bytes, the quantizer's rate per thread.
+- Peers (:mod:`benchmarks.peers`): torchsnapshot ``take`` and ``async_take`` (as shipped,
+  and patched to copy as its code intends; rows modified after it returns show whether
+  the snapshot is torn), with the fsync it leaves out reported apart; DCP ``save`` and
+  ``async_save``.
+- torchrec_cnr, per policy x format x {5%, 25%} of rows modified, on a fresh root: a
+  baseline, then ``--repeats`` saves each after exactly that share of rows was modified.
+  Medians of ``--repeats`` (stall, commit) and of ``--restore-repeats`` cold restores,
+  checksums verified, the 25% rows corrupted first and compared after. Peak resident
+  memory added by a manager, its saves and a restore.
+- Side by side (``--rounds`` interleaved rounds, medians, from a settled disk): durable
+  full commits of torchsnapshot ``take`` + fsync and of torchrec_cnr fp32 (``O_DIRECT``
+  and through the page cache) and 2-, 3-, 4-, 8-bit; cold restores of the snapshot, of
+  intermittent chains at each fraction, a consecutive chain of 4, the full fp32 and 4-bit
+  commits, and the first chain within a budget of 1/8 of the rows and through the page
+  cache, with each restore's peak memory.
 
 Targets: intermittent fp32 stall <= async_take (copying) stall / 10 at 5%, / 3 at 25%;
 every delta stall <= 2 x the memcpy of its staged bytes; a manager's first full stall <=
 2 x its later ones; side by side: full fp32 commit <= torchsnapshot take + fsync and >= 70%
-of the disk's write bandwidth, every quantized commit <= fp32 commit, the 4-bit full restore
-<= the fp32 one, intermittent restores <= torchsnapshot's restore, the consecutive chain of
-4 <= 1.5 x it, the fp32 commit with ``O_DIRECT`` <= through the page cache, and so the
-restore.
+of the disk's write bandwidth, every quantized commit <= fp32's, the 4-bit full restore <=
+fp32's, intermittent restores <= torchsnapshot's, the consecutive chain of 4 <= 1.5 x it,
+and ``O_DIRECT`` <= the page cache for the fp32 commit and a restore.
 """
 
 from __future__ import annotations
@@ -61,25 +49,23 @@ from benchmarks.measure import (
     GB,
     POLICIES,
     QUANTS,
+    Peak,
     Policy,
+    StepLoop,
     disk_bandwidth,
     from_rank0,
     max_over_ranks,
     memcpy_s,
     model_arguments,
     modify,
-    proc_status_mb,
     random_rows,
-    reset_peak_rss,
     rmtree,
     timed,
     timed_restore,
     timed_save,
-    uniform_model,
 )
 from benchmarks.peers import run_peers, torchsnapshot_restore, torchsnapshot_take_durable
 from benchmarks.results import Column, Goal, Table
-from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import (
     CheckpointConfig,
     CheckpointManager,
@@ -113,26 +99,9 @@ share of the rows a rank holds."""
 
 
 def _peak(fn: Callable[[], Any]) -> tuple[Any, float]:
-    """``fn()`` and the most resident memory it added over its start, in MB, the largest
-    rank's (peak resident set size reset first)."""
-    watched = _Watched(fn)
-    got = watched()
-    return got, max_over_ranks(watched.mb)[0]
-
-
-class _Watched:
-    """``fn`` that notes the most resident memory its calls added over their start, MB
-    (this rank's; peak resident set size reset at each call): a restore's alone, not the
-    check around it that corrupts rows and compares them."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn, self.mb = fn, 0.0
-
-    def __call__(self) -> Any:
-        before = reset_peak_rss()
-        got = self.fn()
-        self.mb = max(self.mb, proc_status_mb("VmHWM") - before)
-        return got
+    """``fn()`` and the most resident memory it added, MB, the largest rank's (:class:`Peak`)."""
+    watched = Peak(fn)
+    return watched(), watched.over_ranks()
 
 
 def encode_rates(shards: list[LocalShard]) -> dict[str, float]:
@@ -148,7 +117,7 @@ def encode_rates(shards: list[LocalShard]) -> dict[str, float]:
             continue
         dist.barrier()
         best = min(timed(lambda: quantize(rows, q.method, int(q.bits)))[0] for _ in range(3))  # noqa: B023
-        rates[name] = rows.numel() * 4 / max_over_ranks(best)[0] / GB
+        rates[name] = rows.numel() * 4 / best / GB  # timed: the slowest rank's
     return rates
 
 
@@ -193,11 +162,11 @@ def _cnr(
     gc.collect()
 
     with CheckpointManager(model, cfg) as restorer:
-        watched = _Watched(restorer.restore)
+        watched = Peak(restorer.restore)
         restores = [
             timed_restore(watched, root, shards, check) for _ in range(b.args.restore_repeats)
         ]
-    peak_restore = max_over_ranks(watched.mb)[0]
+    peak_restore = watched.over_ranks()
     rmtree(root)
     gc.collect()
     stall = statistics.median(s for s, _ in saves)
@@ -222,7 +191,7 @@ def _cnr(
             "restore": peak_restore,
         },
     }
-    b.log(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    b.log_row(row)
     return row
 
 
@@ -304,16 +273,16 @@ def _side_by_side(
 
     def restore(name: str) -> float:
         if name == "torchsnapshot":  # the snapshot of the last commit round
-            watched = _Watched(torchsnapshot_restore(model, ts_path))
+            watched = Peak(torchsnapshot_restore(model, ts_path))
             took, errors[name] = timed_restore(watched, ts_path, shards, check)
         else:
             config, direct = setups[name]
             path = Path(config.path)
             storage = FsStorage(path, direct_reads=direct)
             with CheckpointManager(model, config, storage=storage) as restorer:
-                watched = _Watched(restorer.restore)
+                watched = Peak(restorer.restore)
                 took, errors[name] = timed_restore(watched, path, shards, check)
-        peaks[name] = max(peaks.get(name, 0.0), max_over_ranks(watched.mb)[0])
+        peaks[name] = max(peaks.get(name, 0.0), watched.over_ranks())
         return took
 
     names = ["torchsnapshot", *setups]
@@ -423,9 +392,12 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "written GB": lambda p: p["bytes"] / GB,
         "restore s": "restore_s",
     })  # fmt: skip
-    ours = Table.of("", m["cnr"].values(), {
+    which: dict[str, Column] = {
         "method": lambda r: f"torchrec_cnr {r['policy']} {r['quant']}",
         "modified": lambda r: "–" if r["policy"] == "full" else f"{r['fraction']:.0%}",
+    }
+    ours = Table.of("", m["cnr"].values(), {
+        **which,
         "stall s": "stall_s",
         "commit s": "commit_s",
         "written GB": lambda r: r["bytes"] / GB,
@@ -439,8 +411,7 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "per rank)",
         m["cnr"].values(),
         {
-            "method": lambda r: f"torchrec_cnr {r['policy']} {r['quant']}",
-            "modified": lambda r: "–" if r["policy"] == "full" else f"{r['fraction']:.0%}",
+            **which,
             "manager": lambda r: r["peak_mb"]["manager"],
             "first save + commit": lambda r: r["peak_mb"]["first_save"],
             "later saves + commits": lambda r: r["peak_mb"]["saves"],
@@ -485,10 +456,7 @@ def tables(m: dict[str, Any]) -> list[Table]:
 def run(b: Bench) -> Outcome:
     a = b.args
     disk = disk_bandwidth(b.scratch, a.disk_mb << 20, passes=a.disk_passes)
-    model, opt, specs = uniform_model(a)
-    data = ZipfBatches(specs, 512, seed=0)
-    for step in range(1, a.warmup_steps + 1):
-        train_step(model, opt, data.batch(b.rank, step))
+    model = StepLoop.warm(a, 512, a.warmup_steps).work.model
     shards = local_shards(model)
     sels = random_rows(shards, a.fractions)
     check = sels[max(a.fractions)]

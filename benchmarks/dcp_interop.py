@@ -1,28 +1,24 @@
-"""DCP import and export of a ~1 GB model, against DCP's own save and load of it.
+"""DCP import and export of a ~1 GB model (8 x 500k x 64 fp32, 2 gloo ranks), against DCP's
+own save and load of it, in turns, caches dropped before each:
 
-The model is ``--tables`` table-wise tables of ``--rows`` x ``--dim`` fp32 (8 x 500k x 64,
-1.02 GB) on 2 gloo ranks with fused row-wise Adagrad. In turns, caches dropped before each:
+- export: ``export_dcp`` of a committed full checkpoint (blocks of ``--budget-mb``) against
+  ``dcp.save`` of TorchRec's recipe (model, fused optimizer, dense optimizer);
+- import: ``restore(from_dcp=...)`` of that DCP checkpoint against ``dcp.load`` of it (one
+  call per top-level key, as TorchRec's table-wise optimizer state needs);
+- resharding: a restore into the same tables sharded row-wise, against ``dcp.load``.
 
-- **export**: ``export_dcp`` of a committed full checkpoint, every rank writing its share
-  (blocks of ``--budget-mb``), against ``dcp.save`` of TorchRec's recipe
-  (``{"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict(), ...}``) from
-  the live model: the same keys and bytes;
-- **import**: ``CheckpointManager.restore(from_dcp=...)`` of that DCP checkpoint into the
-  live model, against stock ``dcp.load`` of it into the recipe's state dict (one call per
-  top-level key, as TorchRec's table-wise optimizer state needs);
-- **resharding**: a restore of the committed checkpoint into the same tables sharded
-  row-wise (a second model), against ``dcp.load`` of the ``dcp.save`` checkpoint into it.
-
-Time is the slowest rank's; memory is each rank's peak resident set above what it held
-before (``VmHWM`` after a reset), the largest over ranks.
+Time is the slowest rank's; memory the peak resident set above each call's start
+(:class:`benchmarks.measure.Peak`), the largest rank's. Targets: each <= its DCP peer.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,10 +28,8 @@ import torch.distributed.checkpoint as dcp
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import (
     GB,
-    max_over_ranks,
+    Peak,
     model_arguments,
-    proc_status_mb,
-    reset_peak_rss,
     rmtree,
     timed,
     timed_save,
@@ -62,13 +56,12 @@ def _recipe(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any
     }
 
 
-def _measured(fn: Callable[[], Any]) -> tuple[float, float]:
-    """The slowest rank's seconds and the largest rank's peak memory above its start, MB."""
-    start = reset_peak_rss()
-    dist.barrier()
-    seconds, _ = timed(fn)
-    peak = proc_status_mb("VmHWM") - start
-    return max_over_ranks(seconds)[0], max_over_ranks(peak)[0]
+def _dcp_load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+    """Stock ``dcp.load`` of the recipe, a call per top-level key (as TorchRec's table-wise
+    optimizer state needs)."""
+    sd = _recipe(model, opt)
+    for key in ("model", "optim"):
+        dcp.load({key: sd[key]}, checkpoint_id=str(path))
 
 
 def run(b: Bench) -> Outcome:
@@ -80,69 +73,39 @@ def run(b: Bench) -> Outcome:
         timed_save(ckpt, 1)
     got: dict[str, list[tuple[float, float]]] = {}
 
-    def turn(name: str, fn: Callable[[], Any]) -> Callable[[], float]:
-        def go() -> float:
-            seconds, peak = _measured(fn)
-            got.setdefault(name, []).append((seconds, peak))
+    def turns(label: str, methods: dict[str, Callable[[], Any]], prepare: Any = None) -> None:
+        """``methods`` in interleaved turns, each one's seconds and peak memory noted."""
+
+        def go(name: str) -> float:
+            watched = Peak(methods[name])
+            seconds, _ = timed(watched)
+            got.setdefault(name, []).append((seconds, watched.over_ranks()))
             return seconds
 
-        return go
+        b.log(f"{label}: {' against '.join(methods)}")
+        methods_ = {n: functools.partial(go, n) for n in methods}
+        b.interleaved(a.rounds, methods_, prepare=prepare, label=label)
 
-    def clear(name: str) -> None:
-        rmtree(ours if name == "export_dcp" else theirs)
-
-    b.log("export: export_dcp against dcp.save")
     options = ExportOptions(budget_mb=a.budget_mb, threads=a.threads)
-    b.interleaved(
-        a.rounds,
-        {
-            "export_dcp": turn("export_dcp", lambda: export_dcp(str(root), ours, options=options, group=dist.group.WORLD)),
-            "dcp_save": turn("dcp_save", lambda: dcp.save(_recipe(model, opt), checkpoint_id=str(theirs))),
-        },
-        prepare=clear,
-        label="export",
-    )  # fmt: skip
+    turns("export", {
+        "export_dcp": lambda: export_dcp(str(root), ours, options=options, group=dist.group.WORLD),
+        "dcp_save": lambda: dcp.save(_recipe(model, opt), checkpoint_id=str(theirs)),
+    }, prepare=lambda name: rmtree(ours if name == "export_dcp" else theirs))  # fmt: skip
     sizes = {"export_dcp": tree_bytes(ours), "dcp_save": tree_bytes(theirs)}
-
-    def stock_load() -> None:
-        sd = _recipe(model, opt)
-        for key in ("model", "optim"):
-            dcp.load({key: sd[key]}, checkpoint_id=str(theirs))
-
-    importer = CheckpointManager(model, CheckpointConfig(path=str(b.scratch / "imported")))
-
-    b.log("import: restore(from_dcp=) against dcp.load")
-    b.interleaved(
-        a.rounds,
-        {
-            "import": turn("import", lambda: importer.restore(from_dcp=theirs, step=1)),
-            "dcp_load": turn("dcp_load", stock_load),
-        },
-        label="import",
-    )
-    importer.close()
+    with CheckpointManager(model, CheckpointConfig(path=str(b.scratch / "imported"))) as importer:
+        turns("import", {
+            "import": lambda: importer.restore(from_dcp=theirs, step=1),
+            "dcp_load": lambda: _dcp_load(model, opt, theirs),
+        })  # fmt: skip
     # Resharding: both checkpoints (of table-wise tables) into the same tables row-wise.
-    resharded = build_model(
-        [TableSpec(t.name, t.rows, t.dim, "row_wise") for t in work.tables], seed=1
-    )
+    specs = [TableSpec(t.name, t.rows, t.dim, "row_wise") for t in work.tables]
+    resharded = build_model(specs, seed=1)
     reshard_opt = dense_optimizer(resharded)
-    restorer = CheckpointManager(resharded, CheckpointConfig(path=str(root), policy="full"))
-
-    def stock_reshard() -> None:
-        sd = _recipe(resharded, reshard_opt)
-        for key in ("model", "optim"):
-            dcp.load({key: sd[key]}, checkpoint_id=str(theirs))
-
-    b.log("resharding: restore into row-wise tables against dcp.load")
-    b.interleaved(
-        a.rounds,
-        {
-            "reshard_restore": turn("reshard_restore", lambda: restorer.restore(step=1)),
-            "reshard_dcp_load": turn("reshard_dcp_load", stock_reshard),
-        },
-        label="resharding",
-    )
-    restorer.close()
+    with CheckpointManager(resharded, CheckpointConfig(path=str(root), policy="full")) as restorer:
+        turns("resharding", {
+            "reshard_restore": lambda: restorer.restore(step=1),
+            "reshard_dcp_load": lambda: _dcp_load(resharded, reshard_opt, theirs),
+        })  # fmt: skip
     m: dict[str, Any] = {
         name: {
             "seconds": statistics.median(s for s, _ in runs),

@@ -95,6 +95,14 @@ class Bench:
             print(f"[{self.case} {time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr)
             sys.stderr.flush()
 
+    def log_row(self, row: Mapping[str, Any]) -> None:
+        """:meth:`log` of a row of figures: ``key value``, floats to 4 digits."""
+        self.log(
+            ", ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+            )
+        )
+
     def settle(self) -> None:
         """Flushes every dirty page and pending discard, and drops the page cache where
         allowed (as root, and not in ``--smoke`` runs, which share the machine)."""

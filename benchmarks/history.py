@@ -1,28 +1,14 @@
-"""A commit's cost against the history before it: save + commit, the manifest bytes a
-commit reads and writes, the writer's CPU time, a follower's update and a restore's
-planning, at checkpoint 10 and up to checkpoint 10,000.
+"""A commit's cost against the history before it, from checkpoint 10 to 10,000.
 
-The model is ``--tables`` table-wise tables of ``--rows`` x ``--dim`` (the DLRM, fused
-row-wise Adagrad) on 2 gloo ranks; it trains one step between saves, a save every step,
-each waited for, with default retention (every checkpoint kept), for each policy in
-``--policies``. Around each checkpoint count in ``--probes`` (the ``--window`` commits
-ending there: a whole cycle of the manifest's sealing, ``commit.manifest.TAIL``) it
-records per commit:
+The model (``--tables`` x ``--rows`` x ``--dim``, 2 gloo ranks) trains one step between
+saves, each waited for, every checkpoint kept, per policy in ``--policies``. Over the
+``--window`` commits ending at each of ``--probes`` (a cycle of the manifest's sealing):
+save + commit time; the metadata bytes rank 0's commit reads and writes; the writer
+thread's CPU time; a follower's update on rank 0 (seconds, requests, bytes); and a
+restore's planning (``ChainReader.open``, seconds, bytes, and per link: a consecutive chain
+grows by a link a commit). Medians (times) and means (bytes) per window.
 
-- save + commit: from ``save()`` until ``wait()`` returns, the slowest rank's;
-- the metadata bytes rank 0's commit reads and writes (the manifest, records, segments;
-  not the tensors, whose bytes do not depend on the history);
-- the writer's CPU time: the background writer thread's CPU seconds for the write and
-  commit, the slowest rank's;
-- a follower's update (a ``Follower`` on rank 0 polls after each commit): seconds,
-  requests and bytes;
-- a restore's planning on rank 0: reading the manifest and resolving the latest chain with
-  every link's record (``ChainReader.open``), seconds and bytes, and per link: a
-  consecutive chain (never compacted here) grows by a link a commit, and a restore applies
-  every link, so its planning is flat per link rather than in all.
-
-The figures at each probe are medians (times) and means (bytes) over the window; the
-targets compare the last probe with the first (within 1.2x).
+Targets: each figure at the last probe <= 1.2x the first's.
 """
 
 from __future__ import annotations
@@ -121,7 +107,7 @@ def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
             window.append(got)
             if step in a.probes:
                 rows.append(_summary(policy, step, window, root))
-                b.log(", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items() if k != "policy"))
+                b.log_row(rows[-1])
                 window = []
             dist.barrier()
     finally:

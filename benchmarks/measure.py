@@ -1,16 +1,6 @@
-"""What the benchmarks measure with, written once.
-
-- Timing over ranks: every figure is the slowest rank's (:func:`timed`), and a
-  checkpoint's stall and commit come from one "timed save, then wait" (:func:`timed_save`).
-- The limits figures are compared with: the disk's sequential bandwidth
-  (:func:`disk_bandwidth`) and a memory copy (:func:`memcpy_s`).
-- Files: cold reads (:func:`drop_cache`), sizes, deletion between barriers.
-- The model and its rows: the table-wise DLRM most cases checkpoint
-  (:func:`uniform_model`, trained by :class:`StepLoop`), the formats compared
-  (:data:`QUANTS`), random row subsets (:func:`random_rows`), marking exactly those
-  rows modified (:func:`modify`) and checking that a restore brought them back
-  (:func:`timed_restore`).
-- An S3 store: a moto server on loopback (:func:`moto_server`, :func:`s3_server`).
+"""What the benchmarks measure with, written once: timing over ranks (every figure the
+slowest rank's), the limits figures are compared with (the disk, a memcpy), cold reads and
+peak memory, the model most cases checkpoint and the rows they modify, and an S3 store.
 """
 
 from __future__ import annotations
@@ -231,6 +221,25 @@ def reset_peak_rss() -> float:
     return proc_status_mb("VmRSS")
 
 
+class Peak:
+    """``fn`` that notes the most resident memory its calls added over their start, MB
+    (this rank's; the peak resident set reset at each call): ``fn``'s alone, not the work
+    around it (a restore's, not the check that corrupts rows and compares them)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn, self.mb = fn, 0.0
+
+    def __call__(self) -> Any:
+        before = reset_peak_rss()
+        got = self.fn()
+        self.mb = max(self.mb, proc_status_mb("VmHWM") - before)
+        return got
+
+    def over_ranks(self) -> float:
+        """The largest rank's figure (a collective)."""
+        return max_over_ranks(self.mb)[0]
+
+
 # ---------------------------------------------------------------- the model and its rows
 
 
@@ -289,6 +298,15 @@ class StepLoop:
                 after(self.step)
             took.append(time.perf_counter() - t0)
         return took
+
+    @classmethod
+    def warm(cls, args: argparse.Namespace, batch: int, steps: int, seed: int = 0) -> StepLoop:
+        """The loop of :func:`uniform_model`'s model on Zipf batches of ``batch`` per rank,
+        trained ``steps`` steps."""
+        work = uniform_model(args)
+        loop = cls(work, ZipfBatches(work.tables, batch, seed=seed), dist.get_rank())
+        loop.train(steps)
+        return loop
 
     def align(self, k: int) -> None:
         """Moves the step on so that the next multiple of ``k`` comes after ``k // 2`` steps:

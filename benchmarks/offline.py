@@ -1,16 +1,12 @@
-"""Export and compaction of a ~1 GB chain, against a full save and the disk.
+"""Export and compaction of a ~1 GB consecutive chain (8 x 500k x 64 fp32, 2 gloo ranks; a
+baseline and ``--deltas`` deltas of ``--fraction`` of the rows), against a full save and
+the disk:
 
-The model is ``--tables`` table-wise tables of ``--rows`` x ``--dim`` fp32 (8 x 500k x 64,
-1.02 GB) on 2 gloo ranks with fused row-wise Adagrad. A consecutive chain is built: a full
-baseline, then ``--deltas`` deltas that each modify ``--fraction`` of the rows (a new
-random subset each). In one run:
-
-- compaction inside the job (``CheckpointManager.compact()`` until ``wait()`` returns),
-  against a full save of the same model (the peer: what a new baseline costs), and the
-  cold restore of that step before and after compaction;
-- after the job, in one process without a model: ``export_state_dict`` and writing it with
-  ``torch.save`` (``cnr export``), ``read_table`` of one table, and an offline ``cnr
-  compact`` of a second, identical chain; against reading as many bytes from the disk.
+- in the job: ``compact()`` until ``wait()``, against a full save of the same model, and
+  the cold restore of that step before and after;
+- offline, in one process without a model: ``export_state_dict`` and its ``torch.save``,
+  ``read_table`` of one table and ``cnr compact`` of a second chain, against reading as
+  many bytes from the disk.
 """
 
 from __future__ import annotations

@@ -2,25 +2,18 @@
 against PyTorch's and FBGEMM's quantizers, in one process.
 
 Every method (symmetric, asymmetric, kmeans, adaptive at 2/3/4/8 bits, fp16, bf16) on
-``--rows`` Gaussian rows of ``--dim`` (or ``--rows-file``, a ``torch.save``'d fp32 ``(N, D)``
-tensor of trained rows): the mean per-row relative error ``||x - x_hat|| / ||x||``, the
-compression against fp32 (per-row fp16 scale and bias included) and the quantize
-throughput in MB/s of fp32 input (best of at least ``--repeats`` runs; fast ones repeat
-for ~1 s). Peers in the same run: PyTorch's greedy
-``embedding_bag_{4,2}bit_prepack(w, optimized_qparams=True)`` (on ``--peer-rows`` rows, as
-it is slow; MB/s is per byte so it compares), FBGEMM's
-``FloatToFusedNBitRowwiseQuantizedSBHalf`` (2, 4 bits) and ``FloatToFused8BitRowwiseQuantized``.
-Targets: adaptive 4-bit error <= greedy's on the same rows, and >= 50x its MB/s; FBGEMM
-4-bit MB/s <= 1.5 x asymmetric 4-bit's.
+``--rows`` Gaussian rows of ``--dim``: mean per-row relative error ``||x - x_hat|| / ||x||``,
+compression against fp32 (per-row fp16 scale and bias included) and MB/s of fp32 input
+(:func:`benchmarks.measure.best_seconds`). Peers: PyTorch's greedy
+``embedding_bag_{4,2}bit_prepack(optimized_qparams=True)`` on ``--peer-rows`` rows (it is
+slow), FBGEMM's ``FloatToFusedNBitRowwiseQuantizedSBHalf`` (2, 4 bits) and
+``FloatToFused8BitRowwiseQuantized``. Targets: adaptive 4-bit error <= greedy's on the same
+rows and MB/s >= 50x its; FBGEMM 4-bit MB/s <= 1.5 x asymmetric 4-bit's.
 
-``--vs-greedy`` measures only adaptive 4-bit against the greedy, in six cells: dims 16, 64
-and 128 (``--vs-greedy-dims``), each on Gaussian and on heavy-tailed rows (Student-t, 3
-degrees of freedom), each cell holding ``--rows`` x ``--dim`` fp32 bytes; the greedy runs
-on its first ``--peer-rows`` x ``--dim`` bytes, where both errors are taken. Targets per
-cell: >= 50x the greedy's MB/s, error <= the greedy's. Adaptive's MB/s on the greedy's rows
-is printed beside (``speed, same rows``): there the outputs are small enough for malloc to
-recycle, as the greedy's are. Seeds are fixed (``--seed``);
-``--threads`` is 1, as the checkpoint writer runs under ``OMP_NUM_THREADS=1``.
+``--vs-greedy``: adaptive 4-bit against the greedy in six cells, dims ``--vs-greedy-dims``
+x {Gaussian, Student-t with 3 degrees of freedom}, each ``--rows`` x ``--dim`` fp32 bytes,
+both errors on the greedy's first ``--peer-rows`` x ``--dim`` bytes. Targets per cell:
+>= 50x its MB/s, error <= its. One thread (``--threads``), as the checkpoint writer runs.
 """
 
 from __future__ import annotations
@@ -73,7 +66,6 @@ def cell_targets(key: str) -> list[Goal]:
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, default=200_000, help="rows (per cell: as many bytes)")
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--rows-file", help="torch.save'd fp32 (N, D) tensor of trained rows")
     p.add_argument("--peer-rows", type=int, default=20_000, help="rows for the slow greedy")
     p.add_argument("--repeats", type=int, default=3, help="timed runs at least, best kept")
     p.add_argument("--min-seconds", type=float, default=1.0, help="timed at least, per entry")
@@ -141,13 +133,7 @@ def _rows(kind: str, rows: int, dim: int, seed: int) -> torch.Tensor:
 def _methods(b: Bench) -> Outcome:
     """Every method and bit width on one set of rows, then the peers."""
     a = b.args
-    if a.rows_file:
-        x = torch.load(a.rows_file, map_location="cpu")
-        if not isinstance(x, torch.Tensor) or x.dim() != 2:
-            raise SystemExit(f"{a.rows_file}: expected a 2-D tensor, got {type(x).__name__}")
-        x, source = x.float().contiguous(), f"file:{a.rows_file}"
-    else:
-        x, source = _rows("gaussian", a.rows, a.dim, a.seed), "gaussian"
+    x, source = _rows("gaussian", a.rows, a.dim, a.seed), "gaussian"
     sub = x[: min(x.shape[0], a.peer_rows)].contiguous()
     ours: dict[str, Any] = {}
     for method, bits in [(m, k) for m in METHODS for k in BITS] + [("fp16", 16), ("bf16", 16)]:

@@ -1,20 +1,12 @@
 """The scaling curve: stall, commit, restore and peak host memory per rank against the
 embedding bytes each rank holds, for full saves and 5%/25% deltas, fp32 and 4-bit.
 
-For each size in ``--gb-per-rank`` (default 0.25 0.5 1 2 4, what 24 GiB of host memory
-allows: the model, a staging pool as large as a full checkpoint, and a restore's reads)
-the model is 2 x ``--gb-per-rank`` GB of table-wise tables of ``--rows`` x 64 fp32 with
-fused row-wise Adagrad on 2 gloo ranks. For fp32 and 4-bit adaptive, one manager with the
-``intermittent`` policy takes a full baseline, then a delta with 5% and then with 25% of
-each shard's rows modified (the 5% inside the 25%); each checkpoint is restored cold
-right after its commit, through the same manager.
-
-Per rank (the maximum over ranks): stall (inside ``save``), commit (until ``wait``
-returns), restore, and the peak resident memory above what the process held before the
-manager was built (the staging pool counts). The disk's bandwidth and a memory copy are
-measured in the same run, and each figure is extrapolated linearly to ``--extrapolate``
-GB per rank from the largest size's rate, naming the resource that bounds it. Writes
-``scaling.csv`` and ``scaling.png`` beside the JSON result (``out/bench/scaling/``).
+For each of ``--gb-per-rank`` GB per rank (tables of ``--rows`` x 64, 2 gloo ranks), one
+intermittent manager per format takes a baseline, then a 5% and a 25% delta (the 5% inside
+the 25%), each restored cold after its commit. The slowest rank's stall, commit, restore
+and peak resident memory above the model (the staging pool counts); the disk and a memcpy
+measured beside, and each figure extrapolated linearly to ``--extrapolate`` GB per rank,
+naming the bound. Writes ``scaling.csv`` and ``scaling.png`` beside the JSON result.
 """
 
 from __future__ import annotations
@@ -94,12 +86,7 @@ def _size(b: Bench, gb: float) -> list[dict[str, Any]]:
                         **dict(zip(FIGURES, got)),
                     }
                 )
-                b.log(
-                    ", ".join(
-                        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                        for k, v in rows[-1].items()
-                    )
-                )
+                b.log_row(rows[-1])
         del ckpt  # its staging buffers go before the next manager takes its own
         rmtree(root)
     del model, shards, sels

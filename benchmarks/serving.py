@@ -1,30 +1,21 @@
 """Train to serve: the app's training job and its serving process, side by side at 1 GB.
 
-Each run is the app itself (``configs/serving.yaml``): ``scripts/serve.py`` starts first, in
-its own process, then ``torchrun scripts/train.py`` trains the DLRM of 4 table-wise tables x
-1M rows x dim 64 (1 GB of fp32 rows, row-wise Adagrad) on 2 ranks, committing a checkpoint
-every ``--interval-steps`` steps. The serving process follows the root with a
-``torchrec_cnr.Follower`` (polling every 0.25 s) and answers requests on a thread the whole
-time, each forward under ``follower.serving()``. With ``serve.step_rows`` on, the job writes
-each step into the last row of every table and every request checks that the rows it read
-all hold the step ``follower.step`` names: a request that sees anything else is a torn
-snapshot. One run per policy (consecutive, intermittent) and per checkpoint format and served
-model (fp32 checkpoints served as fp32; adaptive 4-bit checkpoints served as TorchRec's
-INT4), on the file system, and on S3 (a moto server on loopback) with ``--storage s3``.
+Each run is the app itself (``configs/serving.yaml``): ``scripts/serve.py`` starts first,
+then ``torchrun scripts/train.py`` trains the DLRM of 4 table-wise tables x 1M rows x dim
+64 (1 GB of fp32 rows) on 2 ranks, committing every ``--interval-steps`` steps, while the
+serving process follows the root with a ``torchrec_cnr.Follower`` and answers requests the
+whole time. With ``serve.step_rows`` the job writes each step into the last row of every
+table and every request checks that its rows hold the step ``follower.step`` names: any
+other is a torn snapshot. One run per policy, per checkpoint format and served model (fp32
+served as fp32; adaptive 4-bit served as TorchRec's INT4) and follower mode, on the file
+system or on S3 (a moto server on loopback).
 
-Per update (the follower's reports): rows and bytes read, seconds from the poll to served,
-seconds serving was blocked, lag from commit to served. Changed bytes: the rows changed
-since the served step (``list_checkpoints``' ``rows_changed``, summed over the steps the
-update skips) x (the stored row + its int32 id). Freshness of a trained row: from its
-training step to served (the middle row of an update, and the worst: see
-:func:`cnr_train.serve.freshness`, which ``make demo`` prints too). Blocked time is compared with a
-memcpy of the update's changed bytes.
-
-``--followers 1 4``: also the same job followed by 4 serving processes on its root; every
-serving process of the run is then at nice 10 (this machine has 2 cores; training's figures
-stay its own). Per follower: the requests and bytes it cost the store per commit and per
-update, the requests of a poll that found nothing new, and the CPU seconds of following;
-checked against a lone follower of the same job.
+Per update (the follower's reports): rows and bytes read against the rows changed since the
+served step (``rows_changed`` x the stored row and its int32 id), seconds to served, time
+serving was blocked against a memcpy of the changed bytes, lag from commit to served, and
+the freshness of a trained row (:func:`cnr_train.serve.freshness`). ``--followers 1 4``:
+the same job followed by 4 serving processes too (all at nice 10), each one's requests,
+bytes and CPU seconds per commit checked against a lone follower's.
 """
 
 from __future__ import annotations
@@ -44,7 +35,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import QUANTS, memcpy_s, s3_bucket, s3_server
+from benchmarks.measure import QUANTS, memcpy_s, model_arguments, s3_bucket, s3_server
 from benchmarks.results import Column, Goal, Table
 from cnr_train.serve import freshness
 from torchrec_cnr import CheckpointInfo, list_checkpoints, quantize
@@ -61,9 +52,7 @@ MB = 2**20
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tables", type=int, default=4)
-    p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=64)
+    model_arguments(p, rows=1_000_000, tables=4)
     p.add_argument("--steps", type=int, default=90, help="training steps per run")
     p.add_argument("--interval-steps", type=int, default=3, help="steps between checkpoints")
     p.add_argument("--batch-size", type=int, default=8192)
@@ -340,18 +329,10 @@ def _fanout_targets(runs: dict[str, Any], key: str) -> list[Goal]:
     follower of the same job does (within 1.2x)."""
     run, r = runs[key], f"runs.{key}"
     n = run["followers"]
-    out = (
-        []
-        if run["worst_idle_poll_requests"] is None
-        else [  # every poll found a commit
-            Goal(
-                f"{key}: a poll that finds nothing costs each of {n} followers <= 1 request",
-                f"{r}.worst_idle_poll_requests",
-                "<=",
-                1.0,
-            ),
-        ]
-    )
+    out = []
+    if run["worst_idle_poll_requests"] is not None:  # else every poll found a commit
+        name = f"{key}: a poll that finds nothing costs each of {n} followers <= 1 request"
+        out.append(Goal(name, f"{r}.worst_idle_poll_requests", "<=", 1.0))
     out += [
         Goal(f"{key}: every follower reads <= 1.2 x changed rows + ids (median)",
              f"{r}.worst_read_over_changed", "<=", 1.2),

@@ -2,30 +2,21 @@
 restore's planning and a follower's planning for ``--ranks`` x ``--tables`` row-wise
 tables, without training or tensors.
 
-Every shard record and torchsnapshot index entry is a real save's: the row-wise shard of
-a delta in ``tests/data/format_v6`` (a 2-rank save of the app's DLRM), its table, rank,
-rows and names changed (each table ``--rows`` rows of ``--dim``, split over every rank).
-Each configuration writes a baseline (every row) and a delta (``--fraction`` of each
-shard's rows) into a fresh root on the local disk, in a process of its own; each rank's
-part of the shard records and its share of the index are made beforehand, as each rank
-makes its own in parallel. Per configuration, seconds and bytes, and the peak of Python's
-memory (``tracemalloc``, in a second, untimed call):
+Every shard record and index entry is a real save's (the row-wise delta shard of
+``tests/data/format_v6``), renamed per table, rank and rows (each table ``--rows`` x
+``--dim``, split over every rank). Each configuration, in a process of its own, commits a
+baseline and a delta (``--fraction`` of each shard's rows) into a fresh local root, each
+rank's records and index share made beforehand as ranks make theirs in parallel. Seconds,
+bytes and the peak of Python's memory (``tracemalloc``, in a second, untimed call) of:
 
-- commit (the delta): what ``commit.write_and_commit`` does on rank 0, driven with a group
-  of simulated ranks (each other rank's report arrives pickled, as the gather brings it):
-  rank 0 builds the entry, writes the torchsnapshot index (the ranks' shares joined), the
-  shard records of every rank, the record and the manifest; per shard of the checkpoint;
-- a restore's planning, one rank's (the middle one): the manifest, the record and the
-  rank's own part of each link's shard records, and where each saved shard lands in its
-  shards (``restore.apply``'s plan), the saved ids made up instead of read; per shard of
-  the rank (a table each);
-- a follower's planning: its update from the baseline to the delta
-  (``serving.plan.plan_update``, every rank's records), each shard's changed rows made up
-  instead of read; per shard of the checkpoint.
+- the commit of the delta on rank 0 (``commit.write_and_commit`` with simulated ranks whose
+  reports arrive pickled), per shard of the checkpoint;
+- one rank's restore planning (``restore.apply``'s plan, saved ids made up), per shard of
+  that rank;
+- a follower's update plan from the baseline to the delta (``serving.plan.plan_update``),
+  per shard of the checkpoint.
 
-The targets: each figure per shard at the largest configuration within 1.5x of the
-smallest's: a commit and a follower linear in the checkpoint's shards, a rank's restore in
-its own, whatever the number of ranks.
+Targets: each figure per shard at the largest configuration <= 1.5x the smallest's.
 """
 
 from __future__ import annotations
@@ -297,7 +288,7 @@ def run(b: Bench) -> Outcome:
             # A rank's restore planning per shard of its own; the others per shard of all.
             row |= {f"{k}_per_shard": v / (tables if k.startswith("plan") else shards)
                     for k, v in got.items()}  # fmt: skip
-            b.log(", ".join(f"{k} {v:.4g}" for k, v in row.items()))
+            b.log_row(row)
             rows.append(row)
     measured = [r for r in rows if "commit_s" in r]
     small, large = measured[0], max(measured, key=lambda r: r["shards"])

@@ -37,59 +37,23 @@ from benchmarks.overhead import arms, gil, paired, save_cost
 def _arguments(p: argparse.ArgumentParser) -> None:
     model_arguments(p, rows=200_000)
     p.add_argument("--batch", type=int, default=512, help="samples per rank per step")
-    p.add_argument(
-        "--intervals",
-        type=float,
-        nargs="+",
-        default=[2.0, 5.0, 15.0, 30.0, 60.0],
-        help="target checkpoint intervals, seconds of training",
-    )
+    p.add_argument("--intervals", type=float, nargs="+", default=[2.0, 5.0, 15.0, 30.0, 60.0])
     p.add_argument("--arm-s", type=float, default=10.0, help="least training time of an arm")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per interval")
     p.add_argument("--warmup-steps", type=int, default=30, help="untimed training steps first")
     p.add_argument("--probe-steps", type=int, default=100, help="timed steps that set K")
-    p.add_argument(
-        "--headline-s",
-        type=float,
-        default=30.0,
-        help="the throughput target's interval (the nearest measured one)",
-    )
-    p.add_argument(
-        "--save-cost",
-        action="store_true",
-        help="measure instead the training time one full checkpoint costs, --saves times "
-        "per arm: eager, lazy, lazy with torch's locked copy; fp32 and 4-bit",
-    )
+    p.add_argument("--headline-s", type=float, default=30.0, help="the target's interval")
+    p.add_argument("--save-cost", action="store_true", help="ask overhead.save_cost's question")
     p.add_argument("--saves", type=int, default=8, help="--save-cost: checkpoints per arm")
     p.add_argument("--before", type=int, default=100, help="--save-cost: steps before a save")
     p.add_argument("--after", type=int, default=200, help="--save-cost: steps after it")
-    p.add_argument(
-        "--paired",
-        action="store_true",
-        help="measure instead the loss at each --intervals from adjacent stretches with "
-        "and without a checkpoint (lazy staging, fp32 and 4-bit), and saves asked for "
-        "faster than they commit",
-    )
-    p.add_argument(
-        "--pair-s",
-        type=float,
-        default=90.0,
-        help="--paired: seconds of pairs per interval and format (at least 3)",
-    )
+    p.add_argument("--paired", action="store_true", help="ask overhead.paired's question")
+    p.add_argument("--pair-s", type=float, default=90.0, help="--paired: seconds of pairs")
     p.add_argument("--busy-steps", type=int, default=60, help="--paired: steps per busy stretch")
     p.add_argument("--busy-pairs", type=int, default=5, help="--paired: pairs per busy arm")
-    p.add_argument(
-        "--gil",
-        action="store_true",
-        help="measure instead which threads hold the GIL while the job trains and commits "
-        "continuously (py-spy record --gil --threads), fp32 and 4-bit",
-    )
+    p.add_argument("--gil", action="store_true", help="ask overhead.gil's question")
     p.add_argument("--gil-s", type=float, default=20.0, help="--gil: seconds sampled per format")
-    p.add_argument(
-        "--merge",
-        type=Path,
-        help="a result of this case at another world size, carried into this one's",
-    )
+    p.add_argument("--merge", type=Path, help="this case's result at another world size")
 
 
 def run(b: Bench) -> Outcome:

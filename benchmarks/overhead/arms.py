@@ -1,49 +1,25 @@
 """The default question of :mod:`benchmarks.overhead`: the training throughput lost to a
 checkpoint every K steps, at each of ``--intervals`` seconds, eager and lazy staging.
 
-For each target interval (``--intervals``, seconds of training), ``interval_steps`` K is
-set so that K steps last about that long at the step time a warm-up measured (the median
-of five chunks of ``--probe-steps / 5``); the interval reported is the one measured, K x
-the step time without checkpoints. Then, in ``--rounds`` interleaved rounds (the arms take
-turns, the order rotating, each from a settled disk), every arm trains the same number of
-steps, n x K with n = ``max(1, ceil(--arm-s / interval))``:
+K is set so that K steps last the target interval at the step time a warm-up measured
+(median of five chunks of ``--probe-steps / 5``); the interval reported is K x the step
+time without checkpoints. In ``--rounds`` interleaved rounds every arm trains n x K steps,
+n = ``max(1, ceil(--arm-s / interval))``: ``none`` (no manager), and {eager, lazy} staging
+x {fp32, 4-bit} with the intermittent policy and ``maybe_save`` every K steps, on a fresh
+root and manager built before the timer. Its n saves fall mid-interval (the first the
+chain's full baseline) and its final ``wait()`` is timed: a commit that outlasts the steps
+counts as stall. Every arm thus pays one full checkpoint per n intervals.
 
-- ``none``: no checkpoint manager;
-- one arm per staging mode x quantization: {``eager`` (``save()`` copies the selected rows
-  before it returns), ``lazy`` (copy-on-write: they are copied after it returns)} x {fp32,
-  4-bit adaptive with ``min_rows=0``}, the intermittent policy, ``maybe_save`` every K
-  steps.
+Throughput lost = 1 - (steps/s with) / (steps/s without, same round), median over rounds;
+and, from the arm's own step times (beyond the reach of drift between arms): 1 - (steps x
+the mean time of the steps that overlap no checkpoint) / the arm's time. Also the median
+stall per checkpoint (full and delta apart) over the interval, and the commit latency.
 
-A checkpointing arm builds a fresh manager on a fresh root before its timer starts (its
-staging buffers are touched then). Its timed steps hold n saves, one in the middle of each
-interval, so that each save's background commit runs within the arm: the first is the
-chain's full baseline, the others what the intermittent rule takes (deltas of every row
-changed since the baseline, or a new baseline). The arm ends with ``wait()``, timed: a
-commit that outlasts the steps counts as stall. Every arm thus pays one full checkpoint
-per n intervals, as a job's first n intervals do; at the long intervals (n = 1), a full
-checkpoint per interval: more work than the intermittent policy does in a long run, where
-baselines are rarer.
-
-Throughput lost = 1 - (steps/s with checkpoints) / (steps/s without), per round against
-the ``none`` arm of the same round, then the median over rounds. Steps/s are the slowest
-rank's.
-
-Also per arm: the median stall per checkpoint (``CheckpointInfo.stall_s``, the slowest
-rank's; full and delta apart too) as a fraction of the interval (K x the ``none`` arm's
-step time), the median commit latency (save to commit), and a second estimate of the loss,
-from per-step times within the arm, which drift between arms cannot reach: 1 - (steps x
-the mean time of the steps that overlap no checkpoint, from its save to its commit) / the
-arm's time.
-
-Targets (for each measured world size and quantization): throughput lost <= 1% at the
-measured interval nearest to ``--headline-s`` (30 s), from the arms and from step times;
-median stall <= 0.4% of the interval at the longest measured interval (Check-N-Run's
-anchor: about 7 s of a 30-minute interval); lazy staging's throughput lost <= eager's at
-every measured interval, by both estimates. CPR's anchor, 0.53-0.68% total overhead of
-failure handling, is recorded beside them.
-
-``--merge`` carries a result of another world size into this one's (1 rank, then 2), so
-that one JSON holds both, each with its command.
+Targets (each world size and format): throughput lost <= 1% at the interval nearest
+``--headline-s``, by both estimates; lazy's <= eager's at every interval, by both; stall
+<= 0.4% of the interval at the longest (Check-N-Run's anchor). CPR's 0.53-0.68% total
+overhead is recorded beside them. ``--merge`` carries a result of another world size into
+this one's, so that one JSON holds both, each with its command.
 """
 
 from __future__ import annotations
@@ -62,7 +38,7 @@ import torch.distributed as dist
 from benchmarks import results
 from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import GB, QUANTS, StepLoop, from_rank0, gathered, rmtree, timed
-from benchmarks.overhead.common import LOSS_BOUND, interval_key, pct, warm_trainer
+from benchmarks.overhead.common import LOSS_BOUND, interval_key, pct, split_steps, warm_trainer
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
 
@@ -91,9 +67,7 @@ def _clean_step_s(
     The mean, not the median: other tenants' bursts lengthen the steps inside the windows
     as often as those outside, and only the mean lets them cancel.
     """
-    clean = [
-        t for t, e in zip(took, ends) if not any(e >= lo and e - t <= hi for lo, hi in windows)
-    ]
+    clean = split_steps(took, ends, windows)[1]
     mean = statistics.fmean(clean) if len(clean) >= max(10, len(took) // 10) else None
     every = [m for m in gathered(mean) if m is not None]
     return max(every) if len(every) == dist.get_world_size() else None
@@ -349,8 +323,8 @@ def tables(m: dict[str, Any]) -> list[Table]:
 
 def targets(m: dict[str, Any], headline_s: float) -> list[Goal]:
     """Per measured world size and quantization: throughput lost <= 1% at the measured
-    interval nearest ``headline_s`` (from the arms, and from step times); stall <= 0.4% of
-    the interval at the longest measured interval."""
+    interval nearest ``headline_s`` (from the arms, and from step times); lazy's <= eager's
+    at every interval; stall <= 0.4% of the interval at the longest measured interval."""
     out = []
     for world in _worlds(m):
         ivs = m[world]["intervals"]
@@ -358,48 +332,22 @@ def targets(m: dict[str, Any], headline_s: float) -> list[Goal]:
         longest = max(ivs, key=lambda k: ivs[k]["interval_s"])
         ranks = m[world]["world_size"]
         who = f"{ranks} training rank{'s' if ranks > 1 else ''}"
+        near = f"the interval nearest {headline_s:g} s ({ivs[head]['interval_s']:.1f} s)"
         for staging in STAGINGS:
             for quant in QUANTS:
-                at = f"{world}.intervals.{head}.{staging}.{quant}"
-                out.append(
-                    Goal(
-                        f"{who}, {staging} {quant}: throughput lost <= 1% at the interval "
-                        f"nearest {headline_s:g} s ({ivs[head]['interval_s']:.1f} s)",
-                        f"{at}.throughput_lost",
-                        "<=",
-                        LOSS_BOUND,
-                    )
-                )
-                out.append(
-                    Goal(
-                        f"{who}, {staging} {quant}: throughput lost from step times <= 1% at "
-                        f"the interval nearest {headline_s:g} s ({ivs[head]['interval_s']:.1f} s)",
-                        f"{at}.lost_from_step_times",
-                        "<=",
-                        LOSS_BOUND,
-                    )
-                )
+                at = f"{world}.intervals.{{}}.{staging}.{quant}.{{}}"
+                for field, what in LOSS_ESTIMATES.items():
+                    name = f"{who}, {staging} {quant}: throughput lost{what} <= 1% at {near}"
+                    out.append(Goal(name, at.format(head, field), "<=", LOSS_BOUND))
                 for key, iv in ivs.items() if staging == "lazy" else ():
                     for field, what in LOSS_ESTIMATES.items():
-                        out.append(
-                            Goal(
-                                f"{who}, lazy {quant}: throughput lost{what} <= eager's at "
-                                f"{iv['interval_s']:.1f} s",
-                                f"{world}.intervals.{key}.lazy.{quant}.{field}",
-                                "<=",
-                                f"{world}.intervals.{key}.eager.{quant}.{field}",
-                            )
-                        )
-                at = f"{world}.intervals.{longest}.{staging}.{quant}"
-                out.append(
-                    Goal(
-                        f"{who}, {staging} {quant}: stall <= 0.4% of the interval at the "
-                        f"longest ({ivs[longest]['interval_s']:.1f} s)",
-                        f"{at}.stall_of_interval",
-                        "<=",
-                        STALL_BOUND,
-                    )
-                )
+                        name = f"{who}, lazy {quant}: throughput lost{what} <= eager's at "
+                        eager = f"{world}.intervals.{key}.eager.{quant}.{field}"
+                        name += f"{iv['interval_s']:.1f} s"
+                        out.append(Goal(name, at.format(key, field), "<=", eager))
+                name = f"{who}, {staging} {quant}: stall <= 0.4% of the interval at the longest"
+                name += f" ({ivs[longest]['interval_s']:.1f} s)"
+                out.append(Goal(name, at.format(longest, "stall_of_interval"), "<=", STALL_BOUND))
     return out
 
 

@@ -7,8 +7,7 @@ import statistics
 import time
 
 from benchmarks.harness import Bench
-from benchmarks.measure import StepLoop, timed, uniform_model
-from cnr_train.workload import ZipfBatches
+from benchmarks.measure import StepLoop, timed
 
 LOSS_BOUND = 0.01
 """The throughput target: at most 1% lost at the headline interval."""
@@ -23,13 +22,23 @@ def warm_trainer(b: Bench) -> tuple[StepLoop, float]:
     """The model trained ``--warmup-steps``, and its seconds per step: the median of a few
     chunks, so that another tenant's burst in one chunk does not set K."""
     a = b.args
-    work = uniform_model(a)
-    trainer = StepLoop(work, ZipfBatches(work.tables, a.batch, seed=0), b.rank)
-    trainer.train(a.warmup_steps)
+    trainer = StepLoop.warm(a, a.batch, a.warmup_steps)
     chunk = max(1, a.probe_steps // 5)
     step_s = statistics.median(timed(lambda: trainer.train(chunk))[0] / chunk for _ in range(5))
     b.log(f"{b.world} rank(s): {step_s * 1e3:.1f} ms per step")
     return trainer, step_s
+
+
+def split_steps(
+    took: list[float], ends: list[float], windows: list[tuple[float, float]]
+) -> tuple[list[float], list[float]]:
+    """The seconds of the steps (each's seconds and end, on :func:`now`'s clock) that
+    overlap one of ``windows`` (spans from a save to its commit), and of the others."""
+    inside: list[float] = []
+    clean: list[float] = []
+    for t, e in zip(took, ends):
+        (inside if any(e >= lo and e - t <= hi for lo, hi in windows) else clean).append(t)
+    return inside, clean
 
 
 def pct(x: float | None) -> str:

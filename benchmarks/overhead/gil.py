@@ -1,14 +1,10 @@
 """``--gil`` of :mod:`benchmarks.overhead`: which threads hold the GIL while the model
-trains and commits continuously (a save every step, skipped while the previous one
-commits: ``on_busy="skip"``), the intermittent policy, fp32 and 4-bit.
+trains and commits continuously (a save every step, ``on_busy="skip"``; intermittent,
+fp32 and 4-bit). ``py-spy record --gil --threads`` samples each rank's process for
+``--gil-s`` seconds per format: each thread group's share of the samples (training,
+``cnr-writer``, ``cnr-io``, others), the commits made and the steps trained.
 
-``py-spy record --gil --threads`` samples each rank's own process for ``--gil-s`` seconds
-per format. Per thread (the training thread, the background writer ``cnr-writer``, the I/O
-threads ``cnr-io``, the others), its share of the samples that hold the GIL; also the
-commits made and the steps trained.
-
-Target (fp32 and 4-bit): the writer's threads (``cnr-writer`` and ``cnr-io``) hold the
-GIL in <= 10% of the samples.
+Target (fp32 and 4-bit): the writer's threads hold the GIL in <= 10% of the samples.
 """
 
 from __future__ import annotations
@@ -93,8 +89,7 @@ def run(b: Bench) -> Outcome:
     trainer, _ = warm_trainer(b)
     rows = [_gil_run(b, trainer, quant) for quant in QUANTS]
     for r in rows:
-        b.log(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-                        for k, v in r.items()))  # fmt: skip
+        b.log_row(r)
     m = {"mode": "gil", "world_size": b.world, "seconds": b.args.gil_s,
          "formats": {r["format"].replace("-", ""): r for r in rows}}  # fmt: skip
     table = Table.of(

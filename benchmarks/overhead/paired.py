@@ -1,20 +1,14 @@
-"""``--paired`` of :mod:`benchmarks.overhead`: the curve of throughput lost over the
-interval, with an estimate that resolves 1%, for lazy staging (the default), the
-intermittent policy, fp32 and 4-bit.
+"""``--paired`` of :mod:`benchmarks.overhead`: throughput lost against the interval, with
+an estimate that resolves 1% (lazy staging, intermittent policy, fp32 and 4-bit).
 
-Arms run minutes apart move with the machine's other tenants by more than 1% (in
-:mod:`benchmarks.overhead.arms`, the no-checkpoint arm's rounds spread up to 10%). Here
-each measurement is a pair of adjacent stretches of K steps, one with a checkpoint in its
-middle and its commit waited for at its end, one without, in alternating order; a pair's
-loss is 1 - (time without) / (time with), and the figure is the median over pairs
-(``--pair-s`` seconds of pairs per interval and format, at least 3), with its 95%
-interval (1.58 IQR / sqrt(n)). The manager saves its baseline before the first pair;
-skipped stretches put their rows into the next delta, so deltas are larger than at a
-checkpoint every interval.
-
-Also: saves asked for faster than they commit (every 2 steps, fp32), with ``on_busy``
-"wait" (the default: ``save()`` waits for the previous commit) and "skip" (the save is
-skipped, its rows go into the next): saves made, the loss, and the stall.
+Arms minutes apart move with the machine's other tenants by more than 1%. Here each
+measurement is a pair of adjacent stretches of K steps, one with a checkpoint in its middle
+(its commit waited for at the end) and one without, in alternating order: loss = 1 - (time
+without) / (time with), median over pairs (``--pair-s`` seconds of pairs per interval and
+format, at least 3), with its 95% interval (1.58 IQR / sqrt(n)). The baseline is saved
+before the first pair; a stretch without a checkpoint puts its rows into the next delta.
+Also saves asked for faster than they commit (every 2 steps, fp32), ``on_busy`` "wait" and
+"skip": saves made, the loss and the stall.
 
 Targets: fp32 at the interval nearest 10 s loses <= 1%, resolved to ± 0.5%.
 """
@@ -30,7 +24,7 @@ from typing import Any
 
 from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import QUANTS, StepLoop, from_rank0, max_over_ranks, rmtree, timed
-from benchmarks.overhead.common import LOSS_BOUND, interval_key, now, pct, warm_trainer
+from benchmarks.overhead.common import LOSS_BOUND, interval_key, now, pct, split_steps, warm_trainer
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
 from torchrec_cnr.config import OnBusy
@@ -87,12 +81,10 @@ def _step_cost(took: list[float], ends: list[float], saved_at: float, committed_
     """One checkpoint's cost to training, from the step times of its stretch: its stall
     plus what the steps from its save to its commit took beyond the mean of the stretch's
     other steps (seconds apart on the same machine, so its other tenants weigh alike)."""
-    inside = [e >= saved_at and e - t <= committed_at for t, e in zip(took, ends)]
-    clean = [t for t, i in zip(took, inside) if not i]
+    inside, clean = split_steps(took, ends, [(saved_at, committed_at)])
     if len(clean) < 10:
         return math.nan  # the commit overlapped nearly every step: no reference pace
-    over = sum(t for t, i in zip(took, inside) if i) - statistics.fmean(clean) * sum(inside)
-    return stall + over
+    return stall + sum(inside) - statistics.fmean(clean) * len(inside)
 
 
 def _spread(values: list[float]) -> float:

@@ -1,35 +1,28 @@
-"""``--save-cost`` of :mod:`benchmarks.overhead`: the training time one checkpoint costs,
-from its save to its commit, measured alone many times (the arms of
-:mod:`benchmarks.overhead.arms` move with the machine's other tenants by more than a
-checkpoint costs).
+"""``--save-cost`` of :mod:`benchmarks.overhead`: the training time one full checkpoint
+costs, measured alone many times (the arms move with the machine's other tenants by more
+than a checkpoint costs).
 
-The model trains ``--before`` steps, then a full checkpoint is saved, and training goes
-on for ``--after`` steps (past the commit). The checkpoint costs training its stall plus
-what the steps overlapping it, from the save to the commit, took beyond the mean of the
-steps around them that overlap none. The arms take turns, ``--saves`` times each, on a
-fresh root each time:
+Train ``--before`` steps, save, train ``--after`` steps (past the commit): the cost is the
+stall plus what the steps from the save to the commit took beyond the mean of the others.
+The arms take turns, ``--saves`` times each, on a fresh root: eager and lazy staging (the
+compiled copier, ``staging/_cow.c``), fp32 and 4-bit, and lazy fp32 with
+``IOOptions(compiled_staging=False)`` (torch's copy under each kernel's lock, as on CUDA).
 
-- eager: ``save()`` copies every row before it returns (fp32, 4-bit);
-- lazy: copy-on-write, rows claimed with atomic bits by the compiled copier
-  (``staging/_cow.c``), the default (fp32, 4-bit);
-- lazy with ``IOOptions(compiled_staging=False)``: torch copies the rows under each
-  kernel's lock, in chunks, the path CUDA takes (fp32).
-
-Targets: the median cost of a lazy checkpoint <= an eager one's (fp32 and 4-bit), and a
-lazy fp32 one's <= one copied by torch under the lock.
+Targets: a lazy checkpoint's median cost <= an eager one's (fp32, 4-bit), and lazy fp32's
+<= torch's locked copy's.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 import torch.distributed as dist
 
 from benchmarks.harness import Bench, Outcome
-from benchmarks.measure import QUANTS, StepLoop, from_rank0, gathered, rmtree, uniform_model
-from benchmarks.overhead.common import now
+from benchmarks.measure import QUANTS, StepLoop, from_rank0, gathered, rmtree
+from benchmarks.overhead.common import now, split_steps
 from benchmarks.results import Goal, Table
-from cnr_train.workload import ZipfBatches
 from torchrec_cnr import CheckpointConfig, CheckpointManager, IOOptions, list_checkpoints
 
 COST_ARMS: dict[str, tuple[str, bool, str]] = {
@@ -71,9 +64,8 @@ def _save_cost_once(
         ckpt.wait()
     info = from_rank0(lambda: list_checkpoints(str(root))[-1])
     rmtree(root)
-    overlaps = [e >= saved_at and e - t <= info.committed_at for t, e in zip(took, ends)]
-    inside = [t for t, o in zip(took, overlaps) if o]
-    clean = statistics.fmean(t for t, o in zip(took, overlaps) if not o)
+    inside, others = split_steps(took, ends, [(saved_at, info.committed_at)])
+    clean = statistics.fmean(others)
     if len(inside) >= b.args.after:
         raise RuntimeError(f"the commit outlasted --after {b.args.after} steps: raise it")
     cost = stall + sum(inside) - clean * len(inside)
@@ -90,19 +82,14 @@ def _save_cost_once(
 def run(b: Bench) -> Outcome:
     """The training time one full checkpoint costs, per arm."""
     a = b.args
-    work = uniform_model(a)
-    trainer = StepLoop(work, ZipfBatches(work.tables, a.batch, seed=0), b.rank)
-    trainer.train(a.warmup_steps)
+    trainer = StepLoop.warm(a, a.batch, a.warmup_steps)
     each: dict[str, list[dict[str, float]]] = {name: [] for name in COST_ARMS}
-    names = list(COST_ARMS)
-    for n in range(a.saves):
-        for name in names[n % len(names) :] + names[: n % len(names)]:
-            b.settle()
-            each[name].append(_save_cost_once(b, trainer, *COST_ARMS[name], n))
-        b.log(
-            f"save {n + 1}/{a.saves}: "
-            + ", ".join(f"{k} {v[-1]['cost_s'] * 1e3:.0f} ms" for k, v in each.items())
-        )
+
+    def once(name: str) -> float:
+        each[name].append(_save_cost_once(b, trainer, *COST_ARMS[name], len(each[name])))
+        return each[name][-1]["cost_s"]
+
+    b.interleaved(a.saves, {n: functools.partial(once, n) for n in COST_ARMS}, label="cost s")
     arms = {
         name: {
             "staging": STAGING_NAMES[COST_ARMS[name][:2]],
