@@ -73,7 +73,14 @@ def serving_model(tables: list[TableSpec], num_dense: int, dtype: ServeDtype) ->
         dtype: the served row type.
     """
     cpu = torch.device("cpu")
-    model = dlrm(tables, num_dense, cpu, cpu)
+    # Tables built without drawing initial values (seconds at 1 GB), which the first
+    # update overwrites: zeros until then.
+    model = dlrm(tables, num_dense, torch.device("meta"), cpu)
+    ebc = model.sparse_arch.embedding_bag_collection
+    ebc.to_empty(device=cpu)
+    with torch.no_grad():
+        for weight in ebc.parameters():
+            weight.zero_()
     model.eval()
     quantized = DTYPES[dtype]
     return model if quantized is None else quantize_embeddings(model, quantized, inplace=True)

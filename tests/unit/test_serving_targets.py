@@ -26,6 +26,7 @@ from torchrec_cnr.serving import (
     StoredRows,
     TableSlot,
 )
+from torchrec_cnr.serving.rows import finite_rows_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -459,3 +460,17 @@ def test_swap_mode_writes_aside_and_serves_every_table_at_once(bits: int | None)
     target.sync_spare()
     target.swap()
     assert all(torch.equal(a, b) for a, b in zip(swapped, _lookups(sparse)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_row_is_finite_exactly_when_every_element_is(dtype: torch.dtype) -> None:
+    values = torch.randn(6, 8).to(dtype)
+    big = torch.finfo(dtype).max
+    values[1, 2] = float("nan")
+    values[2, 0] = float("inf")
+    values[3, 1], values[3, 5] = float("inf"), -float("inf")
+    values[4] = big  # finite elements whose sum overflows: still a finite row
+    values[5, 7] = -float("inf")
+    got = finite_rows_of(values)
+    assert got.tolist() == torch.isfinite(values).all(dim=1).tolist()
+    assert got.tolist() == [True, False, False, False, True, False]

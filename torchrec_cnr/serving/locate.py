@@ -96,7 +96,8 @@ def _located(
             found = source.locate(n, rec, wanted)
             pieces += [_Piece(ids, rec, keep, source.reader(n)) for ids, keep in found]
             if found:
-                wanted = wanted[~torch.isin(wanted, torch.cat([ids for ids, _ in found]))]
+                taken = torch.cat([ids for ids, _ in found]).sort().values
+                wanted = wanted[~find_ids(taken, wanted)[0]]
     return pieces, wanted
 
 

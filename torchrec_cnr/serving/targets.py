@@ -49,7 +49,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
 from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
 
-from torchrec_cnr.serving.rows import PreparedRows, StoredRows
+from torchrec_cnr.serving.rows import PreparedRows, StoredRows, finite_rows_of
 from torchrec_cnr.serving.tbe import (
     BITS,
     ServingFormat,
@@ -443,7 +443,7 @@ class QuantizedTarget(ServingTarget):
             return serving_nbit(rows, bits, key, ids)
         dtype = torch.float32 if table.format == "fp32" else torch.float16
         values = rows.dequantize().to(dtype)
-        bad = ~torch.isfinite(values).all(1)
+        bad = ~finite_rows_of(values)
         if bool(bad.any()):
             raise _bad_row(key, bad, ids, f"is not finite as {dtype}")
         return (values.view(torch.uint8),)
