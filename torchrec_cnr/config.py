@@ -267,6 +267,14 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"path must be a non-empty string, got {self.path!r}")
+        for part, kind in (("quantize", QuantizeConfig), ("recovery", RecoveryConfig),
+                           ("io", IOOptions), ("timeouts", Timeouts)):  # fmt: skip
+            value = getattr(self, part)
+            if not isinstance(value, kind):
+                raise ValueError(
+                    f"{part} must be given as {kind.__name__}(...) (every default: "
+                    f"{kind.__name__}()), got {value!r}"
+                )
         check_policy(self.policy, self.baseline_rule)
         if (
             self.interval_steps is not None

@@ -121,6 +121,9 @@ def test_unknown_format_version_is_refused(tmp_path: Path) -> None:
         ({"keep_last": 0}, "keep_last"),
         ({"baseline_rule": "x"}, "baseline_rule"),
         ({"path": ""}, "path"),
+        ({"quantize": None}, r"quantize must be given as QuantizeConfig\(\.\.\.\)"),
+        ({"io": {"threads": 4}}, r"io must be given as IOOptions\(\.\.\.\)"),
+        ({"timeouts": 30}, r"timeouts must be given as Timeouts\(\.\.\.\)"),
     ],
 )
 def test_config_rejects_out_of_range_values_naming_the_field(kwargs: dict, field: str) -> None:
