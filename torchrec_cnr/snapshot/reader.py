@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -81,6 +82,23 @@ class _Read:
     whole: bool = False
     """The pieces do not cover the bytes in order (a pickled tensor, or one chunked along
     another dim): the checksum is computed over the whole tensor once read."""
+
+
+SPAN_BYTES = 8 << 20
+"""Bytes of a merged span (rows read with the gaps between them) read at once, into a
+buffer each reading thread keeps, the wanted rows then taken out of it: a span read whole
+into a fresh buffer paid a page fault per 4 KiB and a pass over memory that no longer
+held it (a cold start reads most of a baseline's rows this way)."""
+
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> torch.Tensor:
+    """This thread's reusable buffer of at least ``nbytes`` bytes."""
+    buf: torch.Tensor | None = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.buf = torch.empty(max(nbytes, SPAN_BYTES), dtype=torch.uint8)
+    return buf[:nbytes]
 
 
 COALESCE_EXTRA = 1.0
@@ -465,9 +483,18 @@ class SnapshotReader:
                 view = as_bytes(out)[a * row_bytes : b * row_bytes]
                 self.storage.read_into(location, start, view)
                 continue
-            span = torch.empty([hi - lo, *out.shape[1:]], dtype=out.dtype)
-            self.storage.read_into(location, start, as_bytes(span))
-            out[a:b] = span[index[a:b] - lo]
+            wanted = index[a:b]
+            rows = max(1, SPAN_BYTES // row_bytes)
+            scratch = _scratch(min(hi - lo, rows) * row_bytes).view(out.dtype)
+            scratch = scratch.view(-1, *out.shape[1:])
+            bounds = torch.searchsorted(wanted, torch.arange(lo, hi, rows)).tolist() + [b - a]
+            for i0, i1 in zip(bounds, bounds[1:]):
+                if i0 == i1:
+                    continue
+                r0, r1 = int(wanted[i0]), int(wanted[i1 - 1]) + 1
+                chunk = scratch[: r1 - r0]
+                self.storage.read_into(location, start + (r0 - lo) * row_bytes, as_bytes(chunk))
+                torch.index_select(chunk, 0, wanted[i0:i1] - r0, out=out[a + i0 : a + i1])
 
     def nbytes(self, rank: int, name: str) -> int:
         """The size of a stored shard tensor of ``rank``, from the index (nothing is read)."""
