@@ -398,7 +398,7 @@ class Server:
             "fresh_max_s": max(f["worst_s"] for f in fresh) if fresh else None,
             "blocked_median_s": statistics.median(blocked),
             "blocked_max_s": max(blocked),
-            "swap": self.follower.target.swapping,
+            "swap": self.follower.swap,
             "spare_bytes": self.follower.spare_bytes,
             "requests": len(latencies),
             "request_steps": len(self.requests.steps) if self.requests else 0,

@@ -96,6 +96,7 @@ def test_fp32_follower_serves_exactly_the_latest_checkpoint_after_every_update(
         _assert_serves_the_root(model, root)
     reports = follower.reports
     assert reports[0].cold and not any(r.cold for r in reports[1:])
+    assert (follower.spare_bytes > 0) == swap == follower.swap
     latest = Manifest.load(root).latest()
     assert latest is not None
     total = sum(t.num_embeddings for t in latest.tables.values())
@@ -283,10 +284,10 @@ def test_by_default_a_follower_swaps_where_the_second_copy_fits_in_half_the_free
     with pytest.raises(ValueError, match="swap must be a bool or None"):
         FollowerOptions(swap="yes")  # type: ignore[arg-type]
     follower = Follower(root, target)  # a small model: it fits
-    assert target.swapping and follower.spare_bytes == target.table_bytes() > 0
+    assert follower.swap and follower.spare_bytes == 0, "the spare comes with the first step"
     follower.close()
     copying = Follower(root, _serving_target("fp32")[1], FollowerOptions(swap=False))
-    assert copying.spare_bytes == 0 and not copying.target.swapping
+    assert not copying.swap and copying.spare_bytes == 0
     copying.close()
 
 

@@ -147,7 +147,7 @@ def test_apply_serves_exactly_the_step_applied_in_copy_and_swap_mode(
         model = serving_model(TABLES, 4, "fp32")
         target = FloatTarget(model)
         applier = Applier(target, swap=swap)
-        assert applier.served is None and (applier.spare_bytes > 0) == swap
+        assert applier.served is None and applier.spare_bytes == 0 and applier.swap == swap
         reader = UpdateReader(storage, io, target)
         # Cold, then two warm updates: in swap mode the third is written into the copy
         # the first served, which the second's rows are replayed onto first.
@@ -156,6 +156,7 @@ def test_apply_serves_exactly_the_step_applied_in_copy_and_swap_mode(
             assert update is not None and update.plan.cold == (step == 12)
             blocked, held = applier.apply(update)
             assert applier.served is not None and applier.served.step == step
+            assert (applier.spare_bytes == target.table_bytes()) == swap == target.swapping
             assert blocked >= 0 and held > 0
             got = model.state_dict()
             bad = [k for k, v in expected[step].items() if not torch.equal(v, got[k])]

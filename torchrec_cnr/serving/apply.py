@@ -70,7 +70,10 @@ class Applier:
 
     Args:
         target: the serving model, wrapped.
-        swap: swap mode: the target keeps a second copy of its tables (enabled here).
+        swap: swap mode: the target keeps a second copy of its tables. The first update,
+            before which nothing is served, is written in place like a copy-mode one; the
+            second copy is then made from it (:meth:`ServingTarget.enable_swap`), instead
+            of a blank copy being made first and filled, swapped in and copied back.
         lock: the lock serving code shares; a new one if ``None``.
     """
 
@@ -79,10 +82,12 @@ class Applier:
     ) -> None:
         self.target = target
         self.lock = SharedLock() if lock is None else lock
+        self.swap = swap
+        """Whether updates after the first are written into the second copy and swapped in."""
         self.served: Entry | None = None
         """The checkpoint served; ``None`` before the first update."""
-        self.spare_bytes = target.enable_swap() if swap else 0
-        """Memory the second copy of the tables takes (swap mode)."""
+        self.spare_bytes = 0
+        """Memory the second copy of the tables takes (swap mode, from the first update on)."""
         self._behind: list[tuple[str, torch.Tensor, PreparedRows]] | None = []
         """Swap mode: what the spare copy lacks of the served step (``None``: unknown,
         copied whole before the next update)."""
@@ -121,6 +126,8 @@ class Applier:
             self._behind = prepared
             if update.plan.cold:
                 self._behind = None  # every row: copied whole at the next update
+        elif self.swap:  # the first update, written in place: the spare copies it
+            self.spare_bytes = self.target.enable_swap()
         return blocked, held
 
     def _write_spare(self, prepared: list[tuple[str, torch.Tensor, PreparedRows]]) -> None:

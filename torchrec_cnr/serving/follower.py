@@ -132,8 +132,14 @@ class Follower:
         return None if served is None else served.step
 
     @property
+    def swap(self) -> bool:
+        """Whether it serves in swap mode (chosen when it was made, see
+        :func:`~torchrec_cnr.serving.options.swap_mode`)."""
+        return self._applier.swap
+
+    @property
     def spare_bytes(self) -> int:
-        """Memory the second copy of the tables takes (swap mode)."""
+        """Memory the second copy of the tables takes (swap mode, once a step is served)."""
         return self._applier.spare_bytes
 
     @property
