@@ -138,6 +138,26 @@ def test_fetch_reads_an_update_over_the_budget_in_pieces_each_shown_to_the_gate(
             assert len(seen) == 6 + 5  # 600 rows, then 401, 100 at a time
 
 
+def test_fetch_counts_only_the_rows_a_warm_update_reads_against_the_budget(
+    stored: tuple[Storage, Expected], io: IOContext, tmp_path: Path
+) -> None:
+    storage, _ = stored
+    manifest = Manifest.load(storage)
+    latest = _entry(manifest, 24)
+    chain = ChainReader(storage, manifest, latest, io, verify=False, lazy=True)
+    served = _entry(manifest, 22)
+    plan = plan_update(manifest, chain, served, served.id)
+    assert plan is not None and not plan.cold
+    unchanged = next(t for t in plan.rows if t.endswith(".c"))
+    del plan.rows[unchanged]  # a warm plan that does not name a table reads none of it
+    target = FloatTarget(serving_model(TABLES, 4, "fp32"))
+    budget = 100 * (2 * 4 * 8 + 8)  # 100 rows of dim 8: table a's 60 fit, c's 401 do not
+    reader = UpdateReader(storage, io, target, None, budget, str(tmp_path))
+    assert reader._spill_for(plan, latest) is None
+    plan.cold = True  # every row of both tables: over the budget
+    assert reader._spill_for(plan, latest) is not None
+
+
 def test_apply_serves_exactly_the_step_applied_in_copy_and_swap_mode(
     stored: tuple[Storage, Expected], io: IOContext
 ) -> None:

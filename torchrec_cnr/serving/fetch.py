@@ -76,10 +76,8 @@ class UpdateReader:
         update = PendingUpdate(plan, spill=self._spill_for(plan, latest))
         for table, shape in latest.tables.items():
             key = shape.state_dict_key
-            wanted = None if plan.cold else plan.rows.get(table)
+            wanted = _wanted(plan, table)
             if wanted is not None and not wanted.numel():
-                continue
-            if wanted is None and not plan.cold:
                 continue
             parts: list[torch.Tensor | None] = [wanted]
             if update.spill is not None:
@@ -107,8 +105,8 @@ class UpdateReader:
             return None
         need = 0
         for table, shape in latest.tables.items():
-            wanted = plan.rows.get(table)
-            rows = shape.num_embeddings if plan.cold or wanted is None else int(wanted.numel())
+            wanted = _wanted(plan, table)
+            rows = shape.num_embeddings if wanted is None else int(wanted.numel())
             need += rows * piece_bytes(shape.embedding_dim)
         return Spill(self.target, self.spill_dir) if need > self.memory_budget else None
 
@@ -127,3 +125,11 @@ class UpdateReader:
                 return False
         update.spill.add(rows)
         return True
+
+
+def _wanted(plan: UpdatePlan, table: str) -> torch.Tensor | None:
+    """The rows of ``table`` ``plan`` reads: ``None`` for every row (a cold plan), none
+    for a table a warm plan does not name (it did not change)."""
+    if plan.cold:
+        return None
+    return plan.rows.get(table, torch.empty(0, dtype=torch.int64))
