@@ -8,6 +8,7 @@ methods, bit widths and thresholds from :mod:`torchrec_cnr.quantization`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -32,8 +33,28 @@ __all__ = [
     "QuantizeConfig",
     "RecoveryConfig",
     "Timeouts",
+    "checked_safe_globals",
     "mb_bytes",
 ]
+
+
+def checked_safe_globals(names: Iterable[str | type]) -> tuple[str | type, ...]:
+    """``safe_globals`` (types ``app_state`` may hold beyond the built-in ones) as a tuple,
+    each a type or a qualified name like ``"package.module.Name"``.
+
+    Raises:
+        ValueError: an entry that is neither, named.
+    """
+    names = tuple(names)
+    for name in names:
+        if isinstance(name, str) and "." not in name.strip("."):
+            raise ValueError(
+                f"safe_globals entries must be qualified names like 'package.module.Name' "
+                f"or types, got {name!r}"
+            )
+        if not isinstance(name, str | type):
+            raise ValueError(f"safe_globals entries must be strings or types, got {name!r}")
+    return names
 
 
 def mb_bytes(mb: float | None) -> int | None:
@@ -294,15 +315,7 @@ class CheckpointConfig:
             raise ValueError(
                 f"compact_every must be a positive int or None, got {self.compact_every!r}"
             )
-        object.__setattr__(self, "safe_globals", tuple(self.safe_globals))
-        for name in self.safe_globals:
-            if isinstance(name, str) and "." not in name.strip("."):
-                raise ValueError(
-                    f"safe_globals entries must be qualified names like 'package.module.Name' "
-                    f"or types, got {name!r}"
-                )
-            if not isinstance(name, str | type):
-                raise ValueError(f"safe_globals entries must be strings or types, got {name!r}")
+        object.__setattr__(self, "safe_globals", checked_safe_globals(self.safe_globals))
         if self.staging not in STAGING:
             raise ValueError(f"staging must be one of {STAGING}, got {self.staging!r}")
         if self.on_busy not in ON_BUSY:

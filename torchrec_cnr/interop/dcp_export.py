@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.config import mb_bytes
+from torchrec_cnr.config import checked_safe_globals, mb_bytes
 from torchrec_cnr.interop.dcp_io import Block, fused_state_path, write_blocks
 from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.read.chain import ChainReader
@@ -95,10 +95,7 @@ class ExportOptions:
             raise ValueError(f"budget_mb must be at least 1/1024 (1 KiB, finite), got {mb!r}")
         if not isinstance(self.overwrite, bool):
             raise ValueError(f"overwrite must be a bool, got {self.overwrite!r}")
-        object.__setattr__(self, "safe_globals", tuple(self.safe_globals))
-        for name in self.safe_globals:
-            if not isinstance(name, str | type):
-                raise ValueError(f"safe_globals entries must be strings or types, got {name!r}")
+        object.__setattr__(self, "safe_globals", checked_safe_globals(self.safe_globals))
         if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1:
             raise ValueError(f"threads must be a positive int, got {self.threads!r}")
         if self.progress is not None and not callable(self.progress):
