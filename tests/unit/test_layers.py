@@ -21,6 +21,7 @@ STAGES = [
         "iocontext",
         "schema",
         "collectives",
+        "rowcopy",
         "quantization",
     ),  # fmt: skip
     ("tracking",),

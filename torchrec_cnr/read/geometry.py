@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from torchrec_cnr.encoding import FP32, ShardRecord, decode_weight
+from torchrec_cnr.rowcopy import put_rows
 from torchrec_cnr.tracking.shard import ShardSpec
 
 __all__ = [
@@ -126,21 +127,6 @@ def place(
     )
 
 
-def _put(dst: torch.Tensor, rows: torch.Tensor, part: torch.Tensor) -> None:
-    """``dst[rows] = part``: one block copy where ``rows`` are consecutive and ascending
-    (a whole saved shard, or a run of a delta), an indexed copy otherwise."""
-    k = rows.numel()
-    if (
-        k
-        and int(rows[-1]) - int(rows[0]) == k - 1
-        and (k == 1 or bool((rows[1:] > rows[:-1]).all()))
-    ):
-        first = int(rows[0])
-        dst[first : first + k].copy_(part)
-    else:
-        dst.index_copy_(0, rows, part)
-
-
 def scatter(dst: torch.Tensor, where: Placement, saved: torch.Tensor) -> bool:
     """Writes the landing part of a saved tensor into ``dst``, converting its dtype.
 
@@ -156,11 +142,11 @@ def scatter(dst: torch.Tensor, where: Placement, saved: torch.Tensor) -> bool:
     rows = where.rows.to(dst.device)
     if dst.dim() == 2:
         part = saved[:, where.src_cols].to(device=dst.device, dtype=dst.dtype)
-        _put(dst[:, where.dst_cols], rows, part)
+        put_rows(dst[:, where.dst_cols], rows, part)
         return True
     if not where.owns_row_state:
         return False
-    _put(dst, rows, saved.to(device=dst.device, dtype=dst.dtype))
+    put_rows(dst, rows, saved.to(device=dst.device, dtype=dst.dtype))
     return True
 
 
@@ -196,7 +182,7 @@ def scatter_weight(
         if keep is not None:
             values = values[keep - a]
         part = values[:, where.src_cols].to(device=dst.device, dtype=dst.dtype)
-        _put(dst[:, where.dst_cols], where.rows[j0:j1].to(dst.device), part)
+        put_rows(dst[:, where.dst_cols], where.rows[j0:j1].to(dst.device), part)
 
     starts = range(0, count, step)
     if executor is None or len(starts) < 2:

@@ -136,7 +136,16 @@ def changed_since(chain: ChainReader, entry: Entry) -> dict[str, torch.Tensor] |
             return None
         if rec.saved_rows:
             parts.setdefault(rec.spec.table, []).append(changed_rows(chain, entry, rec)[0])
-    return {t: torch.unique(torch.cat(p)) for t, p in parts.items()}
+    return {t: _union(p) for t, p in parts.items()}
+
+
+def _union(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The distinct ids in any of ``parts``, ascending: a lone part that is already so,
+    as it is."""
+    lone = parts[0]
+    if len(parts) == 1 and bool((lone[1:] > lone[:-1]).all()):
+        return lone
+    return torch.unique(torch.cat(parts))
 
 
 def plan_update(
@@ -180,5 +189,5 @@ def plan_update(
             return plan
         for table, ids in changed.items():
             rows.setdefault(table, []).append(ids)
-    plan.rows = {t: torch.unique(torch.cat(p)) for t, p in rows.items()}
+    plan.rows = {t: _union(p) for t, p in rows.items()}
     return plan

@@ -49,6 +49,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
 from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
 
+from torchrec_cnr.rowcopy import put_rows
 from torchrec_cnr.serving.rows import PreparedRows, StoredRows, finite_rows_of
 from torchrec_cnr.serving.tbe import (
     BITS,
@@ -214,7 +215,7 @@ class ServingTarget(abc.ABC):
             )
         if rows.count:
             for dest, src in zip(self._destinations(key), rows.tensors):
-                _index_copy(self._spare_view(dest) if spare else dest, ids, src)
+                put_rows(self._spare_view(dest) if spare else dest, ids, src)
 
     def write_rows(self, key: str, ids: Tensor, rows: StoredRows) -> None:
         """Overwrite rows ``ids`` of table ``key`` with ``rows``.
@@ -338,11 +339,6 @@ def _bad_row(key: str, bad: Tensor, ids: Tensor | None, what: str) -> ValueError
 def _float_values(rows: StoredRows, weight: Tensor) -> Tensor:
     """(n, dim) values in ``weight``'s dtype and device."""
     return rows.dequantize().to(device=weight.device, dtype=weight.dtype)
-
-
-def _index_copy(dest: Tensor, ids: Tensor, src: Tensor) -> None:
-    with torch.no_grad():
-        dest.index_copy_(0, ids.to(dest.device), src.to(dest.device))
 
 
 class FloatTarget(ServingTarget):

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from torchrec_cnr.rowcopy import put_rows
 from torchrec_cnr.schema import stored_ids, stored_state, stored_weight
 from torchrec_cnr.selection.policy import Decision
 from torchrec_cnr.selection.rows import recent_rows, recorded_recent, stored_count
@@ -112,7 +113,7 @@ class _Shard:
         host = slots.to(self.weight.device)
         for src, dst in self.pairs():
             picked = src.detach().index_select(0, rows)
-            dst.index_copy_(0, host, picked.to(dst.device))
+            put_rows(dst, host, picked)
         self.staged[slots] = True
         return int(slots.numel())
 

@@ -1,0 +1,67 @@
+"""Writes whole rows of a table by index at memory speed: ``dst[index] = src``.
+
+torch's ``index_copy_`` and ``index_put_`` on CPU walk a ``(rows, cols)`` tensor element by
+element: 80k rows of 64 fp32 into a 1M-row table take 15-17 ms here against 2-5 ms for
+numpy's assignment of the same rows seen as fixed-size records, and a memcpy of their
+bytes 1.4-2 ms. A follower writes every update so, a restore every delta, and the
+training thread the rows a lazy snapshot copies before their update. numpy's copy
+releases the GIL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["put_rows"]
+
+
+def _records(t: torch.Tensor) -> Any:
+    """A CPU tensor of ``n`` rows, each contiguous, as a numpy array of ``n`` records of
+    a row's bytes, sharing its memory (a column slice of a table included)."""
+    n = t.shape[0]
+    flat = t.detach().reshape(n, -1).view(torch.uint8)
+    return flat.numpy().view(np.dtype((np.void, flat.shape[1]))).reshape(n)
+
+
+def _as_records(t: torch.Tensor) -> bool:
+    return (
+        t.device.type == "cpu"
+        and t.numel() > 0
+        and t.stride(-1) == 1
+        and (t.dim() == 1 or t[0].is_contiguous())
+    )
+
+
+def _run(index: torch.Tensor) -> int | None:
+    """The first row of ``index`` if it is a run of consecutive rows, ascending."""
+    k, first = index.numel(), int(index[0])
+    if int(index[-1]) - first != k - 1 or (k > 1 and not bool((index[1:] > index[:-1]).all())):
+        return None
+    return first
+
+
+def put_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[index] = src`` along the first dimension (``index``: distinct rows), ``src``
+    converted to ``dst``'s dtype and device: one block copy where ``index`` is a run of
+    consecutive rows (a whole table, a run of a delta)."""
+    if not index.numel():
+        return
+    if index.numel() != src.shape[0]:
+        raise ValueError(f"{index.numel()} rows indexed, {src.shape[0]} given")
+    if src.dtype != dst.dtype or src.device != dst.device:
+        src = src.to(device=dst.device, dtype=dst.dtype)
+    first = _run(index)
+    if first is not None:
+        if first < 0 or first + index.numel() > dst.shape[0]:
+            raise IndexError(f"rows {first}..{first + index.numel() - 1} of {dst.shape[0]}")
+        with torch.no_grad():
+            dst[first : first + index.numel()].copy_(src)
+        return
+    if _as_records(dst) and _as_records(src) and src.shape[1:] == dst.shape[1:]:
+        _records(dst)[index.cpu().numpy()] = _records(src)
+        return
+    with torch.no_grad():
+        dst.index_copy_(0, index.to(dst.device), src)
