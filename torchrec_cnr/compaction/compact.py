@@ -37,6 +37,7 @@ from torchrec_cnr.encoding import FP32, ShardRecord, build_record, write_part
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.read.chain import ChainReader, missing_step
 from torchrec_cnr.read.geometry import overlaps, place, scatter, scatter_weight, states_fit
+from torchrec_cnr.rowcopy import put_rows
 from torchrec_cnr.schema import IndexPart
 from torchrec_cnr.selection.policy import ChainState
 from torchrec_cnr.snapshot import (
@@ -66,7 +67,7 @@ def _merge_stored(
     for n, rec in deltas:
         local = chain.saved_ids(n, rec) - target.spec.row_offset
         for name, theirs in _same_tensors(base, rec):
-            merged[name][local] = chain.tensor(n, rec.spec.rank, theirs)
+            put_rows(merged[name], local, chain.tensor(n, rec.spec.rank, theirs))
     return merged
 
 
