@@ -313,5 +313,7 @@ def find_ids(ids: torch.Tensor, wanted: torch.Tensor) -> tuple[torch.Tensor, tor
     """Whether each of ``wanted`` is in ``ids`` (both ascending), and where."""
     if ids.numel() == 0:
         return torch.zeros(wanted.numel(), dtype=torch.bool), wanted.new_zeros(wanted.numel())
+    if ids.shape == wanted.shape and torch.equal(ids, wanted):  # an update's usual case
+        return torch.ones(wanted.numel(), dtype=torch.bool), torch.arange(wanted.numel())
     at = torch.searchsorted(ids, wanted).clamp_max(ids.numel() - 1)
     return ids[at] == wanted, at

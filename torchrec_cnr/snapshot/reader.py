@@ -450,7 +450,7 @@ class SnapshotReader:
         entry = self._entry(logical)
         assert isinstance(entry, TensorEntry | ChunkedTensorEntry)
         dtype = string_to_dtype(entry.dtype)
-        out = torch.empty([index.numel(), *entry.shape[1:]], dtype=dtype)
+        out = _empty([index.numel(), *entry.shape[1:]], dtype)
         if not index.numel():
             return out, []
         firsts = torch.tensor([first for first, _, _ in segments])
