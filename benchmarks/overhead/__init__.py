@@ -1,4 +1,4 @@
-"""End-to-end overhead: the training throughput that checkpointing costs, asked four ways
+"""End-to-end overhead: the training throughput that checkpointing costs, asked five ways
 of one training job.
 
 The job is the DLRM of :mod:`cnr_train.workload`: ``--tables`` table-wise tables of
@@ -19,6 +19,8 @@ checkpointing; tracking's cost is :mod:`benchmarks.tracking`'s.
   (:mod:`benchmarks.overhead.paired`).
 - ``--gil``: which threads hold the GIL while commits run back to back
   (:mod:`benchmarks.overhead.gil`).
+- ``--floor``: a checkpoint every few seconds against a memcpy of its bytes, on a model
+  whose tables are large against an interval's lookups (:mod:`benchmarks.overhead.floor`).
 
 Each runs under torchrun, on 1 rank (the other core free for the background writer, as on
 a GPU host) or on 2 (no core to spare).
@@ -31,7 +33,7 @@ from pathlib import Path
 
 from benchmarks.harness import Bench, Case, Outcome
 from benchmarks.measure import model_arguments
-from benchmarks.overhead import arms, gil, paired, save_cost
+from benchmarks.overhead import arms, floor, gil, paired, save_cost
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +54,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--busy-steps", type=int, default=60, help="--paired: steps per busy stretch")
     p.add_argument("--busy-pairs", type=int, default=5, help="--paired: pairs per busy arm")
     p.add_argument("--gil", action="store_true", help="ask overhead.gil's question")
+    p.add_argument("--floor", action="store_true", help="ask overhead.floor's question")
+    p.add_argument("--policy", default="intermittent", help="--floor: the checkpoints' policy")
     p.add_argument("--gil-s", type=float, default=20.0, help="--gil: seconds sampled per format")
     p.add_argument("--merge", type=Path, help="this case's result at another world size")
 
@@ -60,6 +64,8 @@ def run(b: Bench) -> Outcome:
     """The question the flags ask (the arms without one)."""
     if b.args.gil:
         return gil.run(b)
+    if b.args.floor:
+        return floor.run(b)
     if b.args.save_cost:
         return save_cost.run(b)
     if b.args.paired:

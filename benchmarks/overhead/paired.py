@@ -42,7 +42,7 @@ def _segment(b: Bench, trainer: StepLoop, ckpt: CheckpointManager | None, steps:
     then its ``wait()``: the slowest rank's seconds; the saves asked for and made; the
     training thread's time in each save asked for (made or skipped); what the last
     checkpoint was; and, for one save, the training time it cost from the step times
-    (:func:`_step_cost`)."""
+    (:func:`step_cost`)."""
     trainer.align(k)
     stalls: list[float] = []
     ends: list[float] = []
@@ -68,15 +68,15 @@ def _segment(b: Bench, trainer: StepLoop, ckpt: CheckpointManager | None, steps:
     out: dict[str, Any] = {"seconds": seconds, "asked": len(stalls), "made": made, "stalls": stalls}
     if ckpt is not None and made:
         last = from_rank0(lambda: list_checkpoints(str(ckpt.config.path))[-1])
-        out.update(kind=last.kind, mb=last.bytes / 1e6)
+        out.update(kind=last.kind, mb=last.bytes / 1e6, fraction=last.saved_fraction)
         if made == 1:
-            cost = _step_cost(took, ends, saved_at[0], last.committed_at, stalls[0])
+            cost = step_cost(took, ends, saved_at[0], last.committed_at, stalls[0])
             out["cost_s"] = max_over_ranks(cost)[0]
             out["step_loss"] = out["cost_s"] / seconds
     return out
 
 
-def _step_cost(took: list[float], ends: list[float], saved_at: float, committed_at: float,
+def step_cost(took: list[float], ends: list[float], saved_at: float, committed_at: float,
                stall: float) -> float:  # fmt: skip
     """One checkpoint's cost to training, from the step times of its stretch: its stall
     plus what the steps from its save to its commit took beyond the mean of the stretch's
@@ -87,7 +87,7 @@ def _step_cost(took: list[float], ends: list[float], saved_at: float, committed_
     return stall + sum(inside) - statistics.fmean(clean) * len(inside)
 
 
-def _spread(values: list[float]) -> float:
+def spread(values: list[float]) -> float:
     """The 95% interval of the median of ``values``: ± 1.58 IQR / sqrt(n)."""
     if len(values) < 2:
         return math.nan
@@ -95,12 +95,12 @@ def _spread(values: list[float]) -> float:
     return NOTCH * (q3 - q1) / math.sqrt(len(values))
 
 
-def _pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: int, k: int,
-           pairs: int) -> dict[str, Any]:  # fmt: skip
+def checkpoint_pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: int, k: int,
+                     pairs: int) -> dict[str, Any]:  # fmt: skip
     """``pairs`` pairs of adjacent stretches of ``steps`` steps, one with checkpoints every
     ``k`` steps and one without, their order alternating. Two estimates of the loss per
     pair: 1 - (time without) / (time with), and from the step times of the stretch with
-    the checkpoint (:func:`_step_cost` over its time). The manager saves its baseline
+    the checkpoint (:func:`step_cost` over its time). The manager saves its baseline
     before the first pair."""
     rmtree(Path(cfg.path))
     losses, saving = [], []
@@ -122,10 +122,10 @@ def _pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: int, k: in
     return {
         "loss": statistics.median(losses),
         "loss_each": losses,
-        "resolution": _spread(losses),
+        "resolution": spread(losses),
         "step_loss": statistics.median(step_losses) if step_losses else None,
         "step_loss_each": step_losses,
-        "step_resolution": _spread(step_losses) if step_losses else None,
+        "step_resolution": spread(step_losses) if step_losses else None,
         "cost_each_s": [s["cost_s"] for s in known],
         "saves_asked": sum(s["asked"] for s in saving),
         "saves_made": sum(s["made"] for s in saving),
@@ -133,6 +133,7 @@ def _pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: int, k: in
         "stall_max_s": worst,
         "kinds": [s.get("kind") for s in saving],
         "mb_each": [s["mb"] for s in saving if "mb" in s],
+        "fraction_each": [s["fraction"] for s in saving if "fraction" in s],
     }
 
 
@@ -152,7 +153,9 @@ def run(b: Bench) -> Outcome:
         k = max(2, round(target / step_s))
         pairs = max(3, round(a.pair_s / (2 * target)))
         for quant in QUANTS:
-            r = _pairs(b, trainer, config(f"{interval_key(target)}_{quant}", k, quant), k, k, pairs)
+            r = checkpoint_pairs(
+                b, trainer, config(f"{interval_key(target)}_{quant}", k, quant), k, k, pairs
+            )
             r.update(target_s=target, interval_s=k * step_s, interval_steps=k, quant=quant,
                      pairs=pairs)  # fmt: skip
             intervals.setdefault(interval_key(target), {})[quant] = r
@@ -162,7 +165,7 @@ def run(b: Bench) -> Outcome:
     pooled = {}  # one checkpoint's cost, every interval's pairs together
     for quant in QUANTS:
         costs = [c for iv in intervals.values() for c in iv[quant]["cost_each_s"]]
-        pooled[quant] = {"cost_s": statistics.median(costs), "spread_s": _spread(costs),
+        pooled[quant] = {"cost_s": statistics.median(costs), "spread_s": spread(costs),
                          "checkpoints": len(costs)}  # fmt: skip
         for iv in intervals.values():
             r = iv[quant]
@@ -176,7 +179,7 @@ def run(b: Bench) -> Outcome:
         cfg = config(f"busy_{on_busy}", BUSY_STEPS, "fp32", on_busy)
         with warnings.catch_warnings():  # "skip" warns at each save it skips
             warnings.simplefilter("ignore", UserWarning)
-            r = _pairs(b, trainer, cfg, a.busy_steps, BUSY_STEPS, a.busy_pairs)
+            r = checkpoint_pairs(b, trainer, cfg, a.busy_steps, BUSY_STEPS, a.busy_pairs)
         r.update(on_busy=on_busy, interval_s=BUSY_STEPS * step_s)
         busy[on_busy] = r
         b.log(f"busy, on_busy={on_busy}: lost {r['loss']:.2%}, {r['saves_made']} of "

@@ -29,6 +29,7 @@ RUNS = [
     ("save_cost", "benchmarks.overhead", ("--save-cost",)),
     ("overhead_paired", "benchmarks.overhead", ("--paired",)),
     ("overhead_gil", "benchmarks.overhead", ("--gil",)),
+    ("overhead_floor", "benchmarks.overhead", ("--floor",)),
     (
         "serving_fanout",
         "benchmarks.serving",
