@@ -11,7 +11,7 @@ import torch
 
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit.manifest import Entry, Manifest
-from torchrec_cnr.config import CheckpointConfig, mb_bytes
+from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.encoding import FP32
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.read import ChainReader, load_committed
@@ -23,6 +23,7 @@ from torchrec_cnr.selection.rows import resume_chain
 from torchrec_cnr.snapshot.objects import resolve_globals
 from torchrec_cnr.staging import StagingPool
 from torchrec_cnr.storage import Storage
+from torchrec_cnr.units import mb_bytes
 
 __all__ = ["ModelLoader", "Restored"]
 
