@@ -3,9 +3,15 @@ and :func:`mb_bytes` is the one place a MB becomes bytes."""
 
 from __future__ import annotations
 
+from typing import overload
+
 __all__ = ["mb_bytes"]
 
 
+@overload
+def mb_bytes(mb: float) -> int: ...
+@overload
+def mb_bytes(mb: float | None) -> int | None: ...
 def mb_bytes(mb: float | None) -> int | None:
     """``mb`` megabytes in bytes, whole; ``None`` (no bound) stays ``None``.
 
