@@ -20,12 +20,12 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def small_objects(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Checkpoint objects of 64 KB instead of 64 MB (``IOOptions.object_kb``'s default
+    """Checkpoint objects of 64 KiB instead of 64 MB (``IOOptions.object_mb``'s default
     comes from this variable): the test models' tensors are then written and read in
     several pieces each, in parallel, as production-sized tensors are. The rank workers
     of :mod:`tests.multiprocess` run each call with the test's environment."""
-    if "TORCHREC_CNR_OBJECT_KB" not in os.environ:
-        monkeypatch.setenv("TORCHREC_CNR_OBJECT_KB", "64")
+    if "TORCHREC_CNR_OBJECT_MB" not in os.environ:
+        monkeypatch.setenv("TORCHREC_CNR_OBJECT_MB", "0.0625")
 
 
 @pytest.fixture

@@ -34,7 +34,6 @@ __all__ = [
     "RecoveryConfig",
     "Timeouts",
     "checked_safe_globals",
-    "mb_bytes",
 ]
 
 
@@ -55,16 +54,6 @@ def checked_safe_globals(names: Iterable[str | type]) -> tuple[str | type, ...]:
         if not isinstance(name, str | type):
             raise ValueError(f"safe_globals entries must be strings or types, got {name!r}")
     return names
-
-
-def mb_bytes(mb: float | None) -> int | None:
-    """``mb`` megabytes in bytes, whole; ``None`` (no bound) stays ``None``.
-
-    Every option in MB (``staging_memory_mb``, ``restore_memory_mb``,
-    ``priority_budget_mb``, the follower's ``memory_budget_mb``) counts a MB as 2**20
-    bytes, here and nowhere else.
-    """
-    return None if mb is None else int(mb * 2**20)
 
 
 OnBusy = Literal["wait", "skip"]

@@ -25,6 +25,7 @@ training is measured by ``benchmarks.overhead --save-cost`` (docs/benchmarks.md)
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import threading
@@ -33,11 +34,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from torchrec_cnr.env import env_flag, env_number
+from torchrec_cnr.units import mb_bytes
 
 __all__ = ["IOContext", "IOOptions", "lowered_priority"]
 
 log = logging.getLogger(__name__)
 _said: list[str] = []
+
+
+def _object_mb() -> float:
+    """``TORCHREC_CNR_OBJECT_MB``, 64 if unset; the variable it replaced fails rather than
+    being ignored."""
+    if "TORCHREC_CNR_OBJECT_KB" in os.environ:
+        raise ValueError(
+            "TORCHREC_CNR_OBJECT_KB is no longer read: set TORCHREC_CNR_OBJECT_MB, the size in "
+            f"MB (KiB / 1024), instead; got TORCHREC_CNR_OBJECT_KB="
+            f"{os.environ['TORCHREC_CNR_OBJECT_KB']!r}"
+        )
+    return env_number("TORCHREC_CNR_OBJECT_MB", 64)
 
 
 @dataclass(frozen=True)
@@ -54,12 +68,10 @@ class IOOptions:
     (``TORCHREC_CNR_IO_THREADS``)."""
     encode_threads: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
     """Threads per rank that quantize rows (CPU-bound work, apart from the I/O threads)."""
-    object_kb: int = field(
-        default_factory=lambda: int(env_number("TORCHREC_CNR_OBJECT_KB", 64 << 10))
-    )
-    """Largest data object a checkpoint writes, in KiB (whole rows): a larger tensor is
-    written as several objects, in parallel, and read in pieces of this size
-    (``TORCHREC_CNR_OBJECT_KB``)."""
+    object_mb: float = field(default_factory=_object_mb)
+    """Largest data object a checkpoint writes, in MB (whole rows; at least 1/1024, a KiB): a
+    larger tensor is written as several objects, in parallel, and read in pieces of this
+    size (``TORCHREC_CNR_OBJECT_MB``)."""
     nice: int = field(default_factory=lambda: int(env_number("TORCHREC_CNR_NICE", 10)))
     """How far below training's the scheduling priority of the background writer, encoding
     and I/O threads is (Linux nice, 0 to 19; 0: the same), so that a CPU the training
@@ -83,10 +95,16 @@ class IOOptions:
     under a lock per kernel (``TORCHREC_CNR_COMPILED_STAGING``)."""
 
     def __post_init__(self) -> None:
-        for name in ("threads", "encode_threads", "object_kb"):
+        for name in ("threads", "encode_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"io.{name} must be a positive int, got {value!r}")
+        mb = self.object_mb
+        if (
+            not isinstance(mb, int | float) or isinstance(mb, bool)
+            or not math.isfinite(mb) or self.object_bytes < 1024
+        ):  # fmt: skip
+            raise ValueError(f"io.object_mb must be at least 1/1024 (1 KiB, finite), got {mb!r}")
         if (
             not isinstance(self.nice, int)
             or isinstance(self.nice, bool)
@@ -99,7 +117,8 @@ class IOOptions:
 
     @property
     def object_bytes(self) -> int:
-        return self.object_kb << 10
+        """:attr:`object_mb` in bytes."""
+        return mb_bytes(self.object_mb)
 
 
 def lowered_priority(nice: int) -> Callable[[], None] | None:

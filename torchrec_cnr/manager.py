@@ -28,7 +28,7 @@ from torchrec_cnr.interop.dcp_import import import_dcp
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.launch import warn_if_restarts_unsafe
 from torchrec_cnr.recovery import SaveSchedule
-from torchrec_cnr.restore import ModelLoader
+from torchrec_cnr.restore import LocalModel, ModelLoader, RestoreScope
 from torchrec_cnr.selection import Policy
 from torchrec_cnr.selection.rows import ClearedBits
 from torchrec_cnr.snapshot.objects import check_app_state, resolve_globals
@@ -83,8 +83,10 @@ class CheckpointManager:
         self._dense = model_state.dense_state(model)
         self._stager = Stager(self._shards, self._dense, config)
         self._io = IOContext(config.io)
-        self._loader = ModelLoader(self._group, self.storage, self._io, self._shards, self._dense,
-                                   self.app_state, config, self.policy, self._stager.pool)  # fmt: skip
+        local = LocalModel(self._shards, self._dense, self.app_state)
+        self._loader = ModelLoader(
+            self._group, self.storage, self._io, local, config, self.policy, self._stager.pool
+        )
         self._schedule = SaveSchedule(config, self._group)
         self._background = BackgroundWriter(
             pg, config.timeouts.collective_timeout_s, config.io.nice
@@ -201,8 +203,9 @@ class CheckpointManager:
             self.wait()
         except CheckpointError as e:
             logger.warning("restoring after a failed checkpoint: %s", e)
+        scope = RestoreScope(ranks, tables)
         if from_dcp is not None:
-            if ranks is not None or tables is not None:
+            if scope.partial:
                 raise ValueError("from_dcp imports the whole model: ranks and tables do not apply")
             try:
                 import_dcp(self._group, os.fspath(from_dcp), self._shards, self._dense,
@@ -210,7 +213,7 @@ class CheckpointManager:
             finally:  # even after a partial import, the next save is a baseline
                 self._background.restart_chain()
             return step or 0
-        restored = self._loader.restore(self._fence.manifest, step, ranks, tables)
+        restored = self._loader.restore(self._fence.manifest, step, scope)
         if restored is None:
             return None
         if restored.chain is not None:

@@ -119,7 +119,7 @@ def _peak_mb(root: Path, budget: str, what: str = "save") -> float:
         cwd=REPO,
         # Objects of the default size: the suite's tiny ones (conftest) multiply the
         # per-object bookkeeping, which is not what a user's save holds.
-        env={k: v for k, v in os.environ.items() if k != "TORCHREC_CNR_OBJECT_KB"}
+        env={k: v for k, v in os.environ.items() if k != "TORCHREC_CNR_OBJECT_MB"}
         | {"OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,

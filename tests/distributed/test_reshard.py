@@ -146,8 +146,8 @@ def test_missing_checkpoint_files_are_named_and_change_nothing(tmp_path: Path) -
 
 
 TABLE_WISE = _resharded(ROW_WISE, "table_wise")
-SMALL_OBJECTS = "64"
-"""KiB: each table's weights stored in 20 and 12 blocks of rows, each with its checksum."""
+SMALL_OBJECTS = "0.0625"
+"""MB (64 KiB): each table's weights stored in 20 and 12 blocks of rows, each with its checksum."""
 
 
 @pytest.mark.dist
@@ -156,7 +156,7 @@ def test_a_resharding_restore_reads_and_checks_only_the_blocks_its_rows_lie_in(
 ) -> None:
     """Saved table-wise (each table whole on one rank), restored row-wise: each rank's
     half of every table is read in the blocks it lies in, not the saved shards whole."""
-    monkeypatch.setenv("TORCHREC_CNR_OBJECT_KB", SMALL_OBJECTS)
+    monkeypatch.setenv("TORCHREC_CNR_OBJECT_MB", SMALL_OBJECTS)
     root, refs, out = str(tmp_path / "ckpt"), tmp_path / "refs", tmp_path / "out"
     refs.mkdir()
     out.mkdir()
@@ -175,7 +175,7 @@ def test_a_damaged_block_fails_a_resharding_restore_on_every_rank(
     from torchrec_cnr.read import ChainReader
     from torchrec_cnr.schema import rows_path
 
-    monkeypatch.setenv("TORCHREC_CNR_OBJECT_KB", SMALL_OBJECTS)
+    monkeypatch.setenv("TORCHREC_CNR_OBJECT_MB", SMALL_OBJECTS)
     root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
     refs.mkdir()
     run_ranks(2, _save, TABLE_WISE, root, str(refs), (2,))

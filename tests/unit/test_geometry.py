@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchrec_cnr.encoding import FP32, ShardRecord, build_record, decode_weight
+from torchrec_cnr.encoding import FP32, ShardContent, ShardRecord, build_record, decode_weight
 from torchrec_cnr.quantization import quantize
 from torchrec_cnr.read import geometry
 from torchrec_cnr.read.geometry import (
@@ -159,14 +159,7 @@ def test_per_row_state_is_written_only_by_the_shard_that_owns_it() -> None:
 def _record(optimizer: str, states: dict[str, torch.Tensor]) -> ShardRecord:
     spec = _spec(0, 2, 0, 2)
     record, tensors = build_record(
-        spec,
-        "s0",
-        values={"": torch.zeros(2, 2)},
-        states=states,
-        ids=None,
-        optimizer=optimizer,
-        scalars={},
-        fmt=FP32,
+        spec, "s0", ShardContent({"": torch.zeros(2, 2)}, FP32, optimizer, states, {})
     )
     assert set(tensors) == {"s0.w", *(f"s0.{n}" for n in states)}
     return record
@@ -286,10 +279,8 @@ def test_weights_decoded_piece_by_piece_land_as_a_whole_decode_lands(
     )
     rows = torch.randn(ids.numel(), 16, generator=g)
     values = {"": rows} if fmt == FP32 else quantize(rows, fmt.method, fmt.bits).to_tensors()
-    rec, tensors = build_record(
-        src, "k", values=values, states={}, ids=None if saved_ids == "all" else ids,
-        optimizer="sgd", scalars={}, fmt=fmt,
-    )  # fmt: skip
+    content = ShardContent(values, fmt, "sgd", {}, {}, ids=None if saved_ids == "all" else ids)
+    rec, tensors = build_record(src, "k", content)
     dst = _spec(20, 70, 4, 12)  # rows 20..89, columns 4..15
     where = _place(src, ids, dst)
     want = torch.full((70, 12), -1.0)
@@ -311,10 +302,8 @@ def test_saved_rows_land_in_a_cuda_shard_as_in_a_host_one(fmt: Format) -> None:
     ids = torch.randperm(100, generator=g)[:41].sort()[0]
     rows = torch.randn(41, 16, generator=g)
     values = {"": rows} if fmt == FP32 else quantize(rows, fmt.method, fmt.bits).to_tensors()
-    rec, tensors = build_record(
-        src, "k", values=values, states={"momentum1": torch.rand(41, generator=g)}, ids=ids,
-        optimizer="sgd", scalars={}, fmt=fmt,
-    )  # fmt: skip
+    states = {"momentum1": torch.rand(41, generator=g)}
+    rec, tensors = build_record(src, "k", ShardContent(values, fmt, "sgd", states, {}, ids=ids))
     where = _place(src, ids, _spec(20, 70, 4, 12))
     host, device = torch.zeros(70, 12), torch.zeros(70, 12, device="cuda")
     state_host, state_device = torch.zeros(70), torch.zeros(70, device="cuda")

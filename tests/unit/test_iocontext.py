@@ -70,6 +70,30 @@ def test_the_environment_gives_the_default_and_an_argument_wins(
     assert IOOptions(nice=0).nice == 0
 
 
+def test_object_size_is_in_mb_from_the_environment_and_an_argument_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TORCHREC_CNR_OBJECT_MB")  # conftest's small objects
+    assert IOOptions().object_mb == 64 and IOOptions().object_bytes == 64 << 20
+    monkeypatch.setenv("TORCHREC_CNR_OBJECT_MB", "0.0625")
+    assert IOOptions().object_bytes == 64 << 10
+    assert IOOptions(object_mb=1.5).object_bytes == 3 << 19
+
+
+@pytest.mark.parametrize("bad", [0, 1 / 2048, -1.0, float("inf"), float("nan"), True, "64"])
+def test_io_options_refuse_an_object_size_under_a_kib_or_not_a_number(bad: object) -> None:
+    with pytest.raises(ValueError, match="io.object_mb"):
+        IOOptions(object_mb=bad)  # type: ignore[arg-type]
+
+
+def test_the_object_size_in_kib_that_object_mb_replaced_fails_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TORCHREC_CNR_OBJECT_KB", "64")
+    with pytest.raises(ValueError, match="TORCHREC_CNR_OBJECT_KB .*TORCHREC_CNR_OBJECT_MB"):
+        IOOptions()
+
+
 SWITCHES = {
     "direct_writes": "TORCHREC_CNR_DIRECT_WRITES",
     "direct_reads": "TORCHREC_CNR_DIRECT_READS",

@@ -15,6 +15,7 @@ STAGES = [
     (
         "errors",
         "env",
+        "units",
         "native",
         "shutdown",
         "launch",
@@ -104,10 +105,15 @@ def test_every_module_of_the_library_belongs_to_a_stage() -> None:
 
 def test_storage_holds_backends_only() -> None:
     """Storage knows nothing of the format or the pipeline: it imports no other stage but
-    the leaves it shares with everything (the exceptions, the environment's parser and
-    the I/O options, which import nothing of ours but that parser)."""
+    the leaves it shares with everything (the exceptions, the environment's parser, the
+    size unit and the I/O options, which import nothing of ours but those two)."""
     graph = _graph()
-    leaves = {"torchrec_cnr.env", "torchrec_cnr.errors", "torchrec_cnr.iocontext"}
+    leaves = {
+        "torchrec_cnr.env",
+        "torchrec_cnr.errors",
+        "torchrec_cnr.units",
+        "torchrec_cnr.iocontext",
+    }
     for leaf in leaves:
         assert not [d for d in graph[leaf] if d not in leaves], leaf
     late = {

@@ -33,7 +33,7 @@ from torchrec_cnr.commit import (
     write_and_commit,
 )
 from torchrec_cnr.commit.background import JobResult
-from torchrec_cnr.encoding import FP32, ShardRecord, build_record, write_part
+from torchrec_cnr.encoding import FP32, ShardContent, ShardRecord, build_record, write_part
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.read.chain import ChainReader, missing_step
 from torchrec_cnr.read.geometry import overlaps, place, scatter, scatter_weight, states_fit
@@ -139,17 +139,8 @@ def _compact_record(
         recent = None if target.all_rows else chain.saved_ids(len(chain.links) - 1, target)
         if recent is not None and recent.numel() == target.spec.rows:
             recent = None
-    return build_record(
-        target.spec,
-        key,
-        values=values,
-        states=states,
-        ids=None,
-        optimizer=target.optimizer,
-        scalars=target.scalars,
-        fmt=fmt,
-        recent=recent,
-    )
+    content = ShardContent(values, fmt, target.optimizer, states, target.scalars, recent=recent)
+    return build_record(target.spec, key, content)
 
 
 @dataclass

@@ -1,7 +1,13 @@
 """Stage 4: storage formats, per-row quantization of each table, and the shard writer
 that encodes staged rows and writes them in the checkpoint format."""
 
-from torchrec_cnr.encoding.codec import EncodedShard, build_record, decode_weight, encode_shard
+from torchrec_cnr.encoding.codec import (
+    EncodedShard,
+    ShardContent,
+    build_record,
+    decode_weight,
+    encode_shard,
+)
 from torchrec_cnr.encoding.formats import FormatResolver
 from torchrec_cnr.encoding.writer import RankWrite, ShardWriter, write_part
 from torchrec_cnr.schema import FP32, Format, ShardRecord, StateInfo, dtype_name
@@ -12,6 +18,7 @@ __all__ = [
     "Format",
     "FormatResolver",
     "RankWrite",
+    "ShardContent",
     "ShardRecord",
     "ShardWriter",
     "StateInfo",

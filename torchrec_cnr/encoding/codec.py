@@ -17,7 +17,7 @@ Stored names of one shard ``key`` (:mod:`torchrec_cnr.schema` spells them;
   absent when every stored row was (format 4).
 
 :class:`~torchrec_cnr.schema.ShardRecord` is what the manifest records about one stored
-shard (:func:`build_record` makes it).
+shard (:func:`build_record` makes it from a :class:`ShardContent`).
 """
 
 from __future__ import annotations
@@ -45,46 +45,53 @@ from torchrec_cnr.schema import (
 )
 from torchrec_cnr.staging import StagedShard
 
-__all__ = ["EncodedShard", "build_record", "decode_weight", "encode_shard"]
+__all__ = ["EncodedShard", "ShardContent", "build_record", "decode_weight", "encode_shard"]
 
 # Only moments may be cast: prev_iter and row_counter are step counts kept in fp32,
 # which fp16 would round beyond 2048.
 _CASTABLE_STATES = ("momentum1", "momentum2")
 
 
-def build_record(
-    spec: ShardSpec,
-    key: str,
-    *,
-    values: dict[str, torch.Tensor],
-    states: dict[str, torch.Tensor],
-    ids: torch.Tensor | None,
-    optimizer: str,
-    scalars: dict[str, float],
-    fmt: Format,
-    recent: torch.Tensor | None | Literal["unknown"] = None,
-    tail: bool = False,
-) -> tuple[ShardRecord, dict[str, torch.Tensor]]:
-    """The manifest record of a shard stored under ``key``, and its tensors by stored name.
+@dataclass(frozen=True)
+class ShardContent:
+    """What one shard stores, before it has stored names: :func:`build_record` names
+    its tensors and records it."""
 
-    Args:
-        values: ``{"": rows}`` for fp32 or a cast, else the quantized parts by name.
-        states: optimizer states by FBGEMM name, each ``(n,)`` or ``(n, cols)``.
-        ids: ``(n,)`` global row ids; ``None`` when every row of the shard is stored.
-        recent: ``(k,)`` global ids of the stored rows that changed since the previous
-            checkpoint; ``None`` when every stored row did; ``"unknown"``.
-        tail: the last ``len(recent)`` stored rows are those (a ``tail`` record).
-    """
-    parts = [] if fmt == FP32 else list(values)
+    values: dict[str, torch.Tensor]
+    """``{"": rows}`` for fp32 or a cast, else the quantized parts by name, each one row
+    per stored row."""
+    fmt: Format
+    """The format ``values`` are in."""
+    optimizer: str
+    """The fused optimizer, or ``dense`` (see :attr:`ShardRecord.optimizer`)."""
+    states: dict[str, torch.Tensor]
+    """Optimizer states by FBGEMM name, each ``(n,)`` or ``(n, cols)``."""
+    scalars: dict[str, float]
+    """The kernel's step counters."""
+    ids: torch.Tensor | None = None
+    """``(n,)`` global row ids; ``None`` when every row of the shard is stored."""
+    recent: torch.Tensor | None | Literal["unknown"] = None
+    """``(k,)`` global ids of the stored rows that changed since the previous checkpoint;
+    ``None`` when every stored row did; ``"unknown"``."""
+    tail: bool = False
+    """The last ``len(recent)`` stored rows are those (a ``tail`` record)."""
+
+
+def build_record(
+    spec: ShardSpec, key: str, content: ShardContent
+) -> tuple[ShardRecord, dict[str, torch.Tensor]]:
+    """The manifest record of a shard stored under ``key``, and its tensors by stored name."""
+    c = content
+    fp32 = c.fmt == FP32
     tensors = {
-        (stored_weight(key) if fmt == FP32 else stored_part(key, p)): t for p, t in values.items()
+        (stored_weight(key) if fp32 else stored_part(key, p)): t for p, t in c.values.items()
     }
-    if ids is not None:
-        tensors[stored_ids(key)] = ids
-    if isinstance(recent, torch.Tensor):
-        tensors[stored_recent(key)] = recent
+    if c.ids is not None:
+        tensors[stored_ids(key)] = c.ids
+    if isinstance(c.recent, torch.Tensor):
+        tensors[stored_recent(key)] = c.recent
     infos = {}
-    for name, value in states.items():
+    for name, value in c.states.items():
         stored = stored_state(key, name)
         tensors[stored] = value
         layout: Literal["row", "element"] = "row" if value.dim() == 1 else "element"
@@ -92,24 +99,24 @@ def build_record(
     record = ShardRecord(
         spec=spec,
         key=key,
-        saved_rows=int(next(iter(values.values())).shape[0]) if values else 0,
-        all_rows=ids is None,
-        optimizer=optimizer,
+        saved_rows=int(next(iter(c.values.values())).shape[0]) if c.values else 0,
+        all_rows=c.ids is None,
+        optimizer=c.optimizer,
         states=infos,
-        scalars=dict(scalars),
-        format=fmt,
-        parts=parts,
+        scalars=dict(c.scalars),
+        format=c.fmt,
+        parts=[] if fp32 else list(c.values),
         nbytes=sum(t.numel() * t.element_size() for t in tensors.values()),
         recent=(
             "unknown"
-            if isinstance(recent, str)
+            if isinstance(c.recent, str)
             else "stored"
-            if recent is None
+            if c.recent is None
             else "tail"
-            if tail
+            if c.tail
             else "ids"
         ),
-        recent_rows=int(recent.numel()) if isinstance(recent, torch.Tensor) else 0,
+        recent_rows=int(c.recent.numel()) if isinstance(c.recent, torch.Tensor) else 0,
     )
     return record, tensors
 
@@ -151,18 +158,17 @@ def encode_shard(
         name: value.to(cast) if cast is not None and name in _CASTABLE_STATES else value
         for name, value in staged.states.items()
     }
-    record, tensors = build_record(
-        spec,
-        key,
-        values=values,
-        states=states,
+    content = ShardContent(
+        values,
+        fmt,
+        staged.shard.optimizer,
+        states,
+        staged.scalars,
         ids=staged.ids,
-        optimizer=staged.shard.optimizer,
-        scalars=staged.scalars,
-        fmt=fmt,
         recent=staged.recent,
         tail=staged.tail,
     )
+    record, tensors = build_record(spec, key, content)
     return EncodedShard(tensors, record)
 
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.config import checked_safe_globals, mb_bytes
+from torchrec_cnr.config import checked_safe_globals
 from torchrec_cnr.interop.dcp_io import Block, fused_state_path, write_blocks
 from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.read.chain import ChainReader
@@ -47,6 +47,7 @@ from torchrec_cnr.schema import ShardRecord, TableShape
 from torchrec_cnr.snapshot.objects import load_object, resolve_globals
 from torchrec_cnr.storage import Root
 from torchrec_cnr.tracking.shard import ShardSpec
+from torchrec_cnr.units import mb_bytes
 
 __all__ = ["DcpExport", "ExportOptions", "export_dcp", "terminal_progress"]
 

@@ -39,7 +39,22 @@ from torchrec_cnr.snapshot.objects import load_object
 from torchrec_cnr.staging import StagingPool
 from torchrec_cnr.tracking.shard import LocalShard
 
-__all__ = ["PreparedRestore", "apply_chain", "own_part_suffices", "read_chain"]
+__all__ = ["PreparedRestore", "ReadOptions", "apply_chain", "own_part_suffices", "read_chain"]
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How :func:`read_chain` reads: the host memory it may hold, the buffers it may read
+    into and the types a saved ``app_state`` may hold."""
+
+    budget_bytes: int | None = None
+    """Host memory for read tensors; ``None`` keeps every one."""
+    pool: StagingPool | None = None
+    """The staging buffers, to read this rank's own baseline tensors into: a fresh
+    gigabyte costs a page fault per 4 KiB, about as long as reading it."""
+    safe_globals: Sequence[Any] = ()
+    """Types ``app_state`` may hold beyond tensors, numbers, strings and plain containers
+    (see :func:`~torchrec_cnr.snapshot.objects.load_object`)."""
 
 
 def _same_layout(rec: ShardRecord, local: LocalShard) -> bool:
@@ -180,13 +195,13 @@ def _hold(
     steps: list[_Step],
     shards: list[LocalShard],
     windows: dict[tuple[int, int, str], Window],
-    budget_bytes: int | None,
-    pool: StagingPool | None,
+    options: ReadOptions,
 ) -> None:
     """Reads every tensor the restore needs into ``chain.held``, within the budget: what
     fits is held, the rest verified afterwards within what is left (so that memory freed by
     a verification is never held again on top of it). Without a budget, a saved shard of
     which only ``windows`` land is read in the blocks they lie in, each checked alone."""
+    budget_bytes, pool = options.budget_bytes, options.pool
     held = sum(t.numel() * t.element_size() for t in chain.held.values())
     over: list[tuple[int, int, str]] = []
     own_rank = shards[0].spec.rank if shards else -1
@@ -266,9 +281,7 @@ def read_chain(
     shards: list[LocalShard],
     dense_names: list[str],
     app_rank: int | None,
-    budget_bytes: int | None = None,
-    pool: StagingPool | None = None,
-    safe_globals: Sequence[Any] = (),
+    options: ReadOptions,
 ) -> PreparedRestore:
     """Reads, verifies and plans everything a restore of ``chain`` into ``shards`` needs.
 
@@ -280,11 +293,8 @@ def read_chain(
             beyond the checkpoint's world size takes that of ``app_rank % world_size``:
             replicated state (the dense optimizer of DDP replicas) is the same on every
             rank, and a fresh one would let this rank's replica drift from the others.
-        budget_bytes: host memory for read tensors; ``None`` keeps every one.
-        pool: the staging buffers, to read this rank's own baseline tensors into: a
-            fresh gigabyte costs a page fault per 4 KiB, about as long as reading it.
-        safe_globals: types ``app_state`` may hold beyond tensors, numbers, strings and
-            plain containers (see :func:`~torchrec_cnr.snapshot.objects.load_object`).
+        options: the memory budget, the staging buffers and the types ``app_state`` may
+            hold.
 
     Raises:
         CheckpointReadError: a checkpoint directory or file of the chain is missing or
@@ -295,8 +305,8 @@ def read_chain(
     """
     prepared = PreparedRestore(chain)
     _place(chain, shards, prepared)
-    windows = _windows(prepared.steps) if budget_bytes is None else {}
-    _hold(chain, prepared.steps, shards, windows, budget_bytes, pool)
+    windows = _windows(prepared.steps) if options.budget_bytes is None else {}
+    _hold(chain, prepared.steps, shards, windows, options)
     _check(chain, shards, prepared, windows)
     prepared.dense = chain.dense(dense_names)
     if app_rank is not None:
@@ -304,7 +314,7 @@ def read_chain(
         source = app_rank % world
         blob = chain.app_state(source)
         what = f"{chain.links[-1].id}: the app_state of rank {source}"
-        prepared.app_state = load_object(blob, safe_globals, what)
+        prepared.app_state = load_object(blob, options.safe_globals, what)
         if source != app_rank:
             prepared.warnings.append(
                 f"rank {app_rank} takes the app_state of rank {source}: the checkpoint was "

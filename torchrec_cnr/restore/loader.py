@@ -4,25 +4,26 @@ read again if retired while read (:func:`torchrec_cnr.read.retry.load_committed`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit.manifest import Entry, Manifest
-from torchrec_cnr.config import CheckpointConfig, mb_bytes
+from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.encoding import FP32
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.read import ChainReader, load_committed
-from torchrec_cnr.restore.restore import restore_entry
+from torchrec_cnr.restore.apply import ReadOptions
+from torchrec_cnr.restore.partial import RestoreScope
+from torchrec_cnr.restore.restore import LocalModel, restore_entry
 from torchrec_cnr.selection import ChainState, Policy
 from torchrec_cnr.selection.rows import resume_chain
 from torchrec_cnr.snapshot.objects import resolve_globals
 from torchrec_cnr.staging import StagingPool
 from torchrec_cnr.storage import Storage
-from torchrec_cnr.tracking.shard import LocalShard
+from torchrec_cnr.units import mb_bytes
 
 __all__ = ["ModelLoader", "Restored"]
 
@@ -36,7 +37,7 @@ class ModelLoader:
         group: the job's ranks.
         storage: the root.
         io: the I/O context reads run on.
-        shards, dense, app_state: this rank's shards, dense tensors and ``app_state``.
+        model: this rank's shards, dense tensors and ``app_state``.
         config: ``verify_checksums``, ``restore_memory_mb`` (host memory a restore may
             hold; ``None``: ``staging_memory_mb``, and if that is ``None`` too, all) and
             ``safe_globals`` (types ``app_state`` may hold beyond the built-in ones).
@@ -54,33 +55,31 @@ class ModelLoader:
         group: Collective,
         storage: Storage,
         io: IOContext,
-        shards: list[LocalShard],
-        dense: Mapping[str, torch.Tensor],
-        app_state: Mapping[str, Any],
+        model: LocalModel,
         config: CheckpointConfig,
         policy: Policy,
         pool: StagingPool,
     ) -> None:
-        self.group, self.storage, self.io = group, storage, io
-        self.shards, self.dense, self.app_state = shards, dense, app_state
+        self.group, self.storage, self.io, self.model = group, storage, io, model
         self.verify = config.verify_checksums
         mb = config.restore_memory_mb
         if mb is None:
             mb = config.staging_memory_mb
-        self.budget_bytes = mb_bytes(mb)
-        self.safe_globals = resolve_globals(config.safe_globals)
+        self.options = ReadOptions(
+            budget_bytes=mb_bytes(mb),
+            pool=pool if pool.budget_bytes is None else None,
+            safe_globals=resolve_globals(config.safe_globals),
+        )
         self.policy = policy
-        self.pool = pool if pool.budget_bytes is None else None
 
     def restore(
         self,
         manifest: Callable[[], Manifest],
         step: int | None,
-        ranks: list[int] | None = None,
-        tables: list[str] | None = None,
+        scope: RestoreScope,
     ) -> Restored | None:
         """Restores the committed checkpoint of ``step`` (the latest if ``None``); partly,
-        CPR's partial recovery, with ``ranks`` or ``tables`` (see :func:`restore_entry`).
+        CPR's partial recovery, with a partial ``scope`` (see :func:`restore_entry`).
 
         Returns:
             What was restored; ``None`` if ``step`` is ``None`` and the root holds none.
@@ -90,13 +89,9 @@ class ModelLoader:
             reader = self.group.agree_on(
                 lambda: ChainReader(self.storage, current, entry, self.io, self.verify)
             )
-            touched = restore_entry(
-                self.group, reader, self.shards, self.dense, self.app_state,
-                ranks=ranks, tables=tables, budget_bytes=self.budget_bytes, pool=self.pool,
-                safe_globals=self.safe_globals,
-            )  # fmt: skip
+            touched = restore_entry(self.group, reader, self.model, scope, self.options)
             chain: ChainState | None = None
-            if ranks is None and tables is None:
+            if not scope.partial:
                 # A partial restore keeps the live chain: the reloaded rows hold checkpointed
                 # values and their bits stay set, so the next checkpoint saves them.
                 state = ChainState(list(entry.chain), list(entry.sizes))
@@ -105,7 +100,7 @@ class ModelLoader:
                 )
                 requantized = self.group.any(mine)
                 chain = resume_chain(
-                    self.shards, self.policy, entry.policy, state, touched, requantized
+                    self.model.shards, self.policy, entry.policy, state, touched, requantized
                 )
             return Restored(entry, current.next_seq(), touched, chain)
 

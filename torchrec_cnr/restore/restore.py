@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import io
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,17 +28,29 @@ from torchrec_cnr.errors import CheckpointError
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.restore.apply import (
     PreparedRestore,
+    ReadOptions,
     apply_chain,
     own_part_suffices,
     read_chain,
 )
 from torchrec_cnr.restore.compat import check_compatible
-from torchrec_cnr.restore.partial import select_shards
+from torchrec_cnr.restore.partial import RestoreScope, select_shards
 from torchrec_cnr.snapshot.objects import serialize_app_state
-from torchrec_cnr.staging import StagingPool
 from torchrec_cnr.tracking.shard import LocalShard
 
-__all__ = ["load_app_state", "restore_entry"]
+__all__ = ["LocalModel", "load_app_state", "restore_entry"]
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """This rank's part of the live model: what a restore writes into."""
+
+    shards: list[LocalShard]
+    """This rank's embedding shards."""
+    dense: Mapping[str, torch.Tensor]
+    """This rank's dense tensors, by name."""
+    app_state: Mapping[str, Any]
+    """Objects with ``state_dict`` and ``load_state_dict`` (optimizers, dataloaders...)."""
 
 
 def _init_empty_optimizer(obj: Any) -> None:
@@ -114,21 +127,15 @@ def load_app_state(
 def restore_entry(
     group: Collective,
     chain: ChainReader,
-    shards: list[LocalShard],
-    dense: Mapping[str, torch.Tensor],
-    app_state: Mapping[str, Any],
-    *,
-    ranks: list[int] | None = None,
-    tables: list[str] | None = None,
-    budget_bytes: int | None = None,
-    pool: StagingPool | None = None,
-    safe_globals: Sequence[Any] = (),
+    model: LocalModel,
+    scope: RestoreScope,
+    options: ReadOptions,
 ) -> list[torch.Tensor]:
-    """Restores ``chain`` into this rank's ``shards``, ``dense`` and ``app_state``.
+    """Restores ``chain`` into this rank's ``model``.
 
-    With ``ranks`` or ``tables`` it is a partial recovery: only those shards reload, and
-    dense tensors, ``app_state`` and the kernels' step counters keep their live values.
-    ``pool``: staging buffers to read the baseline into, ``safe_globals``: the types
+    A partial ``scope`` is a partial recovery: only its shards reload, and dense tensors,
+    ``app_state`` and the kernels' step counters keep their live values. ``options``: the
+    memory budget, the staging buffers to read the baseline into and the types
     ``app_state`` may hold (see :func:`read_chain`).
 
     Returns:
@@ -143,12 +150,13 @@ def restore_entry(
             nothing ran and nothing changed.
     """
     entry: Entry = chain.entry
+    shards, dense, app_state = model.shards, model.dense, model.app_state
     seen: dict[str, TableShape] = {}
     for part in group.gather(Entry.signature([s.spec for s in shards], {})[0]):
         seen.update(part)
     check_compatible(entry, seen, Entry.signature([], dense)[1], chain.storage.url)
-    partial = ranks is not None or tables is not None
-    chosen = select_shards(shards, group.rank, group.world_size, ranks, tables, seen)
+    partial = scope.partial
+    chosen = select_shards(shards, group.rank, group.world_size, scope, seen)
     error: BaseException | None = None
     prepared: PreparedRestore | None = None
     try:
@@ -158,7 +166,7 @@ def restore_entry(
             chain, chosen,
             [] if partial else list(dense),
             None if partial or not app_state else group.rank,
-            budget_bytes, pool, safe_globals,
+            options,
         )  # fmt: skip
     except ValueError as e:  # read fine, but does not fit: say what it means
         error = CheckpointError(f"restore of step {entry.step} failed before any change: {e}")

@@ -10,9 +10,9 @@ import math
 import os
 from dataclasses import dataclass
 
-from torchrec_cnr.config import mb_bytes
 from torchrec_cnr.iocontext import IOOptions
 from torchrec_cnr.serving.gate import AcceptGate, finite_rows
+from torchrec_cnr.units import mb_bytes
 
 __all__ = ["SWAP_SHARE", "FollowerOptions", "available_memory", "swap_mode"]
 

@@ -149,7 +149,7 @@ class SnapshotReader:
         storage: the checkpoint root.
         ckpt_id: the checkpoint's directory.
         executor: runs the piece reads; the caller owns it.
-        piece_bytes: the most one request reads (``IOOptions.object_kb``).
+        piece_bytes: the most one request reads (``IOOptions.object_bytes``).
         checksums: logical path (see :mod:`torchrec_cnr.schema`) -> CRC32;
             every read of a listed path is checked.
 

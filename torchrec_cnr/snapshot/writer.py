@@ -118,7 +118,7 @@ class SnapshotWriter:
         ckpt_id: the checkpoint directory.
         prefix: names this writer's data objects apart from other writers'.
         executor: runs the object writes; the caller owns it.
-        object_bytes: the largest data object (``IOOptions.object_kb``).
+        object_bytes: the largest data object (``IOOptions.object_bytes``).
     """
 
     def __init__(

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torchrec_cnr.config import CheckpointConfig, mb_bytes
+from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.selection.policy import Decision
 from torchrec_cnr.selection.rows import ClearedBits, restart_bits
 from torchrec_cnr.snapshot.objects import serialize_app_state
@@ -26,6 +26,7 @@ from torchrec_cnr.staging.plan import SavePlan, plan_save, shard_key
 from torchrec_cnr.staging.pool import StagingPool, bits_buffer
 from torchrec_cnr.staging.shard import Sink, StagedCheckpoint
 from torchrec_cnr.tracking.shard import LocalShard
+from torchrec_cnr.units import mb_bytes
 
 __all__ = ["Stager"]
 
