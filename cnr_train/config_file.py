@@ -78,7 +78,16 @@ def _build(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
     except TypeError as e:
         raise ConfigError(f"{prefix or cls.__name__}: {e}") from e
     except ValueError as e:
-        raise ConfigError(f"{prefix}{e}" if prefix else str(e)) from e
+        raise ConfigError(_prefixed(prefix, str(e))) from e
+
+
+def _prefixed(prefix: str, message: str) -> str:
+    """``message`` under ``prefix`` (``checkpoint.io.``), naming its key once where the
+    library's message names its section already (``io.threads must ...``)."""
+    parent, _, section = prefix.rstrip(".").rpartition(".")
+    if section and message.startswith(f"{section}."):
+        return f"{parent}.{message}" if parent else message
+    return prefix + message
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:

@@ -141,6 +141,9 @@ def test_every_shipped_config_builds_a_job_config(path: Path) -> None:
         ("data.eval_path=/x", "eval_path needs path"),
         ("checkpoint.timeouts.lease_ttl_s=0", "checkpoint.timeouts.lease_ttl_s must be > 0"),
         ("checkpoint.io.lease_ttl_s=30", "checkpoint.io.lease_ttl_s"),
+        ("checkpoint.io.threads=0", "checkpoint.io.threads must be a positive int"),
+        ("checkpoint.io.object_mb=0", "checkpoint.io.object_mb must be at least"),
+        ("checkpoint.keep_last=0", "checkpoint.keep_last must be"),
     ],
 )
 def test_invalid_config_values_raise_config_error_naming_the_key(
