@@ -1,25 +1,22 @@
 """Training stall, commit time, bytes written and restore time of one checkpoint of a
-sharded model (8 table-wise tables x 1M rows x dim 64, 2.05 GB of fp32 weights, row-wise
-Adagrad, 2 gloo ranks): torchrec_cnr's four policies, fp32 and 4-bit adaptive, against
-torchsnapshot and torch.distributed.checkpoint (DCP), in one run on one model.
+sharded model (8 table-wise tables x 1M rows x dim 64, 2.05 GB of fp32, row-wise Adagrad, 2
+gloo ranks): torchrec_cnr's four policies, fp32 and 4-bit adaptive, against torchsnapshot
+and torch.distributed.checkpoint (DCP), in one run on one model.
 
-- Limits measured in the same run: the disk's sequential bandwidth, a memcpy of each
-  checkpoint's staged bytes, the quantizer's rate per thread.
+- Limits, same run: the disk's sequential bandwidth, a memcpy of each checkpoint's staged
+  bytes, the quantizer's rate per thread.
 - Peers (:mod:`benchmarks.peers`): torchsnapshot ``take`` and ``async_take`` (as shipped,
-  and patched to copy as its code intends; rows modified after it returns show whether
-  the snapshot is torn), with the fsync it leaves out reported apart; DCP ``save`` and
-  ``async_save``.
+  and patched to copy as its code intends; rows modified after it returns show a torn
+  snapshot), their missing fsync apart; DCP ``save`` and ``async_save``.
 - torchrec_cnr, per policy x format x {5%, 25%} of rows modified, on a fresh root: a
-  baseline, then ``--repeats`` saves each after exactly that share of rows was modified.
-  Medians of ``--repeats`` (stall, commit) and of ``--restore-repeats`` cold restores,
-  checksums verified, the 25% rows corrupted first and compared after. Peak resident
-  memory added by a manager, its saves and a restore.
-- Side by side (``--rounds`` interleaved rounds, medians, from a settled disk): durable
-  full commits of torchsnapshot ``take`` + fsync and of torchrec_cnr fp32 (``O_DIRECT``
-  and through the page cache) and 2-, 3-, 4-, 8-bit; cold restores of the snapshot, of
-  intermittent chains at each fraction, a consecutive chain of 4, the full fp32 and 4-bit
-  commits, and the first chain within a budget of 1/8 of the rows and through the page
-  cache, with each restore's peak memory.
+  baseline, then ``--repeats`` saves after exactly that share was modified (medians), and
+  ``--restore-repeats`` cold restores, checksums verified, the 25% rows corrupted first and
+  compared after; the peak resident memory a manager, its saves and a restore add.
+- Side by side (``--rounds`` interleaved rounds, medians, settled disk): durable full
+  commits of torchsnapshot ``take`` + fsync and of torchrec_cnr fp32 (``O_DIRECT`` and
+  page cache), 2-, 3-, 4-, 8-bit; cold restores of the snapshot, intermittent chains at each
+  fraction, a consecutive chain of 4, the full fp32 and 4-bit commits, and the first chain
+  within 1/8 of the rows and through the page cache, each with its peak memory.
 
 Targets: intermittent fp32 stall <= async_take (copying) stall / 10 at 5%, / 3 at 25%;
 every delta stall <= 2 x the memcpy of its staged bytes; a manager's first full stall <=
@@ -44,26 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import (
-    GB,
-    POLICIES,
-    QUANTS,
-    Peak,
-    Policy,
-    StepLoop,
-    disk_bandwidth,
-    from_rank0,
-    max_over_ranks,
-    memcpy_s,
-    model_arguments,
-    modify,
-    random_rows,
-    rmtree,
-    timed,
-    timed_restore,
-    timed_save,
-)
 from benchmarks.peers import run_peers, torchsnapshot_restore, torchsnapshot_take_durable
 from benchmarks.results import Column, Goal, Table
 from torchrec_cnr import (
@@ -87,7 +66,7 @@ def _key(policy: str, quant: str, frac: float) -> str:
 
 
 FORMATS = {
-    **QUANTS,
+    **measure.QUANTS,
     **{f"{b}-bit": QuantizeConfig(method="adaptive", bits=b, min_rows=0) for b in (2, 3, 8)},
 }
 """The stored formats of the side-by-side full commits: the grid's two and the other bit
@@ -100,31 +79,32 @@ share of the rows a rank holds."""
 
 def _peak(fn: Callable[[], Any]) -> tuple[Any, float]:
     """``fn()`` and the most resident memory it added, MB, the largest rank's (:class:`Peak`)."""
-    watched = Peak(fn)
+    watched = measure.Peak(fn)
     return watched(), watched.over_ranks()
 
 
 def encode_rates(shards: list[LocalShard]) -> dict[str, float]:
-    """GB of fp32 rows per second that one thread quantizes, per format: the first 32 MB
-    of this rank's first shard, each encoded as a commit encodes a piece, best of 3, every
-    rank at once (so each on its own core where the cores are as many as the ranks); the
-    slowest rank's rate."""
-    rows = shards[0].weight.detach()[: ENCODE_BYTES // (4 * shards[0].weight.shape[1])]
-    rows = rows.contiguous()
+    """GB of fp32 rows one thread quantizes per second, per format: the first 32 MB of this
+    rank's first shard, encoded as a commit encodes a piece, best of 3, every rank at once;
+    the slowest rank's rate."""
+    w = shards[0].weight.detach()
+    rows = w[: ENCODE_BYTES // (4 * w.shape[1])].contiguous()
     rates = {}
     for name, q in FORMATS.items():
-        if name == "fp32":
-            continue
-        dist.barrier()
-        best = min(timed(lambda: quantize(rows, q.method, int(q.bits)))[0] for _ in range(3))  # noqa: B023
-        rates[name] = rows.numel() * 4 / best / GB  # timed: the slowest rank's
+        if name != "fp32":
+            dist.barrier()
+            encode = functools.partial(quantize, rows, q.method, int(q.bits))
+            best = min(measure.timed(encode)[0] for _ in range(3))  # the slowest rank's
+            rates[name] = rows.numel() * 4 / best / measure.GB
     return rates
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    model_arguments(p, rows=1_000_000)
+    measure.model_arguments(p, rows=1_000_000)
     p.add_argument("--fractions", type=float, nargs=2, default=[0.05, 0.25])
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument(
+        "--policies", nargs="+", default=list(measure.POLICIES), choices=measure.POLICIES
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed saves per method, median")
     p.add_argument("--restore-repeats", type=int, default=2, help="cold restores, median")
     p.add_argument("--rounds", type=int, default=3, help="interleaved side-by-side rounds")
@@ -137,37 +117,40 @@ def _cnr(
     b: Bench,
     model: Any,
     shards: list[LocalShard],
-    key: tuple[Policy, str, float],
+    key: tuple[measure.Policy, str, float],
     rows: Rows,
     check: Rows,
 ) -> dict[str, Any]:
     """A baseline, then ``--repeats`` timed saves of the modified ``rows``; cold restores."""
     policy, quant, frac = key
     root = b.scratch / f"cnr_{_key(*key)}"
-    cfg = CheckpointConfig(path=str(root), policy=policy, on_busy="wait", quantize=QUANTS[quant])
+    cfg = CheckpointConfig(
+        path=str(root), policy=policy, on_busy="wait", quantize=measure.QUANTS[quant]
+    )
     # Peak memory: a manager over the model's own (its staging buffers), and over that its
     # first save and commit, the later ones, and a restore by a fresh manager.
     ckpt, peak_manager = _peak(lambda: CheckpointManager(model, cfg))
     with ckpt:
-        (base_stall, _), peak_first = _peak(lambda: timed_save(ckpt, 1))
+        (base_stall, _), peak_first = _peak(lambda: measure.timed_save(ckpt, 1))
         saves, peak_saves = [], 0.0
         for rep in range(b.args.repeats):
-            modify(shards, rows)
-            got, peak = _peak(lambda: timed_save(ckpt, 2 + rep))  # noqa: B023
+            measure.modify(shards, rows)
+            got, peak = _peak(lambda: measure.timed_save(ckpt, 2 + rep))  # noqa: B023
             saves.append(got)
             peak_saves = max(peak_saves, peak)
-    infos = from_rank0(lambda: list_checkpoints(str(root)))
+    infos = measure.from_rank0(lambda: list_checkpoints(str(root)))
     # Rank 0's staged bytes: table-wise tables spread evenly, every rank stages as much.
-    memcpy = memcpy_s(infos[-1].staged_bytes)
+    memcpy = measure.memcpy_s(infos[-1].staged_bytes)
     gc.collect()
 
     with CheckpointManager(model, cfg) as restorer:
-        watched = Peak(restorer.restore)
+        watched = measure.Peak(restorer.restore)
         restores = [
-            timed_restore(watched, root, shards, check) for _ in range(b.args.restore_repeats)
+            measure.timed_restore(watched, root, shards, check)
+            for _ in range(b.args.restore_repeats)
         ]
     peak_restore = watched.over_ranks()
-    rmtree(root)
+    measure.rmtree(root)
     gc.collect()
     stall = statistics.median(s for s, _ in saves)
     row = {
@@ -223,8 +206,8 @@ def _side_by_side(
             dataclasses.replace(full_config(quant), path=str(root)),
             storage=FsStorage(root, direct_writes=direct),
         ) as ckpt:
-            _, commit = timed_save(ckpt, 1)
-        full[name] = from_rank0(lambda: checkpoint_info(str(root)))
+            _, commit = measure.timed_save(ckpt, 1)
+        full[name] = measure.from_rank0(lambda: checkpoint_info(str(root)))
         return commit
 
     arms: dict[str, Callable[[], float]] = {
@@ -236,13 +219,13 @@ def _side_by_side(
         b.args.rounds,
         arms,
         # Each method starts from a settled disk with its previous output deleted.
-        prepare=lambda n: rmtree(root_of(n)),
+        prepare=lambda n: measure.rmtree(root_of(n)),
         label="durable full commit",
     )
     # Chains to restore: intermittent at each fraction (baseline + one delta), and a
     # consecutive chain of 4 at the smaller one.
     small = min(sels)
-    plan: list[tuple[str, Policy, float, int]] = [
+    plan: list[tuple[str, measure.Policy, float, int]] = [
         *((f"intermittent_{f:.0%}".rstrip("%"), "intermittent", f, 1) for f in sorted(sels)),
         (f"consecutive_{small:.0%}_chain_of_4".replace("%", ""), "consecutive", small, 3),
     ]
@@ -252,16 +235,16 @@ def _side_by_side(
         with CheckpointManager(model, chains[name]) as ckpt:
             for step in range(1, deltas + 2):
                 if step > 1:
-                    modify(shards, sels[frac])
-                timed_save(ckpt, step)
+                    measure.modify(shards, sels[frac])
+                measure.timed_save(ckpt, step)
     # The last commit round's full checkpoints, as they stand: fp32 and 4-bit; and the
     # first chain again within a memory budget, and through the page cache.
     first = next(iter(chains))
     rows_mb = sum(s.weight.numel() * s.weight.element_size() for s in shards) / 2**20
-    budget_mb = max_over_ranks(rows_mb * RESTORE_BUDGET)[0]
+    budget_mb = measure.max_over_ranks(rows_mb * RESTORE_BUDGET)[0]
     setups: dict[str, tuple[CheckpointConfig, bool]] = {
         **{name: (config, True) for name, config in chains.items()},
-        **{f"full_{q.replace('-', '')}": (full_config(q), True) for q in QUANTS},
+        **{f"full_{q.replace('-', '')}": (full_config(q), True) for q in measure.QUANTS},
         f"{first}{BUDGETED}": (
             dataclasses.replace(chains[first], staging_memory_mb=budget_mb),
             True,
@@ -273,15 +256,15 @@ def _side_by_side(
 
     def restore(name: str) -> float:
         if name == "torchsnapshot":  # the snapshot of the last commit round
-            watched = Peak(torchsnapshot_restore(model, ts_path))
-            took, errors[name] = timed_restore(watched, ts_path, shards, check)
+            watched = measure.Peak(torchsnapshot_restore(model, ts_path))
+            took, errors[name] = measure.timed_restore(watched, ts_path, shards, check)
         else:
             config, direct = setups[name]
             path = Path(config.path)
             storage = FsStorage(path, direct_reads=direct)
             with CheckpointManager(model, config, storage=storage) as restorer:
-                watched = Peak(restorer.restore)
-                took, errors[name] = timed_restore(watched, path, shards, check)
+                watched = measure.Peak(restorer.restore)
+                took, errors[name] = measure.timed_restore(watched, path, shards, check)
         peaks[name] = max(peaks.get(name, 0.0), watched.over_ranks())
         return took
 
@@ -290,13 +273,13 @@ def _side_by_side(
         b.args.rounds, {n: functools.partial(restore, n) for n in names}, label="cold restore"
     )
     for path in [*map(root_of, arms), *(Path(c.path) for c in chains.values())]:
-        rmtree(path)
+        measure.rmtree(path)
     commit_s = {k: statistics.median(v) for k, v in commits.items()}
     return {
         "rounds": b.args.rounds,
         "full_fp32_bytes": full["fp32"].bytes,
         "full_fp32_staged_bytes": full["fp32"].staged_bytes,
-        "full_fp32_gb_s": full["fp32"].bytes / commit_s["fp32"] / GB,
+        "full_fp32_gb_s": full["fp32"].bytes / commit_s["fp32"] / measure.GB,
         "commit_s": commit_s,
         "commits": commits,
         "restore_s": {k: statistics.median(v) for k, v in restores.items()},
@@ -309,11 +292,14 @@ def _side_by_side(
     }
 
 
-def targets(fracs: list[float], policies: list[Policy]) -> list[Goal]:
+def targets(fracs: list[float], policies: list[measure.Policy]) -> list[Goal]:
     """The targets of a run at ``fracs`` (two fractions of rows modified) over ``policies``."""
     small, large = (f"{f:.0%}" for f in sorted(fracs))
     cnr = {
-        f"{p} {q} {f:.0%}": f"cnr.{_key(p, q, f)}" for p in POLICIES for q in QUANTS for f in fracs
+        f"{p} {q} {f:.0%}": f"cnr.{_key(p, q, f)}"
+        for p in measure.POLICIES
+        for q in measure.QUANTS
+        for f in fracs
     }
     sbs, ts = "side_by_side", "side_by_side.restore_s.torchsnapshot"
     copying = "peers.torchsnapshot_async_take_copy.stall_s"
@@ -372,8 +358,10 @@ def tables(m: dict[str, Any]) -> list[Table]:
     limits: dict[str, Column] = {
         "disk write GB/s": "write_gb_s",
         "disk read GB/s": "read_gb_s",
-        "memcpy GB/s per rank": lambda _: mem["bytes"] / mem["s"] / GB,
-        "disk test": lambda d: f"{d['bytes'] / GB:.2f} GB, best of {len(d['passes'])} passes",
+        "memcpy GB/s per rank": lambda _: mem["bytes"] / mem["s"] / measure.GB,
+        "disk test": lambda d: (
+            f"{d['bytes'] / measure.GB:.2f} GB, best of {len(d['passes'])} passes"
+        ),
         "quantized GB/s of fp32 rows per thread": lambda _: ", ".join(
             f"{k} {v:.2f}" for k, v in m["encode_gb_s_per_thread"].items()
         ),
@@ -389,7 +377,7 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "modified": lambda _: "full",
         "stall s": "stall_s",
         "commit s": _commit,
-        "written GB": lambda p: p["bytes"] / GB,
+        "written GB": lambda p: p["bytes"] / measure.GB,
         "restore s": "restore_s",
     })  # fmt: skip
     which: dict[str, Column] = {
@@ -400,7 +388,7 @@ def tables(m: dict[str, Any]) -> list[Table]:
         **which,
         "stall s": "stall_s",
         "commit s": "commit_s",
-        "written GB": lambda r: r["bytes"] / GB,
+        "written GB": lambda r: r["bytes"] / measure.GB,
         "restore s": lambda r: f"{r['restore_s']:.2f} (chain of {r['restore_chain_len']})",
     })  # fmt: skip
     side = [["durable full commit", k, v] for k, v in sbs["commits"].items()]
@@ -455,21 +443,21 @@ def tables(m: dict[str, Any]) -> list[Table]:
 
 def run(b: Bench) -> Outcome:
     a = b.args
-    disk = disk_bandwidth(b.scratch, a.disk_mb << 20, passes=a.disk_passes)
-    model = StepLoop.warm(a, 512, a.warmup_steps).work.model
+    disk = measure.disk_bandwidth(b.scratch, a.disk_mb << 20, passes=a.disk_passes)
+    model = measure.StepLoop.warm(a, 512, a.warmup_steps).work.model
     shards = local_shards(model)
-    sels = random_rows(shards, a.fractions)
+    sels = measure.random_rows(shards, a.fractions)
     check = sels[max(a.fractions)]
     encode = encode_rates(shards)
     side_by_side = _side_by_side(b, model, shards, sels, check)
     peers = run_peers(model, b.scratch, shards, check)
-    keys = [(p, q, f) for p in a.policies for q in QUANTS for f in a.fractions]
+    keys = [(p, q, f) for p in a.policies for q in measure.QUANTS for f in a.fractions]
     cnr = {_key(*k): _cnr(b, model, shards, k, sels[k[2]], check) for k in keys}
     staged = side_by_side["full_fp32_staged_bytes"]
     m = {
         "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim},
         "disk": disk,
-        "memcpy_full": {"bytes": staged, "s": memcpy_s(staged)},
+        "memcpy_full": {"bytes": staged, "s": measure.memcpy_s(staged)},
         "encode_gb_s_per_thread": encode,
         "peers": peers,
         "cnr": cnr,

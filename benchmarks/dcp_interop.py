@@ -25,16 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import (
-    GB,
-    Peak,
-    model_arguments,
-    rmtree,
-    timed,
-    timed_save,
-    uniform_model,
-)
 from benchmarks.results import Goal, Table
 from cnr_train.workload import TableSpec, build_model, dense_optimizer
 from torchrec_cnr import CheckpointConfig, CheckpointManager, ExportOptions, export_dcp
@@ -42,7 +34,7 @@ from torchrec_cnr.storage.fs import tree_bytes
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    model_arguments(p, rows=500_000)
+    measure.model_arguments(p, rows=500_000)
     p.add_argument("--rounds", type=int, default=3, help="turns of each method")
     p.add_argument("--budget-mb", type=int, default=256, help="export_dcp's block budget")
     p.add_argument("--threads", type=int, default=1, help="export_dcp's writer threads")
@@ -66,19 +58,19 @@ def _dcp_load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) ->
 
 def run(b: Bench) -> Outcome:
     a = b.args
-    work = uniform_model(a)
+    work = measure.uniform_model(a)
     model, opt = work.model, work.opt
     root, ours, theirs = b.scratch / "root", b.scratch / "exported", b.scratch / "dcp_save"
     with CheckpointManager(model, CheckpointConfig(path=str(root), policy="full")) as ckpt:
-        timed_save(ckpt, 1)
+        measure.timed_save(ckpt, 1)
     got: dict[str, list[tuple[float, float]]] = {}
 
     def turns(label: str, methods: dict[str, Callable[[], Any]], prepare: Any = None) -> None:
         """``methods`` in interleaved turns, each one's seconds and peak memory noted."""
 
         def go(name: str) -> float:
-            watched = Peak(methods[name])
-            seconds, _ = timed(watched)
+            watched = measure.Peak(methods[name])
+            seconds, _ = measure.timed(watched)
             got.setdefault(name, []).append((seconds, watched.over_ranks()))
             return seconds
 
@@ -90,7 +82,7 @@ def run(b: Bench) -> Outcome:
     turns("export", {
         "export_dcp": lambda: export_dcp(str(root), ours, options=options, group=dist.group.WORLD),
         "dcp_save": lambda: dcp.save(_recipe(model, opt), checkpoint_id=str(theirs)),
-    }, prepare=lambda name: rmtree(ours if name == "export_dcp" else theirs))  # fmt: skip
+    }, prepare=lambda name: measure.rmtree(ours if name == "export_dcp" else theirs))  # fmt: skip
     sizes = {"export_dcp": tree_bytes(ours), "dcp_save": tree_bytes(theirs)}
     with CheckpointManager(model, CheckpointConfig(path=str(b.scratch / "imported"))) as importer:
         turns("import", {
@@ -115,7 +107,7 @@ def run(b: Bench) -> Outcome:
         for name, runs in got.items()
     }
     m["bytes"] = sizes
-    m["model_gb"] = a.tables * a.rows * a.dim * 4 / GB
+    m["model_gb"] = a.tables * a.rows * a.dim * 4 / measure.GB
     rows = [
         [
             name,
@@ -133,7 +125,7 @@ def run(b: Bench) -> Outcome:
         f"{a.tables} tables x {a.rows} rows x dim {a.dim} fp32 ({m['model_gb']:.2f} GB) on "
         f"{b.world} ranks, fused row-wise Adagrad; median of {a.rounds} turns, caches dropped "
         f"before each; export blocks of {a.budget_mb} MB; checkpoint bytes: export "
-        f"{sizes['export_dcp'] / GB:.3f} GB, dcp.save {sizes['dcp_save'] / GB:.3f} GB"
+        f"{sizes['export_dcp'] / measure.GB:.3f} GB, dcp.save {sizes['dcp_save'] / measure.GB:.3f} GB"
     )
     table = Table(
         "DCP interop against DCP",

@@ -23,17 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import (
-    Policy,
-    StepLoop,
-    Workload,
-    bcast,
-    max_over_ranks,
-    model_arguments,
-    timed_save,
-    uniform_model,
-)
 from benchmarks.results import Column, Goal, Table
 from cnr_train.serve import serving_model
 from cnr_train.workload import ZipfBatches
@@ -52,7 +43,7 @@ FIGURES = ("stall_s", "commit_s", "read_b", "written_b", "writer_cpu_s", "follow
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    model_arguments(p, rows=5000, tables=4, dim=16)
+    measure.model_arguments(p, rows=5000, tables=4, dim=16)
     p.add_argument("--policies", nargs="+", default=["intermittent", "consecutive"])
     p.add_argument("--probes", type=int, nargs="+", default=[10, 100, 300, 1000, 3000, 10000])
     p.add_argument("--window", type=int, default=TAIL, help="commits per probe (a sealing cycle)")
@@ -77,10 +68,10 @@ class _WriterClock:
         compact.write_and_commit = self._inner
 
 
-def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
+def _policy(b: Bench, policy: measure.Policy) -> list[dict[str, Any]]:
     a = b.args
-    work = uniform_model(a)
-    loop = StepLoop(work, ZipfBatches(work.tables, batch_size=64, seed=3), b.rank)
+    work = measure.uniform_model(a)
+    loop = measure.StepLoop(work, ZipfBatches(work.tables, batch_size=64, seed=3), b.rank)
     root = b.scratch / policy
     storage = CountingStorage(open_storage(str(root)))
     ckpt = CheckpointManager(work.model, CheckpointConfig(path=str(root), policy=policy),
@@ -95,15 +86,15 @@ def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
         for step in range(1, last + 1):
             loop.train(1)
             storage.bytes_read = storage.bytes_written = 0
-            stall_s, commit_s = timed_save(ckpt, step)
+            stall_s, commit_s = measure.timed_save(ckpt, step)
             if step + 1 in measured and step not in measured and b.rank == 0:
                 _follower(root, follower_box, work).poll()  # one behind at the window's start
             if step not in measured:
                 continue
             got = {"stall_s": stall_s, "commit_s": commit_s, "read_b": storage.bytes_read,
                    "written_b": storage.bytes_written}  # fmt: skip
-            got["writer_cpu_s"] = max_over_ranks(clock.last)[0]
-            got |= bcast(_follow_and_plan(root, follower_box, work) if b.rank == 0 else {})
+            got["writer_cpu_s"] = measure.max_over_ranks(clock.last)[0]
+            got |= measure.bcast(_follow_and_plan(root, follower_box, work) if b.rank == 0 else {})
             window.append(got)
             if step in a.probes:
                 rows.append(_summary(policy, step, window, root))
@@ -118,14 +109,14 @@ def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
     return rows
 
 
-def _follower(root: Path, box: list[Follower], work: Workload) -> Follower:
+def _follower(root: Path, box: list[Follower], work: measure.Workload) -> Follower:
     """The follower of ``root``, made at the first window (its first poll loads cold)."""
     if not box:
         box.append(Follower(str(root), FloatTarget(serving_model(work.tables, 4, "fp32"))))
     return box[0]
 
 
-def _follow_and_plan(root: Path, box: list[Follower], work: Workload) -> dict[str, float]:
+def _follow_and_plan(root: Path, box: list[Follower], work: measure.Workload) -> dict[str, float]:
     """A follower's update to the commit just made, and a restore's planning of it."""
     follower = _follower(root, box, work)
     follower.poll()

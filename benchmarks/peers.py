@@ -22,17 +22,7 @@ from torchsnapshot import Snapshot
 from torchsnapshot.io_preparers.tensor import TensorBufferStager
 from torchsnapshot.serialization import Serializer
 
-from benchmarks.measure import (
-    drop_cache,
-    from_rank0,
-    fsync_tree,
-    gathered,
-    max_abs_diff,
-    max_over_ranks,
-    rmtree,
-    timed,
-    timed_restore,
-)
+from benchmarks import measure
 from torchrec_cnr.storage.fs import tree_bytes
 from torchrec_cnr.tracking.shard import LocalShard
 
@@ -46,9 +36,9 @@ def torchsnapshot_take_durable(model: torch.nn.Module, path: Path) -> float:
     def take() -> None:
         Snapshot.take(str(path), app_state={"model": model}, replicated=["**"])
         if dist.get_rank() == 0:
-            fsync_tree(path)
+            measure.fsync_tree(path)
 
-    return timed(take)[0]
+    return measure.timed(take)[0]
 
 
 def torchsnapshot_restore(model: torch.nn.Module, path: Path) -> Callable[[], None]:
@@ -85,9 +75,11 @@ def _copying_async_take() -> Iterator[None]:
 def _take(
     model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: list[torch.Tensor]
 ) -> Row:
-    took, _ = timed(lambda: Snapshot.take(str(path), app_state={"model": model}, replicated=["**"]))
-    fsync_s, _ = timed(lambda: fsync_tree(path) if dist.get_rank() == 0 else None)
-    restore_s, err = timed_restore(torchsnapshot_restore(model, path), path, shards, rows)
+    took, _ = measure.timed(
+        lambda: Snapshot.take(str(path), app_state={"model": model}, replicated=["**"])
+    )
+    fsync_s, _ = measure.timed(lambda: measure.fsync_tree(path) if dist.get_rank() == 0 else None)
+    restore_s, err = measure.timed_restore(torchsnapshot_restore(model, path), path, shards, rows)
     return {
         "method": "torchsnapshot take",
         "stall_s": took,
@@ -118,13 +110,13 @@ def _async_take(
                 s.weight[r] += 1.0
         pending.wait()
         t2 = time.perf_counter()
-    stall, commit = max_over_ranks(t1 - t0, t2 - t0)
+    stall, commit = measure.max_over_ranks(t1 - t0, t2 - t0)
     del pending
-    fsync_s, _ = timed(lambda: fsync_tree(path) if dist.get_rank() == 0 else None)
-    drop_cache(path)
+    fsync_s, _ = measure.timed(lambda: measure.fsync_tree(path) if dist.get_rank() == 0 else None)
+    measure.drop_cache(path)
     # The live rows are now `before + 1`: a consistent snapshot gives back `before`.
-    restore_s, _ = timed(torchsnapshot_restore(model, path))
-    torn = max_abs_diff(shards, rows, before)
+    restore_s, _ = measure.timed(torchsnapshot_restore(model, path))
+    torn = measure.max_abs_diff(shards, rows, before)
     with torch.no_grad():  # the model as it was, whatever the snapshot held
         for s, r, v in zip(shards, rows, before):
             s.weight[r] = v
@@ -144,7 +136,7 @@ def _dcp_save(
 ) -> Row:
     """DCP ``save`` of the model's state dict (its FileSystemWriter fsyncs by default)."""
     try:
-        took, _ = timed(lambda: dcp.save(model.state_dict(), checkpoint_id=str(path)))
+        took, _ = measure.timed(lambda: dcp.save(model.state_dict(), checkpoint_id=str(path)))
     except Exception as e:  # reported in the row: the other methods still run
         return {"method": "DCP save", "error": f"{type(e).__name__}: {e}"}
 
@@ -153,7 +145,7 @@ def _dcp_save(
         dcp.load(sd, checkpoint_id=str(path))
         model.load_state_dict(sd)
 
-    restore_s, err = timed_restore(load, path, shards, rows)
+    restore_s, err = measure.timed_restore(load, path, shards, rows)
     return {
         "method": "DCP save",
         "stall_s": took,
@@ -178,8 +170,8 @@ def _dcp_async_save(model: torch.nn.Module, path: Path) -> Row:
         t2 = time.perf_counter()
     except Exception as e:  # reported in the row: the other methods still run
         error = f"{type(e).__name__}: {e}"
-    failed = [f"rank {r}: {e}" for r, e in enumerate(gathered(error)) if e]
-    stall, commit = max_over_ranks(t1 - t0, t2 - t0)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(measure.gathered(error)) if e]
+    stall, commit = measure.max_over_ranks(t1 - t0, t2 - t0)
     if failed:
         return {"method": "DCP async_save", "error": "; ".join(failed)}
     return {"method": "DCP async_save", "stall_s": stall, "commit_s": commit}
@@ -205,8 +197,8 @@ def run_peers(
         path = folder / key
         row = peer(path)
         if "error" not in row:
-            row["bytes"] = from_rank0(lambda p=path: tree_bytes(p))  # type: ignore[misc]
+            row["bytes"] = measure.from_rank0(lambda p=path: tree_bytes(p))  # type: ignore[misc]
         out[key] = row
-        rmtree(path)
+        measure.rmtree(path)
         gc.collect()
     return out

@@ -14,15 +14,8 @@ import argparse
 import sys
 from typing import Any
 
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
-from benchmarks.measure import (
-    POLICIES,
-    Policy,
-    from_rank0,
-    model_arguments,
-    rmtree,
-    uniform_model,
-)
 from benchmarks.results import Table
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import CheckpointConfig, CheckpointManager, checkpoint_info
@@ -30,7 +23,7 @@ from torchrec_cnr.storage.fs import tree_bytes
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
-    model_arguments(p, rows=100_000)
+    measure.model_arguments(p, rows=100_000)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--pooling", type=int, default=2)
     p.add_argument("--alpha", type=float, default=1.1)
@@ -44,10 +37,10 @@ def arguments(p: argparse.ArgumentParser) -> None:
 SMOKE = "--tables 2 --rows 2000 --dim 16 --batch-size 64 --intervals 4 --steps-per-interval 2"
 
 
-def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
+def _policy(b: Bench, policy: measure.Policy) -> list[dict[str, Any]]:
     a = b.args
     root = b.scratch / policy
-    model, opt, tables = uniform_model(a)
+    model, opt, tables = measure.uniform_model(a)
     data = ZipfBatches(tables, a.batch_size, alpha=a.alpha, pooling=a.pooling, seed=0)
     cfg = CheckpointConfig(path=str(root), policy=policy, keep_last=1)
     rows: list[dict[str, Any]] = []
@@ -57,7 +50,9 @@ def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
                 train_step(model, opt, data.next(b.rank))
             ckpt.save(interval * a.steps_per_interval)
             ckpt.wait()
-            info, stored = from_rank0(lambda: (checkpoint_info(str(root)), tree_bytes(root)))
+            info, stored = measure.from_rank0(
+                lambda: (checkpoint_info(str(root)), tree_bytes(root))
+            )
             rows.append({
                 "policy": policy,
                 "interval": interval,
@@ -67,13 +62,13 @@ def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
                 "stored_bytes": stored,
                 "chain_len": len(info.chain),
             })  # fmt: skip
-    rmtree(root)
+    measure.rmtree(root)
     return rows
 
 
-def measure(b: Bench) -> dict[str, Any]:
+def _measure(b: Bench) -> dict[str, Any]:
     """Every policy's intervals, and one full checkpoint's bytes they are relative to."""
-    return summarize({p: _policy(b, p) for p in POLICIES})
+    return summarize({p: _policy(b, p) for p in measure.POLICIES})
 
 
 def summarize(per: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -144,7 +139,7 @@ def _figure(b: Bench, m: dict[str, Any]) -> None:
 
 
 def run(b: Bench) -> Outcome:
-    m = measure(b)
+    m = _measure(b)
     if b.args.figure and b.rank == 0:
         write_csv(b.artifacts / "results.csv", [r for per in m["intervals"].values() for r in per])
         _figure(b, m)

@@ -17,23 +17,8 @@ import gc
 import sys
 from typing import Any
 
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
-from benchmarks.measure import (
-    GB,
-    QUANTS,
-    disk_bandwidth,
-    drop_cache,
-    max_over_ranks,
-    memcpy_s,
-    modify,
-    proc_status_mb,
-    random_rows,
-    reset_peak_rss,
-    rmtree,
-    timed,
-    timed_save,
-    uniform_model,
-)
 from benchmarks.results import Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.tracking.model_state import local_shards
@@ -57,26 +42,26 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 def _size(b: Bench, gb: float) -> list[dict[str, Any]]:
     a = b.args
-    tables = max(1, round(gb * GB / (a.rows * 64 * 4))) * b.world
-    model = uniform_model(argparse.Namespace(tables=tables, rows=a.rows, dim=64)).model
+    tables = max(1, round(gb * measure.GB / (a.rows * 64 * 4))) * b.world
+    model = measure.uniform_model(argparse.Namespace(tables=tables, rows=a.rows, dim=64)).model
     shards = local_shards(model)
-    (local_gb,) = max_over_ranks(sum(s.weight.numel() * 4 for s in shards) / GB)
-    sels = random_rows(shards, SAVED[1:])
+    (local_gb,) = measure.max_over_ranks(sum(s.weight.numel() * 4 for s in shards) / measure.GB)
+    sels = measure.random_rows(shards, SAVED[1:])
     rows: list[dict[str, Any]] = []
-    for quant, qcfg in QUANTS.items():
+    for quant, qcfg in measure.QUANTS.items():
         root = b.scratch / f"{gb}_{quant}"
         gc.collect()
-        base = reset_peak_rss()
+        base = measure.reset_peak_rss()
         cfg = CheckpointConfig(path=str(root), policy="intermittent", quantize=qcfg)
         with CheckpointManager(model, cfg) as ckpt:
             for step, saved in enumerate(SAVED, start=1):
                 if saved < 1:
-                    modify(shards, sels[saved])
-                stall, commit = timed_save(ckpt, step)
-                (save_peak,) = max_over_ranks(proc_status_mb("VmHWM") - base)
-                drop_cache(root)
-                restore, _ = timed(functools.partial(ckpt.restore, step=step))
-                (peak,) = max_over_ranks(proc_status_mb("VmHWM") - base)
+                    measure.modify(shards, sels[saved])
+                stall, commit = measure.timed_save(ckpt, step)
+                (save_peak,) = measure.max_over_ranks(measure.proc_status_mb("VmHWM") - base)
+                measure.drop_cache(root)
+                restore, _ = measure.timed(functools.partial(ckpt.restore, step=step))
+                (peak,) = measure.max_over_ranks(measure.proc_status_mb("VmHWM") - base)
                 got = [stall, commit, restore, max(save_peak, peak)]
                 rows.append(
                     {
@@ -88,7 +73,7 @@ def _size(b: Bench, gb: float) -> list[dict[str, Any]]:
                 )
                 b.log_row(rows[-1])
         del ckpt  # its staging buffers go before the next manager takes its own
-        rmtree(root)
+        measure.rmtree(root)
     del model, shards, sels
     gc.collect()
     return rows
@@ -150,11 +135,11 @@ def _plot(b: Bench, rows: list[dict[str, Any]]) -> None:
 
 def run(b: Bench) -> Outcome:
     a = b.args
-    disk = disk_bandwidth(b.scratch, a.disk_mb << 20)
+    disk = measure.disk_bandwidth(b.scratch, a.disk_mb << 20)
     limits = {
         "write_gb_s": disk["write_gb_s"],
         "read_gb_s": disk["read_gb_s"],
-        "memcpy_gb_s": a.memcpy_mb / 1e3 / memcpy_s(a.memcpy_mb * 10**6),
+        "memcpy_gb_s": a.memcpy_mb / 1e3 / measure.memcpy_s(a.memcpy_mb * 10**6),
     }
     b.log(", ".join(f"{k} {v:.2f}" for k, v in limits.items()))
     rows = [r for gb in a.gb_per_rank for r in _size(b, gb)]

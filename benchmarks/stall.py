@@ -18,18 +18,8 @@ import statistics
 import sys
 from typing import Any
 
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import (
-    StepLoop,
-    max_over_ranks,
-    memcpy_s,
-    model_arguments,
-    modify,
-    random_rows,
-    rmtree,
-    timed,
-    timed_save,
-)
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
 from torchrec_cnr.config import Staging
@@ -39,7 +29,7 @@ MODES: tuple[Staging, ...] = ("eager", "lazy")
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    model_arguments(p, rows=1_000_000)
+    measure.model_arguments(p, rows=1_000_000)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.05, 0.25])
     p.add_argument("--policy", default="intermittent")
     p.add_argument("--repeats", type=int, default=9, help="timed saves per case, median")
@@ -54,14 +44,14 @@ def _case(b: Bench, w: Any, shards: list[Any], mode: Staging, frac: float, rows:
     cfg = CheckpointConfig(path=str(root), policy=b.args.policy, staging=mode)
     saves, hook = [], []
     with CheckpointManager(w.model, cfg) as ckpt:
-        timed_save(ckpt, 1)
+        measure.timed_save(ckpt, 1)
         for rep in range(b.args.repeats):
-            modify(shards, rows)
-            saves.append(timed_save(ckpt, 2 + rep))
+            measure.modify(shards, rows)
+            saves.append(measure.timed_save(ckpt, 2 + rep))
             lazy = ckpt.lazy_staging
             hook.append(0.0 if lazy is None else lazy.background_s)
     info = list_checkpoints(str(root))[-1]
-    rmtree(root)
+    measure.rmtree(root)
     gc.collect()
     row = {
         "staging": mode,
@@ -70,7 +60,7 @@ def _case(b: Bench, w: Any, shards: list[Any], mode: Staging, frac: float, rows:
         "stalls_s": [s for s, _ in saves],
         "commit_s": statistics.median(c for _, c in saves),
         "staged_bytes": info.staged_bytes,
-        "memcpy_s": memcpy_s(info.staged_bytes),
+        "memcpy_s": measure.memcpy_s(info.staged_bytes),
         "background_copy_s": statistics.median(hook),
     }
     b.log_row(row)
@@ -97,13 +87,14 @@ def targets(fractions: list[float]) -> list[Goal]:
 
 def run(b: Bench) -> Outcome:
     a = b.args
-    w = StepLoop.warm(a, 512, 2).work
+    w = measure.StepLoop.warm(a, 512, 2).work
     shards = model_state.local_shards(w.model)
-    sels = random_rows(shards, a.fractions)
+    sels = measure.random_rows(shards, a.fractions)
     dense = model_state.dense_state(w.model)
-    dense_s = max_over_ranks(
+    dense_s = measure.max_over_ranks(
         statistics.median(
-            timed(lambda: {k: v.detach().clone() for k, v in dense.items()})[0] for _ in range(5)
+            measure.timed(lambda: {k: v.detach().clone() for k, v in dense.items()})[0]
+            for _ in range(5)
         )
     )[0]
     cases = {_key(m, f): _case(b, w, shards, m, f, sels[f]) for f in a.fractions for m in MODES}

@@ -19,43 +19,33 @@ from typing import Any
 
 import torch
 
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import (
-    from_rank0,
-    model_arguments,
-    modify,
-    random_rows,
-    s3_bucket,
-    s3_server,
-    timed,
-    timed_save,
-    uniform_model,
-)
 from benchmarks.results import Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
 from torchrec_cnr.tracking.model_state import local_shards
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    model_arguments(p, rows=100_000)
+    measure.model_arguments(p, rows=100_000)
     p.add_argument("--fraction", type=float, default=0.05)
     p.add_argument("--repeats", type=int, default=3)
 
 
 def _measure(b: Bench, base: str, model: torch.nn.Module) -> dict[str, Any]:
     shards = local_shards(model)
-    rows = random_rows(shards, [b.args.fraction])[b.args.fraction]
+    rows = measure.random_rows(shards, [b.args.fraction])[b.args.fraction]
     full, delta, restore = [], [], []
     for rep in range(b.args.repeats):
         root = f"{base}/{rep}"
         with CheckpointManager(model, CheckpointConfig(path=root, policy="intermittent")) as ckpt:
-            full.append(timed_save(ckpt, 1)[1])
-            modify(shards, rows)
-            delta.append(timed_save(ckpt, 2)[1])
-            took, restored = timed(ckpt.restore)
+            full.append(measure.timed_save(ckpt, 1)[1])
+            measure.modify(shards, rows)
+            delta.append(measure.timed_save(ckpt, 2)[1])
+            took, restored = measure.timed(ckpt.restore)
             assert restored == 2, restored
             restore.append(took)
-    infos = from_rank0(lambda: list_checkpoints(root))
+    infos = measure.from_rank0(lambda: list_checkpoints(root))
     return {
         "full_commit_s": statistics.median(full),
         "delta_commit_s": statistics.median(delta),
@@ -67,11 +57,11 @@ def _measure(b: Bench, base: str, model: torch.nn.Module) -> dict[str, Any]:
 
 def run(b: Bench) -> Outcome:
     a = b.args
-    model = uniform_model(a).model
-    with s3_server():
+    model = measure.uniform_model(a).model
+    with measure.s3_server():
         roots = {
             "file system": str(b.scratch / "ckpt"),
-            "S3 (moto, loopback)": f"s3://{s3_bucket()}/ckpt",
+            "S3 (moto, loopback)": f"s3://{measure.s3_bucket()}/ckpt",
         }
         backends = {}
         for name, root in roots.items():
