@@ -1,14 +1,13 @@
 """Train to serve: the app's training job and its serving process, side by side at 1 GB.
 
-Each run is the app itself (``configs/serving.yaml``): ``scripts/serve.py`` starts first,
-then ``torchrun scripts/train.py`` trains the DLRM of 4 table-wise tables x 1M rows x dim
-64 (1 GB of fp32 rows) on 2 ranks, committing every ``--interval-steps`` steps, while the
-serving process follows the root with a ``torchrec_cnr.Follower`` and answers requests the
-whole time. With ``serve.step_rows`` the job writes each step into the last row of every
-table and every request checks that its rows hold the step ``follower.step`` names: any
-other is a torn snapshot. One run per policy, per checkpoint format and served model (fp32
-served as fp32; adaptive 4-bit served as TorchRec's INT4) and follower mode, on the file
-system or on S3 (a moto server on loopback).
+Each run is the app (``configs/serving.yaml``): ``scripts/serve.py`` starts, then
+``torchrun scripts/train.py`` trains the DLRM of 4 table-wise tables x 1M rows x dim 64 (1
+GB of fp32) on 2 ranks, committing every ``--interval-steps`` steps, while the serving
+process follows the root with a ``torchrec_cnr.Follower`` and answers requests throughout.
+With ``serve.step_rows`` the job writes each step into the last row of every table and
+every request checks that its rows hold the step ``follower.step`` names: any other is a
+torn snapshot. One run per policy, checkpoint format and served model (fp32 as fp32;
+adaptive 4-bit as TorchRec's INT4), follower mode, on the file system or S3 (moto, loopback).
 
 Per update (the follower's reports): rows and bytes read against the rows changed since the
 served step (``rows_changed`` x the stored row and its int32 id), seconds to served, time
@@ -22,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -61,13 +61,11 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", nargs="+", default=["fs"], choices=["fs", "s3"])
     p.add_argument("--nproc", type=int, default=2, help="training ranks")
     p.add_argument("--modes", nargs="+", default=["copy", "swap"], choices=MODES,
-                   help="the follower's copy mode, swap mode, and copy mode "
-                        "with a memory budget")  # fmt: skip
+                   help="the follower's copy mode, swap mode, and copy mode with a memory budget")  # fmt: skip
     p.add_argument("--budget-mb", type=float, default=16.0,
                    help="--modes budget: the follower's memory budget")  # fmt: skip
-    p.add_argument("--followers", nargs="+", type=int, default=[1],
-                   help="serving processes on one root; with more than one, every run's "
-                        "run at nice 10")  # fmt: skip
+    p.add_argument("--followers", nargs="+", type=int, default=[1], help="serving processes "
+                   "on one root; with more than one, every run's run at nice 10")  # fmt: skip
     p.add_argument("--requests-per-s", type=float, help="each serving process's requests "
                    "(default: configs/serving.yaml's)")  # fmt: skip
 
@@ -148,18 +146,15 @@ def _one_run(
         for server in servers:
             if server.poll() is None:
                 server.kill()
-    exits = [("train", job.returncode)] + [
-        (f"serve{i or ''}", rc) for i, rc in enumerate(served_rc)
-    ]
-    for name, rc in exits:
+    for name, rc in [("train", job.returncode), *((f"serve{i or ''}", rc) for i, rc in enumerate(served_rc))]:  # fmt: skip
         if rc != 0:
             tail = (out / f"{name}.log").read_text()[-3000:]
             raise RuntimeError(f"{key}: {name} exited {rc}; the end of its log:\n{tail}")
     metrics = [json.loads((out / f"serve{i or ''}.json").read_text()) for i in range(followers)]
     row = _row_bytes(PAIRS[served][0], b.args.dim) + ID_BYTES
     infos = list_checkpoints(root)
-    summary = _summarise(metrics[0], infos, row)
-    summary.update(_fanout([_summarise(m, infos, row) for m in metrics], metrics, infos))
+    summaries = [_summarise(m, infos, row) for m in metrics]
+    summary = summaries[0] | _fanout(summaries, metrics, infos)
     b.log(f"{key}: {_brief(summary)} ({time.time() - began:.0f} s)")
     return {"storage": storage, "policy": policy, "served": served, "mode": mode,
             "followers": followers, "row_bytes": row, **summary,
@@ -174,9 +169,7 @@ def _wait_following(out: Path, servers: list[subprocess.Popen[bytes]]) -> None:
         log = out / f"serve{i or ''}.log"
         while "serving: following" not in log.read_text():
             if server.poll() is not None or time.time() > deadline:
-                raise RuntimeError(
-                    f"{log.name} did not start following:\n{log.read_text()[-3000:]}"
-                )
+                raise RuntimeError(f"{log.name} did not start following:\n{log.read_text()[-3000:]}")  # fmt: skip
             time.sleep(0.2)
 
 
@@ -214,9 +207,8 @@ def _fanout(
         "each_follower": each,
         **{f"worst_{k}": max((e[k] for e in each if e[k] is not None), default=None)
            for k in ("requests_per_commit", "requests_per_update", "mb_per_commit",
-                     "caught_up_requests_per_commit",
-                     "idle_poll_requests",
-                     "read_over_changed", "follow_cpu_s_per_commit", "torn_requests")},
+                     "caught_up_requests_per_commit", "idle_poll_requests", "read_over_changed",
+                     "follow_cpu_s_per_commit", "torn_requests")},
     }  # fmt: skip
 
 
@@ -257,20 +249,14 @@ def _summarise(m: dict[str, Any], infos: list[CheckpointInfo], row: int) -> dict
         "torn_requests": m["torn_requests"],
         "torn_examples": m["torn_examples"],
         "cold_s": next((r.seconds for r in reports if r.cold), None),
-        "update_s": med("seconds"),
-        "update_s_max": worst("seconds"),
-        "lag_s": med("lag_s"),
-        "lag_s_max": worst("lag_s"),
-        "fresh_s": med("fresh_mid_s"),
-        "fresh_s_max": worst("fresh_worst_s"),
-        "probe_fresh_s": m["probe_fresh_median_s"],
-        "probe_fresh_s_max": m["probe_fresh_max_s"],
-        "blocked_s": med("blocked_s"),
-        "blocked_s_max": worst("blocked_s"),
+        "update_s": med("seconds"), "update_s_max": worst("seconds"),
+        "lag_s": med("lag_s"), "lag_s_max": worst("lag_s"),
+        "fresh_s": med("fresh_mid_s"), "fresh_s_max": worst("fresh_worst_s"),
+        "probe_fresh_s": m["probe_fresh_median_s"], "probe_fresh_s_max": m["probe_fresh_max_s"],
+        "blocked_s": med("blocked_s"), "blocked_s_max": worst("blocked_s"),
         "blocked_over_memcpy": med("blocked_s") / max(med("memcpy_s"), 1e-9),
         "memcpy_ms": med("memcpy_s") * 1e3,
-        "held_mb": med("held_bytes") / MB,
-        "held_mb_max": worst("held_bytes") / MB,
+        "held_mb": med("held_bytes") / MB, "held_mb_max": worst("held_bytes") / MB,
         "spilled_mb": med("spilled_bytes") / MB,
         "held_over_changed": med("held_over_changed"),
         "spare_mb": m.get("spare_bytes", 0) / MB,
@@ -281,7 +267,7 @@ def _summarise(m: dict[str, Any], infos: list[CheckpointInfo], row: int) -> dict
         "requests": med("requests"),
         "request_s": m["request_latency_median_s"],
         "updates": updates,
-    }
+    }  # fmt: skip
 
 
 def _brief(s: dict[str, Any]) -> str:
@@ -352,11 +338,10 @@ def _fanout_targets(runs: dict[str, Any], key: str) -> list[Goal]:
 def tables(m: dict[str, Any]) -> list[Table]:
     runs = list(m["runs"].values())
     which: dict[str, Column] = {
-        "storage": "storage",
-        "policy": "policy",
+        "storage": "storage", "policy": "policy",
         "served": lambda r: f"{PAIRS[r['served']][0]} -> {r['served']}",
         "mode": lambda r: r.get("mode", "copy"),
-    }
+    }  # fmt: skip
     several = [r for r in runs if r.get("followers", 1) > 1]
     lone = {_key(r["storage"], r["policy"], r["served"], r["mode"]) for r in several}
     fanout = [  # the runs of several followers, and a lone follower of the same job
@@ -365,88 +350,60 @@ def tables(m: dict[str, Any]) -> list[Table]:
         if r in several or key in lone
         for i, e in enumerate(r["each_follower"])
     ]
-    return [
-        Table.of(
-            "Consistency and freshness",
-            runs,
-            {
-                **which,
-                "torn / checked requests": lambda r: (
-                    f"{r['torn_requests']} / {r['checked_requests']}"
-                ),
-                "served / commits": lambda r: f"{r['served_commits']} / {r['commits']}",
-                "interval s": "interval_s",
-                "fresh s (median)": "fresh_s",
-                "fresh s (worst)": "fresh_s_max",
-                "step row first read s": "probe_fresh_s",
-                "(worst)": "probe_fresh_s_max",
-                "lag s (median)": "lag_s",
-                "lag s (worst)": "lag_s_max",
-            },
-            "A torn request read rows of another step than follower.step named. Interval: "
-            "median seconds between commits. Fresh: from a row's training step to served "
-            "(the middle row of an update; the worst, trained right after the previous "
-            "served save). Step row first read: from the save of a step to the first request "
-            "that read the rows the job wrote at it (median, worst). Lag: commit to served.",
-        ),
-        Table.of(
-            "Per update (median; worst where marked)",
-            runs,
-            {
-                **which,
-                "update s": "update_s",
-                "update s (worst)": "update_s_max",
-                "changed MB": "changed_mb",
-                "read MB": "read_mb",
-                "read / changed": "read_over_changed",
-                "read / changed (worst)": "read_over_changed_max",
-                "storage requests": "requests",
-                "blocked ms": lambda r: r["blocked_s"] * 1e3,
-                "blocked ms (worst)": lambda r: r["blocked_s_max"] * 1e3,
-                "memcpy ms": lambda r: r.get("memcpy_ms"),
-                "blocked / memcpy": "blocked_over_memcpy",
-                "held MB": lambda r: r.get("held_mb"),
-                "(worst)": lambda r: r.get("held_mb_max"),
-                "spilled MB": lambda r: r.get("spilled_mb"),
-                "held / changed": lambda r: r.get("held_over_changed"),
-                "spare MB": lambda r: r.get("spare_mb", 0.0),
-                "request ms": lambda r: None if r["request_s"] is None else r["request_s"] * 1e3,
-            },
-            "Changed: the rows changed since the served step, as stored, with int32 ids. "
-            "Blocked: the exclusive hold of an update; memcpy: a copy of its changed bytes "
-            "between warm buffers. Held: memory the update's rows took at once (as read, "
-            "and in serving form where not a view of them; with a budget, the largest "
-            "piece, and spilled: the mapped files); spare: swap mode's second copy "
-            "of the tables. Request: one held-out batch's forward, waits included.",
-        ),
-        *([_fanout_table(fanout)] if fanout else []),
-    ]
+    consistency = Table.of("Consistency and freshness", runs, {
+        **which,
+        "torn / checked requests": lambda r: f"{r['torn_requests']} / {r['checked_requests']}",
+        "served / commits": lambda r: f"{r['served_commits']} / {r['commits']}",
+        "interval s": "interval_s",
+        "fresh s (median)": "fresh_s", "fresh s (worst)": "fresh_s_max",
+        "step row first read s": "probe_fresh_s", "(worst)": "probe_fresh_s_max",
+        "lag s (median)": "lag_s", "lag s (worst)": "lag_s_max",
+    }, "A torn request read rows of another step than follower.step named. Interval: "
+        "median seconds between commits. Fresh: from a row's training step to served "
+        "(the middle row of an update; the worst, trained right after the previous "
+        "served save). Step row first read: from the save of a step to the first request "
+        "that read the rows the job wrote at it (median, worst). Lag: commit to served.",
+    )  # fmt: skip
+    update = Table.of("Per update (median; worst where marked)", runs, {
+        **which,
+        "update s": "update_s", "update s (worst)": "update_s_max",
+        "changed MB": "changed_mb", "read MB": "read_mb",
+        "read / changed": "read_over_changed", "read / changed (worst)": "read_over_changed_max",
+        "storage requests": "requests",
+        "blocked ms": lambda r: r["blocked_s"] * 1e3,
+        "blocked ms (worst)": lambda r: r["blocked_s_max"] * 1e3,
+        "memcpy ms": lambda r: r.get("memcpy_ms"),
+        "blocked / memcpy": "blocked_over_memcpy",
+        "held MB": lambda r: r.get("held_mb"), "(worst)": lambda r: r.get("held_mb_max"),
+        "spilled MB": lambda r: r.get("spilled_mb"),
+        "held / changed": lambda r: r.get("held_over_changed"),
+        "spare MB": lambda r: r.get("spare_mb", 0.0),
+        "request ms": lambda r: None if r["request_s"] is None else r["request_s"] * 1e3,
+    }, "Changed: the rows changed since the served step, as stored, with int32 ids. "
+        "Blocked: the exclusive hold of an update; memcpy: a copy of its changed bytes "
+        "between warm buffers. Held: memory the update's rows took at once (as read, "
+        "and in serving form where not a view of them; with a budget, the largest "
+        "piece, and spilled: the mapped files); spare: swap mode's second copy "
+        "of the tables. Request: one held-out batch's forward, waits included.",
+    )  # fmt: skip
+    return [consistency, update, *([_fanout_table(fanout)] if fanout else [])]
 
 
 def _fanout_table(rows: list[dict[str, Any]]) -> Table:
-    return Table.of(
-        "Followers on one root (each its own process, at nice 10)",
-        rows,
-        {
-            "run": "run",
-            "follower": "follower",
-            "requests / commit": "requests_per_commit",
-            "(caught up)": "caught_up_requests_per_commit",
-            "MB / commit": "mb_per_commit",
-            "requests / update": "requests_per_update",
-            "requests / idle poll": "idle_poll_requests",
-            "read / changed": "read_over_changed",
-            "follow CPU s / commit": "follow_cpu_s_per_commit",
-            "lag s (median)": "lag_s",
-            "served commits": "served_commits",
-            "torn": "torn_requests",
-        },
-        "Per follower, after its cold start: requests and bytes it cost the store per commit "
+    return Table.of("Followers on one root (each its own process, at nice 10)", rows, {
+        "run": "run", "follower": "follower",
+        "requests / commit": "requests_per_commit", "(caught up)": "caught_up_requests_per_commit",
+        "MB / commit": "mb_per_commit",
+        "requests / update": "requests_per_update", "requests / idle poll": "idle_poll_requests",
+        "read / changed": "read_over_changed",
+        "follow CPU s / commit": "follow_cpu_s_per_commit",
+        "lag s (median)": "lag_s", "served commits": "served_commits", "torn": "torn_requests",
+    }, "Per follower, after its cold start: requests and bytes it cost the store per commit "
         "of the job, idle polls included (caught up: after its first incremental update, "
         "which reads what the cold start missed); requests of an update (median) and of a "
         "poll that found nothing new; CPU seconds of following (the process's, less its "
         "request thread's) per commit.",
-    )
+    )  # fmt: skip
 
 
 def run(b: Bench) -> Outcome:
@@ -454,19 +411,15 @@ def run(b: Bench) -> Outcome:
     runs: dict[str, Any] = {}
     for storage in a.storage:
         with s3_server() if storage == "s3" else contextlib.nullcontext():
-            for policy in a.policies:
-                for served in a.served:
-                    for mode in a.modes:
-                        for n in a.followers:
-                            key = _key(storage, policy, served, mode, n)
-                            runs[key] = _one_run(b, storage, policy, served, mode, n)
+            for one in itertools.product(a.policies, a.served, a.modes, a.followers):
+                runs[_key(storage, *one)] = _one_run(b, storage, *one)
     m = {
         "model": {
             "tables": a.tables,
             "rows": a.rows,
             "dim": a.dim,
             "fp32_gb": a.tables * a.rows * a.dim * 4 / 2**30,
-        },
+        },  # fmt: skip
         "interval_steps": a.interval_steps,
         "batch_size": a.batch_size,
         "training_ranks": a.nproc,
