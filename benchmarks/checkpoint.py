@@ -113,20 +113,12 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-passes", type=int, default=2, help="disk test passes, best kept")
 
 
-def _cnr(
-    b: Bench,
-    model: Any,
-    shards: list[LocalShard],
-    key: tuple[measure.Policy, str, float],
-    rows: Rows,
-    check: Rows,
-) -> dict[str, Any]:
+def _cnr(b: Bench, model: Any, shards: list[LocalShard], key: tuple[measure.Policy, str, float],
+         rows: Rows, check: Rows) -> dict[str, Any]:  # fmt: skip
     """A baseline, then ``--repeats`` timed saves of the modified ``rows``; cold restores."""
     policy, quant, frac = key
     root = b.scratch / f"cnr_{_key(*key)}"
-    cfg = CheckpointConfig(
-        path=str(root), policy=policy, on_busy="wait", quantize=measure.QUANTS[quant]
-    )
+    cfg = CheckpointConfig(str(root), policy=policy, on_busy="wait", quantize=measure.QUANTS[quant])
     # Peak memory: a manager over the model's own (its staging buffers), and over that its
     # first save and commit, the later ones, and a restore by a fresh manager.
     ckpt, peak_manager = _peak(lambda: CheckpointManager(model, cfg))
@@ -145,10 +137,8 @@ def _cnr(
 
     with CheckpointManager(model, cfg) as restorer:
         watched = measure.Peak(restorer.restore)
-        restores = [
-            measure.timed_restore(watched, root, shards, check)
-            for _ in range(b.args.restore_repeats)
-        ]
+        repeats = range(b.args.restore_repeats)
+        restores = [measure.timed_restore(watched, root, shards, check) for _ in repeats]
     peak_restore = watched.over_ranks()
     measure.rmtree(root)
     gc.collect()
@@ -172,7 +162,7 @@ def _cnr(
             "first_save": peak_first,
             "saves": peak_saves,
             "restore": peak_restore,
-        },
+        },  # fmt: skip
     }
     b.log_row(row)
     return row
@@ -191,9 +181,7 @@ def _side_by_side(
     ts_path, full = b.scratch / "sbs_torchsnapshot", {}
 
     def root_of(arm: str) -> Path:
-        return (
-            ts_path if arm == "torchsnapshot" else b.scratch / f"sbs_full_{arm.replace(' ', '_')}"
-        )
+        return ts_path if arm == "torchsnapshot" else b.scratch / f"sbs_full_{arm.replace(' ', '_')}"  # fmt: skip
 
     def full_config(quant: str) -> CheckpointConfig:
         return CheckpointConfig(path=str(root_of(quant)), policy="full", quantize=FORMATS[quant])
@@ -201,10 +189,9 @@ def _side_by_side(
     def cnr_full(quant: str, direct: bool = True) -> float:
         name = quant if direct else f"{quant}{PAGE_CACHE}"
         root = root_of(name)
+        config = dataclasses.replace(full_config(quant), path=str(root))
         with CheckpointManager(
-            model,
-            dataclasses.replace(full_config(quant), path=str(root)),
-            storage=FsStorage(root, direct_writes=direct),
+            model, config, storage=FsStorage(root, direct_writes=direct)
         ) as ckpt:
             _, commit = measure.timed_save(ckpt, 1)
         full[name] = measure.from_rank0(lambda: checkpoint_info(str(root)))
@@ -215,12 +202,9 @@ def _side_by_side(
         **{q: functools.partial(cnr_full, q) for q in FORMATS},
         f"fp32{PAGE_CACHE}": functools.partial(cnr_full, "fp32", False),
     }
+    # Each method starts from a settled disk with its previous output deleted.
     commits = b.interleaved(
-        b.args.rounds,
-        arms,
-        # Each method starts from a settled disk with its previous output deleted.
-        prepare=lambda n: measure.rmtree(root_of(n)),
-        label="durable full commit",
+        b.args.rounds, arms, lambda n: measure.rmtree(root_of(n)), label="durable full commit"
     )
     # Chains to restore: intermittent at each fraction (baseline + one delta), and a
     # consecutive chain of 4 at the smaller one.
@@ -269,9 +253,8 @@ def _side_by_side(
         return took
 
     names = ["torchsnapshot", *setups]
-    restores = b.interleaved(
-        b.args.rounds, {n: functools.partial(restore, n) for n in names}, label="cold restore"
-    )
+    methods = {n: functools.partial(restore, n) for n in names}
+    restores = b.interleaved(b.args.rounds, methods, label="cold restore")
     for path in [*map(root_of, arms), *(Path(c.path) for c in chains.values())]:
         measure.rmtree(path)
     commit_s = {k: statistics.median(v) for k, v in commits.items()}
@@ -295,56 +278,40 @@ def _side_by_side(
 def targets(fracs: list[float], policies: list[measure.Policy]) -> list[Goal]:
     """The targets of a run at ``fracs`` (two fractions of rows modified) over ``policies``."""
     small, large = (f"{f:.0%}" for f in sorted(fracs))
-    cnr = {
-        f"{p} {q} {f:.0%}": f"cnr.{_key(p, q, f)}"
-        for p in measure.POLICIES
-        for q in measure.QUANTS
-        for f in fracs
-    }
-    sbs, ts = "side_by_side", "side_by_side.restore_s.torchsnapshot"
-    copying = "peers.torchsnapshot_async_take_copy.stall_s"
+    cnr = {f"{p} {q} {f:.0%}": f"cnr.{_key(p, q, f)}" for p in measure.POLICIES
+           for q in measure.QUANTS for f in fracs}  # fmt: skip
+    commit, restore = "side_by_side.commit_s", "side_by_side.restore_s"
+    ts, copying = f"{restore}.torchsnapshot", "peers.torchsnapshot_async_take_copy.stall_s"
     return [
-        Goal(f"intermittent fp32 stall <= async_take (copying) / 10 at {small}",
-               f"{cnr[f'intermittent fp32 {small}']}.stall_s", "<=", copying, 0.1),
-        Goal(f"intermittent fp32 stall <= async_take (copying) / 3 at {large}",
-               f"{cnr[f'intermittent fp32 {large}']}.stall_s", "<=", copying, 1 / 3),
-        *(
-            Goal(f"{p} fp32 {f} delta stall <= 2 x a memcpy of its staged bytes",
-                   f"{cnr[f'{p} fp32 {f}']}.stall_over_memcpy", "<=", 2.0)
-            for f in (large, small)
-            for p in policies
-            if p != "full"
-        ),
-        *(
-            Goal(f"a manager's first full stall <= 2 x its later ones ({f} run)",
-                   f"{full}.baseline.stall_s", "<=", f"{full}.stall_s", 2.0)
-            for f in (small, large)
-            for full in [cnr[f"full fp32 {f}"]]
-        ),
+        *(Goal(f"intermittent fp32 stall <= async_take (copying) / {n} at {f}",
+               f"{cnr[f'intermittent fp32 {f}']}.stall_s", "<=", copying, 1 / n)
+          for f, n in ((small, 10), (large, 3))),
+        *(Goal(f"{p} fp32 {f} delta stall <= 2 x a memcpy of its staged bytes",
+               f"{cnr[f'{p} fp32 {f}']}.stall_over_memcpy", "<=", 2.0)
+          for f in (large, small) for p in policies if p != "full"),
+        *(Goal(f"a manager's first full stall <= 2 x its later ones ({f} run)",
+               f"{cnr[f'full fp32 {f}']}.baseline.stall_s", "<=",
+               f"{cnr[f'full fp32 {f}']}.stall_s", 2.0)
+          for f in (small, large)),
         Goal("full fp32 durable commit <= torchsnapshot take + fsync (side by side)",
-               f"{sbs}.commit_s.fp32", "<=", f"{sbs}.commit_s.torchsnapshot"),
+             f"{commit}.fp32", "<=", f"{commit}.torchsnapshot"),
         Goal("full fp32 commit >= 70% of the disk's write bandwidth",
-               f"{sbs}.full_fp32_gb_s", ">=", "disk.write_gb_s", 0.7),
+             "side_by_side.full_fp32_gb_s", ">=", "disk.write_gb_s", 0.7),
         Goal("full fp32 commit with O_DIRECT <= through the page cache (side by side)",
-               f"{sbs}.commit_s.fp32", "<=", f"{sbs}.commit_s.fp32{PAGE_CACHE}"),
+             f"{commit}.fp32", "<=", f"{commit}.fp32{PAGE_CACHE}"),
         Goal(f"intermittent {small} restore with O_DIRECT <= through the page cache",
-               f"{sbs}.restore_s.intermittent_{small[:-1]}", "<=",
-               f"{sbs}.restore_s.intermittent_{small[:-1]}{PAGE_CACHE}"),
-        *(
-            Goal(f"{q} full commit <= fp32 full commit (side by side)",
-                   f"{sbs}.commit_s.{q}", "<=", f"{sbs}.commit_s.fp32")
-            for q in FORMATS
-            if q != "fp32"
-        ),
+             f"{restore}.intermittent_{small[:-1]}", "<=",
+             f"{restore}.intermittent_{small[:-1]}{PAGE_CACHE}"),
+        *(Goal(f"{q} full commit <= fp32 full commit (side by side)",
+               f"{commit}.{q}", "<=", f"{commit}.fp32")
+          for q in FORMATS if q != "fp32"),
         Goal("4-bit full restore <= fp32 full restore (side by side)",
-               f"{sbs}.restore_s.full_4bit", "<=", f"{sbs}.restore_s.full_fp32"),
-        *(
-            Goal(f"intermittent {f} restore <= torchsnapshot's restore",
-                   f"{sbs}.restore_s.intermittent_{f[:-1]}", "<=", ts)
-            for f in (small, large)
-        ),
+             f"{restore}.full_4bit", "<=", f"{restore}.full_fp32"),
+        *(Goal(f"intermittent {f} restore <= torchsnapshot's restore",
+               f"{restore}.intermittent_{f[:-1]}", "<=", ts)
+          for f in (small, large)),
         Goal("consecutive chain of 4 restore <= 1.5 x torchsnapshot's restore",
-               f"{sbs}.restore_s.consecutive_{small[:-1]}_chain_of_4", "<=", ts, 1.5),
+             f"{restore}.consecutive_{small[:-1]}_chain_of_4", "<=", ts, 1.5),
     ]  # fmt: skip
 
 
@@ -354,91 +321,64 @@ def _commit(p: dict[str, Any]) -> str:
 
 
 def tables(m: dict[str, Any]) -> list[Table]:
-    disk, mem, sbs = m["disk"], m["memcpy_full"], m["side_by_side"]
-    limits: dict[str, Column] = {
-        "disk write GB/s": "write_gb_s",
-        "disk read GB/s": "read_gb_s",
-        "memcpy GB/s per rank": lambda _: mem["bytes"] / mem["s"] / measure.GB,
-        "disk test": lambda d: (
-            f"{d['bytes'] / measure.GB:.2f} GB, best of {len(d['passes'])} passes"
-        ),
+    mem, sbs, GB = m["memcpy_full"], m["side_by_side"], measure.GB
+    limits = Table.of("Limits measured in the same run", [m["disk"]], {
+        "disk write GB/s": "write_gb_s", "disk read GB/s": "read_gb_s",
+        "memcpy GB/s per rank": lambda _: mem["bytes"] / mem["s"] / GB,
+        "disk test": lambda d: f"{d['bytes'] / GB:.2f} GB, best of {len(d['passes'])} passes",
         "quantized GB/s of fp32 rows per thread": lambda _: ", ".join(
-            f"{k} {v:.2f}" for k, v in m["encode_gb_s_per_thread"].items()
-        ),
-    }
+            f"{k} {v:.2f}" for k, v in m["encode_gb_s_per_thread"].items()),
+    })  # fmt: skip
     ok = [p for p in m["peers"].values() if "error" not in p]
-    failed = [
-        [p["method"], "full", f"fails: {p['error'][:160]}", "", "", ""]
-        for p in m["peers"].values()
-        if p not in ok
-    ]
+    failed = [[p["method"], "full", f"fails: {p['error'][:160]}", "", "", ""]
+              for p in m["peers"].values() if p not in ok]  # fmt: skip
     peers = Table.of("", ok, {
-        "method": "method",
-        "modified": lambda _: "full",
-        "stall s": "stall_s",
-        "commit s": _commit,
-        "written GB": lambda p: p["bytes"] / measure.GB,
-        "restore s": "restore_s",
+        "method": "method", "modified": lambda _: "full", "stall s": "stall_s",
+        "commit s": _commit, "written GB": lambda p: p["bytes"] / GB, "restore s": "restore_s",
     })  # fmt: skip
     which: dict[str, Column] = {
         "method": lambda r: f"torchrec_cnr {r['policy']} {r['quant']}",
         "modified": lambda r: "–" if r["policy"] == "full" else f"{r['fraction']:.0%}",
     }
     ours = Table.of("", m["cnr"].values(), {
-        **which,
-        "stall s": "stall_s",
-        "commit s": "commit_s",
-        "written GB": lambda r: r["bytes"] / measure.GB,
+        **which, "stall s": "stall_s", "commit s": "commit_s",
+        "written GB": lambda r: r["bytes"] / GB,
         "restore s": lambda r: f"{r['restore_s']:.2f} (chain of {r['restore_chain_len']})",
     })  # fmt: skip
-    side = [["durable full commit", k, v] for k, v in sbs["commits"].items()]
-    side += [["cold restore", k, v] for k, v in sbs["restores"].items()]
+    side = [
+        {"figure": "durable full commit", "method": k, "v": v} for k, v in sbs["commits"].items()
+    ]
+    side += [{"figure": "cold restore", "method": k, "v": v} for k, v in sbs["restores"].items()]
     rows_mb = sbs["rows_mb_per_rank"]
-    memory = Table.of(
-        f"Peak resident memory over the model's, MB, largest rank ({rows_mb:.0f} MB of rows "
-        "per rank)",
-        m["cnr"].values(),
-        {
-            **which,
-            "manager": lambda r: r["peak_mb"]["manager"],
-            "first save + commit": lambda r: r["peak_mb"]["first_save"],
-            "later saves + commits": lambda r: r["peak_mb"]["saves"],
-            "restore": lambda r: r["peak_mb"]["restore"],
-        },
-        "A manager's staging buffers (a full checkpoint's, faulted in when it is built) are "
-        "reused by every save and by a restore; each later column is what its calls added "
-        "over the manager's.",
-    )
-    restore_memory = Table.of(
-        "Cold restores side by side: resident memory the restore call added at its peak, "
-        "MB, largest rank (over the model and, for torchrec_cnr, its manager's staging "
-        "buffers: the manager column above, or the budget)",
-        [{"method": k, "mb": v} for k, v in sbs["restore_peak_mb"].items()],
-        {"method": "method", "peak MB": "mb", "x rows": lambda r: r["mb"] / rows_mb},
-        f"'{BUDGETED.strip()}': staging_memory_mb (and so restore_memory_mb) = "
-        f"{sbs['restore_budget_mb']:.0f} MB, 1/8 of the rows.",
-    )
+    peak = {"manager": "manager", "first save + commit": "first_save",
+            "later saves + commits": "saves", "restore": "restore"}  # fmt: skip
     return [
-        Table.of("Limits measured in the same run", [disk], limits),
-        Table(
-            "One checkpoint of the same model",
-            peers.columns,
-            peers.rows + failed + ours.rows,
-            "torchrec_cnr and DCP commits include fsync; torchrec_cnr restores verify checksums.",
+        limits,
+        Table("One checkpoint of the same model", peers.columns, peers.rows + failed + ours.rows,
+              "torchrec_cnr and DCP commits include fsync; torchrec_cnr restores verify checksums."),
+        Table.of(f"Side by side: median of {sbs['rounds']} interleaved rounds", side, {
+            "figure": "figure", "method": "method",
+            "median s": lambda r: statistics.median(r["v"]),
+            "rounds s": lambda r: ", ".join(f"{x:.2f}" for x in r["v"]),
+        }),
+        Table.of(
+            f"Peak resident memory over the model's, MB, largest rank ({rows_mb:.0f} MB of rows "
+            "per rank)", m["cnr"].values(),
+            {**which, **{h: lambda r, k=k: r["peak_mb"][k] for h, k in peak.items()}},
+            "A manager's staging buffers (a full checkpoint's, faulted in when it is built) are "
+            "reused by every save and by a restore; each later column is what its calls added "
+            "over the manager's.",
         ),
         Table.of(
-            f"Side by side: median of {sbs['rounds']} interleaved rounds",
-            [{"figure": f, "method": k, "v": v} for f, k, v in side],
-            {
-                "figure": "figure",
-                "method": "method",
-                "median s": lambda r: statistics.median(r["v"]),
-                "rounds s": lambda r: ", ".join(f"{x:.2f}" for x in r["v"]),
-            },
+            "Cold restores side by side: resident memory the restore call added at its peak, "
+            "MB, largest rank (over the model and, for torchrec_cnr, its manager's staging "
+            "buffers: the manager column above, or the budget)",
+            [{"method": k, "mb": v} for k, v in sbs["restore_peak_mb"].items()],
+            {"method": "method", "peak MB": "mb", "x rows": lambda r: r["mb"] / rows_mb},
+            f"'{BUDGETED.strip()}': staging_memory_mb (and so restore_memory_mb) = "
+            f"{sbs['restore_budget_mb']:.0f} MB, 1/8 of the rows.",
         ),
-        memory,
-        restore_memory,
-    ]
+    ]  # fmt: skip
 
 
 def run(b: Bench) -> Outcome:
