@@ -350,8 +350,10 @@ def tables(m: dict[str, Any]) -> list[Table]:
     ]
     side += [{"figure": "cold restore", "method": k, "v": v} for k, v in sbs["restores"].items()]
     rows_mb = sbs["rows_mb_per_rank"]
-    peak = {"manager": "manager", "first save + commit": "first_save",
-            "later saves + commits": "saves", "restore": "restore"}  # fmt: skip
+
+    def peak(k: str) -> Column:
+        return lambda r: r["peak_mb"][k]
+
     return [
         limits,
         Table("One checkpoint of the same model", peers.columns, peers.rows + failed + ours.rows,
@@ -364,7 +366,8 @@ def tables(m: dict[str, Any]) -> list[Table]:
         Table.of(
             f"Peak resident memory over the model's, MB, largest rank ({rows_mb:.0f} MB of rows "
             "per rank)", m["cnr"].values(),
-            {**which, **{h: lambda r, k=k: r["peak_mb"][k] for h, k in peak.items()}},
+            {**which, "manager": peak("manager"), "first save + commit": peak("first_save"),
+             "later saves + commits": peak("saves"), "restore": peak("restore")},
             "A manager's staging buffers (a full checkpoint's, faulted in when it is built) are "
             "reused by every save and by a restore; each later column is what its calls added "
             "over the manager's.",
