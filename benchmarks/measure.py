@@ -38,8 +38,6 @@ Policy = Literal["full", "one_shot", "consecutive", "intermittent"]
 POLICIES: tuple[Policy, ...] = ("full", "one_shot", "consecutive", "intermittent")
 """Check-N-Run's row-selection policies, as ``CheckpointConfig.policy`` names them."""
 
-# ---------------------------------------------------------------- over ranks
-
 
 def bcast(obj: T) -> T:
     """Rank 0's ``obj`` on every rank."""
@@ -84,17 +82,13 @@ def timed_save(ckpt: CheckpointManager, step: int) -> tuple[float, float]:
     ckpt.save(step)
     t1 = time.perf_counter()
     ckpt.wait()
-    stall, commit = max_over_ranks(t1 - t0, time.perf_counter() - t0)
-    return stall, commit
+    return cast(tuple[float, float], tuple(max_over_ranks(t1 - t0, time.perf_counter() - t0)))
 
 
 def best_seconds(fn: Callable[[], Any], repeats: int, min_total: float = 1.0) -> float:
-    """Fastest of at least ``repeats`` calls of ``fn`` in this process, after a warm-up.
-
-    Fast calls repeat until ``min_total`` seconds were timed (at most 100 calls): the
-    minimum then filters out stalls from other processes sharing the cores, which a 5 ms
-    kernel cannot average away.
-    """
+    """Fastest of at least ``repeats`` calls of ``fn`` in this process, after a warm-up; fast
+    calls repeat until ``min_total`` seconds were timed (at most 100 calls), so that the
+    minimum filters out the stalls other processes on the cores cause."""
     fn()
     best, total, calls = float("inf"), 0.0, 0
     while calls < repeats or (total < min_total and calls < 100):
@@ -103,9 +97,6 @@ def best_seconds(fn: Callable[[], Any], repeats: int, min_total: float = 1.0) ->
         took = time.perf_counter() - start
         best, total, calls = min(best, took), total + took, calls + 1
     return best
-
-
-# ---------------------------------------------------------------- files, disk, memory
 
 
 def rmtree(path: Path) -> None:
@@ -124,9 +115,8 @@ def fsync_tree(path: Path) -> None:
 
 
 def evict(path: Path) -> None:
-    """Makes every file under ``path`` durable and drops it from the page cache, so that
-    the next read is cold, as the library does with a checkpoint it wrote. In this process
-    alone; :func:`drop_cache` is the collective."""
+    """Makes every file under ``path`` durable and drops it from the page cache (the next
+    read is cold), in this process alone; :func:`drop_cache` is the collective."""
     for d, _, names in os.walk(path):
         for n in names:
             fs._fsync_and_drop(Path(d, n))
@@ -169,12 +159,9 @@ def _disk_pass(path: Path, nbytes: int, chunk: int) -> dict[str, float]:
 def disk_bandwidth(
     folder: Path, nbytes: int, chunk: int = 64 << 20, passes: int = 2
 ) -> dict[str, Any]:
-    """The disk's sequential bandwidth: rank 0 writes ``nbytes`` in ``chunk``-byte
-    ``os.write`` calls and fsyncs, then reads the file back after dropping its page cache.
-
-    The best of ``passes``: the first pass also pays for first-touching host memory (the
-    page cache), so the best one is the disk's figure.
-    """
+    """The disk's sequential bandwidth: rank 0 writes ``nbytes`` in ``chunk``-byte writes
+    and fsyncs, then reads the file back cold. The best of ``passes`` (the first also pays
+    for first-touching the page cache)."""
     chunk = min(chunk, nbytes)
     nbytes = nbytes // chunk * chunk
 
@@ -222,9 +209,8 @@ def reset_peak_rss() -> float:
 
 
 class Peak:
-    """``fn`` that notes the most resident memory its calls added over their start, MB
-    (this rank's; the peak resident set reset at each call): ``fn``'s alone, not the work
-    around it (a restore's, not the check that corrupts rows and compares them)."""
+    """``fn`` that notes the most resident memory its calls added over their start, MB (this
+    rank's; the peak resident set reset at each call): ``fn``'s alone, not the work around."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn, self.mb = fn, 0.0
@@ -238,14 +224,6 @@ class Peak:
     def over_ranks(self) -> float:
         """The largest rank's figure (a collective)."""
         return max_over_ranks(self.mb)[0]
-
-
-# ---------------------------------------------------------------- the model and its rows
-
-
-def uniform_tables(count: int, rows: int, dim: int) -> list[TableSpec]:
-    """``count`` table-wise tables ``t0, t1, ...`` of ``rows`` x ``dim``."""
-    return [TableSpec(f"t{i}", rows, dim, "table_wise") for i in range(count)]
 
 
 def model_arguments(p: argparse.ArgumentParser, rows: int, tables: int = 8, dim: int = 64) -> None:
@@ -273,7 +251,7 @@ class Workload(NamedTuple):
 def uniform_model(args: argparse.Namespace, tracking_mode: TrackingMode = "bitmap") -> Workload:
     """The DLRM of ``--tables`` table-wise tables of ``--rows`` x ``--dim`` with fused
     row-wise Adagrad, sharded over the ranks, and its dense optimizer."""
-    tables = uniform_tables(args.tables, args.rows, args.dim)
+    tables = [TableSpec(f"t{i}", args.rows, args.dim, "table_wise") for i in range(args.tables)]
     model = build_model(tables, seed=0, tracking_mode=tracking_mode)
     return Workload(model, dense_optimizer(model), tables)
 
@@ -309,19 +287,16 @@ class StepLoop:
         return loop
 
     def align(self, k: int) -> None:
-        """Moves the step on so that the next multiple of ``k`` comes after ``k // 2`` steps:
-        each save then falls mid-interval, and the last one's commit within the arm."""
+        """Moves the step on so that the next multiple of ``k`` comes after ``k // 2`` steps (each
+        save falls mid-interval, and the last one's commit within the arm)."""
         self.step += (-(self.step + k // 2)) % k
 
 
 def random_rows(
     shards: list[LocalShard], fractions: Sequence[float], seed: int = 1234
 ) -> dict[float, list[torch.Tensor]]:
-    """For each fraction, that share of each local shard's rows (sorted local indices).
-
-    One random permutation per shard (seeded per rank): a smaller fraction's rows are
-    inside a larger one's, as the rows modified in a shorter interval would be.
-    """
+    """For each fraction, that share of each local shard's rows (sorted local indices), from
+    one seeded permutation per shard: a smaller fraction's rows are inside a larger one's."""
     g = torch.Generator().manual_seed(seed + dist.get_rank())
     perms = [torch.randperm(s.spec.rows, generator=g) for s in shards]
     return {f: [p[: round(f * p.numel())].sort().values for p in perms] for f in fractions}
@@ -351,12 +326,8 @@ def max_abs_diff(
 def timed_restore(
     fn: Callable[[], Any], path: Path | None, shards: list[LocalShard], rows: list[torch.Tensor]
 ) -> tuple[float, float]:
-    """A cold restore by ``fn``: ``(time, max abs error)``, both over ranks.
-
-    ``path``'s files leave the page cache first (if local), and ``rows`` are corrupted (+1)
-    so that the restore must bring them back; the error is theirs against their values
-    before (0 for an exact restore).
-    """
+    """A cold restore by ``fn`` (``path`` dropped from the page cache if given), ``rows``
+    corrupted (+1) before: ``(time, max abs error of rows against their values before)``."""
     if path is not None:
         drop_cache(path)
     saved = [s.weight[r].clone() for s, r in zip(shards, rows)]
@@ -367,14 +338,10 @@ def timed_restore(
     return took, max_abs_diff(shards, rows, saved)
 
 
-# ---------------------------------------------------------------- an S3 store
-
-
 @contextlib.contextmanager
 def moto_server() -> Iterator[str]:
-    """A moto S3 server in a process of its own on a free loopback port, once it answers:
-    its URL. It keeps objects in memory and takes any credentials. The tests' S3 fixtures
-    start theirs here too.
+    """A moto S3 server (objects in memory, any credentials) in a process of its own on a
+    free loopback port, once it answers: its URL. The tests' S3 fixtures start theirs here.
 
     Raises:
         RuntimeError: it exited, or did not answer within 30 s.
