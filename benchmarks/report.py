@@ -1,24 +1,24 @@
 """Renders benchmark results (JSON, :mod:`benchmarks.results`) into markdown: one section
-per result, with the command that produced it, its environment, its tables and each
-target's measured value, reference and verdict.
+per result, with its command, environment, tables and each target's measured value,
+reference and verdict.
 
     .venv/bin/python -m benchmarks.report                          # benchmarks/results/ only
     .venv/bin/python -m benchmarks.report benchmarks/results out/bench
 
-Each folder is searched for ``*.json``; a result's id is its file name without ``.json``,
-and a later folder's result replaces an earlier one's of the same id. The hand-written
-prose lives in ``benchmarks/templates/*.md``: every line ``<!-- result: ID -->`` there is
-replaced by the section of result ``ID``, and the page is written under ``--docs`` with
-the template's name (``docs/benchmarks.md``, ``docs/experiments.md``). Results of
-``--smoke`` runs are left out unless ``--allow-smoke``.
+Each folder is searched for ``*.json``; a result's id is its file name without ``.json``, a
+later folder's replacing an earlier one's. The prose lives in ``benchmarks/templates/*.md``:
+each line ``<!-- result: ID -->`` there is replaced by the section of result ``ID``, and the
+page written under ``--docs`` with the template's name. ``--smoke`` results are left out
+unless ``--allow-smoke``.
 
 Figures in prose are never typed: ``{{ID:dotted.path}}`` stands for a value of result
 ``ID`` (a key with a dot in brackets: ``verdicts.by_frac[0.25%].ratio``), and
 ``{{EXPR|SPEC}}`` for arithmetic on such values (``+ - * /`` between spaces, numbers,
-parentheses, ``min`` and ``max`` of values or lists) formatted with a Python format spec, e.g.
+parentheses, ``min`` and ``max`` of values or lists) with a Python format spec, e.g.
 ``{{stall:measurements.cases.lazy_5.stall_s * 1e3|.1f}}``; a list of two renders as a
-range. A placeholder that names no value fails the rendering. ``README.md``'s lines between ``<!-- figures: begin -->`` and
-``<!-- figures: end -->`` are rendered from ``templates/readme/figures.md`` the same way.
+range. A placeholder that names no value fails the rendering. ``README.md``'s lines between
+``<!-- figures: begin -->`` and ``<!-- figures: end -->`` are rendered from
+``templates/readme/figures.md`` the same way.
 """
 
 from __future__ import annotations
@@ -76,22 +76,18 @@ def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
 
 
 def _environment(env: dict[str, Any]) -> str:
-    parts = [f"host `{env['host']}`"] if env.get("host") else []
-    if env.get("cpu_count"):
-        parts.append(f"{env['cpu_count']} CPU cores")
-    if env.get("memory_gib"):
-        parts.append(f"{env['memory_gib']} GiB")
-    parts.append(env.get("gpu") or "no GPU")
-    if env.get("world_size"):
-        world = env["world_size"]
-        parts.append(f"{world} ranks" if world > 1 else "1 process")
-    versions = env.get("versions", {})
-    parts += [f"{k} {v}" for k, v in versions.items() if k != "python"]
-    parts += [f"`{k}={v}`" for k, v in env.get("env", {}).items()]
-    if env.get("git"):
-        parts.append(f"commit `{env['git']}`")
-    if env.get("description"):
-        parts.append(env["description"])
+    world = env.get("world_size")
+    parts = [
+        *([f"host `{env['host']}`"] if env.get("host") else []),
+        *([f"{env['cpu_count']} CPU cores"] if env.get("cpu_count") else []),
+        *([f"{env['memory_gib']} GiB"] if env.get("memory_gib") else []),
+        env.get("gpu") or "no GPU",
+        *([f"{world} ranks" if world > 1 else "1 process"] if world else []),
+        *(f"{k} {v}" for k, v in env.get("versions", {}).items() if k != "python"),
+        *(f"`{k}={v}`" for k, v in env.get("env", {}).items()),
+        *([f"commit `{env['git']}`"] if env.get("git") else []),
+        *([env["description"]] if env.get("description") else []),
+    ]
     return "; ".join(parts)
 
 
@@ -171,8 +167,6 @@ _OPS = {
     ast.Mult: operator.mul,
     ast.Div: operator.truediv,
 }
-
-
 _CALLS: dict[str, Any] = {"min": min, "max": max}
 
 
