@@ -6,15 +6,12 @@ Every shard record and index entry is a real save's (the row-wise delta shard of
 ``tests/data/format_v6``), renamed per table, rank and rows (each table ``--rows`` x
 ``--dim``, split over every rank). Each configuration, in a process of its own, commits a
 baseline and a delta (``--fraction`` of each shard's rows) into a fresh local root, each
-rank's records and index share made beforehand as ranks make theirs in parallel. Seconds,
-bytes and the peak of Python's memory (``tracemalloc``, in a second, untimed call) of:
-
-- the commit of the delta on rank 0 (``commit.write_and_commit`` with simulated ranks whose
-  reports arrive pickled), per shard of the checkpoint;
-- one rank's restore planning (``restore.apply``'s plan, saved ids made up), per shard of
-  that rank;
-- a follower's update plan from the baseline to the delta (``serving.plan.plan_update``),
-  per shard of the checkpoint.
+rank's records and index share made beforehand. Seconds, bytes and the peak of Python's
+memory (``tracemalloc``, in a second, untimed call) of: the commit of the delta on rank 0
+(``commit.write_and_commit``, the simulated ranks' reports arriving pickled), per shard of
+the checkpoint; one rank's restore planning (``restore.apply``'s plan, saved ids made up),
+per shard of that rank; a follower's update plan from the baseline to the delta
+(``serving.plan.plan_update``), per shard of the checkpoint.
 
 Targets: each figure per shard at the largest configuration <= 1.5x the smallest's.
 """
@@ -40,6 +37,7 @@ import torch
 
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.results import Column, Goal, Table
+from torchrec_cnr import schema
 from torchrec_cnr.commit import commit as commit_mod
 from torchrec_cnr.commit.lease import Lease
 from torchrec_cnr.commit.manifest import Manifest
@@ -47,14 +45,6 @@ from torchrec_cnr.encoding import RankWrite, ShardRecord
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.restore import apply
-from torchrec_cnr.schema import (
-    checkpoint_id,
-    index_part,
-    parse_index,
-    part_bytes,
-    part_path,
-    rows_path,
-)
 from torchrec_cnr.selection.policy import ChainState, Decision, Policy
 from torchrec_cnr.serving.plan import plan_update
 from torchrec_cnr.staging import StagedCheckpoint
@@ -85,8 +75,8 @@ class _Template:
         self.key = raw["key"]
         self.record = json.dumps(raw)
         rank = raw["spec"]["rank"]
-        index = parse_index((ckpt / ".snapshot_metadata").read_bytes())
-        prefix = rows_path(rank, self.key + ".")
+        index = schema.parse_index((ckpt / ".snapshot_metadata").read_bytes())
+        prefix = schema.rows_path(rank, self.key + ".")
         self.index = {p[len(prefix) :]: e for p, e in index.items() if p.startswith(prefix)}
 
     def shard(self, spec: ShardSpec, key: str, saved: int, all_rows: bool) -> ShardRecord:
@@ -100,7 +90,7 @@ class _Template:
         for suffix, e in self.index.items():
             e = copy.copy(e)
             e.shape = [saved, *e.shape[1:]]  # type: ignore[attr-defined]
-            out[rows_path(rank, f"{key}.{suffix}")] = e
+            out[schema.rows_path(rank, f"{key}.{suffix}")] = e
         return out
 
 
@@ -121,9 +111,9 @@ def _rank_write(a: argparse.Namespace, tmpl: _Template, ranks: int, tables: int,
         entries |= tmpl.entries(rank, f"s{t}", saved)
     # Each rank serializes its share of the index and writes its part of the shard records
     # itself (ShardWriter.finish).
-    data, checksum = part_bytes(ckpt_id, rank, shards)
-    storage.write(part_path(ckpt_id, rank), data)
-    return RankWrite(shards, {}, 0, 0, 0, 0.0, index_part(entries), checksum)
+    data, checksum = schema.part_bytes(ckpt_id, rank, shards)
+    storage.write(schema.part_path(ckpt_id, rank), data)
+    return RankWrite(shards, {}, 0, 0, 0, 0.0, schema.index_part(entries), checksum)
 
 
 class _Group:
@@ -190,7 +180,7 @@ def _commit(a: argparse.Namespace, root: Path, ranks: int, tables: int, seq: int
     (which it replaces); its time and bytes written, or its peak memory."""
     tmpl = _Template()
     full = seq == 0
-    ckpt_id = checkpoint_id(seq, seq + 1, 1)
+    ckpt_id = schema.checkpoint_id(seq, seq + 1, 1)
     storage = CountingStorage(open_storage(str(root)))
     storage.create()
     writes = [_rank_write(a, tmpl, ranks, tables, r, full, storage, ckpt_id) for r in range(ranks)]
@@ -294,20 +284,12 @@ def run(b: Bench) -> Outcome:
     small, large = measured[0], max(measured, key=lambda r: r["shards"])
     by = {f"{r['ranks']}x{r['tables']}": r for r in measured}
     goals = [
-        Goal(
-            f"{what} per shard at {large['shards']} shards <= 1.5x at {small['shards']}",
-            f"{large['ranks']}x{large['tables']}.{key}_per_shard",
-            "<=",
-            f"{small['ranks']}x{small['tables']}.{key}_per_shard",
-            1.5,
-        )  # fmt: skip
-        for key, what in (
-            ("commit_s", "commit time"),
-            ("commit_b", "bytes a commit writes"),
-            ("plan_s", "a restore's planning"),
-            ("follow_s", "a follower's planning"),
-        )  # fmt: skip
-    ]
+        Goal(f"{what} per shard at {large['shards']} shards <= 1.5x at {small['shards']}",
+             f"{large['ranks']}x{large['tables']}.{key}_per_shard", "<=",
+             f"{small['ranks']}x{small['tables']}.{key}_per_shard", 1.5)
+        for key, what in (("commit_s", "commit time"), ("commit_b", "bytes a commit writes"),
+                          ("plan_s", "a restore's planning"), ("follow_s", "a follower's planning"))
+    ]  # fmt: skip
 
     def ms(key: str) -> Column:
         return lambda r: 1e3 * r[key] if key in r else "not run"
@@ -329,13 +311,11 @@ def run(b: Bench) -> Outcome:
         "follower peak (MB)": mb("follow_mb", 1),
     }  # fmt: skip
     table = Table.of(
-        "A checkpoint's metadata against its shards (one process per configuration)",
-        rows,
-        columns,
+        "A checkpoint's metadata against its shards (one process per configuration)", rows, columns,
         note=f"row-wise tables of {a.rows} x {a.dim} split over every rank; a delta of "
         f"{a.fraction:.0%} of each shard's rows; restore planning is one rank's, per shard "
         "of that rank (one a table); the others per shard of the checkpoint",
-    )
+    )  # fmt: skip
     return Outcome({"rows": rows, **by}, [table], goals)
 
 
