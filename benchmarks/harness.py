@@ -97,11 +97,8 @@ class Bench:
 
     def log_row(self, row: Mapping[str, Any]) -> None:
         """:meth:`log` of a row of figures: ``key value``, floats to 4 digits."""
-        self.log(
-            ", ".join(
-                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
-            )
-        )
+        self.log(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                           for k, v in row.items()))  # fmt: skip
 
     def settle(self) -> None:
         """Flushes every dirty page and pending discard, and drops the page cache where
@@ -121,12 +118,9 @@ class Bench:
         settle: bool = True,
         label: str = "",
     ) -> dict[str, list[float]]:
-        """Each method's figure per round, the methods taking turns in a rotating order.
-
-        The disk of a shared VM drifts over minutes: figures that a target compares are
-        taken in turns, so that a drift hits each alike. Before each method, ``prepare``
-        (e.g. deleting its previous output) and, with ``settle``, :meth:`settle`.
-        """
+        """Each method's figure per round, the methods taking turns in a rotating order, so
+        that a drift of a shared VM's disk hits each alike. Before each method, ``prepare``
+        (e.g. deleting its previous output) and, with ``settle``, :meth:`settle`."""
         names = list(methods)
         got: dict[str, list[float]] = {n: [] for n in names}
         for r in range(rounds):
@@ -137,37 +131,25 @@ class Bench:
                     self.settle()
                 gc.collect()
                 got[name].append(methods[name]())
-            self.log(
-                f"{label} round {r + 1}/{rounds}: "
-                + ", ".join(f"{n} {v[-1]:.3f}" for n, v in got.items())
-            )
+            figures = ", ".join(f"{n} {v[-1]:.3f}" for n, v in got.items())
+            self.log(f"{label} round {r + 1}/{rounds}: {figures}")
         return got
 
 
 def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
-    """Parses the arguments, runs ``case`` on every rank and writes its result on rank 0.
-
-    Under torchrun it joins the job's process group; run by ``python -m`` it makes a group
-    of one process; in a process whose group exists already (the tests' ranks), it runs on
-    that group. A group it made is destroyed, and the scratch folder deleted, however the
-    run ends.
-    """
+    """Parses the arguments, runs ``case`` on every rank and writes its result on rank 0: on
+    torchrun's process group, a group of one process (``python -m``), or the group that
+    exists already (the tests' ranks). A group it made is destroyed, and the scratch
+    folder deleted, however the run ends."""
     stem = case.name.rsplit(".", 1)[-1]
-    parser = argparse.ArgumentParser(
-        prog=f"python -m benchmarks.{case.name}",
-        description=doc,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{case.name}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     case.arguments(parser)
     parser.add_argument("--out", type=Path, default=Path(f"out/bench/{stem}.json"))
     parser.add_argument("--smoke", action="store_true", help=f"short for: {case.smoke}")
     parser.add_argument("--scratch", type=Path, help="where to make the scratch folder")
-    parser.add_argument(
-        "--no-drop-caches",
-        dest="drop_caches",
-        action="store_false",
-        help="between interleaved methods, only sync (the page cache is the machine's)",
-    )
+    parser.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
+                        help="between interleaved methods, only sync (the page cache is the machine's)")  # fmt: skip
     given = list(sys.argv[1:] if argv is None else argv)
     argv = given
     if "--smoke" in argv:  # the smoke sizes first: explicit arguments still win
@@ -183,36 +165,22 @@ def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
         env = environment() if dist.get_rank() == 0 else {}
         if dist.get_rank() == 0 and args.scratch is not None:
             args.scratch.mkdir(parents=True, exist_ok=True)
-        made = (
-            tempfile.mkdtemp(prefix=f"bench_{stem}_", dir=args.scratch)
-            if dist.get_rank() == 0
-            else ""
-        )
+        made = tempfile.mkdtemp(prefix=f"bench_{stem}_", dir=args.scratch) if dist.get_rank() == 0 else ""  # fmt: skip
         scratch = Path(bcast(made))
         command = command_line(case, given)
         bench = Bench(case.name, args, scratch, args.out.with_suffix(""), command)
         outcome = case.run(bench)
         if dist.get_rank() == 0:
-            results.write(
-                args.out,
-                {
-                    "case": case.name,
-                    "kind": case.kind,
-                    "title": case.title,
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                        timespec="seconds"
-                    ),
-                    "command": command,
-                    "note": "",
-                    "smoke": args.smoke,
-                    "environment": env,
-                    "config": {k: v for k, v in vars(args).items() if k not in ("out", "scratch")},
-                    "wall_s": time.perf_counter() - began,
-                    "measurements": outcome.measurements,
-                    "tables": outcome.tables,
-                    "targets": outcome.targets,
-                },
-            )
+            now = datetime.datetime.now(datetime.timezone.utc)
+            results.write(args.out, {
+                "case": case.name, "kind": case.kind, "title": case.title,
+                "date": now.isoformat(timespec="seconds"),
+                "command": command, "note": "", "smoke": args.smoke, "environment": env,
+                "config": {k: v for k, v in vars(args).items() if k not in ("out", "scratch")},
+                "wall_s": time.perf_counter() - began,
+                "measurements": outcome.measurements, "tables": outcome.tables,
+                "targets": outcome.targets,
+            })  # fmt: skip
             for t in results.load(args.out)["targets"]:
                 bench.log(f"{t['verdict']:>5}  {t['name']}")
             bench.log(f"wrote {args.out}")
@@ -227,11 +195,8 @@ def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
 
 def command_line(case: Case, argv: Sequence[str]) -> str:
     """The command that runs this case again with ``argv``, on as many ranks as ran it."""
-    env = (
-        [f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"]
-        if "OMP_NUM_THREADS" in os.environ
-        else []
-    )
+    omp = os.environ.get("OMP_NUM_THREADS")
+    env = [] if omp is None else [f"OMP_NUM_THREADS={omp}"]
     launcher = [".venv/bin/python"]
     if "TORCHELASTIC_RUN_ID" in os.environ or dist.get_world_size() > 1:
         nproc = os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size()))
