@@ -181,15 +181,10 @@ def run(b: Bench) -> Outcome:
         busy[on_busy] = r
         b.log(f"busy, on_busy={on_busy}: lost {r['loss']:.2%}, {r['saves_made']} of "
               f"{r['saves_asked']} saves made")  # fmt: skip
-    m = {
-        "mode": "paired",
-        "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim, "batch": a.batch},
-        "world_size": b.world,
-        "step_s": step_s,
-        "intervals": intervals,
-        "cost": pooled,
-        "busy": busy,
-    }
+    m = {"mode": "paired",
+         "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim, "batch": a.batch},
+         "world_size": b.world, "step_s": step_s, "intervals": intervals, "cost": pooled,
+         "busy": busy}  # fmt: skip
     return Outcome(m, _paired_tables(m), _paired_targets(m))
 
 
@@ -197,25 +192,20 @@ def _paired_tables(m: dict[str, Any]) -> list[Table]:
     rows = [r for iv in m["intervals"].values() for r in iv.values()]
     lost = Table.of(
         f"Throughput lost at each interval ({m['world_size']} training rank(s), lazy staging, "
-        "intermittent)",
-        rows,
-        {
-            "interval s": "interval_s",
-            "K steps": "interval_steps",
-            "checkpoint": "quant",
-            "lost: pooled cost / interval": lambda r: pct(r["pooled_loss"]),
-            "± (95%)": lambda r: pct(r["pooled_resolution"]),
-            "lost, from step times": lambda r: pct(r["step_loss"]),
-            "± (95%), step times": lambda r: pct(r["step_resolution"]),
-            "lost, pair times": lambda r: pct(r["loss"]),
-            "± (95%), pair times": lambda r: pct(r["resolution"]),
-            "pairs": "pairs",
-            "each pair (pair times)": lambda r: ", ".join(pct(x) for x in r["loss_each"]),
-            "stall ms (median)": lambda r: r["stall_s"] * 1e3,
-            "full, delta": lambda r: f"{r['kinds'].count('full')}, {r['kinds'].count('delta')}",
-            "MB per checkpoint": lambda r: statistics.median(r["mb_each"]),
-        },
-        "Each pair: two adjacent stretches of K steps, one with a checkpoint in its middle "
+        "intermittent)", rows, {
+        "interval s": "interval_s", "K steps": "interval_steps", "checkpoint": "quant",
+        "lost: pooled cost / interval": lambda r: pct(r["pooled_loss"]),
+        "± (95%)": lambda r: pct(r["pooled_resolution"]),
+        "lost, from step times": lambda r: pct(r["step_loss"]),
+        "± (95%), step times": lambda r: pct(r["step_resolution"]),
+        "lost, pair times": lambda r: pct(r["loss"]),
+        "± (95%), pair times": lambda r: pct(r["resolution"]),
+        "pairs": "pairs",
+        "each pair (pair times)": lambda r: ", ".join(pct(x) for x in r["loss_each"]),
+        "stall ms (median)": lambda r: r["stall_s"] * 1e3,
+        "full, delta": lambda r: f"{r['kinds'].count('full')}, {r['kinds'].count('delta')}",
+        "MB per checkpoint": lambda r: statistics.median(r["mb_each"]),
+    }, "Each pair: two adjacent stretches of K steps, one with a checkpoint in its middle "
         "(its commit waited for at the end), one without, in alternating order. A "
         "checkpoint's cost: its stall plus what the steps from its save to its commit took "
         "beyond the mean of the stretch's other steps. Pooled: the median cost of every "
@@ -224,47 +214,39 @@ def _paired_tables(m: dict[str, Any]) -> list[Table]:
         "the 95% interval of the median, 1.58 IQR / sqrt(pairs). A stretch "
         "without a checkpoint puts its changed rows into the next delta: deltas hold two "
         "intervals' rows, more than a job checkpointing every interval writes.",
-    )
+    )  # fmt: skip
     busy = Table.of(
         "A save asked for while the previous one still commits (fp32, a save every "
-        f"{BUSY_STEPS} steps)",
-        list(m["busy"].values()),
-        {
-            "on_busy": "on_busy",
-            "interval s": "interval_s",
-            "saves made / asked": lambda r: f"{r['saves_made']} / {r['saves_asked']}",
-            "lost": lambda r: pct(r["loss"]),
-            "± (95%)": lambda r: pct(r["resolution"]),
-            "stall ms (median)": lambda r: r["stall_s"] * 1e3,
-            "stall ms (worst)": lambda r: r["stall_max_s"] * 1e3,
-        },
-        "wait: save() waits for the previous commit (the default); skip: the save is "
+        f"{BUSY_STEPS} steps)", list(m["busy"].values()), {
+        "on_busy": "on_busy", "interval s": "interval_s",
+        "saves made / asked": lambda r: f"{r['saves_made']} / {r['saves_asked']}",
+        "lost": lambda r: pct(r["loss"]), "± (95%)": lambda r: pct(r["resolution"]),
+        "stall ms (median)": lambda r: r["stall_s"] * 1e3,
+        "stall ms (worst)": lambda r: r["stall_max_s"] * 1e3,
+    }, "wait: save() waits for the previous commit (the default); skip: the save is "
         "skipped with a warning, its rows go into the next one. Neither queues nor merges "
         "two saves in flight. Stall: training blocked inside save(), its wait included.",
-    )
+    )  # fmt: skip
     return [lost, busy]
 
 
 def _paired_targets(m: dict[str, Any]) -> list[Goal]:
-    """fp32 at the interval nearest 10 s: lost <= 1% (from step times), resolved to
-    ± 0.5%; the same from pair times."""
+    """fp32 at the interval nearest 10 s: lost <= 1% (from the pooled cost, step times and
+    pair times, where known), each estimate resolved to ± 0.5%."""
     ivs = m["intervals"]
     ten = min(ivs, key=lambda k: abs(ivs[k]["fp32"]["target_s"] - 10))
     at = f"intervals.{ten}.fp32"
     s = f"{ivs[ten]['fp32']['interval_s']:.1f} s"
+    estimates = (("pooled_loss", "pooled_resolution", "from the pooled cost"),
+                 ("step_loss", "step_resolution", "from step times"),
+                 ("loss", "resolution", "from pair times"))  # fmt: skip
     out = []
-    spreads = {"pooled_loss": "pooled_resolution", "step_loss": "step_resolution",
-               "loss": "resolution"}  # fmt: skip
-    whats = (("pooled_loss", "from the pooled cost"), ("step_loss", "from step times"),
-             ("loss", "from pair times"))  # fmt: skip
-    for field, what in whats:
-        spread = spreads[field]
+    for field, spread, what in estimates:
         if ivs[ten]["fp32"][field] is None:
             continue  # every commit overlapped nearly every step: no reference pace
         out += [
-            Goal(f"fp32: throughput lost <= 1% at {s}, {what}", f"{at}.{field}", "<=",
-                 LOSS_BOUND),
-            Goal(f"fp32: the estimate {what} at {s} resolves ± 0.5%", f"{at}.{spread}",
-                 "<=", 0.005),
+            Goal(f"fp32: throughput lost <= 1% at {s}, {what}", f"{at}.{field}", "<=", LOSS_BOUND),
+            Goal(f"fp32: the estimate {what} at {s} resolves ± 0.5%", f"{at}.{spread}", "<=",
+                 0.005),
         ]  # fmt: skip
     return out
