@@ -409,14 +409,12 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, tables(m), targets(a.fractions, a.policies))
 
 
-CASE = Case(
-    name="checkpoint",
-    title="Checkpoint stall, commit, bytes and restore against torchsnapshot and DCP",
-    arguments=_arguments,
-    smoke="--tables 2 --rows 4000 --dim 16 --repeats 1 --restore-repeats 1 --rounds 1 "
-    "--warmup-steps 1 --disk-mb 8 --disk-passes 1",
-    run=run,
-)
+CASE = Case(name="checkpoint",
+            title="Checkpoint stall, commit, bytes and restore against torchsnapshot and DCP",
+            arguments=_arguments,
+            smoke="--tables 2 --rows 4000 --dim 16 --repeats 1 --restore-repeats 1 --rounds 1 "
+                  "--warmup-steps 1 --disk-mb 8 --disk-passes 1",
+            run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

@@ -146,13 +146,10 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, [table], goals)
 
 
-CASE = Case(
-    name="dcp_interop",
-    title="DCP import and export of a 1 GB model against dcp.save and dcp.load",
-    arguments=_arguments,
-    smoke="--tables 2 --rows 4000 --dim 16 --rounds 1 --budget-mb 1",
-    run=run,
-)
+CASE = Case(name="dcp_interop",
+            title="DCP import and export of a 1 GB model against dcp.save and dcp.load",
+            arguments=_arguments, smoke="--tables 2 --rows 4000 --dim 16 --rounds 1 --budget-mb 1",
+            run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

@@ -146,13 +146,9 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, tables(m))
 
 
-CASE = Case(
-    name="policies",
-    title="Bytes written and stored per policy (Check-N-Run Figs. 15 and 16)",
-    arguments=arguments,
-    smoke=SMOKE,
-    run=run,
-)
+CASE = Case(name="policies",
+            title="Bytes written and stored per policy (Check-N-Run Figs. 15 and 16)",
+            arguments=arguments, smoke=SMOKE, run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

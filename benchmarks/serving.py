@@ -428,14 +428,11 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, tables(m), targets(runs))
 
 
-CASE = Case(
-    name="serving",
-    title="Train to serve: torn snapshots, freshness, update time, bytes and blocking",
-    arguments=_arguments,
-    smoke="--tables 2 --rows 2000 --dim 16 --steps 45 --batch-size 256 --policies intermittent "
-    "--served int4",
-    run=run,
-)
+CASE = Case(name="serving",
+            title="Train to serve: torn snapshots, freshness, update time, bytes and blocking",
+            arguments=_arguments,
+            smoke="--tables 2 --rows 2000 --dim 16 --steps 45 --batch-size 256 "
+                  "--policies intermittent --served int4", run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

@@ -79,13 +79,8 @@ def run(b: Bench) -> Outcome:
     return Outcome({"backends": backends}, [table])
 
 
-CASE = Case(
-    name="storage",
-    title="Commit and restore on a file system and on S3",
-    arguments=_arguments,
-    smoke="--tables 2 --rows 2000 --dim 16 --repeats 1",
-    run=run,
-)
+CASE = Case(name="storage", title="Commit and restore on a file system and on S3",
+            arguments=_arguments, smoke="--tables 2 --rows 2000 --dim 16 --repeats 1", run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

@@ -67,12 +67,10 @@ def run(b: Bench) -> Outcome:
     return arms.run(b)
 
 
-CASE = Case(
-    name="overhead",
-    title="End-to-end overhead: throughput lost to checkpoints every K steps",
-    arguments=_arguments,
-    smoke="--tables 2 --rows 4000 --dim 16 --batch 64 --intervals 0.3 0.6 --arm-s 0.6 "
-    "--rounds 1 --warmup-steps 3 --probe-steps 20 --saves 1 --before 5 --after 40 "
-    "--pair-s 1.2 --busy-steps 6 --busy-pairs 2 --gil-s 2",
-    run=run,
-)
+CASE = Case(name="overhead",
+            title="End-to-end overhead: throughput lost to checkpoints every K steps",
+            arguments=_arguments,
+            smoke="--tables 2 --rows 4000 --dim 16 --batch 64 --intervals 0.3 0.6 --arm-s 0.6 "
+                  "--rounds 1 --warmup-steps 3 --probe-steps 20 --saves 1 --before 5 --after 40 "
+                  "--pair-s 1.2 --busy-steps 6 --busy-pairs 2 --gil-s 2",
+            run=run)  # fmt: skip
