@@ -86,24 +86,18 @@ def _overrides(b: Bench, root: str, policy: str, served: str, mode: str, out: Pa
     fmt, dtype = PAIRS[served]
     q = QUANTS[fmt]
     return [
-        f"checkpoint.path={root}",
-        f"checkpoint.policy={policy}",
+        f"checkpoint.path={root}", f"checkpoint.policy={policy}",
         f"checkpoint.interval_steps={a.interval_steps}",
-        f"checkpoint.quantize.method={q.method}",
-        f"checkpoint.quantize.bits={q.bits}",
+        f"checkpoint.quantize.method={q.method}", f"checkpoint.quantize.bits={q.bits}",
         f"checkpoint.quantize.min_rows={q.min_rows}",
-        f"model.num_tables={a.tables}",
-        f"model.max_rows={a.rows}",
-        f"model.dim={a.dim}",
+        f"model.num_tables={a.tables}", f"model.max_rows={a.rows}", f"model.dim={a.dim}",
         f"data.batch_size={a.batch_size}",
-        f"train.steps={a.steps}",
-        f"train.metrics_path={out / 'train.json'}",
-        f"serve.dtype={dtype}",
-        f"serve.follower.swap={mode == 'swap'}",
+        f"train.steps={a.steps}", f"train.metrics_path={out / 'train.json'}",
+        f"serve.dtype={dtype}", f"serve.follower.swap={mode == 'swap'}",
         *([f"serve.follower.memory_budget_mb={a.budget_mb}"] if mode == "budget" else []),
         f"serve.metrics_path={out / 'serve.json'}",
         *([] if a.requests_per_s is None else [f"serve.requests_per_s={a.requests_per_s}"]),
-    ]
+    ]  # fmt: skip
 
 
 def _key(storage: str, policy: str, served: str, mode: str, followers: int = 1) -> str:
@@ -413,18 +407,10 @@ def run(b: Bench) -> Outcome:
         with s3_server() if storage == "s3" else contextlib.nullcontext():
             for one in itertools.product(a.policies, a.served, a.modes, a.followers):
                 runs[_key(storage, *one)] = _one_run(b, storage, *one)
-    m = {
-        "model": {
-            "tables": a.tables,
-            "rows": a.rows,
-            "dim": a.dim,
-            "fp32_gb": a.tables * a.rows * a.dim * 4 / 2**30,
-        },  # fmt: skip
-        "interval_steps": a.interval_steps,
-        "batch_size": a.batch_size,
-        "training_ranks": a.nproc,
-        "runs": runs,
-    }
+    model = {"tables": a.tables, "rows": a.rows, "dim": a.dim,
+             "fp32_gb": a.tables * a.rows * a.dim * 4 / 2**30}  # fmt: skip
+    m = {"model": model, "interval_steps": a.interval_steps, "batch_size": a.batch_size,
+         "training_ranks": a.nproc, "runs": runs}  # fmt: skip
     return Outcome(m, tables(m), targets(runs))
 
 
