@@ -27,6 +27,7 @@ from torchrec_cnr.storage.fs import tree_bytes
 from torchrec_cnr.tracking.shard import LocalShard
 
 Row = dict[str, Any]
+Rows = list[torch.Tensor]
 
 
 def torchsnapshot_take_durable(model: torch.nn.Module, path: Path) -> float:
@@ -34,11 +35,20 @@ def torchsnapshot_take_durable(model: torch.nn.Module, path: Path) -> float:
     commit, comparable with torchrec_cnr's and DCP's, which fsync."""
 
     def take() -> None:
-        Snapshot.take(str(path), app_state={"model": model}, replicated=["**"])
-        if dist.get_rank() == 0:
-            measure.fsync_tree(path)
+        _snapshot(model, path)
+        _fsync(path)
 
     return measure.timed(take)[0]
+
+
+def _snapshot(model: torch.nn.Module, path: Path) -> None:
+    Snapshot.take(str(path), app_state={"model": model}, replicated=["**"])
+
+
+def _fsync(path: Path) -> None:
+    """:func:`benchmarks.measure.fsync_tree` of ``path`` by rank 0."""
+    if dist.get_rank() == 0:
+        measure.fsync_tree(path)
 
 
 def torchsnapshot_restore(model: torch.nn.Module, path: Path) -> Callable[[], None]:
@@ -72,30 +82,16 @@ def _copying_async_take() -> Iterator[None]:
         TensorBufferStager._should_copy_cpu_tensor = original  # type: ignore[method-assign]
 
 
-def _take(
-    model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: list[torch.Tensor]
-) -> Row:
-    took, _ = measure.timed(
-        lambda: Snapshot.take(str(path), app_state={"model": model}, replicated=["**"])
-    )
-    fsync_s, _ = measure.timed(lambda: measure.fsync_tree(path) if dist.get_rank() == 0 else None)
+def _take(model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: Rows) -> Row:
+    took, _ = measure.timed(lambda: _snapshot(model, path))
+    fsync_s, _ = measure.timed(lambda: _fsync(path))
     restore_s, err = measure.timed_restore(torchsnapshot_restore(model, path), path, shards, rows)
-    return {
-        "method": "torchsnapshot take",
-        "stall_s": took,
-        "commit_s": took,
-        "fsync_after_s": fsync_s,
-        "restore_s": restore_s,
-        "restore_max_abs_err": err,
-    }
+    return {"method": "torchsnapshot take", "stall_s": took, "commit_s": took,
+            "fsync_after_s": fsync_s, "restore_s": restore_s, "restore_max_abs_err": err}  # fmt: skip
 
 
 def _async_take(
-    model: torch.nn.Module,
-    path: Path,
-    shards: list[LocalShard],
-    rows: list[torch.Tensor],
-    copy: bool,
+    model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: Rows, copy: bool
 ) -> Row:
     """``async_take``; training goes on (+1 on ``rows``) while it writes, and the restore
     shows whether those updates leaked into the snapshot (torn) or not."""
@@ -112,7 +108,7 @@ def _async_take(
         t2 = time.perf_counter()
     stall, commit = measure.max_over_ranks(t1 - t0, t2 - t0)
     del pending
-    fsync_s, _ = measure.timed(lambda: measure.fsync_tree(path) if dist.get_rank() == 0 else None)
+    fsync_s, _ = measure.timed(lambda: _fsync(path))
     measure.drop_cache(path)
     # The live rows are now `before + 1`: a consistent snapshot gives back `before`.
     restore_s, _ = measure.timed(torchsnapshot_restore(model, path))
@@ -120,20 +116,12 @@ def _async_take(
     with torch.no_grad():  # the model as it was, whatever the snapshot held
         for s, r, v in zip(shards, rows, before):
             s.weight[r] = v
-    return {
-        "method": "torchsnapshot async_take" + (", patched to copy" if copy else " as shipped"),
-        "stall_s": stall,
-        "commit_s": commit,
-        "fsync_after_s": fsync_s,
-        "restore_s": restore_s,
-        "restore_max_abs_err": torn,
-        "consistent": torn == 0.0,
-    }
+    return {"method": "torchsnapshot async_take" + (", patched to copy" if copy else " as shipped"),
+            "stall_s": stall, "commit_s": commit, "fsync_after_s": fsync_s,
+            "restore_s": restore_s, "restore_max_abs_err": torn, "consistent": torn == 0.0}  # fmt: skip
 
 
-def _dcp_save(
-    model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: list[torch.Tensor]
-) -> Row:
+def _dcp_save(model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: Rows) -> Row:
     """DCP ``save`` of the model's state dict (its FileSystemWriter fsyncs by default)."""
     try:
         took, _ = measure.timed(lambda: dcp.save(model.state_dict(), checkpoint_id=str(path)))
@@ -146,13 +134,8 @@ def _dcp_save(
         model.load_state_dict(sd)
 
     restore_s, err = measure.timed_restore(load, path, shards, rows)
-    return {
-        "method": "DCP save",
-        "stall_s": took,
-        "commit_s": took,
-        "restore_s": restore_s,
-        "restore_max_abs_err": err,
-    }
+    return {"method": "DCP save", "stall_s": took, "commit_s": took, "restore_s": restore_s,
+            "restore_max_abs_err": err}  # fmt: skip
 
 
 def _dcp_async_save(model: torch.nn.Module, path: Path) -> Row:
@@ -178,13 +161,10 @@ def _dcp_async_save(model: torch.nn.Module, path: Path) -> Row:
 
 
 def run_peers(
-    model: torch.nn.Module, folder: Path, shards: list[LocalShard], rows: list[torch.Tensor]
+    model: torch.nn.Module, folder: Path, shards: list[LocalShard], rows: Rows
 ) -> dict[str, Row]:
-    """Every peer in turn on ``model``, each into a fresh folder deleted afterwards.
-
-    ``rows`` are the rows each restore is checked on (and that ``async_take``'s training
-    modifies while it writes).
-    """
+    """Every peer in turn on ``model``, each into a fresh folder deleted afterwards; each
+    restore is checked on ``rows`` (which ``async_take``'s training modifies as it writes)."""
     peers: dict[str, Callable[[Path], Row]] = {
         "torchsnapshot_take": lambda p: _take(model, p, shards, rows),
         "torchsnapshot_async_take": lambda p: _async_take(model, p, shards, rows, False),
