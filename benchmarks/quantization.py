@@ -82,18 +82,13 @@ def rel_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     return float(((x - x_hat).norm(dim=1)[keep] / norm[keep]).mean())
 
 
-def _measure(
-    x: torch.Tensor, fn: Quantizer, a: argparse.Namespace
-) -> tuple[dict[str, Any], torch.Tensor]:
+def _measure(x: torch.Tensor, fn: Quantizer,
+             a: argparse.Namespace) -> tuple[dict[str, Any], torch.Tensor]:  # fmt: skip
     secs = best_seconds(lambda: fn(x), a.repeats, a.min_seconds)
     x_hat, nbytes = fn(x)
-    row = {
-        "rows": x.shape[0],
-        "rel_error": rel_error(x, x_hat),
-        "compression": x.numel() * 4 / nbytes,
-        "mb_per_s": x.numel() * 4 / 1e6 / secs,
-        "seconds": secs,
-    }
+    row = {"rows": x.shape[0], "rel_error": rel_error(x, x_hat),
+           "compression": x.numel() * 4 / nbytes, "mb_per_s": x.numel() * 4 / 1e6 / secs,
+           "seconds": secs}  # fmt: skip
     return row, x_hat
 
 
@@ -116,10 +111,8 @@ def _packed(pack: Callable[..., torch.Tensor], unpack: Callable[..., torch.Tenso
 def _greedy(bits: int) -> Quantizer:
     ops = torch.ops.quantized
     prepack = getattr(ops, f"embedding_bag_{bits}bit_prepack")
-    return _packed(
-        functools.partial(prepack, optimized_qparams=True),
-        getattr(ops, f"embedding_bag_{bits}bit_unpack"),
-    )
+    unpack = getattr(ops, f"embedding_bag_{bits}bit_unpack")
+    return _packed(functools.partial(prepack, optimized_qparams=True), unpack)
 
 
 def _rows(kind: str, rows: int, dim: int, seed: int) -> torch.Tensor:
@@ -150,32 +143,23 @@ def _methods(b: Bench) -> Outcome:
     ops = fbgemm_ops()
     if ops is not None:
         for bits in (2, 4):
-            fn = _packed(
-                functools.partial(ops.FloatToFusedNBitRowwiseQuantizedSBHalf, bit_rate=bits),
-                functools.partial(ops.FusedNBitRowwiseQuantizedSBHalfToFloat, bit_rate=bits),
-            )
+            pack = functools.partial(ops.FloatToFusedNBitRowwiseQuantizedSBHalf, bit_rate=bits)
+            unpack = functools.partial(ops.FusedNBitRowwiseQuantizedSBHalfToFloat, bit_rate=bits)
+            fn = _packed(pack, unpack)
             try:
                 peers[f"fbgemm_{bits}bit"] = _measure(x, fn, a)[0]
             except RuntimeError as e:  # dim not a multiple of 8 / bits * 2
                 b.log(f"fbgemm {bits}-bit skipped: {e}")
         fn = _packed(ops.FloatToFused8BitRowwiseQuantized, ops.Fused8BitRowwiseQuantizedToFloat)
         peers["fbgemm_8bit"] = _measure(x, fn, a)[0]
-    m = {
-        "source": source,
-        "shape": list(x.shape),
-        "peer_rows": len(sub),
-        "ours": ours,
-        "peers": peers,
-    }
+    m = {"source": source, "shape": list(x.shape), "peer_rows": len(sub), "ours": ours,
+         "peers": peers}  # fmt: skip
     rows = [{"impl": "torchrec_cnr", "key": k, **r} for k, r in ours.items()]
     rows += [{"impl": k.split("_")[0], "key": k.removesuffix("bit"), **r} for k, r in peers.items()]
     table = Table.of(f"{source} rows, {x.shape[0]} x {x.shape[1]} fp32, {a.threads} thread(s)", rows, {
-        "impl": "impl",
-        "method": lambda r: r["key"].rsplit("_", 1)[0],
-        "bits": lambda r: int(r["key"].rsplit("_", 1)[1]),
-        "rows": "rows",
-        "rel L2 error": "rel_error",
-        "compression": lambda r: f"{r['compression']:.2f}x",
+        "impl": "impl", "method": lambda r: r["key"].rsplit("_", 1)[0],
+        "bits": lambda r: int(r["key"].rsplit("_", 1)[1]), "rows": "rows",
+        "rel L2 error": "rel_error", "compression": lambda r: f"{r['compression']:.2f}x",
         "MB/s": "mb_per_s",
     })  # fmt: skip
     return Outcome(m, [table], METHOD_TARGETS)
@@ -209,10 +193,8 @@ def _vs_greedy(b: Bench) -> Outcome:
     title = f"Adaptive 4-bit vs PyTorch greedy: {elems * 4 / 1e6:.1f} MB fp32 per cell, the "
     title += f"greedy and both errors on its first {peer_elems * 4 / 1e6:.1f} MB"
     table = Table.of(title, rows, {
-        "rows": "kind",
-        "dim": "dim",
-        "greedy MB/s": lambda r: r["g"]["mb_per_s"],
-        "greedy err": lambda r: r["g"]["rel_error"],
+        "rows": "kind", "dim": "dim",
+        "greedy MB/s": lambda r: r["g"]["mb_per_s"], "greedy err": lambda r: r["g"]["rel_error"],
         "adaptive-4 MB/s": lambda r: r["a"]["mb_per_s"],
         "adaptive-4 err": lambda r: r["a"]["rel_error"],
         "speed": lambda r: f"{r['a']['mb_per_s'] / r['g']['mb_per_s']:.1f}x",
