@@ -53,16 +53,10 @@ def _case(b: Bench, w: Any, shards: list[Any], mode: Staging, frac: float, rows:
     info = list_checkpoints(str(root))[-1]
     measure.rmtree(root)
     gc.collect()
-    row = {
-        "staging": mode,
-        "fraction": frac,
-        "stall_s": statistics.median(s for s, _ in saves),
-        "stalls_s": [s for s, _ in saves],
-        "commit_s": statistics.median(c for _, c in saves),
-        "staged_bytes": info.staged_bytes,
-        "memcpy_s": measure.memcpy_s(info.staged_bytes),
-        "background_copy_s": statistics.median(hook),
-    }
+    row = {"staging": mode, "fraction": frac, "stall_s": statistics.median(s for s, _ in saves),
+           "stalls_s": [s for s, _ in saves], "commit_s": statistics.median(c for _, c in saves),
+           "staged_bytes": info.staged_bytes, "memcpy_s": measure.memcpy_s(info.staged_bytes),
+           "background_copy_s": statistics.median(hook)}  # fmt: skip
     b.log_row(row)
     return row
 
@@ -91,39 +85,28 @@ def run(b: Bench) -> Outcome:
     shards = model_state.local_shards(w.model)
     sels = measure.random_rows(shards, a.fractions)
     dense = model_state.dense_state(w.model)
-    dense_s = measure.max_over_ranks(
-        statistics.median(
-            measure.timed(lambda: {k: v.detach().clone() for k, v in dense.items()})[0]
-            for _ in range(5)
-        )
-    )[0]
+    copies = [measure.timed(lambda: {k: v.detach().clone() for k, v in dense.items()})[0]
+              for _ in range(5)]  # fmt: skip
+    dense_s = measure.max_over_ranks(statistics.median(copies))[0]
     cases = {_key(m, f): _case(b, w, shards, m, f, sels[f]) for f in a.fractions for m in MODES}
-    m = {
-        "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim, "policy": a.policy},
-        "dense_copy_s": dense_s,
-        "lazy_budget_s": 0.005 + dense_s,
-        "flat_budget_s": 0.002 + dense_s,
-        "cases": cases,
-    }
-    table = Table.of(
-        f"One {a.policy} fp32 save, eager and lazy staging (median of {a.repeats})",
-        list(cases.values()),
-        {
-            "staging": "staging",
-            "modified": lambda r: f"{r['fraction']:.0%}",
-            "save() returns in ms": lambda r: r["stall_s"] * 1e3,
-            "slowest save ms": lambda r: max(r["stalls_s"]) * 1e3,
-            "memcpy of the delta ms": lambda r: r["memcpy_s"] * 1e3,
-            "background copy ms": lambda r: r["background_copy_s"] * 1e3,
-            "commit s": "commit_s",
-            "staged MB": lambda r: r["staged_bytes"] / 2**20,
-        },
-    )
+    m = {"model": {"tables": a.tables, "rows": a.rows, "dim": a.dim, "policy": a.policy},
+         "dense_copy_s": dense_s, "lazy_budget_s": 0.005 + dense_s,
+         "flat_budget_s": 0.002 + dense_s, "cases": cases}  # fmt: skip
+    title = f"One {a.policy} fp32 save, eager and lazy staging (median of {a.repeats})"
+    table = Table.of(title, list(cases.values()), {
+        "staging": "staging", "modified": lambda r: f"{r['fraction']:.0%}",
+        "save() returns in ms": lambda r: r["stall_s"] * 1e3,
+        "slowest save ms": lambda r: max(r["stalls_s"]) * 1e3,
+        "memcpy of the delta ms": lambda r: r["memcpy_s"] * 1e3,
+        "background copy ms": lambda r: r["background_copy_s"] * 1e3,
+        "commit s": "commit_s", "staged MB": lambda r: r["staged_bytes"] / 2**20,
+    })  # fmt: skip
     return Outcome(m, [table], targets(a.fractions))
 
 
 CASE = Case(name="stall", title="The stall of a save: eager against lazy (copy-on-write) staging",
-            arguments=_arguments, smoke="--tables 2 --rows 4000 --dim 16 --repeats 1", run=run)  # fmt: skip
+            arguments=_arguments, smoke="--tables 2 --rows 4000 --dim 16 --repeats 1",
+            run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))
