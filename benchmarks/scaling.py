@@ -23,12 +23,8 @@ from benchmarks.results import Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.tracking.model_state import local_shards
 
-FIGURES = {
-    "stall_s": "stall (s)",
-    "commit_s": "commit (s)",
-    "restore_s": "restore, cold (s)",
-    "peak_mb": "peak host memory above the model (MB)",
-}
+FIGURES = {"stall_s": "stall (s)", "commit_s": "commit (s)", "restore_s": "restore, cold (s)",
+           "peak_mb": "peak host memory above the model (MB)"}  # fmt: skip
 SAVED = (1.0, 0.05, 0.25)
 
 
@@ -63,14 +59,8 @@ def _size(b: Bench, gb: float) -> list[dict[str, Any]]:
                 restore, _ = measure.timed(functools.partial(ckpt.restore, step=step))
                 (peak,) = measure.max_over_ranks(measure.proc_status_mb("VmHWM") - base)
                 got = [stall, commit, restore, max(save_peak, peak)]
-                rows.append(
-                    {
-                        "gb_per_rank": local_gb,
-                        "quant": quant,
-                        "saved": saved,
-                        **dict(zip(FIGURES, got)),
-                    }
-                )
+                rows.append({"gb_per_rank": local_gb, "quant": quant, "saved": saved,
+                             **dict(zip(FIGURES, got))})  # fmt: skip
                 b.log_row(rows[-1])
         del ckpt  # its staging buffers go before the next manager takes its own
         measure.rmtree(root)
@@ -93,24 +83,16 @@ def tables(m: dict[str, Any], target_gb: float) -> list[Table]:
         "restore_s": f"disk read, {limits['read_gb_s']:.2f} GB/s for the whole machine",
         "peak_mb": "the staging pool (a full checkpoint; staging_memory_mb caps it)",
     }
-    limits_text = (
-        f"Disk write {limits['write_gb_s']:.2f} GB/s, read {limits['read_gb_s']:.2f} GB/s; memory "
-        f"copy {limits['memcpy_gb_s']:.1f} GB/s per rank."
-    )
+    limits_text = (f"Disk write {limits['write_gb_s']:.2f} GB/s, read {limits['read_gb_s']:.2f} "
+                   f"GB/s; memory copy {limits['memcpy_gb_s']:.1f} GB/s per rank.")  # fmt: skip
     return [
-        Table(
-            "Per rank, slowest rank",
-            ["GB/rank", "checkpoint", *FIGURES.values()],
-            [[r["gb_per_rank"], _what(r), *(r[k] for k in FIGURES)] for r in rows],
-            limits_text,
-        ),
-        Table(
-            f"Extrapolated to {target_gb:g} GB per rank from the {top:.2f} GB/rank rates (linear)",
-            ["checkpoint", *FIGURES.values()],
-            [[_what(r), *(r[k] * scale for k in FIGURES)] for r in rows if r["gb_per_rank"] == top],
-            "Bounded by: " + "; ".join(f"{FIGURES[k]}: {v}" for k, v in bound.items()),
-        ),
-    ]
+        Table("Per rank, slowest rank", ["GB/rank", "checkpoint", *FIGURES.values()],
+              [[r["gb_per_rank"], _what(r), *(r[k] for k in FIGURES)] for r in rows], limits_text),
+        Table(f"Extrapolated to {target_gb:g} GB per rank from the {top:.2f} GB/rank rates (linear)",
+              ["checkpoint", *FIGURES.values()],
+              [[_what(r), *(r[k] * scale for k in FIGURES)] for r in rows if r["gb_per_rank"] == top],
+              "Bounded by: " + "; ".join(f"{FIGURES[k]}: {v}" for k, v in bound.items())),
+    ]  # fmt: skip
 
 
 def _plot(b: Bench, rows: list[dict[str, Any]]) -> None:
@@ -136,11 +118,8 @@ def _plot(b: Bench, rows: list[dict[str, Any]]) -> None:
 def run(b: Bench) -> Outcome:
     a = b.args
     disk = measure.disk_bandwidth(b.scratch, a.disk_mb << 20)
-    limits = {
-        "write_gb_s": disk["write_gb_s"],
-        "read_gb_s": disk["read_gb_s"],
-        "memcpy_gb_s": a.memcpy_mb / 1e3 / measure.memcpy_s(a.memcpy_mb * 10**6),
-    }
+    limits = {"write_gb_s": disk["write_gb_s"], "read_gb_s": disk["read_gb_s"],
+              "memcpy_gb_s": a.memcpy_mb / 1e3 / measure.memcpy_s(a.memcpy_mb * 10**6)}  # fmt: skip
     b.log(", ".join(f"{k} {v:.2f}" for k, v in limits.items()))
     rows = [r for gb in a.gb_per_rank for r in _size(b, gb)]
     m = {"limits": limits, "disk": disk, "rows": rows}
