@@ -29,9 +29,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=1.1)
     p.add_argument("--intervals", type=int, default=12)
     p.add_argument("--steps-per-interval", type=int, default=20)
-    p.add_argument(
-        "--figure", action="store_true", help="plot Figs. 15 and 16 and write a CSV beside"
-    )
+    p.add_argument("--figure", action="store_true", help="plot Figs. 15 and 16 and write a CSV beside")  # fmt: skip
 
 
 SMOKE = "--tables 2 --rows 2000 --dim 16 --batch-size 64 --intervals 4 --steps-per-interval 2"
@@ -50,18 +48,10 @@ def _policy(b: Bench, policy: measure.Policy) -> list[dict[str, Any]]:
                 train_step(model, opt, data.next(b.rank))
             ckpt.save(interval * a.steps_per_interval)
             ckpt.wait()
-            info, stored = measure.from_rank0(
-                lambda: (checkpoint_info(str(root)), tree_bytes(root))
-            )
-            rows.append({
-                "policy": policy,
-                "interval": interval,
-                "kind": info.kind,
-                "rows_saved_frac": info.saved_fraction,
-                "written_bytes": info.bytes,
-                "stored_bytes": stored,
-                "chain_len": len(info.chain),
-            })  # fmt: skip
+            info, stored = measure.from_rank0(lambda: (checkpoint_info(str(root)), tree_bytes(root)))  # fmt: skip
+            rows.append({"policy": policy, "interval": interval, "kind": info.kind,
+                         "rows_saved_frac": info.saved_fraction, "written_bytes": info.bytes,
+                         "stored_bytes": stored, "chain_len": len(info.chain)})  # fmt: skip
     measure.rmtree(root)
     return rows
 
@@ -78,13 +68,9 @@ def summarize(per: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         for r in rows:
             r["written_rel"] = r["written_bytes"] / full
             r["stored_rel"] = r["stored_bytes"] / full
-    totals = {
-        p: {
-            "written_bytes": sum(r["written_bytes"] for r in rows),
-            "peak_stored_rel": max(r["stored_rel"] for r in rows),
-        }
-        for p, rows in per.items()
-    }
+    totals = {p: {"written_bytes": sum(r["written_bytes"] for r in rows),
+                  "peak_stored_rel": max(r["stored_rel"] for r in rows)}
+              for p, rows in per.items()}  # fmt: skip
     for t in totals.values():
         t["written_less_than_full"] = totals["full"]["written_bytes"] / t["written_bytes"]
     return {"full_bytes": full, "intervals": per, "totals": totals}
@@ -98,13 +84,9 @@ def tables(m: dict[str, Any]) -> list[Table]:
         return f"{per[p][i]['written_rel']:.3f} {'F' if per[p][i]['kind'] == 'full' else 'd'}"
 
     rows: list[list[Any]] = [
-        [
-            i + 1,
-            f"{per['consecutive'][i]['rows_saved_frac']:.1%}",
-            *(written(p, i) for p in policies),
-        ]
+        [i + 1, f"{per['consecutive'][i]['rows_saved_frac']:.1%}", *(written(p, i) for p in policies)]
         for i in range(count)
-    ]
+    ]  # fmt: skip
     rows.append(["**written, all intervals**", ""] + [
         f"{t['written_bytes'] / 1e6:.0f} MB ({t['written_less_than_full']:.2f}x less)"
         for t in totals.values()
@@ -112,14 +94,11 @@ def tables(m: dict[str, Any]) -> list[Table]:
     rows.append(["**peak stored**", ""] + [f"{t['peak_stored_rel']:.2f}" for t in totals.values()])
     stored = [[i + 1, *(per[p][i]["stored_rel"] for p in policies)] for i in range(count)]
     return [
-        Table(
-            "Written per interval, x one full checkpoint (F full, d delta)",
-            ["interval", "rows modified", *policies],
-            rows,
-            note=f"One full checkpoint = {m['full_bytes'] / 1e6:.1f} MB.",
-        ),
+        Table("Written per interval, x one full checkpoint (F full, d delta)",
+              ["interval", "rows modified", *policies], rows,
+              note=f"One full checkpoint = {m['full_bytes'] / 1e6:.1f} MB."),
         Table("Stored after each interval, x one full checkpoint", ["interval", *policies], stored),
-    ]
+    ]  # fmt: skip
 
 
 def _figure(b: Bench, m: dict[str, Any]) -> None:
