@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.measure import GB
 from benchmarks.results import Goal, Table
 from cnr_train.workload import TableSpec, build_model, dense_optimizer
 from torchrec_cnr import CheckpointConfig, CheckpointManager, ExportOptions, export_dcp
@@ -99,40 +100,24 @@ def run(b: Bench) -> Outcome:
             "reshard_dcp_load": lambda: _dcp_load(resharded, reshard_opt, theirs),
         })  # fmt: skip
     m: dict[str, Any] = {
-        name: {
-            "seconds": statistics.median(s for s, _ in runs),
-            "seconds_all": [s for s, _ in runs],
-            "peak_mb": max(p for _, p in runs),
-        }
+        name: {"seconds": statistics.median(s for s, _ in runs), "seconds_all": [s for s, _ in runs],
+               "peak_mb": max(p for _, p in runs)}
         for name, runs in got.items()
-    }
+    }  # fmt: skip
     m["bytes"] = sizes
-    m["model_gb"] = a.tables * a.rows * a.dim * 4 / measure.GB
-    rows = [
-        [
-            name,
-            m[name]["seconds"],
-            m[name]["peak_mb"],
-            f"{m[peer]['seconds']:.2f} s, {m[peer]['peak_mb']:.0f} MB",
-        ]
-        for name, peer in (
-            ("export_dcp", "dcp_save"),
-            ("import", "dcp_load"),
-            ("reshard_restore", "reshard_dcp_load"),
-        )
-    ]
+    m["model_gb"] = a.tables * a.rows * a.dim * 4 / GB
+    pairs = (("export_dcp", "dcp_save"), ("import", "dcp_load"), ("reshard_restore", "reshard_dcp_load"))  # fmt: skip
+    rows = [[name, m[name]["seconds"], m[name]["peak_mb"],
+             f"{m[peer]['seconds']:.2f} s, {m[peer]['peak_mb']:.0f} MB"] for name, peer in pairs]  # fmt: skip
     note = (
         f"{a.tables} tables x {a.rows} rows x dim {a.dim} fp32 ({m['model_gb']:.2f} GB) on "
         f"{b.world} ranks, fused row-wise Adagrad; median of {a.rounds} turns, caches dropped "
         f"before each; export blocks of {a.budget_mb} MB; checkpoint bytes: export "
-        f"{sizes['export_dcp'] / measure.GB:.3f} GB, dcp.save {sizes['dcp_save'] / measure.GB:.3f} GB"
+        f"{sizes['export_dcp'] / GB:.3f} GB, dcp.save {sizes['dcp_save'] / GB:.3f} GB"
     )
-    table = Table(
-        "DCP interop against DCP",
-        ["method", "time s (median)", "peak MB over its start (max over ranks)", "DCP peer, same run"],
-        rows,
-        note,
-    )  # fmt: skip
+    columns = ["method", "time s (median)", "peak MB over its start (max over ranks)",
+               "DCP peer, same run"]  # fmt: skip
+    table = Table("DCP interop against DCP", columns, rows, note)
     goals = [
         Goal("export_dcp <= dcp.save", "export_dcp.seconds", "<=", "dcp_save.seconds"),
         Goal("import <= dcp.load", "import.seconds", "<=", "dcp_load.seconds"),
