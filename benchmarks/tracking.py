@@ -86,9 +86,8 @@ def run(b: Bench) -> Outcome:
     a = b.args
     model, opt, tables = uniform_model(a, tracking_mode="mfu")
     data = ZipfBatches(tables, a.batch_size, pooling=a.pooling, seed=0)
-    mdt = model.init_torchrec_delta_tracker(
-        DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, delete_on_read=True)
-    )
+    config = DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, delete_on_read=True)
+    mdt = model.init_torchrec_delta_tracker(config)
     ours = list(model_state.trackers(model).values())
     theirs = _MdtSwitch(model)
     # One model for every mode: our hooks switch what they record besides the bits.
@@ -122,27 +121,18 @@ def run(b: Bench) -> Outcome:
     b.interleaved(1, methods, settle=False, label="warm-up")
     times = b.interleaved(a.rounds, methods, settle=False, label="iteration s")
     bits = sum(t.memory_bytes() for t in ours)
-    memory = {
-        "none": 0,
-        "bitmap": bits,
-        "mfu": bits + sum(p.nbytes for p in priorities["mfu"] if p is not None),
-        "ssu": bits + sum(p.nbytes for p in priorities["ssu"] if p is not None),
-        "mdt": _mdt_bytes(mdt),
-    }
+    memory = {"none": 0, "bitmap": bits, "mdt": _mdt_bytes(mdt)} | {
+        mode: bits + sum(p.nbytes for p in priorities[mode] if p is not None) for mode in ("mfu", "ssu")
+    }  # fmt: skip
     med = {k: statistics.median(v) for k, v in times.items()}
     variants = {
-        k: {
-            "iter_ms": 1e3 * med[k],
-            "overhead_pct": 100 * (med[k] / med["none"] - 1),
-            "memory_bytes": memory[k],
-            "iterations_tracked": iters[k],
-        }
+        k: {"iter_ms": 1e3 * med[k], "overhead_pct": 100 * (med[k] / med["none"] - 1),
+            "memory_bytes": memory[k], "iterations_tracked": iters[k]}
         for k in VARIANTS
-    }
+    }  # fmt: skip
     per_rank = gathered(variants)
-    shard_bytes = sum(
-        s.weight.numel() * s.weight.element_size() for s in model_state.local_shards(model)
-    )
+    shards = model_state.local_shards(model)
+    shard_bytes = sum(s.weight.numel() * s.weight.element_size() for s in shards)
     m = {"rank0_shard_bytes": shard_bytes, "variants": per_rank[0], "per_rank": per_rank}
 
     def held(v: dict[str, Any]) -> str:
@@ -152,10 +142,8 @@ def run(b: Bench) -> Outcome:
     title = f"Rank 0 (its shards hold {shard_bytes / 1e6:.0f} MB); median of {a.rounds} rounds"
     rows = [{"key": k, **v} for k, v in per_rank[0].items()]
     table = Table.of(title + f" x {a.iters} iterations per variant", rows, {
-        "variant": lambda v: VARIANTS[v["key"]][0],
-        "iter ms": "iter_ms",
-        "overhead %": "overhead_pct",
-        "tracker memory on rank 0": held,
+        "variant": lambda v: VARIANTS[v["key"]][0], "iter ms": "iter_ms",
+        "overhead %": "overhead_pct", "tracker memory on rank 0": held,
         "iterations tracked": "iterations_tracked",
     }, "Ours is fixed in size; ModelDeltaTracker's grows with the iterations until read.")  # fmt: skip
     return Outcome(m, [table], TARGETS)
