@@ -75,9 +75,8 @@ def _gil_run(b: Bench, trainer: StepLoop, quant: str) -> dict[str, Any]:
                 saves += bool(ckpt.save(trainer.step))
         ckpt.wait()
     if spy.wait() != 0:
-        raise RuntimeError(
-            f"py-spy failed ({spy.returncode}): {spy.stdout.read() if spy.stdout else ''}"
-        )
+        output = spy.stdout.read() if spy.stdout else ""
+        raise RuntimeError(f"py-spy failed ({spy.returncode}): {output}")
     shares = _gil_shares(out.read_text())
     rmtree(root)
     first = gathered(shares | {"saves": saves, "steps": steps})[0]
@@ -96,18 +95,11 @@ def run(b: Bench) -> Outcome:
         f"Share of the samples holding the GIL, by thread, during continuous commits "
         f"(rank 0 of {b.world}, {b.args.gil_s:.0f} s per format)",
         rows,
-        {
-            "format": "format",
-            "training": "training",
-            "writer (cnr-writer)": "cnr-writer",
-            "I/O (cnr-io)": "cnr-io",
-            "other": "other",
-            "samples": "samples",
-            "commits": "saves",
-            "steps": "steps",
-        },  # fmt: skip
+        {"format": "format", "training": "training", "writer (cnr-writer)": "cnr-writer",
+         "I/O (cnr-io)": "cnr-io", "other": "other", "samples": "samples", "commits": "saves",
+         "steps": "steps"},
         "py-spy record --gil --threads --nonblocking at 100 Hz on rank 0's process.",
-    )
+    )  # fmt: skip
     targets = [
         Goal(f"{r['format']}: the writer's threads hold the GIL in <= 10% of the samples",
              f"formats.{r['format'].replace('-', '')}.writer", "<=", 0.10)
