@@ -37,24 +37,16 @@ def _ends(value: Any) -> list[float] | None:
     range (a recorded table that gave several runs as one range, e.g. "4.5-5.3x")."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         return [float(value)]
-    if (
-        isinstance(value, list)
-        and len(value) == 2
-        and all(isinstance(v, int | float) for v in value)
-    ):
+    pair = isinstance(value, list) and len(value) == 2
+    if pair and all(isinstance(v, int | float) for v in value):
         return [float(v) for v in value]
     return None
 
 
 @dataclass(frozen=True)
 class Goal:
-    """A bound that a measurement must meet: ``measured op factor * reference``.
-
-    Example::
-
-        Goal("stall <= 1/10 of async_take's", "cnr.intermittent_fp32_5.stall_s", "<=",
-               "peers.torchsnapshot_async_take_copy.stall_s", 0.1)
-    """
+    """A bound that a measurement must meet: ``measured op factor * reference``, e.g.
+    ``Goal("stall <= 1/10 of async_take's", "cnr.x.stall_s", "<=", "peers.y.stall_s", 0.1)``."""
 
     name: str
     """What it checks, in words."""
@@ -84,13 +76,8 @@ class Goal:
             bound = self.factor * refs[0]
             passed = [v <= bound if self.op == "<=" else v >= bound for v in ends]
             verdict = "PASS" if all(passed) else "MISS" if not any(passed) else "MIXED"
-        return {
-            **asdict(self),
-            "measured": measured,
-            "reference_value": reference,
-            "bound": bound,
-            "verdict": verdict,
-        }
+        return {**asdict(self), "measured": measured, "reference_value": reference,
+                "bound": bound, "verdict": verdict}  # fmt: skip
 
 
 Column = str | Callable[[dict[str, Any]], Any]
@@ -120,12 +107,9 @@ class Table:
 def write(path: Path, record: dict[str, Any]) -> None:
     """A result record as JSON, ``targets`` evaluated and ``tables`` as plain lists."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {
-        "format_version": FORMAT_VERSION,
-        **record,
-        "tables": [asdict(t) for t in record["tables"]],
-        "targets": [t.evaluate(record["measurements"]) for t in record["targets"]],
-    }
+    record = {"format_version": FORMAT_VERSION, **record,
+              "tables": [asdict(t) for t in record["tables"]],
+              "targets": [t.evaluate(record["measurements"]) for t in record["targets"]]}  # fmt: skip
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")
 
 
