@@ -156,9 +156,8 @@ def _disk_pass(path: Path, nbytes: int, chunk: int) -> dict[str, float]:
     return {"write_s": write_s, "read_s": read_s}
 
 
-def disk_bandwidth(
-    folder: Path, nbytes: int, chunk: int = 64 << 20, passes: int = 2
-) -> dict[str, Any]:
+def disk_bandwidth(folder: Path, nbytes: int, chunk: int = 64 << 20,
+                   passes: int = 2) -> dict[str, Any]:  # fmt: skip
     """The disk's sequential bandwidth: rank 0 writes ``nbytes`` in ``chunk``-byte writes
     and fsyncs, then reads the file back cold. The best of ``passes`` (the first also pays
     for first-touching the page cache)."""
@@ -167,12 +166,9 @@ def disk_bandwidth(
 
     def measure() -> dict[str, Any]:
         runs = [_disk_pass(folder / "disk_bandwidth.bin", nbytes, chunk) for _ in range(passes)]
-        return {
-            "bytes": nbytes,
-            "passes": runs,
-            "write_gb_s": max(nbytes / r["write_s"] for r in runs) / GB,
-            "read_gb_s": max(nbytes / r["read_s"] for r in runs) / GB,
-        }
+        return {"bytes": nbytes, "passes": runs,
+                "write_gb_s": max(nbytes / r["write_s"] for r in runs) / GB,
+                "read_gb_s": max(nbytes / r["read_s"] for r in runs) / GB}  # fmt: skip
 
     return from_rank0(measure)
 
@@ -233,10 +229,7 @@ def model_arguments(p: argparse.ArgumentParser, rows: int, tables: int = 8, dim:
     p.add_argument("--dim", type=int, default=dim)
 
 
-QUANTS = {
-    "fp32": QuantizeConfig(),
-    "4-bit": QuantizeConfig(method="adaptive", bits=4, min_rows=0),
-}
+QUANTS = {"fp32": QuantizeConfig(), "4-bit": QuantizeConfig(method="adaptive", bits=4, min_rows=0)}
 """The checkpoint formats the benchmarks compare: fp32, and adaptive 4-bit on every table
 (``min_rows=0``: the smoke runs' small tables too)."""
 
@@ -350,11 +343,8 @@ def moto_server() -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -363,9 +353,8 @@ def moto_server() -> Iterator[str]:
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"the moto S3 server at {url} did not start (exit {server.poll()})"
-                    ) from None
+                    why = f"the moto S3 server at {url} did not start (exit {server.poll()})"
+                    raise RuntimeError(why) from None
                 time.sleep(0.05)
         yield url
     finally:
@@ -389,12 +378,8 @@ def s3_server() -> Iterator[str]:
         url, started = bcast((url, started))
         assert url is not None
         if started:  # moto takes any credentials; a real store's must not be replaced
-            os.environ.update(
-                AWS_ENDPOINT_URL=url,
-                AWS_ACCESS_KEY_ID="bench",
-                AWS_SECRET_ACCESS_KEY="bench",
-                AWS_DEFAULT_REGION="us-east-1",
-            )
+            os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="bench",
+                              AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")  # fmt: skip
         try:
             yield url
         finally:
