@@ -119,12 +119,12 @@ def _one_run(
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     began = time.time()
+    names = [f"serve{i or ''}" for i in range(followers)]  # each serving process's files
     servers = []
-    for i in range(followers):
-        metrics_path = out / f"serve{i or ''}.json"
-        with open(out / f"serve{i or ''}.log", "w") as log:
+    for name in names:
+        with open(out / f"{name}.log", "w") as log:
             servers.append(subprocess.Popen(
-                [sys.executable, "scripts/serve.py", *args, f"serve.metrics_path={metrics_path}"],
+                [sys.executable, "scripts/serve.py", *args, f"serve.metrics_path={out / name}.json"],
                 stdout=log, stderr=subprocess.STDOUT, env=env,
                 preexec_fn=(lambda: os.nice(10)) if max(b.args.followers) > 1 else None,
             ))  # fmt: skip
@@ -140,11 +140,11 @@ def _one_run(
         for server in servers:
             if server.poll() is None:
                 server.kill()
-    for name, rc in [("train", job.returncode), *((f"serve{i or ''}", rc) for i, rc in enumerate(served_rc))]:  # fmt: skip
+    for name, rc in zip(["train", *names], [job.returncode, *served_rc]):
         if rc != 0:
             tail = (out / f"{name}.log").read_text()[-3000:]
             raise RuntimeError(f"{key}: {name} exited {rc}; the end of its log:\n{tail}")
-    metrics = [json.loads((out / f"serve{i or ''}.json").read_text()) for i in range(followers)]
+    metrics = [json.loads((out / f"{name}.json").read_text()) for name in names]
     row = _row_bytes(PAIRS[served][0], b.args.dim) + ID_BYTES
     infos = list_checkpoints(root)
     summaries = [_summarise(m, infos, row) for m in metrics]

@@ -2,26 +2,24 @@
 of one training job.
 
 The job is the DLRM of :mod:`cnr_train.workload`: ``--tables`` table-wise tables of
-``--rows`` x ``--dim`` (by default 8 x 200,000 x 64: 410 MB of fp32 weights, row-wise
-Adagrad), batch ``--batch`` per rank, Zipf ids; each step draws its batch on the training
-thread (``ZipfBatches.batch``), as an input pipeline without workers would. Checkpoints
-are fp32 or 4-bit adaptive with ``min_rows=0`` (:data:`benchmarks.measure.QUANTS`). The
-tracker runs in every arm, those without checkpoints included: what is measured is
-checkpointing; tracking's cost is :mod:`benchmarks.tracking`'s.
+``--rows`` x ``--dim`` (by default 8 x 200,000 x 64: 410 MB of fp32, row-wise Adagrad),
+batch ``--batch`` per rank, Zipf ids drawn on the training thread (``ZipfBatches.batch``);
+checkpoints fp32 or 4-bit adaptive (:data:`benchmarks.measure.QUANTS`). The tracker runs in
+every arm: what is measured is checkpointing (tracking's cost is :mod:`benchmarks.tracking`'s).
 
 - By default: the throughput lost to a checkpoint every K steps at each of ``--intervals``
-  seconds, arms with and without checkpoints taking turns, eager and lazy staging
+  seconds, arms with and without checkpoints in turns, eager and lazy staging
   (:mod:`benchmarks.overhead.arms`).
 - ``--save-cost``: the training time one full checkpoint costs, measured alone many times
   (:mod:`benchmarks.overhead.save_cost`).
 - ``--paired``: the loss at each interval from adjacent stretches with and without a
-  checkpoint, an estimate that resolves 1%, and saves asked for faster than they commit
+  checkpoint, resolving 1%, and saves asked for faster than they commit
   (:mod:`benchmarks.overhead.paired`).
 - ``--gil``: which threads hold the GIL while commits run back to back
   (:mod:`benchmarks.overhead.gil`).
 
-Each runs under torchrun, on 1 rank (the other core free for the background writer, as on
-a GPU host) or on 2 (no core to spare).
+Each runs under torchrun, on 1 rank (a core free for the background writer, as on a GPU
+host) or on 2 (no core to spare).
 """
 
 from __future__ import annotations
