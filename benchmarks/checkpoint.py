@@ -139,26 +139,18 @@ def _cnr(b: Bench, model: Any, shards: list[LocalShard], key: tuple[measure.Poli
     gc.collect()
     stall = statistics.median(s for s, _ in saves)
     row = {
-        "policy": policy,
-        "quant": quant,
-        "fraction": frac,
-        "stall_s": stall,
-        "commit_s": statistics.median(c for _, c in saves),
+        "policy": policy, "quant": quant, "fraction": frac,
+        "stall_s": stall, "commit_s": statistics.median(c for _, c in saves),
         "bytes": statistics.median(i.bytes for i in infos[1:]),
-        "staged_bytes": infos[-1].staged_bytes,
-        "memcpy_s": memcpy,
+        "staged_bytes": infos[-1].staged_bytes, "memcpy_s": memcpy,
         "stall_over_memcpy": stall / memcpy,
         "restore_s": statistics.median(t for t, _ in restores),
         "restore_chain_len": len(infos[-1].chain),
         "restore_max_abs_err": max(e for _, e in restores),
         "baseline": {"stall_s": base_stall, "bytes": infos[0].bytes},
-        "peak_mb": {
-            "manager": peak_manager,
-            "first_save": peak_first,
-            "saves": peak_saves,
-            "restore": peak_restore,
-        },  # fmt: skip
-    }
+        "peak_mb": {"manager": peak_manager, "first_save": peak_first, "saves": peak_saves,
+                    "restore": peak_restore},
+    }  # fmt: skip
     b.log_row(row)
     return row
 
@@ -255,19 +247,14 @@ def _side_by_side(
     commit_s = {k: statistics.median(v) for k, v in commits.items()}
     return {
         "rounds": b.args.rounds,
-        "full_fp32_bytes": full["fp32"].bytes,
-        "full_fp32_staged_bytes": full["fp32"].staged_bytes,
+        "full_fp32_bytes": full["fp32"].bytes, "full_fp32_staged_bytes": full["fp32"].staged_bytes,
         "full_fp32_gb_s": full["fp32"].bytes / commit_s["fp32"] / measure.GB,
-        "commit_s": commit_s,
-        "commits": commits,
-        "restore_s": {k: statistics.median(v) for k, v in restores.items()},
-        "restores": restores,
-        "restore_max_abs_err": errors,
-        "restore_peak_mb": peaks,
-        "rows_mb_per_rank": rows_mb,
-        "restore_budget_mb": budget_mb,
+        "commit_s": commit_s, "commits": commits,
+        "restore_s": {k: statistics.median(v) for k, v in restores.items()}, "restores": restores,
+        "restore_max_abs_err": errors, "restore_peak_mb": peaks,
+        "rows_mb_per_rank": rows_mb, "restore_budget_mb": budget_mb,
         "bytes": {name: info.bytes for name, info in full.items()},
-    }
+    }  # fmt: skip
 
 
 def targets(fracs: list[float], policies: list[measure.Policy]) -> list[Goal]:
@@ -392,15 +379,10 @@ def run(b: Bench) -> Outcome:
     keys = [(p, q, f) for p in a.policies for q in measure.QUANTS for f in a.fractions]
     cnr = {_key(*k): _cnr(b, model, shards, k, sels[k[2]], check) for k in keys}
     staged = side_by_side["full_fp32_staged_bytes"]
-    m = {
-        "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim},
-        "disk": disk,
-        "memcpy_full": {"bytes": staged, "s": measure.memcpy_s(staged)},
-        "encode_gb_s_per_thread": encode,
-        "peers": peers,
-        "cnr": cnr,
-        "side_by_side": side_by_side,
-    }
+    m = {"model": {"tables": a.tables, "rows": a.rows, "dim": a.dim}, "disk": disk,
+         "memcpy_full": {"bytes": staged, "s": measure.memcpy_s(staged)},
+         "encode_gb_s_per_thread": encode, "peers": peers, "cnr": cnr,
+         "side_by_side": side_by_side}  # fmt: skip
     return Outcome(m, tables(m), targets(a.fractions, a.policies))
 
 
