@@ -110,14 +110,9 @@ class Bench:
                     Path("/proc/sys/vm/drop_caches").write_text("1\n")
         dist.barrier()
 
-    def interleaved(
-        self,
-        rounds: int,
-        methods: Mapping[str, Callable[[], float]],
-        prepare: Callable[[str], None] | None = None,
-        settle: bool = True,
-        label: str = "",
-    ) -> dict[str, list[float]]:
+    def interleaved(self, rounds: int, methods: Mapping[str, Callable[[], float]],
+                    prepare: Callable[[str], None] | None = None, settle: bool = True,
+                    label: str = "") -> dict[str, list[float]]:  # fmt: skip
         """Each method's figure per round, the methods taking turns in a rotating order, so
         that a drift of a shared VM's disk hits each alike. Before each method, ``prepare``
         (e.g. deleting its previous output) and, with ``settle``, :meth:`settle`."""
@@ -215,17 +210,13 @@ def environment() -> dict[str, Any]:
         describe = ["git", "describe", "--always", "--dirty"]
         git = subprocess.run(describe, capture_output=True, text=True, timeout=10).stdout.strip()
     return {
-        "host": socket.gethostname(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
+        "host": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "world_size": dist.get_world_size(),
-        "torch_threads": torch.get_num_threads(),
-        "git": git,
-        "versions": versions,
+        "world_size": dist.get_world_size(), "torch_threads": torch.get_num_threads(),
+        "git": git, "versions": versions,
         "env": {k: v for k, v in os.environ.items() if k in _ENV or k.startswith("TORCHREC_CNR_")},
-    }
+    }  # fmt: skip
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:

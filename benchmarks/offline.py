@@ -74,14 +74,10 @@ def _in_job(b: Bench, model: torch.nn.Module) -> dict[str, Any]:
     infos = {i.id: i for i in measure.from_rank0(lambda: list_checkpoints(str(root)))}
     latest = list(infos.values())[-1]
     assert latest.compacted_from and len(latest.chain) == 1, latest
-    return {
-        "compact_s": compact_s,
-        "full_save_s": full_s,
-        "restore_chain_s": restore_chain,
-        "restore_compacted_s": restore_one,
-        "chain_bytes": infos[latest.compacted_from].restore_bytes,
-        "compacted_bytes": latest.bytes,
-    }
+    return {"compact_s": compact_s, "full_save_s": full_s, "restore_chain_s": restore_chain,
+            "restore_compacted_s": restore_one,
+            "chain_bytes": infos[latest.compacted_from].restore_bytes,
+            "compacted_bytes": latest.bytes}  # fmt: skip
 
 
 def _offline(root: Path, out: Path, repeats: int) -> dict[str, Any]:

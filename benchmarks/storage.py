@@ -46,23 +46,17 @@ def _measure(b: Bench, base: str, model: torch.nn.Module) -> dict[str, Any]:
             assert restored == 2, restored
             restore.append(took)
     infos = measure.from_rank0(lambda: list_checkpoints(root))
-    return {
-        "full_commit_s": statistics.median(full),
-        "delta_commit_s": statistics.median(delta),
-        "restore_s": statistics.median(restore),
-        "full_bytes": infos[0].bytes,
-        "delta_bytes": infos[-1].bytes,
-    }
+    return {"full_commit_s": statistics.median(full), "delta_commit_s": statistics.median(delta),
+            "restore_s": statistics.median(restore), "full_bytes": infos[0].bytes,
+            "delta_bytes": infos[-1].bytes}  # fmt: skip
 
 
 def run(b: Bench) -> Outcome:
     a = b.args
     model = measure.uniform_model(a).model
     with measure.s3_server():
-        roots = {
-            "file system": str(b.scratch / "ckpt"),
-            "S3 (moto, loopback)": f"s3://{measure.s3_bucket()}/ckpt",
-        }
+        roots = {"file system": str(b.scratch / "ckpt"),
+                 "S3 (moto, loopback)": f"s3://{measure.s3_bucket()}/ckpt"}  # fmt: skip
         backends = {}
         for name, root in roots.items():
             b.log(f"{name}: {root}")
@@ -70,17 +64,15 @@ def run(b: Bench) -> Outcome:
     title = f"{a.tables} tables x {a.rows} rows x dim {a.dim} on {b.world} ranks, delta "
     title += f"{a.fraction:.0%} of rows; median of {a.repeats}"
     table = Table.of(title, [{"backend": n, **r} for n, r in backends.items()], {
-        "backend": "backend",
-        "full commit s": "full_commit_s",
-        "delta commit s": "delta_commit_s",
-        "restore (baseline + delta) s": "restore_s",
-        "full GB": lambda r: r["full_bytes"] / 1e9,
+        "backend": "backend", "full commit s": "full_commit_s", "delta commit s": "delta_commit_s",
+        "restore (baseline + delta) s": "restore_s", "full GB": lambda r: r["full_bytes"] / 1e9,
     })  # fmt: skip
     return Outcome({"backends": backends}, [table])
 
 
 CASE = Case(name="storage", title="Commit and restore on a file system and on S3",
-            arguments=_arguments, smoke="--tables 2 --rows 2000 --dim 16 --repeats 1", run=run)  # fmt: skip
+            arguments=_arguments, smoke="--tables 2 --rows 2000 --dim 16 --repeats 1",
+            run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

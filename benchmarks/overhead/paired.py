@@ -120,20 +120,17 @@ def _pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: int, k: in
     known = [s for s in saving if not math.isnan(s.get("cost_s", math.nan))]
     step_losses = [s["step_loss"] for s in known]
     return {
-        "loss": statistics.median(losses),
-        "loss_each": losses,
-        "resolution": _spread(losses),
+        "loss": statistics.median(losses), "loss_each": losses, "resolution": _spread(losses),
         "step_loss": statistics.median(step_losses) if step_losses else None,
         "step_loss_each": step_losses,
         "step_resolution": _spread(step_losses) if step_losses else None,
         "cost_each_s": [s["cost_s"] for s in known],
         "saves_asked": sum(s["asked"] for s in saving),
         "saves_made": sum(s["made"] for s in saving),
-        "stall_s": stall,
-        "stall_max_s": worst,
+        "stall_s": stall, "stall_max_s": worst,
         "kinds": [s.get("kind") for s in saving],
         "mb_each": [s["mb"] for s in saving if "mb" in s],
-    }
+    }  # fmt: skip
 
 
 def run(b: Bench) -> Outcome:

@@ -26,18 +26,13 @@ from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, IOOptions, list_checkpoints
 
 COST_ARMS: dict[str, tuple[str, bool, str]] = {
-    "eager_fp32": ("eager", True, "fp32"),
-    "lazy_fp32": ("lazy", True, "fp32"),
+    "eager_fp32": ("eager", True, "fp32"), "lazy_fp32": ("lazy", True, "fp32"),
     "lazy_torch_fp32": ("lazy", False, "fp32"),
-    "eager_4bit": ("eager", True, "4-bit"),
-    "lazy_4bit": ("lazy", True, "4-bit"),
-}
+    "eager_4bit": ("eager", True, "4-bit"), "lazy_4bit": ("lazy", True, "4-bit"),
+}  # fmt: skip
 """``--save-cost`` arm -> (staging, ``IOOptions.compiled_staging``, checkpoint format)."""
-STAGING_NAMES = {
-    ("eager", True): "eager",
-    ("lazy", True): "lazy (compiled copier)",
-    ("lazy", False): "lazy, torch copy under the lock",
-}
+STAGING_NAMES = {("eager", True): "eager", ("lazy", True): "lazy (compiled copier)",
+                 ("lazy", False): "lazy, torch copy under the lock"}  # fmt: skip
 
 
 def _save_cost_once(
