@@ -216,12 +216,10 @@ def _side_by_side(
     setups: dict[str, tuple[CheckpointConfig, bool]] = {
         **{name: (config, True) for name, config in chains.items()},
         **{f"full_{q.replace('-', '')}": (full_config(q), True) for q in measure.QUANTS},
-        f"{first}{BUDGETED}": (
-            dataclasses.replace(chains[first], staging_memory_mb=budget_mb),
-            True,
-        ),
+        f"{first}{BUDGETED}": (dataclasses.replace(chains[first], staging_memory_mb=budget_mb),
+                               True),
         f"{first}{PAGE_CACHE}": (chains[first], False),
-    }
+    }  # fmt: skip
     errors: dict[str, float] = {}
     peaks: dict[str, float] = {}
 

@@ -181,12 +181,10 @@ def run(b: Bench) -> Outcome:
                "planning per link (ms)": lambda r: 1e3 * r["plan_link_s"],
                "manifest.json (KB)": lambda r: r["manifest_b"] / 1e3}  # fmt: skip
     table = Table.of(
-        "A commit against the history before it (medians and means over each window)",
-        rows,
-        columns,
-        note=f"{a.tables} tables of {a.rows} x {a.dim}, 2 ranks, a save every step, each "
-        f"waited for, every checkpoint kept; {a.window} commits per probe",
-    )
+        "A commit against the history before it (medians and means over each window)", rows,
+        columns, note=f"{a.tables} tables of {a.rows} x {a.dim}, 2 ranks, a save every step, "
+        f"each waited for, every checkpoint kept; {a.window} commits per probe",
+    )  # fmt: skip
     return Outcome({"rows": rows, **by}, [table], _goals(a.probes, a.policies))
 
 

@@ -106,14 +106,13 @@ def _arm(
     assert len(infos) == len(saves) == n, (len(infos), len(saves), n)
     clean = _clean_step_s(took, ends, [(s, i.committed_at) for s, i in zip(saves, infos)])
     detail = {
-        "kind_each": [i.kind for i in infos],
-        "stall_s_each": [i.stall_s for i in infos],
+        "kind_each": [i.kind for i in infos], "stall_s_each": [i.stall_s for i in infos],
         "commit_s_each": [i.committed_at - s for s, i in zip(saves, infos)],
         "bytes_each": [i.bytes for i in infos],
         "saved_fraction_each": [i.saved_fraction for i in infos],
         # The arm's time against its steps at the pace of those away from any checkpoint.
         "lost_from_step_times": None if clean is None else 1 - n * k * clean / seconds,
-    }
+    }  # fmt: skip
     return n * k / seconds, detail
 
 
@@ -173,14 +172,13 @@ def _world(b: Bench) -> dict[str, Any]:
     trainer, step_s = warm_trainer(b)
     intervals = {interval_key(t): _interval(b, trainer, t, step_s) for t in a.intervals}
     return {
-        "world_size": b.world,
-        "command": b.command,
+        "world_size": b.world, "command": b.command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "probe_step_s": step_s,
         # The machine is shared: what else ran shows in the 1-minute load average.
         "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
         "intervals": intervals,
-    }
+    }  # fmt: skip
 
 
 def _merged(b: Bench, model: dict[str, Any]) -> dict[str, Any]:
