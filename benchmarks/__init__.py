@@ -1,13 +1,10 @@
 """Benchmarks and experiments of torchrec_cnr, on one harness (:mod:`benchmarks.harness`).
 
-Not shipped: the wheels hold ``torchrec_cnr`` and ``cnr_train`` only. A case runs as
-``torchrun --standalone --nproc_per_node=N -m benchmarks.<name> [options] --out FILE``
-(those of :data:`SINGLE_PROCESS` as ``python -m``); its docstring and ``--help`` say what it
-measures. The Makefile's ``bench`` target is the one list of runs: the command of every
-recorded result (``benchmarks/results/``). ``make bench`` runs them all at full size into
-``out/bench/``, then renders ``docs/benchmarks.md`` and ``docs/experiments.md``
-(:mod:`benchmarks.report`); the names below are read from it. Every case takes
-``--smoke``: tiny sizes, the same code path, seconds.
+Not shipped. A case runs as ``torchrun --standalone --nproc_per_node=N -m
+benchmarks.<name> [options] --out FILE`` (those of :data:`SINGLE_PROCESS` by ``python
+-m``); its ``--help`` says what it measures, and ``--smoke`` runs it at tiny sizes. The
+Makefile's ``bench`` target is the one list of runs, the command of every recorded result
+(``benchmarks/results/``); the names below are read from it.
 """
 
 from __future__ import annotations

@@ -3,20 +3,18 @@ sharded model (8 table-wise tables x 1M rows x dim 64, 2.05 GB of fp32, row-wise
 gloo ranks): torchrec_cnr's four policies, fp32 and 4-bit adaptive, against torchsnapshot
 and torch.distributed.checkpoint (DCP), in one run on one model.
 
-- Limits, same run: the disk's sequential bandwidth, a memcpy of each checkpoint's staged
-  bytes, the quantizer's rate per thread.
-- Peers (:mod:`benchmarks.peers`): torchsnapshot ``take`` and ``async_take`` (as shipped,
-  and patched to copy as its code intends; rows modified after it returns show a torn
-  snapshot), their missing fsync apart; DCP ``save`` and ``async_save``.
-- torchrec_cnr, per policy x format x {5%, 25%} of rows modified, on a fresh root: a
-  baseline, then ``--repeats`` saves after exactly that share was modified (medians), and
-  ``--restore-repeats`` cold restores, checksums verified, the 25% rows corrupted first and
-  compared after; the peak resident memory a manager, its saves and a restore add.
-- Side by side (``--rounds`` interleaved rounds, medians, settled disk): durable full
-  commits of torchsnapshot ``take`` + fsync and of torchrec_cnr fp32 (``O_DIRECT`` and
-  page cache), 2-, 3-, 4-, 8-bit; cold restores of the snapshot, intermittent chains at each
-  fraction, a consecutive chain of 4, the full fp32 and 4-bit commits, and the first chain
-  within 1/8 of the rows and through the page cache, each with its peak memory.
+- Limits: the disk's sequential bandwidth, a memcpy of the staged bytes, the quantizer's
+  rate per thread. Peers (:mod:`benchmarks.peers`): torchsnapshot ``take``, ``async_take``
+  (as shipped, and patched to copy; rows modified after it returns show a torn snapshot),
+  their missing fsync apart; DCP ``save`` and ``async_save``.
+- torchrec_cnr per policy x format x {5%, 25%} of rows modified, on a fresh root: a
+  baseline, then ``--repeats`` saves of that share (medians), ``--restore-repeats`` cold
+  restores (checksums verified, the 25% rows corrupted first), and the peak memory added.
+- Side by side (``--rounds`` interleaved rounds, medians): durable full commits of
+  torchsnapshot ``take`` + fsync and torchrec_cnr fp32 (``O_DIRECT``, page cache), 2-, 3-,
+  4-, 8-bit; cold restores of the snapshot, intermittent chains, a consecutive chain of 4,
+  the full fp32 and 4-bit commits, the first chain within 1/8 of the rows and through the
+  page cache, each with its peak memory.
 
 Targets: intermittent fp32 stall <= async_take (copying) stall / 10 at 5%, / 3 at 25%;
 every delta stall <= 2 x the memcpy of its staged bytes; a manager's first full stall <=

@@ -1,14 +1,9 @@
-"""DCP import and export of a ~1 GB model (8 x 500k x 64 fp32, 2 gloo ranks), against DCP's
-own save and load of it, in turns, caches dropped before each:
-
-- export: ``export_dcp`` of a committed full checkpoint (blocks of ``--budget-mb``) against
-  ``dcp.save`` of TorchRec's recipe (model, fused optimizer, dense optimizer);
-- import: ``restore(from_dcp=...)`` of that DCP checkpoint against ``dcp.load`` of it (one
-  call per top-level key, as TorchRec's table-wise optimizer state needs);
-- resharding: a restore into the same tables sharded row-wise, against ``dcp.load``.
-
-Time is the slowest rank's; memory the peak resident set above each call's start
-(:class:`benchmarks.measure.Peak`), the largest rank's. Targets: each <= its DCP peer.
+"""DCP import and export of a ~1 GB model (8 x 500k x 64 fp32, 2 gloo ranks) against DCP's
+own save and load, in turns, caches dropped before each: ``export_dcp`` of a full checkpoint
+(blocks of ``--budget-mb``) against ``dcp.save`` of TorchRec's recipe; ``restore(from_dcp=)``
+against ``dcp.load`` (a call per top-level key); a restore resharded row-wise against
+``dcp.load``. Time is the slowest rank's; memory the peak resident set above each call's
+start (:class:`benchmarks.measure.Peak`), the largest rank's. Targets: each <= its DCP peer.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""The harness every benchmark and experiment runs on.
-
-A case declares its arguments, its ``--smoke`` sizes and a ``run(bench)`` that returns an
-:class:`Outcome` (:class:`Case`); :func:`main` does the rest, the same for every case: the
-process group (torchrun's, or one process of its own), a scratch folder, the run, one JSON
-result (:mod:`benchmarks.results`) and the teardown, whatever happens. What the cases
-measure with (timing over ranks, the disk and memory limits, the rows they modify) is in
-:mod:`benchmarks.measure`.
+"""The harness every benchmark and experiment runs on: a case declares its arguments, its
+``--smoke`` sizes and a ``run(bench)`` that returns an :class:`Outcome` (:class:`Case`);
+:func:`main` does the rest alike for every case (the process group, a scratch folder, the
+run, one JSON result of :mod:`benchmarks.results`, the teardown). What the cases measure
+with is in :mod:`benchmarks.measure`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Export and compaction of a ~1 GB consecutive chain (8 x 500k x 64 fp32, 2 gloo ranks; a
 baseline and ``--deltas`` deltas of ``--fraction`` of the rows), against a full save and
-the disk:
-
-- in the job: ``compact()`` until ``wait()``, against a full save of the same model, and
-  the cold restore of that step before and after;
-- offline, in one process without a model: ``export_state_dict`` and its ``torch.save``,
-  ``read_table`` of one table and ``cnr compact`` of a second chain, against reading as
-  many bytes from the disk.
+the disk: in the job, ``compact()`` until ``wait()`` against a full save, and the cold
+restore of that step before and after; offline, in one process without a model,
+``export_state_dict`` and its ``torch.save``, ``read_table`` of one table and ``cnr
+compact`` of a second chain, against reading as many bytes from the disk.
 """
 
 from __future__ import annotations

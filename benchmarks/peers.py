@@ -1,9 +1,7 @@
-"""The peers a checkpoint of a sharded model is compared with, on the same model:
-torchsnapshot ``take`` and ``async_take``, torch.distributed.checkpoint ``save`` and
-``async_save``. Each returns one row of figures, the slowest rank's.
-
-Nothing is patched at import; the one patch (:func:`_copying_async_take`) is applied
-inside the peer that needs it, and undone when it returns.
+"""The peers a checkpoint is compared with, on the same model: torchsnapshot ``take`` and
+``async_take``, torch.distributed.checkpoint ``save`` and ``async_save``, each a row of
+figures, the slowest rank's. The one patch (:func:`_copying_async_take`) is applied inside
+the peer that needs it and undone when it returns.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Bytes written and bytes stored at each interval, per policy (Check-N-Run Figs. 15, 16).
 
 Each policy trains the same model (8 table-wise tables x 100k rows x dim 64) on the same
-Zipf batches and checkpoints at every interval with ``keep_last=1``, so the root holds
-only what restoring the latest checkpoint needs: "stored" is measured on disk after each
-commit. "Written" is the bytes of the checkpoint just committed. Both are relative to one
-full checkpoint of the model. With ``--figure`` it also plots them (``fig15_16.png``) and
-writes ``results.csv`` beside the JSON result (the experiment of docs/experiments.md).
+Zipf batches and checkpoints every interval with ``keep_last=1``: "stored" is measured on
+disk after each commit, "written" is the checkpoint's bytes, both relative to one full
+checkpoint. ``--figure`` also plots them (``fig15_16.png``) and writes ``results.csv``.
 """
 
 from __future__ import annotations

@@ -3,17 +3,16 @@ against PyTorch's and FBGEMM's quantizers, in one process.
 
 Every method (symmetric, asymmetric, kmeans, adaptive at 2/3/4/8 bits, fp16, bf16) on
 ``--rows`` Gaussian rows of ``--dim``: mean per-row relative error ``||x - x_hat|| / ||x||``,
-compression against fp32 (per-row fp16 scale and bias included) and MB/s of fp32 input
-(:func:`benchmarks.measure.best_seconds`). Peers: PyTorch's greedy
-``embedding_bag_{4,2}bit_prepack(optimized_qparams=True)`` on ``--peer-rows`` rows (it is
-slow), FBGEMM's ``FloatToFusedNBitRowwiseQuantizedSBHalf`` (2, 4 bits) and
-``FloatToFused8BitRowwiseQuantized``. Targets: adaptive 4-bit error <= greedy's on the same
-rows and MB/s >= 50x its; FBGEMM 4-bit MB/s <= 1.5 x asymmetric 4-bit's.
+compression against fp32 (scale and bias included), MB/s of fp32 input. Peers: PyTorch's
+greedy ``embedding_bag_{4,2}bit_prepack(optimized_qparams=True)`` on ``--peer-rows`` rows,
+FBGEMM's ``FloatToFusedNBitRowwiseQuantizedSBHalf`` (2, 4 bits) and 8-bit. Targets:
+adaptive 4-bit error <= greedy's on the same rows and MB/s >= 50x its; FBGEMM 4-bit MB/s <=
+1.5 x asymmetric 4-bit's.
 
-``--vs-greedy``: adaptive 4-bit against the greedy in six cells, dims ``--vs-greedy-dims``
-x {Gaussian, Student-t with 3 degrees of freedom}, each ``--rows`` x ``--dim`` fp32 bytes,
-both errors on the greedy's first ``--peer-rows`` x ``--dim`` bytes. Targets per cell:
->= 50x its MB/s, error <= its. One thread (``--threads``), as the checkpoint writer runs.
+``--vs-greedy``: adaptive 4-bit against the greedy in six cells, dims ``--vs-greedy-dims`` x
+{Gaussian, Student-t 3}, ``--rows`` x ``--dim`` fp32 bytes each, errors on the greedy's
+first ``--peer-rows`` x ``--dim``. Targets per cell: >= 50x its MB/s, error <= its. One
+thread (``--threads``), as the checkpoint writer runs.
 """
 
 from __future__ import annotations

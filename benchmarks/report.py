@@ -1,24 +1,19 @@
-"""Renders benchmark results (JSON, :mod:`benchmarks.results`) into markdown: one section
-per result, with its command, environment, tables and each target's measured value,
-reference and verdict.
+"""Renders benchmark results (JSON, :mod:`benchmarks.results`) into markdown: per result,
+its command, environment, tables and each target's measured value, bound and verdict.
 
     .venv/bin/python -m benchmarks.report                          # benchmarks/results/ only
     .venv/bin/python -m benchmarks.report benchmarks/results out/bench
 
-Each folder is searched for ``*.json``; a result's id is its file name without ``.json``, a
-later folder's replacing an earlier one's. The prose lives in ``benchmarks/templates/*.md``:
-each line ``<!-- result: ID -->`` there is replaced by the section of result ``ID``, and the
-page written under ``--docs`` with the template's name. ``--smoke`` results are left out
-unless ``--allow-smoke``.
-
-Figures in prose are never typed: ``{{ID:dotted.path}}`` stands for a value of result
-``ID`` (a key with a dot in brackets: ``verdicts.by_frac[0.25%].ratio``), and
-``{{EXPR|SPEC}}`` for arithmetic on such values (``+ - * /`` between spaces, numbers,
-parentheses, ``min`` and ``max`` of values or lists) with a Python format spec, e.g.
-``{{stall:measurements.cases.lazy_5.stall_s * 1e3|.1f}}``; a list of two renders as a
-range. A placeholder that names no value fails the rendering. ``README.md``'s lines between
-``<!-- figures: begin -->`` and ``<!-- figures: end -->`` are rendered from
-``templates/readme/figures.md`` the same way.
+A result's id is its file name without ``.json``, a later folder's replacing an earlier
+one's. In ``benchmarks/templates/*.md`` each line ``<!-- result: ID -->`` becomes the
+section of result ``ID``, the page written under ``--docs``; ``--smoke`` results are left
+out unless ``--allow-smoke``. Figures in prose are never typed: ``{{ID:dotted.path}}`` is a
+value of result ``ID`` (a key with a dot in brackets: ``by_frac[0.25%].ratio``), and
+``{{EXPR|SPEC}}`` arithmetic on such values (``+ - * /`` between spaces, numbers,
+parentheses, ``min`` and ``max``) with a format spec, e.g.
+``{{stall:measurements.cases.lazy_5.stall_s * 1e3|.1f}}``; a list of two is a range. A
+placeholder that names no value fails. ``README.md``'s lines between ``<!-- figures: begin
+-->`` and ``<!-- figures: end -->`` are rendered from ``templates/readme/figures.md``.
 """
 
 from __future__ import annotations

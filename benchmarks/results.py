@@ -1,14 +1,11 @@
 """The one result format of every benchmark and experiment, and how targets are judged.
 
-A run writes one JSON file: ``format_version`` (1), ``case`` (the module under
-``benchmarks``), ``kind`` (benchmark or experiment), ``title``, ``date``, ``command`` (the
-exact command line), ``note``, ``smoke``, ``environment`` (host, cores, memory, versions,
-environment variables), ``config`` (every argument), ``wall_s``, ``measurements`` (nested
-dicts of numbers), ``tables`` (:class:`Table`) and ``targets`` (:meth:`Goal.evaluate`).
-
-A target is data: ``measured op factor * reference``, where ``measured`` is a dotted key
-into ``measurements`` and ``reference`` a key or a number. Its verdict is computed by
-:meth:`Goal.evaluate` and nowhere else; printing code only shows it.
+A run writes one JSON file: ``format_version`` (1), ``case``, ``kind``, ``title``, ``date``,
+``command``, ``note``, ``smoke``, ``environment`` (host, cores, memory, versions,
+variables), ``config`` (every argument), ``wall_s``, ``measurements`` (nested dicts of
+numbers), ``tables`` (:class:`Table`) and ``targets``. A target is data, ``measured op
+factor * reference`` (dotted keys into ``measurements``, or a number); its verdict is
+computed by :meth:`Goal.evaluate` and nowhere else.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """The scaling curve: stall, commit, restore and peak host memory per rank against the
 embedding bytes each rank holds, for full saves and 5%/25% deltas, fp32 and 4-bit.
 
-For each of ``--gb-per-rank`` GB per rank (tables of ``--rows`` x 64, 2 gloo ranks), one
-intermittent manager per format takes a baseline, then a 5% and a 25% delta (the 5% inside
-the 25%), each restored cold after its commit. The slowest rank's stall, commit, restore
-and peak resident memory above the model (the staging pool counts); the disk and a memcpy
-measured beside, and each figure extrapolated linearly to ``--extrapolate`` GB per rank,
-naming the bound. Writes ``scaling.csv`` and ``scaling.png`` beside the JSON result.
+For each of ``--gb-per-rank`` (tables of ``--rows`` x 64, 2 gloo ranks), one intermittent
+manager per format takes a baseline, a 5% and a 25% delta, each restored cold after its
+commit: the slowest rank's figures and peak memory above the model, the disk and a memcpy
+beside, each extrapolated to ``--extrapolate`` GB per rank. Writes ``scaling.csv`` and
+``scaling.png`` beside the JSON result.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """Train to serve: the app's training job and its serving process, side by side at 1 GB.
 
-Each run is the app (``configs/serving.yaml``): ``scripts/serve.py`` starts, then
-``torchrun scripts/train.py`` trains the DLRM of 4 table-wise tables x 1M rows x dim 64 (1
-GB of fp32) on 2 ranks, committing every ``--interval-steps`` steps, while the serving
-process follows the root with a ``torchrec_cnr.Follower`` and answers requests throughout.
-With ``serve.step_rows`` the job writes each step into the last row of every table and
-every request checks that its rows hold the step ``follower.step`` names: any other is a
-torn snapshot. One run per policy, checkpoint format and served model (fp32 as fp32;
-adaptive 4-bit as TorchRec's INT4), follower mode, on the file system or S3 (moto, loopback).
-
-Per update (the follower's reports): rows and bytes read against the rows changed since the
-served step (``rows_changed`` x the stored row and its int32 id), seconds to served, time
-serving was blocked against a memcpy of the changed bytes, lag from commit to served, and
-the freshness of a trained row (:func:`cnr_train.serve.freshness`). ``--followers 1 4``:
-the same job followed by 4 serving processes too (all at nice 10), each one's requests,
-bytes and CPU seconds per commit checked against a lone follower's.
+Each run is the app (``configs/serving.yaml``): ``scripts/serve.py`` follows the root with a
+``torchrec_cnr.Follower`` and answers requests while ``torchrun scripts/train.py`` trains 4
+table-wise tables x 1M rows x dim 64 (1 GB of fp32) on 2 ranks, committing every
+``--interval-steps``. The job writes each step into the last row of every table, and every
+request checks its rows hold the step ``follower.step`` names (else: torn). One run per
+policy, format and served model (fp32; adaptive 4-bit as INT4), follower mode, on the file
+system or S3 (moto). Per update: rows and bytes read against those changed since the served
+step (with int32 ids), seconds to served, time serving was blocked against a memcpy of the
+changed bytes, lag from commit to served, a row's freshness. ``--followers 1 4``: 4 serving
+processes too (at nice 10), each one's requests, bytes and CPU per commit against a lone one's.
 """
 
 from __future__ import annotations

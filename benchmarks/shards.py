@@ -1,17 +1,14 @@
-"""A checkpoint's metadata against its number of shards, by simulation: the commit, a
-restore's planning and a follower's planning for ``--ranks`` x ``--tables`` row-wise
-tables, without training or tensors.
+"""A checkpoint's metadata against its number of shards, by simulation (no training, no
+tensors): the commit, a restore's planning and a follower's planning for ``--ranks`` x
+``--tables`` row-wise tables of ``--rows`` x ``--dim``, split over every rank.
 
-Every shard record and index entry is a real save's (the row-wise delta shard of
-``tests/data/format_v6``), renamed per table, rank and rows (each table ``--rows`` x
-``--dim``, split over every rank). Each configuration, in a process of its own, commits a
-baseline and a delta (``--fraction`` of each shard's rows) into a fresh local root, each
-rank's records and index share made beforehand. Seconds, bytes and the peak of Python's
-memory (``tracemalloc``, in a second, untimed call) of: the commit of the delta on rank 0
-(``commit.write_and_commit``, the simulated ranks' reports arriving pickled), per shard of
-the checkpoint; one rank's restore planning (``restore.apply``'s plan, saved ids made up),
-per shard of that rank; a follower's update plan from the baseline to the delta
-(``serving.plan.plan_update``), per shard of the checkpoint.
+Every shard record and index entry is a real save's (``tests/data/format_v6``), renamed per
+table, rank and rows. Each configuration, in a process of its own, commits a baseline and a
+delta (``--fraction`` of each shard's rows) into a fresh root. Seconds, bytes and the peak
+of Python's memory (``tracemalloc``, a second call) of: rank 0's commit of the delta
+(``commit.write_and_commit``, the others' reports pickled), per shard; one rank's restore
+planning (``restore.apply``), per shard of that rank; a follower's update plan
+(``serving.plan.plan_update``), per shard.
 
 Targets: each figure per shard at the largest configuration <= 1.5x the smallest's.
 """

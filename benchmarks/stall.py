@@ -1,13 +1,11 @@
 """The stall of one save, eager against lazy (copy-on-write) staging, as the delta grows.
 
-The model is 8 table-wise tables x 1M rows x dim 64 (1.02 GB of fp32 weights per rank, 2
-gloo ranks). Per staging mode and share of rows modified, on a fresh root: a baseline, then
-``--repeats`` saves, each after exactly that share of rows was modified, timed inside
-``save()`` and until ``wait()``; also a memcpy of the staged bytes and the dense state's copy.
-
-Targets: lazy ``save()`` <= 2 ms + the dense copy (at any size: ``--rows 500000``,
-``2000000``, ``4000000`` for 1, 4 and 8 GB), <= 5 ms + the dense copy, <= eager's / 10 and
-<= a memcpy of the delta, at every share.
+8 table-wise tables x 1M rows x dim 64 (1.02 GB of fp32 per rank, 2 gloo ranks). Per
+staging and share of rows modified, on a fresh root: a baseline, then ``--repeats`` saves of
+that share, timed inside ``save()`` and to ``wait()``; a memcpy of the staged bytes, the
+dense state's copy. Targets: lazy ``save()`` <= 2 ms + the dense copy (at any size:
+``--rows 500000``, ``2000000``, ``4000000`` for 1, 4, 8 GB), <= 5 ms + the dense copy, <=
+eager's / 10 and <= a memcpy of the delta, at every share.
 """
 
 from __future__ import annotations

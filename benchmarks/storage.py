@@ -1,13 +1,9 @@
-"""Commit and restore times of the same checkpoints on a local file system and on S3.
-
-The S3 store is a moto server started on loopback (an S3-compatible server in a local
-process that keeps objects in memory, as the tests use), unless ``AWS_ENDPOINT_URL``
-already names one: its figures show the protocol's cost, not a network's. The model is
-``--tables`` table-wise tables of ``--rows`` x ``--dim`` on 2 gloo ranks. On each backend: a
-full fp32 baseline, then a delta with ``--fraction`` of the rows modified (intermittent
-policy), each timed from ``save()`` until ``wait()`` returns; then a restore of that chain
-into the live model with every checksum verified. Each figure is the slowest rank's, the
-median of ``--repeats``, each repeat on a fresh root.
+"""Commit and restore times of the same checkpoints on a local file system and on S3 (a
+moto server on loopback, keeping objects in memory, unless ``AWS_ENDPOINT_URL`` names one:
+the protocol's cost, not a network's). ``--tables`` table-wise tables of ``--rows`` x
+``--dim`` on 2 gloo ranks; on each backend a full fp32 baseline, then a delta of
+``--fraction`` of the rows (intermittent), each timed from ``save()`` to ``wait()``, then a
+restore of the chain, checksums verified. The slowest rank's, median of ``--repeats``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Iteration time and memory of row tracking: none, torchrec_cnr's bitmaps (plain, with
-CPR's MFU counters, with SSU sampling) and TorchRec's ModelDeltaTracker (ID_ONLY), on one
-model in one run.
+CPR's MFU counters, with SSU sampling) and TorchRec's ModelDeltaTracker (ID_ONLY).
 
 One model (8 table-wise tables x 500k rows x dim 64, batch 2048 per rank, pooling 4)
-carries both trackers, and each round switches them on in turn, in a rotating order, for
-``--iters`` iterations: every variant runs the same kernels and memory layout on the same
-batches, so machine noise hits all alike. A variant's figure is its median over
-``--rounds`` rounds, after one warm-up round. Targets: our bitmap's overhead <= 1% and <=
+carries both trackers; each round switches each variant on in turn, rotating, for
+``--iters`` iterations, on the same kernels and batches. A variant's figure is its median
+over ``--rounds`` rounds, after a warm-up round. Targets: our bitmap's overhead <= 1% and <=
 ModelDeltaTracker's.
 """
 

@@ -1,15 +1,12 @@
 """End-to-end overhead: the training throughput that checkpointing costs, asked four ways
-of one training job.
-
-The job is the DLRM of :mod:`cnr_train.workload`: ``--tables`` table-wise tables of
-``--rows`` x ``--dim`` (by default 8 x 200,000 x 64: 410 MB of fp32, row-wise Adagrad),
-batch ``--batch`` per rank, Zipf ids drawn on the training thread (``ZipfBatches.batch``);
-checkpoints fp32 or 4-bit adaptive (:data:`benchmarks.measure.QUANTS`). The tracker runs in
-every arm: what is measured is checkpointing (tracking's cost is :mod:`benchmarks.tracking`'s).
+of one training job: the DLRM of :mod:`cnr_train.workload`, ``--tables`` table-wise tables
+of ``--rows`` x ``--dim`` (8 x 200,000 x 64: 410 MB of fp32, row-wise Adagrad), batch
+``--batch`` per rank, Zipf ids drawn on the training thread; checkpoints fp32 or 4-bit
+(:data:`benchmarks.measure.QUANTS`). The tracker runs in every arm (its cost is
+:mod:`benchmarks.tracking`'s).
 
 - By default: the throughput lost to a checkpoint every K steps at each of ``--intervals``
-  seconds, arms with and without checkpoints in turns, eager and lazy staging
-  (:mod:`benchmarks.overhead.arms`).
+  seconds, eager and lazy staging (:mod:`benchmarks.overhead.arms`).
 - ``--save-cost``: the training time one full checkpoint costs, measured alone many times
   (:mod:`benchmarks.overhead.save_cost`).
 - ``--paired``: the loss at each interval from adjacent stretches with and without a
@@ -18,8 +15,7 @@ every arm: what is measured is checkpointing (tracking's cost is :mod:`benchmark
 - ``--gil``: which threads hold the GIL while commits run back to back
   (:mod:`benchmarks.overhead.gil`).
 
-Each runs under torchrun, on 1 rank (a core free for the background writer, as on a GPU
-host) or on 2 (no core to spare).
+Under torchrun on 1 rank (a core free for the writer, as on a GPU host) or 2 (none free).
 """
 
 from __future__ import annotations

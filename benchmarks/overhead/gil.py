@@ -1,8 +1,7 @@
-"""``--gil`` of :mod:`benchmarks.overhead`: which threads hold the GIL while the model
-trains and commits continuously (a save every step, ``on_busy="skip"``; intermittent,
-fp32 and 4-bit). ``py-spy record --gil --threads`` samples each rank's process for
-``--gil-s`` seconds per format: each thread group's share of the samples (training,
-``cnr-writer``, ``cnr-io``, others), the commits made and the steps trained.
+"""``--gil`` of :mod:`benchmarks.overhead`: which threads hold the GIL while the model trains
+and commits continuously (a save every step, ``on_busy="skip"``, fp32 and 4-bit): ``py-spy
+record --gil --threads`` on each rank for ``--gil-s`` seconds per format gives each thread
+group's share of the samples (training, ``cnr-writer``, ``cnr-io``, others).
 
 Target (fp32 and 4-bit): the writer's threads hold the GIL in <= 10% of the samples.
 """

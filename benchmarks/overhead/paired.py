@@ -1,14 +1,11 @@
 """``--paired`` of :mod:`benchmarks.overhead`: throughput lost against the interval, with
 an estimate that resolves 1% (lazy staging, intermittent policy, fp32 and 4-bit).
 
-Arms minutes apart move with the machine's other tenants by more than 1%. Here each
-measurement is a pair of adjacent stretches of K steps, one with a checkpoint in its middle
-(its commit waited for at the end) and one without, in alternating order: loss = 1 - (time
-without) / (time with), median over pairs (``--pair-s`` seconds of pairs per interval and
-format, at least 3), with its 95% interval (1.58 IQR / sqrt(n)). The baseline is saved
-before the first pair; a stretch without a checkpoint puts its rows into the next delta.
-Also saves asked for faster than they commit (every 2 steps, fp32), ``on_busy`` "wait" and
-"skip": saves made, the loss and the stall.
+Each measurement is a pair of adjacent stretches of K steps, one with a checkpoint in its
+middle (its commit waited for) and one without, in alternating order: loss = 1 - (time
+without) / (time with), median over pairs (``--pair-s`` seconds per interval and format, 3
+at least) with its 95% interval (1.58 IQR / sqrt(n)). Also saves asked for every 2 steps
+(fp32), ``on_busy`` "wait" and "skip": saves made, the loss and the stall.
 
 Targets: fp32 at the interval nearest 10 s loses <= 1%, resolved to ± 0.5%.
 """

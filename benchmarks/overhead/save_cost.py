@@ -1,12 +1,9 @@
 """``--save-cost`` of :mod:`benchmarks.overhead`: the training time one full checkpoint
-costs, measured alone many times (the arms move with the machine's other tenants by more
-than a checkpoint costs).
-
-Train ``--before`` steps, save, train ``--after`` steps (past the commit): the cost is the
-stall plus what the steps from the save to the commit took beyond the mean of the others.
-The arms take turns, ``--saves`` times each, on a fresh root: eager and lazy staging (the
-compiled copier, ``staging/_cow.c``), fp32 and 4-bit, and lazy fp32 with
-``IOOptions(compiled_staging=False)`` (torch's copy under each kernel's lock, as on CUDA).
+costs, measured alone many times. Train ``--before`` steps, save, train ``--after`` steps:
+the cost is the stall plus what the steps from the save to the commit took beyond the mean
+of the others. Arms in turns, ``--saves`` times each, on a fresh root: eager and lazy
+staging (the compiled copier), fp32 and 4-bit, and lazy fp32 with
+``IOOptions(compiled_staging=False)`` (torch's copy under each kernel's lock).
 
 Targets: a lazy checkpoint's median cost <= an eager one's (fp32, 4-bit), and lazy fp32's
 <= torch's locked copy's.
