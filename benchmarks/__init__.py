@@ -17,8 +17,7 @@ MAKEFILE = Path(__file__).resolve().parents[1] / "Makefile"
 
 
 def bench_runs() -> list[list[str]]:
-    """The commands of the Makefile's ``bench`` target, in order, its variables expanded
-    (``$(BENCH)`` is ``out/bench``)."""
+    """The commands of the Makefile's ``bench`` target, in order, variables expanded."""
     text = MAKEFILE.read_text()
     variables = dict(re.findall(r"^(\w+) *[:?]?= *(.*)$", text, re.MULTILINE))
 
@@ -33,8 +32,7 @@ def bench_runs() -> list[list[str]]:
 
 
 def _modules() -> dict[str, bool]:
-    """Each module the bench target runs (``benchmarks.`` left out) -> whether it runs in
-    one process by ``python -m`` (not torchrun)."""
+    """Each module the bench target runs (less ``benchmarks.``) -> whether by ``python -m``."""
     found: dict[str, bool] = {}
     for argv in bench_runs():
         at = argv.index("-m")

@@ -45,8 +45,7 @@ def _recipe(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any
 
 
 def _dcp_load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
-    """Stock ``dcp.load`` of the recipe, a call per top-level key (as TorchRec's table-wise
-    optimizer state needs)."""
+    """Stock ``dcp.load`` of the recipe, a call per top-level key (as TorchRec's needs)."""
     sd = _recipe(model, opt)
     for key in ("model", "optim"):
         dcp.load({key: sd[key]}, checkpoint_id=str(path))

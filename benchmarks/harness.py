@@ -98,8 +98,7 @@ class Bench:
                            for k, v in row.items()))  # fmt: skip
 
     def settle(self) -> None:
-        """Flushes every dirty page and pending discard, and drops the page cache where
-        allowed (as root, and not in ``--smoke`` runs, which share the machine)."""
+        """Syncs, and drops the page cache where allowed (as root, not in ``--smoke`` runs)."""
         if dist.get_rank() == 0:
             os.sync()
             if self.args.drop_caches:

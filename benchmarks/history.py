@@ -141,8 +141,7 @@ def _summary(policy: str, step: int, window: list[dict[str, float]], root: Any) 
 
 
 def _planning(policy: str) -> tuple[str, str]:
-    """A restore's planning reads every link of its chain: flat for a chain of bounded
-    length, per link for a consecutive chain, which grows until compacted."""
+    """A restore's planning, per link for a consecutive chain (it grows until compacted)."""
     if policy == "consecutive":
         return "plan_link_s", "a restore's planning per chain link"
     return "plan_s", "a restore's planning"

@@ -75,8 +75,7 @@ def timed(fn: Callable[[], T]) -> tuple[float, T]:
 
 
 def timed_save(ckpt: CheckpointManager, step: int) -> tuple[float, float]:
-    """``(stall, commit)`` of one checkpoint, the slowest rank's: the time inside ``save()``
-    (training is blocked), and from its start until ``wait()`` returns (committed)."""
+    """``(stall, commit)`` of one checkpoint, slowest rank's: in ``save()``, to ``wait()``."""
     dist.barrier()
     t0 = time.perf_counter()
     ckpt.save(step)
@@ -177,8 +176,7 @@ _MEMCPY: dict[tuple[int, ...], float] = {}
 
 
 def memcpy_s(nbytes: int) -> float:
-    """Slowest rank's time to copy its ``nbytes`` between warm host buffers, every rank at
-    once as staging copies do (median of 3; cached per size)."""
+    """Slowest rank's time to copy its ``nbytes`` between warm buffers (median of 3)."""
     key = tuple(gathered(nbytes))
     if key not in _MEMCPY:
         src = torch.ones(max(nbytes, 1), dtype=torch.uint8)
@@ -242,8 +240,7 @@ class Workload(NamedTuple):
 
 
 def uniform_model(args: argparse.Namespace, tracking_mode: TrackingMode = "bitmap") -> Workload:
-    """The DLRM of ``--tables`` table-wise tables of ``--rows`` x ``--dim`` with fused
-    row-wise Adagrad, sharded over the ranks, and its dense optimizer."""
+    """The DLRM of ``--tables`` x ``--rows`` x ``--dim``, sharded, and its dense optimizer."""
     tables = [TableSpec(f"t{i}", args.rows, args.dim, "table_wise") for i in range(args.tables)]
     model = build_model(tables, seed=0, tracking_mode=tracking_mode)
     return Workload(model, dense_optimizer(model), tables)
@@ -272,8 +269,7 @@ class StepLoop:
 
     @classmethod
     def warm(cls, args: argparse.Namespace, batch: int, steps: int, seed: int = 0) -> StepLoop:
-        """The loop of :func:`uniform_model`'s model on Zipf batches of ``batch`` per rank,
-        trained ``steps`` steps."""
+        """:func:`uniform_model`'s on Zipf batches of ``batch`` per rank, ``steps`` trained."""
         work = uniform_model(args)
         loop = cls(work, ZipfBatches(work.tables, batch, seed=seed), dist.get_rank())
         loop.train(steps)
@@ -368,8 +364,7 @@ def moto_server() -> Iterator[str]:
 
 @contextlib.contextmanager
 def s3_server() -> Iterator[str]:
-    """An S3 endpoint for every rank: ``AWS_ENDPOINT_URL`` if set, else a
-    :func:`moto_server` that rank 0 starts."""
+    """An S3 endpoint for every rank: ``AWS_ENDPOINT_URL``, else rank 0's :func:`moto_server`."""
     with contextlib.ExitStack() as stack:
         url = os.environ.get("AWS_ENDPOINT_URL")
         started = url is None and dist.get_rank() == 0

@@ -29,8 +29,7 @@ Rows = list[torch.Tensor]
 
 
 def torchsnapshot_take_durable(model: torch.nn.Module, path: Path) -> float:
-    """torchsnapshot ``take`` plus the fsync of its tree that it leaves out: its durable
-    commit, comparable with torchrec_cnr's and DCP's, which fsync."""
+    """torchsnapshot ``take`` and the fsync it leaves out: a durable commit, as ours and DCP's."""
 
     def take() -> None:
         _snapshot(model, path)
@@ -137,8 +136,7 @@ def _dcp_save(model: torch.nn.Module, path: Path, shards: list[LocalShard], rows
 
 
 def _dcp_async_save(model: torch.nn.Module, path: Path) -> Row:
-    """DCP ``async_save`` on a process group of its own, so that a failure cannot tangle
-    the default one; every rank's error is gathered so that all ranks agree."""
+    """DCP ``async_save`` on a group of its own, every rank's error gathered (all agree)."""
     group = dist.new_group(backend="gloo")
     error = None
     dist.barrier()

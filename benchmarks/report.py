@@ -155,8 +155,7 @@ _CALLS: dict[str, Any] = {"min": min, "max": max}
 
 
 def _evaluate(node: ast.AST, refs: list[Any]) -> Any:
-    """Arithmetic only: numbers, the references ``_0``, ``_1``, ..., ``+ - * /``,
-    ``min(...)`` and ``max(...)``."""
+    """Arithmetic only: numbers, references ``_0``, ``_1``, ..., ``+ - * /``, ``min``, ``max``."""
     if isinstance(node, ast.Expression):
         return _evaluate(node.body, refs)
     if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
@@ -221,8 +220,7 @@ GLUE = re.compile(r"(?<=\d) (?=(?:ms|s|GB|MB|GiB|B|x|steps|bits|ranks?)\b)")
 
 
 def _reflow(text: str) -> str:
-    """Rewraps the prose paragraphs and list items of ``text``; tables, code, headings,
-    quotes, images and markers are left as they are."""
+    """Rewraps the prose paragraphs and list items of ``text`` (not tables, code, headings...)."""
     out: list[str] = []
     for block in text.split("\n\n"):
         lines = block.strip("\n").split("\n")

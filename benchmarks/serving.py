@@ -151,8 +151,7 @@ def _one_run(
 
 
 def _wait_following(out: Path, servers: list[subprocess.Popen[bytes]]) -> None:
-    """Until every serving process follows the root: one that starts after the job ends
-    (slow at nice 10) would wait for a done marker of its own run forever."""
+    """Until every serving process follows the root (one starting after the job would hang)."""
     deadline = time.time() + 300
     for i, server in enumerate(servers):
         log = out / f"serve{i or ''}.log"

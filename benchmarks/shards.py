@@ -142,8 +142,7 @@ class _Writer:
 
 
 class _MadeUp(ChainReader):
-    """A chain reader that makes up the ids tensors instead of reading them: the
-    simulation has metadata and no tensors."""
+    """A chain reader that makes up the ids tensors (the simulation has no tensors)."""
 
     def saved_ids(self, n: int, rec: ShardRecord) -> torch.Tensor:
         ss = rec.spec

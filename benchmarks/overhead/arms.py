@@ -67,8 +67,7 @@ def _clean_step_s(
 def _arm(
     b: Bench, trainer: StepLoop, k: int, n: int, staging: Staging | None, quant: str | None
 ) -> tuple[float, dict[str, Any]]:
-    """One arm: ``n * k`` timed steps, with a checkpoint every ``k`` if ``quant`` is set.
-    Its steps/s and what its checkpoints were."""
+    """One arm of ``n * k`` steps, a checkpoint every ``k`` if ``quant``: steps/s, checkpoints."""
     trainer.align(k)
     if staging is None or quant is None:
         seconds, took = timed(lambda: trainer.train(n * k))

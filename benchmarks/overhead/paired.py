@@ -131,8 +131,7 @@ def _pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: int, k: in
 
 
 def run(b: Bench) -> Outcome:
-    """Throughput lost at each interval, lazy staging (the default), fp32 and
-    4-bit, and with saves asked for faster than they commit (``on_busy`` wait, skip)."""
+    """The loss at each interval, fp32 and 4-bit, and with saves asked for too fast."""
     a = b.args
     trainer, step_s = warm_trainer(b)
 
