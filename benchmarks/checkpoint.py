@@ -77,9 +77,8 @@ def _peak(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 
 def encode_rates(shards: list[LocalShard]) -> dict[str, float]:
-    """GB of fp32 rows one thread quantizes per second, per format: the first 32 MB of this
-    rank's first shard, encoded as a commit encodes a piece, best of 3, every rank at once;
-    the slowest rank's rate."""
+    """GB/s of fp32 rows one thread quantizes, per format: 32 MB of this rank's first shard
+    encoded as a commit encodes a piece, best of 3, all ranks at once; the slowest rank's."""
     w = shards[0].weight.detach()
     rows = w[: ENCODE_BYTES // (4 * w.shape[1])].contiguous()
     rates = {}

@@ -128,10 +128,8 @@ class Bench:
 
 
 def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
-    """Parses the arguments, runs ``case`` on every rank and writes its result on rank 0: on
-    torchrun's process group, a group of one process (``python -m``), or the group that
-    exists already (the tests' ranks). A group it made is destroyed, and the scratch
-    folder deleted, however the run ends."""
+    """Runs ``case`` on torchrun's process group, one of its own (``python -m``) or one that
+    exists (the tests' ranks), and writes its result on rank 0; it cleans up however it ends."""
     stem = case.name.rsplit(".", 1)[-1]
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{case.name}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip

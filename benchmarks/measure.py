@@ -329,12 +329,11 @@ def timed_restore(
 
 @contextlib.contextmanager
 def moto_server() -> Iterator[str]:
-    """A moto S3 server (objects in memory, any credentials) in a process of its own on a
-    free loopback port, once it answers: its URL. The tests' S3 fixtures start theirs here.
+    """The URL of a moto S3 server (objects in memory, any credentials) in a process of its
+    own on a free loopback port, once it answers; the tests' S3 fixtures start theirs here.
 
     Raises:
-        RuntimeError: it exited, or did not answer within 30 s.
-    """
+        RuntimeError: it exited, or did not answer within 30 s."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -133,8 +133,7 @@ def value(results: dict[str, dict[str, Any]], rid: str, path: str) -> Any:
     """The value at dotted ``path`` of result ``rid`` (list items by index).
 
     Raises:
-        ValueError: no such result or value.
-    """
+        ValueError: no such result or value."""
     node: Any = results.get(rid)
     if node is None:
         raise ValueError(f"no result {rid!r}: run its command, or pass its folder")
@@ -196,12 +195,11 @@ def _figure(results: dict[str, dict[str, Any]], m: re.Match[str]) -> str:
 
 
 def render(template: str, results: dict[str, dict[str, Any]]) -> str:
-    """``template`` with each result marker replaced by that result's section, and each
-    value placeholder by its value.
+    """``template`` with each result marker replaced by its section, each placeholder by
+    its value.
 
     Raises:
-        ValueError: a marker or placeholder names no result or value.
-    """
+        ValueError: a marker or placeholder names no result or value."""
     missing = [m for m in MARKER.findall(template) if m not in results]
     if missing:
         raise ValueError(f"no result for {missing}: run its command, or pass its folder")

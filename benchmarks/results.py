@@ -114,8 +114,7 @@ def load(path: Path) -> dict[str, Any]:
     """A result file, checked for its format version.
 
     Raises:
-        ValueError: the file is not a result of this format.
-    """
+        ValueError: the file is not a result of this format."""
     raw = json.loads(path.read_text())
     if raw.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: format_version {raw.get('format_version')!r}, not 1")

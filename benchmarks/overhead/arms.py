@@ -180,9 +180,7 @@ def _merged(b: Bench, model: dict[str, Any]) -> dict[str, Any]:
     """The other world sizes' measurements from ``--merge``'s result.
 
     Raises:
-        ValueError: it is not this case's result, or has another model, smoke setting or
-            this run's world size.
-    """
+        ValueError: not this case's result, of this model, smoke setting and another world."""
     path = b.args.merge
     if path is None:
         return {}
@@ -260,9 +258,8 @@ def tables(m: dict[str, Any]) -> list[Table]:
 
 
 def targets(m: dict[str, Any], headline_s: float) -> list[Goal]:
-    """Per measured world size and quantization: throughput lost <= 1% at the measured
-    interval nearest ``headline_s`` (from the arms, and from step times); lazy's <= eager's
-    at every interval; stall <= 0.4% of the interval at the longest measured interval."""
+    """Per world size and format: lost <= 1% at the interval nearest ``headline_s`` (by both
+    estimates); lazy's <= eager's at every interval; stall <= 0.4% of the longest interval."""
     out = []
     for world in _worlds(m):
         ivs = m[world]["intervals"]

@@ -35,11 +35,9 @@ one still commits."""
 
 def _segment(b: Bench, trainer: StepLoop, ckpt: CheckpointManager | None, steps: int,
              k: int) -> dict[str, Any]:  # fmt: skip
-    """``steps`` steps from a multiple of ``k`` on, ``ckpt.maybe_save`` after each if given,
-    then its ``wait()``: the slowest rank's seconds; the saves asked for and made; the
-    training thread's time in each save asked for (made or skipped); what the last
-    checkpoint was; and, for one save, the training time it cost from the step times
-    (:func:`_step_cost`)."""
+    """``steps`` steps from a multiple of ``k``, ``ckpt.maybe_save`` after each if given, then
+    ``wait()``: the slowest rank's seconds, the saves asked for and made, the stall of each,
+    the last checkpoint, and for one save its cost from the step times (:func:`_step_cost`)."""
     trainer.align(k)
     stalls: list[float] = []
     ends: list[float] = []
@@ -94,11 +92,9 @@ def _spread(values: list[float]) -> float:
 
 def _pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: int, k: int,
            pairs: int) -> dict[str, Any]:  # fmt: skip
-    """``pairs`` pairs of adjacent stretches of ``steps`` steps, one with checkpoints every
-    ``k`` steps and one without, their order alternating. Two estimates of the loss per
-    pair: 1 - (time without) / (time with), and from the step times of the stretch with
-    the checkpoint (:func:`_step_cost` over its time). The manager saves its baseline
-    before the first pair."""
+    """``pairs`` pairs of adjacent stretches of ``steps`` steps, with checkpoints every ``k``
+    and without, in alternating order, after a baseline: the loss per pair, 1 - (time
+    without) / (time with), and from step times (:func:`_step_cost` over its time)."""
     rmtree(Path(cfg.path))
     losses, saving = [], []
     with CheckpointManager(trainer.work.model, cfg) as ckpt:
