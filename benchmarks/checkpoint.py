@@ -165,7 +165,8 @@ def _side_by_side(
     ts_path, full = b.scratch / "sbs_torchsnapshot", {}
 
     def root_of(arm: str) -> Path:
-        return ts_path if arm == "torchsnapshot" else b.scratch / f"sbs_full_{arm.replace(' ', '_')}"  # fmt: skip
+        name = arm.replace(" ", "_")
+        return ts_path if arm == "torchsnapshot" else b.scratch / f"sbs_full_{name}"
 
     def full_config(quant: str) -> CheckpointConfig:
         return CheckpointConfig(path=str(root_of(quant)), policy="full", quantize=FORMATS[quant])

@@ -100,9 +100,11 @@ def run(b: Bench) -> Outcome:
     }  # fmt: skip
     m["bytes"] = sizes
     m["model_gb"] = a.tables * a.rows * a.dim * 4 / GB
-    pairs = (("export_dcp", "dcp_save"), ("import", "dcp_load"), ("reshard_restore", "reshard_dcp_load"))  # fmt: skip
+    pairs = (("export_dcp", "dcp_save"), ("import", "dcp_load"),
+             ("reshard_restore", "reshard_dcp_load"))  # fmt: skip
     rows = [[name, m[name]["seconds"], m[name]["peak_mb"],
-             f"{m[peer]['seconds']:.2f} s, {m[peer]['peak_mb']:.0f} MB"] for name, peer in pairs]  # fmt: skip
+             f"{m[peer]['seconds']:.2f} s, {m[peer]['peak_mb']:.0f} MB"]
+            for name, peer in pairs]  # fmt: skip
     note = (
         f"{a.tables} tables x {a.rows} rows x dim {a.dim} fp32 ({m['model_gb']:.2f} GB) on "
         f"{b.world} ranks, fused row-wise Adagrad; median of {a.rounds} turns, caches dropped "

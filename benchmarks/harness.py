@@ -137,8 +137,8 @@ def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(f"out/bench/{stem}.json"))
     parser.add_argument("--smoke", action="store_true", help=f"short for: {case.smoke}")
     parser.add_argument("--scratch", type=Path, help="where to make the scratch folder")
-    parser.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
-                        help="between interleaved methods, only sync (the page cache is the machine's)")  # fmt: skip
+    parser.add_argument("--no-drop-caches", dest="drop_caches", action="store_false", help="between"
+                        " interleaved methods, only sync (the page cache is the machine's)")  # fmt: skip
     given = list(sys.argv[1:] if argv is None else argv)
     argv = given
     if "--smoke" in argv:  # the smoke sizes first: explicit arguments still win
@@ -154,7 +154,8 @@ def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
         env = environment() if dist.get_rank() == 0 else {}
         if dist.get_rank() == 0 and args.scratch is not None:
             args.scratch.mkdir(parents=True, exist_ok=True)
-        made = tempfile.mkdtemp(prefix=f"bench_{stem}_", dir=args.scratch) if dist.get_rank() == 0 else ""  # fmt: skip
+        rank0 = dist.get_rank() == 0
+        made = tempfile.mkdtemp(prefix=f"bench_{stem}_", dir=args.scratch) if rank0 else ""
         scratch = Path(bcast(made))
         command = command_line(case, given)
         bench = Bench(case.name, args, scratch, args.out.with_suffix(""), command)

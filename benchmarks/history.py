@@ -155,8 +155,8 @@ def _goals(probes: list[int], policies: list[str]) -> list[Goal]:
                           ("written_b", "bytes a commit writes"),
                           ("writer_cpu_s", "the writer's CPU per commit"),
                           ("follow_s", "a follower's update"), _planning(policy)):  # fmt: skip
-            goals.append(Goal(f"{policy}: {what} at checkpoint {last} <= 1.2x checkpoint {first}",
-                              f"{policy}.{last}.{key}", "<=", f"{policy}.{first}.{key}", 1.2))  # fmt: skip
+            name = f"{policy}: {what} at checkpoint {last} <= 1.2x checkpoint {first}"
+            goals.append(Goal(name, f"{policy}.{last}.{key}", "<=", f"{policy}.{first}.{key}", 1.2))
     return goals
 
 

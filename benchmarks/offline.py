@@ -137,7 +137,8 @@ def run(b: Bench) -> Outcome:
 
 
 CASE = Case(name="offline", title="Export and compaction of a 1 GB chain", arguments=_arguments,
-            smoke="--tables 2 --rows 4000 --dim 16 --deltas 2 --disk-mb 8 --repeats 1", run=run)  # fmt: skip
+            smoke="--tables 2 --rows 4000 --dim 16 --deltas 2 --disk-mb 8 --repeats 1",
+            run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

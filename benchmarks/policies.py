@@ -27,7 +27,8 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=1.1)
     p.add_argument("--intervals", type=int, default=12)
     p.add_argument("--steps-per-interval", type=int, default=20)
-    p.add_argument("--figure", action="store_true", help="plot Figs. 15 and 16 and write a CSV beside")  # fmt: skip
+    p.add_argument("--figure", action="store_true",
+                   help="plot Figs. 15 and 16 and write a CSV beside")  # fmt: skip
 
 
 SMOKE = "--tables 2 --rows 2000 --dim 16 --batch-size 64 --intervals 4 --steps-per-interval 2"
@@ -46,7 +47,9 @@ def _policy(b: Bench, policy: measure.Policy) -> list[dict[str, Any]]:
                 train_step(model, opt, data.next(b.rank))
             ckpt.save(interval * a.steps_per_interval)
             ckpt.wait()
-            info, stored = measure.from_rank0(lambda: (checkpoint_info(str(root)), tree_bytes(root)))  # fmt: skip
+            info, stored = measure.from_rank0(
+                lambda: (checkpoint_info(str(root)), tree_bytes(root))
+            )
             rows.append({"policy": policy, "interval": interval, "kind": info.kind,
                          "rows_saved_frac": info.saved_fraction, "written_bytes": info.bytes,
                          "stored_bytes": stored, "chain_len": len(info.chain)})  # fmt: skip

@@ -55,8 +55,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     p.add_argument("--storage", nargs="+", default=["fs"], choices=["fs", "s3"])
     p.add_argument("--nproc", type=int, default=2, help="training ranks")
-    p.add_argument("--modes", nargs="+", default=["copy", "swap"], choices=MODES,
-                   help="the follower's copy mode, swap mode, and copy mode with a memory budget")  # fmt: skip
+    p.add_argument("--modes", nargs="+", default=["copy", "swap"], choices=MODES, help="the "
+                   "follower's copy mode, swap mode, and copy mode with a memory budget")  # fmt: skip
     p.add_argument("--budget-mb", type=float, default=16.0,
                    help="--modes budget: the follower's memory budget")  # fmt: skip
     p.add_argument("--followers", nargs="+", type=int, default=[1], help="serving processes "
@@ -156,7 +156,8 @@ def _wait_following(out: Path, servers: list[subprocess.Popen[bytes]]) -> None:
         log = out / f"serve{i or ''}.log"
         while "serving: following" not in log.read_text():
             if server.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"{log.name} did not start following:\n{log.read_text()[-3000:]}")  # fmt: skip
+                tail = log.read_text()[-3000:]
+                raise RuntimeError(f"{log.name} did not start following:\n{tail}")
             time.sleep(0.2)
 
 

@@ -226,8 +226,8 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "full + deltas": lambda r: f"{r['full']} + {r['deltas']}",
     }, "Throughput lost: median over rounds of 1 - (steps/s with) / (steps/s without, same "
         "round). From step times: 1 - (steps x the mean time of the steps that overlap no "
-        "checkpoint, from its save to its commit) / the arm's time, median over rounds. Stall, commit (save to commit) and MB on storage: "
-        "medians over every checkpoint of the rounds, whose first in each arm is its full "
+        "checkpoint, from its save to its commit) / the arm's time, median over rounds. "
+        "Stall, commit (save to commit) and MB on storage: medians over every checkpoint of the rounds, whose first in each arm is its full "
         "baseline.",
     )  # fmt: skip
     setup = [{"ranks": m[w]["world_size"], "probe": m[w]["probe_step_s"], **iv}
