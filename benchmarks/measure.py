@@ -33,6 +33,8 @@ from torchrec_cnr.tracking.shard import LocalShard
 from torchrec_cnr.tracking.tracker import TrackingMode
 
 GB = 1e9
+Rows = list[torch.Tensor]
+"""Some rows of each local shard (their indices)."""
 T = TypeVar("T")
 Policy = Literal["full", "one_shot", "consecutive", "intermittent"]
 POLICIES: tuple[Policy, ...] = ("full", "one_shot", "consecutive", "intermittent")
@@ -283,7 +285,7 @@ class StepLoop:
 
 def random_rows(
     shards: list[LocalShard], fractions: Sequence[float], seed: int = 1234
-) -> dict[float, list[torch.Tensor]]:
+) -> dict[float, Rows]:
     """For each fraction, that share of each local shard's rows (sorted local indices), from
     one seeded permutation per shard: a smaller fraction's rows are inside a larger one's."""
     g = torch.Generator().manual_seed(seed + dist.get_rank())
@@ -291,7 +293,7 @@ def random_rows(
     return {f: [p[: round(f * p.numel())].sort().values for p in perms] for f in fractions}
 
 
-def modify(shards: list[LocalShard], rows: list[torch.Tensor]) -> None:
+def modify(shards: list[LocalShard], rows: Rows) -> None:
     """Exactly ``rows`` are modified since the last checkpoint: their tracker bits set,
     every other bit cleared, and their weights nudged so that a delta holds real changes."""
     with torch.no_grad():
@@ -304,16 +306,14 @@ def modify(shards: list[LocalShard], rows: list[torch.Tensor]) -> None:
                 bitmap.set_bits_in_both(s.words, s.recent, r)
 
 
-def max_abs_diff(
-    shards: list[LocalShard], rows: list[torch.Tensor], values: list[torch.Tensor]
-) -> float:
+def max_abs_diff(shards: list[LocalShard], rows: Rows, values: Rows) -> float:
     """The largest difference, over ranks, between ``rows`` of each shard and ``values``."""
     pairs = [(s.weight[r], v) for s, r, v in zip(shards, rows, values) if r.numel()]
     return max_over_ranks(max((float((w - v).abs().max()) for w, v in pairs), default=0.0))[0]
 
 
 def timed_restore(
-    fn: Callable[[], Any], path: Path | None, shards: list[LocalShard], rows: list[torch.Tensor]
+    fn: Callable[[], Any], path: Path | None, shards: list[LocalShard], rows: Rows
 ) -> tuple[float, float]:
     """A cold restore by ``fn`` (``path`` dropped from the page cache if given), ``rows``
     corrupted (+1) before: ``(time, max abs error of rows against their values before)``."""
@@ -338,8 +338,8 @@ def moto_server() -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -372,8 +372,8 @@ def s3_server() -> Iterator[str]:
         url, started = bcast((url, started))
         assert url is not None
         if started:  # moto takes any credentials; a real store's must not be replaced
-            os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="bench",
-                              AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")  # fmt: skip
+            os.environ.update(AWS_ENDPOINT_URL=url, AWS_DEFAULT_REGION="us-east-1",
+                              AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench")  # fmt: skip
         try:
             yield url
         finally:
