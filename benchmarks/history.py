@@ -140,21 +140,17 @@ def _summary(policy: str, step: int, window: list[dict[str, float]], root: Any) 
     return row
 
 
-def _planning(policy: str) -> tuple[str, str]:
-    """A restore's planning, per link for a consecutive chain (it grows until compacted)."""
-    if policy == "consecutive":
-        return "plan_link_s", "a restore's planning per chain link"
-    return "plan_s", "a restore's planning"
-
-
 def _goals(probes: list[int], policies: list[str]) -> list[Goal]:
     first, last = min(probes), max(probes)
     goals = []
     for policy in policies:
+        # A restore's planning, per link for a consecutive chain (it grows until compacted).
+        planning = (("plan_link_s", "a restore's planning per chain link") if policy == "consecutive"
+                    else ("plan_s", "a restore's planning"))  # fmt: skip
         for key, what in (("commit_s", "save + commit"), ("read_b", "bytes a commit reads"),
                           ("written_b", "bytes a commit writes"),
                           ("writer_cpu_s", "the writer's CPU per commit"),
-                          ("follow_s", "a follower's update"), _planning(policy)):  # fmt: skip
+                          ("follow_s", "a follower's update"), planning):  # fmt: skip
             name = f"{policy}: {what} at checkpoint {last} <= 1.2x checkpoint {first}"
             goals.append(Goal(name, f"{policy}.{last}.{key}", "<=", f"{policy}.{first}.{key}", 1.2))
     return goals

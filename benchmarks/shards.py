@@ -133,14 +133,6 @@ class _Group:
         return fn()
 
 
-class _Writer:
-    def __init__(self, ckpt_id: str, write: RankWrite) -> None:
-        self.ckpt_id, self._write = ckpt_id, write
-
-    def finish(self, staged: StagedCheckpoint) -> RankWrite:
-        return self._write
-
-
 class _MadeUp(ChainReader):
     """A chain reader that makes up the ids tensors (the simulation has no tensors)."""
 
@@ -185,7 +177,8 @@ def _commit(a: argparse.Namespace, root: Path, ranks: int, tables: int, seq: int
     decision = Decision("full" if full else "delta", True)
     staged = StagedCheckpoint(seq + 1, decision.kind, {}, b"", 0)
     resolver = SimpleNamespace(restores=0)
-    pending = commit_mod.Pending(seq, staged, _Writer(ckpt_id, mine), decision, chain[0], resolver)  # type: ignore[arg-type]
+    writer = SimpleNamespace(ckpt_id=ckpt_id, finish=lambda staged: mine)  # its write, made before
+    pending = commit_mod.Pending(seq, staged, writer, decision, chain[0], resolver)  # type: ignore[arg-type]
     target = commit_mod.CommitTarget(storage, Policy("consecutive"), 1, None)
     if full:  # the root's writer generation 1
         lease = Lease(storage, take_over=False, fallback=False, ttl_s=60.0)

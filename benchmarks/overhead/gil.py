@@ -26,12 +26,6 @@ from torchrec_cnr import CheckpointConfig, CheckpointManager
 GIL_GROUPS = ("training", "cnr-writer", "cnr-io", "other")
 
 
-def _thread_group(name: str) -> str:
-    if name == "MainThread":
-        return "training"
-    return next((g for g in GIL_GROUPS[1:3] if name.startswith(g)), "other")
-
-
 def _gil_shares(raw: str) -> dict[str, float]:
     """Each thread group's share of the samples of ``py-spy record --format raw --threads``
     (a line per stack: ``thread (<tid>): <name>;frame;... <count>``)."""
@@ -40,7 +34,9 @@ def _gil_shares(raw: str) -> dict[str, float]:
         stack, _, count = line.rpartition(" ")
         head = stack.split(";", 1)[0]
         if count.isdigit() and head.startswith("thread ("):
-            counts[_thread_group(head.partition("): ")[2])] += int(count)
+            name = head.partition("): ")[2]
+            group = next((g for g in GIL_GROUPS[1:3] if name.startswith(g)), "other")
+            counts["training" if name == "MainThread" else group] += int(count)
     total = sum(counts.values())
     if not total:
         raise RuntimeError(f"py-spy recorded no sample holding the GIL: {raw[:200]!r}")
