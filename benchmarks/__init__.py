@@ -48,5 +48,4 @@ CASES = tuple(sorted(m for m in _modules() if not m.startswith("experiments.")))
 EXPERIMENTS = tuple(sorted(m.split(".", 1)[1] for m in _modules() if m.startswith("experiments.")))
 """The experiments: ``benchmarks.experiments.<name>``, in ``out/bench/experiments/``."""
 SINGLE_PROCESS = tuple(sorted(m for m, alone in _modules().items() if alone))
-"""Cases run by ``python -m`` in one process (serving starts its own job and serving
-process, shards simulates its ranks); the others by torchrun."""
+"""Cases run by ``python -m`` in one process (serving, shards); the others by torchrun."""

@@ -62,12 +62,10 @@ FORMATS = {
     **measure.QUANTS,
     **{f"{b}-bit": QuantizeConfig(method="adaptive", bits=b, min_rows=0) for b in (2, 3, 8)},
 }
-"""The stored formats of the side-by-side full commits: the grid's two and the other bit
-widths."""
+"""The formats of the side-by-side full commits: the grid's two and other bit widths."""
 
 RESTORE_BUDGET = 1 / 8
-"""The budgeted restore arm's ``staging_memory_mb`` (and so ``restore_memory_mb``), as a
-share of the rows a rank holds."""
+"""The budgeted restore arm's ``staging_memory_mb``, as a share of the rows a rank holds."""
 
 
 def _peak(fn: Callable[[], Any]) -> tuple[Any, float]:

@@ -34,7 +34,6 @@ from torchrec_cnr.tracking.tracker import TrackingMode
 
 GB = 1e9
 Rows = list[torch.Tensor]
-"""Some rows of each local shard (their indices)."""
 T = TypeVar("T")
 Policy = Literal["full", "one_shot", "consecutive", "intermittent"]
 POLICIES: tuple[Policy, ...] = ("full", "one_shot", "consecutive", "intermittent")
@@ -230,8 +229,7 @@ def model_arguments(p: argparse.ArgumentParser, rows: int, tables: int = 8, dim:
 
 
 QUANTS = {"fp32": QuantizeConfig(), "4-bit": QuantizeConfig(method="adaptive", bits=4, min_rows=0)}
-"""The checkpoint formats the benchmarks compare: fp32, and adaptive 4-bit on every table
-(``min_rows=0``: the smoke runs' small tables too)."""
+"""The formats the benchmarks compare: fp32, and adaptive 4-bit on every table (smoke's too)."""
 
 
 class Workload(NamedTuple):

@@ -44,8 +44,7 @@ NONE = "none"
 STALL_BOUND = 0.004
 """Check-N-Run's stall: under 0.4% of the (30-minute) interval."""
 LOSS_ESTIMATES = {"throughput_lost": "", "lost_from_step_times": " from step times"}
-"""The two estimates of throughput lost: against the arm without checkpoints, and from
-the arm's own step times (which the drift between arms cannot reach)."""
+"""The estimates of throughput lost: against the arm without checkpoints, from step times."""
 ANCHORS: dict[str, Any] = {
     "check_n_run_stall_of_interval": STALL_BOUND,
     "cpr_total_overhead": [0.0053, 0.0068],

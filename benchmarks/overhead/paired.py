@@ -29,8 +29,7 @@ from torchrec_cnr.config import OnBusy
 NOTCH = 1.58
 """A median's 95% interval is about ± 1.58 IQR / sqrt(n) (McGill's notches)."""
 BUSY_STEPS = 2
-"""``--paired``'s busy arms save every 2 steps: each save is asked for while the previous
-one still commits."""
+"""The busy arms save every 2 steps: each save asked for while the previous one commits."""
 
 
 def _segment(b: Bench, trainer: StepLoop, ckpt: CheckpointManager | None, steps: int,
