@@ -58,10 +58,8 @@ def _key(policy: str, quant: str, frac: float) -> str:
     return f"{policy}_{quant.replace('-', '')}_{frac:.0%}".rstrip("%")
 
 
-FORMATS = {
-    **measure.QUANTS,
-    **{f"{b}-bit": QuantizeConfig(method="adaptive", bits=b, min_rows=0) for b in (2, 3, 8)},
-}
+FORMATS = {**measure.QUANTS, **{f"{b}-bit": QuantizeConfig(method="adaptive", bits=b, min_rows=0)
+                                 for b in (2, 3, 8)}}  # fmt: skip
 """The formats of the side-by-side full commits: the grid's two and other bit widths."""
 
 RESTORE_BUDGET = 1 / 8

@@ -37,11 +37,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _recipe(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    return {
-        "model": model.state_dict(),
-        "optim": model.fused_optimizer.state_dict(),  # type: ignore[operator, union-attr]
-        "dense_opt": opt.state_dict(),
-    }
+    optim = model.fused_optimizer.state_dict()  # type: ignore[operator, union-attr]
+    return {"model": model.state_dict(), "optim": optim, "dense_opt": opt.state_dict()}
 
 
 def _dcp_load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:

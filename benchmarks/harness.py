@@ -137,8 +137,9 @@ def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(f"out/bench/{stem}.json"))
     parser.add_argument("--smoke", action="store_true", help=f"short for: {case.smoke}")
     parser.add_argument("--scratch", type=Path, help="where to make the scratch folder")
-    parser.add_argument("--no-drop-caches", dest="drop_caches", action="store_false", help="between"
-                        " interleaved methods, only sync (the page cache is the machine's)")  # fmt: skip
+    parser.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
+                        help="between interleaved methods, only sync (the page cache is the "
+                        "machine's)")  # fmt: skip
     given = list(sys.argv[1:] if argv is None else argv)
     argv = given
     if "--smoke" in argv:  # the smoke sizes first: explicit arguments still win

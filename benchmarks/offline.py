@@ -96,10 +96,8 @@ def _offline(root: Path, out: Path, repeats: int) -> dict[str, Any]:
         del state_dict
         clock("table", lambda: read_table(str(root), "t0"))
     assert clock("compact", lambda: cnr(["compact", str(root)])) == 0
-    return {
-        "read_bytes": read_bytes,
-        **{f"{k}_s": statistics.median(v) for k, v in times.items()},
-    }
+    medians = {f"{k}_s": statistics.median(v) for k, v in times.items()}
+    return {"read_bytes": read_bytes, **medians}
 
 
 def run(b: Bench) -> Outcome:

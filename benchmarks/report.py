@@ -221,10 +221,8 @@ def _reflow(text: str) -> str:
     out: list[str] = []
     for block in text.split("\n\n"):
         lines = block.strip("\n").split("\n")
-        keep = any(
-            ln.lstrip().startswith(("|", "```", "<!--", "#", "![", ">")) or ln.startswith("    ")
-            for ln in lines
-        )
+        keep = any(ln.lstrip().startswith(("|", "```", "<!--", "#", "![", ">"))
+                   or ln.startswith("    ") for ln in lines)  # fmt: skip
         if keep or not block.strip():
             out.append(block)
             continue

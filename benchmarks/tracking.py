@@ -67,11 +67,8 @@ class _MdtSwitch:
     """Turns ModelDeltaTracker's post-lookup hooks off and on."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.modules = [
-            (m, m.post_lookup_tracker_fn, m.post_odist_tracker_fn)
-            for m in model.modules()
-            if getattr(m, "post_lookup_tracker_fn", None) is not None
-        ]
+        self.modules = [(m, m.post_lookup_tracker_fn, m.post_odist_tracker_fn) for m in model.modules()
+                        if getattr(m, "post_lookup_tracker_fn", None) is not None]  # fmt: skip
         assert self.modules, "ModelDeltaTracker registered no hook"
 
     def set_enabled(self, enabled: bool) -> None:
@@ -91,10 +88,9 @@ def run(b: Bench) -> Outcome:
     # One model for every mode: our hooks switch what they record besides the bits.
     hooks = [hook for t in ours for _, hook in t._hooks]
     priorities: dict[str, list[KernelPriority | None]] = {
-        "bitmap": [None for _ in hooks],
-        "mfu": [h.priority for h in hooks],
+        "bitmap": [None for _ in hooks], "mfu": [h.priority for h in hooks],
         "ssu": [KernelPriority("ssu", h.words.numel(), h.words.device, 0.1) for h in hooks],
-    }
+    }  # fmt: skip
     step = 0
     iters = dict.fromkeys(VARIANTS, 0)
 

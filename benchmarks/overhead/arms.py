@@ -45,10 +45,8 @@ STALL_BOUND = 0.004
 """Check-N-Run's stall: under 0.4% of the (30-minute) interval."""
 LOSS_ESTIMATES = {"throughput_lost": "", "lost_from_step_times": " from step times"}
 """The estimates of throughput lost: against the arm without checkpoints, from step times."""
-ANCHORS: dict[str, Any] = {
-    "check_n_run_stall_of_interval": STALL_BOUND,
-    "cpr_total_overhead": [0.0053, 0.0068],
-}
+ANCHORS: dict[str, Any] = {"check_n_run_stall_of_interval": STALL_BOUND,
+                           "cpr_total_overhead": [0.0053, 0.0068]}  # fmt: skip
 
 
 def _clean_step_s(
@@ -226,8 +224,8 @@ def tables(m: dict[str, Any]) -> list[Table]:
     }, "Throughput lost: median over rounds of 1 - (steps/s with) / (steps/s without, same "
         "round). From step times: 1 - (steps x the mean time of the steps that overlap no "
         "checkpoint, from its save to its commit) / the arm's time, median over rounds. "
-        "Stall, commit (save to commit) and MB on storage: medians over every checkpoint of the rounds, whose first in each arm is its full "
-        "baseline.",
+        "Stall, commit (save to commit) and MB on storage: medians over every checkpoint of "
+        "the rounds, whose first in each arm is its full baseline.",
     )  # fmt: skip
     setup = [{"ranks": m[w]["world_size"], "probe": m[w]["probe_step_s"], **iv}
              for w in _worlds(m) for iv in m[w]["intervals"].values()]  # fmt: skip

@@ -199,8 +199,8 @@ def _paired_tables(m: dict[str, Any]) -> list[Table]:
         "beyond the mean of the stretch's other steps. Pooled: the median cost of every "
         "checkpoint of every interval (of one format) over the interval. From step times: "
         "this interval's costs, each over its stretch's time, median over pairs. Pair times: "
-        "1 - (time without) / (time with), median over pairs. ±: the 95% interval of the median, 1.58 IQR / sqrt(pairs). A stretch "
-        "without a checkpoint puts its changed rows into the next delta: deltas hold two "
+        "1 - (time without) / (time with), median over pairs. ±: the 95% interval of the "
+        "median, 1.58 IQR / sqrt(pairs). A stretch without a checkpoint puts its changed rows into the next delta: deltas hold two "
         "intervals' rows, more than a job checkpointing every interval writes.",
     )  # fmt: skip
     busy = Table.of(

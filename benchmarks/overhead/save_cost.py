@@ -74,7 +74,8 @@ def run(b: Bench) -> Outcome:
     b.interleaved(a.saves, {n: functools.partial(once, n) for n in COST_ARMS}, label="cost s")
     arms = {
         name: {"staging": STAGING_NAMES[COST_ARMS[name][:2]], "checkpoint": COST_ARMS[name][2],
-               "cost_s": statistics.median(r["cost_s"] for r in rs), "costs_s": [r["cost_s"] for r in rs],
+               "cost_s": statistics.median(r["cost_s"] for r in rs),
+               "costs_s": [r["cost_s"] for r in rs],
                "stall_s": statistics.median(r["stall_s"] for r in rs),
                "commit_s": statistics.median(r["commit_s"] for r in rs),
                "steps_overlapped": statistics.median(r["steps"] for r in rs)}
