@@ -141,27 +141,26 @@ def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
                         help="between interleaved methods, only sync (the page cache is the "
                         "machine's)")  # fmt: skip
     given = list(sys.argv[1:] if argv is None else argv)
-    argv = given
-    if "--smoke" in argv:  # the smoke sizes first: explicit arguments still win
-        argv = [*shlex.split(case.smoke), "--no-drop-caches", *argv]
-    args = parser.parse_args(argv)
+    # The smoke sizes first: explicit arguments still win.
+    smoke = [*shlex.split(case.smoke), "--no-drop-caches"] if "--smoke" in given else []
+    args = parser.parse_args([*smoke, *given])
     made_group = not dist.is_initialized()
     if made_group:
         init_distributed("gloo")
     began = time.perf_counter()
     scratch: Path | None = None
     try:
-        # Before the case sets any variable of its own (an S3 endpoint, say).
-        env = environment() if dist.get_rank() == 0 else {}
-        if dist.get_rank() == 0 and args.scratch is not None:
-            args.scratch.mkdir(parents=True, exist_ok=True)
         rank0 = dist.get_rank() == 0
+        # Before the case sets any variable of its own (an S3 endpoint, say).
+        env = environment() if rank0 else {}
+        if rank0 and args.scratch is not None:
+            args.scratch.mkdir(parents=True, exist_ok=True)
         made = tempfile.mkdtemp(prefix=f"bench_{stem}_", dir=args.scratch) if rank0 else ""
         scratch = Path(bcast(made))
         command = command_line(case, given)
         bench = Bench(case.name, args, scratch, args.out.with_suffix(""), command)
         outcome = case.run(bench)
-        if dist.get_rank() == 0:
+        if rank0:
             now = datetime.datetime.now(datetime.timezone.utc)
             results.write(args.out, {
                 "case": case.name, "kind": case.kind, "title": case.title,
