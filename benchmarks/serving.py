@@ -322,12 +322,9 @@ def tables(m: dict[str, Any]) -> list[Table]:
     }  # fmt: skip
     several = [r for r in runs if r.get("followers", 1) > 1]
     lone = {_key(r["storage"], r["policy"], r["served"], r["mode"]) for r in several}
-    fanout = [  # the runs of several followers, and a lone follower of the same job
-        {**e, "run": key, "follower": i}
-        for key, r in m["runs"].items()
-        if r in several or key in lone
-        for i, e in enumerate(r["each_follower"])
-    ]
+    # The runs of several followers, and a lone follower of the same job.
+    fanout = [{**e, "run": key, "follower": i} for key, r in m["runs"].items()
+              if r in several or key in lone for i, e in enumerate(r["each_follower"])]  # fmt: skip
     consistency = Table.of("Consistency and freshness", runs, {
         **which,
         "torn / checked requests": lambda r: f"{r['torn_requests']} / {r['checked_requests']}",

@@ -119,8 +119,7 @@ class _Group:
     rank = 0
 
     def __init__(self, others: list[bytes]) -> None:
-        self.others = others
-        self.world_size = len(others) + 1
+        self.others, self.world_size = others, len(others) + 1
 
     def agree(self, error: BaseException | None) -> None:
         if error is not None:
