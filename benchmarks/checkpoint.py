@@ -171,9 +171,8 @@ def _side_by_side(
         name = quant if direct else f"{quant}{PAGE_CACHE}"
         root = root_of(name)
         config = dataclasses.replace(full_config(quant), path=str(root))
-        with CheckpointManager(
-            model, config, storage=FsStorage(root, direct_writes=direct)
-        ) as ckpt:
+        storage = FsStorage(root, direct_writes=direct)
+        with CheckpointManager(model, config, storage=storage) as ckpt:
             _, commit = measure.timed_save(ckpt, 1)
         full[name] = measure.from_rank0(lambda: checkpoint_info(str(root)))
         return commit
@@ -231,8 +230,7 @@ def _side_by_side(
         peaks[name] = max(peaks.get(name, 0.0), watched.over_ranks())
         return took
 
-    names = ["torchsnapshot", *setups]
-    methods = {n: functools.partial(restore, n) for n in names}
+    methods = {n: functools.partial(restore, n) for n in ["torchsnapshot", *setups]}
     restores = b.interleaved(b.args.rounds, methods, label="cold restore")
     for path in [*map(root_of, arms), *(Path(c.path) for c in chains.values())]:
         measure.rmtree(path)
