@@ -112,8 +112,7 @@ def _figure(b: Bench, m: dict[str, Any]) -> None:
     axes[0].set_title("Fig. 15: written per interval")
     axes[1].set_title("Fig. 16: stored after each interval")
     for ax in axes:
-        ax.set_xlabel("interval")
-        ax.set_ylabel("x one full checkpoint")
+        ax.set(xlabel="interval", ylabel="x one full checkpoint")
         ax.legend()
     save_figure(fig, b.artifacts / "fig15_16.png")
 

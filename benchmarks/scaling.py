@@ -105,9 +105,7 @@ def _plot(b: Bench, rows: list[dict[str, Any]]) -> None:
                 xs, ys = [r["gb_per_rank"] for r in pts], [r[key] for r in pts]
                 ax.plot(xs, ys, style, color=color, marker="o", label=label)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("embedding GB per rank")
-        ax.set_title(title)
+        ax.set(yscale="log", xlabel="embedding GB per rank", title=title)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"torchrec_cnr scaling, {b.world} ranks (intermittent policy)")
