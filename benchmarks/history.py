@@ -142,18 +142,17 @@ def _summary(policy: str, step: int, window: list[dict[str, float]], root: Any) 
 
 def _goals(probes: list[int], policies: list[str]) -> list[Goal]:
     first, last = min(probes), max(probes)
-    goals = []
-    for policy in policies:
-        # A restore's planning, per link for a consecutive chain (it grows until compacted).
-        planning = (("plan_link_s", "a restore's planning per chain link") if policy == "consecutive"
-                    else ("plan_s", "a restore's planning"))  # fmt: skip
-        for key, what in (("commit_s", "save + commit"), ("read_b", "bytes a commit reads"),
-                          ("written_b", "bytes a commit writes"),
-                          ("writer_cpu_s", "the writer's CPU per commit"),
-                          ("follow_s", "a follower's update"), planning):  # fmt: skip
-            name = f"{policy}: {what} at checkpoint {last} <= 1.2x checkpoint {first}"
-            goals.append(Goal(name, f"{policy}.{last}.{key}", "<=", f"{policy}.{first}.{key}", 1.2))
-    return goals
+    figures = (("commit_s", "save + commit"), ("read_b", "bytes a commit reads"),
+               ("written_b", "bytes a commit writes"), ("writer_cpu_s", "the writer's CPU per commit"),
+               ("follow_s", "a follower's update"))  # fmt: skip
+    # A restore's planning, per link for a consecutive chain (it grows until compacted).
+    planning = {"consecutive": ("plan_link_s", "a restore's planning per chain link")}
+    return [
+        Goal(f"{policy}: {what} at checkpoint {last} <= 1.2x checkpoint {first}",
+             f"{policy}.{last}.{key}", "<=", f"{policy}.{first}.{key}", 1.2)
+        for policy in policies
+        for key, what in (*figures, planning.get(policy, ("plan_s", "a restore's planning")))
+    ]  # fmt: skip
 
 
 def run(b: Bench) -> Outcome:
