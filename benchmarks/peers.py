@@ -171,10 +171,9 @@ def run_peers(
     out = {}
     for key, peer in peers.items():
         path = folder / key
-        row = peer(path)
+        row = out[key] = peer(path)
         if "error" not in row:
             row["bytes"] = measure.from_rank0(lambda p=path: tree_bytes(p))  # type: ignore[misc]
-        out[key] = row
         measure.rmtree(path)
         gc.collect()
     return out

@@ -144,9 +144,8 @@ def _methods(b: Bench) -> Outcome:
         for bits in (2, 4):
             pack = functools.partial(ops.FloatToFusedNBitRowwiseQuantizedSBHalf, bit_rate=bits)
             unpack = functools.partial(ops.FusedNBitRowwiseQuantizedSBHalfToFloat, bit_rate=bits)
-            fn = _packed(pack, unpack)
             try:
-                peers[f"fbgemm_{bits}bit"] = _measure(x, fn, a)[0]
+                peers[f"fbgemm_{bits}bit"] = _measure(x, _packed(pack, unpack), a)[0]
             except RuntimeError as e:  # dim not a multiple of 8 / bits * 2
                 b.log(f"fbgemm {bits}-bit skipped: {e}")
         fn = _packed(ops.FloatToFused8BitRowwiseQuantized, ops.Fused8BitRowwiseQuantizedToFloat)

@@ -101,9 +101,8 @@ def _pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: int, k: in
         ckpt.wait()
         for i in range(pairs):
             b.settle()
-            got = {}
-            for with_ckpt in (True, False) if i % 2 == 0 else (False, True):
-                got[with_ckpt] = _segment(b, trainer, ckpt if with_ckpt else None, steps, k)
+            order = (True, False) if i % 2 == 0 else (False, True)
+            got = {w: _segment(b, trainer, ckpt if w else None, steps, k) for w in order}
             losses.append(1 - got[False]["seconds"] / got[True]["seconds"])
             saving.append(got[True])
     rmtree(Path(cfg.path))
