@@ -43,10 +43,9 @@ def _chain(b: Bench, root: Path, model: torch.nn.Module) -> CheckpointManager:
     shards = local_shards(model)
     ckpt = CheckpointManager(model, CheckpointConfig(path=str(root), policy="consecutive"))
     measure.timed_save(ckpt, 1)
+    frac = b.args.fraction
     for step in range(2, b.args.deltas + 2):
-        measure.modify(
-            shards, measure.random_rows(shards, [b.args.fraction], seed=step)[b.args.fraction]
-        )
+        measure.modify(shards, measure.random_rows(shards, [frac], seed=step)[frac])
         measure.timed_save(ckpt, step)
     return ckpt
 
@@ -108,9 +107,8 @@ def run(b: Bench) -> Outcome:
     job = _in_job(b, model)
     b.log("second chain, then export and offline compaction in one process")
     _chain(b, b.scratch / "offline", model).close()
-    off = measure.from_rank0(
-        lambda: _offline(b.scratch / "offline", b.scratch / "export.pt", a.repeats)
-    )
+    export = b.scratch / "export.pt"
+    off = measure.from_rank0(lambda: _offline(b.scratch / "offline", export, a.repeats))
     off["read_disk_s"] = off["read_bytes"] / measure.GB / disk["read_gb_s"]
     m = {"disk": disk, "in_job": job, "offline": off}
     rows = [
