@@ -61,9 +61,8 @@ def fmt(x: Any) -> str:
 
 
 def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    numeric = [
-        all(isinstance(r[i], int | float) for r in rows if r[i] != "") for i in range(len(columns))
-    ]
+    numeric = [all(isinstance(r[i], int | float) for r in rows if r[i] != "")
+               for i in range(len(columns))]  # fmt: skip
     lines = ["| " + " | ".join(columns) + " |"]
     lines.append("|" + "|".join("---:" if n else "---" for n in numeric) + "|")
     lines += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]

@@ -189,9 +189,9 @@ def _commit(a: argparse.Namespace, root: Path, ranks: int, tables: int, seq: int
         chain[0] = commit_mod.write_and_commit(pending, _Group(others), target)  # type: ignore[arg-type]
 
     figure = _measure(commit, trace)
-    return (
-        {"commit_mb": figure} if trace else {"commit_s": figure, "commit_b": storage.bytes_written}
-    )
+    if trace:
+        return {"commit_mb": figure}
+    return {"commit_s": figure, "commit_b": storage.bytes_written}
 
 
 def _restore_plan(a: argparse.Namespace, root: Path, ranks: int, tables: int, io: IOContext) -> int:
