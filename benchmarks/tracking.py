@@ -54,13 +54,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 def _mdt_bytes(tracker: Any) -> int:
     """Bytes ModelDeltaTracker holds: the ids (and states) of every lookup not yet read."""
-    total = 0
-    for lookups in tracker.store.per_fqn_lookups.values():
-        for lookup in lookups:
-            for t in (lookup.ids, getattr(lookup, "states", None)):
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-    return total
+    lookups = [lookup for each in tracker.store.per_fqn_lookups.values() for lookup in each]
+    held = [t for lookup in lookups for t in (lookup.ids, getattr(lookup, "states", None))
+            if isinstance(t, torch.Tensor)]  # fmt: skip
+    return sum(t.numel() * t.element_size() for t in held)
 
 
 class _MdtSwitch:
