@@ -77,14 +77,9 @@ class Bench:
     """Beside the JSON result (``out/bench/x.json`` -> ``out/bench/x/``): figures, CSVs."""
     command: str = ""
     """The command that runs this case again (:func:`command_line`)."""
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank()
-
-    @property
-    def world(self) -> int:
-        return dist.get_world_size()
+    rank: int = field(default_factory=dist.get_rank)
+    world: int = field(default_factory=dist.get_world_size)
+    """This rank and the number of ranks, of the group the case runs on."""
 
     def log(self, msg: str) -> None:
         """A progress line on stderr, from rank 0."""
