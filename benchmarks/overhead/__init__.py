@@ -52,13 +52,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 def run(b: Bench) -> Outcome:
     """The question the flags ask (the arms without one)."""
-    if b.args.gil:
-        return gil.run(b)
-    if b.args.save_cost:
-        return save_cost.run(b)
-    if b.args.paired:
-        return paired.run(b)
-    return arms.run(b)
+    a = b.args
+    question = gil if a.gil else save_cost if a.save_cost else paired if a.paired else arms
+    return question.run(b)
 
 
 CASE = Case(name="overhead",
