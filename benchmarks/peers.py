@@ -55,14 +55,10 @@ def torchsnapshot_restore(model: torch.nn.Module, path: Path) -> Callable[[], No
 
 @contextlib.contextmanager
 def _copying_async_take() -> Iterator[None]:
-    """Makes torchsnapshot's ``async_take`` copy CPU tensors, as its code intends.
-
-    torchsnapshot 0.1.0's ``TensorBufferStager._should_copy_cpu_tensor`` compares the
-    entry's serializer (a str) with the ``Serializer.BUFFER_PROTOCOL`` enum member, which
-    never compare equal, so ``async_take`` keeps views of the live CPU tensors and returns
-    before writing them: training that goes on tears the snapshot. A fair stall
-    comparison needs the copy it meant to make, so this compares with ``.value``.
-    """
+    """Makes torchsnapshot's ``async_take`` copy CPU tensors, as its code intends: 0.1.0's
+    ``TensorBufferStager._should_copy_cpu_tensor`` compares the serializer (a str) with the
+    ``Serializer.BUFFER_PROTOCOL`` enum member, never equal, so ``async_take`` keeps views of
+    the live tensors, and training that goes on tears the snapshot. This compares ``.value``."""
     original = TensorBufferStager._should_copy_cpu_tensor
 
     def fixed(self: TensorBufferStager) -> bool:

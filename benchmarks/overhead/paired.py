@@ -163,9 +163,8 @@ def run(b: Bench) -> Outcome:
         cfg = config(f"busy_{on_busy}", BUSY_STEPS, "fp32", on_busy)
         with warnings.catch_warnings():  # "skip" warns at each save it skips
             warnings.simplefilter("ignore", UserWarning)
-            r = _pairs(b, trainer, cfg, a.busy_steps, BUSY_STEPS, a.busy_pairs)
+            r = busy[on_busy] = _pairs(b, trainer, cfg, a.busy_steps, BUSY_STEPS, a.busy_pairs)
         r.update(on_busy=on_busy, interval_s=BUSY_STEPS * step_s)
-        busy[on_busy] = r
         b.log(f"busy, on_busy={on_busy}: lost {r['loss']:.2%}, {r['saves_made']} of "
               f"{r['saves_asked']} saves made")  # fmt: skip
     m = {"mode": "paired",
