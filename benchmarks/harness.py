@@ -104,9 +104,8 @@ class Bench:
     def interleaved(self, rounds: int, methods: Mapping[str, Callable[[], float]],
                     prepare: Callable[[str], None] | None = None, settle: bool = True,
                     label: str = "") -> dict[str, list[float]]:  # fmt: skip
-        """Each method's figure per round, the methods taking turns in a rotating order, so
-        that a drift of a shared VM's disk hits each alike. Before each method, ``prepare``
-        (e.g. deleting its previous output) and, with ``settle``, :meth:`settle`."""
+        """Each method's figure per round, in turns, rotating (a drift of the disk hits each
+        alike); before each, ``prepare`` (e.g. deleting its output) and :meth:`settle`."""
         names = list(methods)
         got: dict[str, list[float]] = {n: [] for n in names}
         for r in range(rounds):

@@ -143,7 +143,8 @@ def _summary(policy: str, step: int, window: list[dict[str, float]], root: Any) 
 def _goals(probes: list[int], policies: list[str]) -> list[Goal]:
     first, last = min(probes), max(probes)
     figures = (("commit_s", "save + commit"), ("read_b", "bytes a commit reads"),
-               ("written_b", "bytes a commit writes"), ("writer_cpu_s", "the writer's CPU per commit"),
+               ("written_b", "bytes a commit writes"),
+               ("writer_cpu_s", "the writer's CPU per commit"),
                ("follow_s", "a follower's update"))  # fmt: skip
     # A restore's planning, per link for a consecutive chain (it grows until compacted).
     planning = {"consecutive": ("plan_link_s", "a restore's planning per chain link")}

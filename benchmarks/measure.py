@@ -86,9 +86,8 @@ def timed_save(ckpt: CheckpointManager, step: int) -> tuple[float, float]:
 
 
 def best_seconds(fn: Callable[[], Any], repeats: int, min_total: float = 1.0) -> float:
-    """Fastest of at least ``repeats`` calls of ``fn`` in this process, after a warm-up; fast
-    calls repeat until ``min_total`` seconds were timed (at most 100 calls), so that the
-    minimum filters out the stalls other processes on the cores cause."""
+    """Fastest of ``repeats`` calls of ``fn`` after a warm-up, or more, up to ``min_total``
+    seconds (100 calls at most): the minimum filters out other processes' stalls."""
     fn()
     best, total, calls = float("inf"), 0.0, 0
     while calls < repeats or (total < min_total and calls < 100):
@@ -158,9 +157,8 @@ def _disk_pass(path: Path, nbytes: int, chunk: int) -> dict[str, float]:
 
 def disk_bandwidth(folder: Path, nbytes: int, chunk: int = 64 << 20,
                    passes: int = 2) -> dict[str, Any]:  # fmt: skip
-    """The disk's sequential bandwidth: rank 0 writes ``nbytes`` in ``chunk``-byte writes
-    and fsyncs, then reads the file back cold. The best of ``passes`` (the first also pays
-    for first-touching the page cache)."""
+    """The disk's sequential bandwidth: rank 0 writes ``nbytes`` in ``chunk``-byte writes,
+    fsyncs and reads them back cold; the best of ``passes`` (the first touches the cache)."""
     chunk = min(chunk, nbytes)
     nbytes = nbytes // chunk * chunk
 

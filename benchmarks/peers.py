@@ -86,8 +86,7 @@ def _take(model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: Ro
 def _async_take(
     model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: Rows, copy: bool
 ) -> Row:
-    """``async_take``; training goes on (+1 on ``rows``) while it writes, and the restore
-    shows whether those updates leaked into the snapshot (torn) or not."""
+    """``async_take`` while training goes on (+1 on ``rows``): the restore shows a torn one."""
     before = [s.weight[r].clone() for s, r in zip(shards, rows)]
     with _copying_async_take() if copy else contextlib.nullcontext():
         dist.barrier()

@@ -30,8 +30,7 @@ def lookup(tree: dict[str, Any], key: str) -> Any:
 
 
 def _ends(value: Any) -> list[float] | None:
-    """A measured value as the numbers to judge: one, or both ends of a ``[low, high]``
-    range (a recorded table that gave several runs as one range, e.g. "4.5-5.3x")."""
+    """A measured value as the numbers to judge: one, or both ends of a ``[low, high]`` range."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         return [float(value)]
     pair = isinstance(value, list) and len(value) == 2
@@ -60,9 +59,8 @@ class Goal:
             raise ValueError(f"op must be '<=' or '>=', got {self.op!r}")
 
     def evaluate(self, measurements: dict[str, Any]) -> dict[str, Any]:
-        """The target with its measured value, reference, bound and verdict: ``PASS``,
-        ``MISS``, ``MIXED`` (a measured range passes at one end only) or ``n/a`` (a value
-        is missing: a peer that failed, a case not run)."""
+        """The target with its measured value, reference, bound and verdict: ``PASS``, ``MISS``,
+        ``MIXED`` (a range passes at one end only) or ``n/a`` (a value is missing)."""
         measured = lookup(measurements, self.measured_key)
         reference = self.reference
         if isinstance(reference, str):

@@ -56,7 +56,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", nargs="+", default=["fs"], choices=["fs", "s3"])
     p.add_argument("--nproc", type=int, default=2, help="training ranks")
     p.add_argument("--modes", nargs="+", default=["copy", "swap"], choices=MODES, help="the "
-                   "follower's copy mode, swap mode, and copy mode with a memory budget")  # fmt: skip
+                   "follower's copy mode, swap mode, and copy mode with a memory "
+                   "budget")  # fmt: skip
     p.add_argument("--budget-mb", type=float, default=16.0,
                    help="--modes budget: the follower's memory budget")  # fmt: skip
     p.add_argument("--followers", nargs="+", type=int, default=[1], help="serving processes "
@@ -200,8 +201,8 @@ def _fanout(
 
 
 def _summarise(m: dict[str, Any], infos: list[CheckpointInfo], row: int) -> dict[str, Any]:
-    """Per incremental update: changed rows and bytes, read over them, freshness
-    (:func:`cnr_train.serve.freshness`), a memcpy of the changed bytes; medians and worst."""
+    """Per incremental update: changed rows and bytes, read over them, freshness, a memcpy of
+    the changed bytes; medians and worst."""
     reports = [UpdateReport(**r) for r in m["update_reports"]]
     fresh = {f["step"]: f for f in freshness(reports, infos)}
     updates = []

@@ -147,8 +147,7 @@ class _MadeUp(ChainReader):
 
 
 def _measure(fn: Callable[[], Any], trace: bool) -> float:
-    """Seconds ``fn`` takes; with ``trace``, the peak MB of Python memory it allocates
-    instead (tracemalloc slows it down: its time is taken in another call)."""
+    """Seconds ``fn`` takes, or with ``trace`` the peak MB of Python memory it allocates."""
     if not trace:
         t0 = time.perf_counter()
         fn()
@@ -163,8 +162,7 @@ def _measure(fn: Callable[[], Any], trace: bool) -> float:
 
 def _commit(a: argparse.Namespace, root: Path, ranks: int, tables: int, seq: int,
             chain: list[ChainState], trace: bool = False) -> dict[str, float]:  # fmt: skip
-    """Commits checkpoint ``seq`` (a baseline if 0) as rank 0 does, after ``chain[0]``
-    (which it replaces); its time and bytes written, or its peak memory."""
+    """Commits checkpoint ``seq`` (0: a baseline) as rank 0, after ``chain[0]``: its figures."""
     tmpl = _Template()
     full = seq == 0
     ckpt_id = schema.checkpoint_id(seq, seq + 1, 1)

@@ -64,7 +64,8 @@ class _MdtSwitch:
     """Turns ModelDeltaTracker's post-lookup hooks off and on."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.modules = [(m, m.post_lookup_tracker_fn, m.post_odist_tracker_fn) for m in model.modules()
+        self.modules = [(m, m.post_lookup_tracker_fn, m.post_odist_tracker_fn)
+                        for m in model.modules()
                         if getattr(m, "post_lookup_tracker_fn", None) is not None]  # fmt: skip
         assert self.modules, "ModelDeltaTracker registered no hook"
 
@@ -113,7 +114,8 @@ def run(b: Bench) -> Outcome:
     times = b.interleaved(a.rounds, methods, settle=False, label="iteration s")
     bits = sum(t.memory_bytes() for t in ours)
     memory = {"none": 0, "bitmap": bits, "mdt": _mdt_bytes(mdt)} | {
-        mode: bits + sum(p.nbytes for p in priorities[mode] if p is not None) for mode in ("mfu", "ssu")
+        mode: bits + sum(p.nbytes for p in priorities[mode] if p is not None)
+        for mode in ("mfu", "ssu")
     }  # fmt: skip
     med = {k: statistics.median(v) for k, v in times.items()}
     variants = {

@@ -52,9 +52,8 @@ ANCHORS: dict[str, Any] = {"check_n_run_stall_of_interval": STALL_BOUND,
 def _clean_step_s(
     took: list[float], ends: list[float], windows: list[tuple[float, float]]
 ) -> float | None:
-    """The mean seconds of the steps that overlap none of ``windows`` (spans from a save to
-    its commit), the slowest rank's; ``None`` where too few are left. The mean, not the
-    median: other tenants' bursts hit steps inside and outside alike, and cancel in it."""
+    """The mean seconds of the steps that overlap none of ``windows`` (save to commit), the
+    slowest rank's, or ``None`` (too few); the mean, in which other tenants' bursts cancel."""
     clean = split_steps(took, ends, windows)[1]
     mean = statistics.fmean(clean) if len(clean) >= max(10, len(took) // 10) else None
     every = [m for m in gathered(mean) if m is not None]

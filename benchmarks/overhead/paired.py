@@ -72,9 +72,8 @@ def _segment(b: Bench, trainer: StepLoop, ckpt: CheckpointManager | None, steps:
 
 def _step_cost(took: list[float], ends: list[float], saved_at: float, committed_at: float,
                stall: float) -> float:  # fmt: skip
-    """One checkpoint's cost to training, from the step times of its stretch: its stall
-    plus what the steps from its save to its commit took beyond the mean of the stretch's
-    other steps (seconds apart on the same machine, so its other tenants weigh alike)."""
+    """One checkpoint's cost to training: its stall plus what the steps from its save to its
+    commit took beyond the mean of the stretch's other steps."""
     inside, clean = split_steps(took, ends, [(saved_at, committed_at)])
     if len(clean) < 10:
         return math.nan  # the commit overlapped nearly every step: no reference pace
@@ -198,8 +197,9 @@ def _paired_tables(m: dict[str, Any]) -> list[Table]:
         "checkpoint of every interval (of one format) over the interval. From step times: "
         "this interval's costs, each over its stretch's time, median over pairs. Pair times: "
         "1 - (time without) / (time with), median over pairs. ±: the 95% interval of the "
-        "median, 1.58 IQR / sqrt(pairs). A stretch without a checkpoint puts its changed rows into the next delta: deltas hold two "
-        "intervals' rows, more than a job checkpointing every interval writes.",
+        "median, 1.58 IQR / sqrt(pairs). A stretch without a checkpoint puts its changed rows "
+        "into the next delta: deltas hold two intervals' rows, more than a job checkpointing "
+        "every interval writes.",
     )  # fmt: skip
     busy = Table.of(
         "A save asked for while the previous one still commits (fp32, a save every "
