@@ -1,13 +1,10 @@
 """Benchmarks and experiments of torchrec_cnr, on one harness (:mod:`benchmarks.harness`).
 
-Not shipped: the wheels hold ``torchrec_cnr`` and ``cnr_train`` only. A case runs as
-``torchrun --standalone --nproc_per_node=N -m benchmarks.<name> [options] --out FILE``
-(those of :data:`SINGLE_PROCESS` as ``python -m``); its docstring and ``--help`` say what it
-measures. The Makefile's ``bench`` target is the one list of runs: the command of every
-recorded result (``benchmarks/results/``). ``make bench`` runs them all at full size into
-``out/bench/``, then renders ``docs/benchmarks.md`` and ``docs/experiments.md``
-(:mod:`benchmarks.report`); the names below are read from it. Every case takes
-``--smoke``: tiny sizes, the same code path, seconds.
+Not shipped. A case runs as ``torchrun --standalone --nproc_per_node=N -m
+benchmarks.<name> [options] --out FILE`` (those of :data:`SINGLE_PROCESS` by ``python
+-m``); its ``--help`` says what it measures, and ``--smoke`` runs it at tiny sizes. The
+Makefile's ``bench`` target is the one list of runs, the command of every recorded result
+(``benchmarks/results/``); the names below are read from it.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ MAKEFILE = Path(__file__).resolve().parents[1] / "Makefile"
 
 
 def bench_runs() -> list[list[str]]:
-    """The commands of the Makefile's ``bench`` target, in order, its variables expanded
-    (``$(BENCH)`` is ``out/bench``)."""
+    """The commands of the Makefile's ``bench`` target, in order, variables expanded."""
     text = MAKEFILE.read_text()
     variables = dict(re.findall(r"^(\w+) *[:?]?= *(.*)$", text, re.MULTILINE))
 
@@ -36,8 +32,7 @@ def bench_runs() -> list[list[str]]:
 
 
 def _modules() -> dict[str, bool]:
-    """Each module the bench target runs (``benchmarks.`` left out) -> whether it runs in
-    one process by ``python -m`` (not torchrun)."""
+    """Each module the bench target runs (less ``benchmarks.``) -> whether by ``python -m``."""
     found: dict[str, bool] = {}
     for argv in bench_runs():
         at = argv.index("-m")
@@ -53,5 +48,4 @@ CASES = tuple(sorted(m for m in _modules() if not m.startswith("experiments.")))
 EXPERIMENTS = tuple(sorted(m.split(".", 1)[1] for m in _modules() if m.startswith("experiments.")))
 """The experiments: ``benchmarks.experiments.<name>``, in ``out/bench/experiments/``."""
 SINGLE_PROCESS = tuple(sorted(m for m, alone in _modules().items() if alone))
-"""Cases run by ``python -m`` in one process (serving starts its own job and serving
-process, shards simulates its ranks); the others by torchrun."""
+"""Cases run by ``python -m`` in one process (serving, shards); the others by torchrun."""

@@ -1,25 +1,20 @@
 """Training stall, commit time, bytes written and restore time of one checkpoint of a
-sharded model (8 table-wise tables x 1M rows x dim 64, 2.05 GB of fp32 weights, row-wise
-Adagrad, 2 gloo ranks): torchrec_cnr's four policies, fp32 and 4-bit adaptive, against
-torchsnapshot and torch.distributed.checkpoint (DCP), in one run on one model.
+sharded model (8 table-wise tables x 1M rows x dim 64, 2.05 GB of fp32, row-wise Adagrad, 2
+gloo ranks): torchrec_cnr's four policies, fp32 and 4-bit adaptive, against torchsnapshot
+and torch.distributed.checkpoint (DCP), in one run on one model.
 
-- Limits measured in the same run: the disk's sequential bandwidth, a memcpy of each
-  checkpoint's staged bytes, the quantizer's rate per thread.
-- Peers (:mod:`benchmarks.peers`): torchsnapshot ``take`` and ``async_take`` (as shipped,
-  and patched to copy as its code intends; rows modified after it returns show whether
-  the snapshot is torn), with the fsync it leaves out reported apart; DCP ``save`` and
-  ``async_save``.
-- torchrec_cnr, per policy x format x {5%, 25%} of rows modified, on a fresh root: a
-  baseline, then ``--repeats`` saves each after exactly that share of rows was modified.
-  Medians of ``--repeats`` (stall, commit) and of ``--restore-repeats`` cold restores,
-  checksums verified, the 25% rows corrupted first and compared after. Peak resident
-  memory added by a manager, its saves and a restore.
-- Side by side (``--rounds`` interleaved rounds, medians, from a settled disk): durable
-  full commits of torchsnapshot ``take`` + fsync and of torchrec_cnr fp32 (``O_DIRECT``
-  and through the page cache) and 2-, 3-, 4-, 8-bit; cold restores of the snapshot, of
-  intermittent chains at each fraction, a consecutive chain of 4, the full fp32 and 4-bit
-  commits, and the first chain within a budget of 1/8 of the rows and through the page
-  cache, with each restore's peak memory.
+- Limits: the disk's sequential bandwidth, a memcpy of the staged bytes, the quantizer's
+  rate per thread. Peers (:mod:`benchmarks.peers`): torchsnapshot ``take``, ``async_take``
+  (as shipped, and patched to copy; rows modified after it returns show a torn snapshot),
+  their missing fsync apart; DCP ``save`` and ``async_save``.
+- torchrec_cnr per policy x format x {5%, 25%} of rows modified, on a fresh root: a
+  baseline, then ``--repeats`` saves of that share (medians), ``--restore-repeats`` cold
+  restores (checksums verified, the 25% rows corrupted first), and the peak memory added.
+- Side by side (``--rounds`` interleaved rounds, medians): durable full commits of
+  torchsnapshot ``take`` + fsync and torchrec_cnr fp32 (``O_DIRECT``, page cache), 2-, 3-,
+  4-, 8-bit; cold restores of the snapshot, intermittent chains, a consecutive chain of 4,
+  the full fp32 and 4-bit commits, the first chain within 1/8 of the rows and through the
+  page cache, each with its peak memory.
 
 Targets: intermittent fp32 stall <= async_take (copying) stall / 10 at 5%, / 3 at 25%;
 every delta stall <= 2 x the memcpy of its staged bytes; a manager's first full stall <=
@@ -44,35 +39,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import (
-    GB,
-    POLICIES,
-    QUANTS,
-    Peak,
-    Policy,
-    StepLoop,
-    disk_bandwidth,
-    from_rank0,
-    max_over_ranks,
-    memcpy_s,
-    model_arguments,
-    modify,
-    random_rows,
-    rmtree,
-    timed,
-    timed_restore,
-    timed_save,
-)
 from benchmarks.peers import run_peers, torchsnapshot_restore, torchsnapshot_take_durable
 from benchmarks.results import Column, Goal, Table
-from torchrec_cnr import (
-    CheckpointConfig,
-    CheckpointManager,
-    QuantizeConfig,
-    checkpoint_info,
-    list_checkpoints,
-)
+from torchrec_cnr import CheckpointConfig, CheckpointManager, checkpoint_info, list_checkpoints
+from torchrec_cnr.config import QuantizeConfig
 from torchrec_cnr.encoding.writer import ENCODE_BYTES
 from torchrec_cnr.quantization import quantize
 from torchrec_cnr.storage.fs import FsStorage
@@ -86,45 +58,40 @@ def _key(policy: str, quant: str, frac: float) -> str:
     return f"{policy}_{quant.replace('-', '')}_{frac:.0%}".rstrip("%")
 
 
-FORMATS = {
-    **QUANTS,
-    **{f"{b}-bit": QuantizeConfig(method="adaptive", bits=b, min_rows=0) for b in (2, 3, 8)},
-}
-"""The stored formats of the side-by-side full commits: the grid's two and the other bit
-widths."""
+FORMATS = {**measure.QUANTS, **{f"{b}-bit": QuantizeConfig(method="adaptive", bits=b, min_rows=0)
+                                 for b in (2, 3, 8)}}  # fmt: skip
+"""The formats of the side-by-side full commits: the grid's two and other bit widths."""
 
 RESTORE_BUDGET = 1 / 8
-"""The budgeted restore arm's ``staging_memory_mb`` (and so ``restore_memory_mb``), as a
-share of the rows a rank holds."""
+"""The budgeted restore arm's ``staging_memory_mb``, as a share of the rows a rank holds."""
 
 
 def _peak(fn: Callable[[], Any]) -> tuple[Any, float]:
     """``fn()`` and the most resident memory it added, MB, the largest rank's (:class:`Peak`)."""
-    watched = Peak(fn)
+    watched = measure.Peak(fn)
     return watched(), watched.over_ranks()
 
 
 def encode_rates(shards: list[LocalShard]) -> dict[str, float]:
-    """GB of fp32 rows per second that one thread quantizes, per format: the first 32 MB
-    of this rank's first shard, each encoded as a commit encodes a piece, best of 3, every
-    rank at once (so each on its own core where the cores are as many as the ranks); the
-    slowest rank's rate."""
-    rows = shards[0].weight.detach()[: ENCODE_BYTES // (4 * shards[0].weight.shape[1])]
-    rows = rows.contiguous()
+    """GB/s of fp32 rows one thread quantizes, per format: 32 MB of this rank's first shard
+    encoded as a commit encodes a piece, best of 3, all ranks at once; the slowest rank's."""
+    w = shards[0].weight.detach()
+    rows = w[: ENCODE_BYTES // (4 * w.shape[1])].contiguous()
     rates = {}
     for name, q in FORMATS.items():
-        if name == "fp32":
-            continue
-        dist.barrier()
-        best = min(timed(lambda: quantize(rows, q.method, int(q.bits)))[0] for _ in range(3))  # noqa: B023
-        rates[name] = rows.numel() * 4 / best / GB  # timed: the slowest rank's
+        if name != "fp32":
+            dist.barrier()
+            encode = functools.partial(quantize, rows, q.method, int(q.bits))
+            best = min(measure.timed(encode)[0] for _ in range(3))  # the slowest rank's
+            rates[name] = rows.numel() * 4 / best / measure.GB
     return rates
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    model_arguments(p, rows=1_000_000)
+    measure.model_arguments(p, rows=1_000_000)
     p.add_argument("--fractions", type=float, nargs=2, default=[0.05, 0.25])
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    policies = measure.POLICIES
+    p.add_argument("--policies", nargs="+", default=list(policies), choices=policies)
     p.add_argument("--repeats", type=int, default=3, help="timed saves per method, median")
     p.add_argument("--restore-repeats", type=int, default=2, help="cold restores, median")
     p.add_argument("--rounds", type=int, default=3, help="interleaved side-by-side rounds")
@@ -133,64 +100,49 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-passes", type=int, default=2, help="disk test passes, best kept")
 
 
-def _cnr(
-    b: Bench,
-    model: Any,
-    shards: list[LocalShard],
-    key: tuple[Policy, str, float],
-    rows: Rows,
-    check: Rows,
-) -> dict[str, Any]:
+def _cnr(b: Bench, model: Any, shards: list[LocalShard], key: tuple[measure.Policy, str, float],
+         rows: Rows, check: Rows) -> dict[str, Any]:  # fmt: skip
     """A baseline, then ``--repeats`` timed saves of the modified ``rows``; cold restores."""
     policy, quant, frac = key
     root = b.scratch / f"cnr_{_key(*key)}"
-    cfg = CheckpointConfig(path=str(root), policy=policy, on_busy="wait", quantize=QUANTS[quant])
+    cfg = CheckpointConfig(str(root), policy=policy, on_busy="wait", quantize=measure.QUANTS[quant])
     # Peak memory: a manager over the model's own (its staging buffers), and over that its
     # first save and commit, the later ones, and a restore by a fresh manager.
     ckpt, peak_manager = _peak(lambda: CheckpointManager(model, cfg))
     with ckpt:
-        (base_stall, _), peak_first = _peak(lambda: timed_save(ckpt, 1))
+        (base_stall, _), peak_first = _peak(lambda: measure.timed_save(ckpt, 1))
         saves, peak_saves = [], 0.0
         for rep in range(b.args.repeats):
-            modify(shards, rows)
-            got, peak = _peak(lambda: timed_save(ckpt, 2 + rep))  # noqa: B023
+            measure.modify(shards, rows)
+            got, peak = _peak(lambda: measure.timed_save(ckpt, 2 + rep))  # noqa: B023
             saves.append(got)
             peak_saves = max(peak_saves, peak)
-    infos = from_rank0(lambda: list_checkpoints(str(root)))
+    infos = measure.from_rank0(lambda: list_checkpoints(str(root)))
     # Rank 0's staged bytes: table-wise tables spread evenly, every rank stages as much.
-    memcpy = memcpy_s(infos[-1].staged_bytes)
+    memcpy = measure.memcpy_s(infos[-1].staged_bytes)
     gc.collect()
 
     with CheckpointManager(model, cfg) as restorer:
-        watched = Peak(restorer.restore)
-        restores = [
-            timed_restore(watched, root, shards, check) for _ in range(b.args.restore_repeats)
-        ]
+        watched = measure.Peak(restorer.restore)
+        repeats = range(b.args.restore_repeats)
+        restores = [measure.timed_restore(watched, root, shards, check) for _ in repeats]
     peak_restore = watched.over_ranks()
-    rmtree(root)
+    measure.rmtree(root)
     gc.collect()
     stall = statistics.median(s for s, _ in saves)
     row = {
-        "policy": policy,
-        "quant": quant,
-        "fraction": frac,
-        "stall_s": stall,
-        "commit_s": statistics.median(c for _, c in saves),
+        "policy": policy, "quant": quant, "fraction": frac,
+        "stall_s": stall, "commit_s": statistics.median(c for _, c in saves),
         "bytes": statistics.median(i.bytes for i in infos[1:]),
-        "staged_bytes": infos[-1].staged_bytes,
-        "memcpy_s": memcpy,
+        "staged_bytes": infos[-1].staged_bytes, "memcpy_s": memcpy,
         "stall_over_memcpy": stall / memcpy,
         "restore_s": statistics.median(t for t, _ in restores),
         "restore_chain_len": len(infos[-1].chain),
         "restore_max_abs_err": max(e for _, e in restores),
         "baseline": {"stall_s": base_stall, "bytes": infos[0].bytes},
-        "peak_mb": {
-            "manager": peak_manager,
-            "first_save": peak_first,
-            "saves": peak_saves,
-            "restore": peak_restore,
-        },
-    }
+        "peak_mb": {"manager": peak_manager, "first_save": peak_first, "saves": peak_saves,
+                    "restore": peak_restore},
+    }  # fmt: skip
     b.log_row(row)
     return row
 
@@ -208,9 +160,8 @@ def _side_by_side(
     ts_path, full = b.scratch / "sbs_torchsnapshot", {}
 
     def root_of(arm: str) -> Path:
-        return (
-            ts_path if arm == "torchsnapshot" else b.scratch / f"sbs_full_{arm.replace(' ', '_')}"
-        )
+        name = arm.replace(" ", "_")
+        return ts_path if arm == "torchsnapshot" else b.scratch / f"sbs_full_{name}"
 
     def full_config(quant: str) -> CheckpointConfig:
         return CheckpointConfig(path=str(root_of(quant)), policy="full", quantize=FORMATS[quant])
@@ -218,13 +169,11 @@ def _side_by_side(
     def cnr_full(quant: str, direct: bool = True) -> float:
         name = quant if direct else f"{quant}{PAGE_CACHE}"
         root = root_of(name)
-        with CheckpointManager(
-            model,
-            dataclasses.replace(full_config(quant), path=str(root)),
-            storage=FsStorage(root, direct_writes=direct),
-        ) as ckpt:
-            _, commit = timed_save(ckpt, 1)
-        full[name] = from_rank0(lambda: checkpoint_info(str(root)))
+        config = dataclasses.replace(full_config(quant), path=str(root))
+        storage = FsStorage(root, direct_writes=direct)
+        with CheckpointManager(model, config, storage=storage) as ckpt:
+            _, commit = measure.timed_save(ckpt, 1)
+        full[name] = measure.from_rank0(lambda: checkpoint_info(str(root)))
         return commit
 
     arms: dict[str, Callable[[], float]] = {
@@ -232,17 +181,14 @@ def _side_by_side(
         **{q: functools.partial(cnr_full, q) for q in FORMATS},
         f"fp32{PAGE_CACHE}": functools.partial(cnr_full, "fp32", False),
     }
+    # Each method starts from a settled disk with its previous output deleted.
     commits = b.interleaved(
-        b.args.rounds,
-        arms,
-        # Each method starts from a settled disk with its previous output deleted.
-        prepare=lambda n: rmtree(root_of(n)),
-        label="durable full commit",
+        b.args.rounds, arms, lambda n: measure.rmtree(root_of(n)), label="durable full commit"
     )
     # Chains to restore: intermittent at each fraction (baseline + one delta), and a
     # consecutive chain of 4 at the smaller one.
     small = min(sels)
-    plan: list[tuple[str, Policy, float, int]] = [
+    plan: list[tuple[str, measure.Policy, float, int]] = [
         *((f"intermittent_{f:.0%}".rstrip("%"), "intermittent", f, 1) for f in sorted(sels)),
         (f"consecutive_{small:.0%}_chain_of_4".replace("%", ""), "consecutive", small, 3),
     ]
@@ -252,113 +198,91 @@ def _side_by_side(
         with CheckpointManager(model, chains[name]) as ckpt:
             for step in range(1, deltas + 2):
                 if step > 1:
-                    modify(shards, sels[frac])
-                timed_save(ckpt, step)
+                    measure.modify(shards, sels[frac])
+                measure.timed_save(ckpt, step)
     # The last commit round's full checkpoints, as they stand: fp32 and 4-bit; and the
     # first chain again within a memory budget, and through the page cache.
     first = next(iter(chains))
     rows_mb = sum(s.weight.numel() * s.weight.element_size() for s in shards) / 2**20
-    budget_mb = max_over_ranks(rows_mb * RESTORE_BUDGET)[0]
+    budget_mb = measure.max_over_ranks(rows_mb * RESTORE_BUDGET)[0]
     setups: dict[str, tuple[CheckpointConfig, bool]] = {
         **{name: (config, True) for name, config in chains.items()},
-        **{f"full_{q.replace('-', '')}": (full_config(q), True) for q in QUANTS},
-        f"{first}{BUDGETED}": (
-            dataclasses.replace(chains[first], staging_memory_mb=budget_mb),
-            True,
-        ),
+        **{f"full_{q.replace('-', '')}": (full_config(q), True) for q in measure.QUANTS},
+        f"{first}{BUDGETED}": (dataclasses.replace(chains[first], staging_memory_mb=budget_mb),
+                               True),
         f"{first}{PAGE_CACHE}": (chains[first], False),
-    }
+    }  # fmt: skip
     errors: dict[str, float] = {}
     peaks: dict[str, float] = {}
 
     def restore(name: str) -> float:
         if name == "torchsnapshot":  # the snapshot of the last commit round
-            watched = Peak(torchsnapshot_restore(model, ts_path))
-            took, errors[name] = timed_restore(watched, ts_path, shards, check)
+            watched = measure.Peak(torchsnapshot_restore(model, ts_path))
+            took, errors[name] = measure.timed_restore(watched, ts_path, shards, check)
         else:
             config, direct = setups[name]
             path = Path(config.path)
             storage = FsStorage(path, direct_reads=direct)
             with CheckpointManager(model, config, storage=storage) as restorer:
-                watched = Peak(restorer.restore)
-                took, errors[name] = timed_restore(watched, path, shards, check)
+                watched = measure.Peak(restorer.restore)
+                took, errors[name] = measure.timed_restore(watched, path, shards, check)
         peaks[name] = max(peaks.get(name, 0.0), watched.over_ranks())
         return took
 
-    names = ["torchsnapshot", *setups]
-    restores = b.interleaved(
-        b.args.rounds, {n: functools.partial(restore, n) for n in names}, label="cold restore"
-    )
+    methods = {n: functools.partial(restore, n) for n in ["torchsnapshot", *setups]}
+    restores = b.interleaved(b.args.rounds, methods, label="cold restore")
     for path in [*map(root_of, arms), *(Path(c.path) for c in chains.values())]:
-        rmtree(path)
+        measure.rmtree(path)
     commit_s = {k: statistics.median(v) for k, v in commits.items()}
     return {
         "rounds": b.args.rounds,
-        "full_fp32_bytes": full["fp32"].bytes,
-        "full_fp32_staged_bytes": full["fp32"].staged_bytes,
-        "full_fp32_gb_s": full["fp32"].bytes / commit_s["fp32"] / GB,
-        "commit_s": commit_s,
-        "commits": commits,
-        "restore_s": {k: statistics.median(v) for k, v in restores.items()},
-        "restores": restores,
-        "restore_max_abs_err": errors,
-        "restore_peak_mb": peaks,
-        "rows_mb_per_rank": rows_mb,
-        "restore_budget_mb": budget_mb,
+        "full_fp32_bytes": full["fp32"].bytes, "full_fp32_staged_bytes": full["fp32"].staged_bytes,
+        "full_fp32_gb_s": full["fp32"].bytes / commit_s["fp32"] / measure.GB,
+        "commit_s": commit_s, "commits": commits,
+        "restore_s": {k: statistics.median(v) for k, v in restores.items()}, "restores": restores,
+        "restore_max_abs_err": errors, "restore_peak_mb": peaks,
+        "rows_mb_per_rank": rows_mb, "restore_budget_mb": budget_mb,
         "bytes": {name: info.bytes for name, info in full.items()},
-    }
+    }  # fmt: skip
 
 
-def targets(fracs: list[float], policies: list[Policy]) -> list[Goal]:
+def targets(fracs: list[float], policies: list[measure.Policy]) -> list[Goal]:
     """The targets of a run at ``fracs`` (two fractions of rows modified) over ``policies``."""
     small, large = (f"{f:.0%}" for f in sorted(fracs))
-    cnr = {
-        f"{p} {q} {f:.0%}": f"cnr.{_key(p, q, f)}" for p in POLICIES for q in QUANTS for f in fracs
-    }
-    sbs, ts = "side_by_side", "side_by_side.restore_s.torchsnapshot"
-    copying = "peers.torchsnapshot_async_take_copy.stall_s"
+    cnr = {f"{p} {q} {f:.0%}": f"cnr.{_key(p, q, f)}" for p in measure.POLICIES
+           for q in measure.QUANTS for f in fracs}  # fmt: skip
+    commit, restore = "side_by_side.commit_s", "side_by_side.restore_s"
+    ts, copying = f"{restore}.torchsnapshot", "peers.torchsnapshot_async_take_copy.stall_s"
     return [
-        Goal(f"intermittent fp32 stall <= async_take (copying) / 10 at {small}",
-               f"{cnr[f'intermittent fp32 {small}']}.stall_s", "<=", copying, 0.1),
-        Goal(f"intermittent fp32 stall <= async_take (copying) / 3 at {large}",
-               f"{cnr[f'intermittent fp32 {large}']}.stall_s", "<=", copying, 1 / 3),
-        *(
-            Goal(f"{p} fp32 {f} delta stall <= 2 x a memcpy of its staged bytes",
-                   f"{cnr[f'{p} fp32 {f}']}.stall_over_memcpy", "<=", 2.0)
-            for f in (large, small)
-            for p in policies
-            if p != "full"
-        ),
-        *(
-            Goal(f"a manager's first full stall <= 2 x its later ones ({f} run)",
-                   f"{full}.baseline.stall_s", "<=", f"{full}.stall_s", 2.0)
-            for f in (small, large)
-            for full in [cnr[f"full fp32 {f}"]]
-        ),
+        *(Goal(f"intermittent fp32 stall <= async_take (copying) / {n} at {f}",
+               f"{cnr[f'intermittent fp32 {f}']}.stall_s", "<=", copying, 1 / n)
+          for f, n in ((small, 10), (large, 3))),
+        *(Goal(f"{p} fp32 {f} delta stall <= 2 x a memcpy of its staged bytes",
+               f"{cnr[f'{p} fp32 {f}']}.stall_over_memcpy", "<=", 2.0)
+          for f in (large, small) for p in policies if p != "full"),
+        *(Goal(f"a manager's first full stall <= 2 x its later ones ({f} run)",
+               f"{cnr[f'full fp32 {f}']}.baseline.stall_s", "<=",
+               f"{cnr[f'full fp32 {f}']}.stall_s", 2.0)
+          for f in (small, large)),
         Goal("full fp32 durable commit <= torchsnapshot take + fsync (side by side)",
-               f"{sbs}.commit_s.fp32", "<=", f"{sbs}.commit_s.torchsnapshot"),
+             f"{commit}.fp32", "<=", f"{commit}.torchsnapshot"),
         Goal("full fp32 commit >= 70% of the disk's write bandwidth",
-               f"{sbs}.full_fp32_gb_s", ">=", "disk.write_gb_s", 0.7),
+             "side_by_side.full_fp32_gb_s", ">=", "disk.write_gb_s", 0.7),
         Goal("full fp32 commit with O_DIRECT <= through the page cache (side by side)",
-               f"{sbs}.commit_s.fp32", "<=", f"{sbs}.commit_s.fp32{PAGE_CACHE}"),
+             f"{commit}.fp32", "<=", f"{commit}.fp32{PAGE_CACHE}"),
         Goal(f"intermittent {small} restore with O_DIRECT <= through the page cache",
-               f"{sbs}.restore_s.intermittent_{small[:-1]}", "<=",
-               f"{sbs}.restore_s.intermittent_{small[:-1]}{PAGE_CACHE}"),
-        *(
-            Goal(f"{q} full commit <= fp32 full commit (side by side)",
-                   f"{sbs}.commit_s.{q}", "<=", f"{sbs}.commit_s.fp32")
-            for q in FORMATS
-            if q != "fp32"
-        ),
+             f"{restore}.intermittent_{small[:-1]}", "<=",
+             f"{restore}.intermittent_{small[:-1]}{PAGE_CACHE}"),
+        *(Goal(f"{q} full commit <= fp32 full commit (side by side)",
+               f"{commit}.{q}", "<=", f"{commit}.fp32")
+          for q in FORMATS if q != "fp32"),
         Goal("4-bit full restore <= fp32 full restore (side by side)",
-               f"{sbs}.restore_s.full_4bit", "<=", f"{sbs}.restore_s.full_fp32"),
-        *(
-            Goal(f"intermittent {f} restore <= torchsnapshot's restore",
-                   f"{sbs}.restore_s.intermittent_{f[:-1]}", "<=", ts)
-            for f in (small, large)
-        ),
+             f"{restore}.full_4bit", "<=", f"{restore}.full_fp32"),
+        *(Goal(f"intermittent {f} restore <= torchsnapshot's restore",
+               f"{restore}.intermittent_{f[:-1]}", "<=", ts)
+          for f in (small, large)),
         Goal("consecutive chain of 4 restore <= 1.5 x torchsnapshot's restore",
-               f"{sbs}.restore_s.consecutive_{small[:-1]}_chain_of_4", "<=", ts, 1.5),
+             f"{restore}.consecutive_{small[:-1]}_chain_of_4", "<=", ts, 1.5),
     ]  # fmt: skip
 
 
@@ -368,124 +292,95 @@ def _commit(p: dict[str, Any]) -> str:
 
 
 def tables(m: dict[str, Any]) -> list[Table]:
-    disk, mem, sbs = m["disk"], m["memcpy_full"], m["side_by_side"]
-    limits: dict[str, Column] = {
-        "disk write GB/s": "write_gb_s",
-        "disk read GB/s": "read_gb_s",
+    mem, sbs, GB = m["memcpy_full"], m["side_by_side"], measure.GB
+    limits = Table.of("Limits measured in the same run", [m["disk"]], {
+        "disk write GB/s": "write_gb_s", "disk read GB/s": "read_gb_s",
         "memcpy GB/s per rank": lambda _: mem["bytes"] / mem["s"] / GB,
         "disk test": lambda d: f"{d['bytes'] / GB:.2f} GB, best of {len(d['passes'])} passes",
         "quantized GB/s of fp32 rows per thread": lambda _: ", ".join(
-            f"{k} {v:.2f}" for k, v in m["encode_gb_s_per_thread"].items()
-        ),
-    }
+            f"{k} {v:.2f}" for k, v in m["encode_gb_s_per_thread"].items()),
+    })  # fmt: skip
     ok = [p for p in m["peers"].values() if "error" not in p]
-    failed = [
-        [p["method"], "full", f"fails: {p['error'][:160]}", "", "", ""]
-        for p in m["peers"].values()
-        if p not in ok
-    ]
+    failed = [[p["method"], "full", f"fails: {p['error'][:160]}", "", "", ""]
+              for p in m["peers"].values() if p not in ok]  # fmt: skip
     peers = Table.of("", ok, {
-        "method": "method",
-        "modified": lambda _: "full",
-        "stall s": "stall_s",
-        "commit s": _commit,
-        "written GB": lambda p: p["bytes"] / GB,
-        "restore s": "restore_s",
+        "method": "method", "modified": lambda _: "full", "stall s": "stall_s",
+        "commit s": _commit, "written GB": lambda p: p["bytes"] / GB, "restore s": "restore_s",
     })  # fmt: skip
     which: dict[str, Column] = {
         "method": lambda r: f"torchrec_cnr {r['policy']} {r['quant']}",
         "modified": lambda r: "–" if r["policy"] == "full" else f"{r['fraction']:.0%}",
     }
     ours = Table.of("", m["cnr"].values(), {
-        **which,
-        "stall s": "stall_s",
-        "commit s": "commit_s",
+        **which, "stall s": "stall_s", "commit s": "commit_s",
         "written GB": lambda r: r["bytes"] / GB,
         "restore s": lambda r: f"{r['restore_s']:.2f} (chain of {r['restore_chain_len']})",
     })  # fmt: skip
-    side = [["durable full commit", k, v] for k, v in sbs["commits"].items()]
-    side += [["cold restore", k, v] for k, v in sbs["restores"].items()]
+    side = [{"figure": figure, "method": k, "v": v}
+            for figure, runs in (("durable full commit", sbs["commits"]),
+                                 ("cold restore", sbs["restores"]))
+            for k, v in runs.items()]  # fmt: skip
     rows_mb = sbs["rows_mb_per_rank"]
-    memory = Table.of(
-        f"Peak resident memory over the model's, MB, largest rank ({rows_mb:.0f} MB of rows "
-        "per rank)",
-        m["cnr"].values(),
-        {
-            **which,
-            "manager": lambda r: r["peak_mb"]["manager"],
-            "first save + commit": lambda r: r["peak_mb"]["first_save"],
-            "later saves + commits": lambda r: r["peak_mb"]["saves"],
-            "restore": lambda r: r["peak_mb"]["restore"],
-        },
-        "A manager's staging buffers (a full checkpoint's, faulted in when it is built) are "
-        "reused by every save and by a restore; each later column is what its calls added "
-        "over the manager's.",
-    )
-    restore_memory = Table.of(
-        "Cold restores side by side: resident memory the restore call added at its peak, "
-        "MB, largest rank (over the model and, for torchrec_cnr, its manager's staging "
-        "buffers: the manager column above, or the budget)",
-        [{"method": k, "mb": v} for k, v in sbs["restore_peak_mb"].items()],
-        {"method": "method", "peak MB": "mb", "x rows": lambda r: r["mb"] / rows_mb},
-        f"'{BUDGETED.strip()}': staging_memory_mb (and so restore_memory_mb) = "
-        f"{sbs['restore_budget_mb']:.0f} MB, 1/8 of the rows.",
-    )
+
+    def peak(k: str) -> Column:
+        return lambda r: r["peak_mb"][k]
+
     return [
-        Table.of("Limits measured in the same run", [disk], limits),
-        Table(
-            "One checkpoint of the same model",
-            peers.columns,
-            peers.rows + failed + ours.rows,
-            "torchrec_cnr and DCP commits include fsync; torchrec_cnr restores verify checksums.",
+        limits,
+        Table("One checkpoint of the same model", peers.columns, peers.rows + failed + ours.rows,
+              "torchrec_cnr and DCP commits include fsync; torchrec_cnr restores verify checksums."),
+        Table.of(f"Side by side: median of {sbs['rounds']} interleaved rounds", side, {
+            "figure": "figure", "method": "method",
+            "median s": lambda r: statistics.median(r["v"]),
+            "rounds s": lambda r: ", ".join(f"{x:.2f}" for x in r["v"]),
+        }),
+        Table.of(
+            f"Peak resident memory over the model's, MB, largest rank ({rows_mb:.0f} MB of rows "
+            "per rank)", m["cnr"].values(),
+            {**which, "manager": peak("manager"), "first save + commit": peak("first_save"),
+             "later saves + commits": peak("saves"), "restore": peak("restore")},
+            "A manager's staging buffers (a full checkpoint's, faulted in when it is built) are "
+            "reused by every save and by a restore; each later column is what its calls added "
+            "over the manager's.",
         ),
         Table.of(
-            f"Side by side: median of {sbs['rounds']} interleaved rounds",
-            [{"figure": f, "method": k, "v": v} for f, k, v in side],
-            {
-                "figure": "figure",
-                "method": "method",
-                "median s": lambda r: statistics.median(r["v"]),
-                "rounds s": lambda r: ", ".join(f"{x:.2f}" for x in r["v"]),
-            },
+            "Cold restores side by side: resident memory the restore call added at its peak, "
+            "MB, largest rank (over the model and, for torchrec_cnr, its manager's staging "
+            "buffers: the manager column above, or the budget)",
+            [{"method": k, "mb": v} for k, v in sbs["restore_peak_mb"].items()],
+            {"method": "method", "peak MB": "mb", "x rows": lambda r: r["mb"] / rows_mb},
+            f"'{BUDGETED.strip()}': staging_memory_mb (and so restore_memory_mb) = "
+            f"{sbs['restore_budget_mb']:.0f} MB, 1/8 of the rows.",
         ),
-        memory,
-        restore_memory,
-    ]
+    ]  # fmt: skip
 
 
 def run(b: Bench) -> Outcome:
     a = b.args
-    disk = disk_bandwidth(b.scratch, a.disk_mb << 20, passes=a.disk_passes)
-    model = StepLoop.warm(a, 512, a.warmup_steps).work.model
+    disk = measure.disk_bandwidth(b.scratch, a.disk_mb << 20, passes=a.disk_passes)
+    model = measure.StepLoop.warm(a, 512, a.warmup_steps).work.model
     shards = local_shards(model)
-    sels = random_rows(shards, a.fractions)
+    sels = measure.random_rows(shards, a.fractions)
     check = sels[max(a.fractions)]
     encode = encode_rates(shards)
     side_by_side = _side_by_side(b, model, shards, sels, check)
     peers = run_peers(model, b.scratch, shards, check)
-    keys = [(p, q, f) for p in a.policies for q in QUANTS for f in a.fractions]
+    keys = [(p, q, f) for p in a.policies for q in measure.QUANTS for f in a.fractions]
     cnr = {_key(*k): _cnr(b, model, shards, k, sels[k[2]], check) for k in keys}
     staged = side_by_side["full_fp32_staged_bytes"]
-    m = {
-        "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim},
-        "disk": disk,
-        "memcpy_full": {"bytes": staged, "s": memcpy_s(staged)},
-        "encode_gb_s_per_thread": encode,
-        "peers": peers,
-        "cnr": cnr,
-        "side_by_side": side_by_side,
-    }
+    m = {"model": {"tables": a.tables, "rows": a.rows, "dim": a.dim}, "disk": disk,
+         "memcpy_full": {"bytes": staged, "s": measure.memcpy_s(staged)},
+         "encode_gb_s_per_thread": encode, "peers": peers, "cnr": cnr,
+         "side_by_side": side_by_side}  # fmt: skip
     return Outcome(m, tables(m), targets(a.fractions, a.policies))
 
 
-CASE = Case(
-    name="checkpoint",
-    title="Checkpoint stall, commit, bytes and restore against torchsnapshot and DCP",
-    arguments=_arguments,
-    smoke="--tables 2 --rows 4000 --dim 16 --repeats 1 --restore-repeats 1 --rounds 1 "
-    "--warmup-steps 1 --disk-mb 8 --disk-passes 1",
-    run=run,
-)
+CASE = Case(name="checkpoint",
+            title="Checkpoint stall, commit, bytes and restore against torchsnapshot and DCP",
+            arguments=_arguments,
+            smoke="--tables 2 --rows 4000 --dim 16 --repeats 1 --restore-repeats 1 --rounds 1 "
+                  "--warmup-steps 1 --disk-mb 8 --disk-passes 1",
+            run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

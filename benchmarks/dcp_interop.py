@@ -1,14 +1,9 @@
-"""DCP import and export of a ~1 GB model (8 x 500k x 64 fp32, 2 gloo ranks), against DCP's
-own save and load of it, in turns, caches dropped before each:
-
-- export: ``export_dcp`` of a committed full checkpoint (blocks of ``--budget-mb``) against
-  ``dcp.save`` of TorchRec's recipe (model, fused optimizer, dense optimizer);
-- import: ``restore(from_dcp=...)`` of that DCP checkpoint against ``dcp.load`` of it (one
-  call per top-level key, as TorchRec's table-wise optimizer state needs);
-- resharding: a restore into the same tables sharded row-wise, against ``dcp.load``.
-
-Time is the slowest rank's; memory the peak resident set above each call's start
-(:class:`benchmarks.measure.Peak`), the largest rank's. Targets: each <= its DCP peer.
+"""DCP import and export of a ~1 GB model (8 x 500k x 64 fp32, 2 gloo ranks) against DCP's
+own save and load, in turns, caches dropped before each: ``export_dcp`` of a full checkpoint
+(blocks of ``--budget-mb``) against ``dcp.save`` of TorchRec's recipe; ``restore(from_dcp=)``
+against ``dcp.load`` (a call per top-level key); a restore resharded row-wise against
+``dcp.load``. Time is the slowest rank's; memory the peak resident set above each call's
+start (:class:`benchmarks.measure.Peak`), the largest rank's. Targets: each <= its DCP peer.
 """
 
 from __future__ import annotations
@@ -25,16 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import (
-    GB,
-    Peak,
-    model_arguments,
-    rmtree,
-    timed,
-    timed_save,
-    uniform_model,
-)
+from benchmarks.measure import GB
 from benchmarks.results import Goal, Table
 from cnr_train.workload import TableSpec, build_model, dense_optimizer
 from torchrec_cnr import CheckpointConfig, CheckpointManager, ExportOptions, export_dcp
@@ -42,23 +30,19 @@ from torchrec_cnr.storage.fs import tree_bytes
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    model_arguments(p, rows=500_000)
+    measure.model_arguments(p, rows=500_000)
     p.add_argument("--rounds", type=int, default=3, help="turns of each method")
     p.add_argument("--budget-mb", type=int, default=256, help="export_dcp's block budget")
     p.add_argument("--threads", type=int, default=1, help="export_dcp's writer threads")
 
 
 def _recipe(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    return {
-        "model": model.state_dict(),
-        "optim": model.fused_optimizer.state_dict(),  # type: ignore[operator, union-attr]
-        "dense_opt": opt.state_dict(),
-    }
+    optim = model.fused_optimizer.state_dict()  # type: ignore[operator, union-attr]
+    return {"model": model.state_dict(), "optim": optim, "dense_opt": opt.state_dict()}
 
 
 def _dcp_load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
-    """Stock ``dcp.load`` of the recipe, a call per top-level key (as TorchRec's table-wise
-    optimizer state needs)."""
+    """Stock ``dcp.load`` of the recipe, a call per top-level key (as TorchRec's needs)."""
     sd = _recipe(model, opt)
     for key in ("model", "optim"):
         dcp.load({key: sd[key]}, checkpoint_id=str(path))
@@ -66,19 +50,19 @@ def _dcp_load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) ->
 
 def run(b: Bench) -> Outcome:
     a = b.args
-    work = uniform_model(a)
+    work = measure.uniform_model(a)
     model, opt = work.model, work.opt
     root, ours, theirs = b.scratch / "root", b.scratch / "exported", b.scratch / "dcp_save"
     with CheckpointManager(model, CheckpointConfig(path=str(root), policy="full")) as ckpt:
-        timed_save(ckpt, 1)
+        measure.timed_save(ckpt, 1)
     got: dict[str, list[tuple[float, float]]] = {}
 
     def turns(label: str, methods: dict[str, Callable[[], Any]], prepare: Any = None) -> None:
         """``methods`` in interleaved turns, each one's seconds and peak memory noted."""
 
         def go(name: str) -> float:
-            watched = Peak(methods[name])
-            seconds, _ = timed(watched)
+            watched = measure.Peak(methods[name])
+            seconds, _ = measure.timed(watched)
             got.setdefault(name, []).append((seconds, watched.over_ranks()))
             return seconds
 
@@ -90,7 +74,7 @@ def run(b: Bench) -> Outcome:
     turns("export", {
         "export_dcp": lambda: export_dcp(str(root), ours, options=options, group=dist.group.WORLD),
         "dcp_save": lambda: dcp.save(_recipe(model, opt), checkpoint_id=str(theirs)),
-    }, prepare=lambda name: rmtree(ours if name == "export_dcp" else theirs))  # fmt: skip
+    }, prepare=lambda name: measure.rmtree(ours if name == "export_dcp" else theirs))  # fmt: skip
     sizes = {"export_dcp": tree_bytes(ours), "dcp_save": tree_bytes(theirs)}
     with CheckpointManager(model, CheckpointConfig(path=str(b.scratch / "imported"))) as importer:
         turns("import", {
@@ -107,40 +91,26 @@ def run(b: Bench) -> Outcome:
             "reshard_dcp_load": lambda: _dcp_load(resharded, reshard_opt, theirs),
         })  # fmt: skip
     m: dict[str, Any] = {
-        name: {
-            "seconds": statistics.median(s for s, _ in runs),
-            "seconds_all": [s for s, _ in runs],
-            "peak_mb": max(p for _, p in runs),
-        }
+        name: {"seconds": statistics.median(s for s, _ in runs), "seconds_all": [s for s, _ in runs],
+               "peak_mb": max(p for _, p in runs)}
         for name, runs in got.items()
-    }
+    }  # fmt: skip
     m["bytes"] = sizes
     m["model_gb"] = a.tables * a.rows * a.dim * 4 / GB
-    rows = [
-        [
-            name,
-            m[name]["seconds"],
-            m[name]["peak_mb"],
-            f"{m[peer]['seconds']:.2f} s, {m[peer]['peak_mb']:.0f} MB",
-        ]
-        for name, peer in (
-            ("export_dcp", "dcp_save"),
-            ("import", "dcp_load"),
-            ("reshard_restore", "reshard_dcp_load"),
-        )
-    ]
+    pairs = (("export_dcp", "dcp_save"), ("import", "dcp_load"),
+             ("reshard_restore", "reshard_dcp_load"))  # fmt: skip
+    rows = [[name, m[name]["seconds"], m[name]["peak_mb"],
+             f"{m[peer]['seconds']:.2f} s, {m[peer]['peak_mb']:.0f} MB"]
+            for name, peer in pairs]  # fmt: skip
     note = (
         f"{a.tables} tables x {a.rows} rows x dim {a.dim} fp32 ({m['model_gb']:.2f} GB) on "
         f"{b.world} ranks, fused row-wise Adagrad; median of {a.rounds} turns, caches dropped "
         f"before each; export blocks of {a.budget_mb} MB; checkpoint bytes: export "
         f"{sizes['export_dcp'] / GB:.3f} GB, dcp.save {sizes['dcp_save'] / GB:.3f} GB"
     )
-    table = Table(
-        "DCP interop against DCP",
-        ["method", "time s (median)", "peak MB over its start (max over ranks)", "DCP peer, same run"],
-        rows,
-        note,
-    )  # fmt: skip
+    columns = ["method", "time s (median)", "peak MB over its start (max over ranks)",
+               "DCP peer, same run"]  # fmt: skip
+    table = Table("DCP interop against DCP", columns, rows, note)
     goals = [
         Goal("export_dcp <= dcp.save", "export_dcp.seconds", "<=", "dcp_save.seconds"),
         Goal("import <= dcp.load", "import.seconds", "<=", "dcp_load.seconds"),
@@ -154,13 +124,10 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, [table], goals)
 
 
-CASE = Case(
-    name="dcp_interop",
-    title="DCP import and export of a 1 GB model against dcp.save and dcp.load",
-    arguments=_arguments,
-    smoke="--tables 2 --rows 4000 --dim 16 --rounds 1 --budget-mb 1",
-    run=run,
-)
+CASE = Case(name="dcp_interop",
+            title="DCP import and export of a 1 GB model against dcp.save and dcp.load",
+            arguments=_arguments, smoke="--tables 2 --rows 4000 --dim 16 --rounds 1 --budget-mb 1",
+            run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

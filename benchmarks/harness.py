@@ -1,11 +1,8 @@
-"""The harness every benchmark and experiment runs on.
-
-A case declares its arguments, its ``--smoke`` sizes and a ``run(bench)`` that returns an
-:class:`Outcome` (:class:`Case`); :func:`main` does the rest, the same for every case: the
-process group (torchrun's, or one process of its own), a scratch folder, the run, one JSON
-result (:mod:`benchmarks.results`) and the teardown, whatever happens. What the cases
-measure with (timing over ranks, the disk and memory limits, the rows they modify) is in
-:mod:`benchmarks.measure`.
+"""The harness every benchmark and experiment runs on: a case declares its arguments, its
+``--smoke`` sizes and a ``run(bench)`` that returns an :class:`Outcome` (:class:`Case`);
+:func:`main` does the rest alike for every case (the process group, a scratch folder, the
+run, one JSON result of :mod:`benchmarks.results`, the teardown). What the cases measure
+with is in :mod:`benchmarks.measure`.
 """
 
 from __future__ import annotations
@@ -80,14 +77,9 @@ class Bench:
     """Beside the JSON result (``out/bench/x.json`` -> ``out/bench/x/``): figures, CSVs."""
     command: str = ""
     """The command that runs this case again (:func:`command_line`)."""
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank()
-
-    @property
-    def world(self) -> int:
-        return dist.get_world_size()
+    rank: int = field(default_factory=dist.get_rank)
+    world: int = field(default_factory=dist.get_world_size)
+    """This rank and the number of ranks, of the group the case runs on."""
 
     def log(self, msg: str) -> None:
         """A progress line on stderr, from rank 0."""
@@ -97,15 +89,11 @@ class Bench:
 
     def log_row(self, row: Mapping[str, Any]) -> None:
         """:meth:`log` of a row of figures: ``key value``, floats to 4 digits."""
-        self.log(
-            ", ".join(
-                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
-            )
-        )
+        self.log(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                           for k, v in row.items()))  # fmt: skip
 
     def settle(self) -> None:
-        """Flushes every dirty page and pending discard, and drops the page cache where
-        allowed (as root, and not in ``--smoke`` runs, which share the machine)."""
+        """Syncs, and drops the page cache where allowed (as root, not in ``--smoke`` runs)."""
         if dist.get_rank() == 0:
             os.sync()
             if self.args.drop_caches:
@@ -113,20 +101,11 @@ class Bench:
                     Path("/proc/sys/vm/drop_caches").write_text("1\n")
         dist.barrier()
 
-    def interleaved(
-        self,
-        rounds: int,
-        methods: Mapping[str, Callable[[], float]],
-        prepare: Callable[[str], None] | None = None,
-        settle: bool = True,
-        label: str = "",
-    ) -> dict[str, list[float]]:
-        """Each method's figure per round, the methods taking turns in a rotating order.
-
-        The disk of a shared VM drifts over minutes: figures that a target compares are
-        taken in turns, so that a drift hits each alike. Before each method, ``prepare``
-        (e.g. deleting its previous output) and, with ``settle``, :meth:`settle`.
-        """
+    def interleaved(self, rounds: int, methods: Mapping[str, Callable[[], float]],
+                    prepare: Callable[[str], None] | None = None, settle: bool = True,
+                    label: str = "") -> dict[str, list[float]]:  # fmt: skip
+        """Each method's figure per round, in turns, rotating (a drift of the disk hits each
+        alike); before each, ``prepare`` (e.g. deleting its output) and :meth:`settle`."""
         names = list(methods)
         got: dict[str, list[float]] = {n: [] for n in names}
         for r in range(rounds):
@@ -137,82 +116,55 @@ class Bench:
                     self.settle()
                 gc.collect()
                 got[name].append(methods[name]())
-            self.log(
-                f"{label} round {r + 1}/{rounds}: "
-                + ", ".join(f"{n} {v[-1]:.3f}" for n, v in got.items())
-            )
+            figures = ", ".join(f"{n} {v[-1]:.3f}" for n, v in got.items())
+            self.log(f"{label} round {r + 1}/{rounds}: {figures}")
         return got
 
 
 def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
-    """Parses the arguments, runs ``case`` on every rank and writes its result on rank 0.
-
-    Under torchrun it joins the job's process group; run by ``python -m`` it makes a group
-    of one process; in a process whose group exists already (the tests' ranks), it runs on
-    that group. A group it made is destroyed, and the scratch folder deleted, however the
-    run ends.
-    """
+    """Runs ``case`` on torchrun's process group, one of its own (``python -m``) or one that
+    exists (the tests' ranks), and writes its result on rank 0; it cleans up however it ends."""
     stem = case.name.rsplit(".", 1)[-1]
-    parser = argparse.ArgumentParser(
-        prog=f"python -m benchmarks.{case.name}",
-        description=doc,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{case.name}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     case.arguments(parser)
     parser.add_argument("--out", type=Path, default=Path(f"out/bench/{stem}.json"))
     parser.add_argument("--smoke", action="store_true", help=f"short for: {case.smoke}")
     parser.add_argument("--scratch", type=Path, help="where to make the scratch folder")
-    parser.add_argument(
-        "--no-drop-caches",
-        dest="drop_caches",
-        action="store_false",
-        help="between interleaved methods, only sync (the page cache is the machine's)",
-    )
+    parser.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
+                        help="between interleaved methods, only sync (the page cache is the "
+                        "machine's)")  # fmt: skip
     given = list(sys.argv[1:] if argv is None else argv)
-    argv = given
-    if "--smoke" in argv:  # the smoke sizes first: explicit arguments still win
-        argv = [*shlex.split(case.smoke), "--no-drop-caches", *argv]
-    args = parser.parse_args(argv)
+    # The smoke sizes first: explicit arguments still win.
+    smoke = [*shlex.split(case.smoke), "--no-drop-caches"] if "--smoke" in given else []
+    args = parser.parse_args([*smoke, *given])
     made_group = not dist.is_initialized()
     if made_group:
         init_distributed("gloo")
     began = time.perf_counter()
     scratch: Path | None = None
     try:
+        rank0 = dist.get_rank() == 0
         # Before the case sets any variable of its own (an S3 endpoint, say).
-        env = environment() if dist.get_rank() == 0 else {}
-        if dist.get_rank() == 0 and args.scratch is not None:
+        env = environment() if rank0 else {}
+        if rank0 and args.scratch is not None:
             args.scratch.mkdir(parents=True, exist_ok=True)
-        made = (
-            tempfile.mkdtemp(prefix=f"bench_{stem}_", dir=args.scratch)
-            if dist.get_rank() == 0
-            else ""
-        )
+        made = tempfile.mkdtemp(prefix=f"bench_{stem}_", dir=args.scratch) if rank0 else ""
         scratch = Path(bcast(made))
         command = command_line(case, given)
         bench = Bench(case.name, args, scratch, args.out.with_suffix(""), command)
         outcome = case.run(bench)
-        if dist.get_rank() == 0:
-            results.write(
-                args.out,
-                {
-                    "case": case.name,
-                    "kind": case.kind,
-                    "title": case.title,
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                        timespec="seconds"
-                    ),
-                    "command": command,
-                    "note": "",
-                    "smoke": args.smoke,
-                    "environment": env,
-                    "config": {k: v for k, v in vars(args).items() if k not in ("out", "scratch")},
-                    "wall_s": time.perf_counter() - began,
-                    "measurements": outcome.measurements,
-                    "tables": outcome.tables,
-                    "targets": outcome.targets,
-                },
-            )
+        if rank0:
+            now = datetime.datetime.now(datetime.timezone.utc)
+            results.write(args.out, {
+                "case": case.name, "kind": case.kind, "title": case.title,
+                "date": now.isoformat(timespec="seconds"),
+                "command": command, "note": "", "smoke": args.smoke, "environment": env,
+                "config": {k: v for k, v in vars(args).items() if k not in ("out", "scratch")},
+                "wall_s": time.perf_counter() - began,
+                "measurements": outcome.measurements, "tables": outcome.tables,
+                "targets": outcome.targets,
+            })  # fmt: skip
             for t in results.load(args.out)["targets"]:
                 bench.log(f"{t['verdict']:>5}  {t['name']}")
             bench.log(f"wrote {args.out}")
@@ -227,11 +179,8 @@ def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
 
 def command_line(case: Case, argv: Sequence[str]) -> str:
     """The command that runs this case again with ``argv``, on as many ranks as ran it."""
-    env = (
-        [f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"]
-        if "OMP_NUM_THREADS" in os.environ
-        else []
-    )
+    omp = os.environ.get("OMP_NUM_THREADS")
+    env = [] if omp is None else [f"OMP_NUM_THREADS={omp}"]
     launcher = [".venv/bin/python"]
     if "TORCHELASTIC_RUN_ID" in os.environ or dist.get_world_size() > 1:
         nproc = os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size()))
@@ -250,17 +199,13 @@ def environment() -> dict[str, Any]:
         describe = ["git", "describe", "--always", "--dirty"]
         git = subprocess.run(describe, capture_output=True, text=True, timeout=10).stdout.strip()
     return {
-        "host": socket.gethostname(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
+        "host": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "world_size": dist.get_world_size(),
-        "torch_threads": torch.get_num_threads(),
-        "git": git,
-        "versions": versions,
+        "world_size": dist.get_world_size(), "torch_threads": torch.get_num_threads(),
+        "git": git, "versions": versions,
         "env": {k: v for k, v in os.environ.items() if k in _ENV or k.startswith("TORCHREC_CNR_")},
-    }
+    }  # fmt: skip
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:

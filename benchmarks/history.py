@@ -1,12 +1,10 @@
 """A commit's cost against the history before it, from checkpoint 10 to 10,000.
 
-The model (``--tables`` x ``--rows`` x ``--dim``, 2 gloo ranks) trains one step between
-saves, each waited for, every checkpoint kept, per policy in ``--policies``. Over the
-``--window`` commits ending at each of ``--probes`` (a cycle of the manifest's sealing):
-save + commit time; the metadata bytes rank 0's commit reads and writes; the writer
-thread's CPU time; a follower's update on rank 0 (seconds, requests, bytes); and a
-restore's planning (``ChainReader.open``, seconds, bytes, and per link: a consecutive chain
-grows by a link a commit). Medians (times) and means (bytes) per window.
+The model (``--tables`` x ``--rows`` x ``--dim``, 2 ranks) trains one step between saves,
+each waited for, every checkpoint kept, per policy. Over the ``--window`` commits ending at
+each of ``--probes``: save + commit time; the metadata bytes rank 0's commit reads and
+writes; the writer's CPU time; a follower's update (seconds, requests, bytes); a restore's
+planning (``ChainReader.open``: seconds, bytes, per link). Medians (times), means (bytes).
 
 Targets: each figure at the last probe <= 1.2x the first's.
 """
@@ -23,17 +21,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import (
-    Policy,
-    StepLoop,
-    Workload,
-    bcast,
-    max_over_ranks,
-    model_arguments,
-    timed_save,
-    uniform_model,
-)
 from benchmarks.results import Column, Goal, Table
 from cnr_train.serve import serving_model
 from cnr_train.workload import ZipfBatches
@@ -52,7 +41,7 @@ FIGURES = ("stall_s", "commit_s", "read_b", "written_b", "writer_cpu_s", "follow
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    model_arguments(p, rows=5000, tables=4, dim=16)
+    measure.model_arguments(p, rows=5000, tables=4, dim=16)
     p.add_argument("--policies", nargs="+", default=["intermittent", "consecutive"])
     p.add_argument("--probes", type=int, nargs="+", default=[10, 100, 300, 1000, 3000, 10000])
     p.add_argument("--window", type=int, default=TAIL, help="commits per probe (a sealing cycle)")
@@ -77,10 +66,10 @@ class _WriterClock:
         compact.write_and_commit = self._inner
 
 
-def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
+def _policy(b: Bench, policy: measure.Policy) -> list[dict[str, Any]]:
     a = b.args
-    work = uniform_model(a)
-    loop = StepLoop(work, ZipfBatches(work.tables, batch_size=64, seed=3), b.rank)
+    work = measure.uniform_model(a)
+    loop = measure.StepLoop(work, ZipfBatches(work.tables, batch_size=64, seed=3), b.rank)
     root = b.scratch / policy
     storage = CountingStorage(open_storage(str(root)))
     ckpt = CheckpointManager(work.model, CheckpointConfig(path=str(root), policy=policy),
@@ -95,15 +84,15 @@ def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
         for step in range(1, last + 1):
             loop.train(1)
             storage.bytes_read = storage.bytes_written = 0
-            stall_s, commit_s = timed_save(ckpt, step)
+            stall_s, commit_s = measure.timed_save(ckpt, step)
             if step + 1 in measured and step not in measured and b.rank == 0:
                 _follower(root, follower_box, work).poll()  # one behind at the window's start
             if step not in measured:
                 continue
             got = {"stall_s": stall_s, "commit_s": commit_s, "read_b": storage.bytes_read,
                    "written_b": storage.bytes_written}  # fmt: skip
-            got["writer_cpu_s"] = max_over_ranks(clock.last)[0]
-            got |= bcast(_follow_and_plan(root, follower_box, work) if b.rank == 0 else {})
+            got["writer_cpu_s"] = measure.max_over_ranks(clock.last)[0]
+            got |= measure.bcast(_follow_and_plan(root, follower_box, work) if b.rank == 0 else {})
             window.append(got)
             if step in a.probes:
                 rows.append(_summary(policy, step, window, root))
@@ -118,14 +107,14 @@ def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
     return rows
 
 
-def _follower(root: Path, box: list[Follower], work: Workload) -> Follower:
+def _follower(root: Path, box: list[Follower], work: measure.Workload) -> Follower:
     """The follower of ``root``, made at the first window (its first poll loads cold)."""
     if not box:
         box.append(Follower(str(root), FloatTarget(serving_model(work.tables, 4, "fp32"))))
     return box[0]
 
 
-def _follow_and_plan(root: Path, box: list[Follower], work: Workload) -> dict[str, float]:
+def _follow_and_plan(root: Path, box: list[Follower], work: measure.Workload) -> dict[str, float]:
     """A follower's update to the commit just made, and a restore's planning of it."""
     follower = _follower(root, box, work)
     follower.poll()
@@ -151,25 +140,20 @@ def _summary(policy: str, step: int, window: list[dict[str, float]], root: Any) 
     return row
 
 
-def _planning(policy: str) -> tuple[str, str]:
-    """A restore's planning reads every link of its chain: flat for a chain of bounded
-    length, per link for a consecutive chain, which grows until compacted."""
-    if policy == "consecutive":
-        return "plan_link_s", "a restore's planning per chain link"
-    return "plan_s", "a restore's planning"
-
-
 def _goals(probes: list[int], policies: list[str]) -> list[Goal]:
     first, last = min(probes), max(probes)
-    goals = []
-    for policy in policies:
-        for key, what in (("commit_s", "save + commit"), ("read_b", "bytes a commit reads"),
-                          ("written_b", "bytes a commit writes"),
-                          ("writer_cpu_s", "the writer's CPU per commit"),
-                          ("follow_s", "a follower's update"), _planning(policy)):  # fmt: skip
-            goals.append(Goal(f"{policy}: {what} at checkpoint {last} <= 1.2x checkpoint {first}",
-                              f"{policy}.{last}.{key}", "<=", f"{policy}.{first}.{key}", 1.2))  # fmt: skip
-    return goals
+    figures = (("commit_s", "save + commit"), ("read_b", "bytes a commit reads"),
+               ("written_b", "bytes a commit writes"),
+               ("writer_cpu_s", "the writer's CPU per commit"),
+               ("follow_s", "a follower's update"))  # fmt: skip
+    # A restore's planning, per link for a consecutive chain (it grows until compacted).
+    planning = {"consecutive": ("plan_link_s", "a restore's planning per chain link")}
+    return [
+        Goal(f"{policy}: {what} at checkpoint {last} <= 1.2x checkpoint {first}",
+             f"{policy}.{last}.{key}", "<=", f"{policy}.{first}.{key}", 1.2)
+        for policy in policies
+        for key, what in (*figures, planning.get(policy, ("plan_s", "a restore's planning")))
+    ]  # fmt: skip
 
 
 def run(b: Bench) -> Outcome:
@@ -190,22 +174,15 @@ def run(b: Bench) -> Outcome:
                "planning per link (ms)": lambda r: 1e3 * r["plan_link_s"],
                "manifest.json (KB)": lambda r: r["manifest_b"] / 1e3}  # fmt: skip
     table = Table.of(
-        "A commit against the history before it (medians and means over each window)",
-        rows,
-        columns,
-        note=f"{a.tables} tables of {a.rows} x {a.dim}, 2 ranks, a save every step, each "
-        f"waited for, every checkpoint kept; {a.window} commits per probe",
-    )
+        "A commit against the history before it (medians and means over each window)", rows,
+        columns, note=f"{a.tables} tables of {a.rows} x {a.dim}, 2 ranks, a save every step, "
+        f"each waited for, every checkpoint kept; {a.window} commits per probe",
+    )  # fmt: skip
     return Outcome({"rows": rows, **by}, [table], _goals(a.probes, a.policies))
 
 
-CASE = Case(
-    name="history",
-    title="History: a commit's cost from checkpoint 10 to 10,000",
-    arguments=_arguments,
-    smoke="--probes 10 40 --rows 500",
-    run=run,
-)
+CASE = Case(name="history", title="History: a commit's cost from checkpoint 10 to 10,000",
+            arguments=_arguments, smoke="--probes 10 40 --rows 500", run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

@@ -33,12 +33,11 @@ from torchrec_cnr.tracking.shard import LocalShard
 from torchrec_cnr.tracking.tracker import TrackingMode
 
 GB = 1e9
+Rows = list[torch.Tensor]
 T = TypeVar("T")
 Policy = Literal["full", "one_shot", "consecutive", "intermittent"]
 POLICIES: tuple[Policy, ...] = ("full", "one_shot", "consecutive", "intermittent")
 """Check-N-Run's row-selection policies, as ``CheckpointConfig.policy`` names them."""
-
-# ---------------------------------------------------------------- over ranks
 
 
 def bcast(obj: T) -> T:
@@ -77,24 +76,18 @@ def timed(fn: Callable[[], T]) -> tuple[float, T]:
 
 
 def timed_save(ckpt: CheckpointManager, step: int) -> tuple[float, float]:
-    """``(stall, commit)`` of one checkpoint, the slowest rank's: the time inside ``save()``
-    (training is blocked), and from its start until ``wait()`` returns (committed)."""
+    """``(stall, commit)`` of one checkpoint, slowest rank's: in ``save()``, to ``wait()``."""
     dist.barrier()
     t0 = time.perf_counter()
     ckpt.save(step)
     t1 = time.perf_counter()
     ckpt.wait()
-    stall, commit = max_over_ranks(t1 - t0, time.perf_counter() - t0)
-    return stall, commit
+    return cast(tuple[float, float], tuple(max_over_ranks(t1 - t0, time.perf_counter() - t0)))
 
 
 def best_seconds(fn: Callable[[], Any], repeats: int, min_total: float = 1.0) -> float:
-    """Fastest of at least ``repeats`` calls of ``fn`` in this process, after a warm-up.
-
-    Fast calls repeat until ``min_total`` seconds were timed (at most 100 calls): the
-    minimum then filters out stalls from other processes sharing the cores, which a 5 ms
-    kernel cannot average away.
-    """
+    """Fastest of ``repeats`` calls of ``fn`` after a warm-up, or more, up to ``min_total``
+    seconds (100 calls at most): the minimum filters out other processes' stalls."""
     fn()
     best, total, calls = float("inf"), 0.0, 0
     while calls < repeats or (total < min_total and calls < 100):
@@ -103,9 +96,6 @@ def best_seconds(fn: Callable[[], Any], repeats: int, min_total: float = 1.0) ->
         took = time.perf_counter() - start
         best, total, calls = min(best, took), total + took, calls + 1
     return best
-
-
-# ---------------------------------------------------------------- files, disk, memory
 
 
 def rmtree(path: Path) -> None:
@@ -124,9 +114,8 @@ def fsync_tree(path: Path) -> None:
 
 
 def evict(path: Path) -> None:
-    """Makes every file under ``path`` durable and drops it from the page cache, so that
-    the next read is cold, as the library does with a checkpoint it wrote. In this process
-    alone; :func:`drop_cache` is the collective."""
+    """Makes every file under ``path`` durable and drops it from the page cache (the next
+    read is cold), in this process alone; :func:`drop_cache` is the collective."""
     for d, _, names in os.walk(path):
         for n in names:
             fs._fsync_and_drop(Path(d, n))
@@ -166,26 +155,18 @@ def _disk_pass(path: Path, nbytes: int, chunk: int) -> dict[str, float]:
     return {"write_s": write_s, "read_s": read_s}
 
 
-def disk_bandwidth(
-    folder: Path, nbytes: int, chunk: int = 64 << 20, passes: int = 2
-) -> dict[str, Any]:
-    """The disk's sequential bandwidth: rank 0 writes ``nbytes`` in ``chunk``-byte
-    ``os.write`` calls and fsyncs, then reads the file back after dropping its page cache.
-
-    The best of ``passes``: the first pass also pays for first-touching host memory (the
-    page cache), so the best one is the disk's figure.
-    """
+def disk_bandwidth(folder: Path, nbytes: int, chunk: int = 64 << 20,
+                   passes: int = 2) -> dict[str, Any]:  # fmt: skip
+    """The disk's sequential bandwidth: rank 0 writes ``nbytes`` in ``chunk``-byte writes,
+    fsyncs and reads them back cold; the best of ``passes`` (the first touches the cache)."""
     chunk = min(chunk, nbytes)
     nbytes = nbytes // chunk * chunk
 
     def measure() -> dict[str, Any]:
         runs = [_disk_pass(folder / "disk_bandwidth.bin", nbytes, chunk) for _ in range(passes)]
-        return {
-            "bytes": nbytes,
-            "passes": runs,
-            "write_gb_s": max(nbytes / r["write_s"] for r in runs) / GB,
-            "read_gb_s": max(nbytes / r["read_s"] for r in runs) / GB,
-        }
+        return {"bytes": nbytes, "passes": runs,
+                "write_gb_s": max(nbytes / r["write_s"] for r in runs) / GB,
+                "read_gb_s": max(nbytes / r["read_s"] for r in runs) / GB}  # fmt: skip
 
     return from_rank0(measure)
 
@@ -194,8 +175,7 @@ _MEMCPY: dict[tuple[int, ...], float] = {}
 
 
 def memcpy_s(nbytes: int) -> float:
-    """Slowest rank's time to copy its ``nbytes`` between warm host buffers, every rank at
-    once as staging copies do (median of 3; cached per size)."""
+    """Slowest rank's time to copy its ``nbytes`` between warm buffers (median of 3)."""
     key = tuple(gathered(nbytes))
     if key not in _MEMCPY:
         src = torch.ones(max(nbytes, 1), dtype=torch.uint8)
@@ -222,9 +202,8 @@ def reset_peak_rss() -> float:
 
 
 class Peak:
-    """``fn`` that notes the most resident memory its calls added over their start, MB
-    (this rank's; the peak resident set reset at each call): ``fn``'s alone, not the work
-    around it (a restore's, not the check that corrupts rows and compares them)."""
+    """``fn`` that notes the most resident memory its calls added over their start, MB (this
+    rank's; the peak resident set reset at each call): ``fn``'s alone, not the work around."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn, self.mb = fn, 0.0
@@ -240,14 +219,6 @@ class Peak:
         return max_over_ranks(self.mb)[0]
 
 
-# ---------------------------------------------------------------- the model and its rows
-
-
-def uniform_tables(count: int, rows: int, dim: int) -> list[TableSpec]:
-    """``count`` table-wise tables ``t0, t1, ...`` of ``rows`` x ``dim``."""
-    return [TableSpec(f"t{i}", rows, dim, "table_wise") for i in range(count)]
-
-
 def model_arguments(p: argparse.ArgumentParser, rows: int, tables: int = 8, dim: int = 64) -> None:
     """``--tables``, ``--rows`` and ``--dim`` of the model that :func:`uniform_model` builds."""
     p.add_argument("--tables", type=int, default=tables)
@@ -255,12 +226,8 @@ def model_arguments(p: argparse.ArgumentParser, rows: int, tables: int = 8, dim:
     p.add_argument("--dim", type=int, default=dim)
 
 
-QUANTS = {
-    "fp32": QuantizeConfig(),
-    "4-bit": QuantizeConfig(method="adaptive", bits=4, min_rows=0),
-}
-"""The checkpoint formats the benchmarks compare: fp32, and adaptive 4-bit on every table
-(``min_rows=0``: the smoke runs' small tables too)."""
+QUANTS = {"fp32": QuantizeConfig(), "4-bit": QuantizeConfig(method="adaptive", bits=4, min_rows=0)}
+"""The formats the benchmarks compare: fp32, and adaptive 4-bit on every table (smoke's too)."""
 
 
 class Workload(NamedTuple):
@@ -271,9 +238,8 @@ class Workload(NamedTuple):
 
 
 def uniform_model(args: argparse.Namespace, tracking_mode: TrackingMode = "bitmap") -> Workload:
-    """The DLRM of ``--tables`` table-wise tables of ``--rows`` x ``--dim`` with fused
-    row-wise Adagrad, sharded over the ranks, and its dense optimizer."""
-    tables = uniform_tables(args.tables, args.rows, args.dim)
+    """The DLRM of ``--tables`` x ``--rows`` x ``--dim``, sharded, and its dense optimizer."""
+    tables = [TableSpec(f"t{i}", args.rows, args.dim, "table_wise") for i in range(args.tables)]
     model = build_model(tables, seed=0, tracking_mode=tracking_mode)
     return Workload(model, dense_optimizer(model), tables)
 
@@ -301,33 +267,29 @@ class StepLoop:
 
     @classmethod
     def warm(cls, args: argparse.Namespace, batch: int, steps: int, seed: int = 0) -> StepLoop:
-        """The loop of :func:`uniform_model`'s model on Zipf batches of ``batch`` per rank,
-        trained ``steps`` steps."""
+        """:func:`uniform_model`'s on Zipf batches of ``batch`` per rank, ``steps`` trained."""
         work = uniform_model(args)
         loop = cls(work, ZipfBatches(work.tables, batch, seed=seed), dist.get_rank())
         loop.train(steps)
         return loop
 
     def align(self, k: int) -> None:
-        """Moves the step on so that the next multiple of ``k`` comes after ``k // 2`` steps:
-        each save then falls mid-interval, and the last one's commit within the arm."""
+        """Moves the step on so that the next multiple of ``k`` comes after ``k // 2`` steps (each
+        save falls mid-interval, and the last one's commit within the arm)."""
         self.step += (-(self.step + k // 2)) % k
 
 
 def random_rows(
     shards: list[LocalShard], fractions: Sequence[float], seed: int = 1234
-) -> dict[float, list[torch.Tensor]]:
-    """For each fraction, that share of each local shard's rows (sorted local indices).
-
-    One random permutation per shard (seeded per rank): a smaller fraction's rows are
-    inside a larger one's, as the rows modified in a shorter interval would be.
-    """
+) -> dict[float, Rows]:
+    """For each fraction, that share of each local shard's rows (sorted local indices), from
+    one seeded permutation per shard: a smaller fraction's rows are inside a larger one's."""
     g = torch.Generator().manual_seed(seed + dist.get_rank())
     perms = [torch.randperm(s.spec.rows, generator=g) for s in shards]
     return {f: [p[: round(f * p.numel())].sort().values for p in perms] for f in fractions}
 
 
-def modify(shards: list[LocalShard], rows: list[torch.Tensor]) -> None:
+def modify(shards: list[LocalShard], rows: Rows) -> None:
     """Exactly ``rows`` are modified since the last checkpoint: their tracker bits set,
     every other bit cleared, and their weights nudged so that a delta holds real changes."""
     with torch.no_grad():
@@ -340,23 +302,17 @@ def modify(shards: list[LocalShard], rows: list[torch.Tensor]) -> None:
                 bitmap.set_bits_in_both(s.words, s.recent, r)
 
 
-def max_abs_diff(
-    shards: list[LocalShard], rows: list[torch.Tensor], values: list[torch.Tensor]
-) -> float:
+def max_abs_diff(shards: list[LocalShard], rows: Rows, values: Rows) -> float:
     """The largest difference, over ranks, between ``rows`` of each shard and ``values``."""
     pairs = [(s.weight[r], v) for s, r, v in zip(shards, rows, values) if r.numel()]
     return max_over_ranks(max((float((w - v).abs().max()) for w, v in pairs), default=0.0))[0]
 
 
 def timed_restore(
-    fn: Callable[[], Any], path: Path | None, shards: list[LocalShard], rows: list[torch.Tensor]
+    fn: Callable[[], Any], path: Path | None, shards: list[LocalShard], rows: Rows
 ) -> tuple[float, float]:
-    """A cold restore by ``fn``: ``(time, max abs error)``, both over ranks.
-
-    ``path``'s files leave the page cache first (if local), and ``rows`` are corrupted (+1)
-    so that the restore must bring them back; the error is theirs against their values
-    before (0 for an exact restore).
-    """
+    """A cold restore by ``fn`` (``path`` dropped from the page cache if given), ``rows``
+    corrupted (+1) before: ``(time, max abs error of rows against their values before)``."""
     if path is not None:
         drop_cache(path)
     saved = [s.weight[r].clone() for s, r in zip(shards, rows)]
@@ -367,27 +323,19 @@ def timed_restore(
     return took, max_abs_diff(shards, rows, saved)
 
 
-# ---------------------------------------------------------------- an S3 store
-
-
 @contextlib.contextmanager
 def moto_server() -> Iterator[str]:
-    """A moto S3 server in a process of its own on a free loopback port, once it answers:
-    its URL. It keeps objects in memory and takes any credentials. The tests' S3 fixtures
-    start theirs here too.
+    """The URL of a moto S3 server (objects in memory, any credentials) in a process of its
+    own on a free loopback port, once it answers; the tests' S3 fixtures start theirs here.
 
     Raises:
-        RuntimeError: it exited, or did not answer within 30 s.
-    """
+        RuntimeError: it exited, or did not answer within 30 s."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -396,9 +344,8 @@ def moto_server() -> Iterator[str]:
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"the moto S3 server at {url} did not start (exit {server.poll()})"
-                    ) from None
+                    why = f"the moto S3 server at {url} did not start (exit {server.poll()})"
+                    raise RuntimeError(why) from None
                 time.sleep(0.05)
         yield url
     finally:
@@ -412,8 +359,7 @@ def moto_server() -> Iterator[str]:
 
 @contextlib.contextmanager
 def s3_server() -> Iterator[str]:
-    """An S3 endpoint for every rank: ``AWS_ENDPOINT_URL`` if set, else a
-    :func:`moto_server` that rank 0 starts."""
+    """An S3 endpoint for every rank: ``AWS_ENDPOINT_URL``, else rank 0's :func:`moto_server`."""
     with contextlib.ExitStack() as stack:
         url = os.environ.get("AWS_ENDPOINT_URL")
         started = url is None and dist.get_rank() == 0
@@ -422,12 +368,8 @@ def s3_server() -> Iterator[str]:
         url, started = bcast((url, started))
         assert url is not None
         if started:  # moto takes any credentials; a real store's must not be replaced
-            os.environ.update(
-                AWS_ENDPOINT_URL=url,
-                AWS_ACCESS_KEY_ID="bench",
-                AWS_SECRET_ACCESS_KEY="bench",
-                AWS_DEFAULT_REGION="us-east-1",
-            )
+            os.environ.update(AWS_ENDPOINT_URL=url, AWS_DEFAULT_REGION="us-east-1",
+                              AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench")  # fmt: skip
         try:
             yield url
         finally:

@@ -1,12 +1,9 @@
 """Export and compaction of a ~1 GB consecutive chain (8 x 500k x 64 fp32, 2 gloo ranks; a
 baseline and ``--deltas`` deltas of ``--fraction`` of the rows), against a full save and
-the disk:
-
-- in the job: ``compact()`` until ``wait()``, against a full save of the same model, and
-  the cold restore of that step before and after;
-- offline, in one process without a model: ``export_state_dict`` and its ``torch.save``,
-  ``read_table`` of one table and ``cnr compact`` of a second chain, against reading as
-  many bytes from the disk.
+the disk: in the job, ``compact()`` until ``wait()`` against a full save, and the cold
+restore of that step before and after; offline, in one process without a model,
+``export_state_dict`` and its ``torch.save``, ``read_table`` of one table and ``cnr
+compact`` of a second chain, against reading as many bytes from the disk.
 """
 
 from __future__ import annotations
@@ -22,38 +19,19 @@ from typing import Any, TypeVar
 
 import torch
 
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import (
-    GB,
-    disk_bandwidth,
-    drop_cache,
-    evict,
-    from_rank0,
-    model_arguments,
-    modify,
-    random_rows,
-    timed,
-    timed_save,
-    uniform_model,
-)
 from benchmarks.results import Table
-from torchrec_cnr import (
-    CheckpointConfig,
-    CheckpointManager,
-    checkpoint_info,
-    export_state_dict,
-    list_checkpoints,
-    read_table,
-)
+from torchrec_cnr import CheckpointConfig, CheckpointManager, checkpoint_info, list_checkpoints
 from torchrec_cnr.cli import main as cnr
-from torchrec_cnr.offline import save_export
+from torchrec_cnr.offline import export_state_dict, read_table, save_export
 from torchrec_cnr.tracking.model_state import local_shards
 
 T = TypeVar("T")
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    model_arguments(p, rows=500_000)
+    measure.model_arguments(p, rows=500_000)
     p.add_argument("--deltas", type=int, default=3)
     p.add_argument("--fraction", type=float, default=0.05)
     p.add_argument("--disk-mb", type=int, default=1024, help="size of the disk test")
@@ -64,41 +42,38 @@ def _chain(b: Bench, root: Path, model: torch.nn.Module) -> CheckpointManager:
     """A consecutive chain of a baseline and ``--deltas`` deltas; the manager stays open."""
     shards = local_shards(model)
     ckpt = CheckpointManager(model, CheckpointConfig(path=str(root), policy="consecutive"))
-    timed_save(ckpt, 1)
+    measure.timed_save(ckpt, 1)
+    frac = b.args.fraction
     for step in range(2, b.args.deltas + 2):
-        modify(shards, random_rows(shards, [b.args.fraction], seed=step)[b.args.fraction])
-        timed_save(ckpt, step)
+        measure.modify(shards, measure.random_rows(shards, [frac], seed=step)[frac])
+        measure.timed_save(ckpt, step)
     return ckpt
 
 
 def _in_job(b: Bench, model: torch.nn.Module) -> dict[str, Any]:
     root, step = b.scratch / "in_job", b.args.deltas + 1
     ckpt = _chain(b, root, model)
-    drop_cache(root)
-    restore_chain, _ = timed(lambda: ckpt.restore(step))
+    measure.drop_cache(root)
+    restore_chain, _ = measure.timed(lambda: ckpt.restore(step))
 
     def compact() -> None:
         ckpt.compact()
         ckpt.wait()
 
-    compact_s, _ = timed(compact)
-    drop_cache(root)
-    restore_one, _ = timed(lambda: ckpt.restore(step))
+    compact_s, _ = measure.timed(compact)
+    measure.drop_cache(root)
+    restore_one, _ = measure.timed(lambda: ckpt.restore(step))
     ckpt.close()
     # The peer: a full save of the same state, committed (what a fresh baseline costs).
     with CheckpointManager(model, CheckpointConfig(str(b.scratch / "full"), policy="full")) as full:
-        _, full_s = timed_save(full, step)
-    infos = {i.id: i for i in from_rank0(lambda: list_checkpoints(str(root)))}
+        _, full_s = measure.timed_save(full, step)
+    infos = {i.id: i for i in measure.from_rank0(lambda: list_checkpoints(str(root)))}
     latest = list(infos.values())[-1]
     assert latest.compacted_from and len(latest.chain) == 1, latest
-    return {
-        "compact_s": compact_s,
-        "full_save_s": full_s,
-        "restore_chain_s": restore_chain,
-        "restore_compacted_s": restore_one,
-        "chain_bytes": infos[latest.compacted_from].restore_bytes,
-        "compacted_bytes": latest.bytes,
-    }
+    return {"compact_s": compact_s, "full_save_s": full_s, "restore_chain_s": restore_chain,
+            "restore_compacted_s": restore_one,
+            "chain_bytes": infos[latest.compacted_from].restore_bytes,
+            "compacted_bytes": latest.bytes}  # fmt: skip
 
 
 def _offline(root: Path, out: Path, repeats: int) -> dict[str, Any]:
@@ -106,7 +81,7 @@ def _offline(root: Path, out: Path, repeats: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {"export": [], "save": [], "table": [], "compact": []}
 
     def clock(name: str, fn: Callable[[], T]) -> T:
-        evict(root)  # every read is cold
+        measure.evict(root)  # every read is cold
         t0 = time.perf_counter()
         value = fn()
         times[name].append(time.perf_counter() - t0)
@@ -120,22 +95,21 @@ def _offline(root: Path, out: Path, repeats: int) -> dict[str, Any]:
         del state_dict
         clock("table", lambda: read_table(str(root), "t0"))
     assert clock("compact", lambda: cnr(["compact", str(root)])) == 0
-    return {
-        "read_bytes": read_bytes,
-        **{f"{k}_s": statistics.median(v) for k, v in times.items()},
-    }
+    medians = {f"{k}_s": statistics.median(v) for k, v in times.items()}
+    return {"read_bytes": read_bytes, **medians}
 
 
 def run(b: Bench) -> Outcome:
     a = b.args
-    model = uniform_model(a).model
-    disk = disk_bandwidth(b.scratch, a.disk_mb << 20, chunk=8 << 20)
+    model = measure.uniform_model(a).model
+    disk = measure.disk_bandwidth(b.scratch, a.disk_mb << 20, chunk=8 << 20)
     b.log("chain in a job, compacted by the job")
     job = _in_job(b, model)
     b.log("second chain, then export and offline compaction in one process")
     _chain(b, b.scratch / "offline", model).close()
-    off = from_rank0(lambda: _offline(b.scratch / "offline", b.scratch / "export.pt", a.repeats))
-    off["read_disk_s"] = off["read_bytes"] / GB / disk["read_gb_s"]
+    export = b.scratch / "export.pt"
+    off = measure.from_rank0(lambda: _offline(b.scratch / "offline", export, a.repeats))
+    off["read_disk_s"] = off["read_bytes"] / measure.GB / disk["read_gb_s"]
     m = {"disk": disk, "in_job": job, "offline": off}
     rows = [
         ["compaction in the job (`compact()` to `wait()`)", job["compact_s"],
@@ -144,27 +118,23 @@ def run(b: Bench) -> Outcome:
         [f"restore of that step, chain of {a.deltas + 1}", job["restore_chain_s"],
          f"after compaction: {job['restore_compacted_s']:.2f} s"],
         ["`export_state_dict` (1 process, cold cache)", off["export_s"],
-         f"reading its {off['read_bytes'] / GB:.2f} GB from disk: {off['read_disk_s']:.2f} s"],
+         f"reading its {off['read_bytes'] / measure.GB:.2f} GB from disk: {off['read_disk_s']:.2f} s"],
         ["writing the export with `torch.save`", off["save_s"], ""],
         [f"`read_table` of one {a.rows} x {a.dim} table", off["table_s"], ""],
     ]  # fmt: skip
     note = (
         f"{a.tables} tables x {a.rows} rows x dim {a.dim} fp32 on {b.world} ranks; a consecutive "
         f"chain of a baseline and {a.deltas} deltas of {a.fraction:.0%} "
-        f"({job['chain_bytes'] / GB:.2f} GB stored); disk: write {disk['write_gb_s']:.2f} GB/s, "
+        f"({job['chain_bytes'] / measure.GB:.2f} GB stored); disk: write {disk['write_gb_s']:.2f} GB/s, "
         f"read {disk['read_gb_s']:.2f} GB/s"
     )
     table = Table("Export and compaction", ["figure", "time s", "peer, same run"], rows, note)
     return Outcome(m, [table])
 
 
-CASE = Case(
-    name="offline",
-    title="Export and compaction of a 1 GB chain",
-    arguments=_arguments,
-    smoke="--tables 2 --rows 4000 --dim 16 --deltas 2 --disk-mb 8 --repeats 1",
-    run=run,
-)
+CASE = Case(name="offline", title="Export and compaction of a 1 GB chain", arguments=_arguments,
+            smoke="--tables 2 --rows 4000 --dim 16 --deltas 2 --disk-mb 8 --repeats 1",
+            run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

@@ -1,9 +1,7 @@
-"""The peers a checkpoint of a sharded model is compared with, on the same model:
-torchsnapshot ``take`` and ``async_take``, torch.distributed.checkpoint ``save`` and
-``async_save``. Each returns one row of figures, the slowest rank's.
-
-Nothing is patched at import; the one patch (:func:`_copying_async_take`) is applied
-inside the peer that needs it, and undone when it returns.
+"""The peers a checkpoint is compared with, on the same model: torchsnapshot ``take`` and
+``async_take``, torch.distributed.checkpoint ``save`` and ``async_save``, each a row of
+figures, the slowest rank's. The one patch (:func:`_copying_async_take`) is applied inside
+the peer that needs it and undone when it returns.
 """
 
 from __future__ import annotations
@@ -22,33 +20,32 @@ from torchsnapshot import Snapshot
 from torchsnapshot.io_preparers.tensor import TensorBufferStager
 from torchsnapshot.serialization import Serializer
 
-from benchmarks.measure import (
-    drop_cache,
-    from_rank0,
-    fsync_tree,
-    gathered,
-    max_abs_diff,
-    max_over_ranks,
-    rmtree,
-    timed,
-    timed_restore,
-)
+from benchmarks import measure
 from torchrec_cnr.storage.fs import tree_bytes
 from torchrec_cnr.tracking.shard import LocalShard
 
 Row = dict[str, Any]
+Rows = list[torch.Tensor]
 
 
 def torchsnapshot_take_durable(model: torch.nn.Module, path: Path) -> float:
-    """torchsnapshot ``take`` plus the fsync of its tree that it leaves out: its durable
-    commit, comparable with torchrec_cnr's and DCP's, which fsync."""
+    """torchsnapshot ``take`` and the fsync it leaves out: a durable commit, as ours and DCP's."""
 
     def take() -> None:
-        Snapshot.take(str(path), app_state={"model": model}, replicated=["**"])
-        if dist.get_rank() == 0:
-            fsync_tree(path)
+        _snapshot(model, path)
+        _fsync(path)
 
-    return timed(take)[0]
+    return measure.timed(take)[0]
+
+
+def _snapshot(model: torch.nn.Module, path: Path) -> None:
+    Snapshot.take(str(path), app_state={"model": model}, replicated=["**"])
+
+
+def _fsync(path: Path) -> None:
+    """:func:`benchmarks.measure.fsync_tree` of ``path`` by rank 0."""
+    if dist.get_rank() == 0:
+        measure.fsync_tree(path)
 
 
 def torchsnapshot_restore(model: torch.nn.Module, path: Path) -> Callable[[], None]:
@@ -58,14 +55,10 @@ def torchsnapshot_restore(model: torch.nn.Module, path: Path) -> Callable[[], No
 
 @contextlib.contextmanager
 def _copying_async_take() -> Iterator[None]:
-    """Makes torchsnapshot's ``async_take`` copy CPU tensors, as its code intends.
-
-    torchsnapshot 0.1.0's ``TensorBufferStager._should_copy_cpu_tensor`` compares the
-    entry's serializer (a str) with the ``Serializer.BUFFER_PROTOCOL`` enum member, which
-    never compare equal, so ``async_take`` keeps views of the live CPU tensors and returns
-    before writing them: training that goes on tears the snapshot. A fair stall
-    comparison needs the copy it meant to make, so this compares with ``.value``.
-    """
+    """Makes torchsnapshot's ``async_take`` copy CPU tensors, as its code intends: 0.1.0's
+    ``TensorBufferStager._should_copy_cpu_tensor`` compares the serializer (a str) with the
+    ``Serializer.BUFFER_PROTOCOL`` enum member, never equal, so ``async_take`` keeps views of
+    the live tensors, and training that goes on tears the snapshot. This compares ``.value``."""
     original = TensorBufferStager._should_copy_cpu_tensor
 
     def fixed(self: TensorBufferStager) -> bool:
@@ -82,31 +75,18 @@ def _copying_async_take() -> Iterator[None]:
         TensorBufferStager._should_copy_cpu_tensor = original  # type: ignore[method-assign]
 
 
-def _take(
-    model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: list[torch.Tensor]
-) -> Row:
-    took, _ = timed(lambda: Snapshot.take(str(path), app_state={"model": model}, replicated=["**"]))
-    fsync_s, _ = timed(lambda: fsync_tree(path) if dist.get_rank() == 0 else None)
-    restore_s, err = timed_restore(torchsnapshot_restore(model, path), path, shards, rows)
-    return {
-        "method": "torchsnapshot take",
-        "stall_s": took,
-        "commit_s": took,
-        "fsync_after_s": fsync_s,
-        "restore_s": restore_s,
-        "restore_max_abs_err": err,
-    }
+def _take(model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: Rows) -> Row:
+    took, _ = measure.timed(lambda: _snapshot(model, path))
+    fsync_s, _ = measure.timed(lambda: _fsync(path))
+    restore_s, err = measure.timed_restore(torchsnapshot_restore(model, path), path, shards, rows)
+    return {"method": "torchsnapshot take", "stall_s": took, "commit_s": took,
+            "fsync_after_s": fsync_s, "restore_s": restore_s, "restore_max_abs_err": err}  # fmt: skip
 
 
 def _async_take(
-    model: torch.nn.Module,
-    path: Path,
-    shards: list[LocalShard],
-    rows: list[torch.Tensor],
-    copy: bool,
+    model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: Rows, copy: bool
 ) -> Row:
-    """``async_take``; training goes on (+1 on ``rows``) while it writes, and the restore
-    shows whether those updates leaked into the snapshot (torn) or not."""
+    """``async_take`` while training goes on (+1 on ``rows``): the restore shows a torn one."""
     before = [s.weight[r].clone() for s, r in zip(shards, rows)]
     with _copying_async_take() if copy else contextlib.nullcontext():
         dist.barrier()
@@ -118,33 +98,25 @@ def _async_take(
                 s.weight[r] += 1.0
         pending.wait()
         t2 = time.perf_counter()
-    stall, commit = max_over_ranks(t1 - t0, t2 - t0)
+    stall, commit = measure.max_over_ranks(t1 - t0, t2 - t0)
     del pending
-    fsync_s, _ = timed(lambda: fsync_tree(path) if dist.get_rank() == 0 else None)
-    drop_cache(path)
+    fsync_s, _ = measure.timed(lambda: _fsync(path))
+    measure.drop_cache(path)
     # The live rows are now `before + 1`: a consistent snapshot gives back `before`.
-    restore_s, _ = timed(torchsnapshot_restore(model, path))
-    torn = max_abs_diff(shards, rows, before)
+    restore_s, _ = measure.timed(torchsnapshot_restore(model, path))
+    torn = measure.max_abs_diff(shards, rows, before)
     with torch.no_grad():  # the model as it was, whatever the snapshot held
         for s, r, v in zip(shards, rows, before):
             s.weight[r] = v
-    return {
-        "method": "torchsnapshot async_take" + (", patched to copy" if copy else " as shipped"),
-        "stall_s": stall,
-        "commit_s": commit,
-        "fsync_after_s": fsync_s,
-        "restore_s": restore_s,
-        "restore_max_abs_err": torn,
-        "consistent": torn == 0.0,
-    }
+    return {"method": "torchsnapshot async_take" + (", patched to copy" if copy else " as shipped"),
+            "stall_s": stall, "commit_s": commit, "fsync_after_s": fsync_s,
+            "restore_s": restore_s, "restore_max_abs_err": torn, "consistent": torn == 0.0}  # fmt: skip
 
 
-def _dcp_save(
-    model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: list[torch.Tensor]
-) -> Row:
+def _dcp_save(model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: Rows) -> Row:
     """DCP ``save`` of the model's state dict (its FileSystemWriter fsyncs by default)."""
     try:
-        took, _ = timed(lambda: dcp.save(model.state_dict(), checkpoint_id=str(path)))
+        took, _ = measure.timed(lambda: dcp.save(model.state_dict(), checkpoint_id=str(path)))
     except Exception as e:  # reported in the row: the other methods still run
         return {"method": "DCP save", "error": f"{type(e).__name__}: {e}"}
 
@@ -153,19 +125,13 @@ def _dcp_save(
         dcp.load(sd, checkpoint_id=str(path))
         model.load_state_dict(sd)
 
-    restore_s, err = timed_restore(load, path, shards, rows)
-    return {
-        "method": "DCP save",
-        "stall_s": took,
-        "commit_s": took,
-        "restore_s": restore_s,
-        "restore_max_abs_err": err,
-    }
+    restore_s, err = measure.timed_restore(load, path, shards, rows)
+    return {"method": "DCP save", "stall_s": took, "commit_s": took, "restore_s": restore_s,
+            "restore_max_abs_err": err}  # fmt: skip
 
 
 def _dcp_async_save(model: torch.nn.Module, path: Path) -> Row:
-    """DCP ``async_save`` on a process group of its own, so that a failure cannot tangle
-    the default one; every rank's error is gathered so that all ranks agree."""
+    """DCP ``async_save`` on a group of its own, every rank's error gathered (all agree)."""
     group = dist.new_group(backend="gloo")
     error = None
     dist.barrier()
@@ -178,21 +144,18 @@ def _dcp_async_save(model: torch.nn.Module, path: Path) -> Row:
         t2 = time.perf_counter()
     except Exception as e:  # reported in the row: the other methods still run
         error = f"{type(e).__name__}: {e}"
-    failed = [f"rank {r}: {e}" for r, e in enumerate(gathered(error)) if e]
-    stall, commit = max_over_ranks(t1 - t0, t2 - t0)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(measure.gathered(error)) if e]
+    stall, commit = measure.max_over_ranks(t1 - t0, t2 - t0)
     if failed:
         return {"method": "DCP async_save", "error": "; ".join(failed)}
     return {"method": "DCP async_save", "stall_s": stall, "commit_s": commit}
 
 
 def run_peers(
-    model: torch.nn.Module, folder: Path, shards: list[LocalShard], rows: list[torch.Tensor]
+    model: torch.nn.Module, folder: Path, shards: list[LocalShard], rows: Rows
 ) -> dict[str, Row]:
-    """Every peer in turn on ``model``, each into a fresh folder deleted afterwards.
-
-    ``rows`` are the rows each restore is checked on (and that ``async_take``'s training
-    modifies while it writes).
-    """
+    """Every peer in turn on ``model``, each into a fresh folder deleted afterwards; each
+    restore is checked on ``rows`` (which ``async_take``'s training modifies as it writes)."""
     peers: dict[str, Callable[[Path], Row]] = {
         "torchsnapshot_take": lambda p: _take(model, p, shards, rows),
         "torchsnapshot_async_take": lambda p: _async_take(model, p, shards, rows, False),
@@ -203,10 +166,9 @@ def run_peers(
     out = {}
     for key, peer in peers.items():
         path = folder / key
-        row = peer(path)
+        row = out[key] = peer(path)
         if "error" not in row:
-            row["bytes"] = from_rank0(lambda p=path: tree_bytes(p))  # type: ignore[misc]
-        out[key] = row
-        rmtree(path)
+            row["bytes"] = measure.from_rank0(lambda p=path: tree_bytes(p))  # type: ignore[misc]
+        measure.rmtree(path)
         gc.collect()
     return out

@@ -1,11 +1,9 @@
 """Bytes written and bytes stored at each interval, per policy (Check-N-Run Figs. 15, 16).
 
 Each policy trains the same model (8 table-wise tables x 100k rows x dim 64) on the same
-Zipf batches and checkpoints at every interval with ``keep_last=1``, so the root holds
-only what restoring the latest checkpoint needs: "stored" is measured on disk after each
-commit. "Written" is the bytes of the checkpoint just committed. Both are relative to one
-full checkpoint of the model. With ``--figure`` it also plots them (``fig15_16.png``) and
-writes ``results.csv`` beside the JSON result (the experiment of docs/experiments.md).
+Zipf batches and checkpoints every interval with ``keep_last=1``: "stored" is measured on
+disk after each commit, "written" is the checkpoint's bytes, both relative to one full
+checkpoint. ``--figure`` also plots them (``fig15_16.png``) and writes ``results.csv``.
 """
 
 from __future__ import annotations
@@ -14,15 +12,8 @@ import argparse
 import sys
 from typing import Any
 
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
-from benchmarks.measure import (
-    POLICIES,
-    Policy,
-    from_rank0,
-    model_arguments,
-    rmtree,
-    uniform_model,
-)
 from benchmarks.results import Table
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import CheckpointConfig, CheckpointManager, checkpoint_info
@@ -30,24 +21,23 @@ from torchrec_cnr.storage.fs import tree_bytes
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
-    model_arguments(p, rows=100_000)
+    measure.model_arguments(p, rows=100_000)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--pooling", type=int, default=2)
     p.add_argument("--alpha", type=float, default=1.1)
     p.add_argument("--intervals", type=int, default=12)
     p.add_argument("--steps-per-interval", type=int, default=20)
-    p.add_argument(
-        "--figure", action="store_true", help="plot Figs. 15 and 16 and write a CSV beside"
-    )
+    p.add_argument("--figure", action="store_true",
+                   help="plot Figs. 15 and 16 and write a CSV beside")  # fmt: skip
 
 
 SMOKE = "--tables 2 --rows 2000 --dim 16 --batch-size 64 --intervals 4 --steps-per-interval 2"
 
 
-def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
+def _policy(b: Bench, policy: measure.Policy) -> list[dict[str, Any]]:
     a = b.args
     root = b.scratch / policy
-    model, opt, tables = uniform_model(a)
+    model, opt, tables = measure.uniform_model(a)
     data = ZipfBatches(tables, a.batch_size, alpha=a.alpha, pooling=a.pooling, seed=0)
     cfg = CheckpointConfig(path=str(root), policy=policy, keep_last=1)
     rows: list[dict[str, Any]] = []
@@ -57,23 +47,19 @@ def _policy(b: Bench, policy: Policy) -> list[dict[str, Any]]:
                 train_step(model, opt, data.next(b.rank))
             ckpt.save(interval * a.steps_per_interval)
             ckpt.wait()
-            info, stored = from_rank0(lambda: (checkpoint_info(str(root)), tree_bytes(root)))
-            rows.append({
-                "policy": policy,
-                "interval": interval,
-                "kind": info.kind,
-                "rows_saved_frac": info.saved_fraction,
-                "written_bytes": info.bytes,
-                "stored_bytes": stored,
-                "chain_len": len(info.chain),
-            })  # fmt: skip
-    rmtree(root)
+            info, stored = measure.from_rank0(
+                lambda: (checkpoint_info(str(root)), tree_bytes(root))
+            )
+            rows.append({"policy": policy, "interval": interval, "kind": info.kind,
+                         "rows_saved_frac": info.saved_fraction, "written_bytes": info.bytes,
+                         "stored_bytes": stored, "chain_len": len(info.chain)})  # fmt: skip
+    measure.rmtree(root)
     return rows
 
 
-def measure(b: Bench) -> dict[str, Any]:
+def _measure(b: Bench) -> dict[str, Any]:
     """Every policy's intervals, and one full checkpoint's bytes they are relative to."""
-    return summarize({p: _policy(b, p) for p in POLICIES})
+    return summarize({p: _policy(b, p) for p in measure.POLICIES})
 
 
 def summarize(per: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -83,13 +69,9 @@ def summarize(per: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         for r in rows:
             r["written_rel"] = r["written_bytes"] / full
             r["stored_rel"] = r["stored_bytes"] / full
-    totals = {
-        p: {
-            "written_bytes": sum(r["written_bytes"] for r in rows),
-            "peak_stored_rel": max(r["stored_rel"] for r in rows),
-        }
-        for p, rows in per.items()
-    }
+    totals = {p: {"written_bytes": sum(r["written_bytes"] for r in rows),
+                  "peak_stored_rel": max(r["stored_rel"] for r in rows)}
+              for p, rows in per.items()}  # fmt: skip
     for t in totals.values():
         t["written_less_than_full"] = totals["full"]["written_bytes"] / t["written_bytes"]
     return {"full_bytes": full, "intervals": per, "totals": totals}
@@ -103,13 +85,9 @@ def tables(m: dict[str, Any]) -> list[Table]:
         return f"{per[p][i]['written_rel']:.3f} {'F' if per[p][i]['kind'] == 'full' else 'd'}"
 
     rows: list[list[Any]] = [
-        [
-            i + 1,
-            f"{per['consecutive'][i]['rows_saved_frac']:.1%}",
-            *(written(p, i) for p in policies),
-        ]
+        [i + 1, f"{per['consecutive'][i]['rows_saved_frac']:.1%}", *(written(p, i) for p in policies)]
         for i in range(count)
-    ]
+    ]  # fmt: skip
     rows.append(["**written, all intervals**", ""] + [
         f"{t['written_bytes'] / 1e6:.0f} MB ({t['written_less_than_full']:.2f}x less)"
         for t in totals.values()
@@ -117,14 +95,11 @@ def tables(m: dict[str, Any]) -> list[Table]:
     rows.append(["**peak stored**", ""] + [f"{t['peak_stored_rel']:.2f}" for t in totals.values()])
     stored = [[i + 1, *(per[p][i]["stored_rel"] for p in policies)] for i in range(count)]
     return [
-        Table(
-            "Written per interval, x one full checkpoint (F full, d delta)",
-            ["interval", "rows modified", *policies],
-            rows,
-            note=f"One full checkpoint = {m['full_bytes'] / 1e6:.1f} MB.",
-        ),
+        Table("Written per interval, x one full checkpoint (F full, d delta)",
+              ["interval", "rows modified", *policies], rows,
+              note=f"One full checkpoint = {m['full_bytes'] / 1e6:.1f} MB."),
         Table("Stored after each interval, x one full checkpoint", ["interval", *policies], stored),
-    ]
+    ]  # fmt: skip
 
 
 def _figure(b: Bench, m: dict[str, Any]) -> None:
@@ -137,27 +112,22 @@ def _figure(b: Bench, m: dict[str, Any]) -> None:
     axes[0].set_title("Fig. 15: written per interval")
     axes[1].set_title("Fig. 16: stored after each interval")
     for ax in axes:
-        ax.set_xlabel("interval")
-        ax.set_ylabel("x one full checkpoint")
+        ax.set(xlabel="interval", ylabel="x one full checkpoint")
         ax.legend()
     save_figure(fig, b.artifacts / "fig15_16.png")
 
 
 def run(b: Bench) -> Outcome:
-    m = measure(b)
+    m = _measure(b)
     if b.args.figure and b.rank == 0:
         write_csv(b.artifacts / "results.csv", [r for per in m["intervals"].values() for r in per])
         _figure(b, m)
     return Outcome(m, tables(m))
 
 
-CASE = Case(
-    name="policies",
-    title="Bytes written and stored per policy (Check-N-Run Figs. 15 and 16)",
-    arguments=arguments,
-    smoke=SMOKE,
-    run=run,
-)
+CASE = Case(name="policies",
+            title="Bytes written and stored per policy (Check-N-Run Figs. 15 and 16)",
+            arguments=arguments, smoke=SMOKE, run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

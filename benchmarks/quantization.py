@@ -3,17 +3,16 @@ against PyTorch's and FBGEMM's quantizers, in one process.
 
 Every method (symmetric, asymmetric, kmeans, adaptive at 2/3/4/8 bits, fp16, bf16) on
 ``--rows`` Gaussian rows of ``--dim``: mean per-row relative error ``||x - x_hat|| / ||x||``,
-compression against fp32 (per-row fp16 scale and bias included) and MB/s of fp32 input
-(:func:`benchmarks.measure.best_seconds`). Peers: PyTorch's greedy
-``embedding_bag_{4,2}bit_prepack(optimized_qparams=True)`` on ``--peer-rows`` rows (it is
-slow), FBGEMM's ``FloatToFusedNBitRowwiseQuantizedSBHalf`` (2, 4 bits) and
-``FloatToFused8BitRowwiseQuantized``. Targets: adaptive 4-bit error <= greedy's on the same
-rows and MB/s >= 50x its; FBGEMM 4-bit MB/s <= 1.5 x asymmetric 4-bit's.
+compression against fp32 (scale and bias included), MB/s of fp32 input. Peers: PyTorch's
+greedy ``embedding_bag_{4,2}bit_prepack(optimized_qparams=True)`` on ``--peer-rows`` rows,
+FBGEMM's ``FloatToFusedNBitRowwiseQuantizedSBHalf`` (2, 4 bits) and 8-bit. Targets:
+adaptive 4-bit error <= greedy's on the same rows and MB/s >= 50x its; FBGEMM 4-bit MB/s <=
+1.5 x asymmetric 4-bit's.
 
-``--vs-greedy``: adaptive 4-bit against the greedy in six cells, dims ``--vs-greedy-dims``
-x {Gaussian, Student-t with 3 degrees of freedom}, each ``--rows`` x ``--dim`` fp32 bytes,
-both errors on the greedy's first ``--peer-rows`` x ``--dim`` bytes. Targets per cell:
->= 50x its MB/s, error <= its. One thread (``--threads``), as the checkpoint writer runs.
+``--vs-greedy``: adaptive 4-bit against the greedy in six cells, dims ``--vs-greedy-dims`` x
+{Gaussian, Student-t 3}, ``--rows`` x ``--dim`` fp32 bytes each, errors on the greedy's
+first ``--peer-rows`` x ``--dim``. Targets per cell: >= 50x its MB/s, error <= its. One
+thread (``--threads``), as the checkpoint writer runs.
 """
 
 from __future__ import annotations
@@ -82,18 +81,13 @@ def rel_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     return float(((x - x_hat).norm(dim=1)[keep] / norm[keep]).mean())
 
 
-def _measure(
-    x: torch.Tensor, fn: Quantizer, a: argparse.Namespace
-) -> tuple[dict[str, Any], torch.Tensor]:
+def _measure(x: torch.Tensor, fn: Quantizer,
+             a: argparse.Namespace) -> tuple[dict[str, Any], torch.Tensor]:  # fmt: skip
     secs = best_seconds(lambda: fn(x), a.repeats, a.min_seconds)
     x_hat, nbytes = fn(x)
-    row = {
-        "rows": x.shape[0],
-        "rel_error": rel_error(x, x_hat),
-        "compression": x.numel() * 4 / nbytes,
-        "mb_per_s": x.numel() * 4 / 1e6 / secs,
-        "seconds": secs,
-    }
+    row = {"rows": x.shape[0], "rel_error": rel_error(x, x_hat),
+           "compression": x.numel() * 4 / nbytes, "mb_per_s": x.numel() * 4 / 1e6 / secs,
+           "seconds": secs}  # fmt: skip
     return row, x_hat
 
 
@@ -116,10 +110,8 @@ def _packed(pack: Callable[..., torch.Tensor], unpack: Callable[..., torch.Tenso
 def _greedy(bits: int) -> Quantizer:
     ops = torch.ops.quantized
     prepack = getattr(ops, f"embedding_bag_{bits}bit_prepack")
-    return _packed(
-        functools.partial(prepack, optimized_qparams=True),
-        getattr(ops, f"embedding_bag_{bits}bit_unpack"),
-    )
+    unpack = getattr(ops, f"embedding_bag_{bits}bit_unpack")
+    return _packed(functools.partial(prepack, optimized_qparams=True), unpack)
 
 
 def _rows(kind: str, rows: int, dim: int, seed: int) -> torch.Tensor:
@@ -150,32 +142,22 @@ def _methods(b: Bench) -> Outcome:
     ops = fbgemm_ops()
     if ops is not None:
         for bits in (2, 4):
-            fn = _packed(
-                functools.partial(ops.FloatToFusedNBitRowwiseQuantizedSBHalf, bit_rate=bits),
-                functools.partial(ops.FusedNBitRowwiseQuantizedSBHalfToFloat, bit_rate=bits),
-            )
+            pack = functools.partial(ops.FloatToFusedNBitRowwiseQuantizedSBHalf, bit_rate=bits)
+            unpack = functools.partial(ops.FusedNBitRowwiseQuantizedSBHalfToFloat, bit_rate=bits)
             try:
-                peers[f"fbgemm_{bits}bit"] = _measure(x, fn, a)[0]
+                peers[f"fbgemm_{bits}bit"] = _measure(x, _packed(pack, unpack), a)[0]
             except RuntimeError as e:  # dim not a multiple of 8 / bits * 2
                 b.log(f"fbgemm {bits}-bit skipped: {e}")
         fn = _packed(ops.FloatToFused8BitRowwiseQuantized, ops.Fused8BitRowwiseQuantizedToFloat)
         peers["fbgemm_8bit"] = _measure(x, fn, a)[0]
-    m = {
-        "source": source,
-        "shape": list(x.shape),
-        "peer_rows": len(sub),
-        "ours": ours,
-        "peers": peers,
-    }
+    m = {"source": source, "shape": list(x.shape), "peer_rows": len(sub), "ours": ours,
+         "peers": peers}  # fmt: skip
     rows = [{"impl": "torchrec_cnr", "key": k, **r} for k, r in ours.items()]
     rows += [{"impl": k.split("_")[0], "key": k.removesuffix("bit"), **r} for k, r in peers.items()]
     table = Table.of(f"{source} rows, {x.shape[0]} x {x.shape[1]} fp32, {a.threads} thread(s)", rows, {
-        "impl": "impl",
-        "method": lambda r: r["key"].rsplit("_", 1)[0],
-        "bits": lambda r: int(r["key"].rsplit("_", 1)[1]),
-        "rows": "rows",
-        "rel L2 error": "rel_error",
-        "compression": lambda r: f"{r['compression']:.2f}x",
+        "impl": "impl", "method": lambda r: r["key"].rsplit("_", 1)[0],
+        "bits": lambda r: int(r["key"].rsplit("_", 1)[1]), "rows": "rows",
+        "rel L2 error": "rel_error", "compression": lambda r: f"{r['compression']:.2f}x",
         "MB/s": "mb_per_s",
     })  # fmt: skip
     return Outcome(m, [table], METHOD_TARGETS)
@@ -209,10 +191,8 @@ def _vs_greedy(b: Bench) -> Outcome:
     title = f"Adaptive 4-bit vs PyTorch greedy: {elems * 4 / 1e6:.1f} MB fp32 per cell, the "
     title += f"greedy and both errors on its first {peer_elems * 4 / 1e6:.1f} MB"
     table = Table.of(title, rows, {
-        "rows": "kind",
-        "dim": "dim",
-        "greedy MB/s": lambda r: r["g"]["mb_per_s"],
-        "greedy err": lambda r: r["g"]["rel_error"],
+        "rows": "kind", "dim": "dim",
+        "greedy MB/s": lambda r: r["g"]["mb_per_s"], "greedy err": lambda r: r["g"]["rel_error"],
         "adaptive-4 MB/s": lambda r: r["a"]["mb_per_s"],
         "adaptive-4 err": lambda r: r["a"]["rel_error"],
         "speed": lambda r: f"{r['a']['mb_per_s'] / r['g']['mb_per_s']:.1f}x",
@@ -228,13 +208,9 @@ def run(b: Bench) -> Outcome:
     return _vs_greedy(b) if b.args.vs_greedy else _methods(b)
 
 
-CASE = Case(
-    name="quantization",
-    title="Quantization (Check-N-Run Fig. 9)",
-    arguments=_arguments,
-    smoke="--rows 2000 --peer-rows 200 --repeats 1 --min-seconds 0 --vs-greedy-dims 16 64",
-    run=run,
-)
+CASE = Case(name="quantization", title="Quantization (Check-N-Run Fig. 9)", arguments=_arguments,
+            smoke="--rows 2000 --peer-rows 200 --repeats 1 --min-seconds 0 --vs-greedy-dims 16 64",
+            run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

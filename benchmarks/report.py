@@ -1,24 +1,19 @@
-"""Renders benchmark results (JSON, :mod:`benchmarks.results`) into markdown: one section
-per result, with the command that produced it, its environment, its tables and each
-target's measured value, reference and verdict.
+"""Renders benchmark results (JSON, :mod:`benchmarks.results`) into markdown: per result,
+its command, environment, tables and each target's measured value, bound and verdict.
 
     .venv/bin/python -m benchmarks.report                          # benchmarks/results/ only
     .venv/bin/python -m benchmarks.report benchmarks/results out/bench
 
-Each folder is searched for ``*.json``; a result's id is its file name without ``.json``,
-and a later folder's result replaces an earlier one's of the same id. The hand-written
-prose lives in ``benchmarks/templates/*.md``: every line ``<!-- result: ID -->`` there is
-replaced by the section of result ``ID``, and the page is written under ``--docs`` with
-the template's name (``docs/benchmarks.md``, ``docs/experiments.md``). Results of
-``--smoke`` runs are left out unless ``--allow-smoke``.
-
-Figures in prose are never typed: ``{{ID:dotted.path}}`` stands for a value of result
-``ID`` (a key with a dot in brackets: ``verdicts.by_frac[0.25%].ratio``), and
-``{{EXPR|SPEC}}`` for arithmetic on such values (``+ - * /`` between spaces, numbers,
-parentheses, ``min`` and ``max`` of values or lists) formatted with a Python format spec, e.g.
-``{{stall:measurements.cases.lazy_5.stall_s * 1e3|.1f}}``; a list of two renders as a
-range. A placeholder that names no value fails the rendering. ``README.md``'s lines between ``<!-- figures: begin -->`` and
-``<!-- figures: end -->`` are rendered from ``templates/readme/figures.md`` the same way.
+A result's id is its file name without ``.json``, a later folder's replacing an earlier
+one's. In ``benchmarks/templates/*.md`` each line ``<!-- result: ID -->`` becomes the
+section of result ``ID``, the page written under ``--docs``; ``--smoke`` results are left
+out unless ``--allow-smoke``. Figures in prose are never typed: ``{{ID:dotted.path}}`` is a
+value of result ``ID`` (a key with a dot in brackets: ``by_frac[0.25%].ratio``), and
+``{{EXPR|SPEC}}`` arithmetic on such values (``+ - * /`` between spaces, numbers,
+parentheses, ``min`` and ``max``) with a format spec, e.g.
+``{{stall:measurements.cases.lazy_5.stall_s * 1e3|.1f}}``; a list of two is a range. A
+placeholder that names no value fails. ``README.md``'s lines between ``<!-- figures: begin
+-->`` and ``<!-- figures: end -->`` are rendered from ``templates/readme/figures.md``.
 """
 
 from __future__ import annotations
@@ -66,9 +61,8 @@ def fmt(x: Any) -> str:
 
 
 def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    numeric = [
-        all(isinstance(r[i], int | float) for r in rows if r[i] != "") for i in range(len(columns))
-    ]
+    numeric = [all(isinstance(r[i], int | float) for r in rows if r[i] != "")
+               for i in range(len(columns))]  # fmt: skip
     lines = ["| " + " | ".join(columns) + " |"]
     lines.append("|" + "|".join("---:" if n else "---" for n in numeric) + "|")
     lines += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
@@ -76,22 +70,18 @@ def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
 
 
 def _environment(env: dict[str, Any]) -> str:
-    parts = [f"host `{env['host']}`"] if env.get("host") else []
-    if env.get("cpu_count"):
-        parts.append(f"{env['cpu_count']} CPU cores")
-    if env.get("memory_gib"):
-        parts.append(f"{env['memory_gib']} GiB")
-    parts.append(env.get("gpu") or "no GPU")
-    if env.get("world_size"):
-        world = env["world_size"]
-        parts.append(f"{world} ranks" if world > 1 else "1 process")
-    versions = env.get("versions", {})
-    parts += [f"{k} {v}" for k, v in versions.items() if k != "python"]
-    parts += [f"`{k}={v}`" for k, v in env.get("env", {}).items()]
-    if env.get("git"):
-        parts.append(f"commit `{env['git']}`")
-    if env.get("description"):
-        parts.append(env["description"])
+    world = env.get("world_size")
+    parts = [
+        *([f"host `{env['host']}`"] if env.get("host") else []),
+        *([f"{env['cpu_count']} CPU cores"] if env.get("cpu_count") else []),
+        *([f"{env['memory_gib']} GiB"] if env.get("memory_gib") else []),
+        env.get("gpu") or "no GPU",
+        *([f"{world} ranks" if world > 1 else "1 process"] if world else []),
+        *(f"{k} {v}" for k, v in env.get("versions", {}).items() if k != "python"),
+        *(f"`{k}={v}`" for k, v in env.get("env", {}).items()),
+        *([f"commit `{env['git']}`"] if env.get("git") else []),
+        *([env["description"]] if env.get("description") else []),
+    ]
     return "; ".join(parts)
 
 
@@ -112,15 +102,8 @@ def _targets(targets: list[dict[str, Any]]) -> list[str]:
 
 def section(r: dict[str, Any]) -> str:
     """One result as markdown: command, environment, tables, targets."""
-    lines = [
-        f"Measured {r['date'][:10]} by:",
-        "",
-        "```",
-        r["command"],
-        "```",
-        "",
-        f"Environment: {_environment(r['environment'])}.",
-    ]
+    lines = [f"Measured {r['date'][:10]} by:", "", "```", r["command"], "```", "",
+             f"Environment: {_environment(r['environment'])}."]  # fmt: skip
     if r.get("note"):
         lines += ["", f"> {r['note']}"]
     for t in r["tables"]:
@@ -149,8 +132,7 @@ def value(results: dict[str, dict[str, Any]], rid: str, path: str) -> Any:
     """The value at dotted ``path`` of result ``rid`` (list items by index).
 
     Raises:
-        ValueError: no such result or value.
-    """
+        ValueError: no such result or value."""
     node: Any = results.get(rid)
     if node is None:
         raise ValueError(f"no result {rid!r}: run its command, or pass its folder")
@@ -165,20 +147,13 @@ def value(results: dict[str, dict[str, Any]], rid: str, path: str) -> Any:
     return node
 
 
-_OPS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-}
-
-
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.Div: operator.truediv}  # fmt: skip
 _CALLS: dict[str, Any] = {"min": min, "max": max}
 
 
 def _evaluate(node: ast.AST, refs: list[Any]) -> Any:
-    """Arithmetic only: numbers, the references ``_0``, ``_1``, ..., ``+ - * /``,
-    ``min(...)`` and ``max(...)``."""
+    """Arithmetic only: numbers, references ``_0``, ``_1``, ..., ``+ - * /``, ``min``, ``max``."""
     if isinstance(node, ast.Expression):
         return _evaluate(node.body, refs)
     if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
@@ -219,12 +194,11 @@ def _figure(results: dict[str, dict[str, Any]], m: re.Match[str]) -> str:
 
 
 def render(template: str, results: dict[str, dict[str, Any]]) -> str:
-    """``template`` with each result marker replaced by that result's section, and each
-    value placeholder by its value.
+    """``template`` with each result marker replaced by its section, each placeholder by
+    its value.
 
     Raises:
-        ValueError: a marker or placeholder names no result or value.
-    """
+        ValueError: a marker or placeholder names no result or value."""
     missing = [m for m in MARKER.findall(template) if m not in results]
     if missing:
         raise ValueError(f"no result for {missing}: run its command, or pass its folder")
@@ -234,8 +208,7 @@ def render(template: str, results: dict[str, dict[str, Any]]) -> str:
 
 ITEM = re.compile(r"^(\s*(?:[-*]|\d+\.) )")
 WIDTH = 95
-"""Prose is rewrapped at this width once its figures are in, so a figure never leaves a
-ragged line in the page."""
+"""Prose is rewrapped at this width once its figures are in (no ragged lines)."""
 
 
 GLUE = re.compile(r"(?<=\d) (?=(?:ms|s|GB|MB|GiB|B|x|steps|bits|ranks?)\b)")
@@ -243,15 +216,12 @@ GLUE = re.compile(r"(?<=\d) (?=(?:ms|s|GB|MB|GiB|B|x|steps|bits|ranks?)\b)")
 
 
 def _reflow(text: str) -> str:
-    """Rewraps the prose paragraphs and list items of ``text``; tables, code, headings,
-    quotes, images and markers are left as they are."""
+    """Rewraps the prose paragraphs and list items of ``text`` (not tables, code, headings...)."""
     out: list[str] = []
     for block in text.split("\n\n"):
         lines = block.strip("\n").split("\n")
-        keep = any(
-            ln.lstrip().startswith(("|", "```", "<!--", "#", "![", ">")) or ln.startswith("    ")
-            for ln in lines
-        )
+        keep = any(ln.lstrip().startswith(("|", "```", "<!--", "#", "![", ">"))
+                   or ln.startswith("    ") for ln in lines)  # fmt: skip
         if keep or not block.strip():
             out.append(block)
             continue
@@ -264,16 +234,11 @@ def _reflow(text: str) -> str:
             else:
                 items[-1][2].append(line.strip())
         wrapped = [
-            textwrap.fill(
-                GLUE.sub("\u00a0", " ".join(words)),
-                WIDTH,
-                initial_indent=first,
-                subsequent_indent=rest,
-                break_long_words=False,
-                break_on_hyphens=False,
-            ).replace("\u00a0", " ")
+            textwrap.fill(GLUE.sub("\u00a0", " ".join(words)), WIDTH, initial_indent=first,
+                          subsequent_indent=rest, break_long_words=False,
+                          break_on_hyphens=False).replace("\u00a0", " ")
             for first, rest, words in items
-        ]
+        ]  # fmt: skip
         out.append("\n".join(wrapped))
     reflowed = "\n\n".join(out)
     return reflowed + "\n" if text.endswith("\n") and not reflowed.endswith("\n") else reflowed
@@ -288,15 +253,13 @@ def render_readme(readme: str, results: dict[str, dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("folders", type=Path, nargs="*", default=[RECORDED])
     p.add_argument("--docs", type=Path, default=Path("docs"), help="where the pages go")
     p.add_argument("--allow-smoke", action="store_true", help="render --smoke results too")
-    p.add_argument(
-        "--readme", type=Path, default=README, help="README whose figures block is rendered"
-    )
+    p.add_argument("--readme", type=Path, default=README,
+                   help="README whose figures block is rendered")  # fmt: skip
     args = p.parse_args(argv)
     results = collect(args.folders, args.allow_smoke)
     for template in sorted(TEMPLATES.glob("*.md")):

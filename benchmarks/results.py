@@ -1,14 +1,11 @@
 """The one result format of every benchmark and experiment, and how targets are judged.
 
-A run writes one JSON file: ``format_version`` (1), ``case`` (the module under
-``benchmarks``), ``kind`` (benchmark or experiment), ``title``, ``date``, ``command`` (the
-exact command line), ``note``, ``smoke``, ``environment`` (host, cores, memory, versions,
-environment variables), ``config`` (every argument), ``wall_s``, ``measurements`` (nested
-dicts of numbers), ``tables`` (:class:`Table`) and ``targets`` (:meth:`Goal.evaluate`).
-
-A target is data: ``measured op factor * reference``, where ``measured`` is a dotted key
-into ``measurements`` and ``reference`` a key or a number. Its verdict is computed by
-:meth:`Goal.evaluate` and nowhere else; printing code only shows it.
+A run writes one JSON file: ``format_version`` (1), ``case``, ``kind``, ``title``, ``date``,
+``command``, ``note``, ``smoke``, ``environment`` (host, cores, memory, versions,
+variables), ``config`` (every argument), ``wall_s``, ``measurements`` (nested dicts of
+numbers), ``tables`` (:class:`Table`) and ``targets``. A target is data, ``measured op
+factor * reference`` (dotted keys into ``measurements``, or a number); its verdict is
+computed by :meth:`Goal.evaluate` and nowhere else.
 """
 
 from __future__ import annotations
@@ -33,28 +30,19 @@ def lookup(tree: dict[str, Any], key: str) -> Any:
 
 
 def _ends(value: Any) -> list[float] | None:
-    """A measured value as the numbers to judge: one, or both ends of a ``[low, high]``
-    range (a recorded table that gave several runs as one range, e.g. "4.5-5.3x")."""
+    """A measured value as the numbers to judge: one, or both ends of a ``[low, high]`` range."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         return [float(value)]
-    if (
-        isinstance(value, list)
-        and len(value) == 2
-        and all(isinstance(v, int | float) for v in value)
-    ):
+    pair = isinstance(value, list) and len(value) == 2
+    if pair and all(isinstance(v, int | float) for v in value):
         return [float(v) for v in value]
     return None
 
 
 @dataclass(frozen=True)
 class Goal:
-    """A bound that a measurement must meet: ``measured op factor * reference``.
-
-    Example::
-
-        Goal("stall <= 1/10 of async_take's", "cnr.intermittent_fp32_5.stall_s", "<=",
-               "peers.torchsnapshot_async_take_copy.stall_s", 0.1)
-    """
+    """A bound that a measurement must meet: ``measured op factor * reference``, e.g.
+    ``Goal("stall <= 1/10 of async_take's", "cnr.x.stall_s", "<=", "peers.y.stall_s", 0.1)``."""
 
     name: str
     """What it checks, in words."""
@@ -71,9 +59,8 @@ class Goal:
             raise ValueError(f"op must be '<=' or '>=', got {self.op!r}")
 
     def evaluate(self, measurements: dict[str, Any]) -> dict[str, Any]:
-        """The target with its measured value, reference, bound and verdict: ``PASS``,
-        ``MISS``, ``MIXED`` (a measured range passes at one end only) or ``n/a`` (a value
-        is missing: a peer that failed, a case not run)."""
+        """The target with its measured value, reference, bound and verdict: ``PASS``, ``MISS``,
+        ``MIXED`` (a range passes at one end only) or ``n/a`` (a value is missing)."""
         measured = lookup(measurements, self.measured_key)
         reference = self.reference
         if isinstance(reference, str):
@@ -84,13 +71,8 @@ class Goal:
             bound = self.factor * refs[0]
             passed = [v <= bound if self.op == "<=" else v >= bound for v in ends]
             verdict = "PASS" if all(passed) else "MISS" if not any(passed) else "MIXED"
-        return {
-            **asdict(self),
-            "measured": measured,
-            "reference_value": reference,
-            "bound": bound,
-            "verdict": verdict,
-        }
+        return {**asdict(self), "measured": measured, "reference_value": reference,
+                "bound": bound, "verdict": verdict}  # fmt: skip
 
 
 Column = str | Callable[[dict[str, Any]], Any]
@@ -120,12 +102,9 @@ class Table:
 def write(path: Path, record: dict[str, Any]) -> None:
     """A result record as JSON, ``targets`` evaluated and ``tables`` as plain lists."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {
-        "format_version": FORMAT_VERSION,
-        **record,
-        "tables": [asdict(t) for t in record["tables"]],
-        "targets": [t.evaluate(record["measurements"]) for t in record["targets"]],
-    }
+    record = {"format_version": FORMAT_VERSION, **record,
+              "tables": [asdict(t) for t in record["tables"]],
+              "targets": [t.evaluate(record["measurements"]) for t in record["targets"]]}  # fmt: skip
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")
 
 
@@ -133,8 +112,7 @@ def load(path: Path) -> dict[str, Any]:
     """A result file, checked for its format version.
 
     Raises:
-        ValueError: the file is not a result of this format.
-    """
+        ValueError: the file is not a result of this format."""
     raw = json.loads(path.read_text())
     if raw.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: format_version {raw.get('format_version')!r}, not 1")

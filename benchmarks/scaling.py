@@ -1,12 +1,11 @@
 """The scaling curve: stall, commit, restore and peak host memory per rank against the
 embedding bytes each rank holds, for full saves and 5%/25% deltas, fp32 and 4-bit.
 
-For each of ``--gb-per-rank`` GB per rank (tables of ``--rows`` x 64, 2 gloo ranks), one
-intermittent manager per format takes a baseline, then a 5% and a 25% delta (the 5% inside
-the 25%), each restored cold after its commit. The slowest rank's stall, commit, restore
-and peak resident memory above the model (the staging pool counts); the disk and a memcpy
-measured beside, and each figure extrapolated linearly to ``--extrapolate`` GB per rank,
-naming the bound. Writes ``scaling.csv`` and ``scaling.png`` beside the JSON result.
+For each of ``--gb-per-rank`` (tables of ``--rows`` x 64, 2 gloo ranks), one intermittent
+manager per format takes a baseline, a 5% and a 25% delta, each restored cold after its
+commit: the slowest rank's figures and peak memory above the model, the disk and a memcpy
+beside, each extrapolated to ``--extrapolate`` GB per rank. Writes ``scaling.csv`` and
+``scaling.png`` beside the JSON result.
 """
 
 from __future__ import annotations
@@ -17,33 +16,14 @@ import gc
 import sys
 from typing import Any
 
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
-from benchmarks.measure import (
-    GB,
-    QUANTS,
-    disk_bandwidth,
-    drop_cache,
-    max_over_ranks,
-    memcpy_s,
-    modify,
-    proc_status_mb,
-    random_rows,
-    reset_peak_rss,
-    rmtree,
-    timed,
-    timed_save,
-    uniform_model,
-)
 from benchmarks.results import Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.tracking.model_state import local_shards
 
-FIGURES = {
-    "stall_s": "stall (s)",
-    "commit_s": "commit (s)",
-    "restore_s": "restore, cold (s)",
-    "peak_mb": "peak host memory above the model (MB)",
-}
+FIGURES = {"stall_s": "stall (s)", "commit_s": "commit (s)", "restore_s": "restore, cold (s)",
+           "peak_mb": "peak host memory above the model (MB)"}  # fmt: skip
 SAVED = (1.0, 0.05, 0.25)
 
 
@@ -57,38 +37,32 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 def _size(b: Bench, gb: float) -> list[dict[str, Any]]:
     a = b.args
-    tables = max(1, round(gb * GB / (a.rows * 64 * 4))) * b.world
-    model = uniform_model(argparse.Namespace(tables=tables, rows=a.rows, dim=64)).model
+    tables = max(1, round(gb * measure.GB / (a.rows * 64 * 4))) * b.world
+    model = measure.uniform_model(argparse.Namespace(tables=tables, rows=a.rows, dim=64)).model
     shards = local_shards(model)
-    (local_gb,) = max_over_ranks(sum(s.weight.numel() * 4 for s in shards) / GB)
-    sels = random_rows(shards, SAVED[1:])
+    (local_gb,) = measure.max_over_ranks(sum(s.weight.numel() * 4 for s in shards) / measure.GB)
+    sels = measure.random_rows(shards, SAVED[1:])
     rows: list[dict[str, Any]] = []
-    for quant, qcfg in QUANTS.items():
+    for quant, qcfg in measure.QUANTS.items():
         root = b.scratch / f"{gb}_{quant}"
         gc.collect()
-        base = reset_peak_rss()
+        base = measure.reset_peak_rss()
         cfg = CheckpointConfig(path=str(root), policy="intermittent", quantize=qcfg)
         with CheckpointManager(model, cfg) as ckpt:
             for step, saved in enumerate(SAVED, start=1):
                 if saved < 1:
-                    modify(shards, sels[saved])
-                stall, commit = timed_save(ckpt, step)
-                (save_peak,) = max_over_ranks(proc_status_mb("VmHWM") - base)
-                drop_cache(root)
-                restore, _ = timed(functools.partial(ckpt.restore, step=step))
-                (peak,) = max_over_ranks(proc_status_mb("VmHWM") - base)
+                    measure.modify(shards, sels[saved])
+                stall, commit = measure.timed_save(ckpt, step)
+                (save_peak,) = measure.max_over_ranks(measure.proc_status_mb("VmHWM") - base)
+                measure.drop_cache(root)
+                restore, _ = measure.timed(functools.partial(ckpt.restore, step=step))
+                (peak,) = measure.max_over_ranks(measure.proc_status_mb("VmHWM") - base)
                 got = [stall, commit, restore, max(save_peak, peak)]
-                rows.append(
-                    {
-                        "gb_per_rank": local_gb,
-                        "quant": quant,
-                        "saved": saved,
-                        **dict(zip(FIGURES, got)),
-                    }
-                )
+                rows.append({"gb_per_rank": local_gb, "quant": quant, "saved": saved,
+                             **dict(zip(FIGURES, got))})  # fmt: skip
                 b.log_row(rows[-1])
         del ckpt  # its staging buffers go before the next manager takes its own
-        rmtree(root)
+        measure.rmtree(root)
     del model, shards, sels
     gc.collect()
     return rows
@@ -108,24 +82,16 @@ def tables(m: dict[str, Any], target_gb: float) -> list[Table]:
         "restore_s": f"disk read, {limits['read_gb_s']:.2f} GB/s for the whole machine",
         "peak_mb": "the staging pool (a full checkpoint; staging_memory_mb caps it)",
     }
-    limits_text = (
-        f"Disk write {limits['write_gb_s']:.2f} GB/s, read {limits['read_gb_s']:.2f} GB/s; memory "
-        f"copy {limits['memcpy_gb_s']:.1f} GB/s per rank."
-    )
+    limits_text = (f"Disk write {limits['write_gb_s']:.2f} GB/s, read {limits['read_gb_s']:.2f} "
+                   f"GB/s; memory copy {limits['memcpy_gb_s']:.1f} GB/s per rank.")  # fmt: skip
     return [
-        Table(
-            "Per rank, slowest rank",
-            ["GB/rank", "checkpoint", *FIGURES.values()],
-            [[r["gb_per_rank"], _what(r), *(r[k] for k in FIGURES)] for r in rows],
-            limits_text,
-        ),
-        Table(
-            f"Extrapolated to {target_gb:g} GB per rank from the {top:.2f} GB/rank rates (linear)",
-            ["checkpoint", *FIGURES.values()],
-            [[_what(r), *(r[k] * scale for k in FIGURES)] for r in rows if r["gb_per_rank"] == top],
-            "Bounded by: " + "; ".join(f"{FIGURES[k]}: {v}" for k, v in bound.items()),
-        ),
-    ]
+        Table("Per rank, slowest rank", ["GB/rank", "checkpoint", *FIGURES.values()],
+              [[r["gb_per_rank"], _what(r), *(r[k] for k in FIGURES)] for r in rows], limits_text),
+        Table(f"Extrapolated to {target_gb:g} GB per rank from the {top:.2f} GB/rank rates (linear)",
+              ["checkpoint", *FIGURES.values()],
+              [[_what(r), *(r[k] * scale for k in FIGURES)] for r in rows if r["gb_per_rank"] == top],
+              "Bounded by: " + "; ".join(f"{FIGURES[k]}: {v}" for k, v in bound.items())),
+    ]  # fmt: skip
 
 
 def _plot(b: Bench, rows: list[dict[str, Any]]) -> None:
@@ -139,9 +105,7 @@ def _plot(b: Bench, rows: list[dict[str, Any]]) -> None:
                 xs, ys = [r["gb_per_rank"] for r in pts], [r[key] for r in pts]
                 ax.plot(xs, ys, style, color=color, marker="o", label=label)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("embedding GB per rank")
-        ax.set_title(title)
+        ax.set(yscale="log", xlabel="embedding GB per rank", title=title)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"torchrec_cnr scaling, {b.world} ranks (intermittent policy)")
@@ -150,12 +114,9 @@ def _plot(b: Bench, rows: list[dict[str, Any]]) -> None:
 
 def run(b: Bench) -> Outcome:
     a = b.args
-    disk = disk_bandwidth(b.scratch, a.disk_mb << 20)
-    limits = {
-        "write_gb_s": disk["write_gb_s"],
-        "read_gb_s": disk["read_gb_s"],
-        "memcpy_gb_s": a.memcpy_mb / 1e3 / memcpy_s(a.memcpy_mb * 10**6),
-    }
+    disk = measure.disk_bandwidth(b.scratch, a.disk_mb << 20)
+    limits = {"write_gb_s": disk["write_gb_s"], "read_gb_s": disk["read_gb_s"],
+              "memcpy_gb_s": a.memcpy_mb / 1e3 / measure.memcpy_s(a.memcpy_mb * 10**6)}  # fmt: skip
     b.log(", ".join(f"{k} {v:.2f}" for k, v in limits.items()))
     rows = [r for gb in a.gb_per_rank for r in _size(b, gb)]
     m = {"limits": limits, "disk": disk, "rows": rows}
@@ -165,13 +126,8 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, tables(m, a.extrapolate))
 
 
-CASE = Case(
-    name="scaling",
-    title="Scaling: 0.25 to 4 GB per rank",
-    arguments=_arguments,
-    smoke="--gb-per-rank 0.002 --rows 2000 --disk-mb 8 --memcpy-mb 16",
-    run=run,
-)
+CASE = Case(name="scaling", title="Scaling: 0.25 to 4 GB per rank", arguments=_arguments,
+            smoke="--gb-per-rank 0.002 --rows 2000 --disk-mb 8 --memcpy-mb 16", run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

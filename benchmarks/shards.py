@@ -1,20 +1,14 @@
-"""A checkpoint's metadata against its number of shards, by simulation: the commit, a
-restore's planning and a follower's planning for ``--ranks`` x ``--tables`` row-wise
-tables, without training or tensors.
+"""A checkpoint's metadata against its number of shards, by simulation (no training, no
+tensors): the commit, a restore's planning and a follower's planning for ``--ranks`` x
+``--tables`` row-wise tables of ``--rows`` x ``--dim``, split over every rank.
 
-Every shard record and index entry is a real save's (the row-wise delta shard of
-``tests/data/format_v6``), renamed per table, rank and rows (each table ``--rows`` x
-``--dim``, split over every rank). Each configuration, in a process of its own, commits a
-baseline and a delta (``--fraction`` of each shard's rows) into a fresh local root, each
-rank's records and index share made beforehand as ranks make theirs in parallel. Seconds,
-bytes and the peak of Python's memory (``tracemalloc``, in a second, untimed call) of:
-
-- the commit of the delta on rank 0 (``commit.write_and_commit`` with simulated ranks whose
-  reports arrive pickled), per shard of the checkpoint;
-- one rank's restore planning (``restore.apply``'s plan, saved ids made up), per shard of
-  that rank;
-- a follower's update plan from the baseline to the delta (``serving.plan.plan_update``),
-  per shard of the checkpoint.
+Every shard record and index entry is a real save's (``tests/data/format_v6``), renamed per
+table, rank and rows. Each configuration, in a process of its own, commits a baseline and a
+delta (``--fraction`` of each shard's rows) into a fresh root. Seconds, bytes and the peak
+of Python's memory (``tracemalloc``, a second call) of: rank 0's commit of the delta
+(``commit.write_and_commit``, the others' reports pickled), per shard; one rank's restore
+planning (``restore.apply``), per shard of that rank; a follower's update plan
+(``serving.plan.plan_update``), per shard.
 
 Targets: each figure per shard at the largest configuration <= 1.5x the smallest's.
 """
@@ -40,6 +34,7 @@ import torch
 
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.results import Column, Goal, Table
+from torchrec_cnr import schema
 from torchrec_cnr.commit import commit as commit_mod
 from torchrec_cnr.commit.lease import Lease
 from torchrec_cnr.commit.manifest import Manifest
@@ -47,14 +42,6 @@ from torchrec_cnr.encoding import RankWrite, ShardRecord
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.restore import apply
-from torchrec_cnr.schema import (
-    checkpoint_id,
-    index_part,
-    parse_index,
-    part_bytes,
-    part_path,
-    rows_path,
-)
 from torchrec_cnr.selection.policy import ChainState, Decision, Policy
 from torchrec_cnr.serving.plan import plan_update
 from torchrec_cnr.staging import StagedCheckpoint
@@ -85,8 +72,8 @@ class _Template:
         self.key = raw["key"]
         self.record = json.dumps(raw)
         rank = raw["spec"]["rank"]
-        index = parse_index((ckpt / ".snapshot_metadata").read_bytes())
-        prefix = rows_path(rank, self.key + ".")
+        index = schema.parse_index((ckpt / ".snapshot_metadata").read_bytes())
+        prefix = schema.rows_path(rank, self.key + ".")
         self.index = {p[len(prefix) :]: e for p, e in index.items() if p.startswith(prefix)}
 
     def shard(self, spec: ShardSpec, key: str, saved: int, all_rows: bool) -> ShardRecord:
@@ -100,7 +87,7 @@ class _Template:
         for suffix, e in self.index.items():
             e = copy.copy(e)
             e.shape = [saved, *e.shape[1:]]  # type: ignore[attr-defined]
-            out[rows_path(rank, f"{key}.{suffix}")] = e
+            out[schema.rows_path(rank, f"{key}.{suffix}")] = e
         return out
 
 
@@ -121,9 +108,9 @@ def _rank_write(a: argparse.Namespace, tmpl: _Template, ranks: int, tables: int,
         entries |= tmpl.entries(rank, f"s{t}", saved)
     # Each rank serializes its share of the index and writes its part of the shard records
     # itself (ShardWriter.finish).
-    data, checksum = part_bytes(ckpt_id, rank, shards)
-    storage.write(part_path(ckpt_id, rank), data)
-    return RankWrite(shards, {}, 0, 0, 0, 0.0, index_part(entries), checksum)
+    data, checksum = schema.part_bytes(ckpt_id, rank, shards)
+    storage.write(schema.part_path(ckpt_id, rank), data)
+    return RankWrite(shards, {}, 0, 0, 0, 0.0, schema.index_part(entries), checksum)
 
 
 class _Group:
@@ -132,8 +119,7 @@ class _Group:
     rank = 0
 
     def __init__(self, others: list[bytes]) -> None:
-        self.others = others
-        self.world_size = len(others) + 1
+        self.others, self.world_size = others, len(others) + 1
 
     def agree(self, error: BaseException | None) -> None:
         if error is not None:
@@ -146,17 +132,8 @@ class _Group:
         return fn()
 
 
-class _Writer:
-    def __init__(self, ckpt_id: str, write: RankWrite) -> None:
-        self.ckpt_id, self._write = ckpt_id, write
-
-    def finish(self, staged: StagedCheckpoint) -> RankWrite:
-        return self._write
-
-
 class _MadeUp(ChainReader):
-    """A chain reader that makes up the ids tensors instead of reading them: the
-    simulation has metadata and no tensors."""
+    """A chain reader that makes up the ids tensors (the simulation has no tensors)."""
 
     def saved_ids(self, n: int, rec: ShardRecord) -> torch.Tensor:
         ss = rec.spec
@@ -170,8 +147,7 @@ class _MadeUp(ChainReader):
 
 
 def _measure(fn: Callable[[], Any], trace: bool) -> float:
-    """Seconds ``fn`` takes; with ``trace``, the peak MB of Python memory it allocates
-    instead (tracemalloc slows it down: its time is taken in another call)."""
+    """Seconds ``fn`` takes, or with ``trace`` the peak MB of Python memory it allocates."""
     if not trace:
         t0 = time.perf_counter()
         fn()
@@ -186,11 +162,10 @@ def _measure(fn: Callable[[], Any], trace: bool) -> float:
 
 def _commit(a: argparse.Namespace, root: Path, ranks: int, tables: int, seq: int,
             chain: list[ChainState], trace: bool = False) -> dict[str, float]:  # fmt: skip
-    """Commits checkpoint ``seq`` (a baseline if 0) as rank 0 does, after ``chain[0]``
-    (which it replaces); its time and bytes written, or its peak memory."""
+    """Commits checkpoint ``seq`` (0: a baseline) as rank 0, after ``chain[0]``: its figures."""
     tmpl = _Template()
     full = seq == 0
-    ckpt_id = checkpoint_id(seq, seq + 1, 1)
+    ckpt_id = schema.checkpoint_id(seq, seq + 1, 1)
     storage = CountingStorage(open_storage(str(root)))
     storage.create()
     writes = [_rank_write(a, tmpl, ranks, tables, r, full, storage, ckpt_id) for r in range(ranks)]
@@ -199,7 +174,8 @@ def _commit(a: argparse.Namespace, root: Path, ranks: int, tables: int, seq: int
     decision = Decision("full" if full else "delta", True)
     staged = StagedCheckpoint(seq + 1, decision.kind, {}, b"", 0)
     resolver = SimpleNamespace(restores=0)
-    pending = commit_mod.Pending(seq, staged, _Writer(ckpt_id, mine), decision, chain[0], resolver)  # type: ignore[arg-type]
+    writer = SimpleNamespace(ckpt_id=ckpt_id, finish=lambda staged: mine)  # its write, made before
+    pending = commit_mod.Pending(seq, staged, writer, decision, chain[0], resolver)  # type: ignore[arg-type]
     target = commit_mod.CommitTarget(storage, Policy("consecutive"), 1, None)
     if full:  # the root's writer generation 1
         lease = Lease(storage, take_over=False, fallback=False, ttl_s=60.0)
@@ -211,9 +187,9 @@ def _commit(a: argparse.Namespace, root: Path, ranks: int, tables: int, seq: int
         chain[0] = commit_mod.write_and_commit(pending, _Group(others), target)  # type: ignore[arg-type]
 
     figure = _measure(commit, trace)
-    return (
-        {"commit_mb": figure} if trace else {"commit_s": figure, "commit_b": storage.bytes_written}
-    )
+    if trace:
+        return {"commit_mb": figure}
+    return {"commit_s": figure, "commit_b": storage.bytes_written}
 
 
 def _restore_plan(a: argparse.Namespace, root: Path, ranks: int, tables: int, io: IOContext) -> int:
@@ -294,20 +270,12 @@ def run(b: Bench) -> Outcome:
     small, large = measured[0], max(measured, key=lambda r: r["shards"])
     by = {f"{r['ranks']}x{r['tables']}": r for r in measured}
     goals = [
-        Goal(
-            f"{what} per shard at {large['shards']} shards <= 1.5x at {small['shards']}",
-            f"{large['ranks']}x{large['tables']}.{key}_per_shard",
-            "<=",
-            f"{small['ranks']}x{small['tables']}.{key}_per_shard",
-            1.5,
-        )  # fmt: skip
-        for key, what in (
-            ("commit_s", "commit time"),
-            ("commit_b", "bytes a commit writes"),
-            ("plan_s", "a restore's planning"),
-            ("follow_s", "a follower's planning"),
-        )  # fmt: skip
-    ]
+        Goal(f"{what} per shard at {large['shards']} shards <= 1.5x at {small['shards']}",
+             f"{large['ranks']}x{large['tables']}.{key}_per_shard", "<=",
+             f"{small['ranks']}x{small['tables']}.{key}_per_shard", 1.5)
+        for key, what in (("commit_s", "commit time"), ("commit_b", "bytes a commit writes"),
+                          ("plan_s", "a restore's planning"), ("follow_s", "a follower's planning"))
+    ]  # fmt: skip
 
     def ms(key: str) -> Column:
         return lambda r: 1e3 * r[key] if key in r else "not run"
@@ -329,23 +297,17 @@ def run(b: Bench) -> Outcome:
         "follower peak (MB)": mb("follow_mb", 1),
     }  # fmt: skip
     table = Table.of(
-        "A checkpoint's metadata against its shards (one process per configuration)",
-        rows,
-        columns,
+        "A checkpoint's metadata against its shards (one process per configuration)", rows, columns,
         note=f"row-wise tables of {a.rows} x {a.dim} split over every rank; a delta of "
         f"{a.fraction:.0%} of each shard's rows; restore planning is one rank's, per shard "
         "of that rank (one a table); the others per shard of the checkpoint",
-    )
+    )  # fmt: skip
     return Outcome({"rows": rows, **by}, [table], goals)
 
 
-CASE = Case(
-    name="shards",
-    title="Shards: a commit's and a plan's cost against a checkpoint's shards",
-    arguments=_arguments,
-    smoke="--ranks 4 16 --tables 3 --rows 1000",
-    run=run,
-)
+CASE = Case(name="shards",
+            title="Shards: a commit's and a plan's cost against a checkpoint's shards",
+            arguments=_arguments, smoke="--ranks 4 16 --tables 3 --rows 1000", run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

@@ -1,13 +1,11 @@
 """The stall of one save, eager against lazy (copy-on-write) staging, as the delta grows.
 
-The model is 8 table-wise tables x 1M rows x dim 64 (1.02 GB of fp32 weights per rank, 2
-gloo ranks). Per staging mode and share of rows modified, on a fresh root: a baseline, then
-``--repeats`` saves, each after exactly that share of rows was modified, timed inside
-``save()`` and until ``wait()``; also a memcpy of the staged bytes and the dense state's copy.
-
-Targets: lazy ``save()`` <= 2 ms + the dense copy (at any size: ``--rows 500000``,
-``2000000``, ``4000000`` for 1, 4 and 8 GB), <= 5 ms + the dense copy, <= eager's / 10 and
-<= a memcpy of the delta, at every share.
+8 table-wise tables x 1M rows x dim 64 (1.02 GB of fp32 per rank, 2 gloo ranks). Per
+staging and share of rows modified, on a fresh root: a baseline, then ``--repeats`` saves of
+that share, timed inside ``save()`` and to ``wait()``; a memcpy of the staged bytes, the
+dense state's copy. Targets: lazy ``save()`` <= 2 ms + the dense copy (at any size:
+``--rows 500000``, ``2000000``, ``4000000`` for 1, 4, 8 GB), <= 5 ms + the dense copy, <=
+eager's / 10 and <= a memcpy of the delta, at every share.
 """
 
 from __future__ import annotations
@@ -18,18 +16,8 @@ import statistics
 import sys
 from typing import Any
 
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import (
-    StepLoop,
-    max_over_ranks,
-    memcpy_s,
-    model_arguments,
-    modify,
-    random_rows,
-    rmtree,
-    timed,
-    timed_save,
-)
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
 from torchrec_cnr.config import Staging
@@ -39,7 +27,7 @@ MODES: tuple[Staging, ...] = ("eager", "lazy")
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    model_arguments(p, rows=1_000_000)
+    measure.model_arguments(p, rows=1_000_000)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.05, 0.25])
     p.add_argument("--policy", default="intermittent")
     p.add_argument("--repeats", type=int, default=9, help="timed saves per case, median")
@@ -54,25 +42,19 @@ def _case(b: Bench, w: Any, shards: list[Any], mode: Staging, frac: float, rows:
     cfg = CheckpointConfig(path=str(root), policy=b.args.policy, staging=mode)
     saves, hook = [], []
     with CheckpointManager(w.model, cfg) as ckpt:
-        timed_save(ckpt, 1)
+        measure.timed_save(ckpt, 1)
         for rep in range(b.args.repeats):
-            modify(shards, rows)
-            saves.append(timed_save(ckpt, 2 + rep))
+            measure.modify(shards, rows)
+            saves.append(measure.timed_save(ckpt, 2 + rep))
             lazy = ckpt.lazy_staging
             hook.append(0.0 if lazy is None else lazy.background_s)
     info = list_checkpoints(str(root))[-1]
-    rmtree(root)
+    measure.rmtree(root)
     gc.collect()
-    row = {
-        "staging": mode,
-        "fraction": frac,
-        "stall_s": statistics.median(s for s, _ in saves),
-        "stalls_s": [s for s, _ in saves],
-        "commit_s": statistics.median(c for _, c in saves),
-        "staged_bytes": info.staged_bytes,
-        "memcpy_s": memcpy_s(info.staged_bytes),
-        "background_copy_s": statistics.median(hook),
-    }
+    row = {"staging": mode, "fraction": frac, "stall_s": statistics.median(s for s, _ in saves),
+           "stalls_s": [s for s, _ in saves], "commit_s": statistics.median(c for _, c in saves),
+           "staged_bytes": info.staged_bytes, "memcpy_s": measure.memcpy_s(info.staged_bytes),
+           "background_copy_s": statistics.median(hook)}  # fmt: skip
     b.log_row(row)
     return row
 
@@ -97,47 +79,32 @@ def targets(fractions: list[float]) -> list[Goal]:
 
 def run(b: Bench) -> Outcome:
     a = b.args
-    w = StepLoop.warm(a, 512, 2).work
+    w = measure.StepLoop.warm(a, 512, 2).work
     shards = model_state.local_shards(w.model)
-    sels = random_rows(shards, a.fractions)
+    sels = measure.random_rows(shards, a.fractions)
     dense = model_state.dense_state(w.model)
-    dense_s = max_over_ranks(
-        statistics.median(
-            timed(lambda: {k: v.detach().clone() for k, v in dense.items()})[0] for _ in range(5)
-        )
-    )[0]
+    copies = [measure.timed(lambda: {k: v.detach().clone() for k, v in dense.items()})[0]
+              for _ in range(5)]  # fmt: skip
+    dense_s = measure.max_over_ranks(statistics.median(copies))[0]
     cases = {_key(m, f): _case(b, w, shards, m, f, sels[f]) for f in a.fractions for m in MODES}
-    m = {
-        "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim, "policy": a.policy},
-        "dense_copy_s": dense_s,
-        "lazy_budget_s": 0.005 + dense_s,
-        "flat_budget_s": 0.002 + dense_s,
-        "cases": cases,
-    }
-    table = Table.of(
-        f"One {a.policy} fp32 save, eager and lazy staging (median of {a.repeats})",
-        list(cases.values()),
-        {
-            "staging": "staging",
-            "modified": lambda r: f"{r['fraction']:.0%}",
-            "save() returns in ms": lambda r: r["stall_s"] * 1e3,
-            "slowest save ms": lambda r: max(r["stalls_s"]) * 1e3,
-            "memcpy of the delta ms": lambda r: r["memcpy_s"] * 1e3,
-            "background copy ms": lambda r: r["background_copy_s"] * 1e3,
-            "commit s": "commit_s",
-            "staged MB": lambda r: r["staged_bytes"] / 2**20,
-        },
-    )
+    m = {"model": {"tables": a.tables, "rows": a.rows, "dim": a.dim, "policy": a.policy},
+         "dense_copy_s": dense_s, "lazy_budget_s": 0.005 + dense_s,
+         "flat_budget_s": 0.002 + dense_s, "cases": cases}  # fmt: skip
+    title = f"One {a.policy} fp32 save, eager and lazy staging (median of {a.repeats})"
+    table = Table.of(title, list(cases.values()), {
+        "staging": "staging", "modified": lambda r: f"{r['fraction']:.0%}",
+        "save() returns in ms": lambda r: r["stall_s"] * 1e3,
+        "slowest save ms": lambda r: max(r["stalls_s"]) * 1e3,
+        "memcpy of the delta ms": lambda r: r["memcpy_s"] * 1e3,
+        "background copy ms": lambda r: r["background_copy_s"] * 1e3,
+        "commit s": "commit_s", "staged MB": lambda r: r["staged_bytes"] / 2**20,
+    })  # fmt: skip
     return Outcome(m, [table], targets(a.fractions))
 
 
-CASE = Case(
-    name="stall",
-    title="The stall of a save: eager against lazy (copy-on-write) staging",
-    arguments=_arguments,
-    smoke="--tables 2 --rows 4000 --dim 16 --repeats 1",
-    run=run,
-)
+CASE = Case(name="stall", title="The stall of a save: eager against lazy (copy-on-write) staging",
+            arguments=_arguments, smoke="--tables 2 --rows 4000 --dim 16 --repeats 1",
+            run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

@@ -1,12 +1,10 @@
 """Iteration time and memory of row tracking: none, torchrec_cnr's bitmaps (plain, with
-CPR's MFU counters, with SSU sampling) and TorchRec's ModelDeltaTracker (ID_ONLY), on one
-model in one run.
+CPR's MFU counters, with SSU sampling) and TorchRec's ModelDeltaTracker (ID_ONLY).
 
 One model (8 table-wise tables x 500k rows x dim 64, batch 2048 per rank, pooling 4)
-carries both trackers, and each round switches them on in turn, in a rotating order, for
-``--iters`` iterations: every variant runs the same kernels and memory layout on the same
-batches, so machine noise hits all alike. A variant's figure is its median over
-``--rounds`` rounds, after one warm-up round. Targets: our bitmap's overhead <= 1% and <=
+carries both trackers; each round switches each variant on in turn, rotating, for
+``--iters`` iterations, on the same kernels and batches. A variant's figure is its median
+over ``--rounds`` rounds, after a warm-up round. Targets: our bitmap's overhead <= 1% and <=
 ModelDeltaTracker's.
 """
 
@@ -56,24 +54,19 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 def _mdt_bytes(tracker: Any) -> int:
     """Bytes ModelDeltaTracker holds: the ids (and states) of every lookup not yet read."""
-    total = 0
-    for lookups in tracker.store.per_fqn_lookups.values():
-        for lookup in lookups:
-            for t in (lookup.ids, getattr(lookup, "states", None)):
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-    return total
+    lookups = [lookup for each in tracker.store.per_fqn_lookups.values() for lookup in each]
+    held = [t for lookup in lookups for t in (lookup.ids, getattr(lookup, "states", None))
+            if isinstance(t, torch.Tensor)]  # fmt: skip
+    return sum(t.numel() * t.element_size() for t in held)
 
 
 class _MdtSwitch:
     """Turns ModelDeltaTracker's post-lookup hooks off and on."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.modules = [
-            (m, m.post_lookup_tracker_fn, m.post_odist_tracker_fn)
-            for m in model.modules()
-            if getattr(m, "post_lookup_tracker_fn", None) is not None
-        ]
+        self.modules = [(m, m.post_lookup_tracker_fn, m.post_odist_tracker_fn)
+                        for m in model.modules()
+                        if getattr(m, "post_lookup_tracker_fn", None) is not None]  # fmt: skip
         assert self.modules, "ModelDeltaTracker registered no hook"
 
     def set_enabled(self, enabled: bool) -> None:
@@ -86,18 +79,16 @@ def run(b: Bench) -> Outcome:
     a = b.args
     model, opt, tables = uniform_model(a, tracking_mode="mfu")
     data = ZipfBatches(tables, a.batch_size, pooling=a.pooling, seed=0)
-    mdt = model.init_torchrec_delta_tracker(
-        DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, delete_on_read=True)
-    )
+    config = DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, delete_on_read=True)
+    mdt = model.init_torchrec_delta_tracker(config)
     ours = list(model_state.trackers(model).values())
     theirs = _MdtSwitch(model)
     # One model for every mode: our hooks switch what they record besides the bits.
     hooks = [hook for t in ours for _, hook in t._hooks]
     priorities: dict[str, list[KernelPriority | None]] = {
-        "bitmap": [None for _ in hooks],
-        "mfu": [h.priority for h in hooks],
+        "bitmap": [None for _ in hooks], "mfu": [h.priority for h in hooks],
         "ssu": [KernelPriority("ssu", h.words.numel(), h.words.device, 0.1) for h in hooks],
-    }
+    }  # fmt: skip
     step = 0
     iters = dict.fromkeys(VARIANTS, 0)
 
@@ -122,27 +113,19 @@ def run(b: Bench) -> Outcome:
     b.interleaved(1, methods, settle=False, label="warm-up")
     times = b.interleaved(a.rounds, methods, settle=False, label="iteration s")
     bits = sum(t.memory_bytes() for t in ours)
-    memory = {
-        "none": 0,
-        "bitmap": bits,
-        "mfu": bits + sum(p.nbytes for p in priorities["mfu"] if p is not None),
-        "ssu": bits + sum(p.nbytes for p in priorities["ssu"] if p is not None),
-        "mdt": _mdt_bytes(mdt),
-    }
+    memory = {"none": 0, "bitmap": bits, "mdt": _mdt_bytes(mdt)} | {
+        mode: bits + sum(p.nbytes for p in priorities[mode] if p is not None)
+        for mode in ("mfu", "ssu")
+    }  # fmt: skip
     med = {k: statistics.median(v) for k, v in times.items()}
     variants = {
-        k: {
-            "iter_ms": 1e3 * med[k],
-            "overhead_pct": 100 * (med[k] / med["none"] - 1),
-            "memory_bytes": memory[k],
-            "iterations_tracked": iters[k],
-        }
+        k: {"iter_ms": 1e3 * med[k], "overhead_pct": 100 * (med[k] / med["none"] - 1),
+            "memory_bytes": memory[k], "iterations_tracked": iters[k]}
         for k in VARIANTS
-    }
+    }  # fmt: skip
     per_rank = gathered(variants)
-    shard_bytes = sum(
-        s.weight.numel() * s.weight.element_size() for s in model_state.local_shards(model)
-    )
+    shards = model_state.local_shards(model)
+    shard_bytes = sum(s.weight.numel() * s.weight.element_size() for s in shards)
     m = {"rank0_shard_bytes": shard_bytes, "variants": per_rank[0], "per_rank": per_rank}
 
     def held(v: dict[str, Any]) -> str:
@@ -152,22 +135,16 @@ def run(b: Bench) -> Outcome:
     title = f"Rank 0 (its shards hold {shard_bytes / 1e6:.0f} MB); median of {a.rounds} rounds"
     rows = [{"key": k, **v} for k, v in per_rank[0].items()]
     table = Table.of(title + f" x {a.iters} iterations per variant", rows, {
-        "variant": lambda v: VARIANTS[v["key"]][0],
-        "iter ms": "iter_ms",
-        "overhead %": "overhead_pct",
-        "tracker memory on rank 0": held,
+        "variant": lambda v: VARIANTS[v["key"]][0], "iter ms": "iter_ms",
+        "overhead %": "overhead_pct", "tracker memory on rank 0": held,
         "iterations tracked": "iterations_tracked",
     }, "Ours is fixed in size; ModelDeltaTracker's grows with the iterations until read.")  # fmt: skip
     return Outcome(m, [table], TARGETS)
 
 
-CASE = Case(
-    name="tracking",
-    title="Tracking overhead (one model, one run)",
-    arguments=_arguments,
-    smoke="--tables 2 --rows 2000 --dim 16 --batch-size 64 --rounds 2 --iters 2",
-    run=run,
-)
+CASE = Case(name="tracking", title="Tracking overhead (one model, one run)", arguments=_arguments,
+            smoke="--tables 2 --rows 2000 --dim 16 --batch-size 64 --rounds 2 --iters 2",
+            run=run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

@@ -1,29 +1,23 @@
 """End-to-end overhead: the training throughput that checkpointing costs, asked five ways
-of one training job.
-
-The job is the DLRM of :mod:`cnr_train.workload`: ``--tables`` table-wise tables of
-``--rows`` x ``--dim`` (by default 8 x 200,000 x 64: 410 MB of fp32 weights, row-wise
-Adagrad), batch ``--batch`` per rank, Zipf ids; each step draws its batch on the training
-thread (``ZipfBatches.batch``), as an input pipeline without workers would. Checkpoints
-are fp32 or 4-bit adaptive with ``min_rows=0`` (:data:`benchmarks.measure.QUANTS`). The
-tracker runs in every arm, those without checkpoints included: what is measured is
-checkpointing; tracking's cost is :mod:`benchmarks.tracking`'s.
+of one training job: the DLRM of :mod:`cnr_train.workload`, ``--tables`` table-wise tables
+of ``--rows`` x ``--dim`` (8 x 200,000 x 64: 410 MB of fp32, row-wise Adagrad), batch
+``--batch`` per rank, Zipf ids drawn on the training thread; checkpoints fp32 or 4-bit
+(:data:`benchmarks.measure.QUANTS`). The tracker runs in every arm (its cost is
+:mod:`benchmarks.tracking`'s).
 
 - By default: the throughput lost to a checkpoint every K steps at each of ``--intervals``
-  seconds, arms with and without checkpoints taking turns, eager and lazy staging
-  (:mod:`benchmarks.overhead.arms`).
+  seconds, eager and lazy staging (:mod:`benchmarks.overhead.arms`).
 - ``--save-cost``: the training time one full checkpoint costs, measured alone many times
   (:mod:`benchmarks.overhead.save_cost`).
 - ``--paired``: the loss at each interval from adjacent stretches with and without a
-  checkpoint, an estimate that resolves 1%, and saves asked for faster than they commit
+  checkpoint, resolving 1%, and saves asked for faster than they commit
   (:mod:`benchmarks.overhead.paired`).
 - ``--gil``: which threads hold the GIL while commits run back to back
   (:mod:`benchmarks.overhead.gil`).
 - ``--floor``: a checkpoint every few seconds against a memcpy of its bytes, on a model
   whose tables are large against an interval's lookups (:mod:`benchmarks.overhead.floor`).
 
-Each runs under torchrun, on 1 rank (the other core free for the background writer, as on
-a GPU host) or on 2 (no core to spare).
+Under torchrun on 1 rank (a core free for the writer, as on a GPU host) or 2 (none free).
 """
 
 from __future__ import annotations
@@ -62,23 +56,16 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 def run(b: Bench) -> Outcome:
     """The question the flags ask (the arms without one)."""
-    if b.args.gil:
-        return gil.run(b)
-    if b.args.floor:
-        return floor.run(b)
-    if b.args.save_cost:
-        return save_cost.run(b)
-    if b.args.paired:
-        return paired.run(b)
-    return arms.run(b)
+    a = b.args
+    question = (gil if a.gil else floor if a.floor else save_cost if a.save_cost
+                else paired if a.paired else arms)  # fmt: skip
+    return question.run(b)
 
 
-CASE = Case(
-    name="overhead",
-    title="End-to-end overhead: throughput lost to checkpoints every K steps",
-    arguments=_arguments,
-    smoke="--tables 2 --rows 4000 --dim 16 --batch 64 --intervals 0.3 0.6 --arm-s 0.6 "
-    "--rounds 1 --warmup-steps 3 --probe-steps 20 --saves 1 --before 5 --after 40 "
-    "--pair-s 1.2 --busy-steps 6 --busy-pairs 2 --gil-s 2",
-    run=run,
-)
+CASE = Case(name="overhead",
+            title="End-to-end overhead: throughput lost to checkpoints every K steps",
+            arguments=_arguments,
+            smoke="--tables 2 --rows 4000 --dim 16 --batch 64 --intervals 0.3 0.6 --arm-s 0.6 "
+                  "--rounds 1 --warmup-steps 3 --probe-steps 20 --saves 1 --before 5 --after 40 "
+                  "--pair-s 1.2 --busy-steps 6 --busy-pairs 2 --gil-s 2",
+            run=run)  # fmt: skip

@@ -1,25 +1,20 @@
 """The default question of :mod:`benchmarks.overhead`: the training throughput lost to a
 checkpoint every K steps, at each of ``--intervals`` seconds, eager and lazy staging.
 
-K is set so that K steps last the target interval at the step time a warm-up measured
-(median of five chunks of ``--probe-steps / 5``); the interval reported is K x the step
-time without checkpoints. In ``--rounds`` interleaved rounds every arm trains n x K steps,
-n = ``max(1, ceil(--arm-s / interval))``: ``none`` (no manager), and {eager, lazy} staging
-x {fp32, 4-bit} with the intermittent policy and ``maybe_save`` every K steps, on a fresh
-root and manager built before the timer. Its n saves fall mid-interval (the first the
-chain's full baseline) and its final ``wait()`` is timed: a commit that outlasts the steps
-counts as stall. Every arm thus pays one full checkpoint per n intervals.
+K steps last the interval at the warm-up's step time (median of five chunks of
+``--probe-steps / 5``). In ``--rounds`` interleaved rounds every arm trains n x K steps, n =
+``max(1, ceil(--arm-s / interval))``: ``none``, and {eager, lazy} x {fp32, 4-bit} with the
+intermittent policy, ``maybe_save`` every K steps, a fresh root and manager built before
+the timer; its n saves fall mid-interval and its final ``wait()`` is timed.
 
 Throughput lost = 1 - (steps/s with) / (steps/s without, same round), median over rounds;
-and, from the arm's own step times (beyond the reach of drift between arms): 1 - (steps x
-the mean time of the steps that overlap no checkpoint) / the arm's time. Also the median
-stall per checkpoint (full and delta apart) over the interval, and the commit latency.
+and, from the arm's own step times: 1 - (steps x the mean time of the steps that overlap no
+checkpoint) / the arm's time. Also the median stall (full and delta apart) and commit.
 
 Targets (each world size and format): throughput lost <= 1% at the interval nearest
 ``--headline-s``, by both estimates; lazy's <= eager's at every interval, by both; stall
-<= 0.4% of the interval at the longest (Check-N-Run's anchor). CPR's 0.53-0.68% total
-overhead is recorded beside them. ``--merge`` carries a result of another world size into
-this one's, so that one JSON holds both, each with its command.
+<= 0.4% of the interval at the longest (Check-N-Run's anchor; CPR's 0.53-0.68% recorded
+beside). ``--merge`` carries a result of another world size into this one's.
 """
 
 from __future__ import annotations
@@ -41,32 +36,24 @@ from benchmarks.measure import GB, QUANTS, StepLoop, from_rank0, gathered, rmtre
 from benchmarks.overhead.common import LOSS_BOUND, interval_key, pct, split_steps, warm_trainer
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
+from torchrec_cnr.config import Staging
 
-STAGINGS: dict[str, dict[str, Any]] = {
-    "eager": {"staging": "eager"},  # save() copies the selected rows before it returns
-    "lazy": {"staging": "lazy"},  # copy-on-write: the rows are copied after it returns
-}
+STAGINGS: tuple[Staging, ...] = ("eager", "lazy")
+"""eager: save() copies the selected rows before it returns; lazy (copy-on-write): after."""
 NONE = "none"
 STALL_BOUND = 0.004
 """Check-N-Run's stall: under 0.4% of the (30-minute) interval."""
 LOSS_ESTIMATES = {"throughput_lost": "", "lost_from_step_times": " from step times"}
-"""The two estimates of throughput lost: against the arm without checkpoints, and from
-the arm's own step times (which the drift between arms cannot reach)."""
-ANCHORS: dict[str, Any] = {
-    "check_n_run_stall_of_interval": STALL_BOUND,
-    "cpr_total_overhead": [0.0053, 0.0068],
-}
+"""The estimates of throughput lost: against the arm without checkpoints, from step times."""
+ANCHORS: dict[str, Any] = {"check_n_run_stall_of_interval": STALL_BOUND,
+                           "cpr_total_overhead": [0.0053, 0.0068]}  # fmt: skip
 
 
 def _clean_step_s(
     took: list[float], ends: list[float], windows: list[tuple[float, float]]
 ) -> float | None:
-    """The mean seconds of the steps that overlap none of ``windows`` (wall-clock spans from
-    a save to its commit), the slowest rank's; ``None`` where too few steps are left.
-
-    The mean, not the median: other tenants' bursts lengthen the steps inside the windows
-    as often as those outside, and only the mean lets them cancel.
-    """
+    """The mean seconds of the steps that overlap none of ``windows`` (save to commit), the
+    slowest rank's, or ``None`` (too few); the mean, in which other tenants' bursts cancel."""
     clean = split_steps(took, ends, windows)[1]
     mean = statistics.fmean(clean) if len(clean) >= max(10, len(took) // 10) else None
     every = [m for m in gathered(mean) if m is not None]
@@ -74,24 +61,17 @@ def _clean_step_s(
 
 
 def _arm(
-    b: Bench, trainer: StepLoop, k: int, n: int, staging: str | None, quant: str | None
+    b: Bench, trainer: StepLoop, k: int, n: int, staging: Staging | None, quant: str | None
 ) -> tuple[float, dict[str, Any]]:
-    """One arm: ``n * k`` timed steps, with a checkpoint every ``k`` if ``quant`` is set.
-    Its steps/s and what its checkpoints were."""
+    """One arm of ``n * k`` steps, a checkpoint every ``k`` if ``quant``: steps/s, checkpoints."""
     trainer.align(k)
     if staging is None or quant is None:
         seconds, took = timed(lambda: trainer.train(n * k))
         return n * k / seconds, {"median_step_s": statistics.median(took)}
     root = b.scratch / f"{staging}_{quant}_{k}"
     rmtree(root)
-    cfg = CheckpointConfig(
-        path=str(root),
-        policy="intermittent",
-        interval_steps=k,
-        on_busy="wait",
-        quantize=QUANTS[quant],
-        **STAGINGS[staging],
-    )
+    cfg = CheckpointConfig(str(root), policy="intermittent", interval_steps=k, on_busy="wait",
+                           quantize=QUANTS[quant], staging=staging)  # fmt: skip
     ends: list[float] = []
     saves: list[float] = []
 
@@ -117,14 +97,13 @@ def _arm(
     assert len(infos) == len(saves) == n, (len(infos), len(saves), n)
     clean = _clean_step_s(took, ends, [(s, i.committed_at) for s, i in zip(saves, infos)])
     detail = {
-        "kind_each": [i.kind for i in infos],
-        "stall_s_each": [i.stall_s for i in infos],
+        "kind_each": [i.kind for i in infos], "stall_s_each": [i.stall_s for i in infos],
         "commit_s_each": [i.committed_at - s for s, i in zip(saves, infos)],
         "bytes_each": [i.bytes for i in infos],
         "saved_fraction_each": [i.saved_fraction for i in infos],
         # The arm's time against its steps at the pace of those away from any checkpoint.
         "lost_from_step_times": None if clean is None else 1 - n * k * clean / seconds,
-    }
+    }  # fmt: skip
     return n * k / seconds, detail
 
 
@@ -142,22 +121,16 @@ def _interval(b: Bench, trainer: StepLoop, target_s: float, step_s: float) -> di
         return rate
 
     b.log(f"interval {target_s:g} s: K = {k} steps, {n} interval(s) per arm")
-    rates = b.interleaved(
-        a.rounds,
-        {name: functools.partial(run_arm, name) for name in arms},
-        label=f"{target_s:g} s steps/s",
-    )
+    methods = {name: functools.partial(run_arm, name) for name in arms}
+    rates = b.interleaved(a.rounds, methods, label=f"{target_s:g} s steps/s")
     base = rates[NONE]
     none_step_s = statistics.median(d["median_step_s"] for d in details[NONE])
     interval_s = k / statistics.median(base)
     out: dict[str, Any] = {
-        "target_s": target_s,
-        "interval_steps": k,
-        "interval_s": interval_s,
-        "intervals_per_arm": n,
-        "steps_per_arm": n * k,
+        "target_s": target_s, "interval_steps": k, "interval_s": interval_s,
+        "intervals_per_arm": n, "steps_per_arm": n * k,
         NONE: {"steps_per_s": statistics.median(base), "rounds": base, "step_s": none_step_s},
-    }
+    }  # fmt: skip
     for name, (staging, quant) in arms.items():
         if staging is None or quant is None:
             continue
@@ -165,28 +138,21 @@ def _interval(b: Bench, trainer: StepLoop, target_s: float, step_s: float) -> di
         ds = details[name]
         each = {f: [x for d in ds for x in d[f"{f}_each"]] for f in ("kind", "stall_s")}
         stall = statistics.median(each["stall_s"])
-        by_kind = {
-            kind: [t for t, k_ in zip(each["stall_s"], each["kind"]) if k_ == kind]
-            for kind in ("full", "delta")
-        }
+        by_kind = {kind: [t for t, k_ in zip(each["stall_s"], each["kind"]) if k_ == kind]
+                   for kind in ("full", "delta")}  # fmt: skip
         out.setdefault(staging, {})[quant] = {
-            "staging": staging,
-            "quant": quant,
-            "steps_per_s": statistics.median(rates[name]),
-            "rounds": rates[name],
-            "throughput_lost": statistics.median(lost),
-            "throughput_lost_rounds": lost,
+            "staging": staging, "quant": quant,
+            "steps_per_s": statistics.median(rates[name]), "rounds": rates[name],
+            "throughput_lost": statistics.median(lost), "throughput_lost_rounds": lost,
             "lost_from_step_times": _median_or_none(d["lost_from_step_times"] for d in ds),
-            "stall_s": stall,
-            "stall_of_interval": stall / interval_s,
+            "stall_s": stall, "stall_of_interval": stall / interval_s,
             "stall_full_s": _median_or_none(by_kind["full"]),
             "stall_delta_s": _median_or_none(by_kind["delta"]),
             "commit_s": statistics.median(x for d in ds for x in d["commit_s_each"]),
             "bytes": statistics.median(x for d in ds for x in d["bytes_each"]),
-            "full": len(by_kind["full"]),
-            "deltas": len(by_kind["delta"]),
+            "full": len(by_kind["full"]), "deltas": len(by_kind["delta"]),
             "arms": ds,
-        }
+        }  # fmt: skip
     return out
 
 
@@ -197,23 +163,20 @@ def _world(b: Bench) -> dict[str, Any]:
     trainer, step_s = warm_trainer(b)
     intervals = {interval_key(t): _interval(b, trainer, t, step_s) for t in a.intervals}
     return {
-        "world_size": b.world,
-        "command": b.command,
+        "world_size": b.world, "command": b.command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "probe_step_s": step_s,
         # The machine is shared: what else ran shows in the 1-minute load average.
         "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
         "intervals": intervals,
-    }
+    }  # fmt: skip
 
 
 def _merged(b: Bench, model: dict[str, Any]) -> dict[str, Any]:
     """The other world sizes' measurements from ``--merge``'s result.
 
     Raises:
-        ValueError: it is not this case's result, or has another model, smoke setting or
-            this run's world size.
-    """
+        ValueError: not this case's result, of this model, smoke setting and another world."""
     path = b.args.merge
     if path is None:
         return {}
@@ -229,13 +192,9 @@ def _merged(b: Bench, model: dict[str, Any]) -> dict[str, Any]:
 
 def _arms(m: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per world size x interval x staging x quantization."""
-    rows = []
-    for world in _worlds(m):
-        for iv in m[world]["intervals"].values():
-            for staging in STAGINGS:
-                for r in iv.get(staging, {}).values():
-                    rows.append({"ranks": m[world]["world_size"], "iv": iv, **r})
-    return rows
+    return [{"ranks": m[world]["world_size"], "iv": iv, **r} for world in _worlds(m)
+            for iv in m[world]["intervals"].values()
+            for staging in STAGINGS for r in iv.get(staging, {}).values()]  # fmt: skip
 
 
 def _worlds(m: dict[str, Any]) -> list[str]:
@@ -248,83 +207,55 @@ def _median_or_none(values: Iterable[float | None]) -> float | None:
 
 
 def tables(m: dict[str, Any]) -> list[Table]:
-    rows = _arms(m)
-    lost = Table.of(
-        "Throughput lost and stall per checkpoint",
-        rows,
-        {
-            "ranks": "ranks",
-            "interval s (measured)": lambda r: r["iv"]["interval_s"],
-            "staging": "staging",
-            "checkpoint": "quant",
-            "throughput lost": lambda r: pct(r["throughput_lost"]),
-            "per round": lambda r: ", ".join(pct(x) for x in r["throughput_lost_rounds"]),
-            "from step times": lambda r: pct(r["lost_from_step_times"]),
-            "median stall s": "stall_s",
-            "stall / interval": lambda r: pct(r["stall_of_interval"]),
-            "stall s full, delta": lambda r: ", ".join(
-                "–" if x is None else f"{x:.3f}" for x in (r["stall_full_s"], r["stall_delta_s"])
-            ),
-            "commit s": "commit_s",
-            "MB per ckpt": lambda r: r["bytes"] / 1e6,
-            "full + deltas": lambda r: f"{r['full']} + {r['deltas']}",
-        },
-        "Throughput lost: median over rounds of 1 - (steps/s with) / (steps/s without, same "
+    lost = Table.of("Throughput lost and stall per checkpoint", _arms(m), {
+        "ranks": "ranks", "interval s (measured)": lambda r: r["iv"]["interval_s"],
+        "staging": "staging", "checkpoint": "quant",
+        "throughput lost": lambda r: pct(r["throughput_lost"]),
+        "per round": lambda r: ", ".join(pct(x) for x in r["throughput_lost_rounds"]),
+        "from step times": lambda r: pct(r["lost_from_step_times"]),
+        "median stall s": "stall_s",
+        "stall / interval": lambda r: pct(r["stall_of_interval"]),
+        "stall s full, delta": lambda r: ", ".join(
+            "–" if x is None else f"{x:.3f}" for x in (r["stall_full_s"], r["stall_delta_s"])),
+        "commit s": "commit_s",
+        "MB per ckpt": lambda r: r["bytes"] / 1e6,
+        "full + deltas": lambda r: f"{r['full']} + {r['deltas']}",
+    }, "Throughput lost: median over rounds of 1 - (steps/s with) / (steps/s without, same "
         "round). From step times: 1 - (steps x the mean time of the steps that overlap no "
-        "checkpoint, from its save to its commit) / the arm's time, median over rounds. Stall, commit (save to commit) and MB on storage: "
-        "medians over every checkpoint of the rounds, whose first in each arm is its full "
-        "baseline.",
-    )
-    setup = [
-        {"ranks": m[w]["world_size"], "probe": m[w]["probe_step_s"], **iv}
-        for w in _worlds(m)
-        for iv in m[w]["intervals"].values()
-    ]
-    arms = Table.of(
-        "Arms: the same steps with checkpoints and without",
-        setup,
-        {
-            "ranks": "ranks",
-            "target interval s": "target_s",
-            "K steps": "interval_steps",
-            "measured interval s": "interval_s",
-            "steps per arm": lambda r: f"{r['steps_per_arm']:,} ({r['intervals_per_arm']} x K)",
-            "steps/s without": lambda r: r[NONE]["steps_per_s"],
-            "rounds": lambda r: ", ".join(f"{x:.2f}" for x in r[NONE]["rounds"]),
-            "spread": lambda r: pct(1 - min(r[NONE]["rounds"]) / max(r[NONE]["rounds"])),
-            "warm-up ms/step (sets K)": lambda r: r["probe"] * 1e3,
-        },
-        "Measured interval: K x the step time without checkpoints (median over rounds). "
+        "checkpoint, from its save to its commit) / the arm's time, median over rounds. "
+        "Stall, commit (save to commit) and MB on storage: medians over every checkpoint of "
+        "the rounds, whose first in each arm is its full baseline.",
+    )  # fmt: skip
+    setup = [{"ranks": m[w]["world_size"], "probe": m[w]["probe_step_s"], **iv}
+             for w in _worlds(m) for iv in m[w]["intervals"].values()]  # fmt: skip
+    arms = Table.of("Arms: the same steps with checkpoints and without", setup, {
+        "ranks": "ranks", "target interval s": "target_s", "K steps": "interval_steps",
+        "measured interval s": "interval_s",
+        "steps per arm": lambda r: f"{r['steps_per_arm']:,} ({r['intervals_per_arm']} x K)",
+        "steps/s without": lambda r: r[NONE]["steps_per_s"],
+        "rounds": lambda r: ", ".join(f"{x:.2f}" for x in r[NONE]["rounds"]),
+        "spread": lambda r: pct(1 - min(r[NONE]["rounds"]) / max(r[NONE]["rounds"])),
+        "warm-up ms/step (sets K)": lambda r: r["probe"] * 1e3,
+    }, "Measured interval: K x the step time without checkpoints (median over rounds). "
         "Spread: 1 - slowest / fastest round without checkpoints, what the machine's other "
         "tenants alone make of the same steps.",
-    )
-    commands = Table.of(
-        "Runs merged into this result",
-        [m[w] for w in _worlds(m)],
-        {
-            "ranks": "world_size",
-            "date": "date",
-            "load average before, after": lambda r: "{before:.2f}, {after:.2f}".format(
-                **r["load_average_1m"]
-            ),
-            "command": "command",
-        },
-    )
-    anchors = Table(
-        "Anchors",
-        ["figure", "value", "note"],
-        [
-            ["Check-N-Run stall", "< 0.4% of the interval", "about 7 s per 30-minute interval"],
-            ["CPR total overhead", "0.53–0.68%", "failure handling, all included (Criteo)"],
-        ],
-    )
+    )  # fmt: skip
+    commands = Table.of("Runs merged into this result", [m[w] for w in _worlds(m)], {
+        "ranks": "world_size", "date": "date",
+        "load average before, after": lambda r: "{before:.2f}, {after:.2f}".format(
+            **r["load_average_1m"]),
+        "command": "command",
+    })  # fmt: skip
+    anchors = Table("Anchors", ["figure", "value", "note"], [
+        ["Check-N-Run stall", "< 0.4% of the interval", "about 7 s per 30-minute interval"],
+        ["CPR total overhead", "0.53–0.68%", "failure handling, all included (Criteo)"],
+    ])  # fmt: skip
     return [lost, arms, commands, anchors]
 
 
 def targets(m: dict[str, Any], headline_s: float) -> list[Goal]:
-    """Per measured world size and quantization: throughput lost <= 1% at the measured
-    interval nearest ``headline_s`` (from the arms, and from step times); lazy's <= eager's
-    at every interval; stall <= 0.4% of the interval at the longest measured interval."""
+    """Per world size and format: lost <= 1% at the interval nearest ``headline_s`` (by both
+    estimates); lazy's <= eager's at every interval; stall <= 0.4% of the longest interval."""
     out = []
     for world in _worlds(m):
         ivs = m[world]["intervals"]
@@ -354,19 +285,9 @@ def targets(m: dict[str, Any], headline_s: float) -> list[Goal]:
 def run(b: Bench) -> Outcome:
     """Every arm at every interval, at this run's world size, and ``--merge``'s."""
     a = b.args
-    model = {
-        "tables": a.tables,
-        "rows": a.rows,
-        "dim": a.dim,
-        "batch": a.batch,
-        "fp32_weights_gb": a.tables * a.rows * a.dim * 4 / GB,
-    }
+    model = {"tables": a.tables, "rows": a.rows, "dim": a.dim, "batch": a.batch,
+             "fp32_weights_gb": a.tables * a.rows * a.dim * 4 / GB}  # fmt: skip
     merged = _merged(b, model)  # before the run: a bad --merge fails at once
-    m: dict[str, Any] = {
-        "model": model,
-        "stagings": list(STAGINGS),
-        **merged,
-        f"ranks_{b.world}": _world(b),
-        "anchors": ANCHORS,
-    }
+    m: dict[str, Any] = {"model": model, "stagings": list(STAGINGS), **merged,
+                         f"ranks_{b.world}": _world(b), "anchors": ANCHORS}  # fmt: skip
     return Outcome(m, tables(m), targets(m, a.headline_s))

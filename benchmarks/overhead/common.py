@@ -19,8 +19,7 @@ def interval_key(interval_s: float) -> str:
 
 
 def warm_trainer(b: Bench) -> tuple[StepLoop, float]:
-    """The model trained ``--warmup-steps``, and its seconds per step: the median of a few
-    chunks, so that another tenant's burst in one chunk does not set K."""
+    """The model trained ``--warmup-steps``, and its seconds per step (median of 5 chunks)."""
     a = b.args
     trainer = StepLoop.warm(a, a.batch, a.warmup_steps)
     chunk = max(1, a.probe_steps // 5)

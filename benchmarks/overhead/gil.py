@@ -1,8 +1,7 @@
-"""``--gil`` of :mod:`benchmarks.overhead`: which threads hold the GIL while the model
-trains and commits continuously (a save every step, ``on_busy="skip"``; intermittent,
-fp32 and 4-bit). ``py-spy record --gil --threads`` samples each rank's process for
-``--gil-s`` seconds per format: each thread group's share of the samples (training,
-``cnr-writer``, ``cnr-io``, others), the commits made and the steps trained.
+"""``--gil`` of :mod:`benchmarks.overhead`: which threads hold the GIL while the model trains
+and commits continuously (a save every step, ``on_busy="skip"``, fp32 and 4-bit): ``py-spy
+record --gil --threads`` on each rank for ``--gil-s`` seconds per format gives each thread
+group's share of the samples (training, ``cnr-writer``, ``cnr-io``, others).
 
 Target (fp32 and 4-bit): the writer's threads hold the GIL in <= 10% of the samples.
 """
@@ -27,12 +26,6 @@ from torchrec_cnr import CheckpointConfig, CheckpointManager
 GIL_GROUPS = ("training", "cnr-writer", "cnr-io", "other")
 
 
-def _thread_group(name: str) -> str:
-    if name == "MainThread":
-        return "training"
-    return next((g for g in GIL_GROUPS[1:3] if name.startswith(g)), "other")
-
-
 def _gil_shares(raw: str) -> dict[str, float]:
     """Each thread group's share of the samples of ``py-spy record --format raw --threads``
     (a line per stack: ``thread (<tid>): <name>;frame;... <count>``)."""
@@ -41,7 +34,9 @@ def _gil_shares(raw: str) -> dict[str, float]:
         stack, _, count = line.rpartition(" ")
         head = stack.split(";", 1)[0]
         if count.isdigit() and head.startswith("thread ("):
-            counts[_thread_group(head.partition("): ")[2])] += int(count)
+            name = head.partition("): ")[2]
+            group = next((g for g in GIL_GROUPS[1:3] if name.startswith(g)), "other")
+            counts["training" if name == "MainThread" else group] += int(count)
     total = sum(counts.values())
     if not total:
         raise RuntimeError(f"py-spy recorded no sample holding the GIL: {raw[:200]!r}")
@@ -75,9 +70,8 @@ def _gil_run(b: Bench, trainer: StepLoop, quant: str) -> dict[str, Any]:
                 saves += bool(ckpt.save(trainer.step))
         ckpt.wait()
     if spy.wait() != 0:
-        raise RuntimeError(
-            f"py-spy failed ({spy.returncode}): {spy.stdout.read() if spy.stdout else ''}"
-        )
+        output = spy.stdout.read() if spy.stdout else ""
+        raise RuntimeError(f"py-spy failed ({spy.returncode}): {output}")
     shares = _gil_shares(out.read_text())
     rmtree(root)
     first = gathered(shares | {"saves": saves, "steps": steps})[0]
@@ -96,18 +90,11 @@ def run(b: Bench) -> Outcome:
         f"Share of the samples holding the GIL, by thread, during continuous commits "
         f"(rank 0 of {b.world}, {b.args.gil_s:.0f} s per format)",
         rows,
-        {
-            "format": "format",
-            "training": "training",
-            "writer (cnr-writer)": "cnr-writer",
-            "I/O (cnr-io)": "cnr-io",
-            "other": "other",
-            "samples": "samples",
-            "commits": "saves",
-            "steps": "steps",
-        },  # fmt: skip
+        {"format": "format", "training": "training", "writer (cnr-writer)": "cnr-writer",
+         "I/O (cnr-io)": "cnr-io", "other": "other", "samples": "samples", "commits": "saves",
+         "steps": "steps"},
         "py-spy record --gil --threads --nonblocking at 100 Hz on rank 0's process.",
-    )
+    )  # fmt: skip
     targets = [
         Goal(f"{r['format']}: the writer's threads hold the GIL in <= 10% of the samples",
              f"formats.{r['format'].replace('-', '')}.writer", "<=", 0.10)

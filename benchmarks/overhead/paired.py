@@ -1,14 +1,11 @@
 """``--paired`` of :mod:`benchmarks.overhead`: throughput lost against the interval, with
 an estimate that resolves 1% (lazy staging, intermittent policy, fp32 and 4-bit).
 
-Arms minutes apart move with the machine's other tenants by more than 1%. Here each
-measurement is a pair of adjacent stretches of K steps, one with a checkpoint in its middle
-(its commit waited for at the end) and one without, in alternating order: loss = 1 - (time
-without) / (time with), median over pairs (``--pair-s`` seconds of pairs per interval and
-format, at least 3), with its 95% interval (1.58 IQR / sqrt(n)). The baseline is saved
-before the first pair; a stretch without a checkpoint puts its rows into the next delta.
-Also saves asked for faster than they commit (every 2 steps, fp32), ``on_busy`` "wait" and
-"skip": saves made, the loss and the stall.
+Each measurement is a pair of adjacent stretches of K steps, one with a checkpoint in its
+middle (its commit waited for) and one without, in alternating order: loss = 1 - (time
+without) / (time with), median over pairs (``--pair-s`` seconds per interval and format, 3
+at least) with its 95% interval (1.58 IQR / sqrt(n)). Also saves asked for every 2 steps
+(fp32), ``on_busy`` "wait" and "skip": saves made, the loss and the stall.
 
 Targets: fp32 at the interval nearest 10 s loses <= 1%, resolved to ± 0.5%.
 """
@@ -32,17 +29,14 @@ from torchrec_cnr.config import OnBusy
 NOTCH = 1.58
 """A median's 95% interval is about ± 1.58 IQR / sqrt(n) (McGill's notches)."""
 BUSY_STEPS = 2
-"""``--paired``'s busy arms save every 2 steps: each save is asked for while the previous
-one still commits."""
+"""The busy arms save every 2 steps: each save asked for while the previous one commits."""
 
 
 def _segment(b: Bench, trainer: StepLoop, ckpt: CheckpointManager | None, steps: int,
              k: int) -> dict[str, Any]:  # fmt: skip
-    """``steps`` steps from a multiple of ``k`` on, ``ckpt.maybe_save`` after each if given,
-    then its ``wait()``: the slowest rank's seconds; the saves asked for and made; the
-    training thread's time in each save asked for (made or skipped); what the last
-    checkpoint was; and, for one save, the training time it cost from the step times
-    (:func:`step_cost`)."""
+    """``steps`` steps from a multiple of ``k``, ``ckpt.maybe_save`` after each if given, then
+    ``wait()``: the slowest rank's seconds, the saves asked for and made, the stall of each,
+    the last checkpoint, and for one save its cost from the step times (:func:`step_cost`)."""
     trainer.align(k)
     stalls: list[float] = []
     ends: list[float] = []
@@ -78,9 +72,8 @@ def _segment(b: Bench, trainer: StepLoop, ckpt: CheckpointManager | None, steps:
 
 def step_cost(took: list[float], ends: list[float], saved_at: float, committed_at: float,
                stall: float) -> float:  # fmt: skip
-    """One checkpoint's cost to training, from the step times of its stretch: its stall
-    plus what the steps from its save to its commit took beyond the mean of the stretch's
-    other steps (seconds apart on the same machine, so its other tenants weigh alike)."""
+    """One checkpoint's cost to training: its stall plus what the steps from its save to its
+    commit took beyond the mean of the stretch's other steps."""
     inside, clean = split_steps(took, ends, [(saved_at, committed_at)])
     if len(clean) < 10:
         return math.nan  # the commit overlapped nearly every step: no reference pace
@@ -97,11 +90,9 @@ def spread(values: list[float]) -> float:
 
 def checkpoint_pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: int, k: int,
                      pairs: int) -> dict[str, Any]:  # fmt: skip
-    """``pairs`` pairs of adjacent stretches of ``steps`` steps, one with checkpoints every
-    ``k`` steps and one without, their order alternating. Two estimates of the loss per
-    pair: 1 - (time without) / (time with), and from the step times of the stretch with
-    the checkpoint (:func:`step_cost` over its time). The manager saves its baseline
-    before the first pair."""
+    """``pairs`` pairs of adjacent stretches of ``steps`` steps, with checkpoints every ``k``
+    and without, in alternating order, after a baseline: the loss per pair, 1 - (time
+    without) / (time with), and from step times (:func:`step_cost` over its time)."""
     rmtree(Path(cfg.path))
     losses, saving = [], []
     with CheckpointManager(trainer.work.model, cfg) as ckpt:
@@ -109,9 +100,8 @@ def checkpoint_pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: 
         ckpt.wait()
         for i in range(pairs):
             b.settle()
-            got = {}
-            for with_ckpt in (True, False) if i % 2 == 0 else (False, True):
-                got[with_ckpt] = _segment(b, trainer, ckpt if with_ckpt else None, steps, k)
+            order = (True, False) if i % 2 == 0 else (False, True)
+            got = {w: _segment(b, trainer, ckpt if w else None, steps, k) for w in order}
             losses.append(1 - got[False]["seconds"] / got[True]["seconds"])
             saving.append(got[True])
     rmtree(Path(cfg.path))
@@ -120,26 +110,22 @@ def checkpoint_pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: 
     known = [s for s in saving if not math.isnan(s.get("cost_s", math.nan))]
     step_losses = [s["step_loss"] for s in known]
     return {
-        "loss": statistics.median(losses),
-        "loss_each": losses,
-        "resolution": spread(losses),
+        "loss": statistics.median(losses), "loss_each": losses, "resolution": spread(losses),
         "step_loss": statistics.median(step_losses) if step_losses else None,
         "step_loss_each": step_losses,
         "step_resolution": spread(step_losses) if step_losses else None,
         "cost_each_s": [s["cost_s"] for s in known],
         "saves_asked": sum(s["asked"] for s in saving),
         "saves_made": sum(s["made"] for s in saving),
-        "stall_s": stall,
-        "stall_max_s": worst,
+        "stall_s": stall, "stall_max_s": worst,
         "kinds": [s.get("kind") for s in saving],
         "mb_each": [s["mb"] for s in saving if "mb" in s],
         "fraction_each": [s["fraction"] for s in saving if "fraction" in s],
-    }
+    }  # fmt: skip
 
 
 def run(b: Bench) -> Outcome:
-    """Throughput lost at each interval, lazy staging (the default), fp32 and
-    4-bit, and with saves asked for faster than they commit (``on_busy`` wait, skip)."""
+    """The loss at each interval, fp32 and 4-bit, and with saves asked for too fast."""
     a = b.args
     trainer, step_s = warm_trainer(b)
 
@@ -179,20 +165,15 @@ def run(b: Bench) -> Outcome:
         cfg = config(f"busy_{on_busy}", BUSY_STEPS, "fp32", on_busy)
         with warnings.catch_warnings():  # "skip" warns at each save it skips
             warnings.simplefilter("ignore", UserWarning)
-            r = checkpoint_pairs(b, trainer, cfg, a.busy_steps, BUSY_STEPS, a.busy_pairs)
+            r = busy[on_busy] = checkpoint_pairs(b, trainer, cfg, a.busy_steps, BUSY_STEPS,
+                                                 a.busy_pairs)  # fmt: skip
         r.update(on_busy=on_busy, interval_s=BUSY_STEPS * step_s)
-        busy[on_busy] = r
         b.log(f"busy, on_busy={on_busy}: lost {r['loss']:.2%}, {r['saves_made']} of "
               f"{r['saves_asked']} saves made")  # fmt: skip
-    m = {
-        "mode": "paired",
-        "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim, "batch": a.batch},
-        "world_size": b.world,
-        "step_s": step_s,
-        "intervals": intervals,
-        "cost": pooled,
-        "busy": busy,
-    }
+    m = {"mode": "paired",
+         "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim, "batch": a.batch},
+         "world_size": b.world, "step_s": step_s, "intervals": intervals, "cost": pooled,
+         "busy": busy}  # fmt: skip
     return Outcome(m, _paired_tables(m), _paired_targets(m))
 
 
@@ -200,74 +181,62 @@ def _paired_tables(m: dict[str, Any]) -> list[Table]:
     rows = [r for iv in m["intervals"].values() for r in iv.values()]
     lost = Table.of(
         f"Throughput lost at each interval ({m['world_size']} training rank(s), lazy staging, "
-        "intermittent)",
-        rows,
-        {
-            "interval s": "interval_s",
-            "K steps": "interval_steps",
-            "checkpoint": "quant",
-            "lost: pooled cost / interval": lambda r: pct(r["pooled_loss"]),
-            "± (95%)": lambda r: pct(r["pooled_resolution"]),
-            "lost, from step times": lambda r: pct(r["step_loss"]),
-            "± (95%), step times": lambda r: pct(r["step_resolution"]),
-            "lost, pair times": lambda r: pct(r["loss"]),
-            "± (95%), pair times": lambda r: pct(r["resolution"]),
-            "pairs": "pairs",
-            "each pair (pair times)": lambda r: ", ".join(pct(x) for x in r["loss_each"]),
-            "stall ms (median)": lambda r: r["stall_s"] * 1e3,
-            "full, delta": lambda r: f"{r['kinds'].count('full')}, {r['kinds'].count('delta')}",
-            "MB per checkpoint": lambda r: statistics.median(r["mb_each"]),
-        },
-        "Each pair: two adjacent stretches of K steps, one with a checkpoint in its middle "
+        "intermittent)", rows, {
+        "interval s": "interval_s", "K steps": "interval_steps", "checkpoint": "quant",
+        "lost: pooled cost / interval": lambda r: pct(r["pooled_loss"]),
+        "± (95%)": lambda r: pct(r["pooled_resolution"]),
+        "lost, from step times": lambda r: pct(r["step_loss"]),
+        "± (95%), step times": lambda r: pct(r["step_resolution"]),
+        "lost, pair times": lambda r: pct(r["loss"]),
+        "± (95%), pair times": lambda r: pct(r["resolution"]),
+        "pairs": "pairs",
+        "each pair (pair times)": lambda r: ", ".join(pct(x) for x in r["loss_each"]),
+        "stall ms (median)": lambda r: r["stall_s"] * 1e3,
+        "full, delta": lambda r: f"{r['kinds'].count('full')}, {r['kinds'].count('delta')}",
+        "MB per checkpoint": lambda r: statistics.median(r["mb_each"]),
+    }, "Each pair: two adjacent stretches of K steps, one with a checkpoint in its middle "
         "(its commit waited for at the end), one without, in alternating order. A "
         "checkpoint's cost: its stall plus what the steps from its save to its commit took "
         "beyond the mean of the stretch's other steps. Pooled: the median cost of every "
         "checkpoint of every interval (of one format) over the interval. From step times: "
-        "this interval's costs, each over its stretch's time, median over pairs. Pair times: 1 - (time without) / (time with), median over pairs. ±: "
-        "the 95% interval of the median, 1.58 IQR / sqrt(pairs). A stretch "
-        "without a checkpoint puts its changed rows into the next delta: deltas hold two "
-        "intervals' rows, more than a job checkpointing every interval writes.",
-    )
+        "this interval's costs, each over its stretch's time, median over pairs. Pair times: "
+        "1 - (time without) / (time with), median over pairs. ±: the 95% interval of the "
+        "median, 1.58 IQR / sqrt(pairs). A stretch without a checkpoint puts its changed rows "
+        "into the next delta: deltas hold two intervals' rows, more than a job checkpointing "
+        "every interval writes.",
+    )  # fmt: skip
     busy = Table.of(
         "A save asked for while the previous one still commits (fp32, a save every "
-        f"{BUSY_STEPS} steps)",
-        list(m["busy"].values()),
-        {
-            "on_busy": "on_busy",
-            "interval s": "interval_s",
-            "saves made / asked": lambda r: f"{r['saves_made']} / {r['saves_asked']}",
-            "lost": lambda r: pct(r["loss"]),
-            "± (95%)": lambda r: pct(r["resolution"]),
-            "stall ms (median)": lambda r: r["stall_s"] * 1e3,
-            "stall ms (worst)": lambda r: r["stall_max_s"] * 1e3,
-        },
-        "wait: save() waits for the previous commit (the default); skip: the save is "
+        f"{BUSY_STEPS} steps)", list(m["busy"].values()), {
+        "on_busy": "on_busy", "interval s": "interval_s",
+        "saves made / asked": lambda r: f"{r['saves_made']} / {r['saves_asked']}",
+        "lost": lambda r: pct(r["loss"]), "± (95%)": lambda r: pct(r["resolution"]),
+        "stall ms (median)": lambda r: r["stall_s"] * 1e3,
+        "stall ms (worst)": lambda r: r["stall_max_s"] * 1e3,
+    }, "wait: save() waits for the previous commit (the default); skip: the save is "
         "skipped with a warning, its rows go into the next one. Neither queues nor merges "
         "two saves in flight. Stall: training blocked inside save(), its wait included.",
-    )
+    )  # fmt: skip
     return [lost, busy]
 
 
 def _paired_targets(m: dict[str, Any]) -> list[Goal]:
-    """fp32 at the interval nearest 10 s: lost <= 1% (from step times), resolved to
-    ± 0.5%; the same from pair times."""
+    """fp32 at the interval nearest 10 s: lost <= 1% (from the pooled cost, step times and
+    pair times, where known), each estimate resolved to ± 0.5%."""
     ivs = m["intervals"]
     ten = min(ivs, key=lambda k: abs(ivs[k]["fp32"]["target_s"] - 10))
     at = f"intervals.{ten}.fp32"
     s = f"{ivs[ten]['fp32']['interval_s']:.1f} s"
+    estimates = (("pooled_loss", "pooled_resolution", "from the pooled cost"),
+                 ("step_loss", "step_resolution", "from step times"),
+                 ("loss", "resolution", "from pair times"))  # fmt: skip
     out = []
-    spreads = {"pooled_loss": "pooled_resolution", "step_loss": "step_resolution",
-               "loss": "resolution"}  # fmt: skip
-    whats = (("pooled_loss", "from the pooled cost"), ("step_loss", "from step times"),
-             ("loss", "from pair times"))  # fmt: skip
-    for field, what in whats:
-        spread = spreads[field]
+    for field, spread, what in estimates:
         if ivs[ten]["fp32"][field] is None:
             continue  # every commit overlapped nearly every step: no reference pace
         out += [
-            Goal(f"fp32: throughput lost <= 1% at {s}, {what}", f"{at}.{field}", "<=",
-                 LOSS_BOUND),
-            Goal(f"fp32: the estimate {what} at {s} resolves ± 0.5%", f"{at}.{spread}",
-                 "<=", 0.005),
+            Goal(f"fp32: throughput lost <= 1% at {s}, {what}", f"{at}.{field}", "<=", LOSS_BOUND),
+            Goal(f"fp32: the estimate {what} at {s} resolves ± 0.5%", f"{at}.{spread}", "<=",
+                 0.005),
         ]  # fmt: skip
     return out

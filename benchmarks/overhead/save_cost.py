@@ -1,12 +1,9 @@
 """``--save-cost`` of :mod:`benchmarks.overhead`: the training time one full checkpoint
-costs, measured alone many times (the arms move with the machine's other tenants by more
-than a checkpoint costs).
-
-Train ``--before`` steps, save, train ``--after`` steps (past the commit): the cost is the
-stall plus what the steps from the save to the commit took beyond the mean of the others.
-The arms take turns, ``--saves`` times each, on a fresh root: eager and lazy staging (the
-compiled copier, ``staging/_cow.c``), fp32 and 4-bit, and lazy fp32 with
-``IOOptions(compiled_staging=False)`` (torch's copy under each kernel's lock, as on CUDA).
+costs, measured alone many times. Train ``--before`` steps, save, train ``--after`` steps:
+the cost is the stall plus what the steps from the save to the commit took beyond the mean
+of the others. Arms in turns, ``--saves`` times each, on a fresh root: eager and lazy
+staging (the compiled copier), fp32 and 4-bit, and lazy fp32 with
+``IOOptions(compiled_staging=False)`` (torch's copy under each kernel's lock).
 
 Targets: a lazy checkpoint's median cost <= an eager one's (fp32, 4-bit), and lazy fp32's
 <= torch's locked copy's.
@@ -26,18 +23,13 @@ from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, IOOptions, list_checkpoints
 
 COST_ARMS: dict[str, tuple[str, bool, str]] = {
-    "eager_fp32": ("eager", True, "fp32"),
-    "lazy_fp32": ("lazy", True, "fp32"),
+    "eager_fp32": ("eager", True, "fp32"), "lazy_fp32": ("lazy", True, "fp32"),
     "lazy_torch_fp32": ("lazy", False, "fp32"),
-    "eager_4bit": ("eager", True, "4-bit"),
-    "lazy_4bit": ("lazy", True, "4-bit"),
-}
+    "eager_4bit": ("eager", True, "4-bit"), "lazy_4bit": ("lazy", True, "4-bit"),
+}  # fmt: skip
 """``--save-cost`` arm -> (staging, ``IOOptions.compiled_staging``, checkpoint format)."""
-STAGING_NAMES = {
-    ("eager", True): "eager",
-    ("lazy", True): "lazy (compiled copier)",
-    ("lazy", False): "lazy, torch copy under the lock",
-}
+STAGING_NAMES = {("eager", True): "eager", ("lazy", True): "lazy (compiled copier)",
+                 ("lazy", False): "lazy, torch copy under the lock"}  # fmt: skip
 
 
 def _save_cost_once(
@@ -46,13 +38,8 @@ def _save_cost_once(
     """One checkpoint of one arm: its stall, commit and the training time it cost."""
     root = b.scratch / f"{staging}_{compiled}_{quant}_{n}"
     rmtree(root)
-    cfg = CheckpointConfig(
-        path=str(root),
-        policy="full",
-        staging=staging,  # type: ignore[arg-type]
-        quantize=QUANTS[quant],
-        io=IOOptions(compiled_staging=compiled),
-    )
+    cfg = CheckpointConfig(str(root), policy="full", staging=staging,  # type: ignore[arg-type]
+                           quantize=QUANTS[quant], io=IOOptions(compiled_staging=compiled))  # fmt: skip
     ends: list[float] = []
     with CheckpointManager(trainer.work.model, cfg) as ckpt:
         took = trainer.train(b.args.before, lambda _: ends.append(now()))
@@ -70,13 +57,8 @@ def _save_cost_once(
         raise RuntimeError(f"the commit outlasted --after {b.args.after} steps: raise it")
     cost = stall + sum(inside) - clean * len(inside)
     worst = max(gathered((cost, stall, info.committed_at - saved_at, clean)))  # the slowest rank's
-    return {
-        "cost_s": worst[0],
-        "stall_s": worst[1],
-        "commit_s": worst[2],
-        "step_s": worst[3],
-        "steps": len(inside),
-    }
+    return {"cost_s": worst[0], "stall_s": worst[1], "commit_s": worst[2], "step_s": worst[3],
+            "steps": len(inside)}  # fmt: skip
 
 
 def run(b: Bench) -> Outcome:
@@ -91,39 +73,29 @@ def run(b: Bench) -> Outcome:
 
     b.interleaved(a.saves, {n: functools.partial(once, n) for n in COST_ARMS}, label="cost s")
     arms = {
-        name: {
-            "staging": STAGING_NAMES[COST_ARMS[name][:2]],
-            "checkpoint": COST_ARMS[name][2],
-            "cost_s": statistics.median(r["cost_s"] for r in rs),
-            "costs_s": [r["cost_s"] for r in rs],
-            "stall_s": statistics.median(r["stall_s"] for r in rs),
-            "commit_s": statistics.median(r["commit_s"] for r in rs),
-            "steps_overlapped": statistics.median(r["steps"] for r in rs),
-        }
+        name: {"staging": STAGING_NAMES[COST_ARMS[name][:2]], "checkpoint": COST_ARMS[name][2],
+               "cost_s": statistics.median(r["cost_s"] for r in rs),
+               "costs_s": [r["cost_s"] for r in rs],
+               "stall_s": statistics.median(r["stall_s"] for r in rs),
+               "commit_s": statistics.median(r["commit_s"] for r in rs),
+               "steps_overlapped": statistics.median(r["steps"] for r in rs)}
         for name, rs in each.items()
-    }
-    m = {
-        "mode": "save_cost",
-        "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim, "batch": a.batch},
-        "world_size": b.world,
-        "step_s": statistics.median(r["step_s"] for rs in each.values() for r in rs),
-        "arms": arms,
-    }
+    }  # fmt: skip
+    m = {"mode": "save_cost",
+         "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim, "batch": a.batch},
+         "world_size": b.world,
+         "step_s": statistics.median(r["step_s"] for rs in each.values() for r in rs),
+         "arms": arms}  # fmt: skip
     table = Table.of(
         f"Training time one full checkpoint costs (median of {a.saves}, {b.world} rank(s))",
         list(arms.values()),
-        {
-            "staging": "staging",
-            "checkpoint": "checkpoint",
-            "cost ms": lambda r: r["cost_s"] * 1e3,
-            "each ms": lambda r: ", ".join(f"{x * 1e3:.0f}" for x in r["costs_s"]),
-            "stall ms": lambda r: r["stall_s"] * 1e3,
-            "commit s": "commit_s",
-            "steps overlapped": "steps_overlapped",
-        },
+        {"staging": "staging", "checkpoint": "checkpoint", "cost ms": lambda r: r["cost_s"] * 1e3,
+         "each ms": lambda r: ", ".join(f"{x * 1e3:.0f}" for x in r["costs_s"]),
+         "stall ms": lambda r: r["stall_s"] * 1e3, "commit s": "commit_s",
+         "steps overlapped": "steps_overlapped"},
         "Cost: the stall plus what the steps from the save to the commit took beyond the "
         "mean step outside that window, the slowest rank's.",
-    )
+    )  # fmt: skip
     targets = [
         Goal(f"lazy {q} checkpoint costs <= eager's", f"arms.lazy_{k}.cost_s", "<=",
                f"arms.eager_{k}.cost_s")
