@@ -116,7 +116,8 @@ def run(b: Bench) -> Outcome:
             arms[quant] = {"cost_s": cost, "loss": None if cost is None else cost / (k * step_s),
                            "mb": statistics.median(r["mb_each"]),
                            "fraction": statistics.median(r["fraction_each"]),
-                           "stall_s": r["stall_s"], "checkpoints": len(r["cost_each_s"])}  # fmt: skip
+                           "stall_s": r["stall_s"], "checkpoints": len(r["cost_each_s"]),
+                           "hook_s": statistics.median(r["hook_each_s"] or [0.0])}  # fmt: skip
         nbytes = round(arms["fp32"]["mb"] * 1e6)
         floor = _floor_pairs(b, trainer, nbytes, k, n)
         for arm in arms.values():
@@ -168,6 +169,7 @@ def _table(m: dict[str, Any]) -> Table:
             "memcpy ms (floor)": lambda r: _ms(r["memcpy_s"]),
             "cost / floor": "over_floor",
             "stall ms (median)": lambda r: r["stall_s"] * 1e3,
+            "copy-on-write ms": lambda r: r["hook_s"] * 1e3,
             "checkpoints": "checkpoints",
             "pairs": "pairs",
         },
@@ -176,7 +178,8 @@ def _table(m: dict[str, Any]) -> Table:
         "end) took beyond the mean of the stretch's other steps; median over pairs. Lost: "
         "that over the interval. The memcpy copies the fp32 checkpoint's median bytes once, "
         "on its own thread; its cost is estimated the same way (± its 95% interval), and "
-        "the floor is its own time, the most it could cost. A stretch without a checkpoint puts its rows into the next "
+        "the floor is its own time, the most it could cost. Copy-on-write: the training "
+        "thread's time copying rows before their update (median, part of the cost). A stretch without a checkpoint puts its rows into the next "
         "delta: deltas hold two intervals' rows.",
     )
 

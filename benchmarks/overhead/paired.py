@@ -65,7 +65,8 @@ def _segment(b: Bench, trainer: StepLoop, ckpt: CheckpointManager | None, steps:
         out.update(kind=last.kind, mb=last.bytes / 1e6, fraction=last.saved_fraction)
         if made == 1:
             cost = step_cost(took, ends, saved_at[0], last.committed_at, stalls[0])
-            out["cost_s"] = max_over_ranks(cost)[0]
+            lazy = ckpt.lazy_staging  # the training thread's copy-on-write of that save
+            out["cost_s"], out["hook_s"] = max_over_ranks(cost, lazy.hook_s if lazy else 0.0)
             out["step_loss"] = out["cost_s"] / seconds
     return out
 
@@ -115,6 +116,7 @@ def checkpoint_pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: 
         "step_loss_each": step_losses,
         "step_resolution": spread(step_losses) if step_losses else None,
         "cost_each_s": [s["cost_s"] for s in known],
+        "hook_each_s": [s["hook_s"] for s in known],
         "saves_asked": sum(s["asked"] for s in saving),
         "saves_made": sum(s["made"] for s in saving),
         "stall_s": stall, "stall_max_s": worst,
