@@ -11,7 +11,8 @@ from torchrec_cnr.read import find_ids
 @pytest.mark.parametrize(
     ("ids", "wanted"),
     [([3, 5, 9], [3, 5, 9]), ([3, 5, 9], [1, 5, 10]), ([3, 5, 9], [3, 4, 9]), ([], [2]),
-     ([4], [4]), ([3, 5, 9], [])],
+     ([4], [4]), ([3, 5, 9], []), ([3, 4, 5], [1, 4, 5, 6]), ([3, 4, 5], [0, 1, 2]),
+     ([3, 4, 5, 8], [4, 6, 8]), ([2, 7], list(range(0, 20))), ([2, 30], list(range(0, 20, 2)))],
 )  # fmt: skip
 def test_find_ids_says_which_wanted_ids_are_there_and_where(
     ids: list[int], wanted: list[int]

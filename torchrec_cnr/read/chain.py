@@ -310,10 +310,24 @@ class ChainReader:
 
 
 def find_ids(ids: torch.Tensor, wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whether each of ``wanted`` is in ``ids`` (both ascending), and where."""
-    if ids.numel() == 0:
+    """Whether each of ``wanted`` is in ``ids`` (both ascending, ``ids`` distinct), and
+    where."""
+    n = ids.numel()
+    if n == 0:
         return torch.zeros(wanted.numel(), dtype=torch.bool), wanted.new_zeros(wanted.numel())
     if ids.shape == wanted.shape and torch.equal(ids, wanted):  # an update's usual case
-        return torch.ones(wanted.numel(), dtype=torch.bool), torch.arange(wanted.numel())
-    at = torch.searchsorted(ids, wanted).clamp_max(ids.numel() - 1)
+        return torch.ones(n, dtype=torch.bool), torch.arange(n)
+    first = int(ids[0])
+    if int(ids[-1]) - first == n - 1:  # distinct and ascending: a run, every row of a shard
+        at = wanted - first
+        return (at >= 0) & (at < n), at.clamp(0, n - 1)
+    if 4 * n < wanted.numel():  # few ids among many wanted: search for each id instead
+        pos = torch.searchsorted(wanted, ids).clamp_max(wanted.numel() - 1)
+        found = wanted[pos] == ids
+        hit = torch.zeros(wanted.numel(), dtype=torch.bool)
+        hit[pos[found]] = True
+        at = torch.zeros(wanted.numel(), dtype=torch.int64)
+        at[pos[found]] = torch.arange(n)[found]
+        return hit, at
+    at = torch.searchsorted(ids, wanted).clamp_max(n - 1)
     return ids[at] == wanted, at

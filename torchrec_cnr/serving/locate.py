@@ -96,7 +96,11 @@ def _located(
             found = source.locate(n, rec, wanted)
             pieces += [_Piece(ids, rec, keep, source.reader(n)) for ids, keep in found]
             if found:
-                taken = torch.cat([ids for ids, _ in found]).sort().values
+                taken = (
+                    found[0][0]
+                    if len(found) == 1
+                    else torch.cat([i for i, _ in found]).sort().values
+                )
                 wanted = wanted[~find_ids(taken, wanted)[0]]
     return pieces, wanted
 
