@@ -25,7 +25,6 @@ training is measured by ``benchmarks.overhead --save-cost`` (docs/benchmarks.md)
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import threading
@@ -34,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from torchrec_cnr.env import env_flag, env_number
-from torchrec_cnr.units import mb_bytes
+from torchrec_cnr.units import check_size_mb, mb_bytes
 
 __all__ = ["IOContext", "IOOptions", "lowered_priority"]
 
@@ -99,12 +98,7 @@ class IOOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"io.{name} must be a positive int, got {value!r}")
-        mb = self.object_mb
-        if (
-            not isinstance(mb, int | float) or isinstance(mb, bool)
-            or not math.isfinite(mb) or self.object_bytes < 1024
-        ):  # fmt: skip
-            raise ValueError(f"io.object_mb must be at least 1/1024 (1 KiB, finite), got {mb!r}")
+        check_size_mb("io.object_mb", self.object_mb)
         if (
             not isinstance(self.nice, int)
             or isinstance(self.nice, bool)

@@ -25,7 +25,6 @@ blocks into its own files in parallel; rank 0 writes the metadata.
 
 from __future__ import annotations
 
-import math
 import shutil
 import sys
 from collections.abc import Callable, Iterable
@@ -47,7 +46,7 @@ from torchrec_cnr.schema import ShardRecord, TableShape
 from torchrec_cnr.snapshot.objects import load_object, resolve_globals
 from torchrec_cnr.storage import Root
 from torchrec_cnr.tracking.shard import ShardSpec
-from torchrec_cnr.units import mb_bytes
+from torchrec_cnr.units import check_size_mb, mb_bytes
 
 __all__ = ["DcpExport", "ExportOptions", "export_dcp", "terminal_progress"]
 
@@ -88,12 +87,7 @@ class ExportOptions:
     (:func:`terminal_progress` prints them); ``None`` reports nothing."""
 
     def __post_init__(self) -> None:
-        mb = self.budget_mb
-        if (
-            not isinstance(mb, int | float) or isinstance(mb, bool)
-            or not math.isfinite(mb) or self.budget_bytes < 1024
-        ):  # fmt: skip
-            raise ValueError(f"budget_mb must be at least 1/1024 (1 KiB, finite), got {mb!r}")
+        check_size_mb("budget_mb", self.budget_mb)
         if not isinstance(self.overwrite, bool):
             raise ValueError(f"overwrite must be a bool, got {self.overwrite!r}")
         object.__setattr__(self, "safe_globals", checked_safe_globals(self.safe_globals))
