@@ -32,7 +32,7 @@ import torch
 from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import QUANTS, StepLoop, max_over_ranks, timed
 from benchmarks.overhead.common import LOSS_BOUND, interval_key, now, pct, warm_trainer
-from benchmarks.overhead.paired import checkpoint_pairs, spread, step_cost
+from benchmarks.overhead.paired import alternating, checkpoint_pairs, spread, step_cost
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig
 
@@ -83,15 +83,10 @@ def _floor_pairs(b: Bench, trainer: StepLoop, nbytes: int, steps: int, n: int) -
     """``n`` pairs of stretches with and without the copy, their order alternating. Its
     buffers are touched first: a fresh destination would time page faults, not a copy."""
     buffers = (torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8))
-    costs, losses, copies = [], [], []
-    for i in range(n):
-        b.settle()
-        got = {}
-        for copying in (True, False) if i % 2 == 0 else (False, True):
-            got[copying] = _copy_stretch(trainer, buffers if copying else None, steps)
-        losses.append(1 - got[False]["seconds"] / got[True]["seconds"])
-        costs.append(got[True]["cost_s"])
-        copies.append(got[True]["copy_s"])
+    got = alternating(b, n, lambda w: _copy_stretch(trainer, buffers if w else None, steps))
+    losses = [loss for loss, _ in got]
+    costs = [copying["cost_s"] for _, copying in got]
+    copies = [copying["copy_s"] for _, copying in got]
     known = [c for c in costs if c == c]  # NaN: no reference pace
     return {"cost_s": statistics.median(known) if known else None, "cost_each_s": known,
             "resolution_s": spread(known), "copy_s": statistics.median(copies),

@@ -16,6 +16,7 @@ import math
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,21 @@ def spread(values: list[float]) -> float:
     return NOTCH * (q3 - q1) / math.sqrt(len(values))
 
 
+def alternating(
+    b: Bench, pairs: int, stretch: Callable[[bool], dict[str, Any]]
+) -> list[tuple[float, dict[str, Any]]]:
+    """``pairs`` pairs of adjacent stretches, ``stretch(True)`` (with the event) and
+    ``stretch(False)``, in alternating order, each pair on a settled machine: per pair, the
+    loss 1 - (time without) / (time with) and the stretch with the event."""
+    out = []
+    for i in range(pairs):
+        b.settle()
+        order = (True, False) if i % 2 == 0 else (False, True)
+        got = {w: stretch(w) for w in order}
+        out.append((1 - got[False]["seconds"] / got[True]["seconds"], got[True]))
+    return out
+
+
 def checkpoint_pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: int, k: int,
                      pairs: int) -> dict[str, Any]:  # fmt: skip
     """``pairs`` pairs of adjacent stretches of ``steps`` steps, with checkpoints every ``k``
@@ -99,12 +115,11 @@ def checkpoint_pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: 
     with CheckpointManager(trainer.work.model, cfg) as ckpt:
         ckpt.save(trainer.step)
         ckpt.wait()
-        for i in range(pairs):
-            b.settle()
-            order = (True, False) if i % 2 == 0 else (False, True)
-            got = {w: _segment(b, trainer, ckpt if w else None, steps, k) for w in order}
-            losses.append(1 - got[False]["seconds"] / got[True]["seconds"])
-            saving.append(got[True])
+        for loss, with_ckpt in alternating(
+            b, pairs, lambda w: _segment(b, trainer, ckpt if w else None, steps, k)
+        ):
+            losses.append(loss)
+            saving.append(with_ckpt)
     rmtree(Path(cfg.path))
     stalls = [t for s in saving for t in s["stalls"]]
     stall, worst = max_over_ranks(statistics.median(stalls), max(stalls))
