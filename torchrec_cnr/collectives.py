@@ -97,6 +97,8 @@ class Collective:
 
     def gather(self, obj: T) -> list[T]:
         """Every rank's ``obj``, in rank order, on every rank."""
+        if self.world_size == 1:  # alone: nothing to pickle or send
+            return [obj]
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.pg)
         return out
@@ -104,12 +106,16 @@ class Collective:
     def gather_on_rank0(self, obj: T) -> list[T] | None:
         """Every rank's ``obj``, in rank order, on rank 0 only (``None`` elsewhere): what
         only rank 0 needs is not sent to, or held by, every rank."""
+        if self.world_size == 1:
+            return [obj]
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(obj, out, group=self.pg, group_dst=0)
         return out
 
     def broadcast(self, obj: T | None, src: int = 0) -> T:
         """Rank ``src``'s ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj  # type: ignore[return-value]
         box: list[Any] = [obj]
         dist.broadcast_object_list(box, src=src, group=self.pg)
         return box[0]

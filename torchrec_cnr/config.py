@@ -29,6 +29,8 @@ __all__ = [
     "IOOptions",
     "OnBusy",
     "STAGING",
+    "BACKGROUND",
+    "Background",
     "Staging",
     "QuantizeConfig",
     "RecoveryConfig",
@@ -60,6 +62,8 @@ OnBusy = Literal["wait", "skip"]
 ON_BUSY: tuple[OnBusy, ...] = ("wait", "skip")
 Staging = Literal["lazy", "eager"]
 STAGING: tuple[Staging, ...] = ("lazy", "eager")
+Background = Literal["thread", "process"]
+BACKGROUND: tuple[Background, ...] = ("thread", "process")
 StateDtype = Literal["none", "fp16", "bf16"]
 STATE_DTYPES: tuple[StateDtype, ...] = ("none", "fp16", "bf16")
 
@@ -242,6 +246,14 @@ class CheckpointConfig:
     """Most host memory a save holds for its staged rows (and keeps for reuse between saves);
     ``None`` for no limit. A checkpoint larger than this is staged and written in chunks
     during the stall: the stall grows, memory does not."""
+    background: Background = "thread"
+    """Where a checkpoint is encoded, written and committed after ``save()`` returns.
+    ``thread``: on a thread of the training process, whose Python work then competes with
+    training's for the GIL. ``process``: in a writer process per rank, started with the
+    manager (Linux): the training process keeps only the copy of lazily staged rows (in
+    C) and relays the writer's collectives; staging buffers are shared memory, which the
+    writer process maps (see ``torchrec_cnr.offload``). Needs ``staging_memory_mb=None``
+    (every checkpoint staged whole) and a config that pickles."""
     verify_checksums: bool = True
     """Check every tensor a restore reads against the checksum recorded at save time."""
     safe_globals: tuple[str | type, ...] = ()
@@ -307,6 +319,13 @@ class CheckpointConfig:
         object.__setattr__(self, "safe_globals", checked_safe_globals(self.safe_globals))
         if self.staging not in STAGING:
             raise ValueError(f"staging must be one of {STAGING}, got {self.staging!r}")
+        if self.background not in BACKGROUND:
+            raise ValueError(f"background must be one of {BACKGROUND}, got {self.background!r}")
+        if self.background == "process" and self.staging_memory_mb is not None:
+            raise ValueError(
+                "background='process' stages every checkpoint whole: staging_memory_mb must "
+                f"be None, got {self.staging_memory_mb}"
+            )
         if self.on_busy not in ON_BUSY:
             raise ValueError(f"on_busy must be one of {ON_BUSY}, got {self.on_busy!r}")
         if self.priority_budget_mb is not None:

@@ -20,7 +20,7 @@ from tests.models import MODEL_LAYOUTS, OPTIMIZERS, capture, differences
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.commit import Manifest
-from torchrec_cnr.config import Staging
+from torchrec_cnr.config import Background, Staging
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.selection.policy import PolicyName
 from torchrec_cnr.tracking import model_state
@@ -33,9 +33,15 @@ policy but ``full`` (consecutive: 3, 6, 9)."""
 
 
 def _resume_equals_uninterrupted(
-    kind: str, optimizer: str, policy: PolicyName, root: str, staging: Staging = "lazy"
+    kind: str,
+    optimizer: str,
+    policy: PolicyName,
+    root: str,
+    staging: Staging = "lazy",
+    background: Background = "thread",
 ) -> None:
-    config = CheckpointConfig(path=root, policy=policy, interval_steps=EVERY, staging=staging)
+    config = CheckpointConfig(path=root, policy=policy, interval_steps=EVERY, staging=staging,
+                              background=background)  # fmt: skip
     job = make_job(kind, optimizer=optimizer, seed=1)
     with CheckpointManager(job.model, config, job.app_state) as ckpt:
         job.run(1, STEPS, ckpt=ckpt)
@@ -97,6 +103,23 @@ def test_resume_equals_uninterrupted_with_sequence_embeddings(
 ) -> None:
     root = str(tmp_path / "ckpt")
     run_ranks(2, _resume_equals_uninterrupted, "ec", "exact_adagrad", policy, root, staging)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("staging", ["lazy", "eager"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_resume_equals_uninterrupted_with_a_writer_process(
+    policy: PolicyName, staging: Staging, tmp_path: Path
+) -> None:
+    root = str(tmp_path / "ckpt")
+    run_ranks(2, _resume_equals_uninterrupted, "ebc", "exact_adagrad", policy, root, staging,
+              "process")  # fmt: skip
+
+
+@pytest.mark.dist
+def test_resume_equals_uninterrupted_with_a_writer_process_on_s3(s3_root: str) -> None:
+    run_ranks(2, _resume_equals_uninterrupted, "ebc", "exact_rowwise_adagrad", "consecutive",
+              s3_root, "lazy", "process")  # fmt: skip
 
 
 # -- resharding ---------------------------------------------------------------------

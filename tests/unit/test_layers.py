@@ -37,6 +37,7 @@ STAGES = [
     ("read",),
     ("restore",),
     ("compaction",),
+    ("offload",),
     ("offline",),
     ("interop",),
     ("serving",),

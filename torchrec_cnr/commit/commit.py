@@ -18,7 +18,7 @@ from torchrec_cnr.recovery.interval import IntervalDecision
 from torchrec_cnr.schema import parse_checkpoint_id, without_gc
 from torchrec_cnr.selection.policy import ChainState, Decision, Policy
 from torchrec_cnr.snapshot import write_index
-from torchrec_cnr.staging import StagedCheckpoint
+from torchrec_cnr.staging import RecordingSink, StagedCheckpoint
 from torchrec_cnr.storage import PreconditionFailed, Storage
 
 __all__ = [
@@ -51,8 +51,9 @@ class Pending:
     seq: int
     staged: StagedCheckpoint | None
     """What staging copied; ``None`` if staging failed on this rank."""
-    writer: ShardWriter
-    """Where staging handed the shards; it names the checkpoint directory."""
+    writer: ShardWriter | RecordingSink
+    """Where staging handed the shards; it names the checkpoint directory. A recording
+    sink with ``background="process"``: the writer process writes them."""
     decision: Decision
     chain: ChainState
     """The chain before this checkpoint."""
@@ -79,6 +80,8 @@ def write_and_commit(pending: Pending, group: Collective, target: CommitTarget) 
         if pending.failure is not None:
             raise pending.failure
         assert pending.staged is not None
+        if not isinstance(pending.writer, ShardWriter):
+            raise TypeError("a recorded checkpoint is written by the writer process")
         write = pending.writer.finish(pending.staged)
     except Exception as e:  # every rank must learn of it before anyone commits
         error = e

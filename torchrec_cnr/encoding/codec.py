@@ -165,7 +165,7 @@ def encode_shard(
         states,
         staged.scalars,
         ids=staged.ids,
-        recent=staged.recent,
+        recent=staged.recent_ids(),
         tail=staged.tail,
     )
     record, tensors = build_record(spec, key, content)

@@ -19,7 +19,9 @@ from torchrec_cnr.staging.lazy import LazyStaging, lazy_fallback
 from torchrec_cnr.staging.plan import SavePlan, ShardPlan, plan_save
 from torchrec_cnr.staging.pool import StagingPool
 from torchrec_cnr.staging.shard import (
+    RecordingSink,
     Sink,
+    SourceInfo,
     StagedCheckpoint,
     StagedShard,
     stage_shard,
@@ -29,8 +31,10 @@ from torchrec_cnr.staging.stager import Stager
 __all__ = [
     "LazyStaging",
     "SavePlan",
+    "RecordingSink",
     "ShardPlan",
     "Sink",
+    "SourceInfo",
     "StagedCheckpoint",
     "StagedShard",
     "Stager",

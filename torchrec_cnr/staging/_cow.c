@@ -198,7 +198,43 @@ int64_t cnr_cow_snapshot(const uint64_t *src, const uint64_t *mask, uint64_t *ds
     return snapshot(src, mask, dst, before, n);
 }
 
+/* Appends the rows set in `words & ~exclude` (exclude NULL: `words`), ascending, to `out`
+ * from `k`, up to its `cap` entries; returns the new `k` (counting those past `cap`). */
+static int64_t set_rows(const uint64_t *words, const uint64_t *exclude, int64_t nwords,
+                        int64_t *out, int64_t k, int64_t cap) {
+    for (int64_t i = 0; i < nwords; i++) {
+        uint64_t w = exclude == NULL ? words[i] : words[i] & ~exclude[i];
+        while (w) {
+            if (k < cap)
+                out[k] = i * 64 + __builtin_ctzll(w);
+            k++;
+            w &= w - 1;
+        }
+    }
+    return k;
+}
+
+/* For the background writer's copy of a delta's shard, without the GIL: the local row of
+ * each slot in the order the delta stores them (held rows not in the tail, then the
+ * tail's) into `rows`, and their table ids (row + `offset`, int32 if `ids32`) into `ids`
+ * (NULL: none); `rows` and `ids` hold `n` entries. Returns how many rows the bitmaps hold
+ * (none is written past `n`). */
+int64_t cnr_cow_stored_rows(const cnr_cow_shard *s, int64_t *rows, void *ids, int64_t offset,
+                            int32_t ids32) {
+    const int64_t nwords = (s->rows + 63) / 64;
+    int64_t k = set_rows(s->selected, s->tail, nwords, rows, 0, s->n);
+    if (s->tail != NULL)
+        k = set_rows(s->tail, NULL, nwords, rows, k, s->n);
+    for (int64_t i = 0; ids != NULL && i < k && i < s->n; i++) {
+        if (ids32)
+            ((int32_t *)ids)[i] = (int32_t)(rows[i] + offset);
+        else
+            ((int64_t *)ids)[i] = rows[i] + offset;
+    }
+    return k;
+}
+
 int32_t cnr_cow_max_arrays(void) { return CNR_COW_MAX_ARRAYS; }
 
-/* Bumped whenever cnr_cow_shard changes, so that a stale build is refused. */
-int32_t cnr_cow_layout(void) { return 3; }
+/* Bumped whenever cnr_cow_shard or a function changes, so that a stale build is refused. */
+int32_t cnr_cow_layout(void) { return 4; }

@@ -33,7 +33,7 @@ __all__ = [
 MAX_ARRAYS = 8
 """A shard's weight and optimizer states, as many as ``_cow.c`` takes."""
 
-LAYOUT = 3
+LAYOUT = 4
 """``cnr_cow_layout()`` of the ``_cow.c`` this module speaks to."""
 
 _i64 = ctypes.c_int64
@@ -79,6 +79,9 @@ def _load() -> ctypes.CDLL | None:
     lib.cnr_cow_lookup.argtypes = [ctypes.POINTER(_Shard), ctypes.c_int32, ctypes.c_void_p, _i64]
     lib.cnr_cow_snapshot.restype = _i64
     lib.cnr_cow_snapshot.argtypes = [ctypes.c_void_p] * 4 + [_i64]
+    lib.cnr_cow_stored_rows.restype = _i64
+    lib.cnr_cow_stored_rows.argtypes = [ctypes.POINTER(_Shard), ctypes.c_void_p,
+                                        ctypes.c_void_p, _i64, ctypes.c_int32]  # fmt: skip
     return lib
 
 
@@ -166,6 +169,26 @@ class Group:
         return int(
             self._lib.cnr_cow_lookup(self._array, len(self._array), rows.data_ptr(), rows.numel())
         )
+
+    def stage(
+        self, i: int, rows: torch.Tensor | None, ids: torch.Tensor | None, offset: int
+    ) -> int:
+        """The background copy of shard ``i``: where it holds some rows, their local rows in
+        stored order into ``rows`` (``(n,)`` int64) and their table ids (``+ offset``) into
+        ``ids`` (int32 or int64, or ``None``), without the GIL; then every staged row
+        nobody has claimed (:meth:`copy`). How many it copied."""
+        shard = self._array[i]
+        if shard.selected:
+            if rows is None or rows.numel() != shard.n:
+                raise ValueError(f"a delta's copy needs a buffer for its {shard.n} rows")
+            ids32 = ids is not None and ids.dtype == torch.int32
+            held = int(self._lib.cnr_cow_stored_rows(
+                ctypes.byref(shard), rows.data_ptr(), None if ids is None else ids.data_ptr(),
+                offset, ids32,
+            ))  # fmt: skip
+            if held != shard.n:
+                raise ValueError(f"the bitmaps of shard {i} hold {held} rows, not {shard.n}")
+        return self.copy(i, rows, 0, shard.n)
 
     def copy(self, i: int, slot_rows: torch.Tensor | None, a: int, b: int) -> int:
         """Copies staged rows ``a:b`` of shard ``i`` that nobody has claimed; ``slot_rows``:

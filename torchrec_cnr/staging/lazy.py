@@ -38,11 +38,11 @@ import torch
 from torchrec_cnr.rowcopy import put_rows
 from torchrec_cnr.schema import stored_ids, stored_state, stored_weight
 from torchrec_cnr.selection.policy import Decision
-from torchrec_cnr.selection.rows import recent_rows, recorded_recent, stored_count
+from torchrec_cnr.selection.rows import recorded_recent, stored_count
 from torchrec_cnr.staging import cow
 from torchrec_cnr.staging.plan import ShardPlan
 from torchrec_cnr.staging.pool import StagingPool, bits_buffer, staged_claims, staged_flags
-from torchrec_cnr.staging.shard import Sink, StagedShard, global_ids, ids_dtype
+from torchrec_cnr.staging.shard import RecentBits, Sink, StagedShard, global_ids, ids_dtype
 from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.shard import LocalShard
 
@@ -91,6 +91,8 @@ class _Shard:
     recent: torch.Tensor | None
     """A copy of the bitmap of rows changed since the last checkpoint, where the
     checkpoint records them apart from its rows (see ``select_recent``)."""
+    recent_count: int
+    """Its set bits: when they are all the rows the checkpoint holds, none are recorded."""
     tail: tuple[torch.Tensor, torch.Tensor, int] | None = None
     """Where a delta stores those rows last (see ``tail_order``): their bitmap, its set
     bits before each word, and the rows stored before them."""
@@ -158,6 +160,7 @@ class LazyStaging:
     """Seconds the lookup hooks spent copying (on the training thread)."""
     background_s: float = 0.0
     """Seconds :meth:`run` spent copying."""
+    _rows_buffer: torch.Tensor | None = None
     _listeners: list[tuple[Any, Any]] = field(default_factory=list)
     _saved: Any = None
     _stream: Any = None
@@ -180,17 +183,19 @@ class LazyStaging:
                     selected = before = None
             recent = recorded_recent(shard, decision)
             tail = None
+            recent_count = 0
             if selected is not None and recent is not None:
-                last, last_before, k = _snapshot(pool, lib, key, "recent", recent, selected)
-                tail = (last, last_before, n - k)
+                last, last_before, recent_count = _snapshot(pool, lib, key, "recent", recent,
+                                                            selected)  # fmt: skip
+                tail = (last, last_before, n - recent_count)
                 recent = last
             elif recent is not None:
-                recent = _snapshot(pool, lib, key, "recent", recent)[0]
+                recent, _, recent_count = _snapshot(pool, lib, key, "recent", recent)
             weight = _take(pool, stored_weight(key), shard.weight, n)
             states = {k: _take(pool, stored_state(key, k), v, n) for k, v in shard.states.items()}
             ids = None if selected is None else pool.take(stored_ids(key), (n,), ids_dtype(shard))
             s = _Shard(shard, key, selected, before, weight, states, ids, torch.empty(0),
-                       shard.scalar_states(), recent, tail)  # fmt: skip
+                       shard.scalar_states(), recent, recent_count, tail)  # fmt: skip
             staged.append(s)
         if lib is not None and not all(cow.supports(s.pairs()) for s in staged):
             lib = None  # on CUDA: torch copies them, under each kernel's lock
@@ -203,6 +208,9 @@ class LazyStaging:
                 s.staged = torch.empty(s.n, dtype=torch.bool, device=s.shard.weight.device)
             s.staged.zero_()
         self = cls(staged)
+        deltas = [s.n for s in staged if s.selected is not None]
+        if lib is not None and deltas:  # one buffer, for each shard's copy in turn
+            self._rows_buffer = pool.take("lazy/rows", (max(deltas),), torch.int64)
         if any(s.shard.weight.device.type == "cuda" for s in staged):
             self._saved = torch.cuda.Event()
             self._saved.record()
@@ -263,18 +271,20 @@ class LazyStaging:
         as soon as it is complete; then stops the hooks. Runs on the background writer."""
         try:
             for s in self.shards:
-                rows = None
-                if s.selected is not None:
-                    rows = _stored_order(s)
-                    rows = rows.to(s.shard.weight.device)
                 began = time.perf_counter()
                 if s.compiled is not None:  # rows are claimed one by one: no lock
                     group, i = s.compiled
-                    group.copy(i, rows, 0, s.n)
+                    rows = None if s.selected is None else self._rows(s)
+                    group.stage(i, rows, s.ids, s.shard.spec.row_offset)
                 else:
+                    rows = None
+                    if s.selected is not None:
+                        rows = _stored_order(s).to(s.shard.weight.device)
+                        if s.ids is not None:
+                            global_ids(s.shard, rows, s.ids)
                     self._copy_chunks(s, rows)
                 self.background_s += time.perf_counter() - began
-                sink.add(self._staged(s, rows))
+                sink.add(self._staged(s))
                 sink.start()
         finally:
             self.detach()
@@ -289,12 +299,15 @@ class LazyStaging:
         with lookups.lock:
             s.done = True
 
-    def _staged(self, s: _Shard, rows: torch.Tensor | None) -> StagedShard:
-        if s.ids is not None:
-            assert rows is not None
-            global_ids(s.shard, rows, s.ids)
-        changed = None if s.recent is None else recent_rows(s.recent, s.shard.spec.rows, s.n)
-        recent = None if changed is None else global_ids(s.shard, changed)
+    def _rows(self, s: _Shard) -> torch.Tensor:
+        """A buffer for the local rows a delta of ``s`` stores (the compiled copy fills it)."""
+        assert self._rows_buffer is not None
+        return self._rows_buffer[: s.n]
+
+    def _staged(self, s: _Shard) -> StagedShard:
+        recent = None  # every stored row is recent: none recorded apart
+        if s.recent is not None and s.recent_count != s.n:
+            recent = RecentBits(s.recent, s.shard.spec.rows)
         tail = s.tail is not None and recent is not None
         return StagedShard(s.shard, s.key, s.ids, s.weight, s.states, s.scalars, 0, recent, tail)
 

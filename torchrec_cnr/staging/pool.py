@@ -14,6 +14,7 @@ import torch
 from torchrec_cnr.schema import shard_key, stored_state, stored_weight
 from torchrec_cnr.snapshot import page_aligned
 from torchrec_cnr.staging import cow
+from torchrec_cnr.staging.shared import SharedBuffers
 from torchrec_cnr.tracking.shard import LocalShard
 
 
@@ -26,13 +27,20 @@ class StagingPool:
             copies run asynchronously at full bandwidth.
         compiled: lazy staging claims CPU rows with the compiled copier where it is
             built (``IOOptions.compiled_staging``), whose claim words the pool holds.
+        shared: host buffers come from there, for the writer process to map
+            (``background="process"``); they are not page-locked.
     """
 
     def __init__(
-        self, budget_bytes: int | None = None, pin: bool = False, compiled: bool = True
+        self,
+        budget_bytes: int | None = None,
+        pin: bool = False,
+        compiled: bool = True,
+        shared: SharedBuffers | None = None,
     ) -> None:
         self.budget_bytes = budget_bytes
         self.pin = pin
+        self.shared = shared
         self.copier = cow.library(compiled)
         """The compiled copier lazy staging uses, or ``None`` (torch copies, under a lock)."""
         self._buffers: dict[str, torch.Tensor] = {}
@@ -66,7 +74,7 @@ class StagingPool:
         if device is not None and device.type != "cpu":
             buf = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
             return buf.view(shape)
-        self._buffers.pop(key, None)
+        self._drop(key)
         # Without a budget, grow with headroom: deltas grow from one checkpoint to the
         # next. Within one, take exactly what is asked: the buffers a checkpoint takes
         # after this one need the rest of the budget (stage() sizes chunks to fit it).
@@ -75,14 +83,23 @@ class StagingPool:
             for stale in [k for k in self._buffers if k not in self._in_use]:
                 if self.nbytes + want * dtype.itemsize <= self.budget_bytes:
                     break
-                del self._buffers[stale]
-        buf = page_aligned(want, dtype, self.pin)
+                self._drop(stale)
+        if self.shared is not None:
+            buf = self.shared.allocate(want, dtype)
+        else:
+            buf = page_aligned(want, dtype, self.pin)
         self._buffers[key] = buf
         return buf[:numel].view(shape)
 
+    def _drop(self, key: str) -> None:
+        buf = self._buffers.pop(key, None)
+        if buf is not None and self.shared is not None:
+            self.shared.free(buf)
+
     def release(self) -> None:
         """Gives every buffer back; the next checkpoint allocates afresh."""
-        self._buffers.clear()
+        for key in list(self._buffers):
+            self._drop(key)
         self._in_use.clear()
 
     def prefault(

@@ -9,19 +9,49 @@ from typing import Protocol
 
 import torch
 
-from torchrec_cnr.schema import stored_ids, stored_state, stored_weight
+from torchrec_cnr.schema import ShardSpec, stored_ids, stored_state, stored_weight
 from torchrec_cnr.selection.policy import Kind
 from torchrec_cnr.staging.pool import StagingPool
+from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.shard import LocalShard
 
 _INT32_MAX = 2**31 - 1
+
+
+class ShardSource(Protocol):
+    """What encoding reads of the shard rows were staged from (a :class:`LocalShard`, or
+    its description in the writer process)."""
+
+    @property
+    def spec(self) -> ShardSpec: ...
+
+    @property
+    def optimizer(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """A :class:`ShardSource` as data: what the writer process is told of a shard."""
+
+    spec: ShardSpec
+    optimizer: str
+
+
+@dataclass(frozen=True)
+class RecentBits:
+    """The rows of a shard modified since the previous checkpoint, as lazy staging copies
+    them at ``save()``: a bitmap of its local rows, turned into ids by the encoder, off the
+    training process's GIL where the writer is a process of its own."""
+
+    words: torch.Tensor
+    num_rows: int
 
 
 @dataclass
 class StagedShard:
     """Rows of one shard (or a chunk of them), copied to host memory."""
 
-    shard: LocalShard
+    shard: ShardSource
     key: str
     ids: torch.Tensor | None
     """``(n,)`` global row ids, or ``None`` when every row of the shard is staged."""
@@ -33,12 +63,19 @@ class StagedShard:
     """The kernel's step counters at staging time (see ``LocalShard.scalar_states``)."""
     first_row: int = 0
     """Local row of the first staged row when ``ids`` is ``None`` (a chunk of a full save)."""
-    recent: torch.Tensor | None = None
-    """``(k,)`` global ids of the shard's stored rows modified since the last checkpoint,
-    when they are not all of them (given with a shard's first chunk only)."""
+    recent: torch.Tensor | RecentBits | None = None
+    """``(k,)`` global ids of the shard's stored rows modified since the last checkpoint
+    (or their bitmap), when they are not all of them (given with a shard's first chunk only)."""
     tail: bool = False
     """The shard's last ``k`` stored rows are ``recent``'s (see
     :func:`~torchrec_cnr.selection.rows.tail_order`)."""
+
+    def recent_ids(self) -> torch.Tensor | None:
+        """``recent`` as ``(k,)`` global ids."""
+        if isinstance(self.recent, RecentBits):
+            changed = bitmap.to_indices(self.recent.words, self.recent.num_rows)
+            return global_ids(self.shard, changed)
+        return self.recent
 
     def global_rows(self) -> torch.Tensor | int:
         """The table row of each staged row: ``(n,)`` ids, or the first row's when the
@@ -84,6 +121,28 @@ class Sink(Protocol):
         """Drops whatever it has taken: staging failed."""
 
 
+class RecordingSink:
+    """A sink that keeps what it is given: with ``background="process"``, the training
+    process's side of a checkpoint's writer, which hands the shards on to the writer
+    process (:mod:`torchrec_cnr.offload`)."""
+
+    def __init__(self, ckpt_id: str) -> None:
+        self.ckpt_id = ckpt_id
+        self.added: list[tuple[StagedShard, int, int | None]] = []
+
+    def add(self, shard: StagedShard, row0: int = 0, total: int | None = None) -> None:
+        self.added.append((shard, row0, total))
+
+    def start(self) -> None:
+        pass
+
+    def wait(self) -> None:  # only chunked staging waits, which a process writer refuses
+        raise RuntimeError("a recording sink writes nothing to wait for")
+
+    def abandon(self) -> None:
+        self.added.clear()
+
+
 @dataclass
 class StagedCheckpoint:
     """What one rank's checkpoint holds besides its shards, which went to the sink."""
@@ -103,12 +162,12 @@ class StagedCheckpoint:
     the writer calls it first."""
 
 
-def ids_dtype(shard: LocalShard) -> torch.dtype:
+def ids_dtype(shard: ShardSource) -> torch.dtype:
     return torch.int32 if shard.spec.num_embeddings <= _INT32_MAX else torch.int64
 
 
 def global_ids(
-    shard: LocalShard, rows: torch.Tensor, out: torch.Tensor | None = None
+    shard: ShardSource, rows: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The table ids of ``shard``'s local ``rows``, as a checkpoint stores them (into
     ``out`` if given)."""

@@ -25,6 +25,7 @@ from torchrec_cnr.staging.lazy import LazyStaging, lazy_fallback
 from torchrec_cnr.staging.plan import SavePlan, plan_save, shard_key
 from torchrec_cnr.staging.pool import StagingPool, bits_buffer
 from torchrec_cnr.staging.shard import Sink, StagedCheckpoint
+from torchrec_cnr.staging.shared import SharedBuffers
 from torchrec_cnr.tracking.shard import LocalShard
 from torchrec_cnr.units import mb_bytes
 
@@ -44,12 +45,19 @@ class Stager:
             copier) and ``priority_budget_mb`` (CPR's prioritized saves: deltas hold the
             highest-priority modified rows up to this many MB, chosen and staged at the save).
 
+        shared: where host buffers come from with ``background="process"`` (see
+            :mod:`.shared`).
+
     Raises:
         ValueError: ``priority_budget_mb`` without shards that track priorities.
     """
 
     def __init__(
-        self, shards: list[LocalShard], dense: Mapping[str, torch.Tensor], config: CheckpointConfig
+        self,
+        shards: list[LocalShard],
+        dense: Mapping[str, torch.Tensor],
+        config: CheckpointConfig,
+        shared: SharedBuffers | None = None,
     ) -> None:
         priority_mb = config.priority_budget_mb
         if priority_mb is not None and any(s.priority is None for s in shards):
@@ -61,7 +69,8 @@ class Stager:
         self.memory_mb = config.staging_memory_mb
         on_gpu = any(s.weight.device.type == "cuda" for s in shards)
         budget = mb_bytes(self.memory_mb)
-        self.pool = StagingPool(budget, pin=on_gpu, compiled=config.io.compiled_staging)
+        pin = on_gpu and shared is None
+        self.pool = StagingPool(budget, pin, config.io.compiled_staging, shared)
         # So that the first save stalls no longer than the others: the buffers of a full
         # checkpoint faulted in, and torch.save's imports (done on its first call) done.
         self.pool.prefault(shards, dense)

@@ -1,0 +1,148 @@
+"""The writer process: encodes, writes and commits the checkpoints of one rank.
+
+It runs the same jobs as the background thread does with ``background="thread"``
+(:func:`~torchrec_cnr.compaction.commit_and_compact`, :func:`~torchrec_cnr.compaction.compaction_job`),
+with its own storage and I/O threads. Its collectives are run by the training process,
+which holds the ranks' process group, their payloads pickled here
+(:class:`~torchrec_cnr.offload.wire.PickledCollective`). It exits when told to, or when the training process is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
+from typing import Any
+
+from torchrec_cnr.commit import CommitTarget, Pending
+from torchrec_cnr.commit.background import JobResult
+from torchrec_cnr.compaction import commit_and_compact, compaction_job
+from torchrec_cnr.config import CheckpointConfig
+from torchrec_cnr.encoding import ShardWriter
+from torchrec_cnr.iocontext import IOContext, lowered_priority
+from torchrec_cnr.offload.wire import (
+    Closed,
+    PickledCollective,
+    Wire,
+    pack_error,
+    received_tensors,
+)
+from torchrec_cnr.staging import Sink, SourceInfo
+from torchrec_cnr.staging.shared import MappedBuffers
+from torchrec_cnr.storage import Storage, open_storage
+
+__all__ = ["serve"]
+
+
+class _Server:
+    def __init__(self, wire: Wire, config: CheckpointConfig, rank: int, world_size: int,
+                 storage: Storage | None) -> None:  # fmt: skip
+        self.wire, self.config, self.rank = wire, config, rank
+        self.storage = storage if storage is not None else open_storage(config.path, config.io)
+        self.io = IOContext(config.io)
+        self.mapped = MappedBuffers()
+        self.sources: dict[str, SourceInfo] = {}
+        self.group = PickledCollective(self._relay, rank, world_size)
+
+    def _relay(self, op: str, *args: Any) -> Any:
+        """One collective, run by the training process over the ranks' group."""
+        self.wire.send("collective", op, *args)
+        kind, value = self.receive()
+        if kind == "raise":
+            raise value
+        return value
+
+    def receive(self) -> tuple[Any, ...]:
+        """The next message that is not about buffers (those are handled here)."""
+        while True:
+            message = self.wire.recv()
+            if message[0] == "buffer":
+                _, ident, nbytes = message
+                self.mapped.attach(ident, recv_handle(self.wire.conn), nbytes)
+            elif message[0] == "forget":
+                self.mapped.forget(message[1])
+            else:
+                return message
+
+    def _rest(self, sink: Sink) -> None:
+        """Staging's lazy copies, shard by shard as the training process finishes each."""
+        while True:
+            message = self.receive()
+            if message[0] == "shards":
+                for sent, row0, total in message[1]:
+                    sink.add(sent.staged(self.mapped, self.sources), row0, total)
+                sink.start()
+            elif message[0] == "staged":
+                return
+            elif message[0] == "staging failed":
+                raise message[1]
+            else:
+                raise RuntimeError(f"unexpected message while staging: {message[0]!r}")
+
+    def _target(self, job: dict[str, Any]) -> CommitTarget:
+        return CommitTarget(self.storage, job["policy"], job["generation"], job["keep_last"])
+
+    def commit(self, job: dict[str, Any]) -> JobResult:
+        pending: Pending = job["pending"]
+        writer = ShardWriter(self.storage, job["ckpt_id"], self.rank, pending.resolver, self.io)
+        for sent, row0, total in job["shards"]:
+            writer.add(sent.staged(self.mapped, self.sources), row0, total)
+        staged = pending.staged
+        if staged is not None:
+            dense = received_tensors(job["dense"], self.mapped)
+            staged = replace(staged, dense=dense, rest=self._rest if job["rest"] else None)
+        pending = replace(pending, writer=writer, staged=staged)
+        return commit_and_compact(pending, self._target(job), self.io, job["every"],
+                                  job["what"], self.group)  # fmt: skip
+
+    def compact(self, job: dict[str, Any]) -> JobResult:
+        return compaction_job(self._target(job), self.io, job["chain"], job["what"], self.group)
+
+    def run(self) -> None:
+        while True:
+            kind, *args = self.receive()
+            if kind == "close":
+                return
+            try:
+                result = self.commit(args[0]) if kind == "commit" else self.compact(args[0])
+                if result.followup_error is not None:
+                    result = replace(result, followup_error=pack_error(result.followup_error))
+                reply: tuple[Any, ...] = ("done", result)
+            except Closed:
+                raise
+            except BaseException as e:
+                reply = ("error", pack_error(e))
+            self.wire.send(*reply)
+
+    def close(self) -> None:
+        self.io.close()
+
+
+def serve(fd: int) -> None:
+    """The writer process's main: serves the training process on socket ``fd``."""
+    logging.basicConfig(level=logging.WARNING, format="%(name)s (writer process): %(message)s")
+    wire = Wire(Connection(fd))
+    _, config, rank, world_size, storage = wire.recv()
+    lower = lowered_priority(config.io.nice)
+    if lower is not None:
+        lower()
+    try:
+        server = _Server(wire, config, rank, world_size, storage)
+    except BaseException as e:
+        wire.send("failed", pack_error(e))
+        raise
+    wire.send("ready", os.getpid())
+    try:
+        server.run()
+    except Closed:  # the training process is gone: nothing left to write for
+        pass
+    finally:
+        server.close()
+        wire.close()
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
