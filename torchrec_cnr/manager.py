@@ -86,7 +86,12 @@ class CheckpointManager:
         if config.background == "process":
             self._process = WriterProcess(config, self.rank, self.world_size, storage)
         shared = self._process.shared if self._process is not None else None
-        self._stager = Stager(self._shards, self._dense, config, shared)
+        try:
+            self._stager = Stager(self._shards, self._dense, config, shared)
+        except BaseException:
+            if self._process is not None:
+                self._process.close()
+            raise
         self._io = IOContext(config.io)
         local = LocalModel(self._shards, self._dense, self.app_state)
         self._loader = ModelLoader(

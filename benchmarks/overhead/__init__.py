@@ -28,6 +28,7 @@ from pathlib import Path
 from benchmarks.harness import Bench, Case, Outcome
 from benchmarks.measure import model_arguments
 from benchmarks.overhead import arms, floor, gil, paired, save_cost
+from torchrec_cnr.config import BACKGROUND
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +51,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gil", action="store_true", help="ask overhead.gil's question")
     p.add_argument("--floor", action="store_true", help="ask overhead.floor's question")
     p.add_argument("--policy", default="intermittent", help="--floor: the checkpoints' policy")
+    p.add_argument("--background", default="thread", choices=BACKGROUND,
+                   help="--floor: where the checkpoints are written (CheckpointConfig)")  # fmt: skip
     p.add_argument("--gil-s", type=float, default=20.0, help="--gil: seconds sampled per format")
     p.add_argument("--merge", type=Path, help="this case's result at another world size")
 

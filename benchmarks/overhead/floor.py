@@ -4,7 +4,8 @@ whose tables are large against what an interval's lookups touch (the freshness w
 background memcpy of the same bytes, the floor on a machine whose memory bandwidth the
 training shares.
 
-At each of ``--intervals``, for fp32 and 4-bit checkpoints of ``--policy`` (lazy staging):
+At each of ``--intervals``, for fp32 and 4-bit checkpoints of ``--policy`` (lazy staging,
+written as ``--background`` says):
 pairs of adjacent stretches of K steps with and without a checkpoint in their middle, as
 ``--paired`` takes them (:func:`benchmarks.overhead.paired.checkpoint_pairs`); then pairs
 with and without a thread that copies the fp32 checkpoints' median bytes (the changed
@@ -105,7 +106,7 @@ def run(b: Bench) -> Outcome:
         for quant in QUANTS:
             cfg = CheckpointConfig(path=str(b.scratch / f"floor_{quant}"), policy=a.policy,
                                    interval_steps=k, quantize=QUANTS[quant], staging="lazy",
-                                   keep_last=2)  # fmt: skip
+                                   keep_last=2, background=a.background)  # fmt: skip
             r = checkpoint_pairs(b, trainer, cfg, k, k, n)
             cost = statistics.median(r["cost_each_s"]) if r["cost_each_s"] else None
             arms[quant] = {"cost_s": cost, "loss": None if cost is None else cost / (k * step_s),
@@ -127,7 +128,8 @@ def run(b: Bench) -> Outcome:
                   f"costs {_ms(arm['cost_s'])} ms ({pct(arm['loss'])}), memcpy of "
                   f"{nbytes / 1e6:.0f} MB takes {_ms(floor['copy_s'])} ms, costs "
                   f"{_ms(floor['cost_s'])} ms")  # fmt: skip
-    m = {"mode": "floor", "policy": a.policy, "world_size": b.world, "step_s": step_s,
+    m = {"mode": "floor", "policy": a.policy, "background": a.background,
+         "world_size": b.world, "step_s": step_s,
          "model": {"tables": a.tables, "rows": a.rows, "dim": a.dim, "batch": a.batch},
          "intervals": intervals}  # fmt: skip
     return Outcome(m, [_table(m)], _targets(m))

@@ -1,7 +1,7 @@
 """The writer process (``background="process"``) under faults: one killed fails the
 checkpoint on every rank with the same error and leaves the previous one the restore
-target; it ends with close() and with its training process, SIGKILL included; bad
-configurations fail at once. (That its checkpoints restore bit-identically, every policy,
+target; one that cannot start fails every job with why; it ends with close() and with its
+training process, SIGKILL included; bad configurations fail at once. (That its checkpoints restore bit-identically, every policy,
 lazy and eager, file system and S3: ``tests/contract/test_resume.py``.)"""
 
 from __future__ import annotations
@@ -133,3 +133,31 @@ def test_bad_writer_process_configurations_fail_at_once(tmp_path: Path) -> None:
         CheckpointConfig(path=str(tmp_path), background="fork")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="staging_memory_mb must be None"):
         CheckpointConfig(path=str(tmp_path), background="process", staging_memory_mb=64)
+
+
+class UnreadableStorage:
+    """A storage that pickles here and cannot be unpickled in the writer process."""
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return (_refuse, ())
+
+
+def _refuse() -> None:
+    raise RuntimeError("this storage cannot be opened here")
+
+
+def test_a_writer_process_that_fails_to_start_fails_the_job_with_why(tmp_path: Path) -> None:
+    from torchrec_cnr.collectives import Collective
+    from torchrec_cnr.commit import CommitTarget
+    from torchrec_cnr.offload import WriterProcess
+    from torchrec_cnr.selection import ChainState, Policy
+
+    config = CheckpointConfig(path=str(tmp_path), background="process")
+    writer = WriterProcess(config, 0, 1, UnreadableStorage())  # type: ignore[arg-type]
+    target = CommitTarget(None, Policy("full"), 1, None)  # type: ignore[arg-type]
+    try:
+        for _ in range(2):  # and every job after it
+            with pytest.raises(CheckpointError, match=r"rank 0 .* is gone \(exit code 1\)"):
+                writer.compact(target, ChainState(), "compaction", Collective.alone())
+    finally:
+        writer.close()

@@ -386,6 +386,19 @@ def _guide_safe_globals(env: Env, ns: dict[str, Any]) -> None:
     ns["root"] = env.path("/ckpt/run1")
 
 
+@standin("docs/user-guide.md", "background-process")
+def _guide_background_process(env: Env, ns: dict[str, Any]) -> Check:
+    _live_job(env, ns, ("model", "dense_optimizer", "reader"))
+    ns["train_step"] = step_fn(env.kind, ns, "dense_optimizer")
+
+    def check(ns: dict[str, Any]) -> None:  # the writer process committed every checkpoint
+        steps = [c.step for c in torchrec_cnr.list_checkpoints(env.path("/ckpt/fresh"))]
+        assert steps == [10, 20, 30], steps
+        assert ns["ckpt"].writer_pid is not None
+
+    return check
+
+
 @standin("docs/user-guide.md", "hand-plan")
 def _guide_hand_plan(env: Env, ns: dict[str, Any]) -> Check:
     ns.update(module=unsharded(env.kind), world=dist.get_world_size())

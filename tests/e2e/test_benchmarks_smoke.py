@@ -30,6 +30,7 @@ RUNS = [
     ("overhead_paired", "benchmarks.overhead", ("--paired",)),
     ("overhead_gil", "benchmarks.overhead", ("--gil",)),
     ("overhead_floor", "benchmarks.overhead", ("--floor",)),
+    ("overhead_floor_process", "benchmarks.overhead", ("--floor", "--background", "process")),
     (
         "serving_fanout",
         "benchmarks.serving",

@@ -80,7 +80,7 @@ def write_and_commit(pending: Pending, group: Collective, target: CommitTarget) 
         if pending.failure is not None:
             raise pending.failure
         assert pending.staged is not None
-        if not isinstance(pending.writer, ShardWriter):
+        if isinstance(pending.writer, RecordingSink):
             raise TypeError("a recorded checkpoint is written by the writer process")
         write = pending.writer.finish(pending.staged)
     except Exception as e:  # every rank must learn of it before anyone commits

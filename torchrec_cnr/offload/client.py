@@ -155,13 +155,16 @@ class WriterProcess:
         return CheckpointError(self._broken)
 
     def _await_ready(self) -> None:
+        """Waits for the writer process to have started; raises ``Closed`` (killing it) if it
+        failed to or took longer than :data:`START_TIMEOUT_S`."""
         if self._ready:
             return
         if not self.wire.conn.poll(START_TIMEOUT_S):
-            raise CheckpointError(f"the writer process did not start in {START_TIMEOUT_S:.0f} s")
+            self._proc.kill()
+            raise Closed(f"it did not start in {START_TIMEOUT_S:.0f} s")
         kind, value = self.wire.recv()
         if kind != "ready":
-            raise unpack_error(value)
+            raise Closed(f"it failed to start: {value}")
         self._ready = True
 
     def send_buffers(self) -> None:
