@@ -74,7 +74,7 @@ bench: setup
 	$(TORCHRUN1) -m benchmarks.overhead --paired --intervals 5 10 30 --out $(BENCH)/overhead_paired_1rank.json
 	$(TORCHRUN) -m benchmarks.overhead --paired --intervals 5 10 30 --out $(BENCH)/overhead_paired_2rank.json
 	$(TORCHRUN1) -m benchmarks.overhead --save-cost --saves 16 --out $(BENCH)/save_cost.json
-	$(TORCHRUN1) -m benchmarks.overhead --gil --out $(BENCH)/overhead_gil.json
+	$(TORCHRUN1) -m benchmarks.overhead --gil --gil-s 60 --out $(BENCH)/overhead_gil.json
 	$(TORCHRUN1) -m benchmarks.overhead --floor --tables 8 --rows 1000000 --intervals 2 5 10 --pair-s 60 --policy consecutive --out $(BENCH)/overhead_floor_1rank.json
 	$(TORCHRUN) -m benchmarks.overhead --floor --tables 8 --rows 1000000 --intervals 2 --pair-s 60 --policy consecutive --out $(BENCH)/overhead_floor_2rank.json
 	$(TORCHRUN1) -m benchmarks.overhead --floor --tables 8 --rows 1000000 --intervals 2 5 10 --pair-s 60 --policy consecutive --background process --out $(BENCH)/overhead_floor_process_1rank.json

@@ -117,6 +117,14 @@ def test_resume_equals_uninterrupted_with_a_writer_process(
 
 
 @pytest.mark.dist
+def test_resume_equals_uninterrupted_with_a_writer_process_alone(tmp_path: Path) -> None:
+    # One rank: the writer process agrees with nobody, no collective goes through the trainer.
+    root = str(tmp_path / "ckpt")
+    run_ranks(1, _resume_equals_uninterrupted, "ebc", "exact_adagrad", "intermittent", root,
+              "lazy", "process")  # fmt: skip
+
+
+@pytest.mark.dist
 def test_resume_equals_uninterrupted_with_a_writer_process_on_s3(s3_root: str) -> None:
     run_ranks(2, _resume_equals_uninterrupted, "ebc", "exact_rowwise_adagrad", "consecutive",
               s3_root, "lazy", "process")  # fmt: skip

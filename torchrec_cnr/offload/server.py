@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any
 
+from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit import CommitTarget, Pending
 from torchrec_cnr.commit.background import JobResult
 from torchrec_cnr.compaction import commit_and_compact, compaction_job
@@ -45,7 +46,10 @@ class _Server:
         self.io = IOContext(config.io)
         self.mapped = MappedBuffers()
         self.sources: dict[str, SourceInfo] = {}
-        self.group = PickledCollective(self._relay, rank, world_size)
+        # Alone, there is nothing to agree with: no collective goes through the trainer.
+        self.group: Collective = Collective.alone()
+        if world_size > 1:
+            self.group = PickledCollective(self._relay, rank, world_size)
 
     def _relay(self, op: str, *args: Any) -> Any:
         """One collective, run by the training process over the ranks' group."""
