@@ -79,6 +79,9 @@ class SharedBuffers:
     def view(self, tensor: torch.Tensor) -> View | None:
         """Where ``tensor`` lies, or ``None`` if it is not in one of these buffers."""
         ptr = tensor.data_ptr()
+        found = self._by_ptr.get(ptr)  # a staging buffer's tensors start where it does
+        if found is not None:
+            return View(found[0], 0, tuple(tensor.shape), tensor.stride(), tensor.dtype)
         at = bisect.bisect_right(self._starts, ptr) - 1
         if at < 0 or tensor.device.type != "cpu":
             return None
@@ -86,8 +89,7 @@ class SharedBuffers:
         offset, size = ptr - raw.data_ptr(), tensor.element_size()
         if offset >= raw.numel() or offset % size:
             return None
-        shape, stride = tuple(tensor.shape), tuple(tensor.stride())
-        return View(ident, offset // size, shape, stride, tensor.dtype)
+        return View(ident, offset // size, tuple(tensor.shape), tensor.stride(), tensor.dtype)
 
     def unsent(self) -> list[tuple[int, int, int]]:
         """``(buffer, fd, bytes)`` of the buffers not yet sent; the caller sends each
