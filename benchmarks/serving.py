@@ -34,6 +34,7 @@ from benchmarks.measure import QUANTS, memcpy_s, model_arguments, s3_bucket, s3_
 from benchmarks.results import Column, Goal, Table
 from cnr_train.serve import freshness
 from torchrec_cnr import CheckpointInfo, list_checkpoints, quantize
+from torchrec_cnr.config import BACKGROUND
 from torchrec_cnr.serving import UpdateReport
 
 CONFIG = "configs/serving.yaml"
@@ -55,6 +56,12 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     p.add_argument("--storage", nargs="+", default=["fs"], choices=["fs", "s3"])
     p.add_argument("--nproc", type=int, default=2, help="training ranks")
+    p.add_argument(
+        "--background",
+        default="thread",
+        choices=BACKGROUND,
+        help="where the training job writes its checkpoints (CheckpointConfig)",
+    )
     p.add_argument("--modes", nargs="+", default=["copy", "swap"], choices=MODES, help="the "
                    "follower's copy mode, swap mode, and copy mode with a memory "
                    "budget")  # fmt: skip
@@ -83,6 +90,7 @@ def _overrides(b: Bench, root: str, policy: str, served: str, mode: str, out: Pa
     q = QUANTS[fmt]
     return [
         f"checkpoint.path={root}", f"checkpoint.policy={policy}",
+        f"checkpoint.background={a.background}",
         f"checkpoint.interval_steps={a.interval_steps}",
         f"checkpoint.quantize.method={q.method}", f"checkpoint.quantize.bits={q.bits}",
         f"checkpoint.quantize.min_rows={q.min_rows}",

@@ -4,7 +4,8 @@ writer on threads of the training process (``background="thread"``) and in a pro
 own (``"process"``), side by side: ``py-spy record --gil --threads`` on each rank's training
 process for ``--gil-s`` seconds per run gives each thread group's share of the samples
 (training, the writer's threads ``cnr-writer`` / ``cnr-encode`` / ``cnr-io``, the tracker,
-others), beside the training steps and commits made and the writer process's CPU seconds.
+others), beside the training steps and commits made, the writer process's CPU seconds, and
+what the manager's construction and its first save took.
 
 Target (fp32 and 4-bit, writer process): the writer's threads hold the GIL in <= 10% of
 the samples of the training process.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -63,9 +65,14 @@ def _gil_run(b: Bench, trainer: StepLoop, quant: str, background: Background) ->
                            on_busy="skip", background=background)  # fmt: skip
     out = b.artifacts / f"gil_{quant}_{background}_rank{b.rank}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
     with CheckpointManager(trainer.work.model, cfg) as ckpt:
+        built = time.perf_counter()
         ckpt.save(trainer.step)
-        ckpt.wait()  # the baseline: what follows is the steady state
+        saved = time.perf_counter()
+        ckpt.wait()  # the baseline (its write waits for a writer process to start)
+        first = {"built_s": built - began, "first_stall_s": saved - built,
+                 "first_commit_s": time.perf_counter() - saved}  # fmt: skip
         writer = ckpt.writer_pid
         cpu0 = _cpu_s(writer) if writer is not None else 0.0
         dist.barrier()
@@ -89,10 +96,10 @@ def _gil_run(b: Bench, trainer: StepLoop, quant: str, background: Background) ->
         raise RuntimeError(f"py-spy failed ({spy.returncode}): {output}")
     shares = _gil_shares(out.read_text())
     rmtree(root)
-    first = gathered(shares | {"saves": saves, "steps": steps})[0]
+    rank0 = gathered(shares | first | {"saves": saves, "steps": steps})[0]
     writer_cpu = None if cpu is None or not saves else cpu / saves
-    return {"format": quant, "background": background, **first,
-            "writer": sum(first[g] for g in WRITER), "writer_cpu_s": writer_cpu}  # fmt: skip
+    return {"format": quant, "background": background, **rank0,
+            "writer": sum(rank0[g] for g in WRITER), "writer_cpu_s": writer_cpu}  # fmt: skip
 
 
 def run(b: Bench) -> Outcome:
@@ -111,9 +118,12 @@ def run(b: Bench) -> Outcome:
          "writer's threads": "writer", "cnr-writer": "cnr-writer", "cnr-encode": "cnr-encode",
          "cnr-io": "cnr-io", "tracker": "cnr-tracker", "other": "other",
          "samples": "samples", "commits": "saves", "training steps": "steps",
-         "writer process CPU s / commit": "writer_cpu_s"},
+         "writer process CPU s / commit": "writer_cpu_s", "manager built s": "built_s",
+         "first save: stall s": "first_stall_s", "first save: commit s": "first_commit_s"},
         "py-spy record --gil --threads --nonblocking at 100 Hz on rank 0's training process "
-        "(the writer process is not sampled: its CPU time is the last column).",
+        "(the writer process is not sampled: its CPU time per commit is a column). First "
+        "save: the baseline saved before sampling, its stall and its commit (which waits for "
+        "a writer process to have started), after the manager was built.",
     )  # fmt: skip
     targets = [
         Goal(f"{r['format']}, writer process: the writer's threads hold the GIL in <= 10% of "
