@@ -29,10 +29,9 @@ TABLES = [
 QUANT = QuantizeConfig(method="adaptive", bits=4, min_rows=200, tables={"cw": "asymmetric:3"})
 
 
-def _job(root: str, policy: str, seed: int) -> Job:
-    return make_job(
-        TABLES, root, seed=seed, data_seed=6, policy=policy, interval_steps=2, quantize=QUANT
-    )
+def _job(root: str, policy: str, seed: int, background: str = "thread") -> Job:
+    return make_job(TABLES, root, seed=seed, data_seed=6, policy=policy, interval_steps=2,
+                    quantize=QUANT, background=background)  # fmt: skip
 
 
 def _round_trip(table: str, rows: torch.Tensor) -> torch.Tensor:
@@ -112,8 +111,8 @@ def test_quantized_chain_on_an_s3_root_restores_the_quantizer_round_trip(
     run_ranks(2, _quantized_chain, s3_root, str(refs), policy)
 
 
-def _nan_row_fails_the_checkpoint(root: str) -> None:
-    job = _job(root, "full", seed=1)
+def _nan_row_fails_the_checkpoint(root: str, background: str) -> None:
+    job = _job(root, "full", seed=1, background=background)
     job.train(1)
     for shard in model_state.local_shards(job.model):
         if shard.spec.table.endswith("big"):
@@ -122,8 +121,15 @@ def _nan_row_fails_the_checkpoint(root: str) -> None:
     with pytest.raises(Exception, match=r"table '.*big' row 7 contains NaN or Inf"):
         job.ckpt.wait()
     assert Manifest.load(root).steps() == []
+    for shard in model_state.local_shards(job.model):  # the next checkpoint commits
+        shard.weight.nan_to_num_(0.0)
+    job.train(1)
+    job.ckpt.save(2)
+    job.ckpt.wait()
+    assert Manifest.load(root).steps() == [2]
 
 
 @pytest.mark.dist
-def test_nan_row_fails_the_checkpoint_naming_table_and_row(root: str) -> None:
-    run_ranks(2, _nan_row_fails_the_checkpoint, root)
+@pytest.mark.parametrize("background", ["thread", "process"])
+def test_nan_row_fails_the_checkpoint_naming_table_and_row(root: str, background: str) -> None:
+    run_ranks(2, _nan_row_fails_the_checkpoint, root, background)

@@ -72,19 +72,29 @@ class _Server:
                 return message
 
     def _rest(self, sink: Sink) -> None:
-        """Staging's lazy copies, shard by shard as the training process finishes each."""
+        """Staging's lazy copies, shard by shard as the training process finishes each.
+        Every message up to the end of staging is read, even after a failure: the next
+        ones are the job's collectives."""
+        error: BaseException | None = None
         while True:
             message = self.receive()
-            if message[0] == "shards":
+            if message[0] == "staged":
+                break
+            if message[0] == "staging failed":
+                error = error or message[1]
+                break
+            if error is not None:
+                continue
+            try:
+                if message[0] != "shards":
+                    raise RuntimeError(f"unexpected message while staging: {message[0]!r}")
                 for sent, row0, total in message[1]:
                     sink.add(sent.staged(self.mapped, self.sources), row0, total)
                 sink.start()
-            elif message[0] == "staged":
-                return
-            elif message[0] == "staging failed":
-                raise message[1]
-            else:
-                raise RuntimeError(f"unexpected message while staging: {message[0]!r}")
+            except Exception as e:
+                error = e
+        if error is not None:
+            raise error
 
     def _target(self, job: dict[str, Any]) -> CommitTarget:
         return CommitTarget(self.storage, job["policy"], job["generation"], job["keep_last"])
@@ -111,6 +121,8 @@ class _Server:
             if kind == "close":
                 return
             try:
+                if kind not in ("commit", "compact"):
+                    raise RuntimeError(f"unexpected message: {kind!r}")
                 result = self.commit(args[0]) if kind == "commit" else self.compact(args[0])
                 if result.followup_error is not None:
                     result = replace(result, followup_error=pack_error(result.followup_error))
