@@ -143,9 +143,11 @@ class CheckpointManager:
         decision = self.policy.decide(chain)
         seq, ckpt_id = self._fence.new_checkpoint(step)
         resolver = FormatResolver(self.config.quantize, self._fence.restores)
-        sink: ShardWriter | RecordingSink = RecordingSink(ckpt_id)
-        if self._process is None:
-            sink = ShardWriter(self.storage, ckpt_id, self.rank, resolver, self._io)
+        sink: ShardWriter | RecordingSink = (
+            ShardWriter(self.storage, ckpt_id, self.rank, resolver, self._io)
+            if self._process is None
+            else RecordingSink(ckpt_id)  # the writer process writes it
+        )
         staged, cleared, failure = self._stager.stage(step, decision, self.app_state, sink)
         job = Pending(seq, staged, sink, decision, chain, resolver,
                       self._schedule.decision, failure)  # fmt: skip

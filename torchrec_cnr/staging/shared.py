@@ -5,12 +5,11 @@ Each buffer is an anonymous memory file (``memfd_create``) mapped shared, here a
 its descriptor is sent (:meth:`SharedBuffers.unsent`), in the writer process
 (:class:`MappedBuffers`). Its memory goes back when both have unmapped it, whichever dies
 first: nothing is left in ``/dev/shm``. A tensor staged into one travels as a
-:class:`View` (which buffer, where, what shape), never as its bytes.
+:class:`View` (which buffer, what shape), never as its bytes.
 """
 
 from __future__ import annotations
 
-import bisect
 import os
 from typing import NamedTuple
 
@@ -20,11 +19,10 @@ __all__ = ["MappedBuffers", "SharedBuffers", "View"]
 
 
 class View(NamedTuple):
-    """Where a tensor lies in a shared buffer (a tuple: it pickles small and fast)."""
+    """A tensor that starts a shared buffer, as staging takes them (a tuple: it pickles
+    small and fast)."""
 
     buffer: int
-    offset: int
-    """In elements of ``dtype``, from the buffer's start."""
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
@@ -42,8 +40,6 @@ class SharedBuffers:
         if not hasattr(os, "memfd_create"):
             raise ValueError("background='process' needs Linux (memfd_create) for its buffers")
         self._by_ptr: dict[int, tuple[int, torch.Tensor]] = {}
-        self._starts: list[int] = []
-        """``_by_ptr``'s keys, sorted: which buffer an address is in."""
         self._unsent: dict[int, tuple[int, int]] = {}
         self._freed: list[int] = []
         self._next = 0
@@ -60,7 +56,6 @@ class SharedBuffers:
             raise
         ident, self._next = self._next, self._next + 1
         self._by_ptr[raw.data_ptr()] = (ident, raw)
-        bisect.insort(self._starts, raw.data_ptr())
         self._unsent[ident] = (fd, nbytes)
         return raw.view(dtype)[:numel]
 
@@ -69,7 +64,6 @@ class SharedBuffers:
         found = self._by_ptr.pop(tensor.untyped_storage().data_ptr(), None)
         if found is None:
             return
-        self._starts.remove(found[1].data_ptr())
         unsent = self._unsent.pop(found[0], None)
         if unsent is not None:
             os.close(unsent[0])
@@ -77,19 +71,12 @@ class SharedBuffers:
             self._freed.append(found[0])
 
     def view(self, tensor: torch.Tensor) -> View | None:
-        """Where ``tensor`` lies, or ``None`` if it is not in one of these buffers."""
-        ptr = tensor.data_ptr()
-        found = self._by_ptr.get(ptr)  # a staging buffer's tensors start where it does
-        if found is not None:
-            return View(found[0], 0, tuple(tensor.shape), tensor.stride(), tensor.dtype)
-        at = bisect.bisect_right(self._starts, ptr) - 1
-        if at < 0 or tensor.device.type != "cpu":
+        """Where ``tensor`` lies, or ``None`` unless it starts one of these buffers (the
+        pool's tensors do; any other travels as its bytes)."""
+        found = self._by_ptr.get(tensor.data_ptr()) if tensor.device.type == "cpu" else None
+        if found is None:
             return None
-        ident, raw = self._by_ptr[self._starts[at]]
-        offset, size = ptr - raw.data_ptr(), tensor.element_size()
-        if offset >= raw.numel() or offset % size:
-            return None
-        return View(ident, offset // size, tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        return View(found[0], tuple(tensor.shape), tensor.stride(), tensor.dtype)
 
     def unsent(self) -> list[tuple[int, int, int]]:
         """``(buffer, fd, bytes)`` of the buffers not yet sent; the caller sends each
@@ -108,7 +95,6 @@ class SharedBuffers:
             os.close(fd)
         self._unsent.clear()
         self._by_ptr.clear()
-        self._starts.clear()
 
 
 class MappedBuffers:
@@ -129,4 +115,4 @@ class MappedBuffers:
 
     def tensor(self, view: View) -> torch.Tensor:
         raw = self._raw[view.buffer].view(view.dtype)
-        return raw.as_strided(view.shape, view.stride, view.offset)
+        return raw.as_strided(view.shape, view.stride)
