@@ -36,11 +36,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.measure import Rows
 from benchmarks.peers import run_peers, torchsnapshot_restore, torchsnapshot_take_durable
 from benchmarks.results import Column, Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, checkpoint_info, list_checkpoints
@@ -50,8 +50,6 @@ from torchrec_cnr.quantization import quantize
 from torchrec_cnr.storage.fs import FsStorage
 from torchrec_cnr.tracking.model_state import local_shards
 from torchrec_cnr.tracking.shard import LocalShard
-
-Rows = list[torch.Tensor]
 
 
 def _key(policy: str, quant: str, frac: float) -> str:

@@ -107,7 +107,9 @@ def rmtree(path: Path) -> None:
 
 
 def fsync_tree(path: Path) -> None:
-    """fsyncs every file and folder under ``path`` (what torchsnapshot leaves out)."""
+    """Rank 0 fsyncs every file and folder under ``path`` (what torchsnapshot leaves out)."""
+    if dist.get_rank() != 0:
+        return
     for d, _, names in os.walk(path):
         for n in [*names, "."]:
             fs.fsync_dir(os.path.join(d, n))  # an fsync through a read-only descriptor

@@ -21,11 +21,11 @@ from torchsnapshot.io_preparers.tensor import TensorBufferStager
 from torchsnapshot.serialization import Serializer
 
 from benchmarks import measure
+from benchmarks.measure import Rows
 from torchrec_cnr.storage.fs import tree_bytes
 from torchrec_cnr.tracking.shard import LocalShard
 
 Row = dict[str, Any]
-Rows = list[torch.Tensor]
 
 
 def torchsnapshot_take_durable(model: torch.nn.Module, path: Path) -> float:
@@ -33,19 +33,13 @@ def torchsnapshot_take_durable(model: torch.nn.Module, path: Path) -> float:
 
     def take() -> None:
         _snapshot(model, path)
-        _fsync(path)
+        measure.fsync_tree(path)
 
     return measure.timed(take)[0]
 
 
 def _snapshot(model: torch.nn.Module, path: Path) -> None:
     Snapshot.take(str(path), app_state={"model": model}, replicated=["**"])
-
-
-def _fsync(path: Path) -> None:
-    """:func:`benchmarks.measure.fsync_tree` of ``path`` by rank 0."""
-    if dist.get_rank() == 0:
-        measure.fsync_tree(path)
 
 
 def torchsnapshot_restore(model: torch.nn.Module, path: Path) -> Callable[[], None]:
@@ -77,7 +71,7 @@ def _copying_async_take() -> Iterator[None]:
 
 def _take(model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: Rows) -> Row:
     took, _ = measure.timed(lambda: _snapshot(model, path))
-    fsync_s, _ = measure.timed(lambda: _fsync(path))
+    fsync_s, _ = measure.timed(lambda: measure.fsync_tree(path))
     restore_s, err = measure.timed_restore(torchsnapshot_restore(model, path), path, shards, rows)
     return {"method": "torchsnapshot take", "stall_s": took, "commit_s": took,
             "fsync_after_s": fsync_s, "restore_s": restore_s, "restore_max_abs_err": err}  # fmt: skip
@@ -100,7 +94,7 @@ def _async_take(
         t2 = time.perf_counter()
     stall, commit = measure.max_over_ranks(t1 - t0, t2 - t0)
     del pending
-    fsync_s, _ = measure.timed(lambda: _fsync(path))
+    fsync_s, _ = measure.timed(lambda: measure.fsync_tree(path))
     measure.drop_cache(path)
     # The live rows are now `before + 1`: a consistent snapshot gives back `before`.
     restore_s, _ = measure.timed(torchsnapshot_restore(model, path))

@@ -192,6 +192,14 @@ def _commit(a: argparse.Namespace, root: Path, ranks: int, tables: int, seq: int
     return {"commit_s": figure, "commit_b": storage.bytes_written}
 
 
+def _latest(storage: Storage, io: IOContext) -> _MadeUp:
+    """A reader of the chain of the root's latest checkpoint."""
+    manifest = Manifest.load(storage)
+    entry = manifest.latest()
+    assert entry is not None
+    return _MadeUp(storage, manifest, entry, io, verify=False, lazy=True)
+
+
 def _restore_plan(a: argparse.Namespace, root: Path, ranks: int, tables: int, io: IOContext) -> int:
     """One rank's restore planning of the latest checkpoint; the bytes it read."""
     rank = ranks // 2
@@ -199,10 +207,7 @@ def _restore_plan(a: argparse.Namespace, root: Path, ranks: int, tables: int, io
                          {"momentum1": torch.empty(0)}, "EXACT_ROWWISE_ADAGRAD", None, None)
               for t in range(tables)]  # fmt: skip
     storage = CountingStorage(open_storage(str(root)))
-    manifest = Manifest.load(storage)
-    entry = manifest.latest()
-    assert entry is not None
-    chain = _MadeUp(storage, manifest, entry, io, verify=False, lazy=True)
+    chain = _latest(storage, io)
     if apply.own_part_suffices(chain, shards, rank):  # as restore_entry decides
         chain.only_rank = rank
     prepared = apply.PreparedRestore(chain)
@@ -213,13 +218,9 @@ def _restore_plan(a: argparse.Namespace, root: Path, ranks: int, tables: int, io
 
 def _follower_plan(root: Path, tables: int, io: IOContext) -> None:
     """A follower's plan from the latest checkpoint's baseline to it."""
-    storage = open_storage(str(root))
-    manifest = Manifest.load(storage)
-    target = manifest.latest()
-    assert target is not None
-    served = manifest.links(target)[0]
-    chain = _MadeUp(storage, manifest, target, io, verify=False, lazy=True)
-    update = plan_update(manifest, chain, served, served.id)
+    chain = _latest(open_storage(str(root)), io)
+    served = chain.links[0]
+    update = plan_update(chain.manifest, chain, served, served.id)
     assert update is not None and not update.cold and len(update.rows) == tables
 
 
