@@ -1,27 +1,17 @@
 """Training stall, commit time, bytes written and restore time of one checkpoint of a
-sharded model (8 table-wise tables x 1M rows x dim 64, 2.05 GB of fp32, row-wise Adagrad, 2
-gloo ranks): torchrec_cnr's four policies, fp32 and 4-bit adaptive, against torchsnapshot
-and torch.distributed.checkpoint (DCP), in one run on one model.
+sharded model (``--tables`` x ``--rows`` x ``--dim``, row-wise Adagrad, 2 gloo ranks):
+torchrec_cnr's policies, fp32 and 4-bit, against torchsnapshot and DCP
+(:mod:`benchmarks.peers`), in one run on one model, beside the disk's bandwidth, a memcpy
+and the quantizer's rate.
 
-- Limits: the disk's sequential bandwidth, a memcpy of the staged bytes, the quantizer's
-  rate per thread. Peers (:mod:`benchmarks.peers`): torchsnapshot ``take``, ``async_take``
-  (as shipped, and patched to copy; rows modified after it returns show a torn snapshot),
-  their missing fsync apart; DCP ``save`` and ``async_save``.
-- torchrec_cnr per policy x format x {5%, 25%} of rows modified, on a fresh root: a
-  baseline, then ``--repeats`` saves of that share (medians), ``--restore-repeats`` cold
-  restores (checksums verified, the 25% rows corrupted first), and the peak memory added.
-- Side by side (``--rounds`` interleaved rounds, medians): durable full commits of
-  torchsnapshot ``take`` + fsync and torchrec_cnr fp32 (``O_DIRECT``, page cache), 2-, 3-,
-  4-, 8-bit; cold restores of the snapshot, intermittent chains, a consecutive chain of 4,
-  the full fp32 and 4-bit commits, the first chain within 1/8 of the rows and through the
-  page cache, each with its peak memory.
+- Per policy x format x share of rows modified, on a fresh root: a baseline, then
+  ``--repeats`` saves, ``--restore-repeats`` cold restores (checked) and the peak memory.
+- Side by side, in ``--rounds`` interleaved rounds: durable full commits (torchsnapshot's
+  ``take`` + fsync; ours at each bit width, ``O_DIRECT`` or through the page cache) and
+  cold restores (chains, full checkpoints, within a memory budget), with peak memory.
 
-Targets: intermittent fp32 stall <= async_take (copying) stall / 10 at 5%, / 3 at 25%;
-every delta stall <= 2 x the memcpy of its staged bytes; a manager's first full stall <=
-2 x its later ones; side by side: full fp32 commit <= torchsnapshot take + fsync and >= 70%
-of the disk's write bandwidth, every quantized commit <= fp32's, the 4-bit full restore <=
-fp32's, intermittent restores <= torchsnapshot's, the consecutive chain of 4 <= 1.5 x it,
-and ``O_DIRECT`` <= the page cache for the fp32 commit and a restore.
+Targets (:func:`targets`): stalls against ``async_take``'s and a memcpy; commits against
+torchsnapshot's and the disk; quantized against fp32; restores against torchsnapshot's.
 """
 
 from __future__ import annotations

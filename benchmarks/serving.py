@@ -1,15 +1,12 @@
 """Train to serve: the app's training job and its serving process, side by side at 1 GB.
 
-Each run is the app (``configs/serving.yaml``): ``scripts/serve.py`` follows the root with a
-``torchrec_cnr.Follower`` and answers requests while ``torchrun scripts/train.py`` trains 4
-table-wise tables x 1M rows x dim 64 (1 GB of fp32) on 2 ranks, committing every
-``--interval-steps``. The job writes each step into the last row of every table, and every
-request checks its rows hold the step ``follower.step`` names (else: torn). One run per
-policy, format and served model (fp32; adaptive 4-bit as INT4), follower mode, on the file
-system or S3 (moto). Per update: rows and bytes read against those changed since the served
-step (with int32 ids), seconds to served, time serving was blocked against a memcpy of the
-changed bytes, lag from commit to served, a row's freshness. ``--followers 1 4``: 4 serving
-processes too (at nice 10), each one's requests, bytes and CPU per commit against a lone one's.
+Each run is the app (``configs/serving.yaml``): ``scripts/serve.py`` follows the root and
+answers requests while ``torchrun scripts/train.py`` trains and commits every
+``--interval-steps``, writing each step into the last row of every table, which every
+request checks (else: torn). One run per policy, served model (fp32; adaptive 4-bit as
+INT4), follower mode and storage. Per update: bytes read against those changed, seconds to
+served, time blocked against a memcpy, lag from commit, a row's freshness. ``--followers 1
+4``: several serving processes (at nice 10), each one's cost against a lone one's.
 """
 
 from __future__ import annotations

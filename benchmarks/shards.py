@@ -1,14 +1,9 @@
 """A checkpoint's metadata against its number of shards, by simulation (no training, no
-tensors): the commit, a restore's planning and a follower's planning for ``--ranks`` x
-``--tables`` row-wise tables of ``--rows`` x ``--dim``, split over every rank.
-
-Every shard record and index entry is a real save's (``tests/data/format_v6``), renamed per
-table, rank and rows. Each configuration, in a process of its own, commits a baseline and a
-delta (``--fraction`` of each shard's rows) into a fresh root. Seconds, bytes and the peak
-of Python's memory (``tracemalloc``, a second call) of: rank 0's commit of the delta
-(``commit.write_and_commit``, the others' reports pickled), per shard; one rank's restore
-planning (``restore.apply``), per shard of that rank; a follower's update plan
-(``serving.plan.plan_update``), per shard.
+tensors), for ``--ranks`` x ``--tables`` row-wise tables split over every rank: each
+configuration, in a process of its own, commits a baseline and a delta (``--fraction`` of
+each shard's rows) of a real save's shard records and index entries
+(``tests/data/format_v6``). Seconds, bytes and peak Python memory of rank 0's commit, one
+rank's restore planning and a follower's update plan, per shard.
 
 Targets: each figure per shard at the largest configuration <= 1.5x the smallest's.
 """

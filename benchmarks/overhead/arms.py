@@ -1,20 +1,12 @@
 """The default question of :mod:`benchmarks.overhead`: the training throughput lost to a
 checkpoint every K steps, at each of ``--intervals`` seconds, eager and lazy staging.
 
-K steps last the interval at the warm-up's step time (median of five chunks of
-``--probe-steps / 5``). In ``--rounds`` interleaved rounds every arm trains n x K steps, n =
-``max(1, ceil(--arm-s / interval))``: ``none``, and {eager, lazy} x {fp32, 4-bit} with the
-intermittent policy, ``maybe_save`` every K steps, a fresh root and manager built before
-the timer; its n saves fall mid-interval and its final ``wait()`` is timed.
-
-Throughput lost = 1 - (steps/s with) / (steps/s without, same round), median over rounds;
-and, from the arm's own step times: 1 - (steps x the mean time of the steps that overlap no
-checkpoint) / the arm's time. Also the median stall (full and delta apart) and commit.
-
-Targets (each world size and format): throughput lost <= 1% at the interval nearest
-``--headline-s``, by both estimates; lazy's <= eager's at every interval, by both; stall
-<= 0.4% of the interval at the longest (Check-N-Run's anchor; CPR's 0.53-0.68% recorded
-beside). ``--merge`` carries a result of another world size into this one's.
+K steps last the interval at the warm-up's step time. In ``--rounds`` interleaved rounds
+every arm trains the same n x K steps (n from ``--arm-s``): ``none``, and {eager, lazy} x
+{fp32, 4-bit} with the intermittent policy, its manager built before the timer and its last
+``wait()`` timed. Throughput lost: against ``none`` in the same round, and from the arm's
+own steps that overlap no checkpoint. Targets: :func:`targets`. ``--merge`` carries a
+result of another world size into this one's.
 """
 
 from __future__ import annotations
