@@ -154,24 +154,21 @@ def _side_by_side(
     def full_config(quant: str) -> CheckpointConfig:
         return CheckpointConfig(path=str(root_of(quant)), policy="full", quantize=FORMATS[quant])
 
-    def cnr_full(quant: str, direct: bool = True) -> float:
-        name = quant if direct else f"{quant}{PAGE_CACHE}"
-        root = root_of(name)
+    def commit(arm: str) -> float:
+        if arm == "torchsnapshot":
+            return torchsnapshot_take_durable(model, ts_path)
+        quant, root = arm.removesuffix(PAGE_CACHE), root_of(arm)
         config = dataclasses.replace(full_config(quant), path=str(root))
-        storage = FsStorage(root, direct_writes=direct)
+        storage = FsStorage(root, direct_writes=arm == quant)
         with CheckpointManager(model, config, storage=storage) as ckpt:
-            _, commit = measure.timed_save(ckpt, 1)
-        full[name] = measure.from_rank0(lambda: checkpoint_info(str(root)))
-        return commit
+            _, took = measure.timed_save(ckpt, 1)
+        full[arm] = measure.from_rank0(lambda: checkpoint_info(str(root)))
+        return took
 
-    arms: dict[str, Callable[[], float]] = {
-        "torchsnapshot": lambda: torchsnapshot_take_durable(model, ts_path),
-        **{q: functools.partial(cnr_full, q) for q in FORMATS},
-        f"fp32{PAGE_CACHE}": functools.partial(cnr_full, "fp32", False),
-    }
+    arms = ["torchsnapshot", *FORMATS, f"fp32{PAGE_CACHE}"]
     # Each method starts from a settled disk with its previous output deleted.
     commits = b.interleaved(
-        b.args.rounds, arms, lambda n: measure.rmtree(root_of(n)), label="durable full commit"
+        b.args.rounds, arms, commit, lambda n: measure.rmtree(root_of(n)), label="durable commit"
     )
     # Chains to restore: intermittent at each fraction (baseline + one delta), and a
     # consecutive chain of 4 at the smaller one.
@@ -217,8 +214,7 @@ def _side_by_side(
         peaks[name] = max(peaks.get(name, 0.0), watched.over_ranks())
         return took
 
-    methods = {n: functools.partial(restore, n) for n in ["torchsnapshot", *setups]}
-    restores = b.interleaved(b.args.rounds, methods, label="cold restore")
+    restores = b.interleaved(b.args.rounds, ["torchsnapshot", *setups], restore, label="restore")
     for path in [*map(root_of, arms), *(Path(c.path) for c in chains.values())]:
         measure.rmtree(path)
     commit_s = {k: statistics.median(v) for k, v in commits.items()}

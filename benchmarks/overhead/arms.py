@@ -12,7 +12,6 @@ result of another world size into this one's.
 from __future__ import annotations
 
 import datetime
-import functools
 import math
 import os
 import statistics
@@ -113,8 +112,7 @@ def _interval(b: Bench, trainer: StepLoop, target_s: float, step_s: float) -> di
         return rate
 
     b.log(f"interval {target_s:g} s: K = {k} steps, {n} interval(s) per arm")
-    methods = {name: functools.partial(run_arm, name) for name in arms}
-    rates = b.interleaved(a.rounds, methods, label=f"{target_s:g} s steps/s")
+    rates = b.interleaved(a.rounds, arms, run_arm, label=f"{target_s:g} s steps/s")
     base = rates[NONE]
     none_step_s = statistics.median(d["median_step_s"] for d in details[NONE])
     interval_s = k / statistics.median(base)

@@ -7,7 +7,6 @@ with torch's copy under each kernel's lock. Targets: lazy <= eager, and <= torch
 
 from __future__ import annotations
 
-import functools
 import statistics
 
 import torch.distributed as dist
@@ -67,7 +66,7 @@ def run(b: Bench) -> Outcome:
         each[name].append(_save_cost_once(b, trainer, *COST_ARMS[name], len(each[name])))
         return each[name][-1]["cost_s"]
 
-    b.interleaved(a.saves, {n: functools.partial(once, n) for n in COST_ARMS}, label="cost s")
+    b.interleaved(a.saves, COST_ARMS, once, label="cost s")
     arms = {
         name: {"staging": STAGING_NAMES[COST_ARMS[name][:2]], "checkpoint": COST_ARMS[name][2],
                "cost_s": statistics.median(r["cost_s"] for r in rs),
