@@ -366,11 +366,7 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "piece, and spilled: the mapped files); spare: swap mode's second copy "
         "of the tables. Request: one held-out batch's forward, waits included.",
     )  # fmt: skip
-    return [consistency, update, *([_fanout_table(fanout)] if fanout else [])]
-
-
-def _fanout_table(rows: list[dict[str, Any]]) -> Table:
-    return Table.of("Followers on one root (each its own process, at nice 10)", rows, {
+    followers = Table.of("Followers on one root (each its own process, at nice 10)", fanout, {
         "run": "run", "follower": "follower",
         "requests / commit": "requests_per_commit", "(caught up)": "caught_up_requests_per_commit",
         "MB / commit": "mb_per_commit",
@@ -384,6 +380,7 @@ def _fanout_table(rows: list[dict[str, Any]]) -> Table:
         "poll that found nothing new; CPU seconds of following (the process's, less its "
         "request thread's) per commit.",
     )  # fmt: skip
+    return [consistency, update, *([followers] if fanout else [])]
 
 
 def run(b: Bench) -> Outcome:

@@ -180,13 +180,6 @@ def _merged(b: Bench, model: dict[str, Any]) -> dict[str, Any]:
     return worlds
 
 
-def _arms(m: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per world size x interval x staging x quantization."""
-    return [{"ranks": m[world]["world_size"], "iv": iv, **r} for world in _worlds(m)
-            for iv in m[world]["intervals"].values()
-            for staging in STAGINGS for r in iv.get(staging, {}).values()]  # fmt: skip
-
-
 def _worlds(m: dict[str, Any]) -> list[str]:
     return sorted((k for k in m if k.startswith("ranks_")), key=lambda k: int(k[6:]))
 
@@ -197,7 +190,11 @@ def _median_or_none(values: Iterable[float | None]) -> float | None:
 
 
 def tables(m: dict[str, Any]) -> list[Table]:
-    lost = Table.of("Throughput lost and stall per checkpoint", _arms(m), {
+    # One row per world size x interval x staging x quantization.
+    rows = [{"ranks": m[world]["world_size"], "iv": iv, **r} for world in _worlds(m)
+            for iv in m[world]["intervals"].values()
+            for staging in STAGINGS for r in iv.get(staging, {}).values()]  # fmt: skip
+    lost = Table.of("Throughput lost and stall per checkpoint", rows, {
         "ranks": "ranks", "interval s (measured)": lambda r: r["iv"]["interval_s"],
         "staging": "staging", "checkpoint": "quant",
         "throughput lost": lambda r: pct(r["throughput_lost"]),
