@@ -131,28 +131,21 @@ def drop_cache(path: Path) -> None:
 
 
 def _disk_pass(path: Path, nbytes: int, chunk: int) -> dict[str, float]:
-    buf = memoryview(os.urandom(chunk))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
+    buf = os.urandom(chunk)
+    with open(path, "wb") as f:  # buffered: every byte written, whatever write(2) returns
         t0 = time.perf_counter()
         for _ in range(nbytes // chunk):
-            done = 0
-            while done < chunk:
-                done += os.write(fd, buf[done:])
-        os.fsync(fd)
+            f.write(buf)
+        f.flush()
+        os.fsync(f.fileno())
         write_s = time.perf_counter() - t0
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     rbuf = bytearray(chunk)
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with open(path, "rb", buffering=0) as f:
         t0 = time.perf_counter()
-        while os.readv(fd, [rbuf]):
+        while f.readinto(rbuf):
             pass
         read_s = time.perf_counter() - t0
-    finally:
-        os.close(fd)
     path.unlink()
     return {"write_s": write_s, "read_s": read_s}
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,7 @@ def torchsnapshot_restore(model: torch.nn.Module, path: Path) -> Callable[[], No
     return lambda: Snapshot(str(path)).restore(app_state={"model": model})
 
 
-@contextlib.contextmanager
-def _copying_async_take() -> Iterator[None]:
+def _copying_async_take() -> contextlib.AbstractContextManager[Any]:
     """Makes torchsnapshot's ``async_take`` copy CPU tensors, as its code intends: 0.1.0's
     ``TensorBufferStager._should_copy_cpu_tensor`` compares the serializer (a str) with the
     ``Serializer.BUFFER_PROTOCOL`` enum member, never equal, so ``async_take`` keeps views of
@@ -62,11 +62,7 @@ def _copying_async_take() -> Iterator[None]:
             return True
         return original(self)
 
-    TensorBufferStager._should_copy_cpu_tensor = fixed  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        TensorBufferStager._should_copy_cpu_tensor = original  # type: ignore[method-assign]
+    return mock.patch.object(TensorBufferStager, "_should_copy_cpu_tensor", fixed)
 
 
 def _take(model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: Rows) -> Row:
