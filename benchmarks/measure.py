@@ -261,10 +261,10 @@ class StepLoop:
         return took
 
     @classmethod
-    def warm(cls, args: argparse.Namespace, batch: int, steps: int, seed: int = 0) -> StepLoop:
+    def warm(cls, args: argparse.Namespace, batch: int, steps: int) -> StepLoop:
         """:func:`uniform_model`'s on Zipf batches of ``batch`` per rank, ``steps`` trained."""
         work = uniform_model(args)
-        loop = cls(work, ZipfBatches(work.tables, batch, seed=seed), dist.get_rank())
+        loop = cls(work, ZipfBatches(work.tables, batch, seed=0), dist.get_rank())
         loop.train(steps)
         return loop
 

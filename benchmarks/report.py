@@ -265,9 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         page.parent.mkdir(parents=True, exist_ok=True)
         page.write_text(header + render(template.read_text(), results))
         print(f"wrote {page}", file=sys.stderr)
-    if args.readme is not None:
-        args.readme.write_text(render_readme(args.readme.read_text(), results))
-        print(f"wrote {args.readme}", file=sys.stderr)
+    args.readme.write_text(render_readme(args.readme.read_text(), results))
+    print(f"wrote {args.readme}", file=sys.stderr)
     return 0
 
 

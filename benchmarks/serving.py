@@ -54,10 +54,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", nargs="+", default=["fs"], choices=["fs", "s3"])
     p.add_argument("--nproc", type=int, default=2, help="training ranks")
     p.add_argument(
-        "--background",
-        default="thread",
-        choices=BACKGROUND,
-        help="where the training job writes its checkpoints (CheckpointConfig)",
+        "--background", default="thread", choices=BACKGROUND, help="where the job's writer runs"
     )
     p.add_argument("--modes", nargs="+", default=["copy", "swap"], choices=MODES, help="the "
                    "follower's copy mode, swap mode, and copy mode with a memory "
