@@ -99,12 +99,11 @@ def _cnr(b: Bench, model: Any, shards: list[LocalShard], key: tuple[measure.Poli
     ckpt, peak_manager = _peak(lambda: CheckpointManager(model, cfg))
     with ckpt:
         (base_stall, _), peak_first = _peak(lambda: measure.timed_save(ckpt, 1))
-        saves, peak_saves = [], 0.0
+        saving = measure.Peak(lambda step: measure.timed_save(ckpt, step))
+        saves = []
         for rep in range(b.args.repeats):
             measure.modify(shards, rows)
-            got, peak = _peak(lambda: measure.timed_save(ckpt, 2 + rep))  # noqa: B023
-            saves.append(got)
-            peak_saves = max(peak_saves, peak)
+            saves.append(saving(2 + rep))
     infos = measure.from_rank0(lambda: list_checkpoints(str(root)))
     # Rank 0's staged bytes: table-wise tables spread evenly, every rank stages as much.
     memcpy = measure.memcpy_s(infos[-1].staged_bytes)
@@ -128,7 +127,7 @@ def _cnr(b: Bench, model: Any, shards: list[LocalShard], key: tuple[measure.Poli
         "restore_chain_len": len(infos[-1].chain),
         "restore_max_abs_err": max(e for _, e in restores),
         "baseline": {"stall_s": base_stall, "bytes": infos[0].bytes},
-        "peak_mb": {"manager": peak_manager, "first_save": peak_first, "saves": peak_saves,
+        "peak_mb": {"manager": peak_manager, "first_save": peak_first, "saves": saving.over_ranks(),
                     "restore": peak_restore},
     }  # fmt: skip
     b.log_row(row)

@@ -200,12 +200,12 @@ class Peak:
     """``fn`` that notes the most resident memory its calls added over their start, MB (this
     rank's; the peak resident set reset at each call): ``fn``'s alone, not the work around."""
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn, self.mb = fn, 0.0
 
-    def __call__(self) -> Any:
+    def __call__(self, *args: Any) -> Any:
         before = reset_peak_rss()
-        got = self.fn()
+        got = self.fn(*args)
         self.mb = max(self.mb, proc_status_mb("VmHWM") - before)
         return got
 
