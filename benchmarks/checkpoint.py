@@ -1,27 +1,17 @@
 """Training stall, commit time, bytes written and restore time of one checkpoint of a
-sharded model (8 table-wise tables x 1M rows x dim 64, 2.05 GB of fp32, row-wise Adagrad, 2
-gloo ranks): torchrec_cnr's four policies, fp32 and 4-bit adaptive, against torchsnapshot
-and torch.distributed.checkpoint (DCP), in one run on one model.
+sharded model (``--tables`` x ``--rows`` x ``--dim``, row-wise Adagrad, 2 gloo ranks):
+torchrec_cnr's policies, fp32 and 4-bit, against torchsnapshot and DCP
+(:mod:`benchmarks.peers`), in one run on one model, beside the disk's bandwidth, a memcpy
+and the quantizer's rate.
 
-- Limits: the disk's sequential bandwidth, a memcpy of the staged bytes, the quantizer's
-  rate per thread. Peers (:mod:`benchmarks.peers`): torchsnapshot ``take``, ``async_take``
-  (as shipped, and patched to copy; rows modified after it returns show a torn snapshot),
-  their missing fsync apart; DCP ``save`` and ``async_save``.
-- torchrec_cnr per policy x format x {5%, 25%} of rows modified, on a fresh root: a
-  baseline, then ``--repeats`` saves of that share (medians), ``--restore-repeats`` cold
-  restores (checksums verified, the 25% rows corrupted first), and the peak memory added.
-- Side by side (``--rounds`` interleaved rounds, medians): durable full commits of
-  torchsnapshot ``take`` + fsync and torchrec_cnr fp32 (``O_DIRECT``, page cache), 2-, 3-,
-  4-, 8-bit; cold restores of the snapshot, intermittent chains, a consecutive chain of 4,
-  the full fp32 and 4-bit commits, the first chain within 1/8 of the rows and through the
-  page cache, each with its peak memory.
+- Per policy x format x share of rows modified, on a fresh root: a baseline, then
+  ``--repeats`` saves, ``--restore-repeats`` cold restores (checked) and the peak memory.
+- Side by side, in ``--rounds`` interleaved rounds: durable full commits (torchsnapshot's
+  ``take`` + fsync; ours at each bit width, ``O_DIRECT`` or through the page cache) and
+  cold restores (chains, full checkpoints, within a memory budget), with peak memory.
 
-Targets: intermittent fp32 stall <= async_take (copying) stall / 10 at 5%, / 3 at 25%;
-every delta stall <= 2 x the memcpy of its staged bytes; a manager's first full stall <=
-2 x its later ones; side by side: full fp32 commit <= torchsnapshot take + fsync and >= 70%
-of the disk's write bandwidth, every quantized commit <= fp32's, the 4-bit full restore <=
-fp32's, intermittent restores <= torchsnapshot's, the consecutive chain of 4 <= 1.5 x it,
-and ``O_DIRECT`` <= the page cache for the fp32 commit and a restore.
+Targets (:func:`targets`): stalls against ``async_take``'s and a memcpy; commits against
+torchsnapshot's and the disk; quantized against fp32; restores against torchsnapshot's.
 """
 
 from __future__ import annotations
@@ -36,11 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.measure import Rows
 from benchmarks.peers import run_peers, torchsnapshot_restore, torchsnapshot_take_durable
 from benchmarks.results import Column, Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, checkpoint_info, list_checkpoints
@@ -50,8 +40,6 @@ from torchrec_cnr.quantization import quantize
 from torchrec_cnr.storage.fs import FsStorage
 from torchrec_cnr.tracking.model_state import local_shards
 from torchrec_cnr.tracking.shard import LocalShard
-
-Rows = list[torch.Tensor]
 
 
 def _key(policy: str, quant: str, frac: float) -> str:
@@ -111,12 +99,11 @@ def _cnr(b: Bench, model: Any, shards: list[LocalShard], key: tuple[measure.Poli
     ckpt, peak_manager = _peak(lambda: CheckpointManager(model, cfg))
     with ckpt:
         (base_stall, _), peak_first = _peak(lambda: measure.timed_save(ckpt, 1))
-        saves, peak_saves = [], 0.0
+        saving = measure.Peak(lambda step: measure.timed_save(ckpt, step))
+        saves = []
         for rep in range(b.args.repeats):
             measure.modify(shards, rows)
-            got, peak = _peak(lambda: measure.timed_save(ckpt, 2 + rep))  # noqa: B023
-            saves.append(got)
-            peak_saves = max(peak_saves, peak)
+            saves.append(saving(2 + rep))
     infos = measure.from_rank0(lambda: list_checkpoints(str(root)))
     # Rank 0's staged bytes: table-wise tables spread evenly, every rank stages as much.
     memcpy = measure.memcpy_s(infos[-1].staged_bytes)
@@ -140,7 +127,7 @@ def _cnr(b: Bench, model: Any, shards: list[LocalShard], key: tuple[measure.Poli
         "restore_chain_len": len(infos[-1].chain),
         "restore_max_abs_err": max(e for _, e in restores),
         "baseline": {"stall_s": base_stall, "bytes": infos[0].bytes},
-        "peak_mb": {"manager": peak_manager, "first_save": peak_first, "saves": peak_saves,
+        "peak_mb": {"manager": peak_manager, "first_save": peak_first, "saves": saving.over_ranks(),
                     "restore": peak_restore},
     }  # fmt: skip
     b.log_row(row)
@@ -166,24 +153,21 @@ def _side_by_side(
     def full_config(quant: str) -> CheckpointConfig:
         return CheckpointConfig(path=str(root_of(quant)), policy="full", quantize=FORMATS[quant])
 
-    def cnr_full(quant: str, direct: bool = True) -> float:
-        name = quant if direct else f"{quant}{PAGE_CACHE}"
-        root = root_of(name)
+    def commit(arm: str) -> float:
+        if arm == "torchsnapshot":
+            return torchsnapshot_take_durable(model, ts_path)
+        quant, root = arm.removesuffix(PAGE_CACHE), root_of(arm)
         config = dataclasses.replace(full_config(quant), path=str(root))
-        storage = FsStorage(root, direct_writes=direct)
+        storage = FsStorage(root, direct_writes=arm == quant)
         with CheckpointManager(model, config, storage=storage) as ckpt:
-            _, commit = measure.timed_save(ckpt, 1)
-        full[name] = measure.from_rank0(lambda: checkpoint_info(str(root)))
-        return commit
+            _, took = measure.timed_save(ckpt, 1)
+        full[arm] = measure.from_rank0(lambda: checkpoint_info(str(root)))
+        return took
 
-    arms: dict[str, Callable[[], float]] = {
-        "torchsnapshot": lambda: torchsnapshot_take_durable(model, ts_path),
-        **{q: functools.partial(cnr_full, q) for q in FORMATS},
-        f"fp32{PAGE_CACHE}": functools.partial(cnr_full, "fp32", False),
-    }
+    arms = ["torchsnapshot", *FORMATS, f"fp32{PAGE_CACHE}"]
     # Each method starts from a settled disk with its previous output deleted.
     commits = b.interleaved(
-        b.args.rounds, arms, lambda n: measure.rmtree(root_of(n)), label="durable full commit"
+        b.args.rounds, arms, commit, lambda n: measure.rmtree(root_of(n)), label="durable commit"
     )
     # Chains to restore: intermittent at each fraction (baseline + one delta), and a
     # consecutive chain of 4 at the smaller one.
@@ -229,8 +213,7 @@ def _side_by_side(
         peaks[name] = max(peaks.get(name, 0.0), watched.over_ranks())
         return took
 
-    methods = {n: functools.partial(restore, n) for n in ["torchsnapshot", *setups]}
-    restores = b.interleaved(b.args.rounds, methods, label="cold restore")
+    restores = b.interleaved(b.args.rounds, ["torchsnapshot", *setups], restore, label="restore")
     for path in [*map(root_of, arms), *(Path(c.path) for c in chains.values())]:
         measure.rmtree(path)
     commit_s = {k: statistics.median(v) for k, v in commits.items()}

@@ -9,7 +9,6 @@ start (:class:`benchmarks.measure.Peak`), the largest rank's. Targets: each <= i
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 from collections.abc import Callable
@@ -67,8 +66,7 @@ def run(b: Bench) -> Outcome:
             return seconds
 
         b.log(f"{label}: {' against '.join(methods)}")
-        methods_ = {n: functools.partial(go, n) for n in methods}
-        b.interleaved(a.rounds, methods_, prepare=prepare, label=label)
+        b.interleaved(a.rounds, methods, go, prepare=prepare, label=label)
 
     options = ExportOptions(budget_mb=a.budget_mb, threads=a.threads)
     turns("export", {

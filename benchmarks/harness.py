@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -101,11 +101,11 @@ class Bench:
                     Path("/proc/sys/vm/drop_caches").write_text("1\n")
         dist.barrier()
 
-    def interleaved(self, rounds: int, methods: Mapping[str, Callable[[], float]],
+    def interleaved(self, rounds: int, methods: Iterable[str], measure: Callable[[str], float],
                     prepare: Callable[[str], None] | None = None, settle: bool = True,
                     label: str = "") -> dict[str, list[float]]:  # fmt: skip
-        """Each method's figure per round, in turns, rotating (a drift of the disk hits each
-        alike); before each, ``prepare`` (e.g. deleting its output) and :meth:`settle`."""
+        """``measure(m)`` of each of ``methods`` per round, in turns, rotating (a drift of the disk
+        hits each alike); before each, ``prepare`` (e.g. deleting its output) and :meth:`settle`."""
         names = list(methods)
         got: dict[str, list[float]] = {n: [] for n in names}
         for r in range(rounds):
@@ -115,7 +115,7 @@ class Bench:
                 if settle:
                     self.settle()
                 gc.collect()
-                got[name].append(methods[name]())
+                got[name].append(measure(name))
             figures = ", ".join(f"{n} {v[-1]:.3f}" for n, v in got.items())
             self.log(f"{label} round {r + 1}/{rounds}: {figures}")
         return got

@@ -107,7 +107,9 @@ def rmtree(path: Path) -> None:
 
 
 def fsync_tree(path: Path) -> None:
-    """fsyncs every file and folder under ``path`` (what torchsnapshot leaves out)."""
+    """Rank 0 fsyncs every file and folder under ``path`` (what torchsnapshot leaves out)."""
+    if dist.get_rank() != 0:
+        return
     for d, _, names in os.walk(path):
         for n in [*names, "."]:
             fs.fsync_dir(os.path.join(d, n))  # an fsync through a read-only descriptor
@@ -129,28 +131,21 @@ def drop_cache(path: Path) -> None:
 
 
 def _disk_pass(path: Path, nbytes: int, chunk: int) -> dict[str, float]:
-    buf = memoryview(os.urandom(chunk))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
+    buf = os.urandom(chunk)
+    with open(path, "wb") as f:  # buffered: every byte written, whatever write(2) returns
         t0 = time.perf_counter()
         for _ in range(nbytes // chunk):
-            done = 0
-            while done < chunk:
-                done += os.write(fd, buf[done:])
-        os.fsync(fd)
+            f.write(buf)
+        f.flush()
+        os.fsync(f.fileno())
         write_s = time.perf_counter() - t0
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     rbuf = bytearray(chunk)
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with open(path, "rb", buffering=0) as f:
         t0 = time.perf_counter()
-        while os.readv(fd, [rbuf]):
+        while f.readinto(rbuf):
             pass
         read_s = time.perf_counter() - t0
-    finally:
-        os.close(fd)
     path.unlink()
     return {"write_s": write_s, "read_s": read_s}
 
@@ -205,12 +200,12 @@ class Peak:
     """``fn`` that notes the most resident memory its calls added over their start, MB (this
     rank's; the peak resident set reset at each call): ``fn``'s alone, not the work around."""
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn, self.mb = fn, 0.0
 
-    def __call__(self) -> Any:
+    def __call__(self, *args: Any) -> Any:
         before = reset_peak_rss()
-        got = self.fn()
+        got = self.fn(*args)
         self.mb = max(self.mb, proc_status_mb("VmHWM") - before)
         return got
 
@@ -266,10 +261,10 @@ class StepLoop:
         return took
 
     @classmethod
-    def warm(cls, args: argparse.Namespace, batch: int, steps: int, seed: int = 0) -> StepLoop:
+    def warm(cls, args: argparse.Namespace, batch: int, steps: int) -> StepLoop:
         """:func:`uniform_model`'s on Zipf batches of ``batch`` per rank, ``steps`` trained."""
         work = uniform_model(args)
-        loop = cls(work, ZipfBatches(work.tables, batch, seed=seed), dist.get_rank())
+        loop = cls(work, ZipfBatches(work.tables, batch, seed=0), dist.get_rank())
         loop.train(steps)
         return loop
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -21,11 +22,11 @@ from torchsnapshot.io_preparers.tensor import TensorBufferStager
 from torchsnapshot.serialization import Serializer
 
 from benchmarks import measure
+from benchmarks.measure import Rows
 from torchrec_cnr.storage.fs import tree_bytes
 from torchrec_cnr.tracking.shard import LocalShard
 
 Row = dict[str, Any]
-Rows = list[torch.Tensor]
 
 
 def torchsnapshot_take_durable(model: torch.nn.Module, path: Path) -> float:
@@ -33,7 +34,7 @@ def torchsnapshot_take_durable(model: torch.nn.Module, path: Path) -> float:
 
     def take() -> None:
         _snapshot(model, path)
-        _fsync(path)
+        measure.fsync_tree(path)
 
     return measure.timed(take)[0]
 
@@ -42,19 +43,12 @@ def _snapshot(model: torch.nn.Module, path: Path) -> None:
     Snapshot.take(str(path), app_state={"model": model}, replicated=["**"])
 
 
-def _fsync(path: Path) -> None:
-    """:func:`benchmarks.measure.fsync_tree` of ``path`` by rank 0."""
-    if dist.get_rank() == 0:
-        measure.fsync_tree(path)
-
-
 def torchsnapshot_restore(model: torch.nn.Module, path: Path) -> Callable[[], None]:
     """A restore of the snapshot at ``path`` into ``model``, to time."""
     return lambda: Snapshot(str(path)).restore(app_state={"model": model})
 
 
-@contextlib.contextmanager
-def _copying_async_take() -> Iterator[None]:
+def _copying_async_take() -> contextlib.AbstractContextManager[Any]:
     """Makes torchsnapshot's ``async_take`` copy CPU tensors, as its code intends: 0.1.0's
     ``TensorBufferStager._should_copy_cpu_tensor`` compares the serializer (a str) with the
     ``Serializer.BUFFER_PROTOCOL`` enum member, never equal, so ``async_take`` keeps views of
@@ -68,16 +62,12 @@ def _copying_async_take() -> Iterator[None]:
             return True
         return original(self)
 
-    TensorBufferStager._should_copy_cpu_tensor = fixed  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        TensorBufferStager._should_copy_cpu_tensor = original  # type: ignore[method-assign]
+    return mock.patch.object(TensorBufferStager, "_should_copy_cpu_tensor", fixed)
 
 
 def _take(model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: Rows) -> Row:
     took, _ = measure.timed(lambda: _snapshot(model, path))
-    fsync_s, _ = measure.timed(lambda: _fsync(path))
+    fsync_s, _ = measure.timed(lambda: measure.fsync_tree(path))
     restore_s, err = measure.timed_restore(torchsnapshot_restore(model, path), path, shards, rows)
     return {"method": "torchsnapshot take", "stall_s": took, "commit_s": took,
             "fsync_after_s": fsync_s, "restore_s": restore_s, "restore_max_abs_err": err}  # fmt: skip
@@ -100,7 +90,7 @@ def _async_take(
         t2 = time.perf_counter()
     stall, commit = measure.max_over_ranks(t1 - t0, t2 - t0)
     del pending
-    fsync_s, _ = measure.timed(lambda: _fsync(path))
+    fsync_s, _ = measure.timed(lambda: measure.fsync_tree(path))
     measure.drop_cache(path)
     # The live rows are now `before + 1`: a consistent snapshot gives back `before`.
     restore_s, _ = measure.timed(torchsnapshot_restore(model, path))

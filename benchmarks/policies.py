@@ -31,9 +31,6 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    help="plot Figs. 15 and 16 and write a CSV beside")  # fmt: skip
 
 
-SMOKE = "--tables 2 --rows 2000 --dim 16 --batch-size 64 --intervals 4 --steps-per-interval 2"
-
-
 def _policy(b: Bench, policy: measure.Policy) -> list[dict[str, Any]]:
     a = b.args
     root = b.scratch / policy
@@ -55,11 +52,6 @@ def _policy(b: Bench, policy: measure.Policy) -> list[dict[str, Any]]:
                          "stored_bytes": stored, "chain_len": len(info.chain)})  # fmt: skip
     measure.rmtree(root)
     return rows
-
-
-def _measure(b: Bench) -> dict[str, Any]:
-    """Every policy's intervals, and one full checkpoint's bytes they are relative to."""
-    return summarize({p: _policy(b, p) for p in measure.POLICIES})
 
 
 def summarize(per: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -118,7 +110,7 @@ def _figure(b: Bench, m: dict[str, Any]) -> None:
 
 
 def run(b: Bench) -> Outcome:
-    m = _measure(b)
+    m = summarize({p: _policy(b, p) for p in measure.POLICIES})
     if b.args.figure and b.rank == 0:
         write_csv(b.artifacts / "results.csv", [r for per in m["intervals"].values() for r in per])
         _figure(b, m)
@@ -127,7 +119,9 @@ def run(b: Bench) -> Outcome:
 
 CASE = Case(name="policies",
             title="Bytes written and stored per policy (Check-N-Run Figs. 15 and 16)",
-            arguments=arguments, smoke=SMOKE, run=run)  # fmt: skip
+            arguments=arguments, run=run,
+            smoke="--tables 2 --rows 2000 --dim 16 --batch-size 64 --intervals 4 "
+                  "--steps-per-interval 2")  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

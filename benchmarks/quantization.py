@@ -1,18 +1,12 @@
 """Per-row checkpoint quantization: error, compression and throughput (Check-N-Run Fig. 9),
-against PyTorch's and FBGEMM's quantizers, in one process.
+against PyTorch's and FBGEMM's quantizers, in one process on ``--threads`` (one, as the
+checkpoint writer runs).
 
-Every method (symmetric, asymmetric, kmeans, adaptive at 2/3/4/8 bits, fp16, bf16) on
-``--rows`` Gaussian rows of ``--dim``: mean per-row relative error ``||x - x_hat|| / ||x||``,
-compression against fp32 (scale and bias included), MB/s of fp32 input. Peers: PyTorch's
-greedy ``embedding_bag_{4,2}bit_prepack(optimized_qparams=True)`` on ``--peer-rows`` rows,
-FBGEMM's ``FloatToFusedNBitRowwiseQuantizedSBHalf`` (2, 4 bits) and 8-bit. Targets:
-adaptive 4-bit error <= greedy's on the same rows and MB/s >= 50x its; FBGEMM 4-bit MB/s <=
-1.5 x asymmetric 4-bit's.
-
-``--vs-greedy``: adaptive 4-bit against the greedy in six cells, dims ``--vs-greedy-dims`` x
-{Gaussian, Student-t 3}, ``--rows`` x ``--dim`` fp32 bytes each, errors on the greedy's
-first ``--peer-rows`` x ``--dim``. Targets per cell: >= 50x its MB/s, error <= its. One
-thread (``--threads``), as the checkpoint writer runs.
+Every method and bit width on ``--rows`` Gaussian rows of ``--dim``: mean per-row relative
+error, compression against fp32 (scale and bias included), MB/s of fp32 input; PyTorch's
+greedy on the first ``--peer-rows``. ``--vs-greedy``: adaptive 4-bit against the greedy in
+six cells, dims ``--vs-greedy-dims`` x {Gaussian, Student-t 3}. Targets: adaptive 4-bit's
+error <= the greedy's and its MB/s >= 50x; FBGEMM 4-bit's MB/s <= 1.5x asymmetric 4-bit's.
 """
 
 from __future__ import annotations

@@ -28,14 +28,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.results import load
+from benchmarks.results import load, lookup
 
 TEMPLATES = Path(__file__).parent / "templates"
 RECORDED = Path(__file__).parent / "results"
 MARKER = re.compile(r"^<!-- result: ([\w.-]+) -->$", re.MULTILINE)
 VALUE = re.compile(r"\{\{([^}|]+?)(?:\|([^}]*))?\}\}")
 REF = re.compile(r"([A-Za-z_][\w-]*):((?:[\w\-]+|\[[^\]]*\])(?:\.?(?:[\w\-]+|\[[^\]]*\]))*)")
-PART = re.compile(r"\[([^\]]*)\]|([^.\[\]]+)")
+_MISSING = object()
 README = Path(__file__).resolve().parents[1] / "README.md"
 README_FIGURES = TEMPLATES / "readme" / "figures.md"
 README_BLOCK = re.compile(
@@ -133,17 +133,11 @@ def value(results: dict[str, dict[str, Any]], rid: str, path: str) -> Any:
 
     Raises:
         ValueError: no such result or value."""
-    node: Any = results.get(rid)
-    if node is None:
+    if rid not in results:
         raise ValueError(f"no result {rid!r}: run its command, or pass its folder")
-    for quoted, plain in PART.findall(path):
-        part = quoted or plain
-        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        elif isinstance(node, dict) and part in node:
-            node = node[part]
-        else:
-            raise ValueError(f"result {rid!r} has no {path!r} (at {part!r})")
+    node = lookup(results[rid], path, missing=_MISSING)
+    if node is _MISSING:
+        raise ValueError(f"result {rid!r} has no {path!r}")
     return node
 
 
@@ -271,9 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         page.parent.mkdir(parents=True, exist_ok=True)
         page.write_text(header + render(template.read_text(), results))
         print(f"wrote {page}", file=sys.stderr)
-    if args.readme is not None:
-        args.readme.write_text(render_readme(args.readme.read_text(), results))
-        print(f"wrote {args.readme}", file=sys.stderr)
+    args.readme.write_text(render_readme(args.readme.read_text(), results))
+    print(f"wrote {args.readme}", file=sys.stderr)
     return 0
 
 

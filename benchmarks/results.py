@@ -11,21 +11,27 @@ computed by :meth:`Goal.evaluate` and nowhere else.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 FORMAT_VERSION = 1
+PART = re.compile(r"\[([^\]]*)\]|([^.\[\]]+)")  # a name, or one with dots in brackets
 
 
-def lookup(tree: dict[str, Any], key: str) -> Any:
-    """The value at a dotted ``key`` of nested dicts, or ``None`` where a part is missing."""
-    node: Any = tree
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
+def lookup(tree: Any, key: str, missing: Any = None) -> Any:
+    """The value at a dotted ``key`` (list items by index), or ``missing`` if there is none."""
+    node = tree
+    for quoted, plain in PART.findall(key):
+        part = quoted or plain
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return missing
     return node
 
 

@@ -1,15 +1,12 @@
 """Train to serve: the app's training job and its serving process, side by side at 1 GB.
 
-Each run is the app (``configs/serving.yaml``): ``scripts/serve.py`` follows the root with a
-``torchrec_cnr.Follower`` and answers requests while ``torchrun scripts/train.py`` trains 4
-table-wise tables x 1M rows x dim 64 (1 GB of fp32) on 2 ranks, committing every
-``--interval-steps``. The job writes each step into the last row of every table, and every
-request checks its rows hold the step ``follower.step`` names (else: torn). One run per
-policy, format and served model (fp32; adaptive 4-bit as INT4), follower mode, on the file
-system or S3 (moto). Per update: rows and bytes read against those changed since the served
-step (with int32 ids), seconds to served, time serving was blocked against a memcpy of the
-changed bytes, lag from commit to served, a row's freshness. ``--followers 1 4``: 4 serving
-processes too (at nice 10), each one's requests, bytes and CPU per commit against a lone one's.
+Each run is the app (``configs/serving.yaml``): ``scripts/serve.py`` follows the root and
+answers requests while ``torchrun scripts/train.py`` trains and commits every
+``--interval-steps``, writing each step into the last row of every table, which every
+request checks (else: torn). One run per policy, served model (fp32; adaptive 4-bit as
+INT4), follower mode and storage. Per update: bytes read against those changed, seconds to
+served, time blocked against a memcpy, lag from commit, a row's freshness. ``--followers 1
+4``: several serving processes (at nice 10), each one's cost against a lone one's.
 """
 
 from __future__ import annotations
@@ -57,10 +54,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", nargs="+", default=["fs"], choices=["fs", "s3"])
     p.add_argument("--nproc", type=int, default=2, help="training ranks")
     p.add_argument(
-        "--background",
-        default="thread",
-        choices=BACKGROUND,
-        help="where the training job writes its checkpoints (CheckpointConfig)",
+        "--background", default="thread", choices=BACKGROUND, help="where the job's writer runs"
     )
     p.add_argument("--modes", nargs="+", default=["copy", "swap"], choices=MODES, help="the "
                    "follower's copy mode, swap mode, and copy mode with a memory "
@@ -369,11 +363,7 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "piece, and spilled: the mapped files); spare: swap mode's second copy "
         "of the tables. Request: one held-out batch's forward, waits included.",
     )  # fmt: skip
-    return [consistency, update, *([_fanout_table(fanout)] if fanout else [])]
-
-
-def _fanout_table(rows: list[dict[str, Any]]) -> Table:
-    return Table.of("Followers on one root (each its own process, at nice 10)", rows, {
+    followers = Table.of("Followers on one root (each its own process, at nice 10)", fanout, {
         "run": "run", "follower": "follower",
         "requests / commit": "requests_per_commit", "(caught up)": "caught_up_requests_per_commit",
         "MB / commit": "mb_per_commit",
@@ -387,6 +377,7 @@ def _fanout_table(rows: list[dict[str, Any]]) -> Table:
         "poll that found nothing new; CPU seconds of following (the process's, less its "
         "request thread's) per commit.",
     )  # fmt: skip
+    return [consistency, update, *([followers] if fanout else [])]
 
 
 def run(b: Bench) -> Outcome:

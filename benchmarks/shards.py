@@ -1,14 +1,9 @@
 """A checkpoint's metadata against its number of shards, by simulation (no training, no
-tensors): the commit, a restore's planning and a follower's planning for ``--ranks`` x
-``--tables`` row-wise tables of ``--rows`` x ``--dim``, split over every rank.
-
-Every shard record and index entry is a real save's (``tests/data/format_v6``), renamed per
-table, rank and rows. Each configuration, in a process of its own, commits a baseline and a
-delta (``--fraction`` of each shard's rows) into a fresh root. Seconds, bytes and the peak
-of Python's memory (``tracemalloc``, a second call) of: rank 0's commit of the delta
-(``commit.write_and_commit``, the others' reports pickled), per shard; one rank's restore
-planning (``restore.apply``), per shard of that rank; a follower's update plan
-(``serving.plan.plan_update``), per shard.
+tensors), for ``--ranks`` x ``--tables`` row-wise tables split over every rank: each
+configuration, in a process of its own, commits a baseline and a delta (``--fraction`` of
+each shard's rows) of a real save's shard records and index entries
+(``tests/data/format_v6``). Seconds, bytes and peak Python memory of rank 0's commit, one
+rank's restore planning and a follower's update plan, per shard.
 
 Targets: each figure per shard at the largest configuration <= 1.5x the smallest's.
 """
@@ -192,6 +187,14 @@ def _commit(a: argparse.Namespace, root: Path, ranks: int, tables: int, seq: int
     return {"commit_s": figure, "commit_b": storage.bytes_written}
 
 
+def _latest(storage: Storage, io: IOContext) -> _MadeUp:
+    """A reader of the chain of the root's latest checkpoint."""
+    manifest = Manifest.load(storage)
+    entry = manifest.latest()
+    assert entry is not None
+    return _MadeUp(storage, manifest, entry, io, verify=False, lazy=True)
+
+
 def _restore_plan(a: argparse.Namespace, root: Path, ranks: int, tables: int, io: IOContext) -> int:
     """One rank's restore planning of the latest checkpoint; the bytes it read."""
     rank = ranks // 2
@@ -199,10 +202,7 @@ def _restore_plan(a: argparse.Namespace, root: Path, ranks: int, tables: int, io
                          {"momentum1": torch.empty(0)}, "EXACT_ROWWISE_ADAGRAD", None, None)
               for t in range(tables)]  # fmt: skip
     storage = CountingStorage(open_storage(str(root)))
-    manifest = Manifest.load(storage)
-    entry = manifest.latest()
-    assert entry is not None
-    chain = _MadeUp(storage, manifest, entry, io, verify=False, lazy=True)
+    chain = _latest(storage, io)
     if apply.own_part_suffices(chain, shards, rank):  # as restore_entry decides
         chain.only_rank = rank
     prepared = apply.PreparedRestore(chain)
@@ -213,13 +213,9 @@ def _restore_plan(a: argparse.Namespace, root: Path, ranks: int, tables: int, io
 
 def _follower_plan(root: Path, tables: int, io: IOContext) -> None:
     """A follower's plan from the latest checkpoint's baseline to it."""
-    storage = open_storage(str(root))
-    manifest = Manifest.load(storage)
-    target = manifest.latest()
-    assert target is not None
-    served = manifest.links(target)[0]
-    chain = _MadeUp(storage, manifest, target, io, verify=False, lazy=True)
-    update = plan_update(manifest, chain, served, served.id)
+    chain = _latest(open_storage(str(root)), io)
+    served = chain.links[0]
+    update = plan_update(chain.manifest, chain, served, served.id)
     assert update is not None and not update.cold and len(update.rows) == tables
 
 

@@ -11,7 +11,6 @@ ModelDeltaTracker's.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import time
@@ -109,9 +108,8 @@ def run(b: Bench) -> Outcome:
         iters[key] += a.iters
         return (time.perf_counter() - t0) / a.iters
 
-    methods = {k: functools.partial(variant, k) for k in VARIANTS}
-    b.interleaved(1, methods, settle=False, label="warm-up")
-    times = b.interleaved(a.rounds, methods, settle=False, label="iteration s")
+    b.interleaved(1, VARIANTS, variant, settle=False, label="warm-up")
+    times = b.interleaved(a.rounds, VARIANTS, variant, settle=False, label="iteration s")
     bits = sum(t.memory_bytes() for t in ours)
     memory = {"none": 0, "bitmap": bits, "mdt": _mdt_bytes(mdt)} | {
         mode: bits + sum(p.nbytes for p in priorities[mode] if p is not None)

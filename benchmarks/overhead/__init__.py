@@ -1,23 +1,14 @@
 """End-to-end overhead: the training throughput that checkpointing costs, asked five ways
-of one training job: the DLRM of :mod:`cnr_train.workload`, ``--tables`` table-wise tables
-of ``--rows`` x ``--dim`` (8 x 200,000 x 64: 410 MB of fp32, row-wise Adagrad), batch
-``--batch`` per rank, Zipf ids drawn on the training thread; checkpoints fp32 or 4-bit
-(:data:`benchmarks.measure.QUANTS`). The tracker runs in every arm (its cost is
-:mod:`benchmarks.tracking`'s).
+of one training job: the DLRM of :mod:`cnr_train.workload` (``--tables`` x ``--rows`` x
+``--dim``, batch ``--batch`` per rank, Zipf ids, the tracker on in every arm), fp32 or 4-bit
+checkpoints (:data:`benchmarks.measure.QUANTS`), on 1 training rank (a core free for the
+writer, as on a GPU host) or 2 (none free).
 
-- By default: the throughput lost to a checkpoint every K steps at each of ``--intervals``
-  seconds, eager and lazy staging (:mod:`benchmarks.overhead.arms`).
-- ``--save-cost``: the training time one full checkpoint costs, measured alone many times
-  (:mod:`benchmarks.overhead.save_cost`).
-- ``--paired``: the loss at each interval from adjacent stretches with and without a
-  checkpoint, resolving 1%, and saves asked for faster than they commit
-  (:mod:`benchmarks.overhead.paired`).
-- ``--gil``: which threads hold the GIL while commits run back to back
-  (:mod:`benchmarks.overhead.gil`).
-- ``--floor``: a checkpoint every few seconds against a memcpy of its bytes, on a model
-  whose tables are large against an interval's lookups (:mod:`benchmarks.overhead.floor`).
-
-Under torchrun on 1 rank (a core free for the writer, as on a GPU host) or 2 (none free).
+- By default: a checkpoint every K steps at each of ``--intervals``, eager or lazy (:mod:`.arms`).
+- ``--save-cost``: one full checkpoint's cost, measured alone many times (:mod:`.save_cost`).
+- ``--paired``: the loss at each interval, resolving 1% (:mod:`.paired`).
+- ``--gil``: which threads hold the GIL while commits run back to back (:mod:`.gil`).
+- ``--floor``: a checkpoint every few seconds against a memcpy of its bytes (:mod:`.floor`).
 """
 
 from __future__ import annotations

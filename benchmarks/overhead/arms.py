@@ -1,26 +1,17 @@
 """The default question of :mod:`benchmarks.overhead`: the training throughput lost to a
 checkpoint every K steps, at each of ``--intervals`` seconds, eager and lazy staging.
 
-K steps last the interval at the warm-up's step time (median of five chunks of
-``--probe-steps / 5``). In ``--rounds`` interleaved rounds every arm trains n x K steps, n =
-``max(1, ceil(--arm-s / interval))``: ``none``, and {eager, lazy} x {fp32, 4-bit} with the
-intermittent policy, ``maybe_save`` every K steps, a fresh root and manager built before
-the timer; its n saves fall mid-interval and its final ``wait()`` is timed.
-
-Throughput lost = 1 - (steps/s with) / (steps/s without, same round), median over rounds;
-and, from the arm's own step times: 1 - (steps x the mean time of the steps that overlap no
-checkpoint) / the arm's time. Also the median stall (full and delta apart) and commit.
-
-Targets (each world size and format): throughput lost <= 1% at the interval nearest
-``--headline-s``, by both estimates; lazy's <= eager's at every interval, by both; stall
-<= 0.4% of the interval at the longest (Check-N-Run's anchor; CPR's 0.53-0.68% recorded
-beside). ``--merge`` carries a result of another world size into this one's.
+K steps last the interval at the warm-up's step time. In ``--rounds`` interleaved rounds
+every arm trains the same n x K steps (n from ``--arm-s``): ``none``, and {eager, lazy} x
+{fp32, 4-bit} with the intermittent policy, its manager built before the timer and its last
+``wait()`` timed. Throughput lost: against ``none`` in the same round, and from the arm's
+own steps that overlap no checkpoint. Targets: :func:`targets`. ``--merge`` carries a
+result of another world size into this one's.
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
 import math
 import os
 import statistics
@@ -121,8 +112,7 @@ def _interval(b: Bench, trainer: StepLoop, target_s: float, step_s: float) -> di
         return rate
 
     b.log(f"interval {target_s:g} s: K = {k} steps, {n} interval(s) per arm")
-    methods = {name: functools.partial(run_arm, name) for name in arms}
-    rates = b.interleaved(a.rounds, methods, label=f"{target_s:g} s steps/s")
+    rates = b.interleaved(a.rounds, arms, run_arm, label=f"{target_s:g} s steps/s")
     base = rates[NONE]
     none_step_s = statistics.median(d["median_step_s"] for d in details[NONE])
     interval_s = k / statistics.median(base)
@@ -190,13 +180,6 @@ def _merged(b: Bench, model: dict[str, Any]) -> dict[str, Any]:
     return worlds
 
 
-def _arms(m: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per world size x interval x staging x quantization."""
-    return [{"ranks": m[world]["world_size"], "iv": iv, **r} for world in _worlds(m)
-            for iv in m[world]["intervals"].values()
-            for staging in STAGINGS for r in iv.get(staging, {}).values()]  # fmt: skip
-
-
 def _worlds(m: dict[str, Any]) -> list[str]:
     return sorted((k for k in m if k.startswith("ranks_")), key=lambda k: int(k[6:]))
 
@@ -207,7 +190,11 @@ def _median_or_none(values: Iterable[float | None]) -> float | None:
 
 
 def tables(m: dict[str, Any]) -> list[Table]:
-    lost = Table.of("Throughput lost and stall per checkpoint", _arms(m), {
+    # One row per world size x interval x staging x quantization.
+    rows = [{"ranks": m[world]["world_size"], "iv": iv, **r} for world in _worlds(m)
+            for iv in m[world]["intervals"].values()
+            for staging in STAGINGS for r in iv.get(staging, {}).values()]  # fmt: skip
+    lost = Table.of("Throughput lost and stall per checkpoint", rows, {
         "ranks": "ranks", "interval s (measured)": lambda r: r["iv"]["interval_s"],
         "staging": "staging", "checkpoint": "quant",
         "throughput lost": lambda r: pct(r["throughput_lost"]),

@@ -1,24 +1,14 @@
-"""``--floor`` of :mod:`benchmarks.overhead`: a checkpoint every few seconds on a model
-whose tables are large against what an interval's lookups touch (the freshness workload:
-``--tables 8 --rows 1000000``, 2 GB of fp32 rows), its cost to training beside that of a
-background memcpy of the same bytes, the floor on a machine whose memory bandwidth the
-training shares.
+"""``--floor`` of :mod:`benchmarks.overhead`: a checkpoint every few seconds on tables large
+against what an interval's lookups touch, its cost to training beside that of a memcpy of
+the same bytes, the floor on a machine whose memory bandwidth training shares.
 
-At each of ``--intervals``, for fp32 and 4-bit checkpoints of ``--policy`` (lazy staging,
-written as ``--background`` says):
-pairs of adjacent stretches of K steps with and without a checkpoint in their middle, as
-``--paired`` takes them (:func:`benchmarks.overhead.paired.checkpoint_pairs`); then pairs
-with and without a thread that copies the fp32 checkpoints' median bytes (the changed
-rows, as fp32) once, from the same point. Each event's cost to training: the training
-thread's time inside the call that started it, plus what the steps from its start to its
-end took beyond the mean of the stretch's other steps. A memcpy on the free core costs
-training within the noise of that estimate, so the floor the target takes is the copy's
-own time, the most it could cost (training stopped for all of it). Reported: the share of
-rows each checkpoint stores, the median costs, the floor, their ratio and the loss (median
-cost / interval).
+At each of ``--intervals``, fp32 and 4-bit checkpoints of ``--policy`` (lazy staging,
+written as ``--background`` says): pairs of stretches with and without a checkpoint
+(:func:`benchmarks.overhead.paired.checkpoint_pairs`), then with and without a thread that
+copies the fp32 checkpoints' median bytes once. A memcpy's cost to training is within the
+noise of the estimate, so the floor is the copy's own time, the most it could cost.
 
-Targets, fp32 and 4-bit, at the interval nearest 2 s: lost <= 1%; a checkpoint costs
-training <= 2x the floor.
+Targets, at the interval nearest 2 s: lost <= 1%; a checkpoint costs <= 2x the floor.
 """
 
 from __future__ import annotations

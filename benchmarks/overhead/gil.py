@@ -1,14 +1,10 @@
 """``--gil`` of :mod:`benchmarks.overhead`: which threads hold the GIL while the model trains
 and commits continuously (a save every step, ``on_busy="skip"``, fp32 and 4-bit), with the
-writer on threads of the training process (``background="thread"``) and in a process of its
-own (``"process"``), side by side: ``py-spy record --gil --threads`` on each rank's training
-process for ``--gil-s`` seconds per run gives each thread group's share of the samples
-(training, the writer's threads ``cnr-writer`` / ``cnr-encode`` / ``cnr-io``, the tracker,
-others), beside the training steps and commits made, the writer process's CPU seconds, and
-what the manager's construction and its first save took.
+writer on threads of the training process and in a process of its own: ``py-spy record
+--gil --threads`` on each rank's training process, ``--gil-s`` seconds per run, beside the
+steps and commits made and the writer process's CPU time.
 
-Target (fp32 and 4-bit, writer process): the writer's threads hold the GIL in <= 10% of
-the samples of the training process.
+Target (writer process): the writer's threads hold the GIL in <= 10% of the samples.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``--paired`` of :mod:`benchmarks.overhead`: throughput lost against the interval, with
-an estimate that resolves 1% (lazy staging, intermittent policy, fp32 and 4-bit).
-
-Each measurement is a pair of adjacent stretches of K steps, one with a checkpoint in its
-middle (its commit waited for) and one without, in alternating order: loss = 1 - (time
-without) / (time with), median over pairs (``--pair-s`` seconds per interval and format, 3
-at least) with its 95% interval (1.58 IQR / sqrt(n)). Also saves asked for every 2 steps
-(fp32), ``on_busy`` "wait" and "skip": saves made, the loss and the stall.
+an estimate that resolves 1% (lazy staging, intermittent policy, fp32 and 4-bit): pairs of
+adjacent stretches of K steps, one with a checkpoint in its middle and one without, in
+alternating order (``--pair-s`` per interval and format), the median over pairs with its
+95% interval. Also saves asked for every 2 steps, ``on_busy`` "wait" and "skip".
 
 Targets: fp32 at the interval nearest 10 s loses <= 1%, resolved to ± 0.5%.
 """

@@ -1,17 +1,12 @@
 """``--save-cost`` of :mod:`benchmarks.overhead`: the training time one full checkpoint
-costs, measured alone many times. Train ``--before`` steps, save, train ``--after`` steps:
+costs, ``--saves`` times per arm, in turns: ``--before`` steps, a save, ``--after`` steps;
 the cost is the stall plus what the steps from the save to the commit took beyond the mean
-of the others. Arms in turns, ``--saves`` times each, on a fresh root: eager and lazy
-staging (the compiled copier), fp32 and 4-bit, and lazy fp32 with
-``IOOptions(compiled_staging=False)`` (torch's copy under each kernel's lock).
-
-Targets: a lazy checkpoint's median cost <= an eager one's (fp32, 4-bit), and lazy fp32's
-<= torch's locked copy's.
+of the others. Arms: eager and lazy (the compiled copier), fp32 and 4-bit, and lazy fp32
+with torch's copy under each kernel's lock. Targets: lazy <= eager, and <= torch's copy.
 """
 
 from __future__ import annotations
 
-import functools
 import statistics
 
 import torch.distributed as dist
@@ -71,7 +66,7 @@ def run(b: Bench) -> Outcome:
         each[name].append(_save_cost_once(b, trainer, *COST_ARMS[name], len(each[name])))
         return each[name][-1]["cost_s"]
 
-    b.interleaved(a.saves, {n: functools.partial(once, n) for n in COST_ARMS}, label="cost s")
+    b.interleaved(a.saves, COST_ARMS, once, label="cost s")
     arms = {
         name: {"staging": STAGING_NAMES[COST_ARMS[name][:2]], "checkpoint": COST_ARMS[name][2],
                "cost_s": statistics.median(r["cost_s"] for r in rs),
