@@ -93,11 +93,12 @@ class Collective:
         return _Alone()
 
     def barrier(self) -> None:
-        dist.barrier(group=self.pg)
+        if self.world_size > 1:  # alone (every collective below): nothing to wait for or send
+            dist.barrier(group=self.pg)
 
     def gather(self, obj: T) -> list[T]:
         """Every rank's ``obj``, in rank order, on every rank."""
-        if self.world_size == 1:  # alone: nothing to pickle or send
+        if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.pg)
@@ -122,12 +123,16 @@ class Collective:
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank."""
+        if self.world_size == 1:
+            return flag
         t = torch.tensor([int(flag)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
         return bool(t.item())
 
     def max(self, values: list[float]) -> list[float]:
         """Element-wise maximum over ranks."""
+        if self.world_size == 1:
+            return list(values)
         t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
         return [float(v) for v in t.tolist()]
@@ -179,26 +184,9 @@ class Collective:
 
 
 class _Alone(Collective):
-    """:meth:`Collective.alone`: a group of one, no process group."""
+    """:meth:`Collective.alone`: a group of one, no process group (every collective of a
+    group of one returns at once)."""
 
     def __init__(self) -> None:
         self.pg = None
         self.rank, self.world_size = 0, 1
-
-    def barrier(self) -> None:
-        pass
-
-    def gather(self, obj: T) -> list[T]:
-        return [obj]
-
-    def gather_on_rank0(self, obj: T) -> list[T] | None:
-        return [obj]
-
-    def broadcast(self, obj: T | None, src: int = 0) -> T:
-        return obj  # type: ignore[return-value]
-
-    def any(self, flag: bool) -> bool:
-        return flag
-
-    def max(self, values: list[float]) -> list[float]:
-        return list(values)

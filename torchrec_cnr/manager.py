@@ -20,20 +20,19 @@ from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit import Pending
 from torchrec_cnr.commit.background import BackgroundWriter
 from torchrec_cnr.commit.fence import Fence
-from torchrec_cnr.compaction import commit_and_compact, compaction_job
 from torchrec_cnr.config import CheckpointConfig
-from torchrec_cnr.encoding import FormatResolver, ShardWriter
+from torchrec_cnr.encoding import FormatResolver
 from torchrec_cnr.errors import CheckpointError
 from torchrec_cnr.interop.dcp_import import import_dcp
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.launch import warn_if_restarts_unsafe
-from torchrec_cnr.offload import WriterProcess
+from torchrec_cnr.offload import InlineWriter, Writer, WriterProcess
 from torchrec_cnr.recovery import SaveSchedule
 from torchrec_cnr.restore import LocalModel, ModelLoader, RestoreScope
 from torchrec_cnr.selection import Policy
 from torchrec_cnr.selection.rows import ClearedBits
 from torchrec_cnr.snapshot.objects import check_app_state, resolve_globals
-from torchrec_cnr.staging import LazyStaging, RecordingSink, Stager
+from torchrec_cnr.staging import LazyStaging, Stager
 from torchrec_cnr.storage import Storage, open_storage
 from torchrec_cnr.tracking import model_state
 
@@ -82,25 +81,22 @@ class CheckpointManager:
         self.rank, self.world_size = self._group.rank, self._group.world_size
         self._shards = model_state.local_shards(model)
         self._dense = model_state.dense_state(model)
-        self._process: WriterProcess | None = None
-        if config.background == "process":
-            self._process = WriterProcess(config, self.rank, self.world_size, storage)
-        shared = self._process.shared if self._process is not None else None
-        try:
-            self._stager = Stager(self._shards, self._dense, config, shared)
-        except BaseException:
-            if self._process is not None:
-                self._process.close()
-            raise
         self._io = IOContext(config.io)
+        self._writer: Writer = InlineWriter(self.storage, self.rank, self._io)
+        try:
+            if config.background == "process":
+                self._writer = WriterProcess(config, self.rank, self.world_size, storage)
+            self._stager = Stager(self._shards, self._dense, config, self._writer.shared)
+        except BaseException:
+            self._writer.close()
+            self._io.close()
+            raise
         local = LocalModel(self._shards, self._dense, self.app_state)
         self._loader = ModelLoader(
             self._group, self.storage, self._io, local, config, self.policy, self._stager.pool
         )
         self._schedule = SaveSchedule(config, self._group)
-        # With a writer process, this thread's work is short holds of the GIL: lowered, the
-        # OS would preempt it while it holds it, and training would wait.
-        nice = config.io.nice if self._process is None else 0
+        nice = config.io.nice if self._writer.thread_nice is None else self._writer.thread_nice
         self._background = BackgroundWriter(pg, config.timeouts.collective_timeout_s, nice)
         try:
             self._fence = Fence(self.storage, self._group, config, self.policy)
@@ -116,7 +112,7 @@ class CheckpointManager:
     @property
     def writer_pid(self) -> int | None:
         """The pid of this rank's writer process (``background="process"``), else ``None``."""
-        return self._process.pid if self._process is not None else None
+        return self._writer.pid
 
     def maybe_save(self, step: int) -> bool:
         """Saves if ``step`` is due (a multiple of ``interval_steps``, or CPR's choice with
@@ -134,8 +130,7 @@ class CheckpointManager:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._fence.check_writable()
-        if self._process is not None:
-            self._process.check()
+        self._writer.check()
         if self._schedule.skips(step, self._background.busy):
             return False
         self.wait()
@@ -143,20 +138,13 @@ class CheckpointManager:
         decision = self.policy.decide(chain)
         seq, ckpt_id = self._fence.new_checkpoint(step)
         resolver = FormatResolver(self.config.quantize, self._fence.restores)
-        sink: ShardWriter | RecordingSink = (
-            ShardWriter(self.storage, ckpt_id, self.rank, resolver, self._io)
-            if self._process is None
-            else RecordingSink(ckpt_id)  # the writer process writes it
-        )
+        sink = self._writer.sink(ckpt_id, resolver)
         staged, cleared, failure = self._stager.stage(step, decision, self.app_state, sink)
         job = Pending(seq, staged, sink, decision, chain, resolver,
                       self._schedule.decision, failure)  # fmt: skip
         what = f"checkpoint of step {step}"
         every, target = self.config.compact_every, self._fence.target()
-        if self._process is None:
-            run = partial(commit_and_compact, job, target, self._io, every, what)
-        else:
-            run = partial(self._process.commit, job, target, every, what)
+        run = partial(self._writer.commit, job, target, every, what)
         self._background.submit(what, run, cleared)
         self._schedule.saved(step)
         return True
@@ -171,10 +159,7 @@ class CheckpointManager:
             return False
         what, chain = f"compaction of step {latest.step}", self._background.chain
         target = self._fence.target()
-        if self._process is None:
-            job = partial(compaction_job, target, self._io, chain, what)
-        else:
-            job = partial(self._process.compact, target, chain, what)
+        job = partial(self._writer.compact, target, chain, what)
         self._background.submit(what, job, ClearedBits())
         return True
 
@@ -198,8 +183,7 @@ class CheckpointManager:
 
     def _release(self) -> None:
         self._background.close()
-        if self._process is not None:
-            self._process.close()
+        self._writer.close()
         self._stager.release()
         self._io.close()
         for tracker in model_state.trackers(self.model).values():

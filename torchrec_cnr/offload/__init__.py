@@ -6,8 +6,10 @@ host, training needs it to launch every kernel). Here a writer process per rank 
 work (:mod:`.server`), on the shared staging buffers (:mod:`torchrec_cnr.staging.shared`);
 the training process copies the lazily staged rows and relays the writer's collectives
 (:mod:`.client`). PyTorch's DCP made the same move (``AsyncCheckpointerType.PROCESS``).
+Both answer the manager alike (:class:`.inline.Writer`).
 """
 
 from torchrec_cnr.offload.client import WriterProcess
+from torchrec_cnr.offload.inline import InlineWriter, Writer
 
-__all__ = ["WriterProcess"]
+__all__ = ["InlineWriter", "Writer", "WriterProcess"]

@@ -27,6 +27,7 @@ from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit import CommitTarget, Pending
 from torchrec_cnr.commit.background import JobResult
 from torchrec_cnr.config import CheckpointConfig
+from torchrec_cnr.encoding import FormatResolver
 from torchrec_cnr.errors import CheckpointError
 from torchrec_cnr.offload.wire import (
     Closed,
@@ -133,9 +134,17 @@ class WriterProcess:
         self._relayed = 0
         """Collectives relayed in the running job."""
 
+    thread_nice = 0
+    """The training process's writer thread only relays (short holds of the GIL): lowered,
+    the OS would preempt it while it holds it, and training would wait."""
+
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    def sink(self, ckpt_id: str, resolver: FormatResolver) -> RecordingSink:
+        """The writer process writes the shards: ``save()`` records them."""
+        return RecordingSink(ckpt_id)
 
     def check(self) -> None:
         """Raises ``CheckpointError`` if the writer process is gone."""
