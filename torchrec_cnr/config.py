@@ -267,7 +267,9 @@ class CheckpointConfig:
     baseline is read into the staging buffers a save holds anyway, and nothing more is
     held). Past it, tensors are read only to be verified, a few
     pieces at a time, then read again while applying: a saved shard of the same layout
-    straight into the model, others (deltas, resharded or quantized shards) one at a time,
+    straight into the model; of a shard of another sharding, the checksummed blocks this
+    rank's rows lie in, through the host's cache, straight into place where they land as
+    one run, else a few blocks at a time; others (deltas, quantized shards) one at a time,
     whole. Bytes read: up to twice the chain's; memory: the budget, or the largest such
     other tensor."""
     take_over: bool = False

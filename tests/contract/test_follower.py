@@ -155,8 +155,8 @@ class _DataBytes(StorageWrapper):
         self.bytes = 0
         self._lock = threading.Lock()
 
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        super().read_into(name, offset, out)
+    def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
+        super().read_into(name, offset, out, cached)
         if "/data/" in name:
             with self._lock:
                 self.bytes += len(out)

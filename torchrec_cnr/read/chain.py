@@ -257,19 +257,52 @@ class ChainReader:
 
     def hold_windows(self, n: int, windows: list[tuple[ShardRecord, str, int, int]]) -> None:
         """Reads rows ``lo..hi - 1`` of stored tensors ``(record, name, lo, hi)`` of link
-        ``n`` and keeps them, every read in parallel: only the blocks they lie in are read
-        and checked where the record has their checksums
-        (:attr:`~torchrec_cnr.schema.ShardRecord.block_checksums`), else the whole tensor."""
+        ``n`` and keeps them (see :meth:`windows`)."""
+        got = self.windows(n, windows)
+        self.held.update(
+            {(n, rec.spec.rank, name): got[k] for k, (rec, name, _, _) in enumerate(windows)}
+        )
+
+    def windows(
+        self,
+        n: int,
+        windows: list[tuple[ShardRecord, str, int, int]],
+        cached: bool = False,
+        out: list[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """Rows ``lo..hi - 1`` of stored tensors ``(record, name, lo, hi)`` of link ``n``,
+        every read in parallel: only the blocks they lie in are read and checked where the
+        record has their checksums
+        (:attr:`~torchrec_cnr.schema.ShardRecord.block_checksums`), else the whole tensor.
+        ``cached``: through the host's cache (read a second time, see :meth:`verify_window`);
+        ``out``: where each window's rows go (see
+        :meth:`~torchrec_cnr.snapshot.SnapshotReader.begin_window`)."""
         reader = self.reader(n)
+        into: list[torch.Tensor | None] = list(out) if out is not None else [None] * len(windows)
         started = [
-            (rec, name, lo, hi, reader.begin_window(
-                rec.spec.rank, name, lo, hi, rec.block_checksums.get(name)))
-            for rec, name, lo, hi in windows
+            (rec, name, lo, hi, dst, reader.begin_window(
+                rec.spec.rank, name, lo, hi, rec.block_checksums.get(name), cached, dst))
+            for (rec, name, lo, hi), dst in zip(windows, into)
         ]  # fmt: skip
-        for rec, name, lo, hi, finish in started:
-            rank = rec.spec.rank
-            window = finish() if finish is not None else reader.rows(rank, name)[lo:hi]
-            self.held[(n, rank, name)] = window
+        got = []
+        for rec, name, lo, hi, dst, finish in started:
+            if finish is not None:
+                got.append(finish())
+                continue
+            rows = reader.rows(rec.spec.rank, name)[lo:hi]
+            got.append(rows if dst is None else dst.copy_(rows))
+        return got
+
+    def verify_window(
+        self, n: int, rec: ShardRecord, name: str, lo: int, hi: int, window_bytes: int
+    ) -> None:
+        """Checks rows ``lo..hi - 1`` of a stored tensor of link ``n``, reading them only
+        for that, about ``window_bytes`` at a time, through the host's cache: the blocks
+        they lie in where the record has their checksums, else the whole tensor."""
+        rank = rec.spec.rank
+        blocks = rec.block_checksums.get(name)
+        if not self.reader(n).verify_window(rank, name, lo, hi, blocks, window_bytes):
+            self.verify_tensor(n, rank, name, window_bytes)
 
     def nbytes(self, n: int, rank: int, name: str) -> int:
         """The size of a stored tensor of link ``n`` (nothing is read)."""

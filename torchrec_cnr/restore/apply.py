@@ -3,12 +3,14 @@
 A restore is all or nothing. :func:`read_chain` reads and verifies every tensor this
 rank needs from every link of the chain, deserializes ``app_state`` and plans where every
 saved row lands (:mod:`torchrec_cnr.read.geometry`), checking each saved tensor's
-shape against its destination, before anything changes. Read tensors are held in host
-memory up to a budget; past it they are read only to be verified (a few pieces at a
-time), then read again (and verified again) while applying: a saved shard of the same
-layout straight into the model, others whole. Without a budget, a saved shard of which
-only some rows land on this rank is read in the checksummed blocks those lie in. Only when every rank has read and planned
-(the caller agrees on it) does :func:`apply_chain` write into the model.
+shape against its destination, before anything changes. A saved shard of which only some
+rows land on this rank (a restore onto another sharding) is read in the checksummed blocks
+those lie in (its window). Read tensors are held in host memory up to a budget; past it
+they are read only to be verified (a few pieces at a time, windows through the host's
+cache), then read again (and verified again) while applying: a saved shard of the same
+layout straight into the model, a window straight into place where its rows land as one
+piece, else a few blocks at a time, other tensors whole. Only when every rank has read and
+planned (the caller agrees on it) does :func:`apply_chain` write into the model.
 
 The chain is applied in order, baseline first, later links winning, so a checkpoint
 restores onto any sharding and world size.
@@ -92,6 +94,8 @@ class _Step:
     """Copy the saved tensors as they are (:func:`_same_layout`)."""
     where: Placement | None
     """Where the rows land, unless ``whole``."""
+    window: Window | None = None
+    """The saved rows read, if not all (``where.keep`` counts from its first)."""
 
 
 @dataclass
@@ -105,6 +109,9 @@ class PreparedRestore:
     """Each ``app_state`` object's saved state dict, by name."""
     warnings: list[str] = field(default_factory=list)
     """Optimizer states that do not carry over, one message per table."""
+    spare_bytes: int | None = None
+    """The budget left over what is held (``None``: no budget): windows verified but not
+    held are read again while applying, about this many bytes at a time."""
 
 
 def own_part_suffices(chain: ChainReader, shards: list[LocalShard], rank: int) -> bool:
@@ -192,36 +199,47 @@ def _windows(steps: list[_Step]) -> dict[tuple[int, int, str], Window]:
 
 def _hold(
     chain: ChainReader,
-    steps: list[_Step],
+    prepared: PreparedRestore,
     shards: list[LocalShard],
     windows: dict[tuple[int, int, str], Window],
     options: ReadOptions,
 ) -> None:
     """Reads every tensor the restore needs into ``chain.held``, within the budget: what
     fits is held, the rest verified afterwards within what is left (so that memory freed by
-    a verification is never held again on top of it). Without a budget, a saved shard of
-    which only ``windows`` land is read in the blocks they lie in, each checked alone."""
+    a verification is never held again on top of it). A saved shard of which only
+    ``windows`` land is read in the blocks they lie in, each checked alone; past the
+    budget, through the host's cache, to be read again while applying."""
     budget_bytes, pool = options.budget_bytes, options.pool
     held = sum(t.numel() * t.element_size() for t in chain.held.values())
     over: list[tuple[int, int, str]] = []
+    over_windows: list[tuple[int, ShardRecord, str, int, int]] = []
     own_rank = shards[0].spec.rank if shards else -1
     needed: list[dict[tuple[int, str], None]] = [{} for _ in chain.links]
-    in_windows: list[dict[tuple[int, str], tuple[ShardRecord, str, int, int]]] = [
-        {} for _ in chain.links
-    ]
-    for step in steps:
+    # A saved shard read in a window: its rows' tensors held together or read again together.
+    in_window: dict[tuple[int, int, str], dict[str, None]] = {}
+    for step in prepared.steps:
         rec = step.rec
-        window = windows.get((step.link, rec.spec.rank, rec.key))
+        unit = (step.link, rec.spec.rank, rec.key)
         for name in _needs(rec, shards[step.shard]):
             if (step.link, rec.spec.rank, name) in chain.held:
                 continue
-            if window is not None and name in rec.row_names:
-                in_windows[step.link][(rec.spec.rank, name)] = (rec, name, *window)
-                continue
-            needed[step.link][(rec.spec.rank, name)] = None
-    for n, those in enumerate(in_windows):
+            if unit in windows and name in rec.row_names:
+                in_window.setdefault(unit, {})[name] = None
+            else:
+                needed[step.link][(rec.spec.rank, name)] = None
+    records = {(s.link, s.rec.spec.rank, s.rec.key): s.rec for s in prepared.steps}
+    to_hold: list[list[tuple[ShardRecord, str, int, int]]] = [[] for _ in chain.links]
+    for (n, rank, key), names in in_window.items():
+        rec, (lo, hi) = records[(n, rank, key)], windows[(n, rank, key)]
+        nbytes = sum(chain.nbytes(n, rank, name) for name in names) // rec.saved_rows * (hi - lo)
+        if budget_bytes is None or held + nbytes <= budget_bytes:
+            to_hold[n] += [(rec, name, lo, hi) for name in names]
+            held += nbytes
+        else:
+            over_windows += [(n, rec, name, lo, hi) for name in names]
+    for n, those in enumerate(to_hold):
         if those:
-            chain.hold_windows(n, list(those.values()))
+            chain.hold_windows(n, those)
     for n, wanted_keys in enumerate(needed):
         wanted = list(wanted_keys)
         if budget_bytes is None:  # hold everything: read it all at once, in parallel
@@ -242,8 +260,12 @@ def _hold(
                 held += nbytes
             else:
                 over.append((n, rank, name))
-    for n, rank, name in over:  # read again while applying
-        chain.verify_tensor(n, rank, name, (budget_bytes or 0) - held)
+    if budget_bytes is not None:
+        prepared.spare_bytes = spare = max(0, budget_bytes - held)
+        for n, rank, name in over:  # read again while applying
+            chain.verify_tensor(n, rank, name, spare)
+        for n, rec, name, lo, hi in over_windows:
+            chain.verify_window(n, rec, name, lo, hi, spare)
 
 
 def _check(
@@ -260,7 +282,7 @@ def _check(
         if window is not None:
             assert step.where is not None and step.where.keep is not None
             where = dataclasses.replace(step.where, keep=step.where.keep - window[0])
-            prepared.steps[k] = dataclasses.replace(step, where=where)
+            prepared.steps[k] = dataclasses.replace(step, where=where, window=window)
         for name in _needs(rec, local):
             if (step.link, rec.spec.rank, name) not in chain.held:
                 continue  # over the budget: checked when read again
@@ -305,8 +327,8 @@ def read_chain(
     """
     prepared = PreparedRestore(chain)
     _place(chain, shards, prepared)
-    windows = _windows(prepared.steps) if options.budget_bytes is None else {}
-    _hold(chain, prepared.steps, shards, windows, options)
+    windows = _windows(prepared.steps)
+    _hold(chain, prepared, shards, windows, options)
     _check(chain, shards, prepared, windows)
     prepared.dense = chain.dense(dense_names)
     if app_rank is not None:
@@ -344,6 +366,84 @@ def _load_scalars(chain: ChainReader, shards: list[LocalShard]) -> None:
         local.load_scalar_states(merged)
 
 
+PIECE_BYTES = 16 << 20
+"""The most bytes of rows :func:`_apply_again` reads at once, where rows do not go straight
+into place: allocations this small are recycled by malloc (larger ones are fresh pages,
+each faulted in on every piece)."""
+
+
+def _run(t: torch.Tensor) -> bool:
+    """Whether ``t`` (int64) counts up by one."""
+    return t.numel() < 2 or bool((t[1:] - t[:-1] == 1).all())
+
+
+def _destinations(
+    rec: ShardRecord, where: Placement, local: LocalShard
+) -> dict[str, torch.Tensor] | None:
+    """Where each stored tensor of ``rec`` read again lands, as one contiguous piece of the
+    model, where its landing rows do: fp32 rows of every column, a run of saved rows to a
+    run of rows, into tensors of the stored dtypes. ``None`` otherwise."""
+    assert where.keep is not None
+    weight = local.weight
+    if (
+        rec.format != FP32
+        or weight.dtype != torch.float32
+        or not weight.is_contiguous()
+        or rec.spec.cols != local.spec.cols
+        or not (_run(where.keep) and _run(where.rows))
+    ):
+        return None
+    r0, n = int(where.rows[0]), where.count
+    out = {rec.weight_name(rec.key): weight[r0 : r0 + n]}
+    if states_fit(rec, local.optimizer, local.states):
+        for name, state in local.states.items():
+            if rec.states[name].dtype != dtype_name(state) or not state.is_contiguous():
+                return None
+            if state.dim() == 2 or where.owns_row_state:
+                out[rec.states[name].tensor] = state[r0 : r0 + n]
+    return out
+
+
+def _apply_again(chain: ChainReader, step: _Step, local: LocalShard, spare_bytes: int) -> None:
+    """Applies a step whose window was verified but not held: its rows read again, through
+    the host's cache, each block checked again: straight into place where they land as one
+    piece (:func:`_destinations`), else in pieces of about ``spare_bytes`` or
+    :data:`PIECE_BYTES` (whole blocks of its values, one at least), each written into place.
+    A tensor stored in blocks larger than a piece (a per-row state) is read for the whole
+    window at once."""
+    rec, where, window = step.rec, step.where, step.window
+    assert where is not None and where.keep is not None and window is not None
+    lo, count = window[0], window[1] - window[0]
+    into = _destinations(rec, where, local)
+    if into is not None:
+        a = lo + int(where.keep[0])
+        wanted = [(rec, name, a, a + where.count) for name in into]
+        chain.windows(step.link, wanted, cached=True, out=list(into.values()))
+        return
+    names = [name for name in _needs(rec, local) if name in rec.row_names]
+    row_bytes = sum(chain.nbytes(step.link, rec.spec.rank, name) for name in names)
+    row_bytes //= rec.saved_rows
+    block = rec.block_checksums.get(rec.value_names[0], [count])[0]
+    rows = max(1, min(spare_bytes, PIECE_BYTES) // max(1, row_bytes) // block) * block
+    by_piece = [name for name in names if rec.block_checksums.get(name, [count])[0] <= rows]
+    once = [name for name in names if name not in by_piece]
+    held = dict(zip(once, chain.windows(step.link, [(rec, n, *window) for n in once], True)))
+    fits = states_fit(rec, local.optimizer, local.states)
+    first = lo // block * block  # pieces cut at whole blocks of the stored rows
+    for start in range(first, window[1], rows):
+        a, b = max(start, lo) - lo, min(start + rows, window[1]) - lo  # ``keep`` counts from ``lo``
+        j0, j1 = torch.searchsorted(where.keep, torch.tensor([a, b])).tolist()
+        if j0 == j1:
+            continue
+        piece = dataclasses.replace(where, keep=where.keep[j0:j1] - a, rows=where.rows[j0:j1])
+        got = chain.windows(step.link, [(rec, n, lo + a, lo + b) for n in by_piece], True)
+        parts = {**{n: t[a:b] for n, t in held.items()}, **dict(zip(by_piece, got))}
+        scatter_weight(local.weight, piece, rec, parts.__getitem__, chain.io.encode)
+        if fits:
+            for name, state in local.states.items():
+                scatter(state, piece, parts[rec.states[name].tensor])
+
+
 def apply_chain(
     prepared: PreparedRestore,
     shards: list[LocalShard],
@@ -378,9 +478,13 @@ def apply_chain(
                 continue
             where = step.where
             assert where is not None
-            scatter_weight(local.weight, where, rec, fetch, chain.io.encode)
             if step.link > 0:
                 touched[step.shard][where.rows.to(local.weight.device)] = True
+            key = (step.link, rec.spec.rank, rec.value_names[0])
+            if step.window is not None and key not in chain.held:
+                _apply_again(chain, step, local, prepared.spare_bytes or 0)
+                continue
+            scatter_weight(local.weight, where, rec, fetch, chain.io.encode)
             if states_fit(rec, local.optimizer, local.states):
                 for name, state in local.states.items():
                     scatter(state, where, fetch(rec.states[name].tensor))

@@ -66,8 +66,10 @@ def _empty(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     return page_aligned(numel, dtype).view(shape)
 
 
-def _get(storage: Storage, location: str, start: int, out: memoryview, crc: bool) -> int:
-    storage.read_into(location, start, out)
+def _get(
+    storage: Storage, location: str, start: int, out: memoryview, crc: bool, cached: bool = False
+) -> int:
+    storage.read_into(location, start, out, cached)
     return crc32_bytes(out) if crc else 0
 
 
@@ -199,7 +201,13 @@ class SnapshotReader:
         self._queue(read, target, f"{self.name}/{entry.location}", start, crc)
 
     def _queue(
-        self, read: _Read, target: torch.Tensor, location: str, start: int, crc: bool
+        self,
+        read: _Read,
+        target: torch.Tensor,
+        location: str,
+        start: int,
+        crc: bool,
+        cached: bool = False,
     ) -> None:
         """Queues the reads of ``target``'s bytes (of ``read``) from ``location`` at
         ``start``, in pieces of at most ``piece_bytes``, each checksummed if ``crc``."""
@@ -207,7 +215,9 @@ class SnapshotReader:
         step = self.piece_bytes
         for offset in range(0, len(data), step):
             view = data[offset : offset + step]
-            future = self.executor.submit(_get, self.storage, location, start + offset, view, crc)
+            future = self.executor.submit(
+                _get, self.storage, location, start + offset, view, crc, cached
+            )
             read.pieces.append((future, len(view)))
 
     def _begin(
@@ -350,12 +360,12 @@ class SnapshotReader:
         finish = self.begin_window(rank, name, lo, hi, blocks)
         return None if finish is None else finish()
 
-    def begin_window(
-        self, rank: int, name: str, lo: int, hi: int, blocks: list[int] | None
-    ) -> Callable[[], torch.Tensor] | None:
-        """Starts :meth:`rows_window`'s reads (many windows' run in parallel); the call it
-        returns waits for them, checks each block and returns the rows."""
-        logical = rows_path(rank, name)
+    def _blocks(
+        self, logical: str, lo: int, hi: int, blocks: list[int] | None
+    ) -> list[tuple[int, int, TensorEntry, int, int]] | None:
+        """``(first row, rows, object entry, row in it, CRC32)`` of each stored block of
+        rows that rows ``lo..hi - 1`` of ``logical`` lie in, in row order (``blocks``: see
+        :meth:`rows_window`); ``None`` where the tensor is not stored in recorded blocks."""
         segments = self._segments(logical)
         if segments is None:
             return None
@@ -371,28 +381,95 @@ class SnapshotReader:
         ]
         if len(cut) != len(sums):
             return None
-        picked = [k for k, (row0, rows, _, _) in enumerate(cut) if row0 < hi and row0 + rows > lo]
-        first = cut[picked[0]][0] if picked else lo
-        last = cut[picked[-1]][0] + cut[picked[-1]][1] if picked else lo
+        return [
+            (*block, crc)
+            for block, crc in zip(cut, sums)
+            if block[0] < hi and block[0] + block[1] > lo
+        ]
+
+    def _row_bytes(self, logical: str) -> tuple[int, torch.dtype, list[int]]:
+        """``(bytes a row, dtype, shape of a row)`` of a stored tensor of rows."""
         entry = self._entry(logical)
         assert isinstance(entry, TensorEntry | ChunkedTensorEntry)
-        value = _empty([last - first, *entry.shape[1:]], string_to_dtype(entry.dtype))
-        row_bytes = math.prod(entry.shape[1:]) * value.element_size()
+        dtype = string_to_dtype(entry.dtype)
+        return math.prod(entry.shape[1:]) * dtype.itemsize, dtype, list(entry.shape[1:])
+
+    def begin_window(
+        self,
+        rank: int,
+        name: str,
+        lo: int,
+        hi: int,
+        blocks: list[int] | None,
+        cached: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> Callable[[], torch.Tensor] | None:
+        """Starts :meth:`rows_window`'s reads (many windows' run in parallel); the call it
+        returns waits for them, checks each block and returns the rows. ``cached``: read
+        through the host's cache (see :meth:`~torchrec_cnr.storage.Storage.read_into`).
+        ``out``: where the rows go (contiguous, of the stored dtype): the blocks wholly
+        among them are read straight into it, the others into buffers of their own and
+        their part copied in once checked."""
+        logical = rows_path(rank, name)
+        picked = self._blocks(logical, lo, hi, blocks)
+        if picked is None:
+            return None
+        first = picked[0][0] if picked else lo
+        last = picked[-1][0] + picked[-1][1] if picked else lo
+        row_bytes, dtype, row_shape = self._row_bytes(logical)
+        value = _empty([last - first, *row_shape], dtype) if out is None else out
         check = logical in self._sums
         reads = []
-        for k in picked:
-            row0, rows, tensor, at = cut[k]
-            read = _Read(logical, value[row0 - first : row0 - first + rows])
+        for row0, rows, tensor, at, crc in picked:
+            if out is None:
+                target = value[row0 - first : row0 - first + rows]
+            elif lo <= row0 and row0 + rows <= hi:
+                target = out[row0 - lo : row0 - lo + rows]
+            else:  # only partly wanted
+                target = _empty([rows, *row_shape], dtype)
+            read = _Read(logical, target)
             start = (tensor.byte_range or (0, 0))[0] + at * row_bytes
-            self._queue(read, read.value, f"{self.name}/{tensor.location}", start, check)
-            reads.append((read, sums[k]))
+            self._queue(read, target, f"{self.name}/{tensor.location}", start, check, cached)
+            reads.append((read, row0, rows, crc))
 
         def finish() -> torch.Tensor:
-            for read, crc in reads:
+            for read, row0, rows, crc in reads:
                 self._finish(read, check=check, expected=crc)
-            return value[lo - first : hi - first]
+                if out is not None and not (lo <= row0 and row0 + rows <= hi):
+                    a, b = max(lo, row0), min(hi, row0 + rows)
+                    out[a - lo : b - lo].copy_(read.value[a - row0 : b - row0])
+            return value[lo - first : hi - first] if out is None else out
 
         return finish
+
+    def verify_window(
+        self, rank: int, name: str, lo: int, hi: int, blocks: list[int] | None, window_bytes: int
+    ) -> bool:
+        """Reads the blocks rows ``lo..hi - 1`` lie in only to check each against its
+        CRC32, holding about ``window_bytes`` at once (see :meth:`verify`), through the
+        host's cache: a restore reads them again while applying. ``False`` where the tensor
+        is not stored in recorded blocks (nothing is read).
+
+        Raises:
+            CheckpointReadError: a block cannot be read.
+            ChecksumError: a block does not match its checksum.
+        """
+        logical = rows_path(rank, name)
+        picked = self._blocks(logical, lo, hi, blocks)
+        if picked is None:
+            return False
+        if logical not in self._sums:
+            return True  # not verified: nothing to read ahead
+        row_bytes = self._row_bytes(logical)[0]
+        pieces = [
+            (f"{self.name}/{tensor.location}", (tensor.byte_range or (0, 0))[0] + at * row_bytes,
+             rows * row_bytes)
+            for _, rows, tensor, at, _ in picked
+        ]  # fmt: skip
+        got = self._stream(logical, pieces, window_bytes, True, cached=True)
+        for (row0, _, _, _, expected), crc in zip(picked, got):
+            mismatch(crc, expected, f"{self.name}/{logical} rows from {row0}")
+        return True
 
     def rows_subset(
         self, rank: int, name: str, index: torch.Tensor, extra: float = COALESCE_EXTRA
@@ -523,9 +600,7 @@ class SnapshotReader:
         if segments is None:  # not stored in blocks of rows: read whole
             self._read(logical)
             return
-        entry = self._entry(logical)
-        assert isinstance(entry, TensorEntry | ChunkedTensorEntry)
-        row_bytes = math.prod(entry.shape[1:]) * string_to_dtype(entry.dtype).itemsize
+        row_bytes = self._row_bytes(logical)[0]
         # About eight pieces in flight, each of whole 4 KiB blocks, 1 MiB at least.
         step = min(self.piece_bytes, max(1 << 20, window_bytes // 8 // DIRECT_ALIGN * DIRECT_ALIGN))
         pieces = [
@@ -534,30 +609,49 @@ class SnapshotReader:
             for at in range(0, rows * row_bytes, step)
             for length in [min(step, rows * row_bytes - at)]
         ]
-        window = max(1, min(len(pieces), window_bytes // step))
-        buffers = [as_bytes(page_aligned(step, torch.uint8)) for _ in range(window)]
-        crc, inflight = 0, collections.deque[tuple[Future[int], int]]()
-        with_crc = expected is not None  # without a checksum: that it reads whole
+        crc = 0  # without a checksum: that it reads whole
+        crcs = self._stream(logical, pieces, window_bytes, expected is not None)
+        for (_, _, length), got in zip(pieces, crcs):
+            crc = crc32_combine(crc, got, length)
+        mismatch(crc, expected, f"{self.name}/{logical}")
+
+    def _stream(
+        self,
+        logical: str,
+        pieces: list[tuple[str, int, int]],
+        window_bytes: int,
+        with_crc: bool,
+        cached: bool = False,
+    ) -> list[int]:
+        """Reads ``(location, start, length)`` pieces of ``logical`` in parallel into a few
+        buffers reused, about ``window_bytes`` of them (one piece at least); returns each
+        piece's CRC32 (0 without ``with_crc``)."""
+        largest = max((length for _, _, length in pieces), default=0)
+        window = max(1, min(len(pieces), window_bytes // max(1, largest)))
+        buffers = [as_bytes(page_aligned(largest, torch.uint8)) for _ in range(window)]
+        crcs: list[int] = []
+        inflight = collections.deque[Future[int]]()
         try:
             for i, (location, start, length) in enumerate(pieces):
                 if len(inflight) == window:  # its buffer is the one this piece reuses
-                    future, done = inflight.popleft()
-                    crc = crc32_combine(crc, future.result(), done)
+                    crcs.append(inflight.popleft().result())
                 view = buffers[i % window][:length]
-                future = self.executor.submit(_get, self.storage, location, start, view, with_crc)
-                inflight.append((future, length))
-            for future, done in inflight:
-                crc = crc32_combine(crc, future.result(), done)
+                inflight.append(
+                    self.executor.submit(
+                        _get, self.storage, location, start, view, with_crc, cached
+                    )
+                )
+            crcs += [future.result() for future in inflight]
         except Exception as e:
-            for future, _ in inflight:  # no read may outlive its buffer
+            for future in inflight:  # no read may outlive its buffer
                 future.cancel()
-            for future, _ in inflight:
+            for future in inflight:
                 try:
                     future.result()
                 except BaseException:
                     pass
             raise CheckpointReadError(f"cannot read {logical!r} from {self.path}: {e}") from e
-        mismatch(crc, expected, f"{self.name}/{logical}")
+        return crcs
 
     def read_many(
         self,

@@ -64,8 +64,10 @@ class Storage(abc.ABC):
         return None if got is None else got[1]
 
     @abc.abstractmethod
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        """Fills ``out`` with the bytes of object ``name`` from ``offset`` on.
+    def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
+        """Fills ``out`` with the bytes of object ``name`` from ``offset`` on; ``cached``:
+        through the host's cache where the store has one, for bytes read again soon (a
+        restore's verify pass, see ``restore.apply``).
 
         Raises:
             OSError: the object is missing or shorter than ``offset + len(out)``.

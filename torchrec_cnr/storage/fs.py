@@ -227,10 +227,10 @@ class FsStorage(Storage):
             return None
         return data, _digest(data)
 
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+    def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
         path = self.root / name
         done = 0
-        if self._direct.reads and len(out) >= DIRECT_MIN_BYTES:
+        if self._direct.reads and not cached and len(out) >= DIRECT_MIN_BYTES:
             direct = self._direct
             done = direct.attempt(path, os.O_RDONLY, lambda fd: direct.read(fd, offset, out)) or 0
             if done == len(out):

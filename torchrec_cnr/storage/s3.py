@@ -71,7 +71,7 @@ class S3Storage(Storage):
         with response["Body"] as body:
             return body.read(), response["ETag"]
 
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+    def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
         if not len(out):
             return
         try:

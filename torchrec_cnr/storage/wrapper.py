@@ -43,9 +43,9 @@ class StorageWrapper(Storage):
         self.before("stamp", name)
         return self.inner.stamp(name)
 
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+    def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
         self.before("read_into", name)
-        self.inner.read_into(name, offset, out)
+        self.inner.read_into(name, offset, out, cached)
 
     def write(self, name: str, data: bytes, expect: str | None | _Any = ANY) -> str:
         self.before("write", name)
@@ -116,8 +116,8 @@ class CountingStorage(StorageWrapper):
             self.bytes_read += 0 if got is None else len(got[0])
         return got
 
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        super().read_into(name, offset, out)
+    def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
+        super().read_into(name, offset, out, cached)
         with self._lock:
             self.bytes_read += len(out)
 
