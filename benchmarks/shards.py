@@ -3,7 +3,7 @@ tensors), for ``--ranks`` x ``--tables`` row-wise tables split over every rank: 
 configuration, in a process of its own, commits a baseline and a delta (``--fraction`` of
 each shard's rows) of a real save's shard records and index entries
 (``tests/data/format_v6``). Seconds, bytes and peak Python memory of rank 0's commit, one
-rank's restore planning and a follower's update plan, per shard.
+rank's restore planning and a follower's update plan (medians of 3), per shard.
 
 Targets: each figure per shard at the largest configuration <= 1.5x the smallest's.
 """
@@ -15,6 +15,7 @@ import copy
 import json
 import multiprocessing
 import pickle
+import statistics
 import sys
 import tempfile
 import time
@@ -141,12 +142,16 @@ class _MadeUp(ChainReader):
         return torch.empty(0)  # the ids a restore holds first: made up by saved_ids
 
 
-def _measure(fn: Callable[[], Any], trace: bool) -> float:
-    """Seconds ``fn`` takes, or with ``trace`` the peak MB of Python memory it allocates."""
+def _measure(fn: Callable[[], Any], trace: bool, repeat: int = 1) -> float:
+    """Seconds ``fn`` takes (the median of ``repeat`` calls), or with ``trace`` the peak MB
+    of Python memory it allocates."""
     if not trace:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
+        seconds = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - t0)
+        return statistics.median(seconds)
     tracemalloc.start()
     try:
         fn()
@@ -230,8 +235,12 @@ def _one(a: argparse.Namespace, ranks: int, tables: int) -> dict[str, float]:
         got |= _commit(a, root, ranks, tables, 1, chain)
         for trace in (False, True):
             unit = "mb" if trace else "s"
-            got[f"plan_{unit}"] = _measure(lambda: _restore_plan(a, root, ranks, tables, io), trace)
-            got[f"follow_{unit}"] = _measure(lambda: _follower_plan(root, tables, io), trace)
+            # Plans only read: the median of 3 (one, right after a commit of hundreds of MB,
+            # varied with the disk's write-back).
+            got[f"plan_{unit}"] = _measure(
+                lambda: _restore_plan(a, root, ranks, tables, io), trace, 3
+            )
+            got[f"follow_{unit}"] = _measure(lambda: _follower_plan(root, tables, io), trace, 3)
         got["plan_b"] = _restore_plan(a, root, ranks, tables, io)
         got |= _commit(a, root, ranks, tables, 2, chain, trace=True)
     io.close()

@@ -368,8 +368,8 @@ def _load_scalars(chain: ChainReader, shards: list[LocalShard]) -> None:
 
 PIECE_BYTES = 16 << 20
 """The most bytes of rows :func:`_apply_again` reads at once, where rows do not go straight
-into place: allocations this small are recycled by malloc (larger ones are fresh pages,
-each faulted in on every piece)."""
+into place: small enough for malloc to recycle (past its mmap threshold, 32 MB at most in
+glibc, each piece would be fresh pages, faulted in again)."""
 
 
 def _run(t: torch.Tensor) -> bool:
@@ -382,12 +382,13 @@ def _destinations(
 ) -> dict[str, torch.Tensor] | None:
     """Where each stored tensor of ``rec`` read again lands, as one contiguous piece of the
     model, where its landing rows do: fp32 rows of every column, a run of saved rows to a
-    run of rows, into tensors of the stored dtypes. ``None`` otherwise."""
+    run of rows, into host tensors of the stored dtypes. ``None`` otherwise."""
     assert where.keep is not None
     weight = local.weight
     if (
         rec.format != FP32
         or weight.dtype != torch.float32
+        or weight.device.type != "cpu"
         or not weight.is_contiguous()
         or rec.spec.cols != local.spec.cols
         or not (_run(where.keep) and _run(where.rows))
