@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,8 +31,8 @@ def _resharded(tables: list[TableSpec], sharding: str) -> list[TableSpec]:
     return [dataclasses.replace(t, sharding=sharding) for t in tables]
 
 
-def _job(tables: list[TableSpec], root: str, seed: int) -> Job:
-    return make_job(tables, root, seed=seed, data_seed=2, policy="intermittent")
+def _job(tables: list[TableSpec], root: str, seed: int, **config: Any) -> Job:
+    return make_job(tables, root, seed=seed, data_seed=2, policy="intermittent", **config)
 
 
 def _save(tables, root: str, refs: str, steps: tuple[int, ...]) -> None:
@@ -76,9 +77,7 @@ def test_chain_restores_onto_other_sharding(saved: str, restored: str, tmp_path:
 def _refuses(
     tables, root: str, expected: type[Exception], needles: list[str], budget_mb: float | None = None
 ) -> None:
-    job = make_job(
-        tables, root, seed=77, data_seed=2, policy="intermittent", restore_memory_mb=budget_mb
-    )
+    job = _job(tables, root, seed=77, restore_memory_mb=budget_mb)
     before = reference.take(job.model, job.app_state)
     with pytest.raises(expected) as info:
         job.ckpt.restore()
@@ -100,15 +99,7 @@ def _restore_counting(root: str, refs: str, step: int, out: str, budget_mb: floa
     import torch.distributed as dist
 
     storage = CountingStorage(open_storage(root))
-    job = make_job(
-        ROW_WISE,
-        root,
-        seed=50,
-        data_seed=2,
-        policy="intermittent",
-        storage=storage,
-        restore_memory_mb=budget_mb,
-    )
+    job = _job(ROW_WISE, root, seed=50, storage=storage, restore_memory_mb=budget_mb)
     assert job.ckpt.restore(step=step) == step
     reference.assert_model_matches(
         job.model, job.app_state, reference.load_all(Path(refs), step), True
