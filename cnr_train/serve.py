@@ -174,7 +174,7 @@ class RequestLoop:
         try:
             with torch.inference_mode():
                 k = 0
-                while not self._stop.is_set():
+                while k == 0 or not self._stop.is_set():  # a started loop answers one at least
                     began = time.perf_counter()
                     rank, index = k % self.world_size, k // self.world_size % self.batches
                     batch = self.data.heldout(rank, index)
@@ -193,7 +193,7 @@ class RequestLoop:
             self.error = e
 
     def close(self) -> None:
-        """Stops after the request in flight."""
+        """Stops after the request in flight (or the first, if none was answered yet)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
