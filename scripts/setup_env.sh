@@ -23,7 +23,7 @@ if [ -z "$flavour" ]; then
 fi
 
 # The C sources are in the stamp: a change rebuilds the compiled libraries.
-stamp="$VENV/.cnr-$flavour-$(sha1sum pyproject.toml setup.py scripts/setup_env.sh torchrec_cnr/*/*.c | sha1sum | cut -c1-12)"
+stamp="$VENV/.cnr-$flavour-$(sha1sum pyproject.toml setup.py scripts/setup_env.sh torchrec_cnr/*.c torchrec_cnr/*/*.c | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then
   exit 0
 fi

@@ -1,11 +1,24 @@
-"""``put_rows`` writes exactly what ``index_copy_`` writes, on every layout it meets."""
+"""``put_rows`` writes exactly what ``index_copy_`` writes, on every layout it meets,
+with its compiled loop and with numpy's assignment (where the loop was not built)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
 
+from torchrec_cnr import rowcopy
 from torchrec_cnr.rowcopy import put_rows
+
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def _writer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    if request.param == "compiled":
+        assert rowcopy._library() is not None, "_rowcopy_lib is not built"
+    else:
+        monkeypatch.setattr(rowcopy, "_library", lambda: None)
+    yield
 
 
 def _expected(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -49,8 +62,9 @@ def test_put_rows_refuses_a_count_mismatch_and_an_index_out_of_range() -> None:
     dst = torch.zeros(10, 4)
     with pytest.raises(ValueError, match="3 rows indexed, 2 given"):
         put_rows(dst, torch.tensor([1, 2, 3]), torch.ones(2, 4))
-    with pytest.raises(IndexError):
-        put_rows(dst, torch.tensor([10]), torch.ones(1, 4))
+    for bad in ([10], [-1], [3, 10], [3, -2, 5]):  # none written, even rows before
+        with pytest.raises(IndexError):
+            put_rows(dst, torch.tensor(bad), torch.ones(len(bad), 4))
     put_rows(dst, torch.tensor([], dtype=torch.int64), torch.ones(0, 4))
     assert not dst.any()
 

@@ -474,3 +474,5 @@ def test_a_row_is_finite_exactly_when_every_element_is(dtype: torch.dtype) -> No
     got = finite_rows_of(values)
     assert got.tolist() == torch.isfinite(values).all(dim=1).tolist()
     assert got.tolist() == [True, False, False, False, True, False]
+    assert finite_rows_of(values[[0, 4]]).tolist() == [True, True]  # their sum overflows
+    assert finite_rows_of(values[[0]]).tolist() == [True]

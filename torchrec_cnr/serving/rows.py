@@ -127,10 +127,12 @@ def memory_bytes(tensors: list[Tensor]) -> int:
 def finite_rows_of(values: Tensor) -> Tensor:
     """Whether every element of each row of ``(n, dim)`` ``values`` is finite.
 
-    A row whose sum is finite holds no NaN or infinity (either carries through the sum):
-    one pass, ten times faster here than ``isfinite(values).all(1)``. Only rows whose sum
-    is not finite, rare, are looked at element by element, as finite values may add up
-    past the float range."""
+    A sum that is finite adds no NaN or infinity (either carries through it): first the
+    whole tensor's (half the time of the rows' sums here), then, if it is not, each row's
+    (ten times faster than ``isfinite(values).all(1)``), and only rows whose sum is not
+    finite, rare, element by element, as finite values may add up past the float range."""
+    if bool(torch.isfinite(values.sum())):
+        return torch.ones(values.shape[0], dtype=torch.bool, device=values.device)
     finite = torch.isfinite(values.sum(dim=1))
     if not bool(finite.all()):
         suspect = torch.nonzero(~finite).flatten()
