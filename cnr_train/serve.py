@@ -310,8 +310,6 @@ class Server:
         started, self._cpu0 = time.time(), time.process_time()
         self.follower.start(s.interval_s)
         print(f"serving: following {self.root} every {s.interval_s} s", file=sys.stderr, flush=True)
-        data: BatchStream | None = None
-        world = 0
         while (done := _done(self.storage, started)) is None:
             if time.time() - started > s.timeout_s:
                 raise TimeoutError(
@@ -319,27 +317,11 @@ class Server:
                     f"{s.timeout_s} s (no {DONE_MARKER} marker)"
                 )
             if self.requests is None and self.follower.step is not None:
-                # A committed checkpoint names the job's world size, which the held-out
-                # batches depend on.
-                latest = root_info(self.storage).latest
-                if latest is not None:
-                    world = latest.world_size
-                    data = make_data(self.config, self.tables, world)
-                    self.requests = RequestLoop(
-                        self.model,
-                        self.follower,
-                        data,
-                        world,
-                        self.config.eval.batches,
-                        s.requests_per_s,
-                        self.probe,
-                    )
-                    self.requests.start()
+                self._start_requests()
             self._check_requests()
             time.sleep(s.interval_s)
         if self.requests is not None:
             self.requests.close()
-            self._check_requests()
         self.follower.stop()
         served = self.follower.poll()  # whatever the job committed since the last poll
         latest = root_info(self.storage).latest
@@ -348,9 +330,12 @@ class Server:
                 f"the follower serves step {served}, the last committed step is "
                 f"{None if latest is None else latest.step}"
             )
-        if data is None:  # the job committed its only checkpoint after the last poll
-            world = latest.world_size
-            data = make_data(self.config, self.tables, world)
+        if self.requests is None:  # the job ended before anything was served: one request
+            self._start_requests()
+            assert self.requests is not None
+            self.requests.close()
+        self._check_requests()
+        data, world = self.requests.data, self.requests.world_size
         result = self._result(latest, done, started)
         result.update(_evaluate(self.model, data, world, self.config.eval.batches))
         result["trained_auc"] = self._trained_auc()
@@ -359,6 +344,24 @@ class Server:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(result, indent=1))
         return result
+
+    def _start_requests(self) -> None:
+        """Starts answering requests, once a checkpoint is committed: it names the job's
+        world size, which the held-out batches depend on."""
+        latest = root_info(self.storage).latest
+        if latest is None:
+            return
+        data = make_data(self.config, self.tables, latest.world_size)
+        self.requests = RequestLoop(
+            self.model,
+            self.follower,
+            data,
+            latest.world_size,
+            self.config.eval.batches,
+            self.config.serve.requests_per_s,
+            self.probe,
+        )
+        self.requests.start()
 
     def _check_requests(self) -> None:
         if self.requests is not None and self.requests.error is not None:

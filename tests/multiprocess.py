@@ -104,7 +104,9 @@ class _Pool:
                     errors[rank] = report
                     deadline = min(deadline, time.monotonic() + GRACE_S)
         if errors:
-            rank, report = next(iter(errors.items()))
+            # A rank's death is the cause of its peers' errors, whichever was read first.
+            deaths = [(r, e) for r, e in errors.items() if e.startswith("exited:")]
+            rank, report = (deaths or list(errors.items()))[0]
             if report.startswith("exited:"):
                 _, code, name = report.split(":")
                 raise mp.ProcessExitedException(

@@ -186,10 +186,8 @@ def test_apply_serves_exactly_the_step_applied_in_copy_and_swap_mode(
 def test_the_shared_lock_admits_a_writer_once_readers_are_out_and_holds_new_readers_off() -> None:
     lock = SharedLock()
     events: list[str] = []
-    reading, writer_waiting = threading.Event(), threading.Event()
 
     def write() -> None:
-        writer_waiting.set()
         with lock.exclusive():
             events.append("write")
 
@@ -198,11 +196,12 @@ def test_the_shared_lock_admits_a_writer_once_readers_are_out_and_holds_new_read
             events.append("late read")
 
     with lock.shared():
-        reading.set()
         writer = threading.Thread(target=write)
         writer.start()
-        writer_waiting.wait(5)
-        time.sleep(0.05)  # the writer is waiting on the readers now
+        deadline = time.monotonic() + 5
+        while lock._waiting != 1 and time.monotonic() < deadline:  # waiting on the readers
+            time.sleep(0.001)
+        assert lock._waiting == 1, "the writer never waited"
         reader = threading.Thread(target=late_read)
         reader.start()
         time.sleep(0.05)
