@@ -3,7 +3,8 @@ own save and load, in turns, caches dropped before each: ``export_dcp`` of a ful
 (blocks of ``--budget-mb``) against ``dcp.save`` of TorchRec's recipe; ``restore(from_dcp=)``
 against ``dcp.load`` (a call per top-level key); a restore resharded row-wise against
 ``dcp.load``, unbounded and within ``restore_memory_mb`` = ``--restore-mb``. Time is the
-slowest rank's; memory the peak resident set above each call's start (:class:`benchmarks.measure.Peak`), the largest rank's. Targets: each <= its DCP peer.
+slowest rank's; memory the peak resident set above each call's start
+(:class:`benchmarks.measure.Peak`), the largest rank's. Targets: each <= its DCP peer.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import torch
 
 from torchrec_cnr.native import load_library
 
-__all__ = ["put_rows"]
+__all__ = ["put_rows", "run_start"]
 
 
 def _records(t: torch.Tensor) -> Any:
@@ -70,8 +70,11 @@ def _scatter(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
         raise IndexError(f"row {int(index[-1 - done])} of a table of {dst.shape[0]} rows")
 
 
-def _run(index: torch.Tensor) -> int | None:
-    """The first row of ``index`` if it is a run of consecutive rows, ascending."""
+def run_start(index: torch.Tensor) -> int | None:
+    """The first row of ``index`` if it is a run of consecutive rows, ascending (``None``
+    otherwise, or if it is empty)."""
+    if not index.numel():
+        return None
     k, first = index.numel(), int(index[0])
     if int(index[-1]) - first != k - 1 or (k > 1 and not bool((index[1:] > index[:-1]).all())):
         return None
@@ -88,7 +91,7 @@ def put_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
         raise ValueError(f"{index.numel()} rows indexed, {src.shape[0]} given")
     if src.dtype != dst.dtype or src.device != dst.device:
         src = src.to(device=dst.device, dtype=dst.dtype)
-    first = _run(index)
+    first = run_start(index)
     if first is not None:
         if first < 0 or first + index.numel() > dst.shape[0]:
             raise IndexError(f"rows {first}..{first + index.numel() - 1} of {dst.shape[0]}")

@@ -36,6 +36,7 @@ from torchrec_cnr.read.geometry import (
     scatter_weight,
     states_fit,
 )
+from torchrec_cnr.rowcopy import run_start
 from torchrec_cnr.schema import without_gc
 from torchrec_cnr.snapshot.objects import load_object
 from torchrec_cnr.staging import StagingPool
@@ -372,11 +373,6 @@ into place: small enough for malloc to recycle (past its mmap threshold, 32 MB a
 glibc, each piece would be fresh pages, faulted in again)."""
 
 
-def _run(t: torch.Tensor) -> bool:
-    """Whether ``t`` (int64) counts up by one."""
-    return t.numel() < 2 or bool((t[1:] - t[:-1] == 1).all())
-
-
 def _destinations(
     rec: ShardRecord, where: Placement, local: LocalShard
 ) -> dict[str, torch.Tensor] | None:
@@ -391,7 +387,8 @@ def _destinations(
         or weight.device.type != "cpu"
         or not weight.is_contiguous()
         or rec.spec.cols != local.spec.cols
-        or not (_run(where.keep) and _run(where.rows))
+        or run_start(where.keep) is None
+        or run_start(where.rows) is None
     ):
         return None
     r0, n = int(where.rows[0]), where.count

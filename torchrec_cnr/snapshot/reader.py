@@ -524,18 +524,19 @@ class SnapshotReader:
         segments = self._segments(logical)
         if segments is None:
             return None
-        entry = self._entry(logical)
-        assert isinstance(entry, TensorEntry | ChunkedTensorEntry)
-        dtype = string_to_dtype(entry.dtype)
-        out = _empty([index.numel(), *entry.shape[1:]], dtype)
+        row_bytes, dtype, row_shape = self._row_bytes(logical)
+        out = _empty([index.numel(), *row_shape], dtype)
         if not index.numel():
             return out, []
         firsts = torch.tensor([first for first, _, _ in segments])
         segment = torch.searchsorted(firsts, index, right=True) - 1
-        row_bytes = max(1, math.prod(entry.shape[1:]) * dtype.itemsize)
         storage = self.storage
         spans = _spans(
-            index, segment, extra, storage.request_bytes // row_bytes, storage.many_requests
+            index,
+            segment,
+            extra,
+            storage.request_bytes // max(1, row_bytes),
+            storage.many_requests,
         )
         starts = torch.tensor([a for a, _ in spans])
         ends = torch.tensor([b for _, b in spans])
