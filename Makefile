@@ -65,6 +65,8 @@ bench: setup
 	$(PY1) -m benchmarks.serving --interval-steps 30 --steps 300 --modes copy --out $(BENCH)/serving_5s.json
 	$(PY1) -m benchmarks.serving --tables 8 --interval-steps 6 --steps 120 --policies intermittent consecutive --served fp32 int4 --modes swap --out $(BENCH)/serving_fresh.json
 	$(PY1) -m benchmarks.serving --tables 8 --interval-steps 6 --steps 120 --policies consecutive --served fp32 int4 --modes swap --background process --out $(BENCH)/serving_fresh_process.json
+	$(PY1) -m benchmarks.serving --policies consecutive --served fp32 int4 --modes copy swap --nproc 1 --interval-steps 30 --steps 600 --join-after 5 --out $(BENCH)/serving_join.json
+	$(PY1) -m benchmarks.serving --storage s3 --policies consecutive --served fp32 int4 --modes copy --nproc 1 --interval-steps 30 --steps 600 --join-after 5 --out $(BENCH)/serving_join_s3.json
 	$(PY1) -m benchmarks.serving --storage s3 --served int4 --modes copy --steps 60 --out $(BENCH)/serving_s3.json
 	$(PY1) -m benchmarks.serving --modes budget --budget-mb 16 --out $(BENCH)/serving_budget.json
 	$(PY1) -m benchmarks.serving --policies consecutive --served fp32 --modes copy --followers 1 4 --nproc 1 --interval-steps 48 --steps 1200 --requests-per-s 1 --storage fs --out $(BENCH)/serving_fanout_fs.json

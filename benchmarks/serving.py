@@ -7,6 +7,8 @@ request checks (else: torn). One run per policy, served model (fp32; adaptive 4-
 INT4), follower mode and storage. Per update: bytes read against those changed, seconds to
 served, time blocked against a memcpy, lag from commit, a row's freshness. ``--followers 1
 4``: several serving processes (at nice 10), each one's cost against a lone one's.
+``--join-after N``: the serving processes start once the job has committed N checkpoints,
+as a follower joining a running job does; its cold start is then timed against 3 s.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ import torch
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import QUANTS, memcpy_s, model_arguments, s3_bucket, s3_server
 from benchmarks.results import Column, Goal, Table
+from cnr_train.job import DONE_MARKER
 from cnr_train.serve import freshness
 from torchrec_cnr import CheckpointInfo, list_checkpoints, quantize
 from torchrec_cnr.config import BACKGROUND
 from torchrec_cnr.serving import UpdateReport
+from torchrec_cnr.storage import open_storage
 
 CONFIG = "configs/serving.yaml"
 POLICIES = ("consecutive", "intermittent")
@@ -65,6 +69,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    "on one root; with more than one, every run's run at nice 10")  # fmt: skip
     p.add_argument("--requests-per-s", type=float, help="each serving process's requests "
                    "(default: configs/serving.yaml's)")  # fmt: skip
+    p.add_argument("--join-after", type=int, default=0, help="start the serving processes "
+                   "once the job has committed this many checkpoints (0: before it "
+                   "starts)")  # fmt: skip
 
 
 def _row_bytes(fmt: str, dim: int) -> int:
@@ -117,27 +124,46 @@ def _one_run(
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     began = time.time()
     names = [f"serve{i or ''}" for i in range(followers)]  # each serving process's files
-    servers = []
-    for name in names:
-        with open(out / f"{name}.log", "w") as log:
-            servers.append(subprocess.Popen(
-                [sys.executable, "scripts/serve.py", *args, f"serve.metrics_path={out / name}.json"],
-                stdout=log, stderr=subprocess.STDOUT, env=env,
-                preexec_fn=(lambda: os.nice(10)) if max(b.args.followers) > 1 and not b.args.smoke
-                else None,  # a smoke run's tiny job could end before a niced one polls
-            ))  # fmt: skip
-    try:
+    servers: list[subprocess.Popen[bytes]] = []
+    job: subprocess.Popen[bytes] | None = None
+    launched: dict[str, float] = {}  # a serving process's name -> when it was started
+
+    def serve() -> None:
+        for name in names:
+            launched[name] = time.time()
+            with open(out / f"{name}.log", "w") as log:
+                servers.append(subprocess.Popen(
+                    [sys.executable, "scripts/serve.py", *args,
+                     f"serve.metrics_path={out / name}.json"],
+                    stdout=log, stderr=subprocess.STDOUT, env=env,
+                    preexec_fn=(lambda: os.nice(10))
+                    if max(b.args.followers) > 1 and not b.args.smoke
+                    else None,  # a smoke run's tiny job could end before a niced one polls
+                ))  # fmt: skip
         _wait_following(out, servers)
+
+    try:
+        if not b.args.join_after:
+            serve()
         with open(out / "train.log", "w") as log:
-            job = subprocess.run(
+            job = subprocess.Popen(
                 [torchrun, "--standalone", f"--nproc_per_node={b.args.nproc}", "scripts/train.py",
-                 *args], stdout=log, stderr=subprocess.STDOUT, env=env, timeout=1800,
+                 *args], stdout=log, stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
+        if b.args.join_after:
+            _wait_commits(root, b.args.join_after, job)
+            serve()
+            # A serving process takes a done marker older than its start for an earlier
+            # job's, and would wait for another job.
+            if open_storage(root).read(DONE_MARKER) is not None:
+                raise RuntimeError(f"{key}: the job ended before its followers started: train "
+                                   "longer (--steps) or join earlier (--join-after)")  # fmt: skip
+        job.wait(timeout=1800)
         served_rc = [s.wait(timeout=900) for s in servers]
     finally:
-        for server in servers:
-            if server.poll() is None:
-                server.kill()
+        for proc in [*servers, *([job] if job is not None else [])]:
+            if proc.poll() is None:
+                proc.kill()
     for name, rc in zip(["train", *names], [job.returncode, *served_rc]):
         if rc != 0:
             tail = (out / f"{name}.log").read_text()[-3000:]
@@ -145,11 +171,11 @@ def _one_run(
     metrics = [json.loads((out / f"{name}.json").read_text()) for name in names]
     row = _row_bytes(PAIRS[served][0], b.args.dim) + ID_BYTES
     infos = list_checkpoints(root)
-    summaries = [_summarise(m, infos, row) for m in metrics]
+    summaries = [_summarise(m, infos, row, launched[n]) for m, n in zip(metrics, names)]
     summary = summaries[0] | _fanout(summaries, metrics, infos)
     b.log(f"{key}: {_brief(summary)} ({time.time() - began:.0f} s)")
     return {"storage": storage, "policy": policy, "served": served, "mode": mode,
-            "followers": followers, "row_bytes": row, **summary,
+            "followers": followers, "joined_after": b.args.join_after, "row_bytes": row, **summary,
             **({"budget_mb": b.args.budget_mb} if mode == "budget" else {})}  # fmt: skip
 
 
@@ -163,6 +189,15 @@ def _wait_following(out: Path, servers: list[subprocess.Popen[bytes]]) -> None:
                 tail = log.read_text()[-3000:]
                 raise RuntimeError(f"{log.name} did not start following:\n{tail}")
             time.sleep(0.2)
+
+
+def _wait_commits(root: str, n: int, job: subprocess.Popen[bytes]) -> None:
+    """Until the job has committed ``n`` checkpoints."""
+    deadline = time.time() + 900
+    while len(list_checkpoints(root)) < n:
+        if job.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"the job did not commit {n} checkpoints (see train.log)")
+        time.sleep(0.2)
 
 
 def _fanout(
@@ -203,11 +238,18 @@ def _fanout(
     }  # fmt: skip
 
 
-def _summarise(m: dict[str, Any], infos: list[CheckpointInfo], row: int) -> dict[str, Any]:
+def _summarise(
+    m: dict[str, Any], infos: list[CheckpointInfo], row: int, launched: float
+) -> dict[str, Any]:
     """Per incremental update: changed rows and bytes, read over them, freshness, a memcpy of
-    the changed bytes; medians and worst."""
+    the changed bytes; medians and worst. The start: from the follower's start (and the
+    serving process's, ``launched``) to its first step served; commits after that step
+    never served."""
     reports = [UpdateReport(**r) for r in m["update_reports"]]
     fresh = {f["step"]: f for f in freshness(reports, infos)}
+    committed = {i.step: i.committed_at for i in infos}
+    first_served = committed[reports[0].step] + reports[0].lag_s
+    served = {r.step for r in reports}
     updates = []
     for prev, r in zip(reports, reports[1:]):
         if r.step not in fresh:
@@ -230,12 +272,15 @@ def _summarise(m: dict[str, Any], infos: list[CheckpointInfo], row: int) -> dict
 
     intervals = [b.committed_at - a.committed_at for a, b in zip(infos, infos[1:])]
     return {
-        "commits": len(infos), "served_commits": len({r.step for r in reports}),
+        "commits": len(infos), "served_commits": len(served),
         "last_served": m["served_step"] == infos[-1].step,
         "interval_s": statistics.median(intervals) if intervals else None,
         "served_requests": m["requests"], "checked_requests": m["checked_requests"],
         "torn_requests": m["torn_requests"], "torn_examples": m["torn_examples"],
         "cold_s": next((r.seconds for r in reports if r.cold), None),
+        "start_s": first_served - m["following_at"] if "following_at" in m else None,
+        "process_start_s": first_served - launched,
+        "missed_commits": sum(i.step > reports[0].step and i.step not in served for i in infos),
         "update_s": med("seconds"), "update_s_max": worst("seconds"),
         "lag_s": med("lag_s"), "lag_s_max": worst("lag_s"),
         "fresh_s": med("fresh_mid_s"), "fresh_s_max": worst("fresh_worst_s"),
@@ -265,8 +310,9 @@ def _brief(s: dict[str, Any]) -> str:
 
 def targets(runs: dict[str, Any]) -> list[Goal]:
     """Every run: no torn snapshot; freshness ≤ 6 s (median), lag ≤ 2 s (worst); bytes ≤ 1.2x
-    the changed rows; blocked ≤ a memcpy of the changed bytes (copy), ≤ 5 ms (swap), held ≤
-    the memory budget (budget)."""
+    the changed rows; every commit after the first served is served; blocked ≤ a memcpy of
+    the changed bytes (copy), ≤ 5 ms (swap), held ≤ the memory budget (budget); joining a
+    running job, served ≤ 3 s after the follower starts."""
     out: list[Goal] = []
     for key, run in runs.items():
         r = f"runs.{key}"
@@ -285,7 +331,12 @@ def targets(runs: dict[str, Any]) -> list[Goal]:
                  f"{r}.lag_s_max", "<=", 2.0),
             Goal(f"{key}: bytes read <= 1.2 x changed rows + ids (median)",
                  f"{r}.read_over_changed", "<=", 1.2),
+            Goal(f"{key}: every commit after the first served is served",
+                 f"{r}.missed_commits", "<=", 0.0),
         ]  # fmt: skip
+        if run.get("joined_after"):
+            out.append(Goal(f"{key}: a follower joining the running job serves within 3 s of "
+                            "its start", f"{r}.start_s", "<=", 3.0))  # fmt: skip
         if run.get("followers", 1) > 1:
             out += _fanout_targets(runs, key)
     return out
@@ -333,11 +384,16 @@ def tables(m: dict[str, Any]) -> list[Table]:
         **which,
         "torn / checked requests": lambda r: f"{r['torn_requests']} / {r['checked_requests']}",
         "served / commits": lambda r: f"{r['served_commits']} / {r['commits']}",
+        "missed after first": lambda r: r.get("missed_commits"),
+        "start s": lambda r: r.get("start_s"),
+        "(process)": lambda r: r.get("process_start_s"),
         "interval s": "interval_s",
         "fresh s (median)": "fresh_s", "fresh s (worst)": "fresh_s_max",
         "step row first read s": "probe_fresh_s", "(worst)": "probe_fresh_s_max",
         "lag s (median)": "lag_s", "lag s (worst)": "lag_s_max",
-    }, "A torn request read rows of another step than follower.step named. Interval: "
+    }, "A torn request read rows of another step than follower.step named. Missed after "
+        "first: commits after the first served step that were never served. Start: from "
+        "the follower's start (the serving process's) to its first step served. Interval: "
         "median seconds between commits. Fresh: from a row's training step to served "
         "(the middle row of an update; the worst, trained right after the previous "
         "served save). Step row first read: from the save of a step to the first request "
@@ -391,7 +447,7 @@ def run(b: Bench) -> Outcome:
     model = {"tables": a.tables, "rows": a.rows, "dim": a.dim,
              "fp32_gb": a.tables * a.rows * a.dim * 4 / 2**30}  # fmt: skip
     m = {"model": model, "interval_steps": a.interval_steps, "batch_size": a.batch_size,
-         "training_ranks": a.nproc, "runs": runs}  # fmt: skip
+         "training_ranks": a.nproc, "join_after": a.join_after, "runs": runs}  # fmt: skip
     return Outcome(m, tables(m), targets(runs))
 
 

@@ -386,6 +386,7 @@ class Server:
             "served_step": self.follower.step,
             "job_step": done["step"],
             "seconds": time.time() - started,
+            "following_at": started,
             "updates": len(reports),
             "cold_updates": sum(r.cold for r in reports),
             "lag_median_s": statistics.median(lags),

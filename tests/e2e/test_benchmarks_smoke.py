@@ -36,6 +36,12 @@ RUNS = [
         "benchmarks.serving",
         ("--followers", "1", "2", "--modes", "copy", "--served", "fp32"),
     ),  # fmt: skip
+    # Followers that start once the job has committed: a job that outlasts their start.
+    (
+        "serving_join",
+        "benchmarks.serving",
+        ("--join-after", "2", "--steps", "800", "--interval-steps", "40"),
+    ),  # fmt: skip
     ("policy_bytes", "benchmarks.policies", ("--figure",)),
     *((e, f"benchmarks.experiments.{e}", ()) for e in EXPERIMENTS),
 ]

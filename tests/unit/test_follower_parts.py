@@ -176,6 +176,8 @@ def test_apply_serves_exactly_the_step_applied_in_copy_and_swap_mode(
             assert update is not None and update.plan.cold == (step == 12)
             blocked, held = applier.apply(update)
             assert applier.served is not None and applier.served.step == step
+            assert target.swapping == (swap and step != 12), "the spare comes after the first"
+            applier.make_spare()
             assert (applier.spare_bytes == target.table_bytes()) == swap == target.swapping
             assert blocked >= 0 and held > 0
             got = model.state_dict()

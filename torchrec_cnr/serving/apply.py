@@ -72,8 +72,8 @@ class Applier:
         target: the serving model, wrapped.
         swap: swap mode: the target keeps a second copy of its tables. The first update,
             before which nothing is served, is written in place like a copy-mode one; the
-            second copy is then made from it (:meth:`ServingTarget.enable_swap`), instead
-            of a blank copy being made first and filled, swapped in and copied back.
+            second copy is then made from it (:meth:`make_spare`), instead of a blank copy
+            being made first and filled, swapped in and copied back.
         lock: the lock serving code shares; a new one if ``None``.
     """
 
@@ -126,9 +126,14 @@ class Applier:
             self._behind = prepared
             if update.plan.cold:
                 self._behind = None  # every row: copied whole at the next update
-        elif self.swap:  # the first update, written in place: the spare copies it
-            self.spare_bytes = self.target.enable_swap()
         return blocked, held
+
+    def make_spare(self) -> None:
+        """Swap mode, once the first update is served (it was written in place): the second
+        copy, made from the served one while lookups go on. The step is served before it
+        is made, so a follower's first step is not held up by it."""
+        if self.swap and self.served is not None and not self.target.swapping:
+            self.spare_bytes = self.target.enable_swap()
 
     def _write_spare(self, prepared: list[tuple[str, torch.Tensor, PreparedRows]]) -> None:
         """Brings the spare copy to the served step, then writes the update into it."""

@@ -302,6 +302,7 @@ class Follower:
             rewind=plan.rewind,
         )
         self.reports.append(report)
+        self._applier.make_spare()  # swap mode's second copy, after the first step is served
         return report.step
 
     def _read(self, manifest: Manifest, latest: Entry, asked: bool) -> PendingUpdate | None:
