@@ -278,7 +278,7 @@ def _summarise(
         "served_requests": m["requests"], "checked_requests": m["checked_requests"],
         "torn_requests": m["torn_requests"], "torn_examples": m["torn_examples"],
         "cold_s": next((r.seconds for r in reports if r.cold), None),
-        "start_s": first_served - m["following_at"] if "following_at" in m else None,
+        "start_s": first_served - m["following_at"],
         "process_start_s": first_served - launched,
         "missed_commits": sum(i.step > reports[0].step and i.step not in served for i in infos),
         "update_s": med("seconds"), "update_s_max": worst("seconds"),

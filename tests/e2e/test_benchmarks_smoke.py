@@ -20,7 +20,7 @@ import pytest
 from benchmarks import CASES, EXPERIMENTS, SINGLE_PROCESS
 from benchmarks.harness import main
 from benchmarks.report import render, section
-from benchmarks.results import load
+from benchmarks.results import load, lookup
 from tests.multiprocess import run_ranks
 
 RUNS = [
@@ -45,6 +45,7 @@ RUNS = [
     ("policy_bytes", "benchmarks.policies", ("--figure",)),
     *((e, f"benchmarks.experiments.{e}", ()) for e in EXPERIMENTS),
 ]
+MISSING = object()
 PARAMS = [
     pytest.param(
         *run,
@@ -81,6 +82,15 @@ def test_smoke_run_writes_a_result_with_measurements_and_evaluated_targets(
     assert result["measurements"] and result["tables"]
     assert all(t["rows"] for t in result["tables"]), result["tables"]
     for t in result["targets"]:
+        # Every key a target names was recorded; a value may be None where the benchmark
+        # could not estimate it this run (a tiny arm whose every step overlapped a commit
+        # on a busy machine has no clean steps to pace it by), and its verdict is n/a.
+        keys = [t["measured_key"], *([t["reference"]] if isinstance(t["reference"], str) else [])]
+        for key in keys:
+            assert lookup(result["measurements"], key, MISSING) is not MISSING, (key, t)
+        if t["verdict"] == "n/a":
+            assert None in (t["measured"], t["reference_value"]), t
+            continue
         assert t["verdict"] in ("PASS", "MISS", "MIXED"), t
         assert t["measured"] is not None and t["bound"] is not None, t
     # The report renders it (smoke results are only left out of the docs by default).

@@ -24,8 +24,9 @@ from torchrec_cnr.snapshot import (
     rows_path,
     write_index,
 )
+from torchrec_cnr.snapshot import reader as snapshot_reader
 from torchrec_cnr.snapshot import writer as snapshot_writer
-from torchrec_cnr.snapshot.reader import _spans
+from torchrec_cnr.snapshot.reader import _spans, span_bytes
 from torchrec_cnr.storage import CountingStorage, open_storage
 
 IO = ThreadPoolExecutor(4, thread_name_prefix="test-io")
@@ -226,3 +227,26 @@ def test_a_few_runs_are_not_merged_beyond_the_byte_budget() -> None:
     index = torch.arange(0, 4000, 40)  # 100 runs, 39 rows apart
     segment = torch.zeros_like(index)
     assert len(_spans(index, segment, 0.0, merge_rows=1000, many=128)) == index.numel()
+
+
+def test_a_merged_span_is_read_in_pieces_as_large_as_a_request_is_costly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows scattered through a tensor, merged into spans, read exactly whether a span takes
+    one read or many; a store whose requests cost more reads it in fewer, larger ones."""
+    checksums, _ = _write(tmp_path, monkeypatch)
+    monkeypatch.setattr(snapshot_reader, "SPAN_BYTES", 1024)
+    whole = _tensors()[rows_path(0, "s0.w")]
+    index = torch.arange(0, whole.shape[0], 3)  # every third row: one span per object
+    reads = {}
+    for request_bytes in (0, 4096):
+        storage = CountingStorage(open_storage(str(tmp_path)))
+        storage.request_bytes = request_bytes
+        assert span_bytes(storage) == max(1024, 16 * request_bytes)
+        reader = SnapshotReader(storage, "ckpt", IO, PIECE, checksums)
+        before = storage.requests
+        assert torch.equal(reader.rows_subset(0, "s0.w", index, extra=10.0), whole[index])
+        reads[request_bytes] = storage.requests - before
+    # 1 KB pieces, then 64 KB ones: every object of PIECE bytes in one read.
+    objects = -(-whole.numel() * whole.element_size() // PIECE)
+    assert reads[4096] == objects < reads[0]

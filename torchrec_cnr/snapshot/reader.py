@@ -92,6 +92,14 @@ buffer each reading thread keeps, the wanted rows then taken out of it: a span r
 into a fresh buffer paid a page fault per 4 KiB and a pass over memory that no longer
 held it (a cold start reads most of a baseline's rows this way)."""
 
+
+def span_bytes(storage: Storage) -> int:
+    """Bytes of a merged span read with one request: :data:`SPAN_BYTES`, or on a store
+    whose request costs more (:attr:`Storage.request_bytes`), sixteen requests' worth, so
+    that a request's own cost stays about a sixteenth of its read's (32 MB a GET on S3)."""
+    return max(SPAN_BYTES, 16 * storage.request_bytes)
+
+
 _local = threading.local()
 
 
@@ -562,7 +570,7 @@ class SnapshotReader:
                 self.storage.read_into(location, start, view)
                 continue
             wanted = index[a:b]
-            rows = max(1, SPAN_BYTES // row_bytes)
+            rows = max(1, span_bytes(self.storage) // row_bytes)
             scratch = _scratch(min(hi - lo, rows) * row_bytes).view(out.dtype)
             scratch = scratch.view(-1, *out.shape[1:])
             bounds = torch.searchsorted(wanted, torch.arange(lo, hi, rows)).tolist() + [b - a]
