@@ -20,13 +20,13 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import time
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Literal
 
 from torchrec_cnr.storage import Storage, StorageWrapper, open_storage
 
-Action = Literal["oserror", "sigkill", "delay"]
+Action = Literal["oserror", "sigkill", "hold"]
 
 
 @dataclass
@@ -38,6 +38,8 @@ class Fault:
     action: Action = "oserror"
     times: int | None = None
     """How many times it fires; ``None`` for always."""
+    released: threading.Event = field(default_factory=threading.Event)
+    """``hold``: the operation waits until the test sets this (two minutes at most)."""
 
     def hits(self, op: str, name: str) -> bool:
         if op != self.op or self.name not in name or self.times == 0:
@@ -67,6 +69,6 @@ class FaultyStorage(StorageWrapper):
                 raise OSError(errno.ENOSPC, f"injected: no space left on device ({op} {name})")
             if fault.action == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            if fault.action == "delay":
-                time.sleep(3.0)
+            if fault.action == "hold" and not fault.released.wait(120):
+                raise TimeoutError(f"injected hold of {op} {name} was never released")
             return

@@ -46,7 +46,7 @@ def main(root: str, control: Path) -> None:
                 except CheckpointError as e:
                     log.write(f"{step} refused: {e}\n")
                 log.flush()
-                time.sleep(0.05)
+                time.sleep(0.25)  # a restore beside it reads before keep_last=1 retires
     finally:
         dist.destroy_process_group()
 

@@ -40,15 +40,18 @@ def _restores_latest(root: str, refs: str, step: int, policy: str = "consecutive
 
 
 def _trains_while_writing(root: str, refs: str) -> None:
-    slow = FaultyStorage(root, Fault("make_durable", "step0000000002", "delay"))
-    job = _job(root, seed=1, policy="consecutive", on_busy="skip", storage=slow)
+    hold = Fault("make_durable", "step0000000002", "hold")
+    job = _job(
+        root, seed=1, policy="consecutive", on_busy="skip", storage=FaultyStorage(root, hold)
+    )
     job.train(2)
     assert job.ckpt.save(2)
     save_reference(job, refs, 2)
     assert job.ckpt._background.busy == "checkpoint of step 2", "save must return mid-write"
-    job.train(2)  # trains while step 2 is being written (3 s injected delay)
+    job.train(2)  # trains while step 2 is being written (held until released below)
     with pytest.warns(UserWarning, match="checkpoint of step 4 skipped"):
         assert not job.ckpt.save(4)
+    hold.released.set()
     job.ckpt.wait()
     assert Manifest.load(root).steps() == [2]
     job.train(2)
