@@ -30,6 +30,7 @@ from torchrec_cnr.serving import (
 )
 from torchrec_cnr.serving.metrics import metrics_text
 from torchrec_cnr.serving.plan import UpdatePlan
+from torchrec_cnr.serving.rows import finite_rows_of
 
 
 def _serves_step(model: torch.nn.Module, root: str, step: int) -> None:
@@ -153,3 +154,29 @@ def test_the_default_gate_refuses_non_finite_rows_and_dense_tensors() -> None:
     update = _pending(a=StoredRows.fp32(good))
     update.dense = {"over.weight": torch.tensor([1.0, float("nan")])}
     assert finite_rows(update) == "non-finite values in over.weight"
+
+
+@pytest.mark.parametrize(("method", "bits"), [("adaptive", 2), ("asymmetric", 3), ("adaptive", 4),
+                                              ("adaptive", 8), ("kmeans", 4)])  # fmt: skip
+def test_the_gate_finds_the_rows_dequantizing_would_find_non_finite(method: str, bits: int) -> None:
+    """2/3/4-bit rows are judged by their scale and bias, not dequantized: the same rows
+    as dequantizing them finds, whichever of scale or bias is NaN or infinite."""
+    gen = torch.Generator().manual_seed(bits)
+    parts = quantize(torch.randn(64, 12, generator=gen), method, bits).to_tensors()
+    name = "data" if "data" in parts else "codebook"
+    damaged = parts[name].clone()
+    width = 2 if damaged.dtype == torch.uint8 and bits < 8 else 4  # fp16 or fp32 scale, bias
+    for row, at, value in [(3, 0, "nan"), (17, 1, "inf"), (40, 0, "-inf"), (41, 1, "nan")]:
+        if name == "codebook":  # every centroid of a k-means row
+            damaged[row] = float(value)
+            continue
+        dtype = torch.float16 if width == 2 else torch.float32
+        raw = torch.tensor([float(value)], dtype=dtype).view(torch.uint8)
+        end = damaged.shape[1] - (1 - at) * width
+        damaged[row, end - width : end] = raw
+    rows = StoredRows.quantized({**parts, name: damaged}, method, bits, 12)
+    expected = finite_rows_of(rows.dequantize())
+    assert not bool(expected[[3, 17, 40, 41]].any()) and int((~expected).sum()) == 4
+    assert torch.equal(rows.finite(), expected)
+    reason = finite_rows(_pending(t=rows))
+    assert reason is not None and "t rows [13, 27, 50, 51]" in reason, reason

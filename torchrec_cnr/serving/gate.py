@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torchrec_cnr.serving.plan import UpdatePlan
-from torchrec_cnr.serving.rows import StoredRows, finite_rows_of
+from torchrec_cnr.serving.rows import StoredRows
 from torchrec_cnr.serving.spill import Spill
 
 __all__ = ["AcceptGate", "PendingUpdate", "RefusedUpdate", "finite_rows"]
@@ -69,8 +69,7 @@ def finite_rows(update: PendingUpdate) -> str | None:
     stored, dequantized) or a dense tensor; names the first five rows of each table."""
     bad: list[str] = []
     for key, ids, rows in update.rows:
-        values = rows.values if rows.values is not None else rows.dequantize()
-        finite = finite_rows_of(values)
+        finite = rows.finite()
         if not bool(finite.all()):
             bad.append(f"{key} rows {ids[~finite][:5].tolist()}")
     bad += [name for name, t in update.dense.items() if not bool(torch.isfinite(t).all())]

@@ -97,6 +97,18 @@ class StoredRows:
         assert self.values is not None
         return self.values.detach().float()
 
+    def finite(self) -> Tensor:
+        """Whether each row's values are finite, as :func:`finite_rows_of` says of the
+        dequantized rows; a 2/3/4-bit uniform row is not dequantized for it: its values
+        are ``bias + scale * q`` with an fp16 scale and bias and ``q`` below 16, so they
+        are finite exactly where the scale and bias are (no such sum leaves fp32's
+        range)."""
+        q = self.fused_nbit()
+        if q is None:
+            return finite_rows_of(self.values if self.values is not None else self.dequantize())
+        scale_bias = q.data[:, -4:].contiguous().view(torch.float16)
+        return torch.isfinite(scale_bias).all(dim=1)
+
     def fused_nbit(self) -> QuantizedRows | None:
         """The packed rows if they are uniform 2/3/4-bit: ``[codes | scale fp16 | bias
         fp16]`` rows, which serving takes without requantizing."""
