@@ -153,9 +153,7 @@ def _one_run(
         if b.args.join_after:
             _wait_commits(root, b.args.join_after, job)
             serve()
-            # A serving process takes a done marker older than its start for an earlier
-            # job's, and would wait for another job.
-            if open_storage(root).read(DONE_MARKER) is not None:
+            if open_storage(root).read(DONE_MARKER) is not None:  # see _wait_following
                 raise RuntimeError(f"{key}: the job ended before its followers started: train "
                                    "longer (--steps) or join earlier (--join-after)")  # fmt: skip
         job.wait(timeout=1800)
@@ -180,7 +178,8 @@ def _one_run(
 
 
 def _wait_following(out: Path, servers: list[subprocess.Popen[bytes]]) -> None:
-    """Until every serving process follows the root (one starting after the job would hang)."""
+    """Until every serving process follows the root: one that started following after the
+    job ended would take its done marker for an earlier job's and wait for another."""
     deadline = time.time() + 300
     for i, server in enumerate(servers):
         log = out / f"serve{i or ''}.log"
