@@ -130,7 +130,6 @@ class CheckpointManager:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._fence.check_writable()
-        self._writer.check()
         if self._schedule.skips(step, self._background.busy):
             return False
         self.wait()

@@ -1,6 +1,6 @@
-"""The writer process (``background="process"``) under faults: one killed fails the
-checkpoint on every rank with the same error and leaves the previous one the restore
-target; one that cannot start fails every job with why; it ends with close() and with its
+"""The writer process (``background="process"``) under faults: one killed, between jobs
+or mid-commit, fails the checkpoint on every rank at once with the same error and leaves
+the previous one the restore target; one that cannot start fails every job with why; it ends with close() and with its
 training process, SIGKILL included; bad configurations fail at once. (That its checkpoints restore bit-identically, every policy,
 lazy and eager, file system and S3: ``tests/contract/test_resume.py``.)"""
 
@@ -13,13 +13,14 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
 
 from tests.jobs import make_job
 from tests.multiprocess import free_port, run_ranks
-from torchrec_cnr import CheckpointConfig, CheckpointError
+from torchrec_cnr import CheckpointConfig, CheckpointError, Timeouts
 from torchrec_cnr.commit import Manifest
 
 WRITER = "torchrec_cnr.offload.server"
@@ -66,9 +67,10 @@ def _killed_writer_fails_everywhere(root: str) -> None:
     assert "on rank 1" in str(raised.value), "every rank raises rank 1's error"
     latest = Manifest.load(root).latest()
     assert latest is not None and latest.step == 2, "the previous checkpoint stays the target"
-    if dist.get_rank() == 1:  # nothing more is written there, and it says why
-        with pytest.raises(CheckpointError, match="is gone"):
-            job.ckpt.save(6)
+    # Nothing more is written, and every rank says why.
+    job.ckpt.save(6)
+    with pytest.raises(CheckpointError, match="on rank 1: .*writer process of rank 1 .*is gone"):
+        job.ckpt.wait()
     job.ckpt._release()
     assert _gone(writer, 30)
 
@@ -76,6 +78,63 @@ def _killed_writer_fails_everywhere(root: str) -> None:
 @pytest.mark.dist
 def test_a_killed_writer_process_fails_the_checkpoint_on_every_rank(root: str) -> None:
     run_ranks(2, _killed_writer_fails_everywhere, root)
+
+
+def _killed_mid_commit_fails_everywhere(root: str, after: str) -> None:
+    """Rank 1's writer process is SIGKILLed once the ranks have run the first, or the
+    last, of a commit's collectives: rank 0's writer then waits in a later collective,
+    or has finished, and either way every rank must raise rank 1's error at once (not
+    at the collective timeout, which the test's own outlasts)."""
+    from torchrec_cnr.offload import client
+
+    job = make_job("ebc", root, seed=1, policy="consecutive", background="process",
+                   timeouts=Timeouts(collective_timeout_s=3600))  # fmt: skip
+    relayed: list[tuple[Any, ...]] = []
+    run_on = client._run_on
+
+    def counting(group: Any, *args: Any) -> Any:
+        relayed.append(args)
+        return run_on(group, *args)
+
+    setattr(client, "_run_on", counting)  # noqa: B010 - the relay looks it up per call
+    try:
+        job.train(2)
+        job.ckpt.save(2)
+        job.ckpt.wait()
+        per_commit, relayed[:] = len(relayed), []
+        assert per_commit >= 2, "a commit runs collectives"
+        kill_at = 1 if after == "first" else per_commit
+        writer = job.ckpt.writer_pid
+        assert writer is not None
+
+        def killing(group: Any, *args: Any) -> Any:
+            out = counting(group, *args)
+            if dist.get_rank() == 1 and len(relayed) == kill_at:
+                os.kill(writer, signal.SIGKILL)
+            return out
+
+        setattr(client, "_run_on", killing)  # noqa: B010
+        job.train(2)
+        job.ckpt.save(4)
+        with pytest.raises(CheckpointError, match="on rank 1: .*writer process of rank 1"):
+            job.ckpt.wait()
+        assert len(relayed) == kill_at, "no collective runs once a writer process is gone"
+    finally:
+        setattr(client, "_run_on", run_on)  # noqa: B010
+    latest = Manifest.load(root).latest()
+    assert latest is not None and latest.step in (2, 4)
+    if after == "first":
+        assert latest.step == 2, "the previous checkpoint stays the target"
+    job.ckpt.save(6)
+    with pytest.raises(CheckpointError, match="writer process of rank 1 .*is gone"):
+        job.ckpt.wait()
+    job.ckpt._release()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("after", ["first", "last"])
+def test_a_writer_process_killed_mid_commit_fails_every_rank_at_once(root: str, after: str) -> None:
+    run_ranks(2, _killed_mid_commit_fails_everywhere, root, after)
 
 
 def _close_ends_the_writer(root: str) -> None:

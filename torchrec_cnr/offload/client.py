@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
@@ -31,7 +30,6 @@ from torchrec_cnr.encoding import FormatResolver
 from torchrec_cnr.errors import CheckpointError
 from torchrec_cnr.offload.wire import (
     Closed,
-    PickledCollective,
     SentShard,
     Wire,
     pack_error,
@@ -131,8 +129,8 @@ class WriterProcess:
         self.wire.conn.send_bytes(init)
         self._ready = False
         self._broken: str | None = None
-        self._relayed = 0
-        """Collectives relayed in the running job."""
+        self._checks_over = False
+        """Whether the running job's checks that every writer process is alive are over."""
 
     thread_nice = 0
     """The training process's writer thread only relays (short holds of the GIL): lowered,
@@ -145,11 +143,6 @@ class WriterProcess:
     def sink(self, ckpt_id: str, resolver: FormatResolver) -> RecordingSink:
         """The writer process writes the shards: ``save()`` records them."""
         return RecordingSink(ckpt_id)
-
-    def check(self) -> None:
-        """Raises ``CheckpointError`` if the writer process is gone."""
-        if self._broken is not None:
-            raise CheckpointError(self._broken)
 
     def _gone(self, e: BaseException) -> CheckpointError:
         try:
@@ -217,8 +210,9 @@ class WriterProcess:
     def _run(self, group: Collective, kind: str, job: dict[str, Any],
              shards: list[tuple[StagedShard, int, int | None]] | None = None,
              rest: Callable[[Sink], None] | None = None) -> JobResult:  # fmt: skip
-        self.check()
-        self._relayed = 0
+        self._checks_over = False
+        if self._broken is not None:  # the others learn of it at this job's first check
+            self._check_alive(group, CheckpointError(self._broken))
         try:
             self._await_ready()
             self.send_buffers()
@@ -241,31 +235,61 @@ class WriterProcess:
             return self._relay(group)
         except Closed as e:
             error = self._gone(e)
-            if kind == "commit" and self._relayed == 0:
-                # The others wait at the commit's first collective: they learn of it there.
-                run = partial(_run_on, group)
-                PickledCollective(run, group.rank, group.world_size).agree(error)
+            if not self._checks_over:  # the others wait at this job's next check
+                try:
+                    self._check_alive(group, error)
+                except CheckpointError as agreed:
+                    error = agreed
             raise error from e
 
     def _relay(self, group: Collective) -> JobResult:
-        """Runs the writer's collectives until it reports the job's end."""
+        """Runs the writer's collectives until it reports the job's end.
+
+        Before each collective, and once at the job's end, every rank checks that every
+        writer process is alive (:meth:`_check_alive`). A rank whose writer process died
+        mid-job cannot know which collective the others wait in, but it knows they wait
+        at a check: it joins it, and every rank raises its error there. From then on, the
+        writer's collectives raise that error without running until the writer reports
+        the job's end, which raises it too."""
+        failed: Exception | None = None
         while True:
             kind, *args = self.wire.recv()
+            if kind in ("done", "error"):
+                if failed is not None:
+                    raise failed
+                self._check_alive(group, None)
+            if kind == "error":
+                raise unpack_error(args[0])
             if kind == "done":
                 result: JobResult = args[0]
                 if result.followup_error is not None:
                     unpack_error(result.followup_error)
                 return result
-            if kind == "error":
-                raise unpack_error(args[0])
             if kind != "collective":
                 raise CheckpointError(f"unexpected message from the writer process: {kind!r}")
-            self._relayed += 1
+            if failed is None:
+                try:
+                    self._check_alive(group, None)
+                except Exception as e:
+                    failed = e
             try:
+                if failed is not None:
+                    raise failed
                 reply: tuple[Any, ...] = ("reply", _run_on(group, *args))
             except Exception as e:
                 reply = ("raise", pack_error(e))
             self.wire.send(*reply)
+
+    def _check_alive(self, group: Collective, gone: CheckpointError | None) -> None:
+        """Every rank's check that every writer process is alive (``gone``: this rank's is
+        not, and why); raises ``gone``'s agreed error on every rank where any is not. The
+        job's checks are over once one raises."""
+        try:
+            if group.any(gone is not None):
+                group.agree(gone)
+        except BaseException:
+            self._checks_over = True
+            raise
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Asks the writer process to exit; kills it if it has not within ``timeout_s``."""

@@ -41,9 +41,6 @@ class Writer(Protocol):
         """The writer process's (``None``: this process)."""
         ...
 
-    def check(self) -> None:
-        """Raises ``CheckpointError`` if the writer can no longer write."""
-
     def sink(self, ckpt_id: str, resolver: FormatResolver) -> ShardWriter | RecordingSink:
         """Where ``save()`` puts the shards of checkpoint ``ckpt_id``."""
         ...
@@ -75,9 +72,6 @@ class InlineWriter:
     @property
     def pid(self) -> int | None:
         return None
-
-    def check(self) -> None:
-        pass
 
     def sink(self, ckpt_id: str, resolver: FormatResolver) -> ShardWriter:
         return ShardWriter(self.storage, ckpt_id, self.rank, resolver, self.io)
