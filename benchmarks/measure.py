@@ -166,6 +166,14 @@ def disk_bandwidth(folder: Path, nbytes: int, chunk: int = 64 << 20,
     return from_rank0(measure)
 
 
+def disk_read_s(folder: Path, nbytes: int, chunk: int = 64 << 20) -> float:
+    """Seconds the disk under ``folder`` takes to read ``nbytes`` cold, sequentially, in
+    this process (the best of two passes of :func:`disk_bandwidth`'s)."""
+    chunk = max(1, min(chunk, nbytes))
+    nbytes = max(1, nbytes // chunk) * chunk
+    return min(_disk_pass(folder / "disk_read.bin", nbytes, chunk)["read_s"] for _ in range(2))
+
+
 _MEMCPY: dict[tuple[int, ...], float] = {}
 
 

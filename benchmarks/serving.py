@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import QUANTS, memcpy_s, model_arguments, s3_bucket, s3_server
+from benchmarks.measure import QUANTS, disk_read_s, memcpy_s, model_arguments, s3_bucket, s3_server
 from benchmarks.results import Column, Goal, Table
 from cnr_train.job import DONE_MARKER
 from cnr_train.serve import freshness
@@ -171,6 +171,9 @@ def _one_run(
     infos = list_checkpoints(root)
     summaries = [_summarise(m, infos, row, launched[n]) for m, n in zip(metrics, names)]
     summary = summaries[0] | _fanout(summaries, metrics, infos)
+    # The disk's own time for the bytes of the cold start, read cold (the job is over).
+    cold_bytes = int(summary["cold_mb"] * MB)
+    summary["cold_disk_s"] = disk_read_s(out, cold_bytes) if storage == "fs" else None
     b.log(f"{key}: {_brief(summary)} ({time.time() - began:.0f} s)")
     return {"storage": storage, "policy": policy, "served": served, "mode": mode,
             "followers": followers, "joined_after": b.args.join_after, "row_bytes": row, **summary,
@@ -277,6 +280,7 @@ def _summarise(
         "served_requests": m["requests"], "checked_requests": m["checked_requests"],
         "torn_requests": m["torn_requests"], "torn_examples": m["torn_examples"],
         "cold_s": next((r.seconds for r in reports if r.cold), None),
+        "cold_mb": next((r.bytes_read for r in reports if r.cold), 0) / MB,
         "start_s": first_served - m["following_at"],
         "process_start_s": first_served - launched,
         "missed_commits": sum(i.step > reports[0].step and i.step not in served for i in infos),
@@ -386,13 +390,17 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "missed after first": lambda r: r.get("missed_commits"),
         "start s": lambda r: r.get("start_s"),
         "(process)": lambda r: r.get("process_start_s"),
+        "start MB": lambda r: r.get("cold_mb"),
+        "disk s (same MB)": lambda r: r.get("cold_disk_s"),
         "interval s": "interval_s",
         "fresh s (median)": "fresh_s", "fresh s (worst)": "fresh_s_max",
         "step row first read s": "probe_fresh_s", "(worst)": "probe_fresh_s_max",
         "lag s (median)": "lag_s", "lag s (worst)": "lag_s_max",
     }, "A torn request read rows of another step than follower.step named. Missed after "
         "first: commits after the first served step that were never served. Start: from "
-        "the follower's start (the serving process's) to its first step served. Interval: "
+        "the follower's start (the serving process's) to its first step served; its MB read, "
+        "and the disk's time to read as many bytes cold, sequentially, after the job (file "
+        "system). Interval: "
         "median seconds between commits. Fresh: from a row's training step to served "
         "(the middle row of an update; the worst, trained right after the previous "
         "served save). Step row first read: from the save of a step to the first request "

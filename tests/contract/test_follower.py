@@ -51,6 +51,7 @@ from torchrec_cnr.serving import (
     PendingUpdate,
     QuantizedTarget,
 )
+from torchrec_cnr.serving.follower import STEP_THROUGH
 from torchrec_cnr.serving.options import SWAP_SHARE, available_memory, swap_mode
 from torchrec_cnr.storage import Storage, StorageWrapper, open_storage
 
@@ -675,3 +676,44 @@ def test_several_followers_follow_one_s3_root_at_once(s3_root: str) -> None:
     assert all(not f.reports[-1].cold for f in followers)
     for f in followers:
         f.close()
+
+
+@pytest.mark.dist
+def test_a_few_commits_behind_a_follower_serves_each_in_turn_exactly(root: str) -> None:
+    """At most STEP_THROUGH commits behind, one poll serves every commit in commit order,
+    each exactly (what each update saw served is checked against that step's export);
+    further behind, it goes straight to the latest; a refused commit among them is
+    passed over for the latest at the next poll."""
+    model, _, _ = unsharded("ebc", device="cpu")
+    seen: list[tuple[int, dict[str, torch.Tensor]]] = []
+    refuse: set[int] = set()
+
+    def gate(update: PendingUpdate) -> str | None:
+        seen.append((update.plan.target.step, _served(model)))
+        return "refused by the test" if update.plan.target.step in refuse else None
+
+    follower = Follower(root, FloatTarget(model), FollowerOptions(accept=gate, swap=False))
+    run_ranks(2, _train, root, "ebc", "consecutive", 2, {})
+    assert follower.poll() == 2
+    last = 2 + EVERY * STEP_THROUGH
+    run_ranks(2, _train, root, "ebc", "consecutive", last, {})
+    assert follower.poll() == last
+    stepped = list(range(2 + EVERY, last + 1, EVERY))
+    assert [r.step for r in follower.reports[1:]] == stepped
+    _assert_serves_the_root(model, root)
+    for (step, before), previous in zip(seen[1:], [2, *stepped[:-1]], strict=True):
+        want = export_state_dict(root, step=previous)
+        assert all(torch.equal(v, before[k]) for k, v in want.items()), (step, previous)
+    # Further behind than STEP_THROUGH: the latest at once.
+    further = last + EVERY * (STEP_THROUGH + 1)
+    run_ranks(2, _train, root, "ebc", "consecutive", further, {})
+    assert follower.poll() == further
+    assert [r.step for r in follower.reports[len(stepped) + 1 :]] == [further]
+    # A refused commit among a few: the next poll serves the latest instead.
+    refuse.add(further + EVERY)
+    run_ranks(2, _train, root, "ebc", "consecutive", further + 2 * EVERY, {})
+    assert follower.poll() == further
+    assert [r.step for r in follower.refused] == [further + EVERY]
+    assert follower.poll() == further + 2 * EVERY
+    _assert_serves_the_root(model, root)
+    follower.close()

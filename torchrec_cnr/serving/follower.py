@@ -4,7 +4,9 @@ Check-N-Run names "publishing snapshots in real time" among the reasons to check
 serving wants fresh embeddings. Each update of a :class:`Follower`
 
 1. reads the root's manifest (only committed checkpoints exist there), unless its stamp (a
-   stat on a file system, a HEAD request on S3) shows it unchanged since the last poll;
+   stat on a file system, a HEAD request on S3) shows it unchanged since the last poll,
+   and picks the commit to serve: the latest, or the one after the served one while at
+   most :data:`STEP_THROUGH` came after it (every commit served, in order);
 2. plans which rows changed since the served checkpoint (:mod:`.plan`);
 3. reads only those rows' latest versions from the target's chain, newest link first,
    each row once, with ranged reads of consecutive rows (a ranged GET on S3): where each
@@ -42,7 +44,7 @@ from typing import Any
 
 from torchrec_cnr import shutdown
 from torchrec_cnr.commit.manifest import Entry, Manifest
-from torchrec_cnr.errors import CnrError
+from torchrec_cnr.errors import CheckpointReadError, CnrError
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.read import load_committed
 from torchrec_cnr.schema import MANIFEST_NAME
@@ -59,9 +61,18 @@ __all__ = ["Follower"]
 
 logger = logging.getLogger(__name__)
 
+STEP_THROUGH = 2
+"""A follower at most this many commits behind the root's latest serves each in turn, in
+commit order: every commit is served, each commit's rows as soon as that commit can be
+(a commit that landed during a cold start or a slow update, say). The price is lag: a
+commit so served was committed less than about two commit intervals before the poll that
+found it, against one for the latest. Further behind, serving each in turn would serve
+staler steps for longer: it goes straight to the latest."""
+
 
 class Follower:
-    """Keeps ``target`` at the latest committed checkpoint of ``root``.
+    """Keeps ``target`` at the latest committed checkpoint of ``root``; a few commits
+    behind, it serves each in turn (:data:`STEP_THROUGH`).
 
     Read-only: any number of followers on any number of hosts follow one root without a
     lease, and a writer's commits see only their reads.
@@ -124,6 +135,7 @@ class Follower:
         self._pinned = False
         self._updating = threading.Lock()  # one update at a time: polls, pins, rollbacks
         self._seen: str | None = None  # the manifest's stamp when last planned from
+        self._behind = False  # the last update served a commit older than the latest
 
     @property
     def step(self) -> int | None:
@@ -187,9 +199,10 @@ class Follower:
         return self._pinned
 
     def poll(self) -> int | None:
-        """Applies whatever was committed since the served checkpoint; returns the step
-        served after it (``None`` while the root holds no checkpoint). Pinned, it reads
-        nothing and returns the served step.
+        """Applies whatever was committed since the served checkpoint: the latest, or,
+        at most :data:`STEP_THROUGH` commits behind, each of them in turn. Returns the
+        step served after it (``None`` while the root holds no checkpoint). Pinned, it
+        reads nothing and returns the served step.
 
         Raises:
             ModelMismatchError: the checkpoint's tables or dense tensors do not match the
@@ -203,6 +216,10 @@ class Follower:
                 return self.step
             served, requests = self._applier.served, self.storage.requests
             step = self._update(None)
+            for _ in range(STEP_THROUGH):  # a few commits behind: each in turn
+                if not self._behind:
+                    break
+                step = self._update(None)
             if served is not None and self._applier.served is served:
                 self.counters.count_idle(self.storage.requests - requests)
             return step
@@ -244,6 +261,7 @@ class Follower:
         return self.pin(step)
 
     def _update(self, step: int | None) -> int | None:
+        self._behind = False
         began = time.perf_counter()
         start_bytes, start_requests = self.storage.bytes_read, self.storage.requests
         stamp = self.storage.stamp(MANIFEST_NAME)
@@ -261,6 +279,10 @@ class Follower:
             self._seen = stamp
             return self.step
         plan = update.plan
+        assert loaded is not None
+        behind = step is None and plan.target.id != loaded[0].id
+        if step is not None or behind:
+            stamp = None  # the next poll plans again, with or without a new commit
         if plan.rewind and step is None:
             logger.warning(
                 "%s went back to step %d (it served step %d): the job restored an older "
@@ -285,7 +307,7 @@ class Follower:
             )
             return self.step
         blocked, held = self._applier.apply(update)
-        self._seen = stamp if step is None else None
+        self._seen, self._behind = stamp, behind
         now = time.perf_counter()
         report = UpdateReport(
             step=plan.target.step,
@@ -306,11 +328,32 @@ class Follower:
         return report.step
 
     def _read(self, manifest: Manifest, latest: Entry, asked: bool) -> PendingUpdate | None:
-        """The update to ``latest``, read and ready; ``None`` if it is served already, or
-        was refused and is not ``asked`` for by step."""
-        if not asked and self.counters.refused_last(latest.id):
-            return None  # refused already: wait for the next commit
-        return self._reader.read(manifest, latest, self._applier.served)
+        """The update to ``latest`` (or, following, to the commit after the served one:
+        :data:`STEP_THROUGH`), read and ready; ``None`` if it is served already, or was
+        refused and is not ``asked`` for by step."""
+        served = self._applier.served
+        if not asked:
+            following = self._next(manifest, latest)
+            if following is not latest:
+                try:
+                    return self._reader.read(manifest, following, served)
+                except CheckpointReadError as e:  # retired while read, say: the latest then
+                    logger.info("%s: %s; reading the latest instead", following.id, e)
+            if self.counters.refused_last(latest.id):
+                return None  # refused already: wait for the next commit
+        return self._reader.read(manifest, latest, served)
+
+    def _next(self, manifest: Manifest, latest: Entry) -> Entry:
+        """The commit to serve next: the one after the served one where at most
+        :data:`STEP_THROUGH` commits came after it and that one was not refused, the latest
+        otherwise."""
+        served = self._applier.served
+        tail = manifest.tail
+        at = next((i for i, e in enumerate(tail) if served is not None and e.id == served.id), None)
+        if at is None or not 1 < len(tail) - 1 - at <= STEP_THROUGH:
+            return latest
+        following = tail[at + 1]
+        return latest if self.counters.refused_last(following.id) else following
 
     # -- background ---------------------------------------------------------
 
