@@ -2,8 +2,8 @@
 a: 600 x 8 and c: 401 x 8, a checkpoint every second step up to 24, with what
 ``export_state_dict`` gave at each step):
 
-- ``locate``: a table's rows read cold, and warm from a served step, are the target's,
-  each row read once;
+- ``locate``: a table's rows read cold (all of them, and a third at a time), and warm
+  from a served step, are the target's, each row read once;
 - ``fetch``: an update over the memory budget is read in pieces, each shown to the gate,
   and a refused piece stops the read;
 - ``apply``: copy and swap mode serve exactly the step applied, swap mode through the
@@ -88,6 +88,14 @@ def test_locate_reads_each_rows_latest_version_once_cold_and_warm(
         for part, rows in pieces:
             got[part] = _values(rows)
         assert torch.equal(got, expected[24][shape.state_dict_key]), table
+        # A third of the rows at a time (found by search, not by a mask of the table's
+        # rows as most of a table is): the same rows, each once.
+        for third in torch.arange(shape.num_embeddings).tensor_split(3):
+            pieces = read_table(chain, table, third, [])
+            ids = torch.cat([ids for ids, _ in pieces])
+            assert torch.equal(torch.sort(ids).values, third), table
+            for part, rows in pieces:
+                assert torch.equal(_values(rows), got[part]), table
 
     served = _entry(manifest, 16)
     plan = plan_update(manifest, chain, served, served.id)

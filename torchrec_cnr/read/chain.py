@@ -242,6 +242,21 @@ class ChainReader:
                 pieces.append((wanted[hit], at[hit]))
         return pieces
 
+    def stored(self, n: int, rec: ShardRecord) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every row ``rec`` (of link ``n``) stores, and where: ``(ids, positions)`` pieces,
+        each ascending in both (a ``tail`` record's rows changed since the previous
+        checkpoint are a piece of their own)."""
+        ss, link = rec.spec, self.links[n]
+        if rec.all_rows:
+            return [(torch.arange(ss.row_offset, ss.row_offset + ss.rows), torch.arange(ss.rows))]
+        ids = self._kept_ids(link, rec)
+        if rec.recent == "tail" and rec.recent_rows:
+            start = rec.saved_rows - rec.recent_rows
+            last = self.kept(link, ss.rank, rec.recent_name).to(torch.int64)
+            return [(ids[:start], torch.arange(start)),
+                    (last, torch.arange(start, rec.saved_rows))]  # fmt: skip
+        return [(ids, torch.arange(ids.numel()))]
+
     def _kept_ids(self, entry: Entry, rec: ShardRecord) -> torch.Tensor:
         """:meth:`saved_ids` of ``rec`` of ``entry``, kept (:meth:`kept`)."""
         ss = rec.spec

@@ -85,9 +85,11 @@ def _located(
     """Where ``source``'s links, newest first, store rows ``wanted`` of ``table``: each
     row's pieces, and the rows none stores; ``None`` if a record splits the table's rows
     by column (see :func:`_assemble`)."""
-    dim = source.entry.tables[table].embedding_dim
-    if not all(rec.spec.cols == dim for _, rec in source.records(table)):
+    shape = source.entry.tables[table]
+    if not all(rec.spec.cols == shape.embedding_dim for _, rec in source.records(table)):
         return None
+    if 2 * wanted.numel() >= shape.num_embeddings:
+        return _located_densely(source, table, wanted, shape.num_embeddings)
     pieces = []
     for n in reversed(range(len(source.links))):
         for rec in source.links[n].shards:
@@ -103,6 +105,28 @@ def _located(
                 )
                 wanted = wanted[~find_ids(taken, wanted)[0]]
     return pieces, wanted
+
+
+def _located_densely(
+    source: ChainReader, table: str, wanted: torch.Tensor, rows: int
+) -> tuple[list[_Piece], torch.Tensor]:
+    """:func:`_located` where most of the table's ``rows`` are wanted (a cold start): a
+    mask of the rows still wanted, checked against every row each link stores, costs a
+    pass over those ids instead of searches through the wanted ones."""
+    left = torch.zeros(rows, dtype=torch.bool)
+    left[wanted] = True
+    pieces = []
+    for n in reversed(range(len(source.links))):
+        for rec in source.links[n].shards:
+            if rec.spec.table != table or rec.saved_rows == 0:
+                continue
+            for ids, at in source.stored(n, rec):
+                hit = left[ids]
+                if bool(hit.any()):
+                    ids = ids[hit]
+                    pieces.append(_Piece(ids, rec, at[hit], source.reader(n)))
+                    left[ids] = False
+    return pieces, left.nonzero().flatten()
 
 
 def _from_newer(
