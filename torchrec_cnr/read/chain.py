@@ -224,10 +224,9 @@ class ChainReader:
         """
         pieces = []
         saved: torch.Tensor | None = None
-        link, rank = self.links[n], rec.spec.rank
-        if rec.recent == "tail" and rec.recent_rows:
-            start = rec.saved_rows - rec.recent_rows
-            last = self.kept(link, rank, rec.recent_name).to(torch.int64)
+        link = self.links[n]
+        if (tail := self._tail(link, rec)) is not None:
+            start, last = tail
             hit, at = find_ids(last, wanted)
             if bool(hit.any()):
                 pieces.append((wanted[hit], start + at[hit]))
@@ -246,16 +245,21 @@ class ChainReader:
         """Every row ``rec`` (of link ``n``) stores, and where: ``(ids, positions)`` pieces,
         each ascending in both (a ``tail`` record's rows changed since the previous
         checkpoint are a piece of their own)."""
-        ss, link = rec.spec, self.links[n]
-        if rec.all_rows:
-            return [(torch.arange(ss.row_offset, ss.row_offset + ss.rows), torch.arange(ss.rows))]
+        link = self.links[n]
         ids = self._kept_ids(link, rec)
-        if rec.recent == "tail" and rec.recent_rows:
-            start = rec.saved_rows - rec.recent_rows
-            last = self.kept(link, ss.rank, rec.recent_name).to(torch.int64)
-            return [(ids[:start], torch.arange(start)),
-                    (last, torch.arange(start, rec.saved_rows))]  # fmt: skip
-        return [(ids, torch.arange(ids.numel()))]
+        if (tail := self._tail(link, rec)) is None:
+            return [(ids, torch.arange(ids.numel()))]
+        start, last = tail
+        return [(ids[:start], torch.arange(start)), (last, torch.arange(start, rec.saved_rows))]
+
+    def _tail(self, entry: Entry, rec: ShardRecord) -> tuple[int, torch.Tensor] | None:
+        """A ``tail`` record's rows changed since the previous checkpoint: where they start
+        among its stored rows, and their ids (ascending, from its small ``recent`` tensor);
+        ``None`` for any other record."""
+        if rec.recent != "tail" or not rec.recent_rows:
+            return None
+        ids = self.kept(entry, rec.spec.rank, rec.recent_name).to(torch.int64)
+        return rec.saved_rows - rec.recent_rows, ids
 
     def _kept_ids(self, entry: Entry, rec: ShardRecord) -> torch.Tensor:
         """:meth:`saved_ids` of ``rec`` of ``entry``, kept (:meth:`kept`)."""
