@@ -3,7 +3,8 @@ a: 600 x 8 and c: 401 x 8, a checkpoint every second step up to 24, with what
 ``export_state_dict`` gave at each step):
 
 - ``locate``: a table's rows read cold (all of them, and a third at a time), and warm
-  from a served step, are the target's, each row read once;
+  from a served step, are the target's, each row read once; the reads queued for several
+  tables are each waited for, even after one fails;
 - ``fetch``: an update over the memory budget is read in pieces, each shown to the gate,
   and a refused piece stops the read;
 - ``apply``: copy and swap mode serve exactly the step applied, swap mode through the
@@ -18,7 +19,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ from torchrec_cnr.serving import FloatTarget, PendingUpdate, RefusedUpdate
 from torchrec_cnr.serving.apply import Applier, SharedLock
 from torchrec_cnr.serving.counters import Counters
 from torchrec_cnr.serving.fetch import UpdateReader
-from torchrec_cnr.serving.locate import read_table
+from torchrec_cnr.serving.locate import read_table, settle
 from torchrec_cnr.serving.plan import plan_update
 from torchrec_cnr.serving.poller import Poller
 from torchrec_cnr.storage import Storage, open_storage
@@ -81,7 +82,7 @@ def test_locate_reads_each_rows_latest_version_once_cold_and_warm(
     latest = _entry(manifest, 24)
     chain = ChainReader(storage, manifest, latest, io, verify=False, lazy=True)
     for table, shape in latest.tables.items():  # cold: every row, from the whole chain
-        pieces = read_table(chain, table, None, [])
+        pieces = settle(read_table(chain, table, None, []))
         ids = torch.cat([ids for ids, _ in pieces])
         assert torch.equal(torch.sort(ids).values, torch.arange(shape.num_embeddings)), table
         got = torch.zeros(shape.num_embeddings, shape.embedding_dim)
@@ -91,7 +92,7 @@ def test_locate_reads_each_rows_latest_version_once_cold_and_warm(
         # A third of the rows at a time (found by search, not by a mask of the table's
         # rows as most of a table is): the same rows, each once.
         for third in torch.arange(shape.num_embeddings).tensor_split(3):
-            pieces = read_table(chain, table, third, [])
+            pieces = settle(read_table(chain, table, third, []))
             ids = torch.cat([ids for ids, _ in pieces])
             assert torch.equal(torch.sort(ids).values, third), table
             for part, rows in pieces:
@@ -102,13 +103,34 @@ def test_locate_reads_each_rows_latest_version_once_cold_and_warm(
     assert plan is not None and not plan.cold and [e.step for e in plan.newer] == [24, 22, 20, 18]
     for table, wanted in plan.rows.items():  # warm: only the rows changed since step 16
         key = latest.tables[table].state_dict_key
-        pieces = read_table(chain, table, wanted, plan.newer)
+        pieces = settle(read_table(chain, table, wanted, plan.newer))
         ids = torch.cat([ids for ids, _ in pieces])
         assert torch.equal(torch.sort(ids).values, wanted), table  # each once
         state = expected[16][key].clone()
         for part, rows in pieces:
             state[part] = _values(rows)
         assert torch.equal(state, expected[24][key]), table
+
+
+def test_settle_waits_for_every_read_and_raises_the_first_failure() -> None:
+    # A follower queues every table's reads before it waits for any: where one fails,
+    # the others must still be waited for, so that none writes into its buffers later.
+    calls: list[int] = []
+
+    def read(i: int, fail: bool) -> Callable[[], int]:
+        def finish() -> int:
+            calls.append(i)
+            if fail:
+                raise OSError(f"read {i} failed")
+            return i * 10
+
+        return finish
+
+    assert settle([read(0, False), read(1, False)]) == [0, 10]
+    calls.clear()
+    with pytest.raises(OSError, match="read 1 failed"):
+        settle([read(0, False), read(1, True), read(2, True), read(3, False)])
+    assert calls == [0, 1, 2, 3]
 
 
 def test_fetch_reads_an_update_over_the_budget_in_pieces_each_shown_to_the_gate(

@@ -8,6 +8,8 @@ replaced while read, a damaged file, a model that does not match) fails before
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from torchrec_cnr.commit.manifest import Entry, Manifest
@@ -15,7 +17,7 @@ from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.read import ChainReader
 from torchrec_cnr.restore import check_serving
 from torchrec_cnr.serving.gate import AcceptGate, PendingUpdate
-from torchrec_cnr.serving.locate import read_table
+from torchrec_cnr.serving.locate import Read, read_table, settle
 from torchrec_cnr.serving.plan import UpdatePlan, plan_update
 from torchrec_cnr.serving.rows import StoredRows
 from torchrec_cnr.serving.spill import Spill, piece_bytes, piece_rows
@@ -74,19 +76,10 @@ class UpdateReader:
         if plan is None:
             return None
         update = PendingUpdate(plan, spill=self._spill_for(plan, latest))
-        for table, shape in latest.tables.items():
-            key = shape.state_dict_key
-            wanted = _wanted(plan, table)
-            if wanted is not None and not wanted.numel():
-                continue
-            parts: list[torch.Tensor | None] = [wanted]
-            if update.spill is not None:
-                assert self.memory_budget is not None
-                every = torch.arange(shape.num_embeddings) if wanted is None else wanted
-                parts = list(every.split(piece_rows(self.memory_budget, shape.embedding_dim)))
-            for part in parts:
-                if not self._take(update, key, read_table(chain, table, part, plan.newer)):
-                    return update  # a piece was refused
+        if update.spill is None:
+            self._read_whole(update, chain, latest)
+        elif not self._read_pieces(update, chain, latest):
+            return update  # a piece was refused
         if plan.dense or plan.cold:
             shapes, dense = self.target.tables(), self.target.dense_names()
             read = chain.dense([n for n in latest.dense if n in dense or n in shapes])
@@ -98,6 +91,39 @@ class UpdateReader:
                 else:
                     update.dense[name] = tensor
         return update
+
+    def _read_whole(self, update: PendingUpdate, chain: ChainReader, latest: Entry) -> None:
+        """Every table's rows into ``update``: each table's reads queued before the next
+        table is located, so that the reading threads stay busy while this one plans."""
+        keys: list[str] = []
+        reads: list[Read] = []
+        try:
+            for table, shape in latest.tables.items():
+                wanted = _wanted(update.plan, table)
+                if wanted is None or wanted.numel():
+                    queued = read_table(chain, table, wanted, update.plan.newer)
+                    keys += [shape.state_dict_key] * len(queued)
+                    reads += queued
+        except BaseException:
+            with contextlib.suppress(Exception):
+                settle(reads)  # none left reading
+            raise
+        update.rows += [(key, ids, rows) for key, (ids, rows) in zip(keys, settle(reads))]
+
+    def _read_pieces(self, update: PendingUpdate, chain: ChainReader, latest: Entry) -> bool:
+        """Over the memory budget: each table's rows read a piece at a time, each shown to
+        the gate and spilled before the next is read; False if the gate refused one."""
+        assert self.memory_budget is not None
+        for table, shape in latest.tables.items():
+            wanted = _wanted(update.plan, table)
+            if wanted is not None and not wanted.numel():
+                continue
+            every = torch.arange(shape.num_embeddings) if wanted is None else wanted
+            for part in every.split(piece_rows(self.memory_budget, shape.embedding_dim)):
+                reads = read_table(chain, table, part, update.plan.newer)
+                if not self._take(update, shape.state_dict_key, settle(reads)):
+                    return False
+        return True
 
     def _spill_for(self, plan: UpdatePlan, latest: Entry) -> Spill | None:
         """A spill for an update whose rows would take more than the memory budget."""

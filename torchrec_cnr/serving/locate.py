@@ -18,7 +18,9 @@ as a restore does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -30,7 +32,7 @@ from torchrec_cnr.serving.plan import changed_rows
 from torchrec_cnr.serving.rows import StoredRows
 from torchrec_cnr.snapshot import SnapshotReader
 
-__all__ = ["read_table"]
+__all__ = ["Read", "read_table", "settle"]
 
 
 @dataclass
@@ -51,19 +53,47 @@ class _Piece:
             total += nbytes + requests * self.snapshot.storage.request_bytes
         return total
 
-    def read(self) -> tuple[torch.Tensor, StoredRows]:
-        """``(ids, rows)``, the rows as stored."""
-        rec = self.rec
+    def begin(self) -> Read:
+        """Queues its reads; returns what waits for them and gives ``(ids, rows)``, the
+        rows as stored."""
+        rec, snapshot = self.rec, self.snapshot
 
-        def read(name: str) -> torch.Tensor:
-            return self.snapshot.rows_subset(rec.spec.rank, name, self.keep)
+        def begin(name: str) -> Callable[[], torch.Tensor]:
+            return snapshot.begin_rows_subset(rec.spec.rank, name, self.keep)
 
         if rec.format == FP32:
-            return self.ids, StoredRows.fp32(read(rec.weight_name(rec.key)))
-        parts = {p: read(rec.part_name(rec.key, p)) for p in rec.parts}
-        return self.ids, StoredRows.quantized(
-            parts, rec.format.method, rec.format.bits, rec.spec.cols
-        )
+            values = begin(rec.weight_name(rec.key))
+            return lambda: (self.ids, StoredRows.fp32(values()))
+        names = list(rec.parts)
+        parts = [begin(rec.part_name(rec.key, p)) for p in names]
+
+        def finish() -> tuple[torch.Tensor, StoredRows]:
+            read = dict(zip(names, settle(parts)))
+            return self.ids, StoredRows.quantized(
+                read, rec.format.method, rec.format.bits, rec.spec.cols
+            )
+
+        return finish
+
+
+Read = Callable[[], tuple[torch.Tensor, StoredRows]]
+"""Waits for the reads of some rows of a table, queued already, and gives ``(ids, rows)``."""
+
+T = TypeVar("T")
+
+
+def settle(reads: list[Callable[[], T]]) -> list[T]:
+    """What each of ``reads`` gives, every one waited for even after one fails (so that
+    none is still reading when this returns); the first failure is raised."""
+    out, failed = [], None
+    for read in reads:
+        try:
+            out.append(read())
+        except Exception as e:
+            failed = failed or e
+    if failed is not None:
+        raise failed
+    return out
 
 
 def _same_values(rec: ShardRecord, ours: list[ShardRecord], cols: int) -> bool:
@@ -162,9 +192,10 @@ def _from_newer(
 
 def read_table(
     chain: ChainReader, table: str, wanted: torch.Tensor | None, newer: list[Entry]
-) -> list[tuple[torch.Tensor, StoredRows]]:
+) -> list[Read]:
     """The latest stored version of rows ``wanted`` (every row if ``None``) of ``table``,
-    each row read once: ``(ids, rows)`` pieces.
+    each row read once: the reads of its ``(ids, rows)`` pieces, queued (:func:`settle`
+    waits for them), so that the next table can be located while they run.
 
     A cold update reads them from ``chain``, newest link first. A warm one reads them
     from ``newer`` alone, which stores every row it wants (the target's chain is not
@@ -184,7 +215,7 @@ def read_table(
             found is None
             or sum(p.cost() for p in alone[0]) < sum(p.cost() for p in pieces + found[0])
         ):
-            return [p.read() for p in alone[0]]
+            return [p.begin() for p in alone[0]]
     return _read_rest(source, table, pieces, rest, found)
 
 
@@ -194,15 +225,15 @@ def _read_rest(
     pieces: list[_Piece],
     rest: torch.Tensor,
     found: tuple[list[_Piece], torch.Tensor] | None,
-) -> list[tuple[torch.Tensor, StoredRows]]:
+) -> list[Read]:
     """``pieces`` read, then rows ``rest`` where :func:`_located` ``found`` them in
-    ``source`` (``None``: assembled from its links, split by column)."""
+    ``source`` (``None``: assembled from its links, split by column, before this returns)."""
     if found is not None:
-        return [p.read() for p in pieces + found[0]]
-    read = [p.read() for p in pieces]
+        return [p.begin() for p in pieces + found[0]]
     if not rest.numel():
-        return read
-    return [*read, (rest, StoredRows.fp32(_assemble(source, table, rest)))]
+        return [p.begin() for p in pieces]
+    values = StoredRows.fp32(_assemble(source, table, rest))
+    return [*(p.begin() for p in pieces), lambda: (rest, values)]
 
 
 def _assemble(source: ChainReader, table: str, wanted: torch.Tensor) -> torch.Tensor:

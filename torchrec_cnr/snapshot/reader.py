@@ -491,26 +491,40 @@ class SnapshotReader:
         parallel on the executor. No checksum can be checked (it covers the whole
         tensor).
         """
+        return self.begin_rows_subset(rank, name, index, extra)()
+
+    def begin_rows_subset(
+        self, rank: int, name: str, index: torch.Tensor, extra: float = COALESCE_EXTRA
+    ) -> Callable[[], torch.Tensor]:
+        """:meth:`rows_subset`, its requests queued on the executor: returns ``finish()``,
+        which waits for them and gives the rows, so that the caller can plan the next
+        read while these run."""
         plan = self._subset_plan(rank, name, index, extra)
         if plan is None:
-            return self.rows(rank, name)[index]  # pickled or chunked by column: read it whole
+            rows = self.rows(rank, name)[index]  # pickled or chunked by column: read it whole
+            return lambda: rows
         out, tasks = plan
-        if not tasks:
-            return out
         # A task per batch of spans, not per span: a span is often one small pread.
         batch = max(1, len(tasks) // 16)
-        try:
-            reads = [
-                self.executor.submit(self._read_spans, tasks[i : i + batch], index, out)
-                for i in range(0, len(tasks), batch)
-            ]
-            for read in reads:
-                read.result()
-        except Exception as e:
-            raise CheckpointReadError(
-                f"cannot read {rows_path(rank, name)!r} from {self.path}: {e}"
-            ) from e
-        return out
+        reads = [
+            self.executor.submit(self._read_spans, tasks[i : i + batch], index, out)
+            for i in range(0, len(tasks), batch)
+        ]
+
+        def finish() -> torch.Tensor:
+            failed = None
+            for read in reads:  # every one waited for: none writes into ``out`` after
+                try:
+                    read.result()
+                except Exception as e:
+                    failed = failed or e
+            if failed is not None:
+                raise CheckpointReadError(
+                    f"cannot read {rows_path(rank, name)!r} from {self.path}: {failed}"
+                ) from failed
+            return out
+
+        return finish
 
     def subset_cost(
         self, rank: int, name: str, index: torch.Tensor, extra: float = COALESCE_EXTRA
