@@ -188,6 +188,28 @@ def memcpy_s(nbytes: int) -> float:
     return _MEMCPY[key]
 
 
+_SCATTER: dict[tuple[int, int, int], float] = {}
+
+
+def scatter_s(rows: int, row_bytes: int, table_rows: int) -> float:
+    """Time to write ``rows`` rows of ``row_bytes`` each at random ascending positions of a
+    warm table of ``table_rows`` rows, from a warm buffer (``index_copy_``, median of 3):
+    the least an update applied in place costs, where its rows lie scattered through the
+    tables."""
+    key = (rows, row_bytes, table_rows)
+    if key not in _SCATTER:
+        table = torch.ones(table_rows, row_bytes, dtype=torch.uint8)
+        src = torch.ones(rows, row_bytes, dtype=torch.uint8)
+        ids = torch.randperm(table_rows)[:rows].sort().values
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            table.index_copy_(0, ids, src)
+            times.append(time.perf_counter() - t0)
+        _SCATTER[key] = statistics.median(times)
+    return _SCATTER[key]
+
+
 def proc_status_mb(name: str) -> float:
     """A memory figure of this process (``VmRSS``, ``VmHWM``, ...) in MB."""
     with open("/proc/self/status") as f:

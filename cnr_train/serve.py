@@ -294,6 +294,7 @@ class Server:
         self.probe = StepRows(target) if config.serve.step_rows else None
         self.requests: RequestLoop | None = None
         self._cpu0 = 0.0  # the process's CPU seconds when run() began
+        self._warm: tuple[float, int] | None = None  # the same, and updates, at the first step
 
     def run(self) -> dict[str, Any]:
         """Follows and serves until the job writes its done marker; then evaluates.
@@ -361,6 +362,7 @@ class Server:
             self.config.serve.requests_per_s,
             self.probe,
         )
+        self._warm = time.process_time(), len(self.follower.reports)
         self.requests.start()
 
     def _check_requests(self) -> None:
@@ -416,6 +418,9 @@ class Server:
             "storage_bytes": self.follower.storage.bytes_read,
             "cpu_s": time.process_time() - self._cpu0,
             "request_cpu_s": self.requests.cpu_s if self.requests else 0.0,
+            # From the first step served on (the cold start left out), requests included.
+            "warm_cpu_s": None if self._warm is None else time.process_time() - self._warm[0],
+            "warm_updates": None if self._warm is None else len(reports) - self._warm[1],
             "eval_batches": self.config.eval.batches,
             **self._probed(infos),
             "update_reports": [asdict(r) for r in reports],
