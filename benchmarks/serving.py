@@ -284,8 +284,8 @@ def _summarise(
 
     intervals = [b.committed_at - a.committed_at for a, b in zip(infos, infos[1:])]
     scatter = scatter_s(int(med("changed_rows")), row - ID_BYTES, table_rows)
-    warm = m.get("warm_updates")  # after the first step served, idle polls included
-    follow_ms = (m["warm_cpu_s"] - m["request_cpu_s"]) / warm * 1e3 if warm else None
+    warm = m.get("warm_updates")  # after the first update past the cold start, idle polls in
+    follow_ms = (m["warm_cpu_s"] - m["warm_request_cpu_s"]) / warm * 1e3 if warm else None
     return {
         "commits": len(infos), "served_commits": len(served),
         "last_served": m["served_step"] == infos[-1].step,
@@ -444,9 +444,10 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "request ms": lambda r: None if r["request_s"] is None else r["request_s"] * 1e3,
     }, "Changed: the rows changed since the served step, as stored, with int32 ids. "
         "Blocked: the exclusive hold of an update; memcpy: a copy of its changed bytes "
-        "between warm buffers. Follow CPU: the serving process's CPU time from its first step "
-        "served on, less its request thread's, over the updates since (idle polls "
-        "included); scatter: a write of as many rows at random places of a table as large as "
+        "between warm buffers. Follow CPU: the serving process's CPU time, less its request "
+        "thread's, over the updates after the first that followed the cold start (idle polls "
+        "included; the cold start, the catch-up after it and swap mode's second copy of the "
+        "tables left out); scatter: a write of as many rows at random places of a table as large as "
         "the model's, from a warm buffer (the least an update in place costs). Held: memory the update's rows took at once (as read, "
         "and in serving form where not a view of them; with a budget, the largest "
         "piece, and spilled: the mapped files); spare: swap mode's second copy "
@@ -459,13 +460,14 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "requests / update": "requests_per_update", "requests / idle poll": "idle_poll_requests",
         "read / changed": "read_over_changed",
         "follow CPU s / commit": "follow_cpu_s_per_commit",
-        "(ms / update, after the start)": lambda r: r.get("follow_cpu_ms_per_update"),
+        "(ms / update, warm)": lambda r: r.get("follow_cpu_ms_per_update"),
         "lag s (median)": "lag_s", "served commits": "served_commits", "torn": "torn_requests",
     }, "Per follower, after its cold start: requests and bytes it cost the store per commit "
         "of the job, idle polls included (caught up: after its first incremental update, "
         "which reads what the cold start missed); requests of an update (median) and of a "
         "poll that found nothing new; CPU seconds of following (the process's, less its "
-        "request thread's) per commit, its cold start included, and per update after it.",
+        "request thread's) per commit, its cold start included, and per update after the "
+        "first that followed the cold start.",
     )  # fmt: skip
     return [consistency, update, *([followers] if fanout else [])]
 

@@ -294,7 +294,9 @@ class Server:
         self.probe = StepRows(target) if config.serve.step_rows else None
         self.requests: RequestLoop | None = None
         self._cpu0 = 0.0  # the process's CPU seconds when run() began
-        self._warm: tuple[float, int] | None = None  # the same, and updates, at the first step
+        # The process's CPU seconds, updates and the request thread's CPU seconds once the
+        # first update after the cold start was served.
+        self._warm: tuple[float, int, float] | None = None
 
     def run(self) -> dict[str, Any]:
         """Follows and serves until the job writes its done marker; then evaluates.
@@ -319,6 +321,8 @@ class Server:
                 )
             if self.requests is None and self.follower.step is not None:
                 self._start_requests()
+            if self._warm is None and self.requests is not None and len(self.follower.reports) > 1:
+                self._warm = time.process_time(), len(self.follower.reports), self.requests.cpu_s
             self._check_requests()
             time.sleep(s.interval_s)
         if self.requests is not None:
@@ -362,7 +366,6 @@ class Server:
             self.config.serve.requests_per_s,
             self.probe,
         )
-        self._warm = time.process_time(), len(self.follower.reports)
         self.requests.start()
 
     def _check_requests(self) -> None:
@@ -418,9 +421,17 @@ class Server:
             "storage_bytes": self.follower.storage.bytes_read,
             "cpu_s": time.process_time() - self._cpu0,
             "request_cpu_s": self.requests.cpu_s if self.requests else 0.0,
-            # From the first step served on (the cold start left out), requests included.
-            "warm_cpu_s": None if self._warm is None else time.process_time() - self._warm[0],
-            "warm_updates": None if self._warm is None else len(reports) - self._warm[1],
+            # After the first update that followed the cold start (the cold start, the catch-up
+            # after it and swap mode's second copy of the tables left out).
+            **(
+                {}
+                if self._warm is None or self.requests is None
+                else {
+                    "warm_cpu_s": time.process_time() - self._warm[0],
+                    "warm_updates": len(reports) - self._warm[1],
+                    "warm_request_cpu_s": self.requests.cpu_s - self._warm[2],
+                }
+            ),
             "eval_batches": self.config.eval.batches,
             **self._probed(infos),
             "update_reports": [asdict(r) for r in reports],
