@@ -58,6 +58,13 @@ def page_aligned(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Ten
     return raw[skip : skip + numel * dtype.itemsize].view(dtype)
 
 
+def _failed(e: Exception) -> Future[None]:
+    """A future that failed with ``e``."""
+    future: Future[None] = Future()
+    future.set_exception(e)
+    return future
+
+
 def _empty(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """A tensor to read into: page-aligned where it is large enough to be read directly."""
     numel = math.prod(shape)
@@ -506,10 +513,7 @@ class SnapshotReader:
         out, tasks = plan
         # A task per batch of spans, not per span: a span is often one small pread.
         batch = max(1, len(tasks) // 16)
-        reads = [
-            self.executor.submit(self._read_spans, tasks[i : i + batch], index, out)
-            for i in range(0, len(tasks), batch)
-        ]
+        reads: list[Future[None]] = []
 
         def finish() -> torch.Tensor:
             failed = None
@@ -524,6 +528,14 @@ class SnapshotReader:
                 ) from failed
             return out
 
+        try:
+            for i in range(0, len(tasks), batch):
+                reads.append(
+                    self.executor.submit(self._read_spans, tasks[i : i + batch], index, out)
+                )
+        except Exception as e:  # the executor shut down, say: those queued waited for
+            reads.append(_failed(e))
+            finish()
         return finish
 
     def subset_cost(
