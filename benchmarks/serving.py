@@ -305,7 +305,8 @@ def _summarise(
         "blocked_over_memcpy": med("blocked_s") / max(med("memcpy_s"), 1e-9),
         "memcpy_ms": med("memcpy_s") * 1e3,
         "follow_cpu_ms": follow_ms, "scatter_ms": scatter * 1e3,
-        "follow_cpu_over_memcpy": None if follow_ms is None else follow_ms / (med("memcpy_s") * 1e3),
+        "follow_cpu_over_memcpy": None if follow_ms is None
+                                  else follow_ms / (med("memcpy_s") * 1e3),
         "held_mb": med("held_bytes") / MB, "held_mb_max": worst("held_bytes") / MB,
         "spilled_mb": med("spilled_bytes") / MB, "held_over_changed": med("held_over_changed"),
         "spare_mb": m.get("spare_bytes", 0) / MB,
@@ -447,8 +448,9 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "between warm buffers. Follow CPU: the serving process's CPU time, less its request "
         "thread's, over the updates after the first that followed the cold start (idle polls "
         "included; the cold start, the catch-up after it and swap mode's second copy of the "
-        "tables left out); scatter: a write of as many rows at random places of a table as large as "
-        "the model's, from a warm buffer (the least an update in place costs). Held: memory the update's rows took at once (as read, "
+        "tables left out); scatter: a write of as many rows at random places of a table as "
+        "large as the model's, from a warm buffer (the least an update in place costs). "
+        "Held: memory the update's rows took at once (as read, "
         "and in serving form where not a view of them; with a budget, the largest "
         "piece, and spilled: the mapped files); spare: swap mode's second copy "
         "of the tables. Request: one held-out batch's forward, waits included.",
