@@ -30,7 +30,10 @@ def _writers(pid: int) -> list[int]:
     """The writer processes that process ``pid`` started."""
     children: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(c) for c in (task / "children").read_text().split()]
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # a thread that ended since the listing
+            continue
     return [c for c in children if WRITER in _cmdline(c)]
 
 
