@@ -36,9 +36,10 @@ from torchrec_cnr.serving import FloatTarget, PendingUpdate, RefusedUpdate
 from torchrec_cnr.serving.apply import Applier, SharedLock
 from torchrec_cnr.serving.counters import Counters
 from torchrec_cnr.serving.fetch import UpdateReader
-from torchrec_cnr.serving.locate import read_table, settle
+from torchrec_cnr.serving.locate import read_table
 from torchrec_cnr.serving.plan import plan_update
 from torchrec_cnr.serving.poller import Poller
+from torchrec_cnr.snapshot.reader import settle
 from torchrec_cnr.storage import Storage, open_storage
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,11 +17,12 @@ from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.read import ChainReader
 from torchrec_cnr.restore import check_serving
 from torchrec_cnr.serving.gate import AcceptGate, PendingUpdate
-from torchrec_cnr.serving.locate import Read, read_table, settle
+from torchrec_cnr.serving.locate import Read, read_table
 from torchrec_cnr.serving.plan import UpdatePlan, plan_update
 from torchrec_cnr.serving.rows import StoredRows
 from torchrec_cnr.serving.spill import Spill, piece_bytes, piece_rows
 from torchrec_cnr.serving.targets import ServingTarget
+from torchrec_cnr.snapshot.reader import settle
 from torchrec_cnr.storage import Storage
 
 __all__ = ["UpdateReader"]

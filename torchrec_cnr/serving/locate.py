@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
@@ -31,8 +30,9 @@ from torchrec_cnr.read import ChainReader, find_ids
 from torchrec_cnr.serving.plan import changed_rows
 from torchrec_cnr.serving.rows import StoredRows
 from torchrec_cnr.snapshot import SnapshotReader
+from torchrec_cnr.snapshot.reader import settle
 
-__all__ = ["Read", "read_table", "settle"]
+__all__ = ["Read", "read_table"]
 
 
 @dataclass
@@ -78,22 +78,6 @@ class _Piece:
 
 Read = Callable[[], tuple[torch.Tensor, StoredRows]]
 """Waits for the reads of some rows of a table, queued already, and gives ``(ids, rows)``."""
-
-T = TypeVar("T")
-
-
-def settle(reads: list[Callable[[], T]]) -> list[T]:
-    """What each of ``reads`` gives, every one waited for even after one fails (so that
-    none is still reading when this returns); the first failure is raised."""
-    out, failed = [], None
-    for read in reads:
-        try:
-            out.append(read())
-        except Exception as e:
-            failed = failed or e
-    if failed is not None:
-        raise failed
-    return out
 
 
 def _same_values(rec: ShardRecord, ours: list[ShardRecord], cols: int) -> bool:

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torchsnapshot.manifest import (
@@ -43,7 +43,7 @@ from torchrec_cnr.snapshot.checksum import (
 from torchrec_cnr.snapshot.objects import load_object
 from torchrec_cnr.storage import DIRECT_ALIGN, DIRECT_MIN_BYTES, Storage
 
-__all__ = ["SnapshotReader", "page_aligned"]
+__all__ = ["SnapshotReader", "page_aligned", "settle"]
 
 Alloc = Callable[[list[int], torch.dtype], "torch.Tensor | None"]
 """Gives the tensor of ``shape`` and ``dtype`` to read into, or ``None`` for a fresh one."""
@@ -56,6 +56,23 @@ def page_aligned(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Ten
     raw = torch.empty(numel * dtype.itemsize + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
     skip = -raw.data_ptr() % DIRECT_ALIGN
     return raw[skip : skip + numel * dtype.itemsize].view(dtype)
+
+
+T = TypeVar("T")
+
+
+def settle(reads: list[Callable[[], T]]) -> list[T]:
+    """What each of ``reads`` gives, every one waited for even after one fails (so that
+    none is still reading when this returns); the first failure is raised."""
+    out, failed = [], None
+    for read in reads:
+        try:
+            out.append(read())
+        except Exception as e:
+            failed = failed or e
+    if failed is not None:
+        raise failed
+    return out
 
 
 def _failed(e: Exception) -> Future[None]:
@@ -516,16 +533,12 @@ class SnapshotReader:
         reads: list[Future[None]] = []
 
         def finish() -> torch.Tensor:
-            failed = None
-            for read in reads:  # every one waited for: none writes into ``out`` after
-                try:
-                    read.result()
-                except Exception as e:
-                    failed = failed or e
-            if failed is not None:
+            try:
+                settle([read.result for read in reads])  # none writes into ``out`` after
+            except Exception as e:
                 raise CheckpointReadError(
-                    f"cannot read {rows_path(rank, name)!r} from {self.path}: {failed}"
-                ) from failed
+                    f"cannot read {rows_path(rank, name)!r} from {self.path}: {e}"
+                ) from e
             return out
 
         try:
