@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -212,6 +213,18 @@ def scatter_s(rows: int, row_bytes: int, table_rows: int) -> float:
     return _SCATTER[key]
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` has used (user and system, every thread's)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's children and their descendants, once waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def proc_status_mb(name: str) -> float:
     """A memory figure of this process (``VmRSS``, ``VmHWM``, ...) in MB."""
     with open("/proc/self/status") as f:
@@ -350,6 +363,17 @@ def timed_restore(
     return took, max_abs_diff(shards, rows, saved)
 
 
+_STORES: dict[str, int] = {}
+"""URL -> process of each :func:`moto_server` this process runs."""
+
+
+def store_cpu_s(url: str | None) -> float | None:
+    """CPU seconds the S3 server at ``url`` has used, where this process started it
+    (:func:`moto_server`); ``None`` otherwise."""
+    pid = _STORES.get(url or "")
+    return None if pid is None else process_cpu_s(pid)
+
+
 @contextlib.contextmanager
 def moto_server() -> Iterator[str]:
     """The URL of a moto S3 server (objects in memory, any credentials) in a process of its
@@ -363,6 +387,7 @@ def moto_server() -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _STORES[url] = server.pid
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -376,6 +401,7 @@ def moto_server() -> Iterator[str]:
                 time.sleep(0.05)
         yield url
     finally:
+        del _STORES[url]
         server.terminate()
         try:
             server.wait(timeout=10)

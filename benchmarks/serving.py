@@ -31,12 +31,14 @@ import torch
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import (
     QUANTS,
+    children_cpu_s,
     disk_read_s,
     memcpy_s,
     model_arguments,
     s3_bucket,
     s3_server,
     scatter_s,
+    store_cpu_s,
 )
 from benchmarks.results import Column, Goal, Table
 from cnr_train.job import DONE_MARKER
@@ -135,6 +137,8 @@ def _one_run(
     servers: list[subprocess.Popen[bytes]] = []
     job: subprocess.Popen[bytes] | None = None
     launched: dict[str, float] = {}  # a serving process's name -> when it was started
+    store = os.environ.get("AWS_ENDPOINT_URL") if storage == "s3" else None
+    processes_cpu, store_cpu = children_cpu_s(), store_cpu_s(store)
 
     def serve() -> None:
         for name in names:
@@ -166,6 +170,9 @@ def _one_run(
                                    "longer (--steps) or join earlier (--join-after)")  # fmt: skip
         job.wait(timeout=1800)
         served_rc = [s.wait(timeout=900) for s in servers]
+        processes_cpu = children_cpu_s() - processes_cpu
+        store_end = store_cpu_s(store)
+        store_cpu = None if store_end is None or store_cpu is None else store_end - store_cpu
     finally:
         for proc in [*servers, *([job] if job is not None else [])]:
             if proc.poll() is None:
@@ -180,6 +187,7 @@ def _one_run(
     table_rows = b.args.tables * b.args.rows
     summaries = [_summarise(m, infos, row, table_rows, launched[n]) for m, n in zip(metrics, names)]
     summary = summaries[0] | _fanout(summaries, metrics, infos)
+    summary["host_cpu"] = _host_cpu(processes_cpu, store_cpu, metrics, infos, summary["interval_s"])
     # The disk's own time for the bytes of the cold start, read cold (the job is over).
     cold_bytes = int(summary["cold_mb"] * MB)
     summary["cold_disk_s"] = disk_read_s(out, cold_bytes) if storage == "fs" else None
@@ -248,6 +256,26 @@ def _fanout(
                      "caught_up_requests_per_commit", "idle_poll_requests", "read_over_changed",
                      "follow_cpu_s_per_commit", "follow_cpu_ms_per_update", "torn_requests")},
     }  # fmt: skip
+
+
+def _host_cpu(
+    processes_s: float,
+    store_s: float | None,
+    metrics: list[dict[str, Any]],
+    infos: list[CheckpointInfo],
+    interval_s: float | None,
+) -> dict[str, Any]:
+    """CPU seconds per commit of the run's processes (the training job's and the serving
+    processes', their starts included), of following and answering requests (the serving
+    processes' from following on), of a local S3 server (the job's writes and every
+    follower's reads), against what the host's cores give in an interval."""
+    commits = max(1, len(infos))
+    return {
+        "processes_s": processes_s / commits,
+        "followers_s": sum(m["cpu_s"] for m in metrics) / commits,
+        "store_s": None if store_s is None else store_s / commits,
+        "cores_s": None if interval_s is None else (os.cpu_count() or 1) * interval_s,
+    }
 
 
 def _summarise(
@@ -471,7 +499,18 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "request thread's) per commit, its cold start included, and per update after the "
         "first that followed the cold start.",
     )  # fmt: skip
-    return [consistency, update, *([followers] if fanout else [])]
+    host = Table.of("The host's CPU per commit", [
+        {"run": key, **r["host_cpu"]} for key, r in m["runs"].items() if "host_cpu" in r
+    ], {
+        "run": "run", "cores x interval s": "cores_s", "processes s": "processes_s",
+        "serving processes s": "followers_s", "S3 server s": "store_s",
+    }, "CPU seconds per commit: what the host's cores give in the median interval; what the "
+        "run's processes used (the training job's, writer processes included, and the serving "
+        "processes', their starts included); of that, the serving processes' from following "
+        "on (following and answering requests); and the local S3 server's, moto's, on the "
+        "same cores (the job's writes and every follower's reads).",
+    )  # fmt: skip
+    return [consistency, update, *([followers] if fanout else []), host]
 
 
 def run(b: Bench) -> Outcome:

@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from benchmarks.harness import Bench, Outcome
-from benchmarks.measure import QUANTS, StepLoop, gathered, max_over_ranks, rmtree
+from benchmarks.measure import QUANTS, StepLoop, gathered, max_over_ranks, process_cpu_s, rmtree
 from benchmarks.overhead.common import warm_trainer
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
@@ -47,12 +47,6 @@ def _gil_shares(raw: str) -> dict[str, float]:
     return {g: c / total for g, c in counts.items()} | {"samples": total}
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds process ``pid`` has used (user and system)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _gil_run(b: Bench, trainer: StepLoop, quant: str, background: Background) -> dict[str, Any]:
     """One format and writer: train and save every step for ``--gil-s`` seconds under py-spy."""
     root = b.scratch / f"gil_{quant}_{background}"
@@ -70,7 +64,7 @@ def _gil_run(b: Bench, trainer: StepLoop, quant: str, background: Background) ->
         first = {"built_s": built - began, "first_stall_s": saved - built,
                  "first_commit_s": time.perf_counter() - saved}  # fmt: skip
         writer = ckpt.writer_pid
-        cpu0 = _cpu_s(writer) if writer is not None else 0.0
+        cpu0 = process_cpu_s(writer) if writer is not None else 0.0
         dist.barrier()
         spy = subprocess.Popen(
             [str(Path(sys.executable).parent / "py-spy"), "record", "--gil", "--threads",
@@ -86,7 +80,7 @@ def _gil_run(b: Bench, trainer: StepLoop, quant: str, background: Background) ->
                 steps += 1
                 saves += bool(ckpt.save(trainer.step))
         ckpt.wait()
-        cpu = _cpu_s(writer) - cpu0 if writer is not None else None
+        cpu = process_cpu_s(writer) - cpu0 if writer is not None else None
     if spy.wait() != 0:
         output = spy.stdout.read() if spy.stdout else ""
         raise RuntimeError(f"py-spy failed ({spy.returncode}): {output}")
