@@ -678,6 +678,50 @@ def test_several_followers_follow_one_s3_root_at_once(s3_root: str) -> None:
         f.close()
 
 
+class _CountedSwaps(FloatTarget):
+    """A float target that counts its swaps."""
+
+    swaps = 0
+
+    def swap(self) -> None:
+        self.swaps += 1
+        super().swap()
+
+
+@pytest.mark.dist
+def test_swap_mode_serves_a_commit_landed_during_the_first_read_before_making_the_spare(
+    root: str,
+) -> None:
+    """Swap mode: where a commit lands while the first step is read, the poll that served
+    that step leaves the second copy unmade; the next serves the commit in place, then
+    makes it, and later updates are swapped in. A follower caught up at the end of its
+    first poll makes the copy then."""
+    run_ranks(2, _train, root, "ebc", "consecutive", 2, {})
+    model, _, _ = unsharded("ebc", device="cpu")
+    target = _CountedSwaps(model)
+    landed: list[int] = []
+
+    def gate(update: PendingUpdate) -> str | None:
+        if not landed:  # the job commits again while the first step is read
+            landed.append(update.plan.target.step)
+            run_ranks(2, _train, root, "ebc", "consecutive", 2 + EVERY, {})
+        return None
+
+    follower = Follower(root, target, FollowerOptions(accept=gate, swap=True))
+    assert follower.poll() == 2 and follower.spare_bytes == 0
+    assert follower.poll() == 2 + EVERY
+    assert follower.spare_bytes > 0 and target.swaps == 0, "served in place, then the copy"
+    _assert_serves_the_root(model, root)
+    run_ranks(2, _train, root, "ebc", "consecutive", 2 + 2 * EVERY, {})
+    assert follower.poll() == 2 + 2 * EVERY and target.swaps == 1
+    _assert_serves_the_root(model, root)
+    caught_up = Follower(root, FloatTarget(unsharded("ebc", device="cpu")[0]),
+                         FollowerOptions(swap=True))  # fmt: skip
+    assert caught_up.poll() == 2 + 2 * EVERY and caught_up.spare_bytes > 0
+    for f in (follower, caught_up):
+        f.close()
+
+
 @pytest.mark.dist
 def test_a_few_commits_behind_a_follower_serves_each_in_turn_exactly(root: str) -> None:
     """At most STEP_THROUGH commits behind, one poll serves every commit in commit order,

@@ -128,11 +128,16 @@ class Applier:
                 self._behind = None  # every row: copied whole at the next update
         return blocked, held
 
+    @property
+    def spare_due(self) -> bool:
+        """Swap mode, a step served (written in place) and no second copy made yet."""
+        return self.swap and self.served is not None and not self.target.swapping
+
     def make_spare(self) -> None:
         """Swap mode, once the first update is served (it was written in place): the second
         copy, made from the served one while lookups go on. The step is served before it
         is made, so a follower's first step is not held up by it."""
-        if self.swap and self.served is not None and not self.target.swapping:
+        if self.spare_due:
             self.spare_bytes = self.target.enable_swap()
 
     def _write_spare(self, prepared: list[tuple[str, torch.Tensor, PreparedRows]]) -> None:

@@ -136,6 +136,7 @@ class Follower:
         self._updating = threading.Lock()  # one update at a time: polls, pins, rollbacks
         self._seen: str | None = None  # the manifest's stamp when last planned from
         self._behind = False  # the last update served a commit older than the latest
+        self._spare_deferred = False  # swap mode's copy waited for a poll (_make_spare)
 
     @property
     def step(self) -> int | None:
@@ -222,6 +223,8 @@ class Follower:
                 step = self._update(None)
             if served is not None and self._applier.served is served:
                 self.counters.count_idle(self.storage.requests - requests)
+            if self._applier.spare_due:
+                self._make_spare()
             return step
 
     def pin(self, step: int | None = None) -> int | None:
@@ -239,6 +242,7 @@ class Follower:
             if step is not None and step != self.step:
                 refused = len(self.refused)
                 self._update(step)
+                self._applier.make_spare()
                 if len(self.refused) > refused:
                     raise CnrError(f"step {step} was refused: {self.refused[-1].reason}")
             return self.step
@@ -324,8 +328,18 @@ class Follower:
             rewind=plan.rewind,
         )
         self.reports.append(report)
-        self._applier.make_spare()  # swap mode's second copy, after the first step is served
         return report.step
+
+    def _make_spare(self) -> None:
+        """Swap mode's second copy of the tables, made at the end of the poll that served
+        the first step, once the follower is caught up: where a commit landed while that
+        step was read, the next poll serves it first (in place, as the first step was),
+        and makes the copy at its end whatever it finds. A follower that joins a running
+        job serves the commits its cold start missed without waiting for the copy."""
+        if self._spare_deferred or self.storage.stamp(MANIFEST_NAME) == self._seen:
+            self._applier.make_spare()
+        else:
+            self._spare_deferred = True
 
     def _read(self, manifest: Manifest, latest: Entry, asked: bool) -> PendingUpdate | None:
         """The update to ``latest`` (or, following, to the commit after the served one:
