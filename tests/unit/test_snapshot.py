@@ -4,6 +4,7 @@ own reader and by ours, with whole-tensor checksums combined from the pieces'.""
 from __future__ import annotations
 
 import os
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from torchsnapshot import Snapshot
 from torchsnapshot.manifest import ChunkedTensorEntry, TensorEntry
 
-from torchrec_cnr.errors import ChecksumError
+from torchrec_cnr.errors import CheckpointReadError, ChecksumError
 from torchrec_cnr.snapshot import (
     SnapshotReader,
     SnapshotWriter,
@@ -27,7 +28,7 @@ from torchrec_cnr.snapshot import (
 from torchrec_cnr.snapshot import reader as snapshot_reader
 from torchrec_cnr.snapshot import writer as snapshot_writer
 from torchrec_cnr.snapshot.reader import _spans, span_bytes
-from torchrec_cnr.storage import CountingStorage, open_storage
+from torchrec_cnr.storage import CountingStorage, StorageWrapper, open_storage
 
 IO = ThreadPoolExecutor(4, thread_name_prefix="test-io")
 PIECE = 32 << 10  # bytes per object and per read: the tensors below span several
@@ -250,3 +251,29 @@ def test_a_merged_span_is_read_in_pieces_as_large_as_a_request_is_costly(
     # 1 KB pieces, then 64 KB ones: every object of PIECE bytes in one read.
     objects = -(-whole.numel() * whole.element_size() // PIECE)
     assert reads[4096] == objects < reads[0]
+
+
+def test_a_failed_piece_raises_only_once_every_other_piece_has_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A tensor read into the live model must not be written into after its read failed.
+    checksums, _ = _write(tmp_path, monkeypatch)
+    finished: list[int] = []
+
+    class FirstFails(StorageWrapper):
+        calls = 0
+
+        def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
+            self.calls += 1
+            if self.calls == 1:
+                raise OSError("the first piece failed")
+            time.sleep(0.05)
+            super().read_into(name, offset, out, cached)
+            finished.append(offset)
+
+    reader = SnapshotReader(FirstFails(open_storage(str(tmp_path))), "ckpt", IO, PIECE, checksums)
+    with pytest.raises(CheckpointReadError, match="the first piece failed"):
+        reader.rows(0, "s0.w")
+    ended = len(finished)
+    time.sleep(0.5)
+    assert ended > 0 and len(finished) == ended, "a piece ended after the read had failed"

@@ -310,12 +310,13 @@ class SnapshotReader:
         one); returns the value."""
         if not isinstance(read, _Read):
             return read
-        crc = 0
-        try:
-            for future, length in read.pieces:
-                crc = crc32_combine(crc, future.result(), length)
+        try:  # every piece waited for: none writes into the value after this raises
+            crcs = settle([future.result for future, _ in read.pieces])
         except Exception as e:  # a missing or short file, a broken connection, ...
             raise CheckpointReadError(f"cannot read {read.logical!r} from {self.path}: {e}") from e
+        crc = 0
+        for piece_crc, (_, length) in zip(crcs, read.pieces):
+            crc = crc32_combine(crc, piece_crc, length)
         if expected is None:
             expected = self._sums.get(read.logical)
         if check and expected is not None:
