@@ -161,14 +161,17 @@ def _from_newer(
                 continue
             ids, start = changed_rows(chain, entry, rec)
             hit, at = find_ids(ids, wanted)
-            if not bool(hit.any()):
+            if bool(hit.all()):  # the usual update: every row wanted is in this one
+                found, wanted = wanted, wanted[:0]
+            elif bool(hit.any()):
+                found, at, wanted = wanted[hit], at[hit], wanted[~hit]
+            else:
                 continue
             if start is None or not _same_values(rec, ours, dim):
                 # Their value is the target chain's: older checkpoints hold older ones.
-                deferred.append(wanted[hit])
+                deferred.append(found)
             else:
-                pieces.append(_Piece(wanted[hit], rec, start + at[hit], chain.snapshot(entry)))
-            wanted = wanted[~hit]
+                pieces.append(_Piece(found, rec, start + at, chain.snapshot(entry)))
     if deferred:
         wanted = torch.sort(torch.cat([wanted, *deferred])).values
     return pieces, wanted

@@ -106,8 +106,9 @@ class StoredRows:
         q = self.fused_nbit()
         if q is None:
             return finite_rows_of(self.values if self.values is not None else self.dequantize())
-        scale_bias = q.data[:, -4:].contiguous().view(torch.float16)
-        return torch.isfinite(scale_bias).all(dim=1)
+        # An fp16 is finite unless its exponent bits (0x7C of its high byte) are all set.
+        high = q.data[:, -3::2] & 0x7C  # of scale and bias (little-endian)
+        return (high[:, 0] != 0x7C) & (high[:, 1] != 0x7C)
 
     def fused_nbit(self) -> QuantizedRows | None:
         """The packed rows if they are uniform 2/3/4-bit: ``[codes | scale fp16 | bias

@@ -436,7 +436,7 @@ class QuantizedTarget(ServingTarget):
         table = self._tbe[key]
         bits = BITS.get(table.format)
         if bits is not None:
-            return serving_nbit(rows, bits, key, ids)
+            return (serving_nbit(rows, bits, key, ids),)
         dtype = torch.float32 if table.format == "fp32" else torch.float16
         values = rows.dequantize().to(dtype)
         bad = ~finite_rows_of(values)
@@ -447,8 +447,7 @@ class QuantizedTarget(ServingTarget):
     def _destinations(self, key: str) -> tuple[Tensor, ...]:
         if key in self._weights:
             return (self._weights[key].detach(),)
-        data, sb = self._tbe[key].views()
-        return (data,) if sb is None else (data, sb)
+        return (self._tbe[key].rows(),)
 
     def _buffers(self) -> dict[str, Tensor]:
         out = {f"tbe{i}": weights_buffer(tbe) for i, tbe in enumerate(self._tbes())}

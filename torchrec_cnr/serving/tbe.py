@@ -82,6 +82,14 @@ class TbeTable:
         data, sb = self.tbe.split_embedding_weights(split_scale_shifts=True)[self.index]
         return data, sb
 
+    def rows(self) -> Tensor:
+        """(rows, bytes) uint8 view of each row as the TBE holds it, its padding left out:
+        ``[scale/bias | codes]`` of an integer format, the values of a float one."""
+        data, sb = self.views()
+        if sb is None:
+            return data
+        return sb.as_strided((sb.shape[0], sb.shape[1] + data.shape[1]), sb.stride())
+
 
 def _buffer_name(tbe: IntNBitTableBatchedEmbeddingBagsCodegen) -> str:
     """The attribute holding every table's rows, which the lookup kernel is handed."""
@@ -153,14 +161,19 @@ def tbe_tables(prefix: str, module: nn.Module) -> dict[str, TbeTable]:
     return out
 
 
-def serving_nbit(
-    rows: StoredRows, bits: int, key: str, ids: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """(codes, scale/bias) of ``rows`` for a ``bits``-bit serving table.
+def serving_nbit(rows: StoredRows, bits: int, key: str, ids: Tensor | None) -> Tensor:
+    """``rows`` as a ``bits``-bit serving table holds them (:meth:`TbeTable.rows`): one
+    write a row, where the scale/bias and the codes written apart cost two passes over
+    the table's scattered rows.
 
     Returns:
-        codes (n, dim * bits / 8) uint8 and scale/bias (n, 4) uint8 (fp16 scale, fp16 bias).
+        (n, 4 + dim * bits / 8) uint8: fp16 scale, fp16 bias, codes.
     """
+    return torch.cat(_nbit_parts(rows, bits, key, ids)[::-1], dim=1)
+
+
+def _nbit_parts(rows: StoredRows, bits: int, key: str, ids: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(codes, scale/bias) of :func:`serving_nbit`'s rows."""
     n, dim = rows.shape
     nbytes = dim * bits // 8
     q = rows.fused_nbit()

@@ -151,13 +151,15 @@ def _spans(
     merge_rows: int = 0,
     many: int = Storage.many_requests,
 ) -> list[tuple[int, int]]:
-    """``[a, b)`` positions of ``index`` (ascending rows) read with one request each:
+    """``[a, b)`` positions of ``index`` (ascending distinct rows) read with one request each:
     runs of consecutive rows of one stored object, the runs whose gaps are smallest
     merged while the rows skipped over stay within ``extra`` times ``len(index)``; and
     where that leaves more than ``many``, runs at most ``merge_rows`` apart
     merged too (reading the gap costs less than a request: rows scattered through a whole
     table, such as a baseline's changed rows, are read in large pieces)."""
     n = index.numel()
+    if n and int(index[-1]) - int(index[0]) == n - 1 and int(segment[0]) == int(segment[-1]):
+        return [(0, n)]  # one run: every row of a delta, say
     new_run = torch.ones(n, dtype=torch.bool)
     new_run[1:] = (index[1:] != index[:-1] + 1) | (segment[1:] != segment[:-1])
     starts = torch.nonzero(new_run).flatten()
