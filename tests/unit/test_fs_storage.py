@@ -13,6 +13,7 @@ import torch
 
 from torchrec_cnr.iocontext import IOOptions
 from torchrec_cnr.snapshot.checksum import as_bytes
+from torchrec_cnr.snapshot.reader import page_aligned
 from torchrec_cnr.storage import open_storage
 from torchrec_cnr.storage.fs import FsStorage, _Direct
 
@@ -78,6 +79,30 @@ def test_aligned_reads_go_straight_into_the_buffer_to_the_last_byte(tmp_path, so
     assert copied == [100, 4097 - 4096, 4097 - 4096]  # only the tails under a page bounce
     st.read_into("o", 13, memoryview(mmap.mmap(-1, MIB)))  # an unaligned offset bounces
     assert sum(copied[3:]) == MIB
+
+
+def test_a_buffer_at_the_offsets_phase_bounces_only_its_first_partial_block(
+    tmp_path, source, monkeypatch
+):
+    """``page_aligned(phase=offset)`` lies as far from a block boundary as the bytes read
+    into it: the first partial block bounces, the rest goes straight in, any length."""
+    _needs_o_direct(tmp_path)
+    n = 3 * MIB + 4097
+    FsStorage(tmp_path).write_object("o", as_bytes(source[:n]))
+    copied: list[int] = []
+    real_copyto = np.copyto
+    monkeypatch.setattr(
+        np, "copyto", lambda dst, src: copied.append(len(src)) or real_copyto(dst, src)
+    )
+    st = FsStorage(tmp_path)
+    for offset, length in [(13, 2 * MIB), (4095, MIB + 7), (5000, n - 5000)]:
+        copied.clear()
+        out = page_aligned(length, torch.uint8, phase=offset)
+        st.read_into("o", offset, as_bytes(out))
+        assert torch.equal(out, source[offset : offset + length]), (offset, length)
+        head = -offset % 4096
+        tail = (length - head) % 4096
+        assert copied == [head] + ([tail] if tail else []), (offset, length, copied)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])

@@ -49,12 +49,14 @@ Alloc = Callable[[list[int], torch.dtype], "torch.Tensor | None"]
 """Gives the tensor of ``shape`` and ``dtype`` to read into, or ``None`` for a fresh one."""
 
 
-def page_aligned(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+def page_aligned(numel: int, dtype: torch.dtype, pin: bool = False, phase: int = 0) -> torch.Tensor:
     """An uninitialized 1-d tensor whose data starts on a 4 KiB boundary: objects go
     between it and the disk with ``O_DIRECT``, without a bounce copy. ``pin``:
-    page-locked (for asynchronous copies from CUDA)."""
+    page-locked (for asynchronous copies from CUDA). ``phase``: starts that many bytes
+    (mod 4 KiB) past one instead, as the bytes read into it lie in their file, which
+    ``O_DIRECT`` then reads straight in past their first block."""
     raw = torch.empty(numel * dtype.itemsize + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
-    skip = -raw.data_ptr() % DIRECT_ALIGN
+    skip = (phase - raw.data_ptr()) % DIRECT_ALIGN
     return raw[skip : skip + numel * dtype.itemsize].view(dtype)
 
 
@@ -82,12 +84,13 @@ def _failed(e: Exception) -> Future[None]:
     return future
 
 
-def _empty(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor to read into: page-aligned where it is large enough to be read directly."""
+def _empty(shape: list[int], dtype: torch.dtype, phase: int = 0) -> torch.Tensor:
+    """A tensor to read into: page-aligned (or at ``phase``: see :func:`page_aligned`)
+    where it is large enough to be read directly."""
     numel = math.prod(shape)
     if numel * dtype.itemsize < DIRECT_MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
-    return page_aligned(numel, dtype).view(shape)
+    return page_aligned(numel, dtype, phase=phase).view(shape)
 
 
 def _get(
@@ -575,9 +578,8 @@ class SnapshotReader:
         if segments is None:
             return None
         row_bytes, dtype, row_shape = self._row_bytes(logical)
-        out = _empty([index.numel(), *row_shape], dtype)
         if not index.numel():
-            return out, []
+            return _empty([0, *row_shape], dtype), []
         firsts = torch.tensor([first for first, _, _ in segments])
         segment = torch.searchsorted(firsts, index, right=True) - 1
         storage = self.storage
@@ -591,9 +593,14 @@ class SnapshotReader:
         starts = torch.tensor([a for a, _ in spans])
         ends = torch.tensor([b for _, b in spans])
         firsts_of = zip(segment[starts].tolist(), index[starts].tolist(), index[ends - 1].tolist())
-        return out, [
-            (segments[k], lo, hi + 1, a, b) for (k, lo, hi), (a, b) in zip(firsts_of, spans)
-        ]
+        tasks = [(segments[k], lo, hi + 1, a, b) for (k, lo, hi), (a, b) in zip(firsts_of, spans)]
+        (first, _, tensor), lo, hi, a, b = tasks[0]
+        # The first span read straight in (its rows consecutive) lies in the output as in
+        # its file: O_DIRECT reads it without a bounce copy (the tail of a delta, say).
+        phase = (
+            (tensor.byte_range or (0, 0))[0] + (lo - first) * row_bytes if hi - lo == b - a else 0
+        )
+        return _empty([index.numel(), *row_shape], dtype, phase), tasks
 
     def _read_spans(
         self,

@@ -159,26 +159,38 @@ class _Direct:
 
     def read(self, fd: int, offset: int, out: memoryview) -> int:
         """Reads into ``out`` from ``offset`` of the ``O_DIRECT`` file ``fd``; returns the
-        bytes read (fewer at the end of the file)."""
+        bytes read (fewer at the end of the file). Where ``out`` lies as far from a block
+        boundary as ``offset`` (:func:`~torchrec_cnr.snapshot.reader.page_aligned`'s
+        ``phase``), only the first partial block passes through the bounce buffer."""
         done = 0
-        if _address(out) % DIRECT_ALIGN == 0 and offset % DIRECT_ALIGN == 0:
-            bulk = len(out) - len(out) % DIRECT_ALIGN  # straight into an aligned buffer
+        head = -offset % DIRECT_ALIGN
+        if head and (_address(out) + head) % DIRECT_ALIGN == 0 and len(out) > head:
+            done = self._bounced(fd, offset, out, 0, head)
+            if done < head:  # the end of the file
+                return done
+        if (_address(out) + done) % DIRECT_ALIGN == 0 and (offset + done) % DIRECT_ALIGN == 0:
+            bulk = len(out) - (len(out) - done) % DIRECT_ALIGN  # straight into the buffer
             while done < bulk:
                 want = bulk - done
                 got = os.preadv(fd, [out[done:bulk]], offset + done)
                 done += got
                 if got < want:  # the end of the file
                     return done
+        return self._bounced(fd, offset, out, done, len(out))
+
+    def _bounced(self, fd: int, offset: int, out: memoryview, done: int, stop: int) -> int:
+        """Reads ``out[done:stop]`` through the bounce buffer; returns where it stopped
+        (before ``stop`` at the end of the file)."""
         bounce = self._bounce()
         src = np.frombuffer(bounce, dtype=np.uint8)
         dst = np.frombuffer(out, dtype=np.uint8)
-        while done < len(out):
+        while done < stop:
             pos = offset + done
             start = pos - pos % DIRECT_ALIGN
             skip = pos - start
-            want = min(len(bounce), -(-(skip + len(out) - done) // DIRECT_ALIGN) * DIRECT_ALIGN)
+            want = min(len(bounce), -(-(skip + stop - done) // DIRECT_ALIGN) * DIRECT_ALIGN)
             got = os.preadv(fd, [bounce[:want]], start)
-            n = min(got - skip, len(out) - done)
+            n = min(got - skip, stop - done)
             if n <= 0:
                 break
             np.copyto(dst[done : done + n], src[skip : skip + n])
