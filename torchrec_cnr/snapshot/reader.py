@@ -100,6 +100,11 @@ def _get(
     return crc32_bytes(out) if crc else 0
 
 
+def _row_offset(tensor: TensorEntry, row: int, row_bytes: int) -> int:
+    """Where stored row ``row`` of ``tensor`` (rows of ``row_bytes``) starts in its object."""
+    return (tensor.byte_range or (0, 0))[0] + row * row_bytes
+
+
 @dataclass
 class _Read:
     """One tensor being read: its pieces, in the order of its bytes."""
@@ -466,7 +471,7 @@ class SnapshotReader:
             else:  # only partly wanted
                 target = _empty([rows, *row_shape], dtype)
             read = _Read(logical, target)
-            start = (tensor.byte_range or (0, 0))[0] + at * row_bytes
+            start = _row_offset(tensor, at, row_bytes)
             self._queue(read, target, f"{self.name}/{tensor.location}", start, check, cached)
             reads.append((read, row0, rows, crc))
 
@@ -500,7 +505,7 @@ class SnapshotReader:
             return True  # not verified: nothing to read ahead
         row_bytes = self._row_bytes(logical)[0]
         pieces = [
-            (f"{self.name}/{tensor.location}", (tensor.byte_range or (0, 0))[0] + at * row_bytes,
+            (f"{self.name}/{tensor.location}", _row_offset(tensor, at, row_bytes),
              rows * row_bytes)
             for _, rows, tensor, at, _ in picked
         ]  # fmt: skip
@@ -597,9 +602,7 @@ class SnapshotReader:
         (first, _, tensor), lo, hi, a, b = tasks[0]
         # The first span read straight in (its rows consecutive) lies in the output as in
         # its file: O_DIRECT reads it without a bounce copy (the tail of a delta, say).
-        phase = (
-            (tensor.byte_range or (0, 0))[0] + (lo - first) * row_bytes if hi - lo == b - a else 0
-        )
+        phase = _row_offset(tensor, lo - first, row_bytes) if hi - lo == b - a else 0
         return _empty([index.numel(), *row_shape], dtype, phase), tasks
 
     def _read_spans(
@@ -612,7 +615,7 @@ class SnapshotReader:
         object with one request, the wanted ones (``index[a:b]``) put at ``out[a:b]``."""
         row_bytes = out[0].numel() * out.element_size()
         for (first, _, tensor), lo, hi, a, b in spans:
-            start = (tensor.byte_range or (0, 0))[0] + (lo - first) * row_bytes
+            start = _row_offset(tensor, lo - first, row_bytes)
             location = f"{self.name}/{tensor.location}"
             if hi - lo == b - a:  # consecutive: straight into the output
                 view = as_bytes(out)[a * row_bytes : b * row_bytes]
