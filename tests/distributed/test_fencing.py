@@ -15,6 +15,7 @@ import pytest
 
 from tests import REPO
 from tests.distributed.other_job import TABLES
+from tests.faults import Fault, FaultyStorage
 from tests.jobs import make_job, restores_exactly, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointError
@@ -49,6 +50,34 @@ def test_a_newer_manager_takes_over_and_the_older_may_no_longer_commit(any_root:
     run_ranks(2, _same_process_takes_over, any_root)
     assert Manifest.load(any_root).steps() == [4], "keep_last=1 of the newer writer"
     assert cnr(["verify", any_root]) == 0
+
+
+def _write_fails_after_take_over(root: str) -> None:
+    # The job that takes a root over removes what older writers left uncommitted: the older
+    # job's write in flight then fails (here: injected), and the reason it is given is the
+    # takeover, on every rank, with nothing deleted.
+    faulty = FaultyStorage(root, Fault("make_durable", "step0000000006"))
+    first = make_job(TABLES, root, seed=1, data_seed=3, storage=faulty)
+    first.train(2)
+    first.ckpt.save(2)
+    first.ckpt.wait()
+    second = make_job(TABLES, root, seed=2, data_seed=3)
+    assert second.ckpt.restore() == 2
+    second.ckpt.save(4)
+    second.ckpt.wait()
+    first.ckpt.save(6)
+    with pytest.raises(
+        CheckpointError, match=r"was taken over: generation 2 .* nothing was deleted"
+    ):
+        first.ckpt.wait()
+    second.ckpt.close()
+    first.ckpt.close()
+
+
+@pytest.mark.dist
+def test_a_write_failing_after_a_take_over_names_the_take_over(tmp_path: Path) -> None:
+    run_ranks(2, _write_fails_after_take_over, str(tmp_path / "ckpt"))
+    assert Manifest.load(str(tmp_path / "ckpt")).steps() == [2, 4]
 
 
 def _refused_while_held(root: str, holder_pid: int) -> None:

@@ -88,6 +88,9 @@ def write_and_commit(pending: Pending, group: Collective, target: CommitTarget) 
     try:
         group.agree(error)
     except Exception as e:
+        # A job that took the root over removes what older writers left uncommitted, this
+        # checkpoint's files among them: that is the reason to give, and nothing is deleted.
+        group.on_rank0(lambda: _refuse_if_taken_over(target))
         _remove_on_rank0(group, target, ckpt_id)
         raise wrapping(CheckpointError(f"writing failed: {e}"), e) from e
     staged = pending.staged
@@ -117,6 +120,15 @@ def write_and_commit(pending: Pending, group: Collective, target: CommitTarget) 
     # Every rank advances its own chain (sending it would cost as much as the chain is long).
     logger.info("checkpoint %s committed (%s)", ckpt_id, staged.kind)
     return target.policy.advance(pending.chain, pending.decision, ckpt_id, size)
+
+
+def _refuse_if_taken_over(target: CommitTarget) -> None:
+    try:
+        found = Manifest.load(target.storage).writer_generation
+    except Exception:  # unreadable: the write's own failure is the one to report
+        return
+    if found > target.generation:  # a newer writer (a root gone would read as 0)
+        raise _stale(target.storage, target.generation, found)
 
 
 def _remove_on_rank0(group: Collective, target: CommitTarget, ckpt_id: str) -> None:
