@@ -32,9 +32,8 @@ from torchrec_cnr.read import ChainReader
 from torchrec_cnr.serving import FloatTarget
 from torchrec_cnr.storage import CountingStorage, open_storage
 
-# The module whose background job calls write_and_commit (the package exports a function
-# of the same name).
-compact: Any = importlib.import_module("torchrec_cnr.compaction.compact")
+# The module whose background job calls write_rank and write_and_commit.
+compact: Any = importlib.import_module("torchrec_cnr.compaction.background")
 
 FIGURES = ("stall_s", "commit_s", "read_b", "written_b", "writer_cpu_s", "follow_s", "follow_b",
            "plan_s", "plan_b", "plan_link_s", "links")  # fmt: skip
@@ -50,20 +49,29 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 class _WriterClock:
     """The background writer's CPU seconds for each write and commit on this rank."""
 
+    PARTS = ("write_rank", "write_and_commit")
+
     def __init__(self) -> None:
         self.last = 0.0
-        self._inner = compact.write_and_commit
-        compact.write_and_commit = self._timed
+        self._inner = {name: getattr(compact, name) for name in self.PARTS}
+        for name in self.PARTS:
+            setattr(compact, name, self._timed(name))
 
-    def _timed(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.thread_time()
-        try:
-            return self._inner(*args, **kwargs)
-        finally:
-            self.last = time.thread_time() - t0
+    def _timed(self, name: str) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if name == self.PARTS[0]:
+                self.last = 0.0
+            t0 = time.thread_time()
+            try:
+                return self._inner[name](*args, **kwargs)
+            finally:
+                self.last += time.thread_time() - t0
+
+        return timed
 
     def close(self) -> None:
-        compact.write_and_commit = self._inner
+        for name, fn in self._inner.items():
+            setattr(compact, name, fn)
 
 
 def _policy(b: Bench, policy: measure.Policy) -> list[dict[str, Any]]:

@@ -229,8 +229,8 @@ class CheckpointConfig:
     keep_last: int | None = None
     """Keep only what restoring the last N checkpoints needs; ``None`` keeps everything."""
     compact_every: int | None = None
-    """Merge a chain into one full checkpoint once it holds this many deltas (on the
-    background writer); ``None`` never compacts on its own."""
+    """Merge a chain into one full checkpoint once it holds this many deltas, in the
+    background beside later commits (no save waits for it); ``None`` never compacts on its own."""
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     """Per-row quantization of stored embedding rows."""
     on_busy: OnBusy = "wait"

@@ -171,14 +171,27 @@ class CheckpointManager:
             self._stager.detach()  # the job is over, whatever happened to it
 
     def close(self) -> None:
-        """Waits for the pending checkpoint, then releases the background writer, the I/O
-        threads, the staging buffers, the tracker's thread and the lease, even if the
-        checkpoint failed (which it then raises)."""
+        """Waits for the pending checkpoint and a background compaction in flight
+        (``compact_every``: committed if it compacts the latest checkpoint, else dropped),
+        then releases the background writer, the I/O threads, the staging buffers, the
+        tracker's thread and the lease, even if the checkpoint failed (which it then
+        raises)."""
         try:
             self.wait()
+            self._finish_compaction()
         finally:
             self._release()
             self._fence.release()
+
+    def _finish_compaction(self) -> None:
+        """The background compaction in flight (``compact_every``), finished (collective)."""
+        closed = self._background.group is None
+        if self.config.compact_every is None or self._fence.blocked is not None or closed:
+            return
+        what, chain, target = "compaction in flight", self._background.chain, self._fence.target()
+        self._background.submit(what, partial(self._writer.finish, target, chain, what),
+                                ClearedBits())  # fmt: skip
+        self.wait()
 
     def _release(self) -> None:
         self._background.close()

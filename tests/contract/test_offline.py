@@ -4,6 +4,7 @@ into one full checkpoint that restores exactly what the chain did."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from tests.models import unsharded
 from tests.multiprocess import run_ranks
 from torchrec_cnr import (
     CheckpointConfig,
+    CheckpointError,
     CheckpointManager,
     QuantizeConfig,
     Timeouts,
@@ -236,31 +238,174 @@ def test_deltas_that_hold_whole_shards_compact_exactly(root: str, refs: Path) ->
         assert torch.equal(read_table(root, table), values["weight"]), table
 
 
-def _compact_every(root: str, refs: str) -> None:
+def _compacted_base(root: str) -> str | None:
+    """The compaction the latest checkpoint's chain starts from, if it is a delta on one."""
+    latest = Manifest.load(root).latest()
+    assert latest is not None
+    first = latest.chain[0]
+    return first if len(latest.chain) > 1 and first.endswith("-c") else None
+
+
+def _compact_every(root: str, refs: str, background: str) -> None:
     job = make_job("ebc", optimizer="exact_sgd", seed=1)
     cfg = CheckpointConfig(
-        path=root, policy="consecutive", interval_steps=1, compact_every=3, keep_last=1
+        path=root,
+        policy="consecutive",
+        interval_steps=1,
+        compact_every=3,
+        keep_last=1,
+        background=background,  # type: ignore[arg-type]
     )
     with CheckpointManager(job.model, cfg, job.app_state) as ckpt:
-        for step in range(1, 11):
+        step, bases = 0, set[str | None]()
+        while len(bases) < 2:  # compactions landed beside a later checkpoint, which builds on it
+            assert step < 300, "no compaction ever landed"
+            step += 1
             job.step(step)
             ckpt.save(step)
             ckpt.wait()
-            latest = Manifest.load(root).latest()
-            assert latest is not None
-            assert len(latest.chain) <= 3, latest.chain
-    save_reference(job, refs, 10)
+            bases.add(_compacted_base(root))
+            bases.discard(None)
+        save_reference(job, refs, step)
+        if dist.get_rank() == 0:
+            (Path(refs) / "last").write_text(str(step))
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("background", ["thread", "process"])
 def test_compact_every_bounds_the_chain_and_keep_last_retires_the_links(
-    any_root: str, refs: Path
+    any_root: str, refs: Path, background: str
 ) -> None:
-    run_ranks(2, _compact_every, any_root, str(refs))
+    # The compaction runs beside the commits; the checkpoint that lands it, and every later
+    # one, build on it, and keep_last=1 then leaves only the latest chain on storage.
+    run_ranks(2, _compact_every, any_root, str(refs), background)
     manifest = Manifest.load(any_root)
-    assert any(e.compacted_from for e in manifest.checkpoints)
+    latest = manifest.latest()
+    assert latest is not None and latest.chain[0].endswith("-c") and len(latest.chain) <= 3
     assert set(open_storage(any_root).children()) == manifest.needed_ids(1)
-    run_ranks(2, _restores_exactly, any_root, str(refs), 10, False, "exact_sgd")
+    step = int((refs / "last").read_text())
+    run_ranks(2, _restores_exactly, any_root, str(refs), step, False, "exact_sgd")
+
+
+def _saves_go_on_while_a_compaction_writes(root: str, refs: str) -> None:
+    # The compaction of step 3 is held before its files are durable: checkpoints 4-6
+    # commit meanwhile; released, it lands with the next one, right after step 3's entry.
+    held = Fault("make_durable", "-c", "hold", times=1)
+    job = make_job("ebc", optimizer="exact_sgd", seed=1)
+    cfg = CheckpointConfig(path=root, policy="consecutive", interval_steps=1, compact_every=2)
+    storage = FaultyStorage(root, held)
+    with CheckpointManager(job.model, cfg, job.app_state, storage=storage) as ckpt:
+        for step in range(1, 7):
+            job.step(step)
+            ckpt.save(step)
+            ckpt.wait()
+            save_reference(job, refs, step)
+        manifest = Manifest.load(root)
+        assert manifest.steps() == [1, 2, 3, 4, 5, 6], "a save waited for the compaction"
+        held.released.set()
+        step = 6
+        while _compacted_base(root) is None:
+            assert step < 300, "the compaction never landed"
+            step += 1
+            job.step(step)
+            ckpt.save(step)
+            ckpt.wait()
+            save_reference(job, refs, step)
+        latest = Manifest.load(root).latest()
+        assert latest is not None and latest.chain[0].endswith("-c")
+        assert latest.chain[1:] == [e.id for e in Manifest.load(root).checkpoints if 3 < e.step]
+        if dist.get_rank() == 0:
+            (Path(refs) / "last").write_text(str(step))
+
+
+@pytest.mark.dist
+def test_saves_go_on_while_a_compaction_writes_and_it_lands_after_its_checkpoint(
+    root: str, refs: Path
+) -> None:
+    run_ranks(2, _saves_go_on_while_a_compaction_writes, root, str(refs))
+    manifest = Manifest.load(root)
+    steps = manifest.steps()
+    compacted = [e for e in manifest.checkpoints if e.compacted_from and e.step == 3]
+    assert len(compacted) == 1
+    assert steps[: steps.index(3) + 2] == [1, 2, 3, 3], "placed right after what it compacts"
+    found = manifest.find(3)
+    assert found is not None and found.id == compacted[0].id, "a restore of step 3 reads it"
+    last = int((refs / "last").read_text())
+    for step in (3, 5, last):  # the compaction, a delta on the old chain, one on it
+        run_ranks(2, _restores_exactly, root, str(refs), step, False, "exact_sgd")
+    assert cnr(["verify", root]) == 0
+
+
+def _restore_leaves_the_compaction(root: str) -> None:
+    held = Fault("make_durable", "-c", "hold", times=1)
+    job = make_job("ebc", optimizer="exact_sgd", seed=1)
+    cfg = CheckpointConfig(path=root, policy="consecutive", interval_steps=1, compact_every=2)
+    with CheckpointManager(
+        job.model, cfg, job.app_state, storage=FaultyStorage(root, held)
+    ) as ckpt:
+        for step in range(1, 5):
+            job.step(step)
+            ckpt.save(step)
+            ckpt.wait()
+        assert ckpt.restore(2) == 2  # the job leaves the chain the compaction of step 3 ends
+        held.released.set()
+        for step in range(3, 9):
+            job.step(step)
+            ckpt.save(step)
+            ckpt.wait()
+
+
+@pytest.mark.dist
+def test_a_compaction_of_a_chain_the_job_left_is_dropped_with_its_files(root: str) -> None:
+    run_ranks(2, _restore_leaves_the_compaction, root)
+    manifest = Manifest.load(root)
+    named = {e.id for e in manifest.checkpoints}
+    # Checkpoint 2 (step 3) was compacted, but the job restored step 2 and went on: sequence
+    # numbers 4 on.
+    left = [e for e in manifest.checkpoints if (e.compacted_from or "").startswith("000002-")]
+    assert not left, "the compaction of a chain the job left is not committed"
+    assert set(open_storage(root).children()) <= named, "no compaction files left behind"
+    assert cnr(["verify", root]) == 0
+
+
+def _compaction_fails_on_one_rank(root: str, refs: str) -> None:
+    fails = [Fault("make_durable", "-c", times=1)] if dist.get_rank() == 1 else []
+    job = make_job("ebc", optimizer="exact_sgd", seed=1)
+    cfg = CheckpointConfig(path=root, policy="consecutive", interval_steps=1, compact_every=2)
+    reported = []
+    with CheckpointManager(
+        job.model, cfg, job.app_state, storage=FaultyStorage(root, *fails)
+    ) as ckpt:
+        step = 0
+        while step < 2 or _compacted_base(root) is None:  # until the second one lands
+            assert step < 300, "no compaction landed after the failed one"
+            step += 1
+            job.step(step)
+            ckpt.save(step)
+            try:
+                ckpt.wait()
+            except CheckpointError as e:
+                reported.append(str(e))
+            save_reference(job, refs, step)
+        assert len(reported) == 1, reported
+        assert re.search(r"compaction after the checkpoint of step \d+ failed: on rank 1: .*"
+                         r"injected", reported[0]), reported[0]  # fmt: skip
+        if dist.get_rank() == 0:
+            (Path(refs) / "last").write_text(str(step))
+
+
+@pytest.mark.dist
+def test_a_failed_compaction_is_reported_and_the_checkpoints_beside_it_commit(
+    root: str, refs: Path
+) -> None:
+    run_ranks(2, _compaction_fails_on_one_rank, root, str(refs))
+    manifest = Manifest.load(root)
+    named = {e.id for e in manifest.checkpoints}
+    assert set(open_storage(root).children()) <= named, "the failed compaction's files went"
+    steps = [e.step for e in manifest.checkpoints if not e.compacted_from]
+    last = int((refs / "last").read_text())
+    assert steps == list(range(1, last + 1)), "every checkpoint committed"
+    run_ranks(2, _restores_exactly, root, str(refs), last, False, "exact_sgd")
 
 
 def _killed_mid_compaction(root: str, refs: str) -> None:

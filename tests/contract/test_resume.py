@@ -130,6 +130,42 @@ def test_resume_equals_uninterrupted_with_a_writer_process_on_s3(s3_root: str) -
               s3_root, "lazy", "process")  # fmt: skip
 
 
+def _resume_from_each_beside_background_compaction(root: str, background: Background) -> None:
+    config = CheckpointConfig(path=root, policy="consecutive", interval_steps=1, compact_every=2,
+                              background=background)  # fmt: skip
+    job = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=1)
+    with CheckpointManager(job.model, config, job.app_state) as ckpt:
+        last, rebased = 0, 0
+        while last < STEPS or rebased < 2:  # two checkpoints built on a landed compaction
+            assert last < 300, "no compaction landed"
+            last += 1
+            job.run(last, last, ckpt=ckpt)
+            ckpt.wait()
+            latest = Manifest.load(root).latest()
+            assert latest is not None
+            rebased += latest.chain[0].endswith("-c") and latest.chain[0] != latest.id
+    uninterrupted = capture(job.model, job.app_state)
+    manifest = Manifest.load(root)
+    assert any(e.compacted_from for e in manifest.checkpoints)
+    # Every committed step: a compaction where one landed, a delta on an old chain or on one.
+    for step in sorted(set(manifest.steps())):
+        resumed = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=2)
+        with CheckpointManager(resumed.model, config, resumed.app_state) as ckpt:
+            assert ckpt.restore(step=step) == step
+        resumed.run(step + 1, last)  # trained on without saving: the root stays as it is
+        diff = differences(uninterrupted, capture(resumed.model, resumed.app_state))
+        assert not diff, f"resumed from step {step}, it differs at {diff[:5]}"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("background", ["thread", "process"])
+def test_resume_from_any_checkpoint_beside_background_compaction_equals_uninterrupted(
+    background: Background, tmp_path: Path
+) -> None:
+    root = str(tmp_path / "ckpt")
+    run_ranks(2, _resume_from_each_beside_background_compaction, root, background)
+
+
 # -- resharding ---------------------------------------------------------------------
 
 

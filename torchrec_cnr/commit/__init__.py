@@ -8,6 +8,7 @@ from torchrec_cnr.commit.commit import (
     count_restore,
     remove_failed,
     write_and_commit,
+    write_rank,
 )
 from torchrec_cnr.commit.manifest import FORMAT_VERSION, Entry, Manifest, saved_fraction
 from torchrec_cnr.commit.retention import retire
@@ -24,4 +25,5 @@ __all__ = [
     "retire",
     "saved_fraction",
     "write_and_commit",
+    "write_rank",
 ]

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.commit.manifest import Entry, Manifest, saved_fraction
+from torchrec_cnr.commit.manifest import Entry, Hold, Manifest, saved_fraction
 from torchrec_cnr.commit.retention import retire
 from torchrec_cnr.encoding import FormatResolver, RankWrite, ShardWriter
 from torchrec_cnr.errors import CheckpointError, wrapping
@@ -28,6 +28,7 @@ __all__ = [
     "count_restore",
     "remove_failed",
     "write_and_commit",
+    "write_rank",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,28 +64,43 @@ class Pending:
     """Why staging failed on this rank, if it did: reported when every rank agrees."""
 
 
-def write_and_commit(pending: Pending, group: Collective, target: CommitTarget) -> ChainState:
-    """Encodes, writes, agrees and commits one checkpoint; returns the chain it ends.
-
-    Runs on every rank's background writer, collectively over ``group``. If anything
-    fails, the checkpoint's files are removed at once (see :func:`remove_failed`).
-
-    Raises:
-        CheckpointError: writing failed on some rank, or another job took the root over;
-            nothing was committed.
-    """
-    ckpt_id = pending.writer.ckpt_id
-    error: BaseException | None = None
-    write = None
+def write_rank(pending: Pending) -> tuple[RankWrite | None, Exception | None]:
+    """This rank's part of ``pending`` encoded and written (no collective): its report, or
+    why it failed, for :func:`write_and_commit`."""
     try:
         if pending.failure is not None:
             raise pending.failure
         assert pending.staged is not None
         if isinstance(pending.writer, RecordingSink):
             raise TypeError("a recorded checkpoint is written by the writer process")
-        write = pending.writer.finish(pending.staged)
+        return pending.writer.finish(pending.staged), None
     except Exception as e:  # every rank must learn of it before anyone commits
-        error = e
+        return None, e
+
+
+def write_and_commit(
+    pending: Pending,
+    group: Collective,
+    target: CommitTarget,
+    written: tuple[RankWrite | None, Exception | None] | None = None,
+    landed: Entry | None = None,
+    hold: Hold | None = None,
+) -> ChainState:
+    """Encodes, writes, agrees and commits one checkpoint; returns the chain it ends.
+
+    Runs on every rank's background writer, collectively over ``group``. If anything
+    fails, the checkpoint's files are removed at once (see :func:`remove_failed`).
+
+    Args:
+        written: this rank's :func:`write_rank`, if it ran already.
+        landed, hold: a compaction's, for :func:`append` (rank 0's).
+
+    Raises:
+        CheckpointError: writing failed on some rank, or another job took the root over;
+            nothing was committed.
+    """
+    ckpt_id = pending.writer.ckpt_id
+    write, error = written if written is not None else write_rank(pending)
     try:
         group.agree(error)
     except Exception as e:
@@ -106,10 +122,12 @@ def write_and_commit(pending: Pending, group: Collective, target: CommitTarget) 
         chain = target.policy.advance(pending.chain, pending.decision, ckpt_id, size)
         try:
             entry = _entry(ckpt_id, pending, staged, chain, writes, target)
+            if landed is not None:  # its chain starts from that compaction
+                entry.rebased()
             # IMPORTANT: every rank's part is durable: the index goes last, then the manifest.
             write_index(target.storage, ckpt_id, [w.index for w in writes], len(writes))
             entry.bytes = target.storage.tree_bytes(ckpt_id)
-            append(target, entry)
+            append(target, entry, landed, hold)
         except Exception:
             remove_failed(target, ckpt_id)
             raise
@@ -218,9 +236,13 @@ def _stale(storage: Storage, generation: int, found: int) -> CheckpointError:
     )
 
 
-def append(target: CommitTarget, entry: Entry) -> Manifest:
+def append(
+    target: CommitTarget, entry: Entry, landed: Entry | None = None, hold: Hold | None = None
+) -> Manifest:
     """Commits ``entry`` (its record, then the root's manifest), then applies retention
-    (rank 0 only).
+    (rank 0 only). ``landed``: a compacted checkpoint committed in the same manifest
+    write, in its place (:meth:`Manifest.insert`); ``hold``: what a compaction in flight
+    keeps.
 
     IMPORTANT: call this only after every rank reported its files durable; the
     manifest's rename (or PUT) is what makes the checkpoint exist.
@@ -234,6 +256,8 @@ def append(target: CommitTarget, entry: Entry) -> Manifest:
     if manifest.writer_generation != generation:
         raise _stale(storage, generation, manifest.writer_generation)
     previous = manifest.latest()
+    if landed is not None:
+        manifest.insert(landed)
     manifest.add(entry)
     try:
         manifest.save(storage)
@@ -243,7 +267,7 @@ def append(target: CommitTarget, entry: Entry) -> Manifest:
     named = None if previous is None else parse_checkpoint_id(previous.id)
     first = named is None or named.generation != generation
     try:
-        retire(storage, manifest, target.keep_last, generation, sweep=first)
+        retire(storage, manifest, target.keep_last, generation, sweep=first, hold=hold)
     except PreconditionFailed:
         # Committed; another job took the root over before retention rewrote the
         # manifest. Nothing is retired or deleted, and the next save is refused.

@@ -16,6 +16,7 @@ segment before it.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from torchrec_cnr.encoding import write_part
@@ -48,6 +49,7 @@ __all__ = [
     "FORMAT_VERSION",
     "DenseInfo",
     "Entry",
+    "Hold",
     "Manifest",
     "TableShape",
     "saved_fraction",
@@ -56,6 +58,15 @@ __all__ = [
 
 TAIL = 4
 """Summaries a manifest keeps after sealing the older ones into a history segment."""
+
+
+@dataclass(frozen=True)
+class Hold:
+    """What a compaction in flight keeps of the root until it lands (see
+    :mod:`torchrec_cnr.compaction.background`)."""
+
+    ids: frozenset[str]
+    """The chain it reads: retention keeps it."""
 
 
 class _Source:
@@ -197,6 +208,17 @@ class Manifest(ManifestRecord):
     def add(self, entry: Entry) -> None:
         """Adds a newly committed checkpoint (its record is written when saved)."""
         self.tail.append(entry)
+        self._unrecorded.append(entry)
+
+    def insert(self, entry: Entry) -> None:
+        """Adds a compacted checkpoint after the one it compacts, before the checkpoints
+        committed after that one (see :mod:`torchrec_cnr.compaction.background`): right
+        after it, or first among the summaries held where it is in the sealed history. A
+        restore of its step finds it (:meth:`find`), a follower never steps back to it."""
+        at = len(self.tail)
+        while at > 0 and self.tail[at - 1].seq > entry.seq:
+            at -= 1
+        self.tail.insert(at, entry)
         self._unrecorded.append(entry)
 
     @classmethod

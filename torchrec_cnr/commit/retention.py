@@ -6,7 +6,7 @@ an older generation never deletes anything (see :mod:`torchrec_cnr.commit.lease`
 
 from __future__ import annotations
 
-from torchrec_cnr.commit.manifest import Manifest
+from torchrec_cnr.commit.manifest import Hold, Manifest
 from torchrec_cnr.schema import parse_checkpoint_id
 from torchrec_cnr.storage import Storage
 
@@ -19,8 +19,10 @@ def retire(
     keep_last: int | None,
     generation: int,
     sweep: bool = True,
+    hold: Hold | None = None,
 ) -> list[str]:
-    """Drops what the chains of the last ``keep_last`` checkpoints do not need (rank 0 only).
+    """Drops what the chains of the last ``keep_last`` checkpoints, and ``hold``, do not
+    need (rank 0 only).
 
     With ``sweep`` (a writer's first commit), also deletes directories that older
     generations started but never committed: it lists the root and reads the whole history.
@@ -32,7 +34,7 @@ def retire(
     """
     dropped = []
     if keep_last is not None:
-        needed = manifest.needed_ids(keep_last)
+        needed = manifest.needed_ids(keep_last) | (hold.ids if hold is not None else set())
         dropped = [e.id for e in manifest.checkpoints if e.id not in needed]
         if dropped:
             manifest.checkpoints = [e for e in manifest.checkpoints if e.id in needed]

@@ -17,29 +17,19 @@ it; killed mid-compaction, the old chain stays the restore target.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from torchrec_cnr.collectives import Collective
-from torchrec_cnr.commit import (
-    CommitTarget,
-    Entry,
-    Manifest,
-    Pending,
-    append,
-    remove_failed,
-    write_and_commit,
-)
-from torchrec_cnr.commit.background import JobResult
+from torchrec_cnr.commit import CommitTarget, Entry, Manifest, append
 from torchrec_cnr.encoding import FP32, ShardContent, ShardRecord, build_record, write_part
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.read.chain import ChainReader, missing_step
 from torchrec_cnr.read.geometry import overlaps, place, scatter, scatter_weight, states_fit
 from torchrec_cnr.rowcopy import put_rows
 from torchrec_cnr.schema import IndexPart
-from torchrec_cnr.selection.policy import ChainState
 from torchrec_cnr.snapshot import (
     SnapshotWriter,
     app_path,
@@ -49,7 +39,7 @@ from torchrec_cnr.snapshot import (
     write_index,
 )
 
-__all__ = ["commit_and_compact", "compact", "compact_entry", "compaction_job"]
+__all__ = ["CompactedPart", "Stopped", "compact_entry", "compact_part", "compacted_entry"]
 
 
 def _region(rec: ShardRecord) -> tuple[int, int, int, int]:
@@ -144,7 +134,7 @@ def _compact_record(
 
 
 @dataclass
-class _Part:
+class CompactedPart:
     """What one writer contributed to a compacted checkpoint."""
 
     records: list[ShardRecord] = field(default_factory=list)
@@ -153,14 +143,31 @@ class _Part:
     """Storage rank -> the checksum of the part of its records this writer wrote."""
 
 
-def _write_part(chain: ChainReader, new_id: str, rank: int, world: int, io: IOContext) -> _Part:
-    """Compacts the shards of the storage ranks ``rank``, ``rank + world``, ... of the chain."""
+class Stopped(Exception):
+    """A compaction stopped before its end (see :func:`compact_part`'s ``stop``)."""
+
+
+def compact_part(
+    chain: ChainReader,
+    new_id: str,
+    rank: int,
+    world: int,
+    io: IOContext,
+    stop: threading.Event | None = None,
+) -> CompactedPart:
+    """Compacts the shards of the storage ranks ``rank``, ``rank + world``, ... of the chain.
+
+    Raises:
+        Stopped: ``stop`` was set; it is looked at between shards.
+    """
     entry = chain.entry
     writer = SnapshotWriter(chain.storage, new_id, f"r{rank}", io.io, io.object_bytes)
-    out = _Part()
+    out = CompactedPart()
     for i, target in enumerate(entry.shards):
         if target.spec.rank % world != rank:
             continue
+        if stop is not None and stop.is_set():
+            raise Stopped(f"the compaction into {new_id} was stopped")
         record, tensors = _compact_record(chain, target, key=f"c{i}")
         for name, t in tensors.items():
             writer.write(rows_path(target.spec.rank, name), t)
@@ -183,9 +190,10 @@ def _write_part(chain: ChainReader, new_id: str, rank: int, world: int, io: IOCo
     return out
 
 
-def _commit(chain: ChainReader, new_id: str, parts: list[_Part], target: CommitTarget) -> Entry:
+def compacted_entry(chain: ChainReader, new_id: str, parts: list[CompactedPart]) -> Entry:
+    """Writes the index of the compacted checkpoint ``new_id`` (call once every writer's
+    part is durable) and returns its entry, ready to commit."""
     entry = chain.entry
-    # IMPORTANT: every writer's part is durable: the index goes last, then the manifest.
     write_index(chain.storage, new_id, [p.index for p in parts], entry.world_size)
     records = sorted((r for p in parts for r in p.records), key=lambda r: int(r.key[1:]))
     compacted = Entry(
@@ -210,7 +218,6 @@ def _commit(chain: ChainReader, new_id: str, parts: list[_Part], target: CommitT
         since=entry.since,
         shard_parts={str(r): c for p in parts for r, c in sorted(p.parts.items())},
     )
-    append(target, compacted)
     return compacted
 
 
@@ -228,80 +235,8 @@ def compact_entry(target: CommitTarget, io: IOContext, step: int | None = None) 
         return None
     chain = ChainReader(target.storage, manifest, entry, io)
     new_id = checkpoint_id(entry.seq, entry.step, target.generation, compacted=True)
-    part = _write_part(chain, new_id, 0, 1, io)
-    return _commit(chain, new_id, [part], target)
-
-
-def compact(
-    group: Collective, target: CommitTarget, io: IOContext, every: int | None = None
-) -> ChainState | None:
-    """Compacts the chain of the latest committed checkpoint, collectively over ``group``.
-
-    Each rank merges the shards that its storage rank saved; rank 0 also copies the
-    dense state and every rank's ``app_state``, writes the index and commits.
-
-    Args:
-        every: compact only if that chain holds at least this many deltas.
-
-    Returns:
-        The chain state after it (the compacted checkpoint alone), or ``None`` if there
-        was nothing to compact.
-
-    Raises:
-        CheckpointError: another job took the root over; nothing was committed.
-        CheckpointReadError: the chain is damaged; nothing was committed.
-    """
-    manifest: Manifest = group.on_rank0(lambda: Manifest.load(target.storage))
-    manifest.attach(target.storage)
-    latest = manifest.latest()
-    if latest is None or latest.depth - 1 < max(every or 1, 1):
-        return None
-    new_id = checkpoint_id(latest.seq, latest.step, target.generation, compacted=True)
-    error: Exception | None = None
-    part = None
-    chain = None
-    try:
-        chain = ChainReader(target.storage, manifest, latest, io)
-        part = _write_part(chain, new_id, group.rank, group.world_size, io)
-    except Exception as e:  # every rank learns of it before anyone commits
-        error = e
-    try:
-        group.agree(error)
-    except Exception:
-        if group.rank == 0:  # no rank writes into it any more: give its space back
-            remove_failed(target, new_id)
-        raise
-    assert chain is not None
-    parts = group.gather_on_rank0(part)
-    group.on_rank0(
-        lambda: _commit(chain, new_id, [p for p in parts or [] if p is not None], target)
-    )
-    return ChainState([new_id], [])
-
-
-def commit_and_compact(
-    pending: Pending,
-    target: CommitTarget,
-    io: IOContext,
-    every: int | None,
-    what: str,
-    group: Collective,
-) -> JobResult:
-    """A background job: writes and commits ``pending``, then compacts the chain if it has
-    grown ``every`` deltas long (``CheckpointConfig.compact_every``; never if ``None``).
-    A failed compaction leaves the committed checkpoint as it is, and is reported."""
-    written = write_and_commit(pending, group, target)
-    if every is None:
-        return JobResult(written, what)
-    try:
-        return JobResult(compact(group, target, io, every) or written, what)
-    except Exception as e:  # the checkpoint itself is committed
-        return JobResult(written, what, followup_error=e)
-
-
-def compaction_job(
-    target: CommitTarget, io: IOContext, chain: ChainState, what: str, group: Collective
-) -> JobResult:
-    """A background job: compacts the latest chain (see :func:`compact`); ``chain`` is the
-    chain state it leaves if there is nothing to compact."""
-    return JobResult(compact(group, target, io) or chain, what)
+    part = compact_part(chain, new_id, 0, 1, io)
+    # IMPORTANT: the part is durable: the index goes last, then the manifest.
+    compacted = compacted_entry(chain, new_id, [part])
+    append(target, compacted)
+    return compacted

@@ -202,6 +202,11 @@ class WriterProcess:
         """The background job of a compaction."""
         return self._run(group, "compact", {"chain": chain, "what": what, **self._target(target)})
 
+    def finish(self, target: CommitTarget, chain: ChainState, what: str,
+               group: Collective) -> JobResult:  # fmt: skip
+        """The background job at ``close()``: the compaction in flight finished."""
+        return self._run(group, "finish", {"chain": chain, "what": what, **self._target(target)})
+
     @staticmethod
     def _target(target: CommitTarget) -> dict[str, Any]:
         return {"policy": target.policy, "generation": target.generation,

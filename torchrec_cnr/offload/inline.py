@@ -12,7 +12,12 @@ from typing import Protocol
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit import CommitTarget, Pending
 from torchrec_cnr.commit.background import JobResult
-from torchrec_cnr.compaction import commit_and_compact, compaction_job
+from torchrec_cnr.compaction import (
+    BackgroundCompaction,
+    commit_and_compact,
+    compaction_job,
+    finishing_job,
+)
 from torchrec_cnr.encoding import FormatResolver, ShardWriter
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.selection import ChainState
@@ -56,6 +61,11 @@ class Writer(Protocol):
         """The background job of a compaction."""
         ...
 
+    def finish(self, target: CommitTarget, chain: ChainState, what: str,
+               group: Collective) -> JobResult:  # fmt: skip
+        """The background job at ``close()``: the compaction in flight finished."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -68,6 +78,7 @@ class InlineWriter:
 
     def __init__(self, storage: Storage, rank: int, io: IOContext) -> None:
         self.storage, self.rank, self.io = storage, rank, io
+        self.compaction = BackgroundCompaction()
 
     @property
     def pid(self) -> int | None:
@@ -78,11 +89,15 @@ class InlineWriter:
 
     def commit(self, pending: Pending, target: CommitTarget, every: int | None, what: str,
                group: Collective) -> JobResult:  # fmt: skip
-        return commit_and_compact(pending, target, self.io, every, what, group)
+        return commit_and_compact(pending, target, self.io, every, what, group, self.compaction)
 
     def compact(self, target: CommitTarget, chain: ChainState, what: str,
                 group: Collective) -> JobResult:  # fmt: skip
-        return compaction_job(target, self.io, chain, what, group)
+        return compaction_job(target, self.io, chain, what, group, self.compaction)
+
+    def finish(self, target: CommitTarget, chain: ChainState, what: str,
+               group: Collective) -> JobResult:  # fmt: skip
+        return finishing_job(target, chain, what, group, self.compaction)
 
     def close(self) -> None:
-        pass
+        self.compaction.stop()

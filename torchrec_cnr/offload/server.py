@@ -20,7 +20,12 @@ from typing import Any
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit import CommitTarget, Pending
 from torchrec_cnr.commit.background import JobResult
-from torchrec_cnr.compaction import commit_and_compact, compaction_job
+from torchrec_cnr.compaction import (
+    BackgroundCompaction,
+    commit_and_compact,
+    compaction_job,
+    finishing_job,
+)
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.encoding import ShardWriter
 from torchrec_cnr.iocontext import IOContext, lowered_priority
@@ -44,6 +49,7 @@ class _Server:
         self.wire, self.config, self.rank = wire, config, rank
         self.storage = storage if storage is not None else open_storage(config.path, config.io)
         self.io = IOContext(config.io)
+        self.compaction = BackgroundCompaction()
         self.mapped = MappedBuffers()
         self.sources: dict[str, SourceInfo] = {}
         # Alone, there is nothing to agree with: no collective goes through the trainer.
@@ -110,10 +116,15 @@ class _Server:
             staged = replace(staged, dense=dense, rest=self._rest if job["rest"] else None)
         pending = replace(pending, writer=writer, staged=staged)
         return commit_and_compact(pending, self._target(job), self.io, job["every"],
-                                  job["what"], self.group)  # fmt: skip
+                                  job["what"], self.group, self.compaction)  # fmt: skip
 
     def compact(self, job: dict[str, Any]) -> JobResult:
-        return compaction_job(self._target(job), self.io, job["chain"], job["what"], self.group)
+        return compaction_job(self._target(job), self.io, job["chain"], job["what"], self.group,
+                              self.compaction)  # fmt: skip
+
+    def finish(self, job: dict[str, Any]) -> JobResult:
+        return finishing_job(self._target(job), job["chain"], job["what"], self.group,
+                             self.compaction)  # fmt: skip
 
     def run(self) -> None:
         while True:
@@ -121,9 +132,10 @@ class _Server:
             if kind == "close":
                 return
             try:
-                if kind not in ("commit", "compact"):
+                jobs = {"commit": self.commit, "compact": self.compact, "finish": self.finish}
+                if kind not in jobs:
                     raise RuntimeError(f"unexpected message: {kind!r}")
-                result = self.commit(args[0]) if kind == "commit" else self.compact(args[0])
+                result = jobs[kind](args[0])
                 if result.followup_error is not None:
                     result = replace(result, followup_error=pack_error(result.followup_error))
                 reply: tuple[Any, ...] = ("done", result)
@@ -134,6 +146,7 @@ class _Server:
             self.wire.send(*reply)
 
     def close(self) -> None:
+        self.compaction.stop()
         self.io.close()
 
 
