@@ -8,6 +8,7 @@ methods, bit widths and thresholds from :mod:`torchrec_cnr.quantization`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -229,8 +230,9 @@ class CheckpointConfig:
     keep_last: int | None = None
     """Keep only what restoring the last N checkpoints needs; ``None`` keeps everything."""
     compact_every: int | None = None
-    """Merge a chain into one full checkpoint once it holds this many deltas, in the
-    background beside later commits (no save waits for it); ``None`` never compacts on its own."""
+    """Merge a ``consecutive`` chain into one full checkpoint once it holds this many deltas,
+    in the background beside later commits (no save waits for it); ``None`` never compacts
+    on its own."""
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     """Per-row quantization of stored embedding rows."""
     on_busy: OnBusy = "wait"
@@ -317,6 +319,13 @@ class CheckpointConfig:
         ):
             raise ValueError(
                 f"compact_every must be a positive int or None, got {self.compact_every!r}"
+            )
+        if self.compact_every is not None and self.policy != "consecutive":
+            warnings.warn(
+                f"compact_every applies to policy='consecutive' only: a {self.policy!r} chain "
+                "holds at most a baseline and one delta, and is never compacted on its own "
+                "(CheckpointManager.compact() compacts it)",
+                stacklevel=3,
             )
         object.__setattr__(self, "safe_globals", checked_safe_globals(self.safe_globals))
         if self.staging not in STAGING:

@@ -525,9 +525,7 @@ class Entry:
     chain: list[str]
     """Ids a restore of this checkpoint applies, baseline first. Stored (format 7) as the
     link before this one and the length when longer than two, and read from the manifest
-    that names it on first use (:meth:`Entry.linked`); stored whole where it is not the
-    link before's chain and this one (:meth:`rebased`: the first after a compaction
-    landed, see :mod:`torchrec_cnr.compaction.background`)."""
+    that names it on first use (:meth:`Entry.linked`)."""
     sizes: list[float]
     """S_1..S_i of the deltas since the baseline, for the policy that decides baselines
     from them (``intermittent``); empty for the others since format 7."""
@@ -624,11 +622,6 @@ class Entry:
             self.__dict__["_parts"] = read
         return self
 
-    def rebased(self) -> Entry:
-        """This entry, its chain stored whole: it does not extend its parent's."""
-        self.__dict__["_whole_chain"] = True
-        return self
-
     @property
     def parent(self) -> str | None:
         """The link before this one in its chain, without reading the chain."""
@@ -665,7 +658,7 @@ class Entry:
     def summary_json(self) -> dict[str, Any]:
         """The JSON of the summary alone, as the manifest and history segments hold it."""
         raw = {k: v for k, v in self.__dict__.items() if k not in DETAIL and k[0] != "_"}
-        if self.depth > 2 and "_whole_chain" not in self.__dict__:  # named by its parent
+        if self.depth > 2:  # a chain of consecutive deltas: named by its parent
             raw.pop("chain", None)
             raw["parent"], raw["depth"] = self.parent, self.depth
         if self.interval_decision is not None:
@@ -715,8 +708,6 @@ class Entry:
         if "chain" not in raw:
             del entry.__dict__["chain"]
             entry.__dict__["_parent"], entry.__dict__["_depth"] = raw["parent"], int(raw["depth"])
-        elif len(entry.chain) > 2:
-            entry.rebased()  # stored whole: written again whole
         return entry
 
 

@@ -122,8 +122,6 @@ def write_and_commit(
         chain = target.policy.advance(pending.chain, pending.decision, ckpt_id, size)
         try:
             entry = _entry(ckpt_id, pending, staged, chain, writes, target)
-            if landed is not None:  # its chain starts from that compaction
-                entry.rebased()
             # IMPORTANT: every rank's part is durable: the index goes last, then the manifest.
             write_index(target.storage, ckpt_id, [w.index for w in writes], len(writes))
             entry.bytes = target.storage.tree_bytes(ckpt_id)
@@ -240,9 +238,9 @@ def append(
     target: CommitTarget, entry: Entry, landed: Entry | None = None, hold: Hold | None = None
 ) -> Manifest:
     """Commits ``entry`` (its record, then the root's manifest), then applies retention
-    (rank 0 only). ``landed``: a compacted checkpoint committed in the same manifest
-    write, in its place (:meth:`Manifest.insert`); ``hold``: what a compaction in flight
-    keeps.
+    (rank 0 only). ``landed``: a compaction committed in the same manifest write, after
+    the checkpoint it compacts (:meth:`Manifest.land`); ``hold``: what a compaction in
+    flight keeps.
 
     IMPORTANT: call this only after every rank reported its files durable; the
     manifest's rename (or PUT) is what makes the checkpoint exist.
@@ -257,10 +255,10 @@ def append(
         raise _stale(storage, generation, manifest.writer_generation)
     previous = manifest.latest()
     if landed is not None:
-        manifest.insert(landed)
+        manifest.land(landed)
     manifest.add(entry)
     try:
-        manifest.save(storage)
+        manifest.save(storage, hold.seq if hold is not None else None)
     except PreconditionFailed as e:
         raise _stale(storage, generation, Manifest.load(storage).writer_generation) from e
     # A writer's first commit also removes what older writers left uncommitted.

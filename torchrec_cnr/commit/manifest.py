@@ -65,6 +65,10 @@ class Hold:
     """What a compaction in flight keeps of the root until it lands (see
     :mod:`torchrec_cnr.compaction.background`)."""
 
+    seq: int
+    """The sequence number of the checkpoint it compacts: checkpoints from it on stay out
+    of the sealed history, where the compaction could not be placed after it nor the
+    checkpoints that link to it be linked to the compaction instead (:meth:`Manifest.land`)."""
     ids: frozenset[str]
     """The chain it reads: retention keeps it."""
 
@@ -204,22 +208,39 @@ class Manifest(ManifestRecord):
         self._unrecorded: list[Entry] = list(self.tail)
         """Entries whose records :meth:`save` writes first: those added, and a format-1-5
         manifest's (whole, without records until the root is first written)."""
+        self._rechained: list[Entry] = []
+        """Entries whose chain :meth:`land` changed: their records are written again."""
 
     def add(self, entry: Entry) -> None:
         """Adds a newly committed checkpoint (its record is written when saved)."""
         self.tail.append(entry)
         self._unrecorded.append(entry)
 
-    def insert(self, entry: Entry) -> None:
-        """Adds a compacted checkpoint after the one it compacts, before the checkpoints
-        committed after that one (see :mod:`torchrec_cnr.compaction.background`): right
-        after it, or first among the summaries held where it is in the sealed history. A
-        restore of its step finds it (:meth:`find`), a follower never steps back to it."""
-        at = len(self.tail)
-        while at > 0 and self.tail[at - 1].seq > entry.seq:
-            at -= 1
-        self.tail.insert(at, entry)
-        self._unrecorded.append(entry)
+    def land(self, compacted: Entry) -> None:
+        """Adds a compaction committed after the checkpoint it compacts (see
+        :mod:`torchrec_cnr.compaction.background`): right after that checkpoint, and every
+        checkpoint that links to it links to the compaction instead (the same state), its
+        summary and record rewritten, so that the old chain can go while they stay; the
+        checkpoints after them link through them as before.
+
+        Raises:
+            ManifestError: the checkpoint it compacts is not among the summaries held (a
+                :class:`Hold` keeps it there while the compaction runs).
+        """
+        at = next((i for i, e in enumerate(self.tail) if e.id == compacted.compacted_from), None)
+        if at is None:
+            raise ManifestError(
+                f"{compacted.compacted_from}, which {compacted.id} compacts, is not among the "
+                "summaries the manifest holds"
+            )
+        self.tail.insert(at + 1, compacted)
+        self._unrecorded.append(compacted)
+        for entry in self.tail[at + 2 :]:
+            if entry.parent == compacted.compacted_from:
+                for key in ("_parent", "_depth", "_owner"):
+                    entry.__dict__.pop(key, None)
+                entry.chain = [compacted.id, entry.id]
+                self._rechained.append(entry)
 
     @classmethod
     def parse(cls, data: bytes, where: str) -> Manifest:
@@ -281,8 +302,9 @@ class Manifest(ManifestRecord):
                 raise  # there, but damaged
             return None
 
-    def save(self, storage: Storage) -> None:
-        """Commits this manifest in place of the version it was read at.
+    def save(self, storage: Storage, unsealed_from: int | None = None) -> None:
+        """Commits this manifest in place of the version it was read at; checkpoints from
+        sequence number ``unsealed_from`` on stay out of the sealed history.
 
         The manifest it replaces stays readable as ``manifest.json.prev``, so one damaged
         manifest never loses the chain. The replacement is one atomic, conditional write:
@@ -302,8 +324,10 @@ class Manifest(ManifestRecord):
             if entry.shard_parts:  # format 7: every rank's shard records in one file too
                 entry.shard_parts["all"] = write_part(storage, entry.id, None, entry.shards)
             storage.write(record_path(entry.id), record_bytes(entry))
-        self._unrecorded = []
-        self._seal(storage)
+        for entry in self._rechained:  # its shard records stay as they are
+            storage.write(record_path(entry.id), record_bytes(entry))
+        self._unrecorded, self._rechained = [], []
+        self._seal(storage, unsealed_from)
         if current is not None:
             try:
                 Manifest.parse(current[0], MANIFEST_NAME)
@@ -320,12 +344,18 @@ class Manifest(ManifestRecord):
             storage.delete(name)  # the history a retention replaced
         self._stale_segments = []
 
-    def _seal(self, storage: Storage) -> None:
-        """Moves all but the last :data:`TAIL` summaries into a new history segment once
-        the manifest holds ``2 * TAIL`` (the segment is durable before the manifest)."""
-        if len(self.tail) < 2 * TAIL:
+    def _seal(self, storage: Storage, unsealed_from: int | None) -> None:
+        """Moves all but the last :data:`TAIL` summaries, and those from sequence number
+        ``unsealed_from`` on, into a new history segment once that is at least ``TAIL`` of
+        them (the segment is durable before the manifest)."""
+        cut = len(self.tail) - TAIL
+        if unsealed_from is not None:
+            cut = min(
+                cut, next((i for i, e in enumerate(self.tail) if e.seq >= unsealed_from), cut)
+            )
+        if cut < TAIL:
             return
-        older, self.tail = self.tail[:-TAIL], self.tail[-TAIL:]
+        older, self.tail = self.tail[:cut], self.tail[cut:]
         data, digest = segment_bytes(older, self.history)
         count = len(older) + (0 if self.history is None else self.history.count)
         name = segment_name(older[0].seq, older[-1].seq, digest)

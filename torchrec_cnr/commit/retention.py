@@ -38,7 +38,7 @@ def retire(
         dropped = [e.id for e in manifest.checkpoints if e.id not in needed]
         if dropped:
             manifest.checkpoints = [e for e in manifest.checkpoints if e.id in needed]
-            manifest.save(storage)
+            manifest.save(storage, hold.seq if hold is not None else None)
     if sweep:
         named = {e.id for e in manifest.checkpoints}
         for name in storage.children():

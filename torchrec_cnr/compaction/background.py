@@ -7,10 +7,11 @@ its own (:class:`BackgroundCompaction`), and returns: later checkpoints go on co
 while it reads C's chain and writes one full checkpoint F of C's step. The first commit
 job after every rank has written its part *lands* F: F is committed in the same manifest
 write as that job's own checkpoint, right after C (the same step, ``compacted_from`` C: a
-restore of that step reads F; see :meth:`~torchrec_cnr.commit.manifest.Manifest.insert`),
-and that checkpoint's chain, and every later one's, starts from F instead of C's chain
-(:func:`rebase`), so that ``keep_last`` retires the old links once the checkpoints that
-still name them go. Until it lands, retention keeps C's chain
+restore of that step reads F), the checkpoints committed since C link to F instead of C
+(:meth:`~torchrec_cnr.commit.manifest.Manifest.land`), and that job's checkpoint, and every
+later one, continues the chain from F (:func:`rebase`): ``keep_last`` retires C's chain as
+it would any other. Until it lands, the manifest keeps C's chain (retention) and the
+checkpoints from C on out of the sealed history
 (:class:`~torchrec_cnr.commit.manifest.Hold`).
 
 A compaction that failed on some rank is reported after the job's own checkpoint, which
@@ -122,7 +123,7 @@ class BackgroundCompaction:
     def hold(self) -> Hold | None:
         """What the compaction in flight keeps of the manifest."""
         r = self._running
-        return None if r is None else Hold(frozenset(r.compacted.chain))
+        return None if r is None else Hold(r.compacted.seq, frozenset(r.compacted.chain))
 
     def start(
         self,
@@ -135,6 +136,8 @@ class BackgroundCompaction:
         """Starts compacting the checkpoint ``chain`` ends at, if it holds at least ``every``
         deltas and no compaction runs; returns at once."""
         if every is None or self._running is not None or len(chain.chain) - 1 < max(every, 1):
+            return
+        if target.policy.name != "consecutive":  # a baseline and a delta at most (config warns)
             return
         self._begin(group, target, io, NICE, chain.chain[-1])
 
