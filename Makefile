@@ -78,10 +78,10 @@ bench: setup
 	$(TORCHRUN) -m benchmarks.overhead --paired --intervals 5 10 30 --out $(BENCH)/overhead_paired_2rank.json
 	$(TORCHRUN1) -m benchmarks.overhead --save-cost --saves 16 --out $(BENCH)/save_cost.json
 	$(TORCHRUN1) -m benchmarks.overhead --gil --gil-s 60 --out $(BENCH)/overhead_gil.json
-	$(TORCHRUN1) -m benchmarks.overhead --floor --tables 8 --rows 1000000 --intervals 2 5 10 --pair-s 60 --policy consecutive --out $(BENCH)/overhead_floor_1rank.json
-	$(TORCHRUN) -m benchmarks.overhead --floor --tables 8 --rows 1000000 --intervals 2 --pair-s 60 --policy consecutive --out $(BENCH)/overhead_floor_2rank.json
-	$(TORCHRUN1) -m benchmarks.overhead --floor --tables 8 --rows 1000000 --intervals 2 5 10 --pair-s 60 --policy consecutive --background process --out $(BENCH)/overhead_floor_process_1rank.json
-	$(TORCHRUN) -m benchmarks.overhead --floor --tables 8 --rows 1000000 --intervals 2 --pair-s 60 --policy consecutive --background process --out $(BENCH)/overhead_floor_process_2rank.json
+	$(TORCHRUN1) -m benchmarks.overhead --floor --tables 8 --rows 1000000 --intervals 2 5 10 --pair-s 60 --per-stretch 3 --compact-every 10 --policy consecutive --out $(BENCH)/overhead_floor_1rank.json
+	$(TORCHRUN) -m benchmarks.overhead --floor --tables 8 --rows 1000000 --intervals 2 --pair-s 60 --per-stretch 3 --compact-every 10 --policy consecutive --out $(BENCH)/overhead_floor_2rank.json
+	$(TORCHRUN1) -m benchmarks.overhead --floor --tables 8 --rows 1000000 --intervals 2 5 10 --pair-s 60 --per-stretch 3 --compact-every 10 --policy consecutive --background process --out $(BENCH)/overhead_floor_process_1rank.json
+	$(TORCHRUN) -m benchmarks.overhead --floor --tables 8 --rows 1000000 --intervals 2 --pair-s 60 --per-stretch 3 --compact-every 10 --policy consecutive --background process --out $(BENCH)/overhead_floor_process_2rank.json
 	$(TORCHRUN) -m benchmarks.experiments.quantized_restores --out $(BENCH)/experiments/quantized_restores.json
 	$(TORCHRUN) -m benchmarks.policies --figure --out $(BENCH)/experiments/policy_bytes.json
 	$(TORCHRUN) -m benchmarks.experiments.cpr --out $(BENCH)/experiments/cpr.json

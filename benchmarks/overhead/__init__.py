@@ -44,6 +44,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="intermittent", help="--floor: the checkpoints' policy")
     p.add_argument("--background", default="thread", choices=BACKGROUND,
                    help="--floor: where the checkpoints are written (CheckpointConfig)")  # fmt: skip
+    p.add_argument("--per-stretch", type=int, default=1,
+                   help="--floor: checkpoints per stretch, one every interval")  # fmt: skip
+    p.add_argument("--compact-every", type=int, default=None,
+                   help="--floor: CheckpointConfig.compact_every")  # fmt: skip
     p.add_argument("--gil-s", type=float, default=20.0, help="--gil: seconds sampled per format")
     p.add_argument("--merge", type=Path, help="this case's result at another world size")
 

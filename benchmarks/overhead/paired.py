@@ -31,20 +31,26 @@ BUSY_STEPS = 2
 
 
 def _segment(b: Bench, trainer: StepLoop, ckpt: CheckpointManager | None, steps: int,
-             k: int) -> dict[str, Any]:  # fmt: skip
+             k: int, skip: int = 0) -> dict[str, Any]:  # fmt: skip
     """``steps`` steps from a multiple of ``k``, ``ckpt.maybe_save`` after each if given, then
     ``wait()``: the slowest rank's seconds, the saves asked for and made, the stall of each,
-    the last checkpoint, and for one save its cost from the step times (:func:`step_cost`)."""
+    the last checkpoint, and each save's cost from the step times (:func:`step_costs`) and
+    its copy-on-write time, but the first ``skip`` saves'."""
     trainer.align(k)
     stalls: list[float] = []
     ends: list[float] = []
     saved_at: list[float] = []
+    steps_saved: list[int] = []
+    hooks: list[float] = []  # the training thread's copy-on-write of each save
     made = 0
 
     def after(step: int) -> None:
         nonlocal made
         if ckpt is not None and step % k == 0:
+            if saved_at:
+                hooks.append(ckpt.lazy_staging.hook_s if ckpt.lazy_staging else 0.0)
             saved_at.append(now())
+            steps_saved.append(step)
             began = time.perf_counter()
             made += ckpt.maybe_save(step)
             stalls.append(time.perf_counter() - began)
@@ -59,24 +65,46 @@ def _segment(b: Bench, trainer: StepLoop, ckpt: CheckpointManager | None, steps:
     seconds, took = timed(train)
     out: dict[str, Any] = {"seconds": seconds, "asked": len(stalls), "made": made, "stalls": stalls}
     if ckpt is not None and made:
-        last = from_rank0(lambda: list_checkpoints(str(ckpt.config.path))[-1])
+        every = from_rank0(lambda: list_checkpoints(str(ckpt.config.path)))
+        saved = [c for c in every if c.compacted_from is None]
+        out["compacted"] = [c.id for c in every if c.compacted_from is not None]
+        last = saved[-1]
         out.update(kind=last.kind, mb=last.bytes / 1e6, fraction=last.saved_fraction)
-        if made == 1:
-            cost = step_cost(took, ends, saved_at[0], last.committed_at, stalls[0])
-            lazy = ckpt.lazy_staging  # the training thread's copy-on-write of that save
-            out["cost_s"], out["hook_s"] = max_over_ranks(cost, lazy.hook_s if lazy else 0.0)
-            out["step_loss"] = out["cost_s"] / seconds
+        by_step = {c.step: c for c in saved}
+        if made == len(stalls) and all(s in by_step for s in steps_saved):  # each committed
+            lazy = ckpt.lazy_staging
+            hooks.append(lazy.hook_s if lazy else 0.0)
+            ours = [by_step[s] for s in steps_saved]
+            windows = [(t, c.committed_at) for t, c in zip(saved_at, ours)]
+            costs = step_costs(took, ends, windows, stalls)[skip:]
+            out["costs_s"] = max_over_ranks(*costs) if costs else []
+            out["hooks_s"] = max_over_ranks(*hooks[skip:]) if costs else []
+            out["mb_each"] = [c.bytes / 1e6 for c in ours[skip:]]
+            out["fraction_each"] = [c.saved_fraction for c in ours[skip:]]
+            if made == 1:
+                out["cost_s"], out["hook_s"] = out["costs_s"][0], out["hooks_s"][0]
+                out["step_loss"] = out["cost_s"] / seconds
     return out
+
+
+def step_costs(took: list[float], ends: list[float], windows: list[tuple[float, float]],
+               stalls: list[float]) -> list[float]:  # fmt: skip
+    """Each checkpoint's cost to training: its stall plus what the steps from its save to
+    its commit (``windows``) took beyond the mean of the stretch's steps outside every
+    window; NaN where fewer than 10 steps are outside (no reference pace)."""
+    _, clean = split_steps(took, ends, windows)
+    if len(clean) < 10:
+        return [math.nan] * len(windows)
+    pace = statistics.fmean(clean)
+    return [stall + sum(inside) - pace * len(inside)
+            for (inside, _), stall in ((split_steps(took, ends, [w]), st)
+                                       for w, st in zip(windows, stalls))]  # fmt: skip
 
 
 def step_cost(took: list[float], ends: list[float], saved_at: float, committed_at: float,
                stall: float) -> float:  # fmt: skip
-    """One checkpoint's cost to training: its stall plus what the steps from its save to its
-    commit took beyond the mean of the stretch's other steps."""
-    inside, clean = split_steps(took, ends, [(saved_at, committed_at)])
-    if len(clean) < 10:
-        return math.nan  # the commit overlapped nearly every step: no reference pace
-    return stall + sum(inside) - statistics.fmean(clean) * len(inside)
+    """One checkpoint's cost to training (:func:`step_costs` of one)."""
+    return step_costs(took, ends, [(saved_at, committed_at)], [stall])[0]
 
 
 def spread(values: list[float]) -> float:
@@ -103,17 +131,18 @@ def alternating(
 
 
 def checkpoint_pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: int, k: int,
-                     pairs: int) -> dict[str, Any]:  # fmt: skip
+                     pairs: int, skip: int = 0) -> dict[str, Any]:  # fmt: skip
     """``pairs`` pairs of adjacent stretches of ``steps`` steps, with checkpoints every ``k``
     and without, in alternating order, after a baseline: the loss per pair, 1 - (time
-    without) / (time with), and from step times (:func:`step_cost` over its time)."""
+    without) / (time with), and from step times (:func:`step_costs` over its time); the
+    cost of each checkpoint but the first ``skip`` of each stretch."""
     rmtree(Path(cfg.path))
     losses, saving = [], []
     with CheckpointManager(trainer.work.model, cfg) as ckpt:
         ckpt.save(trainer.step)
         ckpt.wait()
         for loss, with_ckpt in alternating(
-            b, pairs, lambda w: _segment(b, trainer, ckpt if w else None, steps, k)
+            b, pairs, lambda w: _segment(b, trainer, ckpt if w else None, steps, k, skip)
         ):
             losses.append(loss)
             saving.append(with_ckpt)
@@ -122,19 +151,23 @@ def checkpoint_pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: 
     stall, worst = max_over_ranks(statistics.median(stalls), max(stalls))
     known = [s for s in saving if not math.isnan(s.get("cost_s", math.nan))]
     step_losses = [s["step_loss"] for s in known]
+    each = [(c, h) for s in saving for c, h in zip(s.get("costs_s", []), s.get("hooks_s", []))
+            if not math.isnan(c)]  # fmt: skip
     return {
         "loss": statistics.median(losses), "loss_each": losses, "resolution": spread(losses),
         "step_loss": statistics.median(step_losses) if step_losses else None,
         "step_loss_each": step_losses,
         "step_resolution": spread(step_losses) if step_losses else None,
-        "cost_each_s": [s["cost_s"] for s in known],
-        "hook_each_s": [s["hook_s"] for s in known],
+        "cost_each_s": [c for c, _ in each],
+        "hook_each_s": [h for _, h in each],
         "saves_asked": sum(s["asked"] for s in saving),
         "saves_made": sum(s["made"] for s in saving),
+        "compactions": len({c for s in saving for c in s.get("compacted", [])}),
         "stall_s": stall, "stall_max_s": worst,
         "kinds": [s.get("kind") for s in saving],
-        "mb_each": [s["mb"] for s in saving if "mb" in s],
-        "fraction_each": [s["fraction"] for s in saving if "fraction" in s],
+        "mb_each": [m for s in saving for m in s.get("mb_each", [s["mb"]] if "mb" in s else [])],
+        "fraction_each": [f for s in saving
+                          for f in s.get("fraction_each", [s["fraction"]] if "fraction" in s else [])],
     }  # fmt: skip
 
 

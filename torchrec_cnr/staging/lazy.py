@@ -19,10 +19,10 @@ why). The checkpoint's bytes are the same either way.
 
 On CUDA the copies gather on the device and land in pinned host memory; the background
 copies run on a side stream after an event recorded at ``save()``. This path has run on a
-GPU (an H200, through ``scripts/gpu_check.py``, the ``gpu``-marked tests of
-``tests/unit/test_staging.py``): eager and copy-on-write staging of CUDA shards into pinned
-buffers, the lookup hook and the background copy included, without TorchRec's or FBGEMM's
-kernels. The whole manager over FBGEMM's CUDA kernels (the tracker's hooks on a real TBE,
+GPU (an H200, and an H100 with torch 2.11, through ``scripts/gpu_check.py``, the
+``gpu``-marked tests of ``tests/unit/test_staging.py``): eager and copy-on-write staging of
+CUDA shards into pinned buffers, the lookup hook and the background copy included, without
+TorchRec's or FBGEMM's kernels. The whole manager over FBGEMM's CUDA kernels (the tracker's hooks on a real TBE,
 nccl) has not run on a GPU.
 """
 
