@@ -238,6 +238,16 @@ def test_deltas_that_hold_whole_shards_compact_exactly(root: str, refs: Path) ->
         assert torch.equal(read_table(root, table), values["weight"]), table
 
 
+def _note_last(refs: str, step: int) -> None:
+    """Tells the test the last step saved (a loop's, which ran until something happened)."""
+    if dist.get_rank() == 0:
+        (Path(refs) / "last").write_text(str(step))
+
+
+def _last(refs: Path) -> int:
+    return int((refs / "last").read_text())
+
+
 def _compacted_base(root: str) -> str | None:
     """The compaction the latest checkpoint's chain starts from, if it is a delta on one."""
     latest = Manifest.load(root).latest()
@@ -267,8 +277,7 @@ def _compact_every(root: str, refs: str, background: str) -> None:
             bases.add(_compacted_base(root))
             bases.discard(None)
         save_reference(job, refs, step)
-        if dist.get_rank() == 0:
-            (Path(refs) / "last").write_text(str(step))
+        _note_last(refs, step)
 
 
 @pytest.mark.dist
@@ -283,7 +292,7 @@ def test_compact_every_bounds_the_chain_and_keep_last_retires_the_links(
     latest = manifest.latest()
     assert latest is not None and latest.chain[0].endswith("-c") and len(latest.chain) <= 3
     assert set(open_storage(any_root).children()) == manifest.needed_ids(1)
-    step = int((refs / "last").read_text())
+    step = _last(refs)
     run_ranks(2, _restores_exactly, any_root, str(refs), step, False, "exact_sgd")
 
 
@@ -314,8 +323,7 @@ def _saves_go_on_while_a_compaction_writes(root: str, refs: str) -> None:
         latest = Manifest.load(root).latest()
         assert latest is not None and latest.chain[0].endswith("-c")
         assert latest.chain[1:] == [e.id for e in Manifest.load(root).checkpoints if 3 < e.step]
-        if dist.get_rank() == 0:
-            (Path(refs) / "last").write_text(str(step))
+        _note_last(refs, step)
 
 
 @pytest.mark.dist
@@ -330,7 +338,7 @@ def test_saves_go_on_while_a_compaction_writes_and_it_lands_after_its_checkpoint
     assert steps[: steps.index(3) + 2] == [1, 2, 3, 3], "placed right after what it compacts"
     found = manifest.find(3)
     assert found is not None and found.id == compacted[0].id, "a restore of step 3 reads it"
-    last = int((refs / "last").read_text())
+    last = _last(refs)
     for step in (3, 5, last):  # the compaction, a delta on the old chain, one on it
         run_ranks(2, _restores_exactly, root, str(refs), step, False, "exact_sgd")
     assert cnr(["verify", root]) == 0
@@ -390,8 +398,7 @@ def _compaction_fails_on_one_rank(root: str, refs: str) -> None:
         assert len(reported) == 1, reported
         assert re.search(r"compaction after the checkpoint of step \d+ failed: on rank 1: .*"
                          r"injected", reported[0]), reported[0]  # fmt: skip
-        if dist.get_rank() == 0:
-            (Path(refs) / "last").write_text(str(step))
+        _note_last(refs, step)
 
 
 @pytest.mark.dist
@@ -403,7 +410,7 @@ def test_a_failed_compaction_is_reported_and_the_checkpoints_beside_it_commit(
     named = {e.id for e in manifest.checkpoints}
     assert set(open_storage(root).children()) <= named, "the failed compaction's files went"
     steps = [e.step for e in manifest.checkpoints if not e.compacted_from]
-    last = int((refs / "last").read_text())
+    last = _last(refs)
     assert steps == list(range(1, last + 1)), "every checkpoint committed"
     run_ranks(2, _restores_exactly, root, str(refs), last, False, "exact_sgd")
 
