@@ -101,12 +101,6 @@ def step_costs(took: list[float], ends: list[float], windows: list[tuple[float, 
                                        for w, st in zip(windows, stalls))]  # fmt: skip
 
 
-def step_cost(took: list[float], ends: list[float], saved_at: float, committed_at: float,
-               stall: float) -> float:  # fmt: skip
-    """One checkpoint's cost to training (:func:`step_costs` of one)."""
-    return step_costs(took, ends, [(saved_at, committed_at)], [stall])[0]
-
-
 def spread(values: list[float]) -> float:
     """The 95% interval of the median of ``values``: ± 1.58 IQR / sqrt(n)."""
     if len(values) < 2:
