@@ -52,6 +52,9 @@ def train(config_path: str | None, overrides: list[str]) -> int:
     try:
         run(config)
         dist.barrier()  # leave together: gloo aborts a rank whose peer tears down first
+    except CnrError as e:  # the library's own: every rank raised it, with the same message
+        print(f"[rank {dist.get_rank()}] error: {e}", file=sys.stderr, flush=True)
+        return 2
     except RuntimeError as e:
         if "by peer" not in str(e):
             raise

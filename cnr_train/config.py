@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from cnr_train.workload import LAYOUTS
 from torchrec_cnr import CheckpointConfig, FollowerOptions
@@ -197,6 +197,12 @@ class ServeConfig:
     every request checks, under the same hold as its forward, that the served model's last
     rows all hold the step the follower names. A request that sees anything else counts
     as a torn snapshot (``torn_requests`` in the metrics)."""
+
+    MOVED: ClassVar[dict[str, str]] = {
+        "swap": "follower.swap",
+        "memory_budget_mb": "follower.memory_budget_mb",
+    }
+    """Keys that moved, and where (read with a ``DeprecationWarning`` for one release)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in SERVE_DTYPES:

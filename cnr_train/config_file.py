@@ -7,8 +7,10 @@ value of the wrong type stops with an error naming its dotted path.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
 import typing
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,6 +25,8 @@ class ConfigError(ValueError):
 
 
 def _convert(value: Any, tp: Any, path: str) -> Any:
+    if isinstance(tp, dataclasses.InitVar):
+        tp = tp.type
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -65,9 +69,37 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     return value
 
 
+def _moved(cls: type, raw: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``raw`` with the keys ``cls.MOVED`` names (an old key -> its dotted place now, under
+    the same section) moved there, each with a ``DeprecationWarning``."""
+    moved: dict[str, str] = getattr(cls, "MOVED", {})
+    if not set(moved) & set(raw):
+        return raw
+    raw = dict(raw)
+    for old, new in moved.items():
+        if old not in raw:
+            continue
+        warnings.warn(
+            f"config key {prefix}{old} is deprecated and will be removed in the next release: "
+            f"write {prefix}{new}",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        *sections, key = new.split(".")
+        node = raw
+        for section in sections:
+            node[section] = node = dict(node.get(section) or {})
+        if key in node:
+            raise ConfigError(f"{prefix}{old} and {prefix}{new} are both set: keep {new}")
+        node[key] = raw.pop(old)
+    return raw
+
+
 def _build(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    raw = _moved(cls, raw, prefix)
+    # Init-only fields too: a deprecated spelling a dataclass still takes (InitVar).
+    fields = inspect.signature(cls).parameters
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         names = ", ".join(f"{prefix}{k}" for k in unknown)

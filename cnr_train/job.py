@@ -32,11 +32,14 @@ from cnr_train.workload import (
 )
 from torchrec_cnr import (
     CheckpointConfig,
+    CheckpointError,
     CheckpointInfo,
     CheckpointManager,
     root_info,
     write_rows,
 )
+from torchrec_cnr.collectives import Collective
+from torchrec_cnr.commit.lease import live_holder
 from torchrec_cnr.snapshot import crc32
 from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state
@@ -228,17 +231,29 @@ def _fail(step: int, saved: bool) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _clean(checkpoint: CheckpointConfig) -> None:
+    """Deletes the root, unless another live job holds it (its checkpoints stay)."""
+    storage = open_storage(checkpoint.path, checkpoint.io)
+    holder = live_holder(storage, checkpoint.timeouts.lease_ttl_s)
+    if holder is not None:
+        raise CheckpointError(
+            f"train.clean_start: {storage.url} is held by another live job, "
+            f"{holder.describe()}; nothing was deleted"
+        )
+    storage.clear()
+
+
 def run(config: JobConfig) -> dict[str, Any]:
     """Trains, checkpoints, injects failures, evaluates; checks the last checkpoint restores exactly."""
     rank = dist.get_rank()
     root = config.checkpoint.path
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
-    if config.train.clean_start and first_attempt and rank == 0:
-        open_storage(root).clear()
+    if config.train.clean_start and first_attempt:
+        Collective(None).on_rank0(lambda: _clean(config.checkpoint))
+    dist.barrier()
+    t = Trainer.build(config, config.train.seed)  # fails on every rank if root is unusable
     if rank == 0:
         open_storage(root).delete(DONE_MARKER)  # an earlier run's
-    dist.barrier()
-    t = Trainer.build(config, config.train.seed)
     if isinstance(t.data, criteo.CriteoBatches):
         steps = config.train.steps
         say(
@@ -272,6 +287,9 @@ def run(config: JobConfig) -> dict[str, Any]:
             bar.set_postfix(loss=f"{loss:.4f}", ckpt=step)
         bar.update(1)
     bar.close()
+    last, saving = config.train.steps, config.checkpoint.interval_steps is not None
+    if saving and last > start and not did_save:
+        t.ckpt.save(last)  # the last step, off the interval: a restart resumes at the end
     t.ckpt.wait()
     result: dict[str, Any] = {
         "loss": loss,

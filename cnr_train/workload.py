@@ -18,7 +18,13 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner.types import (
+    KernelConfig,
+    Topology,
+    TopologyFactory,
+    TrainerConfig,
+)
 from torchrec.distributed.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
@@ -44,6 +50,7 @@ __all__ = [
     "build_model",
     "dense_optimizer",
     "hand_plan",
+    "planner_topology",
 ]
 
 LAYOUTS = (
@@ -340,6 +347,14 @@ def dlrm(
     )
 
 
+def planner_topology(world: int, device: str) -> Topology:
+    """TorchRec's planner topology for ``world`` ranks on ``device``, built as TorchRec asks
+    (its factory: a ``Topology`` built directly warns that the job will fail)."""
+    return TopologyFactory.create_topology(
+        TrainerConfig(world_size=world), kernel_config=KernelConfig(compute_device=device)
+    )
+
+
 def build_model(
     tables: Sequence[TableSpec],
     num_dense: int = 4,
@@ -372,7 +387,7 @@ def build_model(
         constraints = {
             t.name: ParameterConstraints(sharding_types=[t.sharding]) for t in tables if t.sharding
         }
-        topology = Topology(world_size=world, compute_device=device.type)
+        topology = planner_topology(world, device.type)
         plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
             module, sharders, pg
         )

@@ -70,7 +70,8 @@ def quickstart(root: str, kernels: str, steps: int) -> None:
     import torch.distributed as dist
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
     from torchrec.distributed.test_utils.test_model import ModelInput, TestSparseNN
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -94,7 +95,9 @@ def quickstart(root: str, kernels: str, steps: int) -> None:
         sharders = torchrec_cnr.tracking_sharders(fused)
         world = dist.get_world_size()
         plan = EmbeddingShardingPlanner(
-            topology=Topology(world_size=world, compute_device="cpu")
+            topology=TopologyFactory.create_topology(
+                TrainerConfig(world_size=world), kernel_config=KernelConfig(compute_device="cpu")
+            )
         ).collective_plan(module, sharders, dist.group.WORLD)
         model = DistributedModelParallel(module, plan=plan, sharders=sharders,
                                          device=torch.device("cpu"))  # fmt: skip

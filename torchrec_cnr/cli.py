@@ -9,6 +9,8 @@ cnr export ROOT --out DIR --format dcp [--step N] [--overwrite] [--budget-mb MB]
                             # under torchrun every rank writes its share in parallel
 cnr compact ROOT [--step N] [--take-over]
                             # merge a chain into one full checkpoint, committed like any other
+cnr retire ROOT (--damaged | --id ID ...) [--take-over]
+                            # remove damaged (or named) checkpoints and those built on them
 """
 
 from __future__ import annotations
@@ -27,11 +29,16 @@ from torchrec_cnr.commit.fence import Fence
 from torchrec_cnr.compaction import compact_entry
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.errors import CnrError, ManifestError
-from torchrec_cnr.interop.dcp_export import ExportOptions, export_dcp, terminal_progress
+from torchrec_cnr.interop.dcp_export import (
+    ExportOptions,
+    export_dcp,
+    progress_line,
+    terminal_progress,
+)
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.launch import init_distributed
 from torchrec_cnr.offline import EXPORT_FORMATS, export_state_dict, save_export
-from torchrec_cnr.offline.catalog import changed_rows
+from torchrec_cnr.offline.catalog import changed_rows, saved_rows
 from torchrec_cnr.restore import verify_chains
 from torchrec_cnr.selection import Policy
 from torchrec_cnr.storage import Storage, open_storage
@@ -51,8 +58,10 @@ def _inspect(root: str, io: IOContext) -> int:
         f"{'changed':>9} {'MB':>9}  restore needs"
     )
     base: dict[str, str] = {}  # id -> its chain's baseline: a long chain is not walked again
-    for e in manifest.checkpoints:
-        saved = sum(s.saved_rows for s in e.shards)
+    entries = manifest.checkpoints
+    read = {e.step: e.id for e in entries}  # the one a restore of its step reads: the last
+    for e in entries:
+        saved = saved_rows(e.shards)
         changed = changed_rows(e)
         first = (base.get(e.parent or "") if e.depth > 2 else None) or e.chain[0]
         base[e.id] = first
@@ -63,8 +72,17 @@ def _inspect(root: str, io: IOContext) -> int:
         print(
             f"{e.step:>8} {e.kind:>6} {e.policy:>13} {e.world_size:>5} {saved:>11} "
             f"{'?' if changed is None else changed:>9} {e.bytes / 1e6:>9.2f}  steps {needs}"
+            + ("" if read[e.step] == e.id else "  *")
         )
-    print("changed: rows modified since the checkpoint before it (what a serving follower reads)")
+    print(
+        "rows saved, changed: table rows, stored / modified since the checkpoint before it "
+        "(what a serving follower reads)"
+    )
+    if any(read[e.step] != e.id for e in entries):
+        print(
+            "*: a later checkpoint of the same step (its compaction, or the step saved again "
+            "after a restore of an earlier one) is the one a restore of that step reads"
+        )
     print(f"\nlatest (step {latest.step}) per table:")
     by_table = defaultdict(list)
     for s in latest.shards:
@@ -84,25 +102,26 @@ def _inspect(root: str, io: IOContext) -> int:
 
 def _check(
     storage: Storage, manifest: Manifest, step: int | None, io: IOContext
-) -> list[str] | None:
-    """The problems of the chains (of ``step``, or of every checkpoint); ``None`` if no such
-    step. A damaged history segment is a problem; the checkpoints it leaves are checked."""
-    damaged = []
+) -> tuple[list[str], list[str]] | None:
+    """The problems of the chains (of ``step``, or of every checkpoint) and the ids of the
+    checkpoints found damaged; ``None`` if no such step. A damaged history segment is a
+    problem; the checkpoints it leaves are checked."""
+    lost = []
     try:
         entries = manifest.checkpoints
     except ManifestError as e:
-        damaged, entries = (
+        lost, entries = (
             [f"{e}: the checkpoints before step {manifest.tail[0].step} are unreadable"],
             manifest.tail,
         )
     if step is not None:
         found = next((e for e in reversed(entries) if e.step == step), None)
         if found is None:
-            return None if not damaged else damaged
+            return None if not lost else (lost, [])
         entries = [found]
-    checked, problems = verify_chains(storage, manifest, entries, io)
+    checked, problems, damaged = verify_chains(storage, manifest, entries, io)
     print(f"{storage.url}: {checked} checkpoint(s) read")
-    return damaged + problems
+    return lost + problems, damaged
 
 
 def _verify(root: str, step: int | None, io: IOContext) -> int:
@@ -113,7 +132,8 @@ def _verify(root: str, step: int | None, io: IOContext) -> int:
         print(f"{root}: the manifest is damaged: {e}")
         previous = Manifest.previous(storage)
         if previous is not None:
-            problems = _check(storage, previous, step, io)
+            checked = _check(storage, previous, step, io)
+            problems = None if checked is None else checked[0]
             state = "every checksum matches" if problems == [] else f"problems: {problems}"
             print(
                 f"the previous committed manifest names steps {previous.steps()}; its chains: "
@@ -123,27 +143,29 @@ def _verify(root: str, step: int | None, io: IOContext) -> int:
     if manifest.latest() is None:
         print(f"{root}: no committed checkpoint")
         return 1
-    problems = _check(storage, manifest, step, io)
-    if problems is None:
+    checked = _check(storage, manifest, step, io)
+    if checked is None:
         print(
             f"{root}: no committed checkpoint of step {step}; committed steps: {manifest.steps()}"
         )
         return 1
+    problems, damaged = checked
     if problems:
         print(f"{root}: {len(problems)} problem(s)")
         for problem in problems:
             print(f"  {problem}")
+        if damaged:
+            print(
+                f"damaged: {', '.join(damaged)}; `cnr retire {root} --damaged` retires them "
+                "and the checkpoints that build on them"
+            )
         return 1
     print(f"{root}: every chain is complete and every checksum matches")
     return 0
 
 
 def _progress(key: str, done: int, total: int) -> None:
-    print(
-        f"\rexport: {done}/{total} tables ({key})",
-        end="\n" if done == total else "",
-        file=sys.stderr,
-    )
+    progress_line(f"export: {done}/{total} tables ({key})", done == total)
 
 
 def _export_dcp(
@@ -184,12 +206,8 @@ def _compact(root: str, step: int | None, take_over: bool, io: IOContext) -> int
     if latest is None:
         print(f"{root}: no committed checkpoint")
         return 1
-    config = CheckpointConfig(path=root, take_over=take_over, io=io.options)
-    fence = Fence(storage, Collective.alone(), config, Policy(latest.policy))  # type: ignore[arg-type]
+    fence = _fence(storage, latest.policy, take_over, io)
     try:
-        if fence.blocked is not None:
-            print(f"error: {fence.blocked}", file=sys.stderr)
-            return 2
         entry = compact_entry(fence.target(), io, step)
     finally:
         fence.release()
@@ -201,6 +219,43 @@ def _compact(root: str, step: int | None, take_over: bool, io: IOContext) -> int
     print(
         f"{root}: step {entry.step} compacted into {entry.id} ({entry.bytes / 1e6:.2f} MB); "
         "restores of it now read one checkpoint"
+    )
+    return 0
+
+
+def _fence(storage: Storage, policy: str, take_over: bool, io: IOContext) -> Fence:
+    """This process's claim on the root, as a job's (a group of one); a live job's lease
+    refuses it (``CheckpointError``: exit status 2) unless ``take_over``."""
+    config = CheckpointConfig(path=storage.url, take_over=take_over, io=io.options)
+    return Fence(storage, Collective.alone(), config, Policy(policy))  # type: ignore[arg-type]
+
+
+def _retire(root: str, ids: list[str], damaged: bool, take_over: bool, io: IOContext) -> int:
+    storage = open_storage(root, io.options)
+    manifest = Manifest.load(storage)
+    latest = manifest.latest()
+    if latest is None:
+        print(f"{root}: no committed checkpoint")
+        return 1
+    if damaged:
+        checked = _check(storage, manifest, None, io)
+        ids = [] if checked is None else checked[1]
+        if not ids:
+            print(f"{root}: no damaged checkpoint; nothing retired")
+            return 0
+    unknown = [i for i in ids if manifest.find_id(i) is None]
+    if unknown:
+        raise ValueError(f"{root} commits no checkpoint {', '.join(unknown)}")
+    fence = _fence(storage, latest.policy, take_over, io)
+    try:
+        retired = fence.retire(ids)
+    finally:
+        fence.release()
+    after = Manifest.load(storage).latest()
+    print(
+        f"{root}: retired {len(retired)} checkpoint(s) (those named and every one built on "
+        f"them): {', '.join(retired)}; the latest is now "
+        + ("none" if after is None else f"step {after.step} ({after.id})")
     )
     return 0
 
@@ -243,7 +298,28 @@ def main(argv: list[str] | None = None) -> int:
     p_compact.add_argument(
         "--take-over", action="store_true", help="even if a live job holds the root"
     )
+    p_retire = sub.add_parser(
+        "retire", help="remove damaged (or named) checkpoints and those built on them"
+    )
+    p_retire.add_argument("root")
+    which = p_retire.add_mutually_exclusive_group(required=True)
+    which.add_argument("--damaged", action="store_true", help="those cnr verify finds damaged")
+    which.add_argument("--id", nargs="+", default=[], help="checkpoint directories")
+    p_retire.add_argument(
+        "--take-over", action="store_true", help="even if a live job holds the root"
+    )
     args = parser.parse_args(argv)
+    try:
+        code = _run(args)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe would print a traceback
+        return code
+    except BrokenPipeError:
+        # The reader left (cnr inspect | head): stop quietly, as other commands do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         with IOContext() as io:  # the environment's IOOptions
             if args.command == "verify":
@@ -261,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                 return _export(args.root, args.step, args.out, args.format, args.tables, io)
             if args.command == "compact":
                 return _compact(args.root, args.step, args.take_over, io)
+            if args.command == "retire":
+                return _retire(args.root, args.id, args.damaged, args.take_over, io)
             return _inspect(args.root, io)
     except (CnrError, ValueError, FileExistsError) as e:  # no such step, table or format
         print(f"error: {e}", file=sys.stderr)

@@ -23,12 +23,15 @@ from torchrec_cnr.quantization import (
     check_thresholds,
 )
 from torchrec_cnr.selection.policy import BaselineRule, PolicyName, check_policy
+from torchrec_cnr.storage import check_root
 
 __all__ = [
     "ON_BUSY",
+    "ON_DAMAGED",
     "CheckpointConfig",
     "IOOptions",
     "OnBusy",
+    "OnDamaged",
     "STAGING",
     "BACKGROUND",
     "Background",
@@ -63,6 +66,8 @@ OnBusy = Literal["wait", "skip"]
 ON_BUSY: tuple[OnBusy, ...] = ("wait", "skip")
 Staging = Literal["lazy", "eager"]
 STAGING: tuple[Staging, ...] = ("lazy", "eager")
+OnDamaged = Literal["raise", "fall_back", "retire"]
+ON_DAMAGED: tuple[OnDamaged, ...] = ("raise", "fall_back", "retire")
 Background = Literal["thread", "process"]
 BACKGROUND: tuple[Background, ...] = ("thread", "process")
 StateDtype = Literal["none", "fp16", "bf16"]
@@ -276,6 +281,24 @@ class CheckpointConfig:
     other tensor."""
     take_over: bool = False
     """Claim the root even from another live job; that job's later commits are refused."""
+    read_only: bool = False
+    """Open the root only to restore from it (an evaluation job, a warm start from another
+    run's root): the manager claims nothing and writes nothing, not even the restore count,
+    and ``save``/``compact`` raise. ``False``: the manager claims the root as it is built,
+    and raises there, on every rank, if the root cannot be written or another live job
+    holds it."""
+    on_damaged: OnDamaged = "raise"
+    """What ``restore()`` of the latest checkpoint does when that checkpoint, or a link of
+    its chain, is damaged (a missing or corrupt file): ``raise``, changing nothing;
+    ``fall_back`` to the newest intact committed checkpoint before it, with a warning naming
+    both (the damaged ones stay in the root: ``cnr retire ROOT --damaged`` removes them);
+    ``retire``: fall back, then retire the damaged checkpoints and every one that builds on
+    them (the manifest first, then their files), so that ``cnr verify`` passes again. A
+    restore of a given ``step`` always raises."""
+    require_checkpoint: bool = False
+    """``restore()`` of the latest raises on every rank, naming the root, where the root
+    holds no committed checkpoint (a mistyped path, a root that was never written);
+    ``False``: it logs that once (rank 0) and returns ``None``."""
     manifest_fallback: bool = False
     """If the manifest is damaged or missing, use the previous committed one (with a warning)
     instead of failing."""
@@ -293,6 +316,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"path must be a non-empty string, got {self.path!r}")
+        check_root(self.path)
         for part, kind in (("quantize", QuantizeConfig), ("recovery", RecoveryConfig),
                            ("io", IOOptions), ("timeouts", Timeouts)):  # fmt: skip
             value = getattr(self, part)
@@ -337,6 +361,10 @@ class CheckpointConfig:
                 "background='process' stages every checkpoint whole: staging_memory_mb must "
                 f"be None, got {self.staging_memory_mb}"
             )
+        if self.on_damaged not in ON_DAMAGED:
+            raise ValueError(f"on_damaged must be one of {ON_DAMAGED}, got {self.on_damaged!r}")
+        if self.on_damaged == "retire" and self.read_only:
+            raise ValueError("on_damaged='retire' writes the root: read_only must be False")
         if self.on_busy not in ON_BUSY:
             raise ValueError(f"on_busy must be one of {ON_BUSY}, got {self.on_busy!r}")
         if self.priority_budget_mb is not None:
@@ -348,6 +376,8 @@ class CheckpointConfig:
                 raise ValueError(
                     f"priority_budget_mb needs policy 'consecutive', got {self.policy!r}"
                 )
+        if self.read_only and self.take_over:
+            raise ValueError("read_only=True claims nothing: take_over must be False")
         if self.restore_memory_mb is not None and self.restore_memory_mb < 0:
             raise ValueError(
                 f"restore_memory_mb must be >= 0 or None, got {self.restore_memory_mb}"

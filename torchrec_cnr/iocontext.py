@@ -28,9 +28,10 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from torchrec_cnr.env import env_flag, env_number
 from torchrec_cnr.units import check_size_mb, mb_bytes
@@ -42,14 +43,16 @@ _said: list[str] = []
 
 
 def _object_mb() -> float:
-    """``TORCHREC_CNR_OBJECT_MB``, 64 if unset; the variable it replaced fails rather than
-    being ignored."""
-    if "TORCHREC_CNR_OBJECT_KB" in os.environ:
-        raise ValueError(
-            "TORCHREC_CNR_OBJECT_KB is no longer read: set TORCHREC_CNR_OBJECT_MB, the size in "
-            f"MB (KiB / 1024), instead; got TORCHREC_CNR_OBJECT_KB="
-            f"{os.environ['TORCHREC_CNR_OBJECT_KB']!r}"
+    """``TORCHREC_CNR_OBJECT_MB``, 64 if unset; the variable in KiB it replaced
+    (``TORCHREC_CNR_OBJECT_KB``) still counts where it alone is set, with a warning."""
+    if "TORCHREC_CNR_OBJECT_KB" in os.environ and "TORCHREC_CNR_OBJECT_MB" not in os.environ:
+        warnings.warn(
+            "TORCHREC_CNR_OBJECT_KB is deprecated and will not be read in the next release: "
+            "set TORCHREC_CNR_OBJECT_MB, the size in MB (KiB / 1024)",
+            DeprecationWarning,
+            stacklevel=2,
         )
+        return env_number("TORCHREC_CNR_OBJECT_KB", 64 << 10) / 1024
     return env_number("TORCHREC_CNR_OBJECT_MB", 64)
 
 
@@ -92,8 +95,21 @@ class IOOptions:
     )
     """Claim lazy staging's rows with the compiled copier where it is built; off, copy
     under a lock per kernel (``TORCHREC_CNR_COMPILED_STAGING``)."""
+    object_kb: InitVar[float | None] = None
+    """Deprecated: :attr:`object_mb` in KiB (it sets ``object_mb = object_kb / 1024``, with
+    a ``DeprecationWarning``)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, object_kb: float | None) -> None:
+        if object_kb is not None:
+            warnings.warn(
+                "IOOptions(object_kb=...) is deprecated and will be removed in the next "
+                "release: pass object_mb, the size in MB (KiB / 1024)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            if not isinstance(object_kb, int | float) or isinstance(object_kb, bool):
+                raise ValueError(f"io.object_kb must be a number (KiB), got {object_kb!r}")
+            object.__setattr__(self, "object_mb", object_kb / 1024)
         for name in ("threads", "encode_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -27,8 +27,9 @@ from torchrec_cnr.interop.dcp_import import import_dcp
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.launch import warn_if_restarts_unsafe
 from torchrec_cnr.offload import InlineWriter, Writer, WriterProcess
+from torchrec_cnr.read import Intact
 from torchrec_cnr.recovery import SaveSchedule
-from torchrec_cnr.restore import LocalModel, ModelLoader, RestoreScope
+from torchrec_cnr.restore import LocalModel, ModelLoader, Restored, RestoreScope
 from torchrec_cnr.selection import Policy
 from torchrec_cnr.selection.rows import ClearedBits
 from torchrec_cnr.snapshot.objects import check_app_state, resolve_globals
@@ -79,18 +80,29 @@ class CheckpointManager:
         self._group = Collective(pg)  # raises unless torch.distributed is initialized
         warn_if_restarts_unsafe()
         self.rank, self.world_size = self._group.rank, self._group.world_size
+        # First: a root this job cannot write fails every rank here, before training.
+        self._fence = Fence(self.storage, self._group, config, self.policy)
+        try:
+            self._build(model, config, pg, storage)
+        except BaseException:
+            self._release()  # whatever was built: a writer process is never left behind
+            self._fence.release()
+            raise
+
+    def _build(
+        self,
+        model: nn.Module,
+        config: CheckpointConfig,
+        pg: dist.ProcessGroup | None,
+        storage: Storage | None,
+    ) -> None:
         self._shards = model_state.local_shards(model)
         self._dense = model_state.dense_state(model)
         self._io = IOContext(config.io)
         self._writer: Writer = InlineWriter(self.storage, self.rank, self._io)
-        try:
-            if config.background == "process":
-                self._writer = WriterProcess(config, self.rank, self.world_size, storage)
-            self._stager = Stager(self._shards, self._dense, config, self._writer.shared)
-        except BaseException:
-            self._writer.close()
-            self._io.close()
-            raise
+        if config.background == "process":
+            self._writer = WriterProcess(config, self.rank, self.world_size, storage)
+        self._stager = Stager(self._shards, self._dense, config, self._writer.shared)
         local = LocalModel(self._shards, self._dense, self.app_state)
         self._loader = ModelLoader(
             self._group, self.storage, self._io, local, config, self.policy, self._stager.pool
@@ -98,11 +110,6 @@ class CheckpointManager:
         self._schedule = SaveSchedule(config, self._group)
         nice = config.io.nice if self._writer.thread_nice is None else self._writer.thread_nice
         self._background = BackgroundWriter(pg, config.timeouts.collective_timeout_s, nice)
-        try:
-            self._fence = Fence(self.storage, self._group, config, self.policy)
-        except BaseException:
-            self._release()
-            raise
 
     @property
     def lazy_staging(self) -> LazyStaging | None:
@@ -183,6 +190,31 @@ class CheckpointManager:
             self._release()
             self._fence.release()
 
+    def _nothing_to_restore(self) -> None:
+        where = f"no committed checkpoint in {self.storage.url}"
+        if self.config.require_checkpoint:
+            raise CheckpointError(f"{where} to restore (CheckpointConfig.require_checkpoint)")
+        if self.rank == 0:
+            logger.warning("%s: nothing restored, the model stays as it is", where)
+
+    def _passed_over(self, found: Intact[Restored]) -> None:
+        """Warns (rank 0) that a restore passed over damaged checkpoints, naming the latest
+        and the one restored; retires the damaged ones if ``on_damaged="retire"``."""
+        url, latest, got = self.storage.url, found.passed[0], found.entry
+        if self.config.on_damaged == "retire":
+            retired = self._fence.retire(found.damaged)
+            after = f"retired {len(retired)} checkpoint(s): {', '.join(retired)}"
+        else:
+            after = f"they stay in the root: cnr retire {url} --damaged removes them"
+        if self.rank == 0:
+            logger.warning(
+                "%s: the latest checkpoint, step %d (%s), does not restore: %s; restored "
+                "step %d (%s), the newest intact one, instead (on_damaged=%r), passing over "
+                "%d checkpoint(s); %s",
+                url, latest.step, latest.id, found.error, got.step, got.id,
+                self.config.on_damaged, len(found.passed), after,
+            )  # fmt: skip
+
     def _finish_compaction(self) -> None:
         """The background compaction in flight (``compact_every``), finished (collective)."""
         closed = self._background.group is None
@@ -194,10 +226,11 @@ class CheckpointManager:
         self.wait()
 
     def _release(self) -> None:
-        self._background.close()
-        self._writer.close()
-        self._stager.release()
-        self._io.close()
+        # Each part that was built (all of them, unless the constructor failed midway).
+        for part, close in (("_background", "close"), ("_writer", "close"),
+                            ("_stager", "release"), ("_io", "close")):  # fmt: skip
+            if hasattr(self, part):
+                getattr(getattr(self, part), close)()
         for tracker in model_state.trackers(self.model).values():
             tracker.close()
 
@@ -239,9 +272,14 @@ class CheckpointManager:
             finally:  # even after a partial import, the next save is a baseline
                 self._background.restart_chain()
             return step or 0
-        restored = self._loader.restore(self._fence.manifest, step, scope)
-        if restored is None:
+        fall_back = self.config.on_damaged != "raise" and not scope.partial
+        found = self._loader.restore(self._fence.manifest, step, scope, fall_back)
+        if found is None:
+            self._nothing_to_restore()
             return None
+        restored = found.loaded
+        if found.passed:
+            self._passed_over(found)
         if restored.chain is not None:
             self._background.restart_chain(restored.chain)
             self._fence.restored(restored.next_seq)

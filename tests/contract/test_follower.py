@@ -265,7 +265,41 @@ def test_a_memory_budget_must_be_positive_and_is_for_copy_mode(root: str) -> Non
     with pytest.raises(ValueError, match="is not a folder"):
         Follower(root, target, absent)
     with pytest.raises(ValueError, match="options must be a FollowerOptions"):
-        Follower(root, target, IOOptions())  # type: ignore[arg-type]
+        Follower(root, target, {"swap": True})  # type: ignore[arg-type]
+
+
+@pytest.mark.dist
+def test_the_arguments_a_follower_took_before_its_options_still_work_deprecated(
+    root: str, tmp_path: Path
+) -> None:
+    spill = str(tmp_path)
+    model, target = _serving_target("fp32")
+
+    def gate(update: PendingUpdate) -> str | None:
+        return None
+
+    with pytest.warns(DeprecationWarning, match=r"Follower\(accept=, swap=, memory_budget=, "
+                      r"spill_dir=\.\.\.\) is deprecated"):  # fmt: skip
+        follower = Follower(root, target, accept=gate, swap=False, memory_budget=BUDGET,
+                            spill_dir=spill)  # fmt: skip
+    want = FollowerOptions(accept=gate, swap=False, memory_budget_mb=BUDGET_MB, spill_dir=spill)
+    assert follower.options == want
+    for name, value in (("accept", gate), ("memory_budget", BUDGET), ("spill_dir", spill)):
+        with pytest.warns(DeprecationWarning, match=f"Follower.{name} is deprecated"):
+            assert getattr(follower, name) == value
+    io = IOOptions(threads=3)
+    with pytest.warns(DeprecationWarning, match=r"Follower\(io=\.\.\.\)"):
+        reading = Follower(root, _serving_target("fp32")[1], io)  # type: ignore[arg-type]
+    assert reading.options == FollowerOptions(io=io)
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        Follower(root, target, memory_budget_bytes=1)
+    with pytest.raises(TypeError, match="not both"):
+        Follower(root, target, FollowerOptions(), swap=True)
+    run_ranks(2, _train, root, "ebc", "intermittent", 4, {})
+    assert follower.poll() == reading.poll() == 4  # they serve as ever
+    _assert_serves_the_root(model, root)
+    follower.close()
+    reading.close()
 
 
 def test_by_default_a_follower_swaps_where_the_second_copy_fits_in_half_the_free_memory(

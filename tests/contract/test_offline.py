@@ -4,6 +4,7 @@ into one full checkpoint that restores exactly what the chain did."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -294,6 +295,81 @@ def test_compact_every_bounds_the_chain_and_keep_last_retires_the_links(
     assert set(open_storage(any_root).children()) == manifest.needed_ids(1)
     step = _last(refs)
     run_ranks(2, _restores_exactly, any_root, str(refs), step, False, "exact_sgd")
+
+
+QUANT_3BIT = QuantizeConfig(method="asymmetric", bits=3)
+"""Its large tables stored 3-bit, its small ones (under ``min_rows``) fp32."""
+
+
+def _compacts_a_quantized_chain(root: str, count: int) -> None:
+    job = make_job("ebc", optimizer="exact_adagrad", seed=1)
+    cfg = CheckpointConfig(
+        path=root, policy="consecutive", interval_steps=1, compact_every=2, quantize=QUANT_3BIT
+    )
+    read: dict[int, dict[str, torch.Tensor]] = {}  # what each step read before compaction
+    with CheckpointManager(job.model, cfg, job.app_state) as ckpt:
+        step = 0
+        while sum(e.compacted_from is not None for e in Manifest.load(root).checkpoints) < count:
+            assert step < 400, "the compactions never landed"
+            step += 1
+            job.step(step)
+            ckpt.save(step)
+            ckpt.wait()
+            if dist.get_rank() == 0:
+                tables = Manifest.load(root).checkpoints[0].tables
+                read[step] = {t: read_table(root, t, step) for t in tables}
+    # Two more deltas on the chain, which starts at a compaction now, for the CLI to compact.
+    once = dataclasses.replace(cfg, compact_every=None)
+    with CheckpointManager(job.model, once, job.app_state) as ckpt:
+        assert ckpt.restore() == step
+        last = step + 2
+        for more in (step + 1, last):
+            job.step(more)
+            ckpt.save(more)
+            ckpt.wait()
+        if dist.get_rank() == 0:
+            read[last] = {t: read_table(root, t, last) for t in tables}
+            torch.save(read, Path(root).parent / "read.pt")
+
+
+@pytest.mark.dist
+def test_background_compactions_keep_each_tables_stored_encoding(root: str) -> None:
+    count = 5
+    run_ranks(2, _compacts_a_quantized_chain, root, count)
+    manifest = Manifest.load(root)
+    full = manifest.checkpoints[0]
+    assert full.kind == "full" and not full.compacted_from
+    stored = {
+        (r.spec.table, r.spec.rank, r.spec.row_offset, r.spec.col_offset): r for r in full.shards
+    }
+    assert {r.format.method for r in full.shards} == {"asymmetric", "none"}
+    compactions = [e for e in manifest.checkpoints if e.compacted_from]
+    assert len(compactions) >= count
+    read = torch.load(Path(root).parent / "read.pt")
+    for c in compactions:
+        assert len(c.shards) == len(full.shards)
+        for r in c.shards:
+            was = stored[(r.spec.table, r.spec.rank, r.spec.row_offset, r.spec.col_offset)]
+            assert (r.format, r.parts) == (was.format, was.parts), (c.id, r.spec.table)
+            # The same rows in the same encoding; only the ids of the rows the compacted
+            # checkpoint changed come on top (int64 each).
+            assert 0 <= r.nbytes - was.nbytes <= 8 * r.recent_rows, (c.id, r.spec.table)
+        # Nothing re-quantized: each table reads as the chain it compacts did.
+        for table, values in read[c.step].items():
+            assert torch.equal(read_table(root, table, c.step), values), (c.id, table)
+        print(f"{c.id}: {c.bytes} bytes (the first full checkpoint: {full.bytes})")
+    # Offline, the CLI's compaction of deltas on a compaction keeps them too.
+    latest = manifest.latest()
+    assert latest is not None and latest.depth > 2
+    assert latest.chain[0] in {c.id for c in compactions}
+    assert cnr(["compact", root]) == 0
+    offline = Manifest.load(root).latest()
+    assert offline is not None and offline.compacted_from == latest.id
+    assert {(r.spec.table, r.format) for r in offline.shards} == {
+        (r.spec.table, r.format) for r in full.shards
+    }
+    for table, values in read[latest.step].items():
+        assert torch.equal(read_table(root, table, latest.step), values), table
 
 
 def _saves_go_on_while_a_compaction_writes(root: str, refs: str) -> None:

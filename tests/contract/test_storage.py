@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from torchrec_cnr import CheckpointConfig
 from torchrec_cnr.storage import PreconditionFailed, open_storage
 
 
@@ -79,8 +80,21 @@ def test_folders_list_measure_and_delete(any_root: str) -> None:
     assert storage.children() == [] and storage.read("top") is None
 
 
+def test_a_read_past_an_objects_end_names_its_real_length(any_root: str) -> None:
+    storage = open_storage(any_root)
+    storage.create()
+    storage.write("o", bytes(1000))
+    out = memoryview(bytearray(100))
+    for offset in (950, 2000):  # ending past it, and starting past it
+        with pytest.raises(OSError, match=rf"holds 1000 bytes, fewer than the {offset + 100}"):
+            storage.read_into("o", offset, out)
+
+
 def test_unsupported_roots_are_refused_naming_what_works() -> None:
     with pytest.raises(ValueError, match="s3://bucket/prefix"):
         open_storage("gs://bucket/run")
     with pytest.raises(ValueError, match="must look like s3://bucket/prefix"):
         open_storage("s3://bucket-only")
+    # A config is checked as it is built, not when a manager opens its root.
+    with pytest.raises(ValueError, match="s3://bucket/prefix"):
+        CheckpointConfig(path="gs://bucket/run")

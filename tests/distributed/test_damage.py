@@ -12,13 +12,16 @@ every storage backend.
 from __future__ import annotations
 
 import json
+import logging
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from cnr_train.workload import TableSpec
-from tests.jobs import Job, make_job
+from tests import reference
+from tests.jobs import Job, make_job, save_reference
 from tests.models import capture, differences
 from tests.multiprocess import run_ranks
 from torchrec_cnr import (
@@ -40,8 +43,8 @@ TABLES = [
 ]
 
 
-def _job(root: str, seed: int, **config) -> Job:
-    return make_job(TABLES, root, seed=seed, data_seed=4, policy="consecutive", **config)
+def _job(root: str, seed: int, policy: str = "consecutive", **config) -> Job:
+    return make_job(TABLES, root, seed=seed, data_seed=4, policy=policy, **config)
 
 
 def _save_chain(root: str) -> None:
@@ -232,3 +235,92 @@ def test_a_damaged_history_segment_is_named_and_the_latest_still_restores(
     run_ranks(2, _restore_step, any_root, latest.step)
     with pytest.raises(ManifestError, match=manifest.history.name):
         Manifest.load(any_root).find(old)
+
+
+END = 10
+"""The step the jobs of the fall-back test train to."""
+
+
+def _save_chain_and_go_on(root: str, refs: str, policy: str) -> None:
+    job = _job(root, seed=1, policy=policy)
+    for step in range(1, END + 1):
+        job.step(step)
+        if step in (2, 4, 6):
+            job.ckpt.save(step)
+            job.ckpt.wait()
+            save_reference(job, refs, step)
+    save_reference(job, refs, END)  # the uninterrupted job's state
+    job.ckpt.close()
+
+
+def _resumes_past_the_damage(root: str, refs: str, policy: str, on_damaged: str) -> None:
+    warned = _Records()
+    logging.getLogger("torchrec_cnr.manager").addHandler(warned)
+    job = _job(root, seed=3, policy=policy, on_damaged=on_damaged)
+    try:
+        start = job.ckpt.restore()
+    finally:
+        logging.getLogger("torchrec_cnr.manager").removeHandler(warned)
+    assert start == 2
+    if dist.get_rank() == 0:
+        manifest = Manifest.load(root)
+        latest = [e for e in manifest.checkpoints if e.step == 6] if on_damaged != "retire" else []
+        said = " ".join(warned.messages)
+        assert "step 6" in said and "restored step 2" in said, said
+        assert all(e.id in said for e in latest), said
+    for step in range(start + 1, END + 1):
+        job.step(step)
+    # Trained on from the intact checkpoint, it ends where the job that never stopped did.
+    reference.assert_model_matches(job.model, job.app_state, reference.load_all(Path(refs), END))
+    job.ckpt.save(END)
+    job.ckpt.close()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("on_damaged", ["fall_back", "retire"])
+@pytest.mark.parametrize("policy", ["consecutive", "intermittent"])
+def test_a_restore_past_a_damaged_latest_resumes_from_the_newest_intact_checkpoint(
+    policy: str, on_damaged: str, root: str, refs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_ranks(2, _save_chain_and_go_on, root, str(refs), policy)
+    manifest = Manifest.load(root)
+    four = manifest.find(4)
+    assert four is not None
+    # Step 4's stored rows are corrupt: consecutive, step 6's chain holds it; intermittent,
+    # step 6 is a delta on it (its rule took a baseline at 4) or on 2, whose chain is intact.
+    got = open_storage(root).read(f"{four.id}/.snapshot_metadata")
+    assert got is not None
+    stored = json.loads(got[0])["manifest"]["0/rows/s0.w"]
+    start, end = stored["byte_range"]
+    _damage(root, f"{four.id}/{stored['location']}", start, end, "corrupt")
+    six = manifest.find(6)
+    assert six is not None
+    if four.id not in six.chain:  # then 6 restores: damage it as well
+        got = open_storage(root).read(f"{six.id}/.snapshot_metadata")
+        assert got is not None
+        stored = json.loads(got[0])["manifest"]["0/rows/s0.w"]
+        start, end = stored["byte_range"]
+        _damage(root, f"{six.id}/{stored['location']}", start, end, "corrupt")
+    # Without the option, the restore names the damage and changes nothing.
+    run_ranks(2, _restore_refused_and_nothing_changed, root, ChecksumError, "corrupt", None)
+    run_ranks(2, _resumes_past_the_damage, root, str(refs), policy, on_damaged)
+    capsys.readouterr()
+    if on_damaged == "fall_back":  # nothing was deleted: the damage is still there
+        assert cnr(["verify", root]) == 1
+        assert "cnr retire" in capsys.readouterr().out
+        assert {four.id, six.id} <= {e.id for e in Manifest.load(root).checkpoints}
+        assert cnr(["retire", root, "--damaged"]) == 0
+        assert f"the latest is now step {END}" in capsys.readouterr().out
+    assert Manifest.load(root).steps() == [2, END], "the damaged and what builds on them left"
+    assert set(open_storage(root).children()) == {e.id for e in Manifest.load(root).checkpoints}
+    assert cnr(["verify", root]) == 0
+    assert cnr(["inspect", root]) == 0

@@ -3,8 +3,8 @@ restores that fail without touching the model.
 
 - A save that fails for lack of space raises ``CheckpointError`` on every rank, and its
   files are gone at once; ``close()`` never raises for the lease; a manager on a root it
-  cannot write still restores exactly, and refuses saves naming the cause; saving
-  resumes once space returns. On a real tmpfs (root only) and, with injected ENOSPC at
+  cannot write fails as it is built, naming the cause, and one that only restores
+  (``read_only``) restores exactly; saving resumes once space returns. On a real tmpfs (root only) and, with injected ENOSPC at
   an object, the manifest and the lease, on every backend.
 - A restore that fails (an ``app_state`` that refuses its state on one rank, data that
   does not fit) leaves the weights, every optimizer state, the dense parameters and every
@@ -44,7 +44,7 @@ TABLES = [
 ]
 
 
-def _job(root: str, seed: int, **config: Any) -> Job:
+def _job(root: str | None, seed: int, **config: Any) -> Job:
     return make_job(TABLES, root, seed=seed, data_seed=4, **config)
 
 
@@ -105,13 +105,18 @@ def _save_two(root: str, refs: str) -> None:
 
 
 def _lease_cannot_be_written(root: str, refs: str) -> None:
-    # The claim writes the lease first: a root with no space left (or read-only).
+    # The claim writes the lease first: a root with no space left (or read-only) fails the
+    # manager as it is built, before any training, on every rank alike.
     storage = FaultyStorage(root, Fault("write", "lease.json"))
-    job = _job(root, seed=7, policy="consecutive", storage=storage)
+    job = _job(None, seed=7)
+    with pytest.raises(CheckpointError, match=r"cannot be written \(OSError: .*no space left"):
+        job.attach(root, storage, policy="consecutive")
+    # A job that only restores from it claims nothing, and restores exactly.
+    job.attach(root, storage, policy="consecutive", read_only=True)
     assert job.ckpt.restore() == 4
     reference.assert_model_matches(job.model, job.app_state, reference.load_all(Path(refs), 4))
     job.train(2)
-    with pytest.raises(CheckpointError, match=r"cannot be written \(OSError: .*no space left"):
+    with pytest.raises(CheckpointError, match=r"read_only=True"):
         job.ckpt.save(6)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to release: not even a warning
@@ -188,7 +193,12 @@ def _save_until_full(root: str, refs: str) -> None:
 
 
 def _restore_on_full_disk(root: str, refs: str) -> None:
-    job = _job(root, seed=5, policy="full")
+    job = _job(None, seed=5)
+    try:
+        job.attach(root, policy="full")
+    except CheckpointError as e:  # claiming writes the lease: refused at once, every rank
+        assert "No space left on device" in str(e), e
+        job.attach(root, policy="full", read_only=True)
     step = Manifest.load(root).steps()[-1]
     assert job.ckpt.restore() == step
     reference.assert_model_matches(job.model, job.app_state, reference.load_all(Path(refs), step))

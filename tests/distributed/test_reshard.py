@@ -42,12 +42,18 @@ def _save(tables, root: str, refs: str, steps: tuple[int, ...]) -> None:
         if step in steps:
             job.ckpt.save(step)
             save_reference(job, refs, step)
-    job.ckpt.wait()
+    job.ckpt.close()
 
 
-def _restore_and_compare(tables, root: str, refs: str, step: int, check_states: bool) -> None:
+def _restore_and_compare(
+    tables, root: str, refs: str, step: int, check_states: bool, warns: str | None = None
+) -> None:
     job = _job(tables, root, seed=50)
-    assert job.ckpt.restore(step=step) == step
+    if warns is None:
+        assert job.ckpt.restore(step=step) == step
+    else:
+        with pytest.warns(UserWarning, match=warns):
+            assert job.ckpt.restore(step=step) == step
     reference.assert_model_matches(
         job.model, job.app_state, reference.load_all(Path(refs), step), check_states
     )
@@ -58,8 +64,10 @@ def test_two_rank_chain_restores_on_one_rank(tmp_path: Path) -> None:
     root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
     refs.mkdir()
     run_ranks(2, _save, MIXED, root, str(refs), (2, 4, 6))
-    run_ranks(1, _restore_and_compare, MIXED, root, str(refs), 6, True)
-    run_ranks(1, _restore_and_compare, MIXED, root, str(refs), 4, True)
+    # Rank 1's app_state (its data reader's position, its dense optimizer) has no rank.
+    dropped = r"the app_state of rank 1 \('reader', 'dense_opt'\) is not restored"
+    run_ranks(1, _restore_and_compare, MIXED, root, str(refs), 6, True, dropped)
+    run_ranks(1, _restore_and_compare, MIXED, root, str(refs), 4, True, dropped)
 
 
 @pytest.mark.dist

@@ -32,7 +32,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec import EmbeddingBagConfig
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.test_utils.test_model import ModelInput, TestSparseNN
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -144,7 +144,7 @@ def sharded(kind: str) -> DistributedModelParallel:
     module = unsharded(kind)
     sharders = torchrec_cnr.tracking_sharders(FUSED)
     world = dist.get_world_size()
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"))
+    planner = EmbeddingShardingPlanner(topology=workload.planner_topology(world, "cpu"))
     plan = planner.collective_plan(module, sharders, dist.group.WORLD)
     model = DistributedModelParallel(module, plan=plan, sharders=sharders,
                                      device=torch.device("cpu"))  # fmt: skip
@@ -424,6 +424,46 @@ def _launching(env: Env, ns: dict[str, Any]) -> None:
         assert total.item() == dist.get_world_size() == int(os.environ["WORLD_SIZE"])
 
     ns["train"] = train
+
+
+@standin("docs/launching.md", "damaged")
+def _launching_damaged(env: Env, ns: dict[str, Any]) -> Check:
+    root = env.path("/ckpt/run1")
+    if dist.get_rank() == 0:
+        damage_latest(root)
+    dist.barrier()
+    _live_job(env, ns, ("model", "dense_optimizer", "reader"))
+    ns.update(train_step=step_fn(env.kind, ns, "dense_optimizer"), num_steps=TRAINED + EVERY)
+
+    def check(ns: dict[str, Any]) -> None:
+        assert ns["start"] == TRAINED - EVERY
+        steps = [c.step for c in torchrec_cnr.list_checkpoints(root)]
+        assert steps[-2:] == [TRAINED, TRAINED + EVERY] and steps.count(TRAINED) == 2, steps
+
+    return check
+
+
+def damage_latest(root: str) -> None:
+    """Flips a byte of the first stored rows of the root's latest checkpoint."""
+    import json
+
+    from torchrec_cnr.storage import open_storage
+
+    storage = open_storage(root)
+    latest = torchrec_cnr.list_checkpoints(root)[-1]
+    got = storage.read(f"{latest.id}/.snapshot_metadata")
+    assert got is not None
+    stored = next(
+        v
+        for k, v in sorted(json.loads(got[0])["manifest"].items())
+        if "/rows/" in k and "byte_range" in v
+    )
+    name = f"{latest.id}/{stored['location']}"
+    data = storage.read(name)
+    assert data is not None
+    flipped = bytearray(data[0])
+    flipped[sum(stored["byte_range"]) // 2] ^= 0xFF
+    storage.write(name, bytes(flipped))
 
 
 def _fresh_job(env: Env, ns: dict[str, Any]) -> None:

@@ -109,8 +109,12 @@ def test_a_buffer_at_the_offsets_phase_bounces_only_its_first_partial_block(
 def test_a_read_past_the_end_fails_with_the_missing_bytes(tmp_path, source, direct):
     st = FsStorage(tmp_path, direct_writes=direct, direct_reads=direct)
     st.write_object("o", as_bytes(source[: 2 * MIB + 5]))
-    with pytest.raises(OSError, match=f"ends at byte {2 * MIB + 5}, 100 bytes short"):
+    needs = rf"holds {2 * MIB + 5} bytes, fewer than the {2 * MIB + 105} this read needs"
+    with pytest.raises(OSError, match=needs):
         _read(st, "o", MIB, MIB + 105)
+    # A read that starts past the end names the file's real length too.
+    with pytest.raises(OSError, match=rf"holds {2 * MIB + 5} bytes, .* \(bytes {3 * MIB} to"):
+        _read(st, "o", 3 * MIB, 4096)
 
 
 def test_large_objects_go_direct_and_small_ones_through_the_page_cache(

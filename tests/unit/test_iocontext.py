@@ -4,6 +4,7 @@ IOOptions field whose default comes from the environment."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -86,12 +87,19 @@ def test_io_options_refuse_an_object_size_under_a_kib_or_not_a_number(bad: objec
         IOOptions(object_mb=bad)  # type: ignore[arg-type]
 
 
-def test_the_object_size_in_kib_that_object_mb_replaced_fails_by_name(
+def test_the_object_size_in_kib_that_object_mb_replaced_still_counts_deprecated(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("TORCHREC_CNR_OBJECT_KB", "64")
-    with pytest.raises(ValueError, match="TORCHREC_CNR_OBJECT_KB .*TORCHREC_CNR_OBJECT_MB"):
-        IOOptions()
+    monkeypatch.delenv("TORCHREC_CNR_OBJECT_MB", raising=False)
+    monkeypatch.setenv("TORCHREC_CNR_OBJECT_KB", "96")
+    with pytest.warns(DeprecationWarning, match="TORCHREC_CNR_OBJECT_KB .*TORCHREC_CNR_OBJECT_MB"):
+        assert IOOptions().object_bytes == 96 << 10
+    monkeypatch.setenv("TORCHREC_CNR_OBJECT_MB", "2")  # the new one wins
+    assert IOOptions().object_bytes == 2 << 20
+    with pytest.warns(DeprecationWarning, match=r"IOOptions\(object_kb=\.\.\.\) is deprecated"):
+        options = IOOptions(object_kb=128)
+    assert options.object_mb == 0.125 and options.object_bytes == 128 << 10
+    assert dataclasses.replace(options, threads=2).object_bytes == 128 << 10
 
 
 SWITCHES = {

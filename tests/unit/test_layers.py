@@ -27,9 +27,9 @@ STAGES = [
     ),  # fmt: skip
     ("tracking",),
     ("selection",),
+    ("storage",),
     ("config",),
     ("recovery",),
-    ("storage",),
     ("snapshot",),
     ("staging",),
     ("encoding",),

@@ -7,6 +7,7 @@ durable; until then the previous checkpoint stays the one a restart uses.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from torchrec_cnr.collectives import Collective
@@ -26,6 +27,7 @@ __all__ = [
     "CommitTarget",
     "append",
     "count_restore",
+    "drop",
     "remove_failed",
     "write_and_commit",
     "write_rank",
@@ -153,9 +155,10 @@ def _remove_on_rank0(group: Collective, target: CommitTarget, ckpt_id: str) -> N
         remove_failed(target, ckpt_id)
 
 
-def remove_failed(target: CommitTarget, ckpt_id: str) -> bool:
-    """Deletes the files of this writer's checkpoint ``ckpt_id`` that failed to commit,
-    so that a full disk gets its space back at once (rank 0 only).
+def remove_failed(target: CommitTarget, ckpt_id: str, dropped: str | None = None) -> bool:
+    """Deletes the files of this writer's checkpoint ``ckpt_id`` that failed to commit, or
+    that it dropped (``dropped`` says why, for the log), so that a full disk gets its space
+    back at once (rank 0 only).
 
     Nothing is deleted unless the root's manifest can be read and does not name it: a
     commit that failed after its manifest was written leaves a committed checkpoint.
@@ -169,9 +172,12 @@ def remove_failed(target: CommitTarget, ckpt_id: str) -> bool:
             return False
         target.storage.delete_tree(ckpt_id)
     except Exception as e:  # the root is unreadable now: the next commit cleans it up
-        logger.warning("could not remove the failed checkpoint %s: %s", ckpt_id, e)
+        logger.warning("could not remove the files of %s: %s", ckpt_id, e)
         return False
-    logger.warning("removed the files of the failed checkpoint %s", ckpt_id)
+    if dropped is None:
+        logger.warning("removed the files of the failed checkpoint %s", ckpt_id)
+    else:
+        logger.info("dropped %s (%s) and removed its files", ckpt_id, dropped)
     return True
 
 
@@ -286,3 +292,32 @@ def count_restore(storage: Storage, generation: int) -> int:
     manifest.restores += 1
     manifest.save(storage)
     return manifest.restores
+
+
+def drop(target: CommitTarget, ids: Collection[str]) -> list[str]:
+    """Retires the committed checkpoints ``ids`` and every one whose chain holds one of
+    them (rank 0 of the root's writer): the manifest forgets them first, then their files
+    go. Returns the ids retired, oldest first.
+
+    Raises:
+        CheckpointError: another job took the root over: nothing was changed.
+    """
+    storage, generation = target.storage, target.generation
+    manifest = Manifest.load(storage)
+    if manifest.writer_generation != generation:
+        raise _stale(storage, generation, manifest.writer_generation)
+    doomed = set(ids)
+    for entry in manifest.checkpoints:  # oldest first: a chain is its parent's and itself
+        if entry.parent in doomed:
+            doomed.add(entry.id)
+    retired = [e.id for e in manifest.checkpoints if e.id in doomed]
+    if not retired:
+        return []
+    manifest.checkpoints = [e for e in manifest.checkpoints if e.id not in doomed]
+    try:
+        manifest.save(storage)
+    except PreconditionFailed as e:
+        raise _stale(storage, generation, Manifest.load(storage).writer_generation) from e
+    for ckpt_id in retired:
+        storage.delete_tree(ckpt_id)
+    return retired

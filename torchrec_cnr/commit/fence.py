@@ -3,9 +3,10 @@
 A root has one writer at a time: rank 0 holds its lease (:mod:`.lease`), and every
 commit must name the writer generation that the lease recorded in the manifest, so a
 job that was taken over can no longer commit. A job that cannot claim the root (another
-live job holds it, or the root cannot be written) still restores and reads; only its
-saves are refused, with the reason. The restore counter lives here too: only the
-root's writer may count a restore.
+live job holds it, or the root cannot be written) fails as it builds its fence, before its
+first training step, on every rank with the same error; a job that only reads the root
+(``CheckpointConfig(read_only=True)``) claims nothing. The restore counter lives here too:
+only the root's writer may count a restore.
 
 Every method is collective over the job's ranks: rank 0 does the I/O and every rank
 gets its result or its error (:meth:`~torchrec_cnr.collectives.Collective.on_rank0`).
@@ -13,11 +14,10 @@ gets its result or its error (:meth:`~torchrec_cnr.collectives.Collective.on_ran
 
 from __future__ import annotations
 
-import logging
 import warnings
 
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.commit.commit import CommitTarget, count_restore
+from torchrec_cnr.commit.commit import CommitTarget, count_restore, drop
 from torchrec_cnr.commit.lease import Lease
 from torchrec_cnr.commit.manifest import Manifest
 from torchrec_cnr.config import CheckpointConfig
@@ -28,8 +28,6 @@ from torchrec_cnr.storage import Storage
 
 __all__ = ["Fence"]
 
-logger = logging.getLogger(__name__)
-
 
 class Fence:
     """This job's claim on ``storage`` for its commits.
@@ -37,10 +35,15 @@ class Fence:
     Args:
         storage: the root.
         group: the job's ranks.
-        config: ``take_over`` (claim the root even from another live job),
-            ``manifest_fallback`` (read the previous manifest if the current one is
-            damaged), ``timeouts.lease_ttl_s``, and ``keep_last`` for commits.
+        config: ``take_over`` (claim the root even from another live job), ``read_only``
+            (claim nothing), ``manifest_fallback`` (read the previous manifest if the
+            current one is damaged), ``timeouts.lease_ttl_s``, and ``keep_last`` for
+            commits.
         policy: the job's policy, for commits.
+
+    Raises:
+        CheckpointError: (on every rank) the root cannot be written, or another live job
+            holds it; nothing was changed.
     """
 
     def __init__(
@@ -56,9 +59,15 @@ class Fence:
         self.generation = 0
         """The writer generation this job's commits name."""
         self.blocked: str | None = None
-        """Why this job may not write the root, if it may not."""
+        """Why this job may not write the root, if it may not (``read_only``)."""
+        if config.read_only:
+            self.blocked = (
+                f"{storage.url} was opened with CheckpointConfig(read_only=True): this job "
+                "only restores from it, and saves and compactions are refused"
+            )
         try:
-            self._claim()
+            if self.blocked is None:
+                self._claim()
             claimed = self.manifest()
         except BaseException:
             self.release()
@@ -87,17 +96,15 @@ class Fence:
             blocked = self._lease.claim()
             return (self._lease.mine.generation if self._lease.mine else 0), blocked
 
-        self.generation, self.blocked = self.group.on_rank0(claim)
-        if self.blocked is not None:
-            logger.warning("%s: saves are refused: %s", self.storage.url, self.blocked)
+        # Every rank gets rank 0's answer, so every rank raises the same error.
+        self.generation, blocked = self.group.on_rank0(claim)
+        if blocked is not None:
+            raise CheckpointError(blocked)
 
     def check_writable(self) -> None:
-        """Raises :class:`CheckpointError` if this job may not write the root; a job that
-        was blocked claims again first (the other job may have gone since)."""
+        """Raises :class:`CheckpointError` if this job may not write the root."""
         if self.blocked is not None:
-            self._claim()
-            if self.blocked is not None:
-                raise CheckpointError(self.blocked)
+            raise CheckpointError(self.blocked)
 
     def target(self) -> CommitTarget:
         """Where, and as which generation, this job commits."""
@@ -109,6 +116,13 @@ class Fence:
         if self.blocked is None:
             storage, generation = self.storage, self.generation
             self.restores = self.group.on_rank0(lambda: count_restore(storage, generation))
+
+    def retire(self, ids: list[str]) -> list[str]:
+        """Retires the checkpoints ``ids`` and those that build on them (see
+        :func:`~torchrec_cnr.commit.drop`); returns the ids retired."""
+        self.check_writable()
+        target = self.target()
+        return self.group.on_rank0(lambda: drop(target, ids))
 
     def release(self) -> None:
         """Gives the root up (rank 0). A lease that cannot be written (a full disk) only

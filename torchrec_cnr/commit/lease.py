@@ -15,8 +15,9 @@ and each side's retention would delete the other's checkpoints. Fencing prevents
 - A claim succeeds over a lease that was released, has not been refreshed for
   the lease TTL, belongs to the same torchrun job (a restart), to this very
   process, or to a dead process on this host; or with ``CheckpointConfig(take_over=True)``.
-  Otherwise the root is held by a live job: restores still work, saves raise an error
-  naming it. The holder refreshes its lease every quarter of the TTL.
+  Otherwise the root is held by a live job: the claim fails naming it (a job that only
+  restores claims nothing: ``read_only``). The holder refreshes its lease every quarter of
+  the TTL.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import time
 
 from torchrec_cnr import shutdown
 from torchrec_cnr.commit.manifest import Manifest
+from torchrec_cnr.errors import ManifestError
 from torchrec_cnr.schema import LEASE_NAME, Holder
 from torchrec_cnr.storage import PreconditionFailed, Storage
 
-__all__ = ["Holder", "Lease", "holder_gone", "read_lease", "this_process"]
+__all__ = ["Holder", "Lease", "blocks", "holder_gone", "live_holder", "read_lease", "this_process"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,24 @@ def holder_gone(holder: Holder, ttl_s: float) -> bool:
     return holder.host == socket.gethostname() and not _pid_alive(holder.pid)
 
 
+def blocks(holder: Holder | None, ttl_s: float) -> bool:
+    """Whether ``holder`` is a live job that refuses this job's claim (see :class:`Lease`):
+    not released, heard from within ``ttl_s``, alive where it runs here, and neither this
+    process nor an earlier attempt of this torchrun job."""
+    if holder is None or holder_gone(holder, ttl_s):
+        return False
+    me = this_process(0)
+    if holder.run_id and holder.run_id == me.run_id:
+        return False
+    return (holder.host, holder.pid) != (me.host, me.pid)
+
+
+def live_holder(storage: Storage, ttl_s: float) -> Holder | None:
+    """The live job holding ``storage`` that would refuse this job's claim, if any."""
+    holder = read_lease(storage)[0]
+    return holder if blocks(holder, ttl_s) else None
+
+
 def read_lease(storage: Storage) -> tuple[Holder | None, str | None]:
     """Whoever holds (or held) the root, from its lease, and the lease's version; the
     holder is ``None`` without a lease or with an unreadable one (whoever wrote that can
@@ -103,20 +123,11 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _takeable(self, holder: Holder) -> bool:
-        me = this_process(0)
-        return (
-            self.take_over
-            or holder_gone(holder, self.ttl_s)
-            or bool(holder.run_id and holder.run_id == me.run_id)
-            or (holder.host == me.host and holder.pid == me.pid)
-        )
-
     def acquire(self) -> Holder | None:
         """Claims the root with the next generation; returns the live holder that blocks it, if any."""
         for _ in range(10):
             holder, version = read_lease(self.storage)
-            if holder is not None and not self._takeable(holder):
+            if not self.take_over and blocks(holder, self.ttl_s):
                 return holder
             mine = this_process((holder.generation if holder else 0) + 1)
             try:
@@ -131,13 +142,13 @@ class Lease:
 
     def claim(self) -> str | None:
         """Creates the root and claims it; says why not if a live job holds it, or if the
-        root cannot be written (no space left, a read-only file system, a bucket that
-        refuses writes): restores and reads work all the same."""
+        root cannot be written (no space left, a read-only file system, a path under a
+        file, a bucket that refuses writes)."""
         try:
             self.storage.create()
             blocker = self.acquire()
-        except PreconditionFailed:
-            raise
+        except (PreconditionFailed, ManifestError):
+            raise  # a damaged manifest is named as what it is (the caller releases the lease)
         except Exception as e:
             self._abandon()
             return f"{self.storage.url} cannot be written ({type(e).__name__}: {e}), so this job cannot claim it for its checkpoints"

@@ -61,6 +61,10 @@ NICE = 19
 cores leave."""
 
 
+DROPPED_LATER = "a compaction of a checkpoint that is no longer the latest"
+DROPPED_LEFT = "a compaction of a chain the job left: it restored another checkpoint"
+
+
 def rebase(chain: ChainState, compacted: str, new_id: str) -> ChainState | None:
     """``chain`` with its links up to ``compacted`` replaced by ``new_id``, their
     compaction; ``None`` if ``chain`` does not pass through ``compacted``."""
@@ -194,7 +198,7 @@ class BackgroundCompaction:
         def commit() -> bool:
             latest = Manifest.load(target.storage).latest()
             if latest is None or latest.id != landing.compacted:
-                remove_failed(target, landing.new_id)
+                remove_failed(target, landing.new_id, DROPPED_LATER)
                 return False
             assert landing.entry is not None
             append(target, landing.entry)
@@ -277,7 +281,7 @@ def commit_and_compact(
         if rebased is not None:
             pending, landed = dataclasses.replace(pending, chain=rebased), landing
         elif group.rank == 0:  # the job restored another checkpoint since it started
-            remove_failed(target, landing.new_id)
+            remove_failed(target, landing.new_id, DROPPED_LEFT)
     try:
         chain = write_and_commit(
             pending, group, target, written, landed.entry if landed else None, compaction.hold

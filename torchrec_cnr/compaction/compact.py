@@ -42,9 +42,13 @@ from torchrec_cnr.snapshot import (
 __all__ = ["CompactedPart", "Stopped", "compact_entry", "compact_part", "compacted_entry"]
 
 
-def _region(rec: ShardRecord) -> tuple[int, int, int, int]:
+def _layout(rec: ShardRecord) -> tuple[object, ...]:
+    """What two records must share for their stored rows to merge as they are: the region,
+    the format, the quantized parts and the states (by name, layout and dtype; not by stored
+    name, which carries the record's key: a compaction's keys are not a save's)."""
     s = rec.spec
-    return (s.row_offset, s.col_offset, s.rows, s.cols)
+    states = {name: (info.layout, info.dtype) for name, info in rec.states.items()}
+    return (s.row_offset, s.col_offset, s.rows, s.cols, rec.format, rec.parts, states)
 
 
 def _merge_stored(
@@ -102,13 +106,8 @@ def _compact_record(
     as_stored = (
         bool(sources)
         and first.all_rows
-        and all(
-            _region(r) == _region(target)
-            and r.format == first.format
-            and r.parts == first.parts
-            and r.states == first.states
-            for _, r in sources
-        )
+        and _layout(first)[:4] == _layout(target)[:4]
+        and all(_layout(r) == _layout(first) for _, r in sources)
     )
     if as_stored:
         merged = _merge_stored(chain, target, sources)

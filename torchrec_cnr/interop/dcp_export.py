@@ -48,7 +48,7 @@ from torchrec_cnr.storage import Root
 from torchrec_cnr.tracking.shard import ShardSpec
 from torchrec_cnr.units import check_size_mb, mb_bytes
 
-__all__ = ["DcpExport", "ExportOptions", "export_dcp", "terminal_progress"]
+__all__ = ["DcpExport", "ExportOptions", "export_dcp", "progress_line", "terminal_progress"]
 
 MODEL, OPTIM = "model", "optim"
 """The top-level keys of TorchRec's DCP recipe."""
@@ -116,12 +116,20 @@ class DcpExport:
     """Every key of the checkpoint (all ranks')."""
 
 
+def progress_line(text: str, last: bool) -> None:
+    """Shows a progress line on stderr: rewritten in place on a terminal, a line of its own
+    where stderr goes to a file or a pipe (a log), so that the lines do not run together."""
+    if sys.stderr.isatty():
+        print(f"\r{text}", end="\n" if last else "", file=sys.stderr, flush=True)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
 def terminal_progress(rank: int) -> Progress:
-    """Prints ``blocks done / blocks`` of this rank on one line of stderr."""
+    """Shows ``blocks done / blocks`` of this rank (:func:`progress_line`)."""
 
     def show(done: int, total: int) -> None:
-        end = "\n" if done == total else ""
-        print(f"\r[rank {rank}] dcp export: {done}/{total} blocks", end=end, file=sys.stderr)
+        progress_line(f"[rank {rank}] dcp export: {done}/{total} blocks", done == total)
 
     return show
 

@@ -18,6 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from torchrec_cnr.commit.manifest import Entry, Manifest, saved_fraction
+from torchrec_cnr.schema import ShardRecord
 from torchrec_cnr.storage import as_storage
 from torchrec_cnr.storage.root import Root
 
@@ -25,9 +26,11 @@ __all__ = [
     "CheckpointInfo",
     "RootInfo",
     "TableInfo",
+    "changed_rows",
     "checkpoint_info",
     "list_checkpoints",
     "root_info",
+    "saved_rows",
 ]
 
 
@@ -42,7 +45,8 @@ class TableInfo:
     state_dict_key: str
     """Its key in the unsharded module's ``state_dict()`` ("" before format 3)."""
     rows_saved: int
-    """Rows this checkpoint stores (over every shard; a column-split row counts per shard)."""
+    """Rows of the table this checkpoint stores (a row split over column shards counts
+    once)."""
     shards: int
     nbytes: int
     """Bytes of its stored tensors: values, ids and optimizer state."""
@@ -80,8 +84,10 @@ class CheckpointInfo:
     saved_fraction: float
     """Elements stored, as a fraction of every table's elements (Check-N-Run's S_i)."""
     rows_saved: int
+    """Table rows this checkpoint stores, over every table (a row split over column shards
+    counts once)."""
     rows_changed: int | None
-    """Rows changed since the checkpoint before it (``since``): what a serving follower
+    """Table rows changed since the checkpoint before it (``since``): what a serving follower
     reads to catch up by one checkpoint; ``None`` when not recorded (format 3 and older)."""
     since: str | None
     """The id of the checkpoint ``rows_changed`` counts from (``None``: the job's first)."""
@@ -92,14 +98,26 @@ class CheckpointInfo:
     """The shape of each dense tensor (parameters, buffers, data-parallel tables)."""
 
 
+def _table_rows(rec: ShardRecord, shard_rows: int) -> float:
+    # A column-wise shard holds a part of each of its rows: a row split over shards
+    # counts once, as the table's.
+    return shard_rows * rec.spec.cols / rec.spec.embedding_dim
+
+
+def saved_rows(shards: list[ShardRecord]) -> int:
+    """Table rows these shard records store (a row split over column shards counts once)."""
+    return round(sum(_table_rows(rec, rec.saved_rows) for rec in shards))
+
+
 def changed_rows(entry: Entry) -> int | None:
-    """Rows of ``entry`` that changed since ``entry.since``; ``None`` if not recorded."""
-    total = 0
+    """Table rows of ``entry`` that changed since ``entry.since`` (a row split over column
+    shards counts once); ``None`` if not recorded."""
+    total = 0.0
     for rec in entry.shards:
         if rec.recent == "unknown":
             return None
-        total += rec.saved_rows if rec.recent == "stored" else rec.recent_rows
-    return total
+        total += _table_rows(rec, rec.saved_rows if rec.recent == "stored" else rec.recent_rows)
+    return round(total)
 
 
 def _info(manifest: Manifest, entry: Entry) -> CheckpointInfo:
@@ -115,7 +133,7 @@ def _info(manifest: Manifest, entry: Entry) -> CheckpointInfo:
             num_embeddings=shape.num_embeddings,
             embedding_dim=shape.embedding_dim,
             state_dict_key=shape.state_dict_key,
-            rows_saved=sum(r.saved_rows for r in recs),
+            rows_saved=saved_rows(recs),
             shards=len(recs),
             nbytes=sum(r.nbytes for r in recs),
             method=fmt.method if fmt else "none",
@@ -135,7 +153,7 @@ def _info(manifest: Manifest, entry: Entry) -> CheckpointInfo:
         committed_at=entry.committed_at,
         saved_at=entry.saved_at,
         saved_fraction=saved_fraction(entry.shards),
-        rows_saved=sum(r.saved_rows for r in entry.shards),
+        rows_saved=saved_rows(entry.shards),
         rows_changed=changed_rows(entry),
         since=entry.since,
         compacted_from=entry.compacted_from,

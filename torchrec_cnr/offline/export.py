@@ -101,5 +101,9 @@ def save_export(
 
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in state_dict.items()}, str(path))
+        # safetensors creates it owner-only (0600); as any other file, it follows the umask.
+        mask = os.umask(0)
+        os.umask(mask)
+        path.chmod(0o666 & ~mask)
     else:
         raise ValueError(f"format must be one of {EXPORT_FORMATS}, got {fmt!r}")

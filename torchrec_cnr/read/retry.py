@@ -1,4 +1,5 @@
-"""A committed checkpoint read again if it was retired while read.
+"""A committed checkpoint read again if it was retired while read, or, on request, the
+newest intact one where the latest is damaged.
 
 A checkpoint can vanish under a reader: another job's ``keep_last`` retires it, or
 compaction replaces its chain, between reading the manifest and reading the files. Then
@@ -6,19 +7,25 @@ the read fails with :class:`~torchrec_cnr.errors.CheckpointReadError` before any
 changed, and :func:`load_committed` reads what the manifest names now. Only when the
 manifest still names the very checkpoint that failed is the error real. The manager's
 ``restore()`` and the serving follower both load through it.
+
+A real error on the latest checkpoint ends the restore, unless the job asked to read past
+it (``CheckpointConfig(on_damaged="fall_back")``): :func:`load_newest_intact` then loads the
+newest checkpoint before it whose chain loads, passing over every one whose chain holds
+the damaged link.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from torchrec_cnr.commit.manifest import Entry, Manifest
-from torchrec_cnr.errors import CheckpointReadError
+from torchrec_cnr.errors import CheckpointReadError, UnsafeObjectError
 from torchrec_cnr.read.chain import missing_step
 
-__all__ = ["ATTEMPTS", "load_committed"]
+__all__ = ["ATTEMPTS", "Intact", "load_committed", "load_newest_intact"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,3 +68,61 @@ def load_committed(
                 raise
             logger.warning("checkpoint %s was retired while read; reading again", entry.id)
     raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class Intact(Generic[T]):
+    """What :func:`load_newest_intact` loaded, and what it passed over."""
+
+    entry: Entry
+    loaded: T
+    passed: list[Entry]
+    """The newer checkpoints that did not load, newest first."""
+    damaged: list[str]
+    """The links found damaged: every passed checkpoint's chain holds one."""
+    error: CheckpointReadError | None
+    """Why the latest did not load."""
+
+
+def _damaged_link(entry: Entry, error: CheckpointReadError) -> str:
+    # A read error names the file it failed on, under its checkpoint's directory.
+    text = str(error)
+    return next((i for i in reversed(entry.chain) if i in text), entry.id)
+
+
+def load_newest_intact(
+    manifest: Callable[[], Manifest], load: Callable[[Manifest, Entry], T], url: str
+) -> Intact[T] | None:
+    """``load`` of the latest committed checkpoint (see :func:`load_committed`); where it
+    fails on a damaged file, of the newest checkpoint before it that loads. A checkpoint
+    whose chain holds a link found damaged is passed over unread.
+
+    ``load`` must change nothing when it raises (a restore verifies before it applies).
+
+    Returns:
+        What loaded; ``None`` if the root holds no checkpoint.
+
+    Raises:
+        CheckpointReadError: no committed checkpoint loads (the latest's error).
+        UnsafeObjectError: as ``load`` raised it (a type ``safe_globals`` lacks: not damage).
+    """
+    try:
+        loaded = load_committed(manifest, None, load, url)
+    except UnsafeObjectError:
+        raise
+    except CheckpointReadError as first:
+        current = manifest()
+        newest = current.latest()
+        assert newest is not None
+        passed, damaged = [newest], [_damaged_link(newest, first)]
+        for entry in reversed(current.checkpoints[:-1]):
+            if not any(link in damaged for link in entry.chain):
+                try:
+                    return Intact(entry, load(current, entry), passed, damaged, first)
+                except UnsafeObjectError:
+                    raise
+                except CheckpointReadError as e:
+                    damaged.append(_damaged_link(entry, e))
+            passed.append(entry)
+        raise
+    return None if loaded is None else Intact(loaded[0], loaded[1], [], [], None)

@@ -33,6 +33,7 @@ class SaveSchedule:
         self.on_busy = config.on_busy
         self.probe = IntervalProbe(config.recovery, group)
         self._last: int | None = None  # the step of the last save started (or restored)
+        self._warned = False
 
     @property
     def decision(self) -> IntervalDecision | None:
@@ -42,6 +43,13 @@ class SaveSchedule:
     def maybe_save(self, step: int, save: Callable[[int], bool], wait: Callable[[], None]) -> bool:
         """Calls ``save(step)`` if ``step`` is due; returns whether it saved. Collective."""
         interval = self.interval_steps
+        if interval is None and not self._warned:
+            self._warned = True
+            warnings.warn(
+                "maybe_save() never saves: CheckpointConfig.interval_steps is None; set it "
+                "to an int (or 'auto'), or call save(step) yourself",
+                stacklevel=3,
+            )
         if interval == "auto":
             if self.probe.interval_steps is None:
                 return self.probe.maybe_probe(step, lambda: save(step), wait)

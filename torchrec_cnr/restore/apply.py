@@ -305,6 +305,7 @@ def read_chain(
     dense_names: list[str],
     app_rank: int | None,
     options: ReadOptions,
+    world_size: int | None = None,
 ) -> PreparedRestore:
     """Reads, verifies and plans everything a restore of ``chain`` into ``shards`` needs.
 
@@ -318,6 +319,8 @@ def read_chain(
             rank, and a fresh one would let this rank's replica drift from the others.
         options: the memory budget, the staging buffers and the types ``app_state`` may
             hold.
+        world_size: the restoring job's; where it is smaller than the checkpoint's, rank
+            0 warns which ranks' ``app_state`` (and which keys of it) no rank restores.
 
     Raises:
         CheckpointReadError: a checkpoint directory or file of the chain is missing or
@@ -343,7 +346,28 @@ def read_chain(
                 f"rank {app_rank} takes the app_state of rank {source}: the checkpoint was "
                 f"written by {world} rank(s)"
             )
+        if app_rank == 0 and world_size is not None and world_size < world:
+            prepared.warnings.append(_dropped_app_state(chain, world_size, options))
     return prepared
+
+
+def _dropped_app_state(chain: ChainReader, world_size: int, options: ReadOptions) -> str:
+    """What a restore onto ``world_size`` ranks leaves of the checkpoint's ``app_state``."""
+    world = chain.entry.world_size
+    dropped = []
+    for rank in range(world_size, world):
+        try:
+            saved = load_object(chain.app_state(rank), options.safe_globals, "")
+            keys = ", ".join(repr(k) for k in saved) if isinstance(saved, dict) else "?"
+        except Exception as e:  # it is not restored: its damage fails nothing
+            keys = f"unreadable: {type(e).__name__}"
+        dropped.append(f"rank {rank} ({keys})")
+    return (
+        f"the checkpoint was written by {world} ranks and this job has {world_size}: each "
+        "rank restores the app_state of the rank of its number, so the app_state of "
+        f"{'; '.join(dropped)} is not restored (a data reader there would start over from "
+        "its own position; see docs/storage.md)"
+    )
 
 
 def _load_scalars(chain: ChainReader, shards: list[LocalShard]) -> None:

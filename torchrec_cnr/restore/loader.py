@@ -14,7 +14,7 @@ from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.encoding import FP32
 from torchrec_cnr.iocontext import IOContext
-from torchrec_cnr.read import ChainReader, load_committed
+from torchrec_cnr.read import ChainReader, Intact, load_committed, load_newest_intact
 from torchrec_cnr.restore.apply import ReadOptions
 from torchrec_cnr.restore.partial import RestoreScope
 from torchrec_cnr.restore.restore import LocalModel, restore_entry
@@ -77,9 +77,12 @@ class ModelLoader:
         manifest: Callable[[], Manifest],
         step: int | None,
         scope: RestoreScope,
-    ) -> Restored | None:
+        fall_back: bool = False,
+    ) -> Intact[Restored] | None:
         """Restores the committed checkpoint of ``step`` (the latest if ``None``); partly,
         CPR's partial recovery, with a partial ``scope`` (see :func:`restore_entry`).
+        ``fall_back``: where ``step`` is ``None`` and the latest is damaged, the newest
+        intact one before it (see :func:`~torchrec_cnr.read.load_newest_intact`).
 
         Returns:
             What was restored; ``None`` if ``step`` is ``None`` and the root holds none.
@@ -104,8 +107,10 @@ class ModelLoader:
                 )
             return Restored(entry, current.next_seq(), touched, chain)
 
+        if fall_back and step is None:
+            return load_newest_intact(manifest, load, self.storage.url)
         loaded = load_committed(manifest, step, load, self.storage.url)
-        return None if loaded is None else loaded[1]
+        return None if loaded is None else Intact(loaded[0], loaded[1], [], [], None)
 
 
 @dataclass(frozen=True)

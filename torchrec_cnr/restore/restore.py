@@ -166,7 +166,7 @@ def restore_entry(
             chain, chosen,
             [] if partial else list(dense),
             None if partial or not app_state else group.rank,
-            options,
+            options, group.world_size,
         )  # fmt: skip
     except ValueError as e:  # read fine, but does not fit: say what it means
         error = CheckpointError(f"restore of step {entry.step} failed before any change: {e}")

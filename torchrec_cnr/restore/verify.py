@@ -56,14 +56,15 @@ def verify_checkpoint(storage: Storage, ckpt: Entry, io: IOContext) -> list[str]
 
 def verify_chains(
     storage: Storage, manifest: Manifest, entries: list[Entry], io: IOContext
-) -> tuple[int, list[str]]:
+) -> tuple[int, list[str], list[str]]:
     """Verifies every checkpoint the chains of ``entries`` need, each once.
 
     Returns:
-        How many checkpoints were read, and the problems found, each prefixed with the
-        step whose chain needs it.
+        How many checkpoints were read; the problems found, each prefixed with the step
+        whose chain needs it; and the ids of the checkpoints found damaged.
     """
     problems: list[str] = []
+    damaged: list[str] = []
     checked: set[str] = set()
     for entry in entries:
         # A consecutive delta whose parent was checked adds only itself: a chain holds
@@ -75,9 +76,10 @@ def verify_chains(
             checked.add(ckpt_id)
             try:
                 ckpt = manifest.by_id(ckpt_id)
+                found = verify_checkpoint(storage, ckpt, io)
             except (ManifestError, CheckpointReadError) as e:
-                problems.append(f"step {entry.step}: {e}")
-                continue
-            found = verify_checkpoint(storage, ckpt, io)
+                found = [str(e)]
             problems += [f"step {entry.step}: {p}" for p in found]
-    return len(checked), problems
+            if found:
+                damaged.append(ckpt_id)
+    return len(checked), problems, damaged

@@ -40,12 +40,13 @@ import logging
 import os
 import threading
 import time
+import warnings
 from typing import Any
 
 from torchrec_cnr import shutdown
 from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.errors import CheckpointReadError, CnrError
-from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.read import load_committed
 from torchrec_cnr.schema import MANIFEST_NAME
 from torchrec_cnr.serving.apply import Applier
@@ -70,6 +71,43 @@ found it, against one for the latest. Further behind, serving each in turn would
 staler steps for longer: it goes straight to the latest."""
 
 
+_MOVED = ("io", "accept", "swap", "memory_budget", "spill_dir")
+"""The keyword arguments a :class:`Follower` took before :class:`FollowerOptions`."""
+
+
+def _moved_options(options: Any, moved: dict[str, Any]) -> Any:
+    """``options``, or the :class:`FollowerOptions` the deprecated spellings make."""
+    unknown = sorted(set(moved) - set(_MOVED))
+    if unknown:
+        raise TypeError(f"Follower() got unexpected keyword argument(s) {', '.join(unknown)}")
+    if isinstance(options, IOOptions):  # the third argument was io
+        moved, options = {"io": options, **moved}, None
+    if not moved:
+        return FollowerOptions() if options is None else options
+    if options is not None:
+        raise TypeError(f"Follower() takes options or {', '.join(moved)}, not both")
+    warnings.warn(
+        f"Follower({', '.join(f'{k}=' for k in moved)}...) is deprecated and will be removed "
+        "in the next release: pass Follower(root, target, FollowerOptions(...)) (the memory "
+        "budget as memory_budget_mb, in MB)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    budget = moved.pop("memory_budget", None)
+    if budget is not None:
+        moved["memory_budget_mb"] = budget / 2**20
+    return FollowerOptions(**moved)
+
+
+def _moved_attribute(old: str, new: str) -> None:
+    warnings.warn(
+        f"Follower.{old} is deprecated and will be removed in the next release: read "
+        f"Follower.{new}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
 class Follower:
     """Keeps ``target`` at the latest committed checkpoint of ``root``; a few commits
     behind, it serves each in turn (:data:`STEP_THROUGH`).
@@ -86,9 +124,14 @@ class Follower:
             I/O options, the accept gate, swap mode, the memory budget in MB and where
             spilled rows go); the defaults if ``None``.
 
+        moved: the options' spellings before :class:`FollowerOptions` (``io``, ``accept``,
+            ``swap``, ``memory_budget`` in bytes, ``spill_dir``; or an ``IOOptions`` as the
+            third argument): deprecated, they still work, with a ``DeprecationWarning``.
+
     Raises:
         ValueError: ``options`` is not a :class:`FollowerOptions`, or its ``spill_dir``
             is not a folder.
+        TypeError: a keyword argument that is neither.
 
     Example::
 
@@ -108,8 +151,9 @@ class Follower:
         root: Root,
         target: ServingTarget,
         options: FollowerOptions | None = None,
+        **moved: Any,
     ) -> None:
-        options = FollowerOptions() if options is None else options
+        options = _moved_options(options, moved)
         if not isinstance(options, FollowerOptions):
             raise ValueError(f"options must be a FollowerOptions or None, got {options!r}")
         if options.spill_dir is not None and not os.path.isdir(options.spill_dir):
@@ -137,6 +181,24 @@ class Follower:
         self._seen: str | None = None  # the manifest's stamp when last planned from
         self._behind = False  # the last update served a commit older than the latest
         self._spare_deferred = False  # swap mode's copy waited for a poll (_make_spare)
+
+    @property
+    def accept(self) -> Any:
+        """Deprecated: ``options.accept``."""
+        _moved_attribute("accept", "options.accept")
+        return self.options.accept
+
+    @property
+    def memory_budget(self) -> int | None:
+        """Deprecated: ``options.memory_budget_bytes``."""
+        _moved_attribute("memory_budget", "options.memory_budget_bytes")
+        return self.options.memory_budget_bytes
+
+    @property
+    def spill_dir(self) -> str | None:
+        """Deprecated: ``options.spill_dir``."""
+        _moved_attribute("spill_dir", "options.spill_dir")
+        return self.options.spill_dir
 
     @property
     def step(self) -> int | None:

@@ -8,7 +8,7 @@ bytes, refusing writes, or failing on cue in the tests). What the objects hold i
 
 from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage
 from torchrec_cnr.storage.fs import DIRECT_ALIGN, DIRECT_MIN_BYTES
-from torchrec_cnr.storage.root import Root, as_storage, open_storage
+from torchrec_cnr.storage.root import Root, as_storage, check_root, open_storage
 from torchrec_cnr.storage.wrapper import CountingStorage, StorageWrapper
 
 __all__ = [
@@ -21,5 +21,6 @@ __all__ = [
     "Storage",
     "StorageWrapper",
     "as_storage",
+    "check_root",
     "open_storage",
 ]

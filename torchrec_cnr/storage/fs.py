@@ -252,9 +252,11 @@ class FsStorage(Storage):
             while done < len(out):
                 n = os.preadv(fd, [out[done:]], offset + done)
                 if n == 0:
+                    size = os.fstat(fd).st_size
                     raise OSError(
-                        f"{self.root / name} ends at byte {offset + done}, "
-                        f"{len(out) - done} bytes short of {offset + len(out)}"
+                        f"{self.root / name} holds {size} bytes, fewer than the "
+                        f"{offset + len(out)} this read needs (bytes {offset} to "
+                        f"{offset + len(out)}): truncated"
                     )
                 done += n
         finally:

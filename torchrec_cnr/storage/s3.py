@@ -17,7 +17,19 @@ from typing import Any
 
 from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage, _Any
 
-__all__ = ["S3Storage"]
+__all__ = ["S3Storage", "split_url"]
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/prefix`` -> ``(bucket, prefix)``.
+
+    Raises:
+        ValueError: no bucket or no prefix.
+    """
+    bucket, _, prefix = url.removeprefix("s3://").strip("/").partition("/")
+    if not bucket or not prefix:
+        raise ValueError(f"checkpoint path {url!r} must look like s3://bucket/prefix")
+    return bucket, prefix
 
 
 class S3Storage(Storage):
@@ -34,10 +46,7 @@ class S3Storage(Storage):
     """About 0.1 s of GETs."""
 
     def __init__(self, url: str) -> None:
-        rest = url.removeprefix("s3://").strip("/")
-        bucket, _, prefix = rest.partition("/")
-        if not bucket or not prefix:
-            raise ValueError(f"checkpoint path {url!r} must look like s3://bucket/prefix")
+        bucket, prefix = split_url(url)
         self.url = url
         self.bucket = bucket
         self.prefix = prefix
@@ -74,19 +83,30 @@ class S3Storage(Storage):
     def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
         if not len(out):
             return
+        end = offset + len(out)
         try:
             response = self._client.get_object(
-                Bucket=self.bucket,
-                Key=self._key(name),
-                Range=f"bytes={offset}-{offset + len(out) - 1}",
+                Bucket=self.bucket, Key=self._key(name), Range=f"bytes={offset}-{end - 1}"
             )
         except self._client.exceptions.NoSuchKey as e:
             raise FileNotFoundError(f"{self.path(name)} does not exist") from e
+        except self._client.exceptions.ClientError as e:
+            if e.response.get("Error", {}).get("Code") != "InvalidRange":
+                raise
+            size = self._client.head_object(Bucket=self.bucket, Key=self._key(name))
+            raise self._short(name, size["ContentLength"], offset, end) from e
         with response["Body"] as body:
             data = body.read()
         if len(data) != len(out):
-            raise OSError(f"{self.path(name)}: {len(data)} bytes at {offset}, expected {len(out)}")
+            size = int(response.get("ContentRange", "/-1").rpartition("/")[2])
+            raise self._short(name, size, offset, end)
         out[:] = data
+
+    def _short(self, name: str, size: int, offset: int, end: int) -> OSError:
+        return OSError(
+            f"{self.path(name)} holds {size} bytes, fewer than the {end} this read needs "
+            f"(bytes {offset} to {end}): truncated"
+        )
 
     def write(self, name: str, data: bytes, expect: str | None | _Any = ANY) -> str:
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(name), "Body": data}
