@@ -61,6 +61,7 @@ bench: setup
 	$(PY1) -m benchmarks.shards --out $(BENCH)/shards.json
 	$(TORCHRUN) -m benchmarks.offline --out $(BENCH)/offline.json
 	$(TORCHRUN) -m benchmarks.dcp_interop --out $(BENCH)/dcp_interop.json
+	$(TORCHRUN) -m benchmarks.dcp_stager --out $(BENCH)/dcp_stager.json
 	$(PY1) -m benchmarks.serving --out $(BENCH)/serving.json
 	$(PY1) -m benchmarks.serving --interval-steps 30 --steps 300 --modes copy --out $(BENCH)/serving_5s.json
 	$(PY1) -m benchmarks.serving --tables 8 --interval-steps 6 --steps 120 --policies intermittent consecutive --served fp32 int4 --modes swap --out $(BENCH)/serving_fresh.json

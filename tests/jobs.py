@@ -119,6 +119,7 @@ def make_job(
     alpha: float = 1.1,
     tracking_mode: TrackingMode = "bitmap",
     storage: Storage | None = None,
+    dtensor: bool = False,
     **config: Any,
 ) -> Job:
     """A job on ``model`` (model seed ``seed``), with a manager on ``root`` if given.
@@ -133,10 +134,11 @@ def make_job(
             table's own (for resharding).
         data_seed, batch_size, alpha, tracking_mode: for the DLRM: its Zipf batches
             (which depend only on ``data_seed``, the rank and the step) and its tracker.
+        dtensor: for ``"ebc"`` / ``"ec"``: a state dict of DTensors (``output_dtensor``).
     """
     if isinstance(model, str):
         torch.manual_seed(seed)
-        dmp, batches = models.sharded(model, optimizer, layouts)
+        dmp, batches = models.sharded(model, optimizer, layouts, dtensor)
         # Kernels initialise their tables from the global RNG; seed again per rank so
         # that two builds with one seed are identical.
         torch.manual_seed(seed + 1)

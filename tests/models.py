@@ -29,6 +29,7 @@ from torch import nn
 from torchrec import EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.test_utils.test_model import ModelInput, TestSparseNN
+from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
@@ -179,7 +180,7 @@ def unsharded(kind: str, device: str = "meta") -> tuple[nn.Module, list[Any], li
 
 
 def sharded(
-    kind: str, optimizer: str, layouts: dict[str, str] | None = None
+    kind: str, optimizer: str, layouts: dict[str, str] | None = None, dtensor: bool = False
 ) -> tuple[DistributedModelParallel, TorchRecBatches]:
     """The ``kind`` model sharded on the current process group, and its batches.
 
@@ -187,6 +188,8 @@ def sharded(
         kind: ``ebc`` or ``ec``.
         optimizer: a key of :data:`OPTIMIZERS`.
         layouts: table name -> layout, overriding each table's own (for resharding).
+        dtensor: its state dict holds DTensors (TorchRec's ``output_dtensor``) rather
+            than ShardedTensors.
     """
     fused = OPTIMIZERS[optimizer]
     module, tables, weighted = unsharded(kind)
@@ -199,8 +202,9 @@ def sharded(
     placed.update(layouts or {})
     sharders = tracking_sharders(fused or None)
     plan = hand_plan(module, placed, dist.get_world_size(), sharders)
+    env = ShardingEnv(dist.get_world_size(), dist.get_rank(), dist.group.WORLD, dtensor)
     model = DistributedModelParallel(
-        module, plan=plan, sharders=sharders, device=torch.device("cpu")
+        module, env=env, plan=plan, sharders=sharders, device=torch.device("cpu")
     )
     return model, TorchRecBatches(kind, tables, weighted)
 

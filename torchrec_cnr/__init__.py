@@ -39,7 +39,7 @@ from torchrec_cnr.errors import (
     ModelMismatchError,
     UnsafeObjectError,
 )
-from torchrec_cnr.interop import ExportOptions, export_dcp
+from torchrec_cnr.interop import DcpStager, ExportOptions, export_dcp
 from torchrec_cnr.manager import CheckpointManager
 from torchrec_cnr.offline import (
     CheckpointInfo,
@@ -64,6 +64,7 @@ __all__ = [
     "CheckpointReadError",
     "ChecksumError",
     "CnrError",
+    "DcpStager",
     "ExportOptions",
     "FloatTarget",
     "Follower",

@@ -214,28 +214,36 @@ def digest(
     """One rank's whole training state, hashed: its shards of every table and fused
     optimizer state, the dense parameters, the dense optimizer and the reader."""
     h = hashlib.sha256()
-
-    def add(tree: Any) -> None:
-        if hasattr(tree, "local_shards"):  # a ShardedTensor: this rank's part
-            for shard in tree.local_shards():
-                add(shard.tensor)
-        elif isinstance(tree, torch.Tensor):
-            h.update(tree.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-        elif isinstance(tree, dict):
-            for key in sorted(tree, key=str):
-                h.update(str(key).encode())
-                add(tree[key])
-        elif isinstance(tree, list | tuple):
-            for item in tree:
-                add(item)
-        else:
-            h.update(repr(tree).encode())
-
-    add(model.state_dict())
-    add(model.fused_optimizer.state_dict())
-    add(dense_opt.state_dict())
-    add(reader.state_dict())
+    for tree in (model.state_dict(), model.fused_optimizer.state_dict(),
+                 dense_opt.state_dict(), reader.state_dict()):  # fmt: skip
+        _hash(h, tree)
     return h.hexdigest()
+
+
+def model_digest(model: DistributedModelParallel) -> str:
+    """This rank's shards of every table and fused optimizer state, and the dense state."""
+    h = hashlib.sha256()
+    for tree in (model.state_dict(), model.fused_optimizer.state_dict()):
+        _hash(h, tree)
+    return h.hexdigest()
+
+
+def _hash(h: Any, tree: Any) -> None:
+    """Adds ``tree`` (a state dict, this rank's part of each sharded tensor) to ``h``."""
+    if hasattr(tree, "local_shards"):  # a ShardedTensor: this rank's part
+        for shard in tree.local_shards():
+            _hash(h, shard.tensor)
+    elif isinstance(tree, torch.Tensor):
+        h.update(tree.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    elif isinstance(tree, dict):
+        for key in sorted(tree, key=str):
+            h.update(str(key).encode())
+            _hash(h, tree[key])
+    elif isinstance(tree, list | tuple):
+        for item in tree:
+            _hash(h, item)
+    else:
+        h.update(repr(tree).encode())
 
 
 def make_trained(tmp: str, kind: str) -> None:
@@ -464,6 +472,28 @@ def damage_latest(root: str) -> None:
     flipped = bytearray(data[0])
     flipped[sum(stored["byte_range"]) // 2] ^= 0xFF
     storage.write(name, bytes(flipped))
+
+
+@standin("docs/entry-points.md", "async-save")
+def _entry_async_save(env: Env, ns: dict[str, Any]) -> Check:
+    _live_job(env, ns, ("model", "dense_optimizer", "reader"))
+    ns["train_step"] = step_fn(env.kind, ns, "dense_optimizer")
+    want = model_digest(ns["model"])
+
+    def check(ns: dict[str, Any]) -> None:  # the checkpoint holds the state of the call
+        import torch.distributed.checkpoint as dcp
+
+        assert model_digest(ns["model"]) != want, "training on changed nothing"
+        state = {
+            "model": ns["model"].state_dict(),
+            "optim": ns["model"].fused_optimizer.state_dict(),
+        }
+        dcp.load(state, checkpoint_id=env.path("/ckpt/dcp/async"), process_group=ns["dcp_group"])
+        ns["model"].load_state_dict(state["model"])
+        ns["model"].fused_optimizer.load_state_dict(state["optim"])
+        assert model_digest(ns["model"]) == want
+
+    return check
 
 
 def _fresh_job(env: Env, ns: dict[str, Any]) -> None:

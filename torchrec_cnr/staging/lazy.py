@@ -229,6 +229,12 @@ class LazyStaging:
             self._listeners.append((lookups, listener))
         return self
 
+    def buffers(self, shard: LocalShard) -> list[torch.Tensor]:
+        """The buffers ``shard``'s rows, then its states, are copied into (in the order of
+        its ``states``); they hold the saved step once :meth:`run` has returned."""
+        s = next(s for s in self.shards if s.shard is shard)
+        return [s.weight, *(s.states[k] for k in shard.states)]
+
     @property
     def nbytes(self) -> int:
         """Bytes the staged rows take (their ids included)."""
