@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Literal
 
 from torchrec_cnr.env import env_number
@@ -312,8 +312,34 @@ class CheckpointConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     """How long ranks wait for each other at collectives, and how long a silent lease still
     counts as a live job's."""
+    restore_step: int | None = None
+    """The step ``restore()`` loads when it is given none; ``None``: the latest."""
+    exclude_from_loading: tuple[str, ...] = ()
+    """``app_state`` entries ``restore()`` leaves as they are (a data loader that starts
+    afresh, a scheduler the job resets); each must be a key of the manager's ``app_state``.
+    They are saved all the same."""
+    wait_for_commit: bool = False
+    """``save()`` returns only once its checkpoint is committed: training waits for the whole
+    write (``True``), or only for the staging (``False``)."""
+    # torchtitan's names for the same options ([checkpoint] of its TOML; docs/configuration.md).
+    interval: InitVar[int | None] = None
+    """torchtitan's name for :attr:`interval_steps`."""
+    keep_latest_k: InitVar[int | None] = None
+    """torchtitan's :attr:`keep_last`: 0 keeps every checkpoint."""
+    load_step: InitVar[int | None] = None
+    """torchtitan's :attr:`restore_step`: -1 for the latest."""
+    async_mode: InitVar[str | None] = None
+    """torchtitan's: ``disabled`` (:attr:`wait_for_commit`), ``async`` (``background="thread"``)
+    or ``async_with_pinned_mem`` (``background="process"``, a writer process)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(
+        self,
+        interval: int | None,
+        keep_latest_k: int | None,
+        load_step: int | None,
+        async_mode: str | None,
+    ) -> None:
+        self._torchtitan_names(interval, keep_latest_k, load_step, async_mode)
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"path must be a non-empty string, got {self.path!r}")
         check_root(self.path)
@@ -384,3 +410,53 @@ class CheckpointConfig:
             )
         if self.staging_memory_mb is not None and not self.staging_memory_mb > 0:
             raise ValueError(f"staging_memory_mb must be > 0 or None, got {self.staging_memory_mb}")
+        if self.restore_step is not None and (
+            not isinstance(self.restore_step, int) or self.restore_step < 0
+        ):
+            raise ValueError(f"restore_step must be an int >= 0 or None, got {self.restore_step!r}")
+        if isinstance(self.exclude_from_loading, str) or not all(
+            isinstance(n, str) for n in self.exclude_from_loading
+        ):
+            raise ValueError(
+                "exclude_from_loading must be a list of app_state names, got "
+                f"{self.exclude_from_loading!r}"
+            )
+        object.__setattr__(self, "exclude_from_loading", tuple(self.exclude_from_loading))
+
+    def _torchtitan_names(
+        self,
+        interval: int | None,
+        keep_latest_k: int | None,
+        load_step: int | None,
+        async_mode: str | None,
+    ) -> None:
+        """Sets the fields torchtitan's names stand for; a field given both ways, with two
+        values, is refused naming both."""
+
+        def take(name: str, alias: str, value: object, default: object) -> None:
+            given = getattr(self, name)
+            if given != default and given != value:
+                raise ValueError(
+                    f"{alias} (torchtitan's name) and {name} are both set, to {value!r} and "
+                    f"{given!r}: keep one"
+                )
+            object.__setattr__(self, name, value)
+
+        if interval is not None:
+            take("interval_steps", "interval", interval, None)
+        if keep_latest_k is not None:
+            if not isinstance(keep_latest_k, int) or keep_latest_k < 0:
+                raise ValueError(f"keep_latest_k must be an int >= 0, got {keep_latest_k!r}")
+            take("keep_last", "keep_latest_k", keep_latest_k or None, None)
+        if load_step is not None:
+            if not isinstance(load_step, int) or load_step < -1:
+                raise ValueError(f"load_step must be -1 (the latest) or a step, got {load_step!r}")
+            take("restore_step", "load_step", None if load_step == -1 else load_step, None)
+        if async_mode is not None:
+            modes = {"disabled": ("wait_for_commit", True),
+                     "async": ("background", "thread"),
+                     "async_with_pinned_mem": ("background", "process")}  # fmt: skip
+            if async_mode not in modes:
+                raise ValueError(f"async_mode must be one of {tuple(modes)}, got {async_mode!r}")
+            name, value = modes[async_mode]
+            take(name, "async_mode", value, False if name == "wait_for_commit" else "thread")

@@ -75,6 +75,12 @@ class CheckpointManager:
     ) -> None:
         check_app_state(app_state or {})
         self.model, self.config, self.app_state = model, config, dict(app_state or {})
+        unknown = sorted(set(config.exclude_from_loading) - set(self.app_state))
+        if unknown:
+            raise ValueError(
+                f"exclude_from_loading names {unknown}, which app_state does not hold; its "
+                f"entries are {sorted(self.app_state)}"
+            )
         self.storage = storage if storage is not None else open_storage(config.path, config.io)
         self.policy = Policy(config.policy, config.baseline_rule)
         self._group = Collective(pg)  # raises unless torch.distributed is initialized
@@ -103,7 +109,8 @@ class CheckpointManager:
         if config.background == "process":
             self._writer = WriterProcess(config, self.rank, self.world_size, storage)
         self._stager = Stager(self._shards, self._dense, config, self._writer.shared)
-        local = LocalModel(self._shards, self._dense, self.app_state)
+        loaded = {k: v for k, v in self.app_state.items() if k not in config.exclude_from_loading}
+        local = LocalModel(self._shards, self._dense, loaded)
         self._loader = ModelLoader(
             self._group, self.storage, self._io, local, config, self.policy, self._stager.pool
         )
@@ -128,11 +135,13 @@ class CheckpointManager:
 
     def save(self, step: int) -> bool:
         """Stages a checkpoint at ``step`` (collective) and returns True; it is encoded,
-        written and committed in the background (:meth:`wait`). False: skipped, since the
-        previous one still writes and ``on_busy == "skip"``.
+        written and committed in the background (:meth:`wait`; with ``wait_for_commit``,
+        before this returns). False: skipped, since the previous one still writes and
+        ``on_busy == "skip"``.
 
         Raises:
-            CheckpointError: the previous checkpoint failed (its rows go into the next).
+            CheckpointError: the previous checkpoint failed (its rows go into the next), or
+                this one did (``wait_for_commit``).
         """
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -153,6 +162,8 @@ class CheckpointManager:
         run = partial(self._writer.commit, job, target, every, what)
         self._background.submit(what, run, cleared)
         self._schedule.saved(step)
+        if self.config.wait_for_commit:
+            self.wait()
         return True
 
     def compact(self) -> bool:
@@ -243,9 +254,10 @@ class CheckpointManager:
     def restore(self, step: int | None = None, *, ranks: list[int] | None = None,
                 tables: list[str] | None = None, from_dcp: str | os.PathLike[str] | None = None,
                 app_keys: Mapping[str, str] | None = None) -> int | None:  # fmt: skip
-        """Loads the committed checkpoint of ``step`` (the latest if ``None``) into the model,
-        its optimizer state and ``app_state``, all or nothing (collective); returns its step,
-        ``None`` if the root holds none. ``ranks`` or ``tables``: CPR's partial recovery.
+        """Loads the committed checkpoint of ``step`` (``CheckpointConfig.restore_step``, or
+        the latest, if ``None``) into the model, its optimizer state and ``app_state`` (but
+        ``exclude_from_loading``), all or nothing (collective); returns its step, ``None``
+        if the root holds none. ``ranks`` or ``tables``: CPR's partial recovery.
 
         ``from_dcp``: imports a PyTorch DCP checkpoint of this model instead, saved from
         any world size and sharding (see :mod:`torchrec_cnr.interop.dcp_import` for how
@@ -272,6 +284,8 @@ class CheckpointManager:
             finally:  # even after a partial import, the next save is a baseline
                 self._background.restart_chain()
             return step or 0
+        if step is None:
+            step = self.config.restore_step
         fall_back = self.config.on_damaged != "raise" and not scope.partial
         found = self._loader.restore(self._fence.manifest, step, scope, fall_back)
         if found is None:

@@ -1,7 +1,8 @@
 """A job learns what would stop it before it trains, and nothing it asks for is silently a
 no-op: a root it cannot claim fails every rank with one message as the manager is built; a
 restore that finds nothing says where it looked (or fails, if a checkpoint is required);
-``maybe_save`` without an interval says it never saves."""
+``maybe_save`` without an interval says it never saves; torchtitan's option names do what
+they say."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import pytest
 import torch.distributed as dist
 
 from cnr_train.workload import TableSpec
+from tests import reference
 from tests.faults import Fault, FaultyStorage
-from tests.jobs import make_job
+from tests.jobs import make_job, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointError
+from torchrec_cnr.commit import Manifest
+from torchrec_cnr.storage import open_storage
 
 TABLES = [TableSpec("a", 400, 16, "table_wise"), TableSpec("b", 300, 16, "column_wise")]
 
@@ -98,3 +102,35 @@ def test_a_restore_that_finds_nothing_says_where_it_looked_once_or_fails_if_requ
         logs[0] == f"no committed checkpoint in {root}: nothing restored, the model stays as it is"
     )
     assert logs[1] == "", "said once, by rank 0"
+
+
+def _torchtitans_options(root: str, refs: str) -> None:
+    # torchtitan's names: a checkpoint every 2 steps, the latest 2 kept, each committed
+    # before save() returns.
+    job = make_job(TABLES, root, seed=1, interval=2, keep_latest_k=2, async_mode="disabled")
+    for step in range(1, 7):
+        job.step(step)
+        if job.ckpt.maybe_save(step):
+            latest = Manifest.load(root).latest()
+            assert latest is not None and latest.step == step, "committed when save() returned"
+            save_reference(job, refs, step)
+    job.ckpt.close()
+    manifest = Manifest.load(root)  # what restoring the latest 2 needs (their chains)
+    assert manifest.steps()[-2:] == [4, 6]
+    assert set(open_storage(root).children()) == manifest.needed_ids(2)
+    # A job that loads step 4 and keeps its own data reader's position.
+    fresh = make_job(TABLES, seed=9, data_seed=0)
+    with pytest.raises(ValueError, match=r"exclude_from_loading names \['loader'\]"):
+        fresh.attach(root, load_step=4, exclude_from_loading=["loader"])
+    fresh.attach(root, load_step=4, exclude_from_loading=["reader"])
+    fresh.data.position = 123
+    assert fresh.ckpt.restore() == 4
+    assert fresh.data.position == 123, "an excluded app_state entry is left as it is"
+    loaded = {"dense_opt": fresh.dense_opt}
+    reference.assert_model_matches(fresh.model, loaded, reference.load_all(Path(refs), 4))
+    fresh.ckpt.close()
+
+
+@pytest.mark.dist
+def test_torchtitans_option_names_save_keep_and_load_as_they_say(root: str, refs: Path) -> None:
+    run_ranks(2, _torchtitans_options, root, str(refs))

@@ -474,6 +474,18 @@ def damage_latest(root: str) -> None:
     storage.write(name, bytes(flipped))
 
 
+@standin("docs/configuration.md", "torchtitan")
+def _configuration_torchtitan(env: Env, ns: dict[str, Any]) -> Check:
+    def check(ns: dict[str, Any]) -> None:  # the same config as in our names
+        ours = torchrec_cnr.CheckpointConfig(
+            path=env.path("/ckpt/titan"), interval_steps=500, keep_last=3,
+            exclude_from_loading=("reader",), background="thread",
+        )  # fmt: skip
+        assert ns["config"] == ours
+
+    return check
+
+
 @standin("docs/entry-points.md", "async-save")
 def _entry_async_save(env: Env, ns: dict[str, Any]) -> Check:
     _live_job(env, ns, ("model", "dense_optimizer", "reader"))

@@ -103,3 +103,16 @@ def test_the_app_trains_restores_bit_exact_and_killed_mid_commit_resumes_bit_ide
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step 60" in proc.stdout
     assert Manifest.load(root).steps() == [20, 40, 60, 80]
+
+
+@pytest.mark.dist
+def test_the_app_configured_in_torchtitans_option_names_resumes_bit_identical(
+    tmp_path: Path,
+) -> None:
+    """The same job with its checkpoint section in torchtitan's names (interval,
+    keep_latest_k, async_mode), killed mid-commit: it resumes and ends as the clean run."""
+    titan = [o for o in SMALL if not o.startswith("checkpoint.interval_steps=")]
+    titan += ["checkpoint.interval_steps=null", "checkpoint.interval=20",
+              "checkpoint.keep_latest_k=2", "checkpoint.async_mode=async"]  # fmt: skip
+    assert_failed_run_matches_clean_run(tmp_path, *titan)
+    assert Manifest.load(tmp_path / "a").steps()[-2:] == [40, 60]
