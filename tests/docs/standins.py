@@ -486,6 +486,26 @@ def _configuration_torchtitan(env: Env, ns: dict[str, Any]) -> Check:
     return check
 
 
+@standin("docs/entry-points.md", "torchtnt")
+def _entry_torchtnt(env: Env, ns: dict[str, Any]) -> Check:
+    from torchtnt.framework.unit import TrainUnit
+
+    _live_job(env, ns, ("model", "dense_optimizer", "reader"))
+    train_step = step_fn(env.kind, ns, "dense_optimizer")
+
+    class Unit(TrainUnit[Any]):
+        def train_step(self, state: Any, data: Any) -> None:
+            train_step(ns["model"], data)
+
+    ns["unit"] = Unit()
+
+    def check(ns: dict[str, Any]) -> None:  # a checkpoint every 10 steps, the last 3 kept
+        steps = [c.step for c in torchrec_cnr.list_checkpoints(env.path("/ckpt/tnt"))]
+        assert steps[-3:] == [10, 20, 30] and ns["reader"].position == 30, steps
+
+    return check
+
+
 @standin("docs/entry-points.md", "async-save")
 def _entry_async_save(env: Env, ns: dict[str, Any]) -> Check:
     _live_job(env, ns, ("model", "dense_optimizer", "reader"))

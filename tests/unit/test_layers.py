@@ -42,6 +42,7 @@ STAGES = [
     ("interop",),
     ("serving",),
     ("manager",),
+    ("trainers",),
     ("cli", "__init__"),
 ]
 RANK = {name: i for i, names in enumerate(STAGES) for name in names}

@@ -1,0 +1,49 @@
+"""The manager inside a trainer's loop, as users run it: torchtnt's ``train()`` with the
+library's callback on TorchRec's ``TestSparseNN``, 2 ranks under ``torchrun
+--max-restarts=1`` (``tests/e2e/tnt_job.py``). A job SIGKILLed right after a save returned
+resumes from the latest committed step and ends bit-identical to one that never stopped."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests import REPO, TORCHRUN
+from torchrec_cnr.commit import Manifest
+
+JOB = REPO / "tests" / "e2e" / "tnt_job.py"
+
+
+def _tnt(folder: Path, name: str, *args: str) -> tuple[list[str], list[str], str]:
+    """The job under torchrun: each rank's final state and resumed step, and its output."""
+    out = folder / name
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "--max-restarts=1", str(JOB),
+           "--root", str(folder / f"{name}-ckpt"), "--out", str(out), *args]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    states = [Path(f"{out}.{rank}").read_text() for rank in range(2)]
+    resumed = [Path(f"{out}.{rank}.resumed").read_text() for rank in range(2)]
+    return states, resumed, proc.stdout
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_torchtnt_train_with_the_callback_killed_mid_commit_resumes_bit_identical(
+    tmp_path: Path,
+) -> None:
+    clean, started, _ = _tnt(tmp_path, "clean", "--steps", "30", "--every", "10")
+    assert started == ["None", "None"]
+    killed, resumed, out = _tnt(tmp_path, "killed", "--steps", "30", "--every", "10",
+                                "--kill-after", "20")  # fmt: skip
+    assert "rank 1 SIGKILLed after the save of step 20" in out
+    # Step 20 was committing when the rank died: the restarted job resumed from step 10.
+    assert resumed == ["10", "10"]
+    assert killed == clean, "the resumed job must end where the uninterrupted one does"
+    # Every 10 steps, the last step too; what restoring the latest 2 needs is kept.
+    manifest = Manifest.load(tmp_path / "killed-ckpt")
+    assert manifest.steps()[-2:] == [20, 30]
+    assert {e.id for e in manifest.checkpoints} == manifest.needed_ids(2)
