@@ -4,7 +4,10 @@ documented code as written). Jobs are built by :mod:`tests.jobs` only."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -12,3 +15,21 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 """The virtual environment's scripts: ``torchrun``, ``cnr``, ``cnr-train``."""
 TORCHRUN = BIN / "torchrun"
+
+
+@contextlib.contextmanager
+def logged(name: str = "torchrec_cnr", level: int = logging.INFO) -> Iterator[list[str]]:
+    """The messages logger ``name`` (and those under it) logs at ``level`` or above inside
+    the block, as they are logged."""
+    messages: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = _Keep(level)
+    logging.getLogger(name).addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logging.getLogger(name).removeHandler(handler)

@@ -20,7 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from cnr_train.workload import TableSpec
-from tests import reference
+from tests import logged, reference
 from tests.jobs import Job, make_job, save_reference
 from tests.models import capture, differences
 from tests.multiprocess import run_ranks
@@ -254,18 +254,14 @@ def _save_chain_and_go_on(root: str, refs: str, policy: str) -> None:
 
 
 def _resumes_past_the_damage(root: str, refs: str, policy: str, on_damaged: str) -> None:
-    warned = _Records()
-    logging.getLogger("torchrec_cnr.manager").addHandler(warned)
     job = _job(root, seed=3, policy=policy, on_damaged=on_damaged)
-    try:
+    with logged("torchrec_cnr.manager", logging.WARNING) as warned:
         start = job.ckpt.restore()
-    finally:
-        logging.getLogger("torchrec_cnr.manager").removeHandler(warned)
     assert start == 2
     if dist.get_rank() == 0:
         manifest = Manifest.load(root)
         latest = [e for e in manifest.checkpoints if e.step == 6] if on_damaged != "retire" else []
-        said = " ".join(warned.messages)
+        said = " ".join(warned)
         assert "step 6" in said and "restored step 2" in said, said
         assert all(e.id in said for e in latest), said
     for step in range(start + 1, END + 1):
@@ -274,15 +270,6 @@ def _resumes_past_the_damage(root: str, refs: str, policy: str, on_damaged: str)
     reference.assert_model_matches(job.model, job.app_state, reference.load_all(Path(refs), END))
     job.ckpt.save(END)
     job.ckpt.close()
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 @pytest.mark.dist

@@ -6,7 +6,6 @@ they say."""
 
 from __future__ import annotations
 
-import logging
 import warnings
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from cnr_train.workload import TableSpec
-from tests import reference
+from tests import logged, reference
 from tests.faults import Fault, FaultyStorage
 from tests.jobs import make_job, save_reference
 from tests.multiprocess import run_ranks
@@ -25,29 +24,19 @@ from torchrec_cnr.storage import open_storage
 TABLES = [TableSpec("a", 400, 16, "table_wise"), TableSpec("b", 300, 16, "column_wise")]
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _refused_at_once(root: str, how: str, out: str) -> None:
     job = make_job(TABLES, seed=1)  # the model first: building it is not the manager's
     storage = FaultyStorage(root, Fault("write", "lease.json")) if how == "read-only" else None
-    said = _Records()
-    logging.getLogger("torchrec_cnr").addHandler(said)
-    try:
-        with warnings.catch_warnings(record=True) as warned, pytest.raises(CheckpointError) as e:
-            warnings.simplefilter("always")
-            job.attach(root, storage)
-    finally:
-        logging.getLogger("torchrec_cnr").removeHandler(said)
+    with (
+        logged() as said,
+        warnings.catch_warnings(record=True) as warned,
+        pytest.raises(CheckpointError) as e,
+    ):
+        warnings.simplefilter("always")
+        job.attach(root, storage)
     # Nothing else said first, and nothing that contradicts the error.
-    assert not said.messages and not [w for w in warned if "cnr" in str(w.filename)], (
-        said.messages,
+    assert not said and not [w for w in warned if "cnr" in str(w.filename)], (
+        said,
         [str(w.message) for w in warned],
     )
     Path(f"{out}.{dist.get_rank()}").write_text(str(e.value))
@@ -71,13 +60,9 @@ def test_a_root_the_job_cannot_write_fails_every_rank_alike_before_it_trains(
 
 def _nothing_to_restore(root: str, out: str) -> None:
     job = make_job(TABLES, root, seed=1)
-    said = _Records()
-    logging.getLogger("torchrec_cnr").addHandler(said)
-    try:
+    with logged() as said:
         assert job.ckpt.restore() is None
-    finally:
-        logging.getLogger("torchrec_cnr").removeHandler(said)
-    Path(f"{out}.{dist.get_rank()}").write_text("\n".join(said.messages))
+    Path(f"{out}.{dist.get_rank()}").write_text("\n".join(said))
     job.ckpt.close()
     required = make_job(TABLES, root, seed=1, require_checkpoint=True)
     with pytest.raises(CheckpointError, match=f"no committed checkpoint in {root} to restore"):
