@@ -106,7 +106,7 @@ class CheckpointManager:
         self._dense = model_state.dense_state(model)
         self._io = IOContext(config.io)
         self._writer: Writer = InlineWriter(self.storage, self.rank, self._io)
-        if config.background == "process":
+        if config.background == "process" and not config.read_only:  # it never writes
             self._writer = WriterProcess(config, self.rank, self.world_size, storage)
         self._stager = Stager(self._shards, self._dense, config, self._writer.shared)
         loaded = {k: v for k, v in self.app_state.items() if k not in config.exclude_from_loading}

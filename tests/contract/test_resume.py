@@ -148,11 +148,13 @@ def _resume_from_each_beside_background_compaction(root: str, background: Backgr
     manifest = Manifest.load(root)
     assert any(e.compacted_from for e in manifest.checkpoints)
     # Every committed step: a compaction where one landed, a delta on an old chain or on one.
+    # One job resumes from each in turn: every restore must overwrite all the last one trained.
+    resumed = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=2)
+    reader = CheckpointConfig(path=root, read_only=True)
     for step in sorted(set(manifest.steps())):
-        resumed = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=2)
-        with CheckpointManager(resumed.model, config, resumed.app_state) as ckpt:
+        with CheckpointManager(resumed.model, reader, resumed.app_state) as ckpt:
             assert ckpt.restore(step=step) == step
-        resumed.run(step + 1, last)  # trained on without saving: the root stays as it is
+        resumed.run(step + 1, last)
         diff = differences(uninterrupted, capture(resumed.model, resumed.app_state))
         assert not diff, f"resumed from step {step}, it differs at {diff[:5]}"
 
