@@ -189,6 +189,15 @@ class Reader:
         self.position = state["position"]
 
 
+def loss_of(kind: str, model: nn.Module, batch: Any) -> torch.Tensor:
+    """The model's loss on ``batch`` (forward only)."""
+    if kind == "dlrm":
+        logits = model(batch.dense, batch.sparse).squeeze(-1)
+        return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+    loss, _ = model(batch)
+    return loss
+
+
 def step_fn(kind: str, ns: dict[str, Any], optimizer_name: str) -> Callable[..., float]:
     """``train_step(model, batch)``: forward, backward (the fused optimizer updates the
     rows), then the dense optimizer the run's code named ``optimizer_name``."""
@@ -196,11 +205,7 @@ def step_fn(kind: str, ns: dict[str, Any], optimizer_name: str) -> Callable[...,
     def train_step(model: nn.Module, batch: Any) -> float:
         opt = ns[optimizer_name]
         opt.zero_grad()
-        if kind == "dlrm":
-            logits = model(batch.dense, batch.sparse).squeeze(-1)
-            loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
-        else:
-            loss, _ = model(batch)
+        loss = loss_of(kind, model, batch)
         loss.backward()
         opt.step()
         return float(loss.detach())
@@ -502,6 +507,19 @@ def _entry_torchtnt(env: Env, ns: dict[str, Any]) -> Check:
     def check(ns: dict[str, Any]) -> None:  # a checkpoint every 10 steps, the last 3 kept
         steps = [c.step for c in torchrec_cnr.list_checkpoints(env.path("/ckpt/tnt"))]
         assert steps[-3:] == [10, 20, 30] and ns["reader"].position == 30, steps
+
+    return check
+
+
+@standin("docs/entry-points.md", "lightning")
+def _entry_lightning(env: Env, ns: dict[str, Any]) -> Check:
+    ns.update(build_model=lambda: sharded(env.kind), reader=Reader(env.kind),
+              loss_fn=lambda model, batch: loss_of(env.kind, model, batch))  # fmt: skip
+
+    def check(ns: dict[str, Any]) -> None:  # a checkpoint every 10 steps, the last 3 kept
+        steps = [c.step for c in torchrec_cnr.list_checkpoints(env.path("/ckpt/lightning"))]
+        assert steps[-3:] == [10, 20, 30] and ns["checkpointer"].restored_step is None, steps
+        dist.destroy_process_group()
 
     return check
 

@@ -1,7 +1,8 @@
-"""The manager inside a trainer's loop, as users run it: torchtnt's ``train()`` with the
-library's callback on TorchRec's ``TestSparseNN``, 2 ranks under ``torchrun
---max-restarts=1`` (``tests/e2e/tnt_job.py``). A job SIGKILLed right after a save returned
-resumes from the latest committed step and ends bit-identical to one that never stopped."""
+"""The manager inside a trainer's loop, as users run it: torchtnt's ``train()``
+(``tests/e2e/tnt_job.py``) and Lightning's ``Trainer.fit`` (``tests/e2e/lightning_job.py``),
+each with the library's callback, on TorchRec's ``TestSparseNN``, 2 ranks under ``torchrun
+--max-restarts=1``. A job SIGKILLed right after a save returned resumes from the latest
+committed step and ends bit-identical to one that never stopped."""
 
 from __future__ import annotations
 
@@ -14,13 +15,12 @@ import pytest
 from tests import REPO, TORCHRUN
 from torchrec_cnr.commit import Manifest
 
-JOB = REPO / "tests" / "e2e" / "tnt_job.py"
 
-
-def _tnt(folder: Path, name: str, *args: str) -> tuple[list[str], list[str], str]:
+def _run(job: str, folder: Path, name: str, *args: str) -> tuple[list[str], list[str], str]:
     """The job under torchrun: each rank's final state and resumed step, and its output."""
     out = folder / name
-    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "--max-restarts=1", str(JOB),
+    script = REPO / "tests" / "e2e" / f"{job}_job.py"
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "--max-restarts=1", str(script),
            "--root", str(folder / f"{name}-ckpt"), "--out", str(out), *args]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
@@ -32,12 +32,13 @@ def _tnt(folder: Path, name: str, *args: str) -> tuple[list[str], list[str], str
 
 @pytest.mark.dist
 @pytest.mark.timeout(600)
-def test_torchtnt_train_with_the_callback_killed_mid_commit_resumes_bit_identical(
-    tmp_path: Path,
+@pytest.mark.parametrize("job", ["tnt", "lightning"])
+def test_a_trainer_with_the_callback_killed_mid_commit_resumes_bit_identical(
+    job: str, tmp_path: Path
 ) -> None:
-    clean, started, _ = _tnt(tmp_path, "clean", "--steps", "30", "--every", "10")
+    clean, started, _ = _run(job, tmp_path, "clean", "--steps", "30", "--every", "10")
     assert started == ["None", "None"]
-    killed, resumed, out = _tnt(tmp_path, "killed", "--steps", "30", "--every", "10",
+    killed, resumed, out = _run(job, tmp_path, "killed", "--steps", "30", "--every", "10",
                                 "--kill-after", "20")  # fmt: skip
     assert "rank 1 SIGKILLed after the save of step 20" in out
     # Step 20 was committing when the rank died: the restarted job resumed from step 10.
