@@ -120,6 +120,7 @@ def make_job(
     tracking_mode: TrackingMode = "bitmap",
     storage: Storage | None = None,
     dtensor: bool = False,
+    delta_tracker: bool = False,
     **config: Any,
 ) -> Job:
     """A job on ``model`` (model seed ``seed``), with a manager on ``root`` if given.
@@ -135,10 +136,12 @@ def make_job(
         data_seed, batch_size, alpha, tracking_mode: for the DLRM: its Zipf batches
             (which depend only on ``data_seed``, the rank and the step) and its tracker.
         dtensor: for ``"ebc"`` / ``"ec"``: a state dict of DTensors (``output_dtensor``).
+        delta_tracker: for ``"ebc"`` / ``"ec"``: TorchRec's sharders and delta tracker
+            instead of the library's sharders.
     """
     if isinstance(model, str):
         torch.manual_seed(seed)
-        dmp, batches = models.sharded(model, optimizer, layouts, dtensor)
+        dmp, batches = models.sharded(model, optimizer, layouts, dtensor, delta_tracker)
         # Kernels initialise their tables from the global RNG; seed again per rank so
         # that two builds with one seed are identical.
         torch.manual_seed(seed + 1)

@@ -28,6 +28,9 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from torch import nn
 from torchrec import EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_tracker.types import DeltaTrackerConfig
 from torchrec.distributed.test_utils.test_model import ModelInput, TestSparseNN
 from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -180,7 +183,11 @@ def unsharded(kind: str, device: str = "meta") -> tuple[nn.Module, list[Any], li
 
 
 def sharded(
-    kind: str, optimizer: str, layouts: dict[str, str] | None = None, dtensor: bool = False
+    kind: str,
+    optimizer: str,
+    layouts: dict[str, str] | None = None,
+    dtensor: bool = False,
+    delta_tracker: bool = False,
 ) -> tuple[DistributedModelParallel, TorchRecBatches]:
     """The ``kind`` model sharded on the current process group, and its batches.
 
@@ -190,6 +197,9 @@ def sharded(
         layouts: table name -> layout, overriding each table's own (for resharding).
         dtensor: its state dict holds DTensors (TorchRec's ``output_dtensor``) rather
             than ShardedTensors.
+        delta_tracker: shard with TorchRec's own sharders and turn TorchRec's delta tracker
+            on (ids only, read by the manager as its consumer) instead of the library's
+            sharders.
     """
     fused = OPTIMIZERS[optimizer]
     module, tables, weighted = unsharded(kind)
@@ -200,12 +210,17 @@ def sharded(
             apply_optimizer_in_backward(RowWiseAdagrad, m.parameters(), {"lr": 0.05})
     placed = {t.name: t.name.split("_", 1)[1] for t in [*tables, *weighted]}
     placed.update(layouts or {})
-    sharders = tracking_sharders(fused or None)
+    sharders: list[Any] = tracking_sharders(fused or None)
+    if delta_tracker:
+        sharders = [EmbeddingBagCollectionSharder(fused_params=fused or None),
+                    EmbeddingCollectionSharder(fused_params=fused or None)]  # fmt: skip
     plan = hand_plan(module, placed, dist.get_world_size(), sharders)
     env = ShardingEnv(dist.get_world_size(), dist.get_rank(), dist.group.WORLD, dtensor)
     model = DistributedModelParallel(
         module, env=env, plan=plan, sharders=sharders, device=torch.device("cpu")
     )
+    if delta_tracker:
+        model.init_torchrec_delta_tracker(DeltaTrackerConfig(consumers=["torchrec_cnr"]))
     return model, TorchRecBatches(kind, tables, weighted)
 
 

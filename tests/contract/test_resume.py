@@ -39,10 +39,11 @@ def _resume_equals_uninterrupted(
     root: str,
     staging: Staging = "lazy",
     background: Background = "thread",
+    delta_tracker: bool = False,
 ) -> None:
     config = CheckpointConfig(path=root, policy=policy, interval_steps=EVERY, staging=staging,
                               background=background)  # fmt: skip
-    job = make_job(kind, optimizer=optimizer, seed=1)
+    job = make_job(kind, optimizer=optimizer, seed=1, delta_tracker=delta_tracker)
     with CheckpointManager(job.model, config, job.app_state) as ckpt:
         job.run(1, STEPS, ckpt=ckpt)
         ckpt.wait()
@@ -61,7 +62,7 @@ def _resume_equals_uninterrupted(
         assert set(rec.states) == set(shard.states)
         assert set(rec.scalars) == set(shard.scalar_states())
 
-    resumed = make_job(kind, optimizer=optimizer, seed=2)
+    resumed = make_job(kind, optimizer=optimizer, seed=2, delta_tracker=delta_tracker)
     assert differences(uninterrupted, capture(resumed.model, resumed.app_state)), (
         "a fresh model must differ"
     )
@@ -73,7 +74,7 @@ def _resume_equals_uninterrupted(
     assert not diff, f"resumed run differs from the uninterrupted one at {diff[:5]}"
 
     # The resumed run continued the chain; its last checkpoint restores the same state.
-    latest = make_job(kind, optimizer=optimizer, seed=3)
+    latest = make_job(kind, optimizer=optimizer, seed=3, delta_tracker=delta_tracker)
     with CheckpointManager(latest.model, config, latest.app_state) as ckpt:
         assert ckpt.restore() == STEPS
     diff = differences(uninterrupted, capture(latest.model, latest.app_state))
@@ -87,6 +88,18 @@ def test_resume_equals_uninterrupted_on_every_layout(
     optimizer: str, policy: str, tmp_path: Path
 ) -> None:
     run_ranks(2, _resume_equals_uninterrupted, "ebc", optimizer, policy, str(tmp_path / "ckpt"))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("staging", ["lazy", "eager"])
+@pytest.mark.parametrize("policy", ["consecutive", "intermittent"])
+def test_resume_equals_uninterrupted_with_torchrecs_sharders_and_delta_tracker(
+    policy: str, staging: Staging, tmp_path: Path
+) -> None:
+    # TorchRec's own sharders; the manager reads TorchRec's ModelDeltaTracker for the rows.
+    root = str(tmp_path / "ckpt")
+    run_ranks(2, _resume_equals_uninterrupted, "ebc", "exact_rowwise_adagrad", policy, root,
+              staging, "thread", True)  # fmt: skip
 
 
 @pytest.mark.dist

@@ -1,14 +1,21 @@
-"""The tracker's bitmaps equal the set of ids each shard was asked for."""
+"""The tracker's bitmaps equal the set of ids each shard was asked for, whether its hooks or
+TorchRec's ModelDeltaTracker record them."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torchrec.distributed.model_tracker.types import DeltaTrackerConfig
 
 from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
+from tests.jobs import make_job
 from tests.multiprocess import run_ranks
+from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.tracking import bitmap, model_state
+from torchrec_cnr.tracking.tracker import DeltaFeed
 
 TABLES = [
     TableSpec("t_tw", 500, 32, "table_wise"),
@@ -96,3 +103,64 @@ def test_bitmaps_equal_ids_seen_on_cuda_with_nccl() -> None:
         "cuda",
         backend="nccl",
     )
+
+
+# -- TorchRec's ModelDeltaTracker as the source of the bits ------------------------------
+
+
+def _fed_bits_equal_the_hooks_bits() -> None:
+    # The library's sharders and TorchRec's delta tracker on one model, every layout: the
+    # feed fills bitmaps of its own from the tracker; the hooks fill the shards' bitmaps.
+    job = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=1)
+    delta = job.model.init_torchrec_delta_tracker(DeltaTrackerConfig(consumers=["torchrec_cnr"]))
+    shards = model_state.local_shards(job.model)
+    feed = DeltaFeed(delta)
+    fed = {}
+    for s in shards:
+        assert s.words is not None
+        fed[s.spec.table, s.spec.col_offset] = words = torch.zeros_like(s.words)
+        feed.add(s.spec.state_dict_key.removesuffix(".weight"), words, torch.zeros_like(words))
+    for step in (1, 2):
+        job.step(step)
+    feed.drain()
+    feed.drain()  # no batch since: nothing read, nothing raised
+    for s in shards:
+        s.drain()
+        assert s.words is not None and s.words.any(), s.spec.table
+        assert torch.equal(fed[s.spec.table, s.spec.col_offset], s.words), s.spec.table
+    # A batch the delta tracker's hooks did not see (turned off): the next read still works.
+    hooked = [m for m in job.model.modules() if getattr(m, "post_lookup_tracker_fn", None)]
+    saved = [m.post_lookup_tracker_fn for m in hooked]
+    for m in hooked:
+        m.post_lookup_tracker_fn = None
+    job.step(3)
+    feed.drain()
+    for m, fn in zip(hooked, saved, strict=True):
+        m.post_lookup_tracker_fn = fn
+    job.step(4)
+    feed.drain()
+    for s in shards:
+        assert s.words is not None
+        assert torch.equal(fed[s.spec.table, s.spec.col_offset] | s.words, s.words)
+
+
+@pytest.mark.dist
+def test_rows_read_from_torchrecs_delta_tracker_equal_the_hooks_rows_on_every_layout() -> None:
+    run_ranks(2, _fed_bits_equal_the_hooks_bits)
+
+
+def _refused_without_the_consumer(root: str) -> None:
+    job = make_job("ebc", optimizer="exact_rowwise_adagrad", seed=1, delta_tracker=True)
+    # TorchRec's stock sharders, a delta tracker whose only consumer is TorchRec's default.
+    delta = job.model.get_delta_tracker()
+    assert delta is not None
+    delta.per_consumer_batch_idx = {"default": -1}
+    with pytest.raises(ValueError, match="add 'torchrec_cnr' to DeltaTrackerConfig"):
+        CheckpointManager(job.model, CheckpointConfig(path=root))
+
+
+@pytest.mark.dist
+def test_a_delta_tracker_without_the_managers_consumer_is_refused_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    run_ranks(2, _refused_without_the_consumer, str(tmp_path / "ckpt"))

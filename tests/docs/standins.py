@@ -524,6 +524,21 @@ def _entry_lightning(env: Env, ns: dict[str, Any]) -> Check:
     return check
 
 
+@standin("docs/entry-points.md", "delta-tracker")
+def _entry_delta_tracker(env: Env, ns: dict[str, Any]) -> Check:
+    reader = Reader(env.kind)
+    ns.update(module=unsharded(env.kind), device=torch.device("cpu"), reader=reader,
+              pg=dist.group.WORLD, topology=workload.planner_topology(dist.get_world_size(), "cpu"),
+              train_step=step_fn(env.kind, ns, "dense_optimizer"))  # fmt: skip
+
+    def check(ns: dict[str, Any]) -> None:  # a chain of deltas on TorchRec's own sharding
+        checkpoints = torchrec_cnr.list_checkpoints(env.path("/ckpt/delta-tracker"))
+        assert [c.step for c in checkpoints] == [10, 20, 30]
+        assert [len(c.chain) for c in checkpoints] == [1, 2, 3], checkpoints
+
+    return check
+
+
 @standin("docs/entry-points.md", "async-save")
 def _entry_async_save(env: Env, ns: dict[str, Any]) -> Check:
     _live_job(env, ns, ("model", "dense_optimizer", "reader"))

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.distributed.embedding import ShardedEmbeddingCollection
+from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 
 from torchrec_cnr.tracking import bitmap
 from torchrec_cnr.tracking.shard import LocalShard
-from torchrec_cnr.tracking.tracker import TRACKER_ATTR, RowTracker
+from torchrec_cnr.tracking.tracker import TRACKER_ATTR, DeltaFeed, RowTracker
 
 _WRAPPERS = ("_dmp_wrapped_module", "module")
 
@@ -21,21 +23,50 @@ def _public_path(name: str) -> str:
 def trackers(model: nn.Module) -> dict[str, RowTracker]:
     """Module path -> tracker, for every tracked sharded module in ``model``.
 
+    A model sharded with TorchRec's own sharders whose ``DistributedModelParallel`` has a
+    delta tracker (``init_torchrec_delta_tracker``) gets trackers fed by it
+    (:class:`~torchrec_cnr.tracking.tracker.DeltaFeed`) on the first call.
+
     Raises:
-        ValueError: if the model has no tracked module, i.e. it was not sharded
-            with :func:`torchrec_cnr.tracking_sharders`.
+        ValueError: if the model has no tracked module, i.e. it was sharded neither with
+            :func:`torchrec_cnr.tracking_sharders` nor with TorchRec's delta tracker on; or
+            if its delta tracker cannot feed a checkpoint.
     """
+    found = _attached(model) or _fed_by_delta_tracker(model)
+    if not found:
+        raise ValueError(
+            "model has no tracked embedding modules: pass torchrec_cnr.tracking_sharders() "
+            "to the planner and to DistributedModelParallel, or turn TorchRec's delta "
+            "tracker on (model.init_torchrec_delta_tracker(DeltaTrackerConfig("
+            f"consumers=[{DeltaFeed.CONSUMER!r}])))"
+        )
+    return found
+
+
+def _attached(model: nn.Module) -> dict[str, RowTracker]:
     found = {}
     for name, module in model.named_modules():
         tracker = getattr(module, TRACKER_ATTR, None)
         if tracker is not None:
             found[_public_path(name)] = tracker
-    if not found:
-        raise ValueError(
-            "model has no tracked embedding modules: pass torchrec_cnr.tracking_sharders() "
-            "to the planner and to DistributedModelParallel"
-        )
     return found
+
+
+def _fed_by_delta_tracker(model: nn.Module) -> dict[str, RowTracker]:
+    """Attaches a tracker fed by the model's TorchRec delta tracker to each sharded
+    embedding module, if the model has a delta tracker."""
+    get = getattr(model, "get_delta_tracker", None)
+    delta = get() if callable(get) else None
+    if delta is None:
+        return {}
+    feed = DeltaFeed(delta)
+    for name, module in model.named_modules():
+        if isinstance(module, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
+            types = {t: p.sharding_type for t, p in module.module_sharding_plan.items()}
+            tracker = RowTracker(module, types, module._env.rank, feed=feed,
+                                 feed_prefix=_public_path(name))  # fmt: skip
+            setattr(module, TRACKER_ATTR, tracker)
+    return _attached(model)
 
 
 def local_shards(model: nn.Module) -> list[LocalShard]:

@@ -31,7 +31,7 @@ from torchrec_cnr.tracking.lookups import KernelLookups
 from torchrec_cnr.tracking.priority import KernelPriority, check_ssu_rate
 from torchrec_cnr.tracking.shard import LocalShard, ShardSpec, optimizer_state_names
 
-__all__ = ["TRACKER_ATTR", "TRACKING_MODES", "RowTracker", "TrackingMode"]
+__all__ = ["TRACKER_ATTR", "TRACKING_MODES", "DeltaFeed", "RowTracker", "TrackingMode"]
 
 TRACKER_ATTR = "_cnr_tracker"
 TrackingMode = Literal["bitmap", "mfu", "ssu"]
@@ -122,8 +122,10 @@ class _KernelHook:
         key_base: torch.Tensor,
         marker: _Marker | None,
         priority: KernelPriority | None,
+        fed: bool = False,
     ) -> None:
         self.lookups = KernelLookups()
+        self.fed = fed
         self.words = words
         self.recent = recent
         self.key_base = key_base
@@ -149,6 +151,8 @@ class _KernelHook:
                 per_key = lengths.view(len(self.key_base), -1).sum(1)
                 rows = rows + self.key_base.repeat_interleave(per_key, output_size=rows.numel())
         self.lookups.before(rows)
+        if self.fed:
+            return  # TorchRec's delta tracker records the rows (:class:`DeltaFeed`)
         if self.marker is None:
             self._record(rows)
         else:
@@ -185,6 +189,61 @@ class _TableEntry:
     """The kernel's lookups, for lazy staging (``None`` for a kernel without bitmap)."""
 
 
+class DeltaFeed:
+    """Modified rows from TorchRec's own ``ModelDeltaTracker`` (``TrackingMode.ID_ONLY``),
+    read as one consumer of it, :data:`CONSUMER`, into the bitmaps of every shard.
+
+    The tracker records the ids each sharded module looked up after input distribution,
+    shard-local rows for every sharding type, per table (``sparse.ebc.embedding_bags.t0``),
+    and ``DistributedModelParallel.forward`` steps it. :meth:`drain` reads the ids this
+    consumer has not read yet and sets their bits; it reads on the thread that built the
+    feed only (the tracker's store is appended to by that thread's forward), elsewhere it
+    leaves them for the next drain there.
+
+    Raises:
+        ValueError: the tracker does not track ids only, or has no :data:`CONSUMER`.
+    """
+
+    CONSUMER = "torchrec_cnr"
+
+    def __init__(self, tracker: Any) -> None:
+        consumers = getattr(tracker, "per_consumer_batch_idx", {})
+        if self.CONSUMER not in consumers:
+            raise ValueError(
+                f"TorchRec's delta tracker has the consumers {sorted(consumers)}: the "
+                f"checkpoint manager reads it as a consumer of its own; add "
+                f"{self.CONSUMER!r} to DeltaTrackerConfig(consumers=[...])"
+            )
+        mode = getattr(getattr(tracker, "_mode", None), "name", "ID_ONLY")
+        if mode != "ID_ONLY":
+            raise ValueError(f"TorchRec's delta tracker tracks {mode}: use TrackingMode.ID_ONLY")
+        self.tracker = tracker
+        self._owner = threading.get_ident()
+        self._targets: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def add(self, fqn: str, words: torch.Tensor, recent: torch.Tensor) -> None:
+        """The bitmaps of one shard of table ``fqn``."""
+        self._targets.setdefault(fqn, []).append((words, recent))
+
+    def drain(self) -> None:
+        if threading.get_ident() != self._owner:
+            return
+        since = self.tracker.per_consumer_batch_idx[self.CONSUMER]
+        if self.tracker.curr_batch_idx < since:
+            return  # no batch since the last read
+        # TorchRec's store cannot read a table that has no lookup since the last read (its
+        # hooks were off, say): such a table gets an empty one.
+        store = self.tracker.store
+        for fqn, lookups in list(store.per_fqn_lookups.items()):
+            if not any(lookup.batch_idx >= since for lookup in lookups):
+                device = lookups[0].ids.device if lookups else torch.device("cpu")
+                none = torch.empty(0, dtype=torch.int64, device=device)
+                store.append(batch_idx=self.tracker.curr_batch_idx, fqn=fqn, ids=none)
+        for fqn, ids in self.tracker.get_unique_ids(self.CONSUMER).items():
+            for words, recent in self._targets.get(fqn, ()):
+                bitmap.set_bits_in_both(words, recent, ids.to(words.device, torch.int64))
+
+
 class RowTracker:
     """Modified-row bitmaps of every local shard of one sharded embedding module.
 
@@ -194,6 +253,8 @@ class RowTracker:
         rank: this rank.
         mode: ``bitmap``, or ``mfu``/``ssu`` to also keep CPR's row priorities.
         ssu_rate: the sampled share of lookups for ``ssu``.
+        feed: take the modified rows from TorchRec's ``ModelDeltaTracker`` (the kernels'
+            hooks then only serve copy-on-write), under the module's path ``feed_prefix``.
 
     Example::
 
@@ -210,7 +271,11 @@ class RowTracker:
         rank: int,
         mode: TrackingMode = "bitmap",
         ssu_rate: float = 0.1,
+        feed: DeltaFeed | None = None,
+        feed_prefix: str = "",
     ) -> None:
+        if feed is not None and mode != "bitmap":
+            raise ValueError(f"TorchRec's delta tracker gives modified rows only: mode {mode!r}")
         if mode not in TRACKING_MODES:
             raise ValueError(f"tracking mode must be one of {TRACKING_MODES}, got {mode!r}")
         if mode == "ssu":
@@ -229,6 +294,7 @@ class RowTracker:
         self._hooks: list[tuple[Any, _KernelHook]] = []
         self._marker: _Marker | None = None
         self._words: list[torch.Tensor] = []
+        self._feed, self._feed_prefix = feed, feed_prefix
         for lookup in getattr(sharded, "_lookups", []):
             for kernel in getattr(_unwrap(lookup), "_emb_modules", []):
                 self._track_kernel(kernel)
@@ -270,14 +336,14 @@ class RowTracker:
             dtype=torch.int64,
             device=device,
         )
-        if device.type == "cpu" and self._marker is None:
+        if device.type == "cpu" and self._marker is None and self._feed is None:
             self._marker = _Marker()
         priority = None
         if self.mode != "bitmap":
             priority = KernelPriority(self.mode, total, device, self._ssu_rate)
             self._priorities[id(kernel)] = priority
         marker = self._marker if device.type == "cpu" else None
-        hook = _KernelHook(words, recent, key_base, marker, priority)
+        hook = _KernelHook(words, recent, key_base, marker, priority, fed=self._feed is not None)
         self._hooks.append((kernel, hook))
         self._handles += _install(kernel, hook)
         for i, t in enumerate(tables):
@@ -285,11 +351,16 @@ class RowTracker:
             self._entries.append(
                 _TableEntry(t, i, kernel, words[span], recent[span], word_starts[i], hook.lookups)
             )
+            if self._feed is not None:
+                fqn = ".".join(p for p in (self._feed_prefix, self._container, t.name) if p)
+                self._feed.add(fqn, words[span], recent[span])
 
     def drain(self) -> None:
         """Waits until every looked-up row so far is in the bitmaps."""
         if self._marker is not None:
             self._marker.drain()
+        if self._feed is not None:
+            self._feed.drain()
 
     def close(self) -> None:
         """Stops the thread that sets bits, once every looked-up row is in the bitmaps;
