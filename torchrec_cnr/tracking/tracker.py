@@ -236,7 +236,9 @@ class DeltaFeed:
         store = self.tracker.store
         for fqn, lookups in list(store.per_fqn_lookups.items()):
             if not any(lookup.batch_idx >= since for lookup in lookups):
-                device = lookups[0].ids.device if lookups else torch.device("cpu")
+                targets = self._targets.get(fqn)  # the lookups ran where the shard is
+                device = (lookups[-1].ids.device if lookups
+                          else targets[0][0].device if targets else torch.device("cpu"))  # fmt: skip
                 none = torch.empty(0, dtype=torch.int64, device=device)
                 store.append(batch_idx=self.tracker.curr_batch_idx, fqn=fqn, ids=none)
         for fqn, ids in self.tracker.get_unique_ids(self.CONSUMER).items():
