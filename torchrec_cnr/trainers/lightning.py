@@ -21,7 +21,6 @@ for the commit and closes the manager.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,10 +31,9 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.manager import CheckpointManager
+from torchrec_cnr.trainers.session import CheckpointSession
 
 __all__ = ["FIT_LOOP", "LightningCheckpointer"]
-
-logger = logging.getLogger(__name__)
 
 FIT_LOOP = "fit_loop"
 """The ``app_state`` name the fit loop's progress is saved under; Lightning's optimizers and
@@ -97,15 +95,19 @@ class LightningCheckpointer(pl.Callback):
         pg: dist.ProcessGroup | None = None,
         save_last: bool = True,
     ) -> None:
-        self._config, self._model, self._pg = config, model, pg
-        self._app_state = dict(app_state or {})
-        self._save_last = save_last
-        self.manager: CheckpointManager | None = None
-        """The manager, from ``fit()``'s start to its end."""
-        self.restored_step: int | None = None
-        """The step the last ``fit()`` resumed from (``None``: it started afresh)."""
+        self._model = model
+        self._session = CheckpointSession(config, app_state, pg, save_last)
         self._seen: int | None = None
-        self._saved: int | None = None
+
+    @property
+    def manager(self) -> CheckpointManager | None:
+        """The manager, from ``fit()``'s start to its end."""
+        return self._session.manager
+
+    @property
+    def restored_step(self) -> int | None:
+        """The step the last ``fit()`` resumed from (``None``: it started afresh)."""
+        return self._session.restored_step
 
     def _lightning_state(self, trainer: pl.Trainer) -> dict[str, Any]:
         state: dict[str, Any] = {FIT_LOOP: _FitLoop(trainer)}
@@ -113,45 +115,28 @@ class LightningCheckpointer(pl.Callback):
         state.update(
             {f"lr_scheduler_{i}": c.scheduler for i, c in enumerate(trainer.lr_scheduler_configs)}
         )
-        clash = sorted(state.keys() & self._app_state.keys())
+        clash = sorted(state.keys() & self._session.app_state.keys())
         if clash:
             raise ValueError(f"app_state may not hold {clash}: Lightning's own state goes there")
         return state
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = self._model if self._model is not None else _dmp_model(pl_module)
-        app = {**self._app_state, **self._lightning_state(trainer)}
-        self.manager = CheckpointManager(model, self._config, app, self._pg)
-        self.restored_step = self._saved = self._seen = self.manager.restore()
+        self._seen = self._session.begin(model, self._lightning_state(trainer))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
     ) -> None:
-        assert self.manager is not None
         step = trainer.global_step
         if step == self._seen:  # the batch accumulated gradients: the optimizers did not step
             return
         self._seen = step
-        if self.manager.maybe_save(step):
-            self._saved = step
+        self._session.step(step)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        manager, self.manager = self.manager, None
-        assert manager is not None
-        try:
-            step = trainer.global_step
-            if self._save_last and step and step != self._saved:
-                manager.save(step)
-        finally:
-            manager.close()
+        self._session.end(trainer.global_step)
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        manager, self.manager = self.manager, None
-        if manager is None:
-            return
-        try:  # the checkpoint in flight commits, and the root is released
-            manager.close()
-        except Exception as e:  # Lightning raises ``exception`` next: say this one here
-            logger.error("closing the checkpoint manager after %r failed: %s", exception, e)
+        self._session.abort(exception)

@@ -11,7 +11,6 @@ manager. ``keep_last`` keeps the latest checkpoints' chains.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,10 +22,9 @@ from torchtnt.framework.unit import TTrainUnit
 
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.manager import CheckpointManager
+from torchrec_cnr.trainers.session import CheckpointSession
 
 __all__ = ["PROGRESS", "TorchtntCheckpointer"]
-
-logger = logging.getLogger(__name__)
 
 PROGRESS = "train_progress"
 """The ``app_state`` name the unit's train progress is saved under."""
@@ -64,41 +62,27 @@ class TorchtntCheckpointer(Callback):
     ) -> None:
         if PROGRESS in (app_state or {}):
             raise ValueError(f"app_state may not hold {PROGRESS!r}: the unit's progress goes there")
-        self._model, self._config, self._pg = model, config, pg
-        self._app_state = dict(app_state or {})
-        self._save_last = save_last
-        self.manager: CheckpointManager | None = None
+        self._model = model
+        self._session = CheckpointSession(config, app_state, pg, save_last)
+
+    @property
+    def manager(self) -> CheckpointManager | None:
         """The manager, from ``train()``'s start to its end."""
-        self.restored_step: int | None = None
+        return self._session.manager
+
+    @property
+    def restored_step(self) -> int | None:
         """The step the last ``train()`` resumed from (``None``: it started afresh)."""
-        self._saved: int | None = None
+        return self._session.restored_step
 
     def on_train_start(self, state: State, unit: TTrainUnit) -> None:
-        app = {**self._app_state, PROGRESS: unit.train_progress}
-        self.manager = CheckpointManager(self._model, self._config, app, self._pg)
-        self.restored_step = self._saved = self.manager.restore()
+        self._session.begin(self._model, {PROGRESS: unit.train_progress})
 
     def on_train_step_end(self, state: State, unit: TTrainUnit) -> None:
-        assert self.manager is not None
-        step = unit.train_progress.num_steps_completed
-        if self.manager.maybe_save(step):
-            self._saved = step
+        self._session.step(unit.train_progress.num_steps_completed)
 
     def on_train_end(self, state: State, unit: TTrainUnit) -> None:
-        manager, self.manager = self.manager, None
-        assert manager is not None
-        try:
-            step = unit.train_progress.num_steps_completed
-            if self._save_last and step and step != self._saved:
-                manager.save(step)
-        finally:
-            manager.close()
+        self._session.end(unit.train_progress.num_steps_completed)
 
     def on_exception(self, state: State, unit: Any, exc: BaseException) -> None:
-        manager, self.manager = self.manager, None
-        if manager is None:
-            return
-        try:  # the checkpoint in flight commits, and the root is released
-            manager.close()
-        except Exception as e:  # torchtnt raises ``exc`` next: say this one here
-            logger.error("closing the checkpoint manager after %r failed: %s", exc, e)
+        self._session.abort(exc)
