@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 from typing import Final
 
-__all__ = ["ANY", "PreconditionFailed", "Storage"]
+__all__ = ["ANY", "PreconditionFailed", "Storage", "truncated"]
 
 
 class _Any:
@@ -28,6 +28,15 @@ ANY: Final = _Any()
 
 class PreconditionFailed(Exception):
     """A conditional write found another version than the one it expected."""
+
+
+def truncated(path: str, size: int, offset: int, end: int) -> OSError:
+    """The error of a read of bytes ``offset`` to ``end`` of object ``path``, which holds
+    only ``size`` bytes."""
+    return OSError(
+        f"{path} holds {size} bytes, fewer than the {end} this read needs "
+        f"(bytes {offset} to {end}): truncated"
+    )
 
 
 class Storage(abc.ABC):

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage, _Any
+from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage, _Any, truncated
 
 __all__ = ["FsStorage", "fsync_dir", "tree_bytes"]
 
@@ -253,11 +253,7 @@ class FsStorage(Storage):
                 n = os.preadv(fd, [out[done:]], offset + done)
                 if n == 0:
                     size = os.fstat(fd).st_size
-                    raise OSError(
-                        f"{self.root / name} holds {size} bytes, fewer than the "
-                        f"{offset + len(out)} this read needs (bytes {offset} to "
-                        f"{offset + len(out)}): truncated"
-                    )
+                    raise truncated(str(self.root / name), size, offset, offset + len(out))
                 done += n
         finally:
             os.close(fd)

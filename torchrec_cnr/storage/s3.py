@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage, _Any
+from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage, _Any, truncated
 
 __all__ = ["S3Storage", "split_url"]
 
@@ -94,19 +94,13 @@ class S3Storage(Storage):
             if e.response.get("Error", {}).get("Code") != "InvalidRange":
                 raise
             size = self._client.head_object(Bucket=self.bucket, Key=self._key(name))
-            raise self._short(name, size["ContentLength"], offset, end) from e
+            raise truncated(self.path(name), size["ContentLength"], offset, end) from e
         with response["Body"] as body:
             data = body.read()
         if len(data) != len(out):
             size = int(response.get("ContentRange", "/-1").rpartition("/")[2])
-            raise self._short(name, size, offset, end)
+            raise truncated(self.path(name), size, offset, end)
         out[:] = data
-
-    def _short(self, name: str, size: int, offset: int, end: int) -> OSError:
-        return OSError(
-            f"{self.path(name)} holds {size} bytes, fewer than the {end} this read needs "
-            f"(bytes {offset} to {end}): truncated"
-        )
 
     def write(self, name: str, data: bytes, expect: str | None | _Any = ANY) -> str:
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(name), "Body": data}
