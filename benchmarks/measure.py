@@ -10,12 +10,8 @@ import contextlib
 import os
 import resource
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -26,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
 
+from benchmarks import stores
+from benchmarks.stores import moto_server
 from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
 from torchrec_cnr import CheckpointManager, QuantizeConfig
 from torchrec_cnr.rowcopy import put_rows
@@ -363,51 +361,11 @@ def timed_restore(
     return took, max_abs_diff(shards, rows, saved)
 
 
-_STORES: dict[str, int] = {}
-"""URL -> process of each :func:`moto_server` this process runs."""
-
-
 def store_cpu_s(url: str | None) -> float | None:
-    """CPU seconds the S3 server at ``url`` has used, where this process started it
-    (:func:`moto_server`); ``None`` otherwise."""
-    pid = _STORES.get(url or "")
+    """CPU seconds the local server at ``url`` has used, where this process started it
+    (:mod:`benchmarks.stores`); ``None`` otherwise."""
+    pid = stores.STARTED.get(url or "")
     return None if pid is None else process_cpu_s(pid)
-
-
-@contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    """The URL of a moto S3 server (objects in memory, any credentials) in a process of its
-    own on a free loopback port, once it answers; the tests' S3 fixtures start theirs here.
-
-    Raises:
-        RuntimeError: it exited, or did not answer within 30 s."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _STORES[url] = server.pid
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url + "/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    why = f"the moto S3 server at {url} did not start (exit {server.poll()})"
-                    raise RuntimeError(why) from None
-                time.sleep(0.05)
-        yield url
-    finally:
-        del _STORES[url]
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 @contextlib.contextmanager

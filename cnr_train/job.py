@@ -41,7 +41,6 @@ from torchrec_cnr import (
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit.lease import live_holder
 from torchrec_cnr.snapshot import crc32
-from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state
 from torchrec_cnr.tracking.tracker import TrackingMode
 
@@ -213,7 +212,7 @@ def _arm_failure(config: JobConfig, step: int) -> bool:
     f = config.failure
     if step not in f.steps:
         return False
-    storage = open_storage(config.checkpoint.path)
+    storage = config.checkpoint.open_root()
     marker = f".failures/step-{step}"
     dist.barrier()  # every rank checks the marker before the victim writes it
     fired = storage.exists(marker)
@@ -233,7 +232,7 @@ def _fail(step: int, saved: bool) -> None:
 
 def _clean(checkpoint: CheckpointConfig) -> None:
     """Deletes the root, unless another live job holds it (its checkpoints stay)."""
-    storage = open_storage(checkpoint.path, checkpoint.io)
+    storage = checkpoint.open_root()
     holder = live_holder(storage, checkpoint.timeouts.lease_ttl_s)
     if holder is not None:
         raise CheckpointError(
@@ -253,7 +252,7 @@ def run(config: JobConfig) -> dict[str, Any]:
     dist.barrier()
     t = Trainer.build(config, config.train.seed)  # fails on every rank if root is unusable
     if rank == 0:
-        open_storage(root).delete(DONE_MARKER)  # an earlier run's
+        config.checkpoint.open_root().delete(DONE_MARKER)  # an earlier run's
     if isinstance(t.data, criteo.CriteoBatches):
         steps = config.train.steps
         say(
@@ -321,7 +320,7 @@ def run(config: JobConfig) -> dict[str, Any]:
     if rank == 0:
         # Last: a serving process beside the job stops when it sees this (and the metrics).
         done = {"step": saved.latest.step if saved.latest else None, "finished_at": time.time()}
-        storage = open_storage(root)
+        storage = config.checkpoint.open_root()
         storage.create()  # a job that committed nothing may have no root yet
         storage.write(DONE_MARKER, json.dumps(done).encode())
     return result

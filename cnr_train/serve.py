@@ -46,7 +46,7 @@ from torchrec_cnr import (
     shutdown,
 )
 from torchrec_cnr.serving import ServingTarget, UpdateReport
-from torchrec_cnr.storage import Storage, open_storage
+from torchrec_cnr.storage import Storage
 
 __all__ = ["RequestLoop", "Server", "StepRows", "freshness", "serving_model", "serving_target"]
 
@@ -287,7 +287,7 @@ class Server:
         self.model = serving_model(self.tables, num_dense(config), config.serve.dtype)
         self.root = config.checkpoint.path
         io = dataclasses.replace(config.checkpoint.io, threads=config.serve.io_threads)
-        self.storage = open_storage(self.root, io)
+        self.storage = config.checkpoint.open_root(io)
         target = serving_target(self.model, config.serve.dtype)
         options = dataclasses.replace(config.serve.follower, io=io)
         self.follower = Follower(self.storage, target, options)

@@ -40,6 +40,10 @@ fi
 $pip install --no-deps torchrec==1.8.0
 $pip install tensordict "torchmetrics==1.0.3" tqdm pyre-extensions iopath
 $pip install -e ".[dev]"
+# Azurite, Azure Storage's local server, for the az:// tests (where npm is).
+if command -v npm >/dev/null 2>&1; then
+  npm install --prefix "$VENV/azurite" --no-audit --no-fund --silent azurite@3.37.0
+fi
 rm -f "$VENV"/.cnr-*
 touch "$stamp"
 echo "setup_env: ready"

@@ -1,21 +1,29 @@
-"""Shared fixtures: checkpoint roots on a file system and on a real S3 server.
+"""Shared fixtures: checkpoint roots on a file system and on real object store servers.
 
 Every test writes checkpoint objects of 64 KB (see ``small_objects``).
 
 The S3 server is moto's, started as a separate HTTP server process on a free loopback
 port for the whole session; each test gets a bucket of its own. Clients find it through
 ``AWS_ENDPOINT_URL``, as they would a real store; the rank workers of
-:mod:`tests.multiprocess` see the test's environment.
+:mod:`tests.multiprocess` see the test's environment. ``every_root`` adds the fsspec
+roots: S3 through s3fs (``s3a://``) on the same server, GCS through gcsfs on
+``gcp-storage-emulator``, Azure Blob Storage through adlfs on Azurite; their options reach
+every process through ``TORCHREC_CNR_STORAGE_OPTIONS``, as a job's would.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
+
+# The GCS emulator speaks only the JSON API; gcsfs's default file system also asks a
+# gRPC API what kind each bucket is (read when gcsfs is imported, in every process).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +54,7 @@ def refs(tmp_path: Path) -> Path:
 def s3_endpoint() -> Iterator[str]:
     """The URL of a moto S3 server running in its own process on loopback, started as the
     benchmarks start theirs."""
-    from benchmarks.measure import moto_server  # torchrec's import only where S3 is used
+    from benchmarks.stores import moto_server
 
     with moto_server() as url:
         yield url
@@ -75,9 +83,74 @@ def s3_root(s3_env: str) -> str:
     return f"s3://{bucket}/ckpt"
 
 
+@pytest.fixture(scope="session")
+def gcs_endpoint() -> Iterator[str]:
+    """The URL of a ``gcp-storage-emulator`` GCS server in its own process on loopback."""
+    from benchmarks.stores import gcs_server
+
+    with gcs_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def azurite_endpoint() -> Iterator[str]:
+    """The URL of an Azurite blob server in its own process on loopback."""
+    from benchmarks.stores import azurite_binary, azurite_server
+
+    if azurite_binary() is None:
+        pytest.skip("Azurite is not installed (make setup installs it where npm is)")
+    with azurite_server() as url:
+        yield url
+
+
+def _fsspec_root(
+    protocol: str, options: Mapping[str, object], monkeypatch: pytest.MonkeyPatch, single: bool
+) -> str:
+    """A fresh bucket (container) of an fsspec store, and the environment that opens it."""
+    import fsspec
+
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem(protocol, **options).mkdir(bucket)
+    monkeypatch.setenv("TORCHREC_CNR_STORAGE_OPTIONS", json.dumps(dict(options)))
+    if single:
+        monkeypatch.setenv("TORCHREC_CNR_SINGLE_WRITER", "1")
+    return f"{protocol}://{bucket}/ckpt"
+
+
+def _root(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    if kind == "fs":
+        return str(tmp_path / "ckpt")
+    if kind == "s3":
+        return str(request.getfixturevalue("s3_root"))
+    if kind == "s3fs":  # the moto bucket, through s3fs; the endpoint from the environment
+        return "s3a" + str(request.getfixturevalue("s3_root")).removeprefix("s3")
+    if kind == "azure":
+        from benchmarks.stores import azurite_connection_string
+
+        url = request.getfixturevalue("azurite_endpoint")
+        options = {"connection_string": azurite_connection_string(url)}
+        return _fsspec_root("az", options, monkeypatch, single=False)
+    # The emulator ignores ifGenerationMatch: a root there needs single_writer.
+    url = request.getfixturevalue("gcs_endpoint")
+    options = {"endpoint_url": url, "token": "anon", "project": "test"}
+    return _fsspec_root("gs", options, monkeypatch, single=True)
+
+
 @pytest.fixture(params=["fs", "s3"])
 def any_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh checkpoint root on each storage backend in turn."""
-    if request.param == "fs":
-        return str(tmp_path / "ckpt")
-    return str(request.getfixturevalue("s3_root"))
+    return _root(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=["s3fs", "azure", "gcs"])
+def fsspec_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh checkpoint root on each fsspec store with a local server in turn."""
+    return _root(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=["fs", "s3", "s3fs", "azure", "gcs"])
+def every_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh checkpoint root on each backend and each fsspec store with a local server
+    in turn: the fault tests' roots."""
+    return _root(request.param, request, tmp_path)

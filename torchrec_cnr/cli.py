@@ -1,4 +1,6 @@
-"""The ``cnr`` command line tool. ROOT is a path or an ``s3://bucket/prefix`` URL.
+"""The ``cnr`` command line tool. ROOT is a path or a URL: ``s3://bucket/prefix``, or any
+protocol fsspec opens (``gs://``, ``az://``, ...), its options given as JSON before the
+command: ``cnr --storage-options '{"endpoint_url": "http://..."}' inspect gs://b/run1``.
 
 cnr inspect ROOT            # the chain: steps, kinds, rows saved, bytes, what a restore needs
 cnr verify ROOT [--step N]  # the manifest, every checksum and every chain's completeness
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from collections import defaultdict
@@ -44,8 +47,9 @@ from torchrec_cnr.selection import Policy
 from torchrec_cnr.storage import Storage, open_storage
 
 
-def _inspect(root: str, io: IOContext) -> int:
-    manifest = Manifest.load(open_storage(root, io.options))
+def _inspect(storage: Storage, io: IOContext) -> int:
+    root = storage.url
+    manifest = Manifest.load(storage)
     latest = manifest.latest()
     if latest is None:
         print(f"{root}: no committed checkpoint")
@@ -124,8 +128,8 @@ def _check(
     return lost + problems, damaged
 
 
-def _verify(root: str, step: int | None, io: IOContext) -> int:
-    storage = open_storage(root, io.options)
+def _verify(storage: Storage, step: int | None, io: IOContext) -> int:
+    root = storage.url
     try:
         manifest = Manifest.load(storage)
     except ManifestError as e:
@@ -169,7 +173,7 @@ def _progress(key: str, done: int, total: int) -> None:
 
 
 def _export_dcp(
-    root: str, step: int | None, out: str, options: ExportOptions, io: IOContext
+    root: Storage, step: int | None, out: str, options: ExportOptions, io: IOContext
 ) -> int:
     """A resumable DCP checkpoint; under torchrun every rank writes its share."""
     group = None
@@ -191,7 +195,7 @@ def _export_dcp(
 
 
 def _export(
-    root: str, step: int | None, out: str, fmt: str, tables: list[str] | None, io: IOContext
+    root: Storage, step: int | None, out: str, fmt: str, tables: list[str] | None, io: IOContext
 ) -> int:
     state_dict = export_state_dict(root, step, tables, progress=_progress, io=io)
     save_export(state_dict, out, fmt)  # type: ignore[arg-type]
@@ -200,8 +204,8 @@ def _export(
     return 0
 
 
-def _compact(root: str, step: int | None, take_over: bool, io: IOContext) -> int:
-    storage = open_storage(root, io.options)
+def _compact(storage: Storage, step: int | None, take_over: bool, io: IOContext) -> int:
+    root = storage.url
     latest = Manifest.load(storage).latest()
     if latest is None:
         print(f"{root}: no committed checkpoint")
@@ -230,8 +234,8 @@ def _fence(storage: Storage, policy: str, take_over: bool, io: IOContext) -> Fen
     return Fence(storage, Collective.alone(), config, Policy(policy))  # type: ignore[arg-type]
 
 
-def _retire(root: str, ids: list[str], damaged: bool, take_over: bool, io: IOContext) -> int:
-    storage = open_storage(root, io.options)
+def _retire(storage: Storage, ids: list[str], damaged: bool, take_over: bool, io: IOContext) -> int:
+    root = storage.url
     manifest = Manifest.load(storage)
     latest = manifest.latest()
     if latest is None:
@@ -262,6 +266,18 @@ def _retire(root: str, ids: list[str], damaged: bool, take_over: bool, io: IOCon
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cnr", description="Inspect torchrec_cnr checkpoints.")
+    parser.add_argument(
+        "--storage-options",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="the fsspec file system's options for a URL root (credentials, an endpoint)",
+    )
+    parser.add_argument(
+        "--single-writer",
+        action="store_true",
+        help="compact, retire: allow a store without conditional writes (one writer at a time)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="print the chain of a checkpoint root")
     p_inspect.add_argument("root")
@@ -319,11 +335,22 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE
 
 
+def _json_object(text: str) -> dict[str, object]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         with IOContext() as io:  # the environment's IOOptions
+            root = open_storage(args.root, io.options, args.storage_options, args.single_writer)
             if args.command == "verify":
-                return _verify(args.root, args.step, io)
+                return _verify(root, args.step, io)
             if args.command == "export" and args.format == "dcp":
                 if args.tables:
                     raise ValueError("--format dcp exports the whole model: drop --tables")
@@ -332,14 +359,14 @@ def _run(args: argparse.Namespace) -> int:
                     overwrite=args.overwrite,
                     safe_globals=tuple(args.safe_globals),
                 )
-                return _export_dcp(args.root, args.step, args.out, options, io)
+                return _export_dcp(root, args.step, args.out, options, io)
             if args.command == "export":
-                return _export(args.root, args.step, args.out, args.format, args.tables, io)
+                return _export(root, args.step, args.out, args.format, args.tables, io)
             if args.command == "compact":
-                return _compact(args.root, args.step, args.take_over, io)
+                return _compact(root, args.step, args.take_over, io)
             if args.command == "retire":
-                return _retire(args.root, args.id, args.damaged, args.take_over, io)
-            return _inspect(args.root, io)
+                return _retire(root, args.id, args.damaged, args.take_over, io)
+            return _inspect(root, io)
     except (CnrError, ValueError, FileExistsError) as e:  # no such step, table or format
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 from dataclasses import InitVar, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from torchrec_cnr.env import env_number
 from torchrec_cnr.iocontext import IOOptions
@@ -23,7 +23,7 @@ from torchrec_cnr.quantization import (
     check_thresholds,
 )
 from torchrec_cnr.selection.policy import BaselineRule, PolicyName, check_policy
-from torchrec_cnr.storage import check_root
+from torchrec_cnr.storage import Storage, check_root, open_storage
 
 __all__ = [
     "ON_BUSY",
@@ -224,7 +224,15 @@ class CheckpointConfig:
 
     path: str
     """Root of the run's checkpoints and chain manifest: a local or shared file system path,
-    or ``s3://bucket/prefix`` (any S3-compatible store, see the README)."""
+    ``s3://bucket/prefix`` (any S3-compatible store, see the README), or any URL fsspec
+    opens (``gs://``, ``az://``, ``abfs://``, ``hdfs://``, ...; docs/storage.md)."""
+    storage_options: dict[str, Any] | None = None
+    """Keyword arguments of the fsspec file system of :attr:`path` (credentials, an
+    endpoint, a project), as fsspec takes them; given with an ``s3://`` path, the root goes
+    through s3fs instead of boto3."""
+    single_writer: bool = False
+    """Declares that one job at a time writes the root, which allows an fsspec store
+    without conditional writes (HDFS, an emulator that ignores them); see docs/storage.md."""
     policy: PolicyName = "intermittent"
     """Row-selection policy: ``full``, ``one_shot``, ``consecutive`` or ``intermittent``."""
     interval_steps: int | str | None = None
@@ -342,7 +350,9 @@ class CheckpointConfig:
         self._torchtitan_names(interval, keep_latest_k, load_step, async_mode)
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"path must be a non-empty string, got {self.path!r}")
-        check_root(self.path)
+        check_root(self.path, self.storage_options)
+        if not isinstance(self.single_writer, bool):
+            raise ValueError(f"single_writer must be a bool, got {self.single_writer!r}")
         for part, kind in (("quantize", QuantizeConfig), ("recovery", RecoveryConfig),
                            ("io", IOOptions), ("timeouts", Timeouts)):  # fmt: skip
             value = getattr(self, part)
@@ -422,6 +432,11 @@ class CheckpointConfig:
                 f"{self.exclude_from_loading!r}"
             )
         object.__setattr__(self, "exclude_from_loading", tuple(self.exclude_from_loading))
+
+    def open_root(self, io: IOOptions | None = None) -> Storage:
+        """The :class:`~torchrec_cnr.storage.Storage` of :attr:`path`, with the storage
+        options, doing its I/O as ``io`` says (default :attr:`io`)."""
+        return open_storage(self.path, io or self.io, self.storage_options, self.single_writer)
 
     def _torchtitan_names(
         self,

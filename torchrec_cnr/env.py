@@ -3,9 +3,11 @@ with the variable's name instead of silently meaning the default."""
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
-__all__ = ["env_flag", "env_number"]
+__all__ = ["env_flag", "env_json", "env_number"]
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -28,3 +30,17 @@ def env_number(name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} must be a number") from None
+
+
+def env_json(name: str) -> dict[str, Any] | None:
+    """``name`` as a JSON object; unset or empty gives ``None``."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {raw!r}")
+    return value

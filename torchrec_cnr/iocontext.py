@@ -32,11 +32,12 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import InitVar, dataclass, field
+from typing import Any
 
-from torchrec_cnr.env import env_flag, env_number
+from torchrec_cnr.env import env_flag, env_json, env_number
 from torchrec_cnr.units import check_size_mb, mb_bytes
 
-__all__ = ["IOContext", "IOOptions", "lowered_priority"]
+__all__ = ["IOContext", "IOOptions", "lowered_priority", "storage_defaults"]
 
 log = logging.getLogger(__name__)
 _said: list[str] = []
@@ -129,6 +130,15 @@ class IOOptions:
     def object_bytes(self) -> int:
         """:attr:`object_mb` in bytes."""
         return mb_bytes(self.object_mb)
+
+
+def storage_defaults() -> tuple[dict[str, Any] | None, bool]:
+    """What an fsspec root given no options opens with: the options in
+    ``TORCHREC_CNR_STORAGE_OPTIONS`` (a JSON object) and whether
+    ``TORCHREC_CNR_SINGLE_WRITER=1`` declares one writer. Set for a whole job, every
+    process of it (ranks, a writer process, a follower, the ``cnr`` tool) opens the root
+    alike."""
+    return env_json("TORCHREC_CNR_STORAGE_OPTIONS"), env_flag("TORCHREC_CNR_SINGLE_WRITER", False)
 
 
 def lowered_priority(nice: int) -> Callable[[], None] | None:

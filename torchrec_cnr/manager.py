@@ -34,7 +34,7 @@ from torchrec_cnr.selection import Policy
 from torchrec_cnr.selection.rows import ClearedBits
 from torchrec_cnr.snapshot.objects import check_app_state, resolve_globals
 from torchrec_cnr.staging import LazyStaging, Stager
-from torchrec_cnr.storage import Storage, open_storage
+from torchrec_cnr.storage import Storage
 from torchrec_cnr.tracking import model_state
 
 __all__ = ["CheckpointError", "CheckpointManager"]
@@ -81,7 +81,7 @@ class CheckpointManager:
                 f"exclude_from_loading names {unknown}, which app_state does not hold; its "
                 f"entries are {sorted(self.app_state)}"
             )
-        self.storage = storage if storage is not None else open_storage(config.path, config.io)
+        self.storage = storage if storage is not None else config.open_root()
         self.policy = Policy(config.policy, config.baseline_rule)
         self._group = Collective(pg)  # raises unless torch.distributed is initialized
         warn_if_restarts_unsafe()

@@ -12,8 +12,8 @@ from torchrec_cnr import CheckpointConfig
 from torchrec_cnr.storage import PreconditionFailed, open_storage
 
 
-def test_a_conditional_write_replaces_only_the_version_it_expects(any_root: str) -> None:
-    storage = open_storage(any_root)
+def test_a_conditional_write_replaces_only_the_version_it_expects(every_root: str) -> None:
+    storage = open_storage(every_root)
     storage.create()
     assert storage.read("m.json") is None and not storage.exists("m.json")
     first = storage.write("m.json", b"one", expect=None)
@@ -30,8 +30,8 @@ def test_a_conditional_write_replaces_only_the_version_it_expects(any_root: str)
     assert storage.read("m.json") is None
 
 
-def test_a_stamp_changes_when_the_object_is_replaced_and_only_then(any_root: str) -> None:
-    storage = open_storage(any_root)
+def test_a_stamp_changes_when_the_object_is_replaced_and_only_then(every_root: str) -> None:
+    storage = open_storage(every_root)
     storage.create()
     assert storage.stamp("m.json") is None
     storage.write("m.json", b"one")
@@ -45,8 +45,8 @@ def test_a_stamp_changes_when_the_object_is_replaced_and_only_then(any_root: str
     assert storage.stamp("m.json") is None
 
 
-def test_of_many_concurrent_conditional_writers_exactly_one_wins(any_root: str) -> None:
-    storage = open_storage(any_root)
+def test_of_many_concurrent_conditional_writers_exactly_one_wins(every_root: str) -> None:
+    storage = open_storage(every_root)
     storage.create()
     base = storage.write("lease.json", b"0", expect=None)
 
@@ -64,8 +64,8 @@ def test_of_many_concurrent_conditional_writers_exactly_one_wins(any_root: str) 
     assert data == str(won.index(True) + 1).encode()
 
 
-def test_folders_list_measure_and_delete(any_root: str) -> None:
-    storage = open_storage(any_root)
+def test_folders_list_measure_and_delete(every_root: str) -> None:
+    storage = open_storage(every_root)
     storage.create()
     storage.write("a/x", b"12345")
     storage.write("a/y/z", b"123")
@@ -80,8 +80,8 @@ def test_folders_list_measure_and_delete(any_root: str) -> None:
     assert storage.children() == [] and storage.read("top") is None
 
 
-def test_a_read_past_an_objects_end_names_its_real_length(any_root: str) -> None:
-    storage = open_storage(any_root)
+def test_a_read_past_an_objects_end_names_its_real_length(every_root: str) -> None:
+    storage = open_storage(every_root)
     storage.create()
     storage.write("o", bytes(1000))
     out = memoryview(bytearray(100))
@@ -91,10 +91,15 @@ def test_a_read_past_an_objects_end_names_its_real_length(any_root: str) -> None
 
 
 def test_unsupported_roots_are_refused_naming_what_works() -> None:
-    with pytest.raises(ValueError, match="s3://bucket/prefix"):
-        open_storage("gs://bucket/run")
+    with pytest.raises(ValueError, match="fsspec cannot open nosuch://"):
+        open_storage("nosuch://bucket/run")
     with pytest.raises(ValueError, match="must look like s3://bucket/prefix"):
         open_storage("s3://bucket-only")
-    # A config is checked as it is built, not when a manager opens its root.
-    with pytest.raises(ValueError, match="s3://bucket/prefix"):
-        CheckpointConfig(path="gs://bucket/run")
+    with pytest.raises(ValueError, match="a file system path takes none"):
+        open_storage("/ckpt/run", storage_options={"key": "x"})
+    # A config is checked as it is built, not when a manager opens its root; a protocol
+    # whose package is missing names the extra that installs it (pyarrow is not installed).
+    with pytest.raises(ValueError, match=r"pip install 'torchrec_cnr\[hdfs\]'"):
+        CheckpointConfig(path="hdfs://namenode/run")
+    with pytest.raises(ValueError, match="storage_options must be a dict"):
+        CheckpointConfig(path="gs://bucket/run", storage_options="key=x")  # type: ignore[arg-type]

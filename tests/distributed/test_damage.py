@@ -89,6 +89,19 @@ def _damage(root: str, name: str, start: int, end: int, how: str) -> None:
 def test_a_damaged_tensor_is_named_and_a_restore_changes_nothing(
     how: str, budget_mb: int | None, any_root: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    _damaged_tensor(how, budget_mb, any_root, capsys)
+
+
+@pytest.mark.dist
+def test_a_corrupt_tensor_in_an_fsspec_store_is_named_and_a_restore_changes_nothing(
+    fsspec_root: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _damaged_tensor("corrupt", None, fsspec_root, capsys)
+
+
+def _damaged_tensor(
+    how: str, budget_mb: int | None, any_root: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     run_ranks(2, _save_chain, any_root)
     assert cnr(["verify", any_root]) == 0
     last = Manifest.load(any_root).latest()
@@ -215,26 +228,26 @@ def _restore_step(root: str, step: int) -> None:
 
 @pytest.mark.dist
 def test_a_damaged_history_segment_is_named_and_the_latest_still_restores(
-    any_root: str, capsys: pytest.CaptureFixture[str]
+    every_root: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run_ranks(2, _save_long_history, any_root)
-    manifest = Manifest.load(any_root)
+    run_ranks(2, _save_long_history, every_root)
+    manifest = Manifest.load(every_root)
     assert manifest.history is not None
     old = manifest.checkpoints[0].step
-    got = open_storage(any_root).read(manifest.history.name)
+    got = open_storage(every_root).read(manifest.history.name)
     assert got is not None
-    _damage(any_root, manifest.history.name, 0, len(got[0]), "corrupt")
+    _damage(every_root, manifest.history.name, 0, len(got[0]), "corrupt")
     capsys.readouterr()
-    assert cnr(["verify", any_root]) == 1
+    assert cnr(["verify", every_root]) == 1
     out = capsys.readouterr().out
     assert f"{manifest.history.name} is not valid JSON" in out, out
     refused = (ManifestError, manifest.history.name, None, old)
-    run_ranks(2, _restore_refused_and_nothing_changed, any_root, *refused)
+    run_ranks(2, _restore_refused_and_nothing_changed, every_root, *refused)
     latest = manifest.latest()
     assert latest is not None
-    run_ranks(2, _restore_step, any_root, latest.step)
+    run_ranks(2, _restore_step, every_root, latest.step)
     with pytest.raises(ManifestError, match=manifest.history.name):
-        Manifest.load(any_root).find(old)
+        Manifest.load(every_root).find(old)
 
 
 END = 10

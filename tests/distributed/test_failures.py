@@ -19,6 +19,7 @@ from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointError, Timeouts
 from torchrec_cnr.commit import Manifest
 from torchrec_cnr.errors import RemoteTraceback
+from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state
 
 TABLES = [
@@ -167,19 +168,19 @@ def _restore_then_save_again(root: str, refs: str) -> None:
 
 
 @pytest.mark.dist
-def test_rank_killed_mid_write_leaves_previous_checkpoint_exact(tmp_path, monkeypatch) -> None:
-    root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
-    refs.mkdir()
+def test_rank_killed_mid_write_leaves_previous_checkpoint_exact(
+    every_root: str, refs: Path
+) -> None:
+    root = every_root
     with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
         run_ranks(2, _save_then_get_killed, root, str(refs))
     assert Manifest.load(root).steps() == [2]
-    assert any("step0000000004" in p.name for p in Path(root).iterdir()), (
-        "the killed write left files"
-    )
+    folders = open_storage(root).children
+    assert any("step0000000004" in name for name in folders()), "the killed write left files"
     run_ranks(2, _restore_then_save_again, root, str(refs))
     assert Manifest.load(root).steps() == [2, 5]
     # The restarted job claimed a newer generation, which removes the dead write's files.
-    assert not any("step0000000004" in p.name for p in Path(root).iterdir())
+    assert not any("step0000000004" in name for name in folders())
     run_ranks(2, _restores_latest, root, str(refs), 5)
 
 

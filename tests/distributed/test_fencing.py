@@ -46,10 +46,10 @@ def _same_process_takes_over(root: str) -> None:
 
 
 @pytest.mark.dist
-def test_a_newer_manager_takes_over_and_the_older_may_no_longer_commit(any_root: str) -> None:
-    run_ranks(2, _same_process_takes_over, any_root)
-    assert Manifest.load(any_root).steps() == [4], "keep_last=1 of the newer writer"
-    assert cnr(["verify", any_root]) == 0
+def test_a_newer_manager_takes_over_and_the_older_may_no_longer_commit(every_root: str) -> None:
+    run_ranks(2, _same_process_takes_over, every_root)
+    assert Manifest.load(every_root).steps() == [4], "keep_last=1 of the newer writer"
+    assert cnr(["verify", every_root]) == 0
 
 
 def _write_fails_after_take_over(root: str) -> None:
@@ -111,12 +111,12 @@ def _takes_over_and_saves(root: str, refs: str) -> None:
 
 @pytest.mark.dist
 def test_a_second_live_job_is_refused_until_it_takes_over_and_nothing_committed_is_damaged(
-    any_root: str, refs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    every_root: str, refs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     control = tmp_path / "control"
     control.mkdir()
     other = subprocess.Popen(
-        [sys.executable, "-m", "tests.distributed.other_job", any_root, str(control)],
+        [sys.executable, "-m", "tests.distributed.other_job", every_root, str(control)],
         cwd=REPO,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
@@ -127,14 +127,14 @@ def test_a_second_live_job_is_refused_until_it_takes_over_and_nothing_committed_
             assert time.monotonic() < deadline, "the other job never committed"
             time.sleep(0.1)
         # The CLI's compaction goes through the same fence: refused, naming the holder.
-        assert cnr(["compact", any_root]) == 2
+        assert cnr(["compact", every_root]) == 2
         assert re.search(
             rf"held by another live job, generation 1 \(host .*, pid {other.pid}, "
             r"started .*\).*cnr compact --take-over",
             capsys.readouterr().err,
         )
-        run_ranks(2, _refused_while_held, any_root, other.pid)
-        run_ranks(2, _takes_over_and_saves, any_root, str(refs))
+        run_ranks(2, _refused_while_held, every_root, other.pid)
+        run_ranks(2, _takes_over_and_saves, every_root, str(refs))
         time.sleep(1)  # a few more attempts of the other job after the takeover
         (control / "stop").write_text("")
         assert other.wait(timeout=120) == 0
@@ -147,8 +147,8 @@ def test_a_second_live_job_is_refused_until_it_takes_over_and_nothing_committed_
     assert all("refused" in line for line in saves[refused[0] :]), "refused once, refused always"
     assert "was taken over: generation 2" in saves[refused[0]]
     # Every committed checkpoint is intact, and the new writer's all restore exactly.
-    assert cnr(["verify", any_root]) == 0
+    assert cnr(["verify", every_root]) == 0
     ours = sorted(int(p.stem.split("-")[1]) for p in refs.glob("ref-*-0.pt"))
-    assert len(ours) == 5 and Manifest.load(any_root).steps()[-5:] == ours
+    assert len(ours) == 5 and Manifest.load(every_root).steps()[-5:] == ours
     for step in (ours[0], ours[-1]):
-        run_ranks(2, restores_exactly, TABLES, any_root, str(refs), step, seed=7, data_seed=3)
+        run_ranks(2, restores_exactly, TABLES, every_root, str(refs), step, seed=7, data_seed=3)

@@ -137,12 +137,12 @@ def _lease_release_fails(root: str) -> None:
 
 @pytest.mark.dist
 def test_a_root_that_cannot_be_written_still_restores_and_close_never_raises(
-    any_root: str, refs: Path
+    every_root: str, refs: Path
 ) -> None:
-    run_ranks(2, _save_two, any_root, str(refs))
-    run_ranks(2, _lease_cannot_be_written, any_root, str(refs))
-    run_ranks(2, _lease_release_fails, any_root)
-    assert Manifest.load(any_root).steps() == [2, 4]
+    run_ranks(2, _save_two, every_root, str(refs))
+    run_ranks(2, _lease_cannot_be_written, every_root, str(refs))
+    run_ranks(2, _lease_release_fails, every_root)
+    assert Manifest.load(every_root).steps() == [2, 4]
 
 
 # -- a real full file system ---------------------------------------------------

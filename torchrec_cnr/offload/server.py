@@ -38,7 +38,7 @@ from torchrec_cnr.offload.wire import (
 )
 from torchrec_cnr.staging import Sink, SourceInfo
 from torchrec_cnr.staging.shared import MappedBuffers
-from torchrec_cnr.storage import Storage, open_storage
+from torchrec_cnr.storage import Storage
 
 __all__ = ["serve"]
 
@@ -47,7 +47,7 @@ class _Server:
     def __init__(self, wire: Wire, config: CheckpointConfig, rank: int, world_size: int,
                  storage: Storage | None) -> None:  # fmt: skip
         self.wire, self.config, self.rank = wire, config, rank
-        self.storage = storage if storage is not None else open_storage(config.path, config.io)
+        self.storage = storage if storage is not None else config.open_root()
         self.io = IOContext(config.io)
         self.compaction = BackgroundCompaction()
         self.mapped = MappedBuffers()

@@ -116,7 +116,8 @@ class Follower:
     lease, and a writer's commits see only their reads.
 
     Args:
-        root: a path, an ``s3://bucket/prefix`` URL or a ``Storage``.
+        root: a path, a URL (``s3://``, or any fsspec protocol with
+            ``options.storage_options``) or a ``Storage``.
         target: the serving model, wrapped (:class:`~torchrec_cnr.serving.FloatTarget`
             for the unsharded fp32 model, :class:`~torchrec_cnr.serving.QuantizedTarget`
             for TorchRec's quantized inference model).
@@ -161,7 +162,9 @@ class Follower:
         self.options = options
         """How it reads, checks and applies updates."""
         self._io = IOContext(options.io)
-        self.storage = CountingStorage(as_storage(root, self._io.options), read_only=True)
+        self.storage = CountingStorage(
+            as_storage(root, self._io.options, options.storage_options), read_only=True
+        )
         self.target = target
         self._reader = UpdateReader(
             self.storage,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from torchrec_cnr.iocontext import IOOptions
 from torchrec_cnr.serving.gate import AcceptGate, finite_rows
@@ -53,8 +54,15 @@ class FollowerOptions:
     spill_dir: str | None = None
     """Where those files go (a folder on a disk, which must exist when the follower is
     made); the system's temporary folder if ``None``."""
+    storage_options: dict[str, Any] | None = None
+    """The fsspec file system's options where the root is a URL
+    (:attr:`~torchrec_cnr.CheckpointConfig.storage_options`)."""
 
     def __post_init__(self) -> None:
+        if self.storage_options is not None and not isinstance(self.storage_options, dict):
+            raise ValueError(
+                f"storage_options must be a dict or None, got {self.storage_options!r}"
+            )
         if self.io is not None and not isinstance(self.io, IOOptions):
             raise ValueError(f"io must be an IOOptions or None, got {self.io!r}")
         if self.accept is not None and not callable(self.accept):

@@ -3,49 +3,76 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from torchrec_cnr.iocontext import IOOptions
+from torchrec_cnr.iocontext import IOOptions, storage_defaults
 from torchrec_cnr.storage.backend import Storage
 from torchrec_cnr.storage.fs import FsStorage
+from torchrec_cnr.storage.remote import FsspecStorage, check_protocol, fsspec_url
 from torchrec_cnr.storage.s3 import S3Storage, split_url
 
 __all__ = ["Root", "as_storage", "check_root", "open_storage"]
 
 Root = Storage | str | os.PathLike[str]
-"""A checkpoint root as callers give it: a path, an ``s3://bucket/prefix`` URL or a :class:`Storage`."""
+"""A checkpoint root as callers give it: a path, a URL (``s3://``, or any fsspec
+protocol: ``gs://``, ``az://``, ...) or a :class:`Storage`."""
 
 
-def as_storage(root: Root, options: IOOptions | None = None) -> Storage:
+def as_storage(
+    root: Root, options: IOOptions | None = None, storage_options: dict[str, Any] | None = None
+) -> Storage:
     """``root`` itself if it is a :class:`Storage`, else :func:`open_storage` of it."""
-    return root if isinstance(root, Storage) else open_storage(os.fspath(root), options)
+    if isinstance(root, Storage):
+        return root
+    return open_storage(os.fspath(root), options, storage_options)
 
 
-def check_root(url: str) -> None:
+def check_root(url: str, storage_options: dict[str, Any] | None = None) -> None:
     """Refuses a root that no backend opens, before anything is opened.
 
     Raises:
-        ValueError: an unsupported URL scheme, or an S3 URL without a bucket or prefix.
+        ValueError: an S3 URL without a bucket or prefix, or a protocol fsspec does not
+            know or whose package is not installed (naming the extra to install).
     """
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise ValueError(f"storage_options must be a dict, got {storage_options!r}")
     scheme, sep, _ = url.partition("://")
-    if not sep or scheme == "file":
-        return
-    if scheme != "s3":
+    if scheme == "s3":
+        split_url(url)
+    if fsspec_url(url) or (scheme == "s3" and storage_options is not None):
+        check_protocol(url)
+    elif storage_options:
         raise ValueError(
-            f"checkpoint path {url!r}: supported roots are local or shared file system paths "
-            "and s3://bucket/prefix URLs (any S3-compatible store through AWS_ENDPOINT_URL)"
+            f"checkpoint path {url!r}: storage_options are for fsspec URLs (gs://, az://, "
+            "s3:// through s3fs, ...); a file system path takes none"
         )
-    split_url(url)
 
 
-def open_storage(url: str, options: IOOptions | None = None) -> Storage:
-    """The :class:`Storage` of a root: ``s3://bucket/prefix``, or a local or shared path,
-    doing its I/O as ``options`` say (the environment's :class:`IOOptions` if ``None``).
+def open_storage(
+    url: str,
+    options: IOOptions | None = None,
+    storage_options: dict[str, Any] | None = None,
+    single_writer: bool = False,
+) -> Storage:
+    """The :class:`Storage` of a root, doing its I/O as ``options`` say (the environment's
+    :class:`IOOptions` if ``None``): a local or shared path; ``s3://bucket/prefix`` through
+    boto3, or through s3fs when ``storage_options`` are given; any other fsspec URL
+    through fsspec, with ``storage_options`` (``single_writer``: see
+    :class:`~torchrec_cnr.storage.remote.FsspecStorage`).
+
+    An fsspec URL given no ``storage_options`` opens with :func:`~torchrec_cnr.iocontext.storage_defaults`.
 
     Raises:
         ValueError: as :func:`check_root`.
     """
-    check_root(url)
+    check_root(url, storage_options)
     scheme, sep, rest = url.partition("://")
+    if fsspec_url(url) or (scheme == "s3" and storage_options is not None):
+        env_options, env_single = storage_defaults()
+        if storage_options is None:
+            storage_options = env_options
+        single_writer = single_writer or env_single
+        return FsspecStorage(url, storage_options, single_writer)
     if scheme == "s3":
         return S3Storage(url)
     io = options if options is not None else IOOptions()
