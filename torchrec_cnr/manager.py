@@ -86,6 +86,15 @@ class CheckpointManager:
         self._group = Collective(pg)  # raises unless torch.distributed is initialized
         warn_if_restarts_unsafe()
         self.rank, self.world_size = self._group.rank, self._group.world_size
+        if (
+            config.path.startswith("memory://")
+            and storage is None
+            and (self.world_size > 1 or config.background == "process")
+        ):
+            raise ValueError(
+                f"{config.path}: a memory:// root lives in one process, so it takes one rank "
+                'and background="thread"'
+            )
         # First: a root this job cannot write fails every rank here, before training.
         self._fence = Fence(self.storage, self._group, config, self.policy)
         try:

@@ -138,3 +138,18 @@ def test_the_cli_a_yaml_config_and_a_follower_carry_the_options_a_root_needs(
     want = export_state_dict(storage, 4)
     got = served.state_dict()
     assert want and all(torch.equal(v, got[k]) for k, v in want.items())
+
+
+def _memory_root(root: str, refs: str) -> None:
+    if dist.get_world_size() > 1:
+        with pytest.raises(ValueError, match="lives in one process"):
+            make_job(TABLES, root, seed=1, data_seed=4)
+        return
+    _saves_and_restores(root, refs, {})
+    restores_exactly(TABLES, root, refs, 4, latest=True, seed=9, data_seed=4)
+
+
+@pytest.mark.dist
+def test_a_memory_root_checkpoints_in_one_process_and_is_refused_across_ranks(refs: Path) -> None:
+    run_ranks(1, _memory_root, "memory://one/run", str(refs))
+    run_ranks(2, _memory_root, "memory://two/run", str(refs))

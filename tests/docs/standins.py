@@ -491,6 +491,20 @@ def _configuration_torchtitan(env: Env, ns: dict[str, Any]) -> Check:
     return check
 
 
+@standin("docs/storage.md", "fsspec-options")
+def _storage_fsspec_options(env: Env, ns: dict[str, Any]) -> Check:
+    def check(ns: dict[str, Any]) -> None:  # the options reach the store as given
+        from torchrec_cnr.storage.remote import FsspecStorage
+
+        config = ns["config"]
+        assert config.path.startswith("gs://") and config.storage_options["project"] == "my-project"
+        opened = FsspecStorage(config.path, {"token": "anon", "project": "my-project"})
+        assert opened.fs.project == "my-project" and opened.protocol == "gs"
+        assert ns["follower_options"].storage_options["token"] == "anon"
+
+    return check
+
+
 @standin("docs/entry-points.md", "torchtnt")
 def _entry_torchtnt(env: Env, ns: dict[str, Any]) -> Check:
     from torchtnt.framework.unit import TrainUnit
