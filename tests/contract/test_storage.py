@@ -93,8 +93,10 @@ def test_a_read_past_an_objects_end_names_its_real_length(every_root: str) -> No
 def test_unsupported_roots_are_refused_naming_what_works() -> None:
     with pytest.raises(ValueError, match="fsspec cannot open nosuch://"):
         open_storage("nosuch://bucket/run")
-    with pytest.raises(ValueError, match="must look like s3://bucket/prefix"):
-        open_storage("s3://bucket-only")
+    for url in ("s3://bucket-only", "gs://bucket-only/", "az://container"):
+        scheme = url.partition(":")[0]
+        with pytest.raises(ValueError, match=f"must look like {scheme}://bucket/prefix"):
+            open_storage(url)
     with pytest.raises(ValueError, match="a file system path takes none"):
         open_storage("/ckpt/run", storage_options={"key": "x"})
     # A config is checked as it is built, not when a manager opens its root; a protocol

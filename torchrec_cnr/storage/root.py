@@ -31,8 +31,8 @@ def check_root(url: str, storage_options: dict[str, Any] | None = None) -> None:
     """Refuses a root that no backend opens, before anything is opened.
 
     Raises:
-        ValueError: an S3 URL without a bucket or prefix, or a protocol fsspec does not
-            know or whose package is not installed (naming the extra to install).
+        ValueError: a URL without a bucket or prefix, or a protocol fsspec does not know
+            or whose package is not installed (naming the extra to install).
     """
     if storage_options is not None and not isinstance(storage_options, dict):
         raise ValueError(f"storage_options must be a dict, got {storage_options!r}")
@@ -41,6 +41,9 @@ def check_root(url: str, storage_options: dict[str, Any] | None = None) -> None:
         split_url(url)
     if fsspec_url(url) or (scheme == "s3" and storage_options is not None):
         check_protocol(url)
+        if "/" not in url.partition("://")[2].strip("/"):
+            # clear() and retention delete under the root: never a whole bucket
+            raise ValueError(f"checkpoint path {url!r} must look like {scheme}://bucket/prefix")
     elif storage_options:
         raise ValueError(
             f"checkpoint path {url!r}: storage_options are for fsspec URLs (gs://, az://, "
