@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from collections import defaultdict
@@ -31,6 +30,7 @@ from torchrec_cnr.commit import Manifest, saved_fraction
 from torchrec_cnr.commit.fence import Fence
 from torchrec_cnr.compaction import compact_entry
 from torchrec_cnr.config import CheckpointConfig
+from torchrec_cnr.env import json_object
 from torchrec_cnr.errors import CnrError, ManifestError
 from torchrec_cnr.interop.dcp_export import (
     ExportOptions,
@@ -337,12 +337,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _json_object(text: str) -> dict[str, object]:
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
+        return json_object(text, "--storage-options")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _run(args: argparse.Namespace) -> int:

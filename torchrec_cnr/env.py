@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["env_flag", "env_json", "env_number"]
+__all__ = ["env_flag", "env_json", "env_number", "json_object"]
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -32,15 +32,22 @@ def env_number(name: str, default: float) -> float:
         raise ValueError(f"{name}={raw!r} must be a number") from None
 
 
+def json_object(text: str, what: str) -> dict[str, Any]:
+    """``text`` as a JSON object.
+
+    Raises:
+        ValueError: naming ``what``, it is not JSON or not an object.
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object, got {text!r}")
+    return value
+
+
 def env_json(name: str) -> dict[str, Any] | None:
     """``name`` as a JSON object; unset or empty gives ``None``."""
     raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{name} must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object, got {raw!r}")
-    return value
+    return json_object(raw, name) if raw else None

@@ -234,8 +234,8 @@ class FsspecStorage(Storage):
         self.storage_options = dict(storage_options or {})
         self.single_writer = single_writer
         self.protocol = url.partition("://")[0]
-        self.fs, self.root = _open(url, self.storage_options)
-        self.root = self.root.rstrip("/")
+        self.fs, root = _open(url, self.storage_options)
+        self.root = root.rstrip("/")
         kind = _CONDITIONS.get(self.protocol)
         self._conditions = kind() if kind is not None else None
         self._checked = False

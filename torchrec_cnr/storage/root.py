@@ -27,6 +27,12 @@ def as_storage(
     return open_storage(os.fspath(root), options, storage_options)
 
 
+def _through_fsspec(url: str, storage_options: dict[str, Any] | None) -> bool:
+    """Whether fsspec opens ``url``: another protocol than a path's and ``s3://``, or
+    ``s3://`` given ``storage_options`` (s3fs then, not boto3)."""
+    return fsspec_url(url) or (url.startswith("s3://") and storage_options is not None)
+
+
 def check_root(url: str, storage_options: dict[str, Any] | None = None) -> None:
     """Refuses a root that no backend opens, before anything is opened.
 
@@ -39,7 +45,7 @@ def check_root(url: str, storage_options: dict[str, Any] | None = None) -> None:
     scheme, sep, _ = url.partition("://")
     if scheme == "s3":
         split_url(url)
-    if fsspec_url(url) or (scheme == "s3" and storage_options is not None):
+    if _through_fsspec(url, storage_options):
         check_protocol(url)
         if "/" not in url.partition("://")[2].strip("/"):
             # clear() and retention delete under the root: never a whole bucket
@@ -70,7 +76,7 @@ def open_storage(
     """
     check_root(url, storage_options)
     scheme, sep, rest = url.partition("://")
-    if fsspec_url(url) or (scheme == "s3" and storage_options is not None):
+    if _through_fsspec(url, storage_options):
         env_options, env_single = storage_defaults()
         if storage_options is None:
             storage_options = env_options
