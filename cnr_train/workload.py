@@ -251,6 +251,7 @@ def hand_plan(
     layouts: dict[str, str],
     world_size: int,
     sharders: Sequence[ModuleSharder[nn.Module]],
+    device_type: str = "cpu",
 ) -> ShardingPlan:
     """A plan that shards every table of ``model`` with the layout named in ``layouts``.
 
@@ -267,6 +268,7 @@ def hand_plan(
             module that one of ``sharders`` shards.
         world_size: ranks of the job, all on one host.
         sharders: the sharders that DistributedModelParallel gets.
+        device_type: where the tables live (``"cpu"`` or ``"cuda"``).
     """
     plan: dict[str, Any] = {}
     placed = 0
@@ -298,7 +300,7 @@ def hand_plan(
             sharder=sharder,
             local_size=world_size,
             world_size=world_size,
-            device_type="cpu",
+            device_type=device_type,
         )
         for name, sharding in module_plan.items():
             # TorchRec has no generator for table_column_wise: it is column-wise
@@ -364,16 +366,22 @@ def build_model(
     pg: dist.ProcessGroup | None = None,
     tracking: bool = True,
     tracking_mode: TrackingMode = "bitmap",
+    fused_params: dict[str, Any] | None = None,
 ) -> DistributedModelParallel:
-    """A DLRM sharded over ``pg`` with fused row-wise Adagrad.
+    """A DLRM sharded over ``pg`` with a fused optimizer (row-wise Adagrad unless
+    ``fused_params`` name another).
 
-    Every table must have the same ``dim`` (DLRM's interaction needs it).
+    Every table must have the same ``dim`` (DLRM's interaction needs it). Tables that all
+    name a sharding are placed by :func:`hand_plan`, the others by TorchRec's planner.
     ``tracking=False`` uses TorchRec's own sharders (for benchmarks).
     """
     device = device or torch.device("cpu")
     torch.manual_seed(seed)
     module = dlrm(tables, num_dense, torch.device("meta"), device)
-    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": learning_rate}
+    fused = fused_params or {
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        "learning_rate": learning_rate,
+    }
     sharders = (
         tracking_sharders(fused, mode=tracking_mode)
         if tracking
@@ -381,8 +389,9 @@ def build_model(
     )
     pg = pg or dist.GroupMember.WORLD
     world = dist.get_world_size(pg)
-    if device.type == "cpu" and all(t.sharding for t in tables):
-        plan = hand_plan(module, {t.name: str(t.sharding) for t in tables}, world, sharders)
+    if all(t.sharding for t in tables):
+        layouts = {t.name: str(t.sharding) for t in tables}
+        plan = hand_plan(module, layouts, world, sharders, device.type)
     else:
         constraints = {
             t.name: ParameterConstraints(sharding_types=[t.sharding]) for t in tables if t.sharding

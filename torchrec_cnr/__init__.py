@@ -55,6 +55,7 @@ from torchrec_cnr.offline import (
 from torchrec_cnr.quantization import QuantizedRows, quantize
 from torchrec_cnr.serving import FloatTarget, Follower, FollowerOptions, QuantizedTarget
 from torchrec_cnr.tracking import tracking_sharders, write_rows
+from torchrec_cnr.versions import warn_unsupported
 
 __all__ = [
     "CheckpointConfig",
@@ -91,3 +92,5 @@ __all__ = [
     "tracking_sharders",
     "write_rows",
 ]
+
+warn_unsupported()

@@ -3,6 +3,7 @@ TorchRec's ModelDeltaTracker record them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -91,18 +92,15 @@ def test_bitmaps_equal_ids_seen_for_row_wise_table_row_wise_and_grid() -> None:
     run_ranks(2, _bitmaps_equal_ids_seen, ROW_WISE, 6, False)
 
 
+ON_CUDA = [*TABLES[:3], *(replace(t, dim=32) for t in ROW_WISE)]
+"""Every layout but data-parallel, in one dim (DLRM's interaction needs it)."""
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bitmaps_equal_ids_seen_on_cuda_with_nccl() -> None:
-    run_ranks(
-        min(2, torch.cuda.device_count()),
-        _bitmaps_equal_ids_seen,
-        [*TABLES[:3], *ROW_WISE],
-        6,
-        False,
-        "cuda",
-        backend="nccl",
-    )
+    world = min(2, torch.cuda.device_count())
+    run_ranks(world, _bitmaps_equal_ids_seen, ON_CUDA, 6, False, "cuda", backend="nccl")
 
 
 # -- TorchRec's ModelDeltaTracker as the source of the bits ------------------------------

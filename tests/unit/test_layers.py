@@ -16,6 +16,7 @@ STAGES = [
         "errors",
         "env",
         "units",
+        "versions",
         "native",
         "shutdown",
         "launch",

@@ -608,6 +608,54 @@ def test_lazy_staging_of_a_cuda_shard_stages_the_rows_as_they_were_at_save(kind:
         assert torch.equal(staged.ids.long(), rows + shard.spec.row_offset)
 
 
+@pytest.mark.gpu
+@_CUDA
+@pytest.mark.parametrize("kind", ["full", "delta"])
+def test_lazy_staging_on_cuda_never_reads_a_row_after_training_wrote_it(kind: Kind) -> None:
+    # The background copy runs on its side stream while batches keep looking up and
+    # updating hot rows on the training stream, with a large kernel queued before each
+    # update so that the streams overlap: a chunk that read a staged flag before the hook's
+    # write landed, or a batch that updated a row before the side stream's copy of it ran,
+    # would stage an updated row.
+    busy = torch.randn(2048, 2048, device="cuda")
+    for seed in range(8):
+        shard = _on_cuda(_shard(400_000, 64, states="row", seed=seed))
+        n = shard.spec.rows
+        if kind == "delta":
+            assert shard.words is not None
+            shard.words.zero_()
+            bitmap.set_bits(shard.words, torch.arange(0, n, 2).cuda())
+        at_save = shard.weight.cpu()
+        states_at_save = {k: v.cpu() for k, v in shard.states.items()}
+        decision = Decision(kind, True)
+        plan = plan_save(0, [shard], decision, [True], None)
+        lazy = LazyStaging.begin(plan.staged("lazy"), decision, StagingPool(None, pin=True))
+        sink = _Collect()
+        copier = threading.Thread(target=lazy.run, args=(sink,))
+        copier.start()
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        assert shard.lookups is not None
+        batches = 0
+        while copier.is_alive() or batches < 4:
+            rows = torch.randint(0, n, (8192,), device="cuda", generator=g)
+            shard.lookups.before(rows)
+            busy = busy @ busy.T  # delays the update on the training stream
+            busy = busy / busy.norm()
+            with torch.no_grad():
+                shard.weight[rows] += 1.0
+                for v in shard.states.values():
+                    v[rows] += 1.0
+            batches += 1
+        copier.join()
+        torch.cuda.synchronize()
+        (staged,) = sink.got
+        stored = torch.arange(n) if kind == "full" else torch.arange(0, n, 2)
+        assert lazy.hook_rows > 0 and lazy.background_s > 0
+        assert torch.equal(staged.weight, at_save[stored]), seed
+        for k, v in states_at_save.items():
+            assert torch.equal(staged.states[k], v[stored]), (seed, k)
+
+
 # plan_save
 
 

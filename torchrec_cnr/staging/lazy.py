@@ -17,13 +17,16 @@ without the library) with torch under the kernel's lock, one chunk at a time. Wh
 premise does not hold, a shard is staged eagerly instead (:func:`lazy_fallback` says
 why). The checkpoint's bytes are the same either way.
 
-On CUDA the copies gather on the device and land in pinned host memory; the background
-copies run on a side stream after an event recorded at ``save()``. This path has run on a
-GPU (an H200, and an H100 with torch 2.11, through ``scripts/gpu_check.py``, the
-``gpu``-marked tests of ``tests/unit/test_staging.py``): eager and copy-on-write staging of
-CUDA shards into pinned buffers, the lookup hook and the background copy included, without
-TorchRec's or FBGEMM's kernels. The whole manager over FBGEMM's CUDA kernels (the tracker's hooks on a real TBE,
-nccl) has not run on a GPU.
+On CUDA the copies gather on the device and land in pinned host memory. The background
+copies run on a side stream, in chunks of about :data:`CUDA_CHUNK_BYTES` (each chunk ends
+in one host sync), ordered after an event recorded at ``save()`` and after the lookup
+hook's last copy, whose flags the chunk reads; the hook orders the training stream after
+the side stream's queued copies before a batch can update the rows they read. The
+copy-on-write path has run on a GPU (H100 and H200) without TorchRec's kernels (the
+``gpu``-marked tests of ``tests/unit/test_staging.py``), and the whole manager over FBGEMM's
+CUDA kernels ran once from outside the repository (issue 63); ``scripts/gpu_check.py`` is
+the check in the repository, and the ordering of the streams has not run on a GPU since
+it was written.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ __all__ = ["LazyStaging", "lazy_fallback"]
 CHUNK_ROWS = 16384
 """Rows the background copy takes per hold of a kernel's lock (torch path): a lookup waits
 at most for one chunk's copy."""
+CUDA_CHUNK_BYTES = 32 << 20
+"""Bytes of a chunk of a CUDA shard, if more than :data:`CHUNK_ROWS` rows: each chunk
+syncs the host once, so the chunks are larger there (a lookup waits at most a few ms)."""
 
 
 def lazy_fallback(shard: LocalShard) -> str | None:
@@ -163,7 +169,11 @@ class LazyStaging:
     _rows_buffer: torch.Tensor | None = None
     _listeners: list[tuple[Any, Any]] = field(default_factory=list)
     _saved: Any = None
+    """CUDA: an event recorded at ``save()`` on the training stream."""
     _stream: Any = None
+    """CUDA: the side stream of the background copy."""
+    _hooked: Any = None
+    """CUDA: an event recorded after the lookup hook's last copy (and staged flags)."""
 
     @classmethod
     def begin(cls, plans: list[ShardPlan], decision: Decision, pool: StagingPool) -> LazyStaging:
@@ -253,6 +263,11 @@ class LazyStaging:
                 self.hook_rows += compiled[0].lookup(rows)
                 self.hook_s += time.perf_counter() - began
                 return
+            device = group[0].shard.weight.device
+            if device.type == "cuda" and self._stream is not None:
+                # The rows the side stream has queued copies of are read before this batch
+                # (which may update them) runs.
+                torch.cuda.current_stream(device).wait_stream(self._stream)
             for s in group:
                 if s.done:
                     continue
@@ -268,6 +283,9 @@ class LazyStaging:
                     is_last, t = bitmap.ranks(last, last_before, local)
                     slots = torch.where(is_last, stale + t, slots - t)
                 self.hook_rows += s.copy(local[held], slots[held])
+            if device.type == "cuda":  # the side stream's next chunk reads these flags
+                self._hooked = torch.cuda.Event()
+                self._hooked.record(torch.cuda.current_stream(device))
             self.hook_s += time.perf_counter() - began
 
         return before_lookup
@@ -298,10 +316,11 @@ class LazyStaging:
     def _copy_chunks(self, s: _Shard, rows: torch.Tensor | None) -> None:
         lookups = s.shard.lookups
         assert lookups is not None
-        for a in range(0, s.n, CHUNK_ROWS):
+        step = _chunk_rows(s)
+        for a in range(0, s.n, step):
             lookups.yield_to_lookups()
             with lookups.lock, self._side_stream():
-                s.copy_block(rows, a, min(a + CHUNK_ROWS, s.n))
+                s.copy_block(rows, a, min(a + step, s.n))
         with lookups.lock:
             s.done = True
 
@@ -323,6 +342,8 @@ class LazyStaging:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
             self._stream.wait_event(self._saved)  # updates enqueued before save() first
+        if self._hooked is not None:  # called under the kernel's lock, as the hook runs
+            self._stream.wait_event(self._hooked)
         return torch.cuda.stream(self._stream)
 
     def detach(self) -> None:
@@ -330,6 +351,14 @@ class LazyStaging:
         listeners, self._listeners = self._listeners, []
         for lookups, listener in listeners:
             lookups.unsubscribe(listener)
+
+
+def _chunk_rows(s: _Shard) -> int:
+    """Rows of one chunk of the background copy of ``s``."""
+    if s.shard.weight.device.type != "cuda":
+        return CHUNK_ROWS
+    row_bytes = sum(dst[:1].numel() * dst.element_size() for _, dst in s.pairs())
+    return max(CHUNK_ROWS, CUDA_CHUNK_BYTES // max(row_bytes, 1))
 
 
 def _stored_order(s: _Shard) -> torch.Tensor:
