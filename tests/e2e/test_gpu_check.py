@@ -1,6 +1,6 @@
-"""``scripts/gpu_check.py``, the full-stack check a lent GPU machine runs, tried on CPU:
-the same cases (``--device cpu``), so that the script is known to work before GPU time is
-spent on it."""
+"""What a lent GPU machine runs, tried on CPU so that it is known to work before GPU time
+is spent on it: ``scripts/gpu_check.py``, the full-stack check (its cases with ``--device
+cpu``), and ``benchmarks.gpu``, the stall, cadence and peers (``--smoke``)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,21 @@ def test_the_gpu_check_passes_on_cpu_and_records_what_it_ran(tmp_path: Path) -> 
     assert list(ran) == [*cases, "follower (fp32, FloatTarget)"]
     for name in cases:
         assert ran[name]["problems"] == [] and ran[name]["checkpoints"] == [2, 4, 6, 8, 10, 12]
+
+
+def test_the_gpu_benchmark_runs_on_cpu_and_judges_every_target(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, "-m", "benchmarks.gpu", "--smoke", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    m = result["measurements"]
+    assert m["device"] == "cpu" and [r["fraction"] for r in m["stall"]] == [0.05, 1.0]
+    assert all(r["save_s"] > 0 and r["floor_s"] > 0 for r in m["stall"])
+    assert m["cadence"]["1s"]["plain_steps_per_s"] > 0
+    assert isinstance(m["peers"]["torchrec_cnr save()"], float)
+    # Every peer is a time or the failure it met; each target has a verdict of its figures.
+    assert all(isinstance(v, float) or v.startswith("fails: ") for v in m["peers"].values())
+    assert len(result["targets"]) == 4
+    assert all(t["verdict"] in ("PASS", "MISS", "MIXED") for t in result["targets"])
