@@ -1,26 +1,29 @@
 """torchrec_cnr: Check-N-Run and CPR checkpointing for TorchRec sharded embeddings.
 
-The package follows a checkpoint through its stages:
+The package follows a checkpoint through its stages, numbered here once (each stage's
+docstring and ``docs/design.md`` say the same; ``tests/unit/test_layers.py`` checks it):
 
 1. ``tracking``: which rows changed (bitmaps, kernel hooks, sharders, MFU/SSU priority);
 2. ``selection``: which rows a checkpoint holds (policies, baseline rules, CPR's priority);
 3. ``staging``: the copy to host memory, the only stall (the stager chooses, per shard,
    copy-on-write or an eager copy);
 4. ``encoding``: formats, per-row quantization (``quantization``) and the shard writer;
-5. ``storage`` (backends: file systems, S3) and ``snapshot`` (one checkpoint directory's
-   tensors: the parallel writer and reader, checksums, app_state pickles);
-6. ``commit``: the manifest, the commit, this job's fence on the root (lease,
+5. ``commit``: the manifest, the commit, this job's fence on the root (lease,
    generation), retention, the background writer;
-7. ``restore``: shard geometry, the chain reader, the loader (with its retry), applying a
-   chain, compatibility, partial recovery, verification;
-8. ``compaction``: a chain merged into one full checkpoint.
+6. ``read``: committed checkpoints read back for every use (the chain reader, where saved
+   rows land, a table's rows without a model, the retry);
+7. ``restore``: a chain loaded into the live model (compatibility, partial recovery,
+   verification);
+8. ``compaction``: a chain merged into one full checkpoint;
+9. ``offline``: checkpoints used outside training (the catalog, tables, export);
+10. ``serving``: an inference model kept fresh from a root (the follower).
 
-``schema`` is the on-disk contract (every persisted type and name); ``iocontext`` the I/O
-options and the thread pools every reader and writer runs on; ``recovery`` CPR's interval
-choice and the save schedule; ``offline`` reads checkpoints outside training (the
-catalog, tables, export); ``serving`` keeps an inference model fresh from a root (the
-follower); ``interop`` speaks PyTorch's DCP format (import, export); ``manager`` only
-sequences the stages.
+Beneath the stages: ``schema`` is the on-disk contract (every persisted type and name);
+``storage`` the backends (file systems, S3, fsspec) and ``snapshot`` one checkpoint
+directory's tensors; ``iocontext`` the I/O options and the thread pools every reader and
+writer runs on. Beside them: ``recovery`` CPR's interval choice and the save schedule;
+``offload`` the writer in a process of its own; ``interop`` PyTorch's DCP format (import,
+export, the stager); ``manager`` only sequences the stages.
 """
 
 from torchrec_cnr.config import (

@@ -4,6 +4,7 @@ stages, and nothing of the training application (YAML, progress bars, cnr_train)
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,34 @@ def test_no_module_of_the_library_imports_itself_back() -> None:
 def test_every_module_of_the_library_belongs_to_a_stage() -> None:
     unknown = sorted(m for m in _graph() if m != "torchrec_cnr" and m.split(".")[1] not in RANK)
     assert not unknown, f"modules in no stage of STAGES: {unknown}"
+
+
+def _numbered() -> dict[str, int]:
+    """The pipeline's numbering, from the one place it is written: the package docstring."""
+    text = (PACKAGE / "__init__.py").read_text()
+    doc = ast.get_docstring(ast.parse(text)) or ""
+    return {name: int(n) for n, name in re.findall(r"^(\d+)\. ``(\w+)``", doc, re.MULTILINE)}
+
+
+def test_the_pipeline_is_numbered_once_and_followed_everywhere() -> None:
+    numbered = _numbered()
+    assert list(numbered.values()) == list(range(1, len(numbered) + 1)), numbered
+    # Each stage after the one before it in the import order.
+    ranks = [RANK[name] for name in numbered]
+    assert ranks == sorted(ranks) and len(set(ranks)) == len(ranks), numbered
+    for package in sorted(p.parent for p in PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+        said = re.match(r"Stage (\d+):", doc)
+        want = numbered.get(package.name)
+        assert (int(said.group(1)) if said else None) == want, (
+            f"{package.name}/__init__.py says {said.group(0) if said else 'no stage'}, "
+            f"the package docstring numbers it {want}"
+        )
+    design = (PACKAGE.parent / "docs" / "design.md").read_text()
+    in_design = {
+        name: int(n) for name, n in re.findall(r"^  (\w+)/ +(\d+)\. ", design, re.MULTILINE)
+    }
+    assert in_design == numbered
 
 
 def test_storage_holds_backends_only() -> None:

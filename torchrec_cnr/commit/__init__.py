@@ -1,4 +1,4 @@
-"""Stage 6: the chain manifest read and committed, the commit that makes a checkpoint exist,
+"""Stage 5: the chain manifest read and committed, the commit that makes a checkpoint exist,
 this job's fence on the root (lease, generation), retention and the background writer."""
 
 from torchrec_cnr.commit.commit import (

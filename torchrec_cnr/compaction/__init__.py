@@ -1,4 +1,4 @@
-"""Compaction: a chain merged into one full checkpoint and committed like any save.
+"""Stage 8: a chain merged into one full checkpoint and committed like any save.
 
 It reads a chain as a restore does (:mod:`torchrec_cnr.restore`) and writes and commits
 as a save does (:mod:`torchrec_cnr.commit`), so it sits after both; the model-free

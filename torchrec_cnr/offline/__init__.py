@@ -1,4 +1,4 @@
-"""Using checkpoints outside training, read-only: the catalog of a root, reading tables
+"""Stage 9: checkpoints used outside training, read-only: the catalog of a root, reading tables
 without a model, and exporting the unsharded model's state dict. (Compaction, which
 writes, is :mod:`torchrec_cnr.compaction`.)"""
 

@@ -1,4 +1,4 @@
-"""Stage 7: reading committed checkpoints, shared by every use of them: a chain's
+"""Stage 6: reading committed checkpoints, shared by every use of them: a chain's
 records and tensors (``chain``), where saved rows land in another shard (``geometry``),
 a table's rows without a model (``tables``), and a read again when retention or
 compaction retires a checkpoint while it is read, or past a damaged one (``retry``). Restores, compaction, the

@@ -1,4 +1,4 @@
-"""Stage 8: loading a committed chain into a live model, compatibility checks, partial
+"""Stage 7: loading a committed chain into a live model, compatibility checks, partial
 recovery, verify. It reads through :mod:`torchrec_cnr.read` (the chain reader, where saved
 rows land, the retry when a checkpoint is retired while read).
 """

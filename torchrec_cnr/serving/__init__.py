@@ -1,4 +1,4 @@
-"""Serving from checkpoints: a follower keeps an inference model at the latest committed
+"""Stage 10: serving from checkpoints; a follower keeps an inference model at the latest committed
 step of a root, reading only the rows that changed.
 
 :class:`FollowerOptions` (``options``) says how a follower reads, checks and applies
