@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from torchrec_cnr.commit.manifest import (
     TAIL,
     DenseInfo,
     Entry,
-    Hold,
+    Keep,
     Manifest,
     TableShape,
 )
@@ -270,17 +271,32 @@ def test_retention_rewrites_a_sealed_history_and_deletes_its_segments(tmp_path: 
     assert {p.name for p in tmp_path.glob("history-*.json")} == named
 
 
+@dataclass
+class _Hook:
+    """A commit plug-in as compaction is one: it keeps ``keeps``, and lands ``lands``."""
+
+    keeps: Keep | None = None
+    lands: Entry | None = None
+
+    def land(self, manifest: Manifest) -> None:
+        if self.lands is not None:
+            manifest.land(self.lands)
+
+    def keep(self) -> Keep | None:
+        return self.keeps
+
+
 def _land(tmp_path: Path, count: int, compacted_seq: int) -> tuple[Manifest, list[str], str]:
     """A consecutive chain of ``count`` checkpoints (keep_last=2); a compaction of checkpoint
-    ``compacted_seq`` runs while the later ones commit (its hold keeps its chain, and the
+    ``compacted_seq`` runs while the later ones commit (it keeps its chain, and the
     checkpoints from it on out of the sealed history), then lands with the next, whose
     chain starts from it; one more builds on that."""
     storage = FsStorage(tmp_path)
     ids = [checkpoint_id(seq, 10 * seq, 0) for seq in range(count + 2)]
     target = CommitTarget(storage, Policy("consecutive"), 0, 2)
-    hold = Hold(compacted_seq, frozenset(ids[: compacted_seq + 1]))
+    keeping = _Hook(Keep(compacted_seq, frozenset(ids[: compacted_seq + 1])))
     for seq in range(count):
-        append(target, _entry(seq, 10 * seq, ids[: seq + 1], 10), hold=hold)
+        append(target, _entry(seq, 10 * seq, ids[: seq + 1], 10), keeping)
     held = Manifest.load(tmp_path)
     assert set(ids[: compacted_seq + 1]) <= {e.id for e in held.checkpoints}, "kept for it"
     assert held.tail[0].seq <= compacted_seq, "nothing from it on is sealed"
@@ -288,7 +304,7 @@ def _land(tmp_path: Path, count: int, compacted_seq: int) -> tuple[Manifest, lis
     landed = _entry(compacted_seq, 10 * compacted_seq, [compacted], 10)
     landed.compacted_from = ids[compacted_seq]
     after = ids[compacted_seq + 1 : count + 1]
-    append(target, _entry(count, 10 * count, [compacted, *after], 10), landed)
+    append(target, _entry(count, 10 * count, [compacted, *after], 10), _Hook(lands=landed))
     append(target, _entry(count + 1, 10 * (count + 1), [compacted, *after, ids[-1]], 10))
     manifest = Manifest.load(tmp_path)
     latest = manifest.latest()

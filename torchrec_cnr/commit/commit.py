@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Protocol
 
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.commit.manifest import Entry, Hold, Manifest, saved_fraction
+from torchrec_cnr.commit.manifest import Entry, Keep, Manifest, saved_fraction
 from torchrec_cnr.commit.retention import retire
 from torchrec_cnr.encoding import FormatResolver, RankWrite, ShardWriter
 from torchrec_cnr.errors import CheckpointError, wrapping
@@ -25,6 +26,7 @@ from torchrec_cnr.storage import PreconditionFailed, Storage
 __all__ = [
     "Pending",
     "CommitTarget",
+    "Landing",
     "append",
     "count_restore",
     "drop",
@@ -85,8 +87,7 @@ def write_and_commit(
     group: Collective,
     target: CommitTarget,
     written: tuple[RankWrite | None, Exception | None] | None = None,
-    landed: Entry | None = None,
-    hold: Hold | None = None,
+    hook: Landing | None = None,
 ) -> ChainState:
     """Encodes, writes, agrees and commits one checkpoint; returns the chain it ends.
 
@@ -95,7 +96,7 @@ def write_and_commit(
 
     Args:
         written: this rank's :func:`write_rank`, if it ran already.
-        landed, hold: a compaction's, for :func:`append` (rank 0's).
+        hook: what a plug-in changes of the manifest, for :func:`append` (rank 0's).
 
     Raises:
         CheckpointError: writing failed on some rank, or another job took the root over;
@@ -127,7 +128,7 @@ def write_and_commit(
             # IMPORTANT: every rank's part is durable: the index goes last, then the manifest.
             write_index(target.storage, ckpt_id, [w.index for w in writes], len(writes))
             entry.bytes = target.storage.tree_bytes(ckpt_id)
-            append(target, entry, landed, hold)
+            append(target, entry, hook)
         except Exception:
             remove_failed(target, ckpt_id)
             raise
@@ -240,13 +241,22 @@ def _stale(storage: Storage, generation: int, found: int) -> CheckpointError:
     )
 
 
-def append(
-    target: CommitTarget, entry: Entry, landed: Entry | None = None, hold: Hold | None = None
-) -> Manifest:
+class Landing(Protocol):
+    """What a plug-in of the commit (a compaction landing with it) changes of the manifest
+    (rank 0, in :func:`append`)."""
+
+    def land(self, manifest: Manifest) -> None:
+        """Changes ``manifest`` before the checkpoint is added to it."""
+        ...
+
+    def keep(self) -> Keep | None:
+        """What the manifest's sealing and retention must keep."""
+        ...
+
+
+def append(target: CommitTarget, entry: Entry, hook: Landing | None = None) -> Manifest:
     """Commits ``entry`` (its record, then the root's manifest), then applies retention
-    (rank 0 only). ``landed``: a compaction committed in the same manifest write, after
-    the checkpoint it compacts (:meth:`Manifest.land`); ``hold``: what a compaction in
-    flight keeps.
+    (rank 0 only), with what ``hook`` changes of the manifest and keeps of it.
 
     IMPORTANT: call this only after every rank reported its files durable; the
     manifest's rename (or PUT) is what makes the checkpoint exist.
@@ -260,18 +270,20 @@ def append(
     if manifest.writer_generation != generation:
         raise _stale(storage, generation, manifest.writer_generation)
     previous = manifest.latest()
-    if landed is not None:
-        manifest.land(landed)
+    keep = None
+    if hook is not None:
+        hook.land(manifest)
+        keep = hook.keep()
     manifest.add(entry)
     try:
-        manifest.save(storage, hold.seq if hold is not None else None)
+        manifest.save(storage, keep.seq if keep is not None else None)
     except PreconditionFailed as e:
         raise _stale(storage, generation, Manifest.load(storage).writer_generation) from e
     # A writer's first commit also removes what older writers left uncommitted.
     named = None if previous is None else parse_checkpoint_id(previous.id)
     first = named is None or named.generation != generation
     try:
-        retire(storage, manifest, target.keep_last, generation, sweep=first, hold=hold)
+        retire(storage, manifest, target.keep_last, generation, sweep=first, keep=keep)
     except PreconditionFailed:
         # Committed; another job took the root over before retention rewrote the
         # manifest. Nothing is retired or deleted, and the next save is refused.

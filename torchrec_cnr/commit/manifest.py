@@ -49,7 +49,7 @@ __all__ = [
     "FORMAT_VERSION",
     "DenseInfo",
     "Entry",
-    "Hold",
+    "Keep",
     "Manifest",
     "TableShape",
     "saved_fraction",
@@ -61,16 +61,17 @@ TAIL = 4
 
 
 @dataclass(frozen=True)
-class Hold:
-    """What a compaction in flight keeps of the root until it lands (see
-    :mod:`torchrec_cnr.compaction.background`)."""
+class Keep:
+    """What a commit hook keeps of the root while it works (see
+    :class:`~torchrec_cnr.commit.job.CommitHook`): a compaction in flight keeps the
+    checkpoint it compacts and the chain it reads."""
 
     seq: int
-    """The sequence number of the checkpoint it compacts: checkpoints from it on stay out
-    of the sealed history, where the compaction could not be placed after it nor the
-    checkpoints that link to it be linked to the compaction instead (:meth:`Manifest.land`)."""
+    """Checkpoints from this sequence number on stay out of the sealed history, where a
+    compaction could not be placed after the one it compacts, nor the checkpoints that
+    link to it be linked to the compaction instead (:meth:`Manifest.land`)."""
     ids: frozenset[str]
-    """The chain it reads: retention keeps it."""
+    """Checkpoints retention keeps."""
 
 
 class _Source:
@@ -225,7 +226,7 @@ class Manifest(ManifestRecord):
 
         Raises:
             ManifestError: the checkpoint it compacts is not among the summaries held (a
-                :class:`Hold` keeps it there while the compaction runs).
+                :class:`Keep` keeps it there while the compaction runs).
         """
         at = next((i for i, e in enumerate(self.tail) if e.id == compacted.compacted_from), None)
         if at is None:

@@ -6,7 +6,7 @@ an older generation never deletes anything (see :mod:`torchrec_cnr.commit.lease`
 
 from __future__ import annotations
 
-from torchrec_cnr.commit.manifest import Hold, Manifest
+from torchrec_cnr.commit.manifest import Keep, Manifest
 from torchrec_cnr.schema import parse_checkpoint_id
 from torchrec_cnr.storage import Storage
 
@@ -19,9 +19,9 @@ def retire(
     keep_last: int | None,
     generation: int,
     sweep: bool = True,
-    hold: Hold | None = None,
+    keep: Keep | None = None,
 ) -> list[str]:
-    """Drops what the chains of the last ``keep_last`` checkpoints, and ``hold``, do not
+    """Drops what the chains of the last ``keep_last`` checkpoints, and ``keep``, do not
     need (rank 0 only).
 
     With ``sweep`` (a writer's first commit), also deletes directories that older
@@ -34,11 +34,11 @@ def retire(
     """
     dropped = []
     if keep_last is not None:
-        needed = manifest.needed_ids(keep_last) | (hold.ids if hold is not None else set())
+        needed = manifest.needed_ids(keep_last) | (keep.ids if keep is not None else set())
         dropped = [e.id for e in manifest.checkpoints if e.id not in needed]
         if dropped:
             manifest.checkpoints = [e for e in manifest.checkpoints if e.id in needed]
-            manifest.save(storage, hold.seq if hold is not None else None)
+            manifest.save(storage, keep.seq if keep is not None else None)
     if sweep:
         named = {e.id for e in manifest.checkpoints}
         for name in storage.children():

@@ -9,7 +9,7 @@ request (``compact()``).
 
 from torchrec_cnr.compaction.background import (
     BackgroundCompaction,
-    commit_and_compact,
+    CompactionHook,
     compact,
     compaction_job,
     finishing_job,
@@ -18,7 +18,7 @@ from torchrec_cnr.compaction.compact import compact_entry
 
 __all__ = [
     "BackgroundCompaction",
-    "commit_and_compact",
+    "CompactionHook",
     "compact",
     "compact_entry",
     "compaction_job",

@@ -12,7 +12,8 @@ restore of that step reads F), the checkpoints committed since C link to F inste
 later one, continues the chain from F (:func:`rebase`): ``keep_last`` retires C's chain as
 it would any other. Until it lands, the manifest keeps C's chain (retention) and the
 checkpoints from C on out of the sealed history
-(:class:`~torchrec_cnr.commit.manifest.Hold`).
+(:class:`~torchrec_cnr.commit.manifest.Keep`). :class:`CompactionHook` plugs all this into
+the save's commit job (:func:`~torchrec_cnr.commit.job.commit_job`).
 
 A compaction that failed on some rank is reported after the job's own checkpoint, which
 is committed as usual; one whose chain the job has left (it restored another checkpoint)
@@ -28,18 +29,9 @@ import threading
 from dataclasses import dataclass
 
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.commit import (
-    CommitTarget,
-    Entry,
-    Manifest,
-    Pending,
-    append,
-    remove_failed,
-    write_and_commit,
-    write_rank,
-)
+from torchrec_cnr.commit import CommitTarget, Entry, Manifest, Pending, append, remove_failed
 from torchrec_cnr.commit.background import JobResult
-from torchrec_cnr.commit.manifest import Hold
+from torchrec_cnr.commit.manifest import Keep
 from torchrec_cnr.compaction.compact import CompactedPart, compact_part, compacted_entry
 from torchrec_cnr.iocontext import IOContext, lowered_priority
 from torchrec_cnr.read.chain import ChainReader
@@ -48,8 +40,8 @@ from torchrec_cnr.snapshot import checkpoint_id
 
 __all__ = [
     "BackgroundCompaction",
+    "CompactionHook",
     "Landing",
-    "commit_and_compact",
     "compact",
     "compaction_job",
     "finishing_job",
@@ -124,10 +116,10 @@ class BackgroundCompaction:
         self._running: _Running | None = None
 
     @property
-    def hold(self) -> Hold | None:
+    def keep(self) -> Keep | None:
         """What the compaction in flight keeps of the manifest."""
         r = self._running
-        return None if r is None else Hold(r.compacted.seq, frozenset(r.compacted.chain))
+        return None if r is None else Keep(r.compacted.seq, frozenset(r.compacted.chain))
 
     def start(
         self,
@@ -260,41 +252,53 @@ def compact(group: Collective, target: CommitTarget, io: IOContext) -> ChainStat
     return now.finish(group, target)
 
 
-def commit_and_compact(
-    pending: Pending,
-    target: CommitTarget,
-    io: IOContext,
-    every: int | None,
-    what: str,
-    group: Collective,
-    compaction: BackgroundCompaction,
-) -> JobResult:
-    """A background job: writes and commits ``pending``, landing with it the compaction in
-    flight if every rank has written its part; then starts one if the chain has grown
-    ``every`` deltas long (``CheckpointConfig.compact_every``; never if ``None``). A failed
+@dataclass
+class CompactionHook:
+    """Compaction in one save's commit job (a :class:`~torchrec_cnr.commit.job.CommitHook`):
+    lands the compaction in flight with the checkpoint once every rank has written its
+    part, keeps what it reads until then, and starts the next once the chain holds
+    ``every`` deltas (``CheckpointConfig.compact_every``; never if ``None``). A failed
     compaction leaves the committed checkpoint as it is, and is reported."""
-    written = write_rank(pending)  # first: the writer process reads staging's messages
-    landing, failed = compaction.land(group, target)
-    landed = None
-    if landing is not None:
+
+    compaction: BackgroundCompaction
+    io: IOContext
+    every: int | None
+    landing: Landing | None = None
+    """The compaction this job lands, once :meth:`before_commit` found every rank done."""
+    error: Exception | None = None
+    """The compaction's failure, reported after the commit."""
+
+    def before_commit(self, pending: Pending, group: Collective, target: CommitTarget) -> Pending:
+        landing, self.error = self.compaction.land(group, target)
+        if landing is None:
+            return pending
         rebased = rebase(pending.chain, landing.compacted, landing.new_id)
-        if rebased is not None:
-            pending, landed = dataclasses.replace(pending, chain=rebased), landing
-        elif group.rank == 0:  # the job restored another checkpoint since it started
-            remove_failed(target, landing.new_id, DROPPED_LEFT)
-    try:
-        chain = write_and_commit(
-            pending, group, target, written, landed.entry if landed else None, compaction.hold
-        )
-    except Exception:
-        if landed is not None and group.rank == 0:  # unless the manifest names it
-            remove_failed(target, landed.new_id)
-        raise
-    try:
-        compaction.start(group, target, io, chain, every)
-    except Exception as e:  # the checkpoint itself is committed
-        failed = failed or e
-    return JobResult(chain, what, followup_error=failed)
+        if rebased is None:  # the job restored another checkpoint since it started
+            if group.rank == 0:
+                remove_failed(target, landing.new_id, DROPPED_LEFT)
+            return pending
+        self.landing = landing
+        return dataclasses.replace(pending, chain=rebased)
+
+    def land(self, manifest: Manifest) -> None:
+        if self.landing is not None and self.landing.entry is not None:
+            manifest.land(self.landing.entry)
+
+    def keep(self) -> Keep | None:
+        return self.compaction.keep
+
+    def commit_failed(self, group: Collective, target: CommitTarget) -> None:
+        if self.landing is not None and group.rank == 0:  # unless the manifest names it
+            remove_failed(target, self.landing.new_id)
+
+    def after_commit(
+        self, group: Collective, target: CommitTarget, chain: ChainState
+    ) -> Exception | None:
+        try:
+            self.compaction.start(group, target, self.io, chain, self.every)
+        except Exception as e:  # the checkpoint itself is committed
+            return self.error or e
+        return self.error
 
 
 def compaction_job(

@@ -12,9 +12,10 @@ from typing import Protocol
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit import CommitTarget, Pending
 from torchrec_cnr.commit.background import JobResult
+from torchrec_cnr.commit.job import commit_job
 from torchrec_cnr.compaction import (
     BackgroundCompaction,
-    commit_and_compact,
+    CompactionHook,
     compaction_job,
     finishing_job,
 )
@@ -89,7 +90,8 @@ class InlineWriter:
 
     def commit(self, pending: Pending, target: CommitTarget, every: int | None, what: str,
                group: Collective) -> JobResult:  # fmt: skip
-        return commit_and_compact(pending, target, self.io, every, what, group, self.compaction)
+        hook = CompactionHook(self.compaction, self.io, every)
+        return commit_job(pending, target, what, group, hook)
 
     def compact(self, target: CommitTarget, chain: ChainState, what: str,
                 group: Collective) -> JobResult:  # fmt: skip

@@ -1,7 +1,8 @@
 """The writer process: encodes, writes and commits the checkpoints of one rank.
 
 It runs the same jobs as the background thread does with ``background="thread"``
-(:func:`~torchrec_cnr.compaction.commit_and_compact`, :func:`~torchrec_cnr.compaction.compaction_job`),
+(:func:`~torchrec_cnr.commit.job.commit_job` with a
+:class:`~torchrec_cnr.compaction.CompactionHook`, :func:`~torchrec_cnr.compaction.compaction_job`),
 with its own storage and I/O threads. Its collectives are run by the training process,
 which holds the ranks' process group, their payloads pickled here
 (:class:`~torchrec_cnr.offload.wire.PickledCollective`). It exits when told to, or when the training process is gone.
@@ -20,9 +21,10 @@ from typing import Any
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit import CommitTarget, Pending
 from torchrec_cnr.commit.background import JobResult
+from torchrec_cnr.commit.job import commit_job
 from torchrec_cnr.compaction import (
     BackgroundCompaction,
-    commit_and_compact,
+    CompactionHook,
     compaction_job,
     finishing_job,
 )
@@ -115,8 +117,8 @@ class _Server:
             dense = received_tensors(job["dense"], self.mapped)
             staged = replace(staged, dense=dense, rest=self._rest if job["rest"] else None)
         pending = replace(pending, writer=writer, staged=staged)
-        return commit_and_compact(pending, self._target(job), self.io, job["every"],
-                                  job["what"], self.group, self.compaction)  # fmt: skip
+        hook = CompactionHook(self.compaction, self.io, job["every"])
+        return commit_job(pending, self._target(job), job["what"], self.group, hook)
 
     def compact(self, job: dict[str, Any]) -> JobResult:
         return compaction_job(self._target(job), self.io, job["chain"], job["what"], self.group,
