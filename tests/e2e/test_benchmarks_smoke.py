@@ -17,12 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import CASES, EXPERIMENTS, SINGLE_PROCESS
 from benchmarks.harness import main
 from benchmarks.report import render, section
 from benchmarks.results import load, lookup
+from benchmarks.runs import RUNS as BENCH_RUNS
 from tests.multiprocess import run_ranks
 
+_MODULES = {r.module for r in BENCH_RUNS}
+CASES = sorted(m for m in _MODULES if not m.startswith("experiments."))
+EXPERIMENTS = sorted(m.split(".", 1)[1] for m in _MODULES if m.startswith("experiments."))
+SINGLE_PROCESS = {
+    m for m in _MODULES if all(r.launcher == "python" for r in BENCH_RUNS if r.module == m)
+}
 RUNS = [
     *((c, f"benchmarks.{c}", ()) for c in CASES),
     ("quantization_vs_greedy", "benchmarks.quantization", ("--vs-greedy",)),
