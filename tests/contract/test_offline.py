@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from benchmarks.measure import modify
 from tests import reference
 from tests.faults import Fault, FaultyStorage
 from tests.jobs import make_job, save_reference
@@ -34,6 +33,7 @@ from torchrec_cnr.commit import Manifest
 from torchrec_cnr.offline import save_export
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.storage import open_storage
+from torchrec_cnr.testing.rows import modify
 from torchrec_cnr.tracking import model_state
 
 STEPS, EVERY = 12, 3
