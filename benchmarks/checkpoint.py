@@ -38,6 +38,7 @@ from torchrec_cnr.config import QuantizeConfig
 from torchrec_cnr.encoding.writer import ENCODE_BYTES
 from torchrec_cnr.quantization import quantize
 from torchrec_cnr.storage.fs import FsStorage
+from torchrec_cnr.testing.rows import modify
 from torchrec_cnr.tracking.model_state import local_shards
 from torchrec_cnr.tracking.shard import LocalShard
 
@@ -102,7 +103,7 @@ def _cnr(b: Bench, model: Any, shards: list[LocalShard], key: tuple[measure.Poli
         saving = measure.Peak(lambda step: measure.timed_save(ckpt, step))
         saves = []
         for rep in range(b.args.repeats):
-            measure.modify(shards, rows)
+            modify(shards, rows)
             saves.append(saving(2 + rep))
     infos = measure.from_rank0(lambda: list_checkpoints(str(root)))
     # Rank 0's staged bytes: table-wise tables spread evenly, every rank stages as much.
@@ -182,7 +183,7 @@ def _side_by_side(
         with CheckpointManager(model, chains[name]) as ckpt:
             for step in range(1, deltas + 2):
                 if step > 1:
-                    measure.modify(shards, sels[frac])
+                    modify(shards, sels[frac])
                 measure.timed_save(ckpt, step)
     # The last commit round's full checkpoints, as they stand: fp32 and 4-bit; and the
     # first chain again within a memory budget, and through the page cache.

@@ -38,6 +38,7 @@ from benchmarks.measure import GB, StepLoop
 from benchmarks.results import Goal, Table
 from cnr_train.workload import ZipfBatches
 from torchrec_cnr import CheckpointConfig, CheckpointManager, DcpStager
+from torchrec_cnr.testing.memory import proc_status_mb, reset_peak_rss
 
 Wait = Callable[[], bool]
 """Whether the write in flight has ended."""
@@ -93,7 +94,7 @@ def run(b: Bench) -> Outcome:
     def arm(name: str, call: Callable[[], Wait]) -> float:
         """``call()`` (the save), then training until the write ends; its figures noted."""
         dist.barrier()
-        before = measure.reset_peak_rss()
+        before = reset_peak_rss()
         t0 = time.perf_counter()
         done = call()
         blocked = time.perf_counter() - t0
@@ -102,7 +103,7 @@ def run(b: Bench) -> Outcome:
         while len(steps) < a.steps or not all(measure.gathered(done())):
             steps += loop.train(1)
         total = time.perf_counter() - t0
-        peak = measure.proc_status_mb("VmHWM") - before
+        peak = proc_status_mb("VmHWM") - before
         blocked_s, total_s = measure.max_over_ranks(blocked, total)
         got = figures.setdefault(name, {})
         for key, value in (

@@ -1,6 +1,8 @@
 """What the benchmarks measure with, written once: timing over ranks (every figure the
 slowest rank's), the limits figures are compared with (the disk, a memcpy), cold reads and
-peak memory, the model most cases checkpoint and the rows they modify, and an S3 store.
+peak memory, the model most cases checkpoint and the rows they choose, and an S3 store.
+What the tests share with them (the local stores, the rows modified on purpose, the memory
+readings) is in :mod:`torchrec_cnr.testing`.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
 
-from benchmarks import stores
-from benchmarks.stores import moto_server
 from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
 from torchrec_cnr import CheckpointManager, QuantizeConfig
 from torchrec_cnr.rowcopy import put_rows
 from torchrec_cnr.storage import fs
-from torchrec_cnr.tracking import bitmap
+from torchrec_cnr.testing import stores
+from torchrec_cnr.testing.memory import proc_status_mb, reset_peak_rss
+from torchrec_cnr.testing.stores import moto_server
 from torchrec_cnr.tracking.shard import LocalShard
 from torchrec_cnr.tracking.tracker import TrackingMode
 
@@ -223,22 +225,6 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def proc_status_mb(name: str) -> float:
-    """A memory figure of this process (``VmRSS``, ``VmHWM``, ...) in MB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(name + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {name} in /proc/self/status")
-
-
-def reset_peak_rss() -> float:
-    """Resets this process's peak resident set size (``VmHWM``) to the current one, in MB."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return proc_status_mb("VmRSS")
-
-
 class Peak:
     """``fn`` that notes the most resident memory its calls added over their start, MB (this
     rank's; the peak resident set reset at each call): ``fn``'s alone, not the work around."""
@@ -327,19 +313,6 @@ def random_rows(
     return {f: [p[: round(f * p.numel())].sort().values for p in perms] for f in fractions}
 
 
-def modify(shards: list[LocalShard], rows: Rows) -> None:
-    """Exactly ``rows`` are modified since the last checkpoint: their tracker bits set,
-    every other bit cleared, and their weights nudged so that a delta holds real changes."""
-    with torch.no_grad():
-        for s, r in zip(shards, rows):
-            s.drain()
-            s.weight[r] += 1e-3
-            if s.words is not None and s.recent is not None:
-                s.words.zero_()
-                s.recent.zero_()  # what a follower reads: changed since the last checkpoint
-                bitmap.set_bits_in_both(s.words, s.recent, r)
-
-
 def max_abs_diff(shards: list[LocalShard], rows: Rows, values: Rows) -> float:
     """The largest difference, over ranks, between ``rows`` of each shard and ``values``."""
     pairs = [(s.weight[r], v) for s, r, v in zip(shards, rows, values) if r.numel()]
@@ -363,7 +336,7 @@ def timed_restore(
 
 def store_cpu_s(url: str | None) -> float | None:
     """CPU seconds the local server at ``url`` has used, where this process started it
-    (:mod:`benchmarks.stores`); ``None`` otherwise."""
+    (:mod:`torchrec_cnr.testing.stores`); ``None`` otherwise."""
     pid = stores.STARTED.get(url or "")
     return None if pid is None else process_cpu_s(pid)
 

@@ -25,6 +25,7 @@ from benchmarks.results import Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, checkpoint_info, list_checkpoints
 from torchrec_cnr.cli import main as cnr
 from torchrec_cnr.offline import export_state_dict, read_table, save_export
+from torchrec_cnr.testing.rows import modify
 from torchrec_cnr.tracking.model_state import local_shards
 
 T = TypeVar("T")
@@ -45,7 +46,7 @@ def _chain(b: Bench, root: Path, model: torch.nn.Module) -> CheckpointManager:
     measure.timed_save(ckpt, 1)
     frac = b.args.fraction
     for step in range(2, b.args.deltas + 2):
-        measure.modify(shards, measure.random_rows(shards, [frac], seed=step)[frac])
+        modify(shards, measure.random_rows(shards, [frac], seed=step)[frac])
         measure.timed_save(ckpt, step)
     return ckpt
 

@@ -3,11 +3,13 @@ its command, environment, tables and each target's measured value, bound and ver
 
     .venv/bin/python -m benchmarks.report                          # benchmarks/results/ only
     .venv/bin/python -m benchmarks.report benchmarks/results out/bench
+    .venv/bin/python -m benchmarks.report out/bench --render PAGE.md   # to stdout only
 
 A result's id is its file name without ``.json``, a later folder's replacing an earlier
 one's. In ``benchmarks/templates/*.md`` each line ``<!-- result: ID -->`` becomes the
 section of result ``ID``, the page written under ``--docs``; ``--smoke`` results are left
-out unless ``--allow-smoke``. Figures in prose are never typed: ``{{ID:dotted.path}}`` is a
+out unless ``--allow-smoke``; ``--render FILE`` prints FILE rendered (a template of one's
+own) and writes nothing. Figures in prose are never typed: ``{{ID:dotted.path}}`` is a
 value of result ``ID`` (a key with a dot in brackets: ``by_frac[0.25%].ratio``), and
 ``{{EXPR|SPEC}}`` arithmetic on such values (``+ - * /`` between spaces, numbers,
 parentheses, ``min`` and ``max``) with a format spec, e.g.
@@ -254,8 +256,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--allow-smoke", action="store_true", help="render --smoke results too")
     p.add_argument("--readme", type=Path, default=README,
                    help="README whose figures block is rendered")  # fmt: skip
+    p.add_argument("--render", type=Path, metavar="FILE",
+                   help="print FILE rendered from the results; write no page")  # fmt: skip
     args = p.parse_args(argv)
     results = collect(args.folders, args.allow_smoke)
+    if args.render is not None:
+        sys.stdout.write(render(args.render.read_text(), results))
+        return 0
     for template in sorted(TEMPLATES.glob("*.md")):
         page = args.docs / template.name
         header = (

@@ -20,6 +20,8 @@ from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
 from benchmarks.results import Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
+from torchrec_cnr.testing.memory import proc_status_mb, reset_peak_rss
+from torchrec_cnr.testing.rows import modify
 from torchrec_cnr.tracking.model_state import local_shards
 
 FIGURES = {"stall_s": "stall (s)", "commit_s": "commit (s)", "restore_s": "restore, cold (s)",
@@ -46,17 +48,17 @@ def _size(b: Bench, gb: float) -> list[dict[str, Any]]:
     for quant, qcfg in measure.QUANTS.items():
         root = b.scratch / f"{gb}_{quant}"
         gc.collect()
-        base = measure.reset_peak_rss()
+        base = reset_peak_rss()
         cfg = CheckpointConfig(path=str(root), policy="intermittent", quantize=qcfg)
         with CheckpointManager(model, cfg) as ckpt:
             for step, saved in enumerate(SAVED, start=1):
                 if saved < 1:
-                    measure.modify(shards, sels[saved])
+                    modify(shards, sels[saved])
                 stall, commit = measure.timed_save(ckpt, step)
-                (save_peak,) = measure.max_over_ranks(measure.proc_status_mb("VmHWM") - base)
+                (save_peak,) = measure.max_over_ranks(proc_status_mb("VmHWM") - base)
                 measure.drop_cache(root)
                 restore, _ = measure.timed(functools.partial(ckpt.restore, step=step))
-                (peak,) = measure.max_over_ranks(measure.proc_status_mb("VmHWM") - base)
+                (peak,) = measure.max_over_ranks(proc_status_mb("VmHWM") - base)
                 got = [stall, commit, restore, max(save_peak, peak)]
                 rows.append({"gb_per_rank": local_gb, "quant": quant, "saved": saved,
                              **dict(zip(FIGURES, got))})  # fmt: skip

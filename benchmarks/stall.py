@@ -20,6 +20,7 @@ from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
 from torchrec_cnr.config import Staging
+from torchrec_cnr.testing.rows import modify
 from torchrec_cnr.tracking import model_state
 
 MODES: tuple[Staging, ...] = ("eager", "lazy")
@@ -43,7 +44,7 @@ def _case(b: Bench, w: Any, shards: list[Any], mode: Staging, frac: float, rows:
     with CheckpointManager(w.model, cfg) as ckpt:
         measure.timed_save(ckpt, 1)
         for rep in range(b.args.repeats):
-            measure.modify(shards, rows)
+            modify(shards, rows)
             saves.append(measure.timed_save(ckpt, 2 + rep))
             lazy = ckpt.lazy_staging
             hook.append(0.0 if lazy is None else lazy.background_s)

@@ -22,10 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks import measure, stores
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.results import Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
+from torchrec_cnr.testing import stores
+from torchrec_cnr.testing.rows import modify
 from torchrec_cnr.tracking.model_state import local_shards
 
 
@@ -49,7 +51,7 @@ def _measure(
         )  # fmt: skip
         with CheckpointManager(model, config) as ckpt:
             full.append(measure.timed_save(ckpt, 1)[1])
-            measure.modify(shards, rows)
+            modify(shards, rows)
             delta.append(measure.timed_save(ckpt, 2)[1])
             took, restored = measure.timed(ckpt.restore)
             assert restored == 2, restored

@@ -53,8 +53,8 @@ def refs(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """The URL of a moto S3 server running in its own process on loopback, started as the
-    benchmarks start theirs."""
-    from benchmarks.stores import moto_server
+    benchmarks start theirs (:mod:`torchrec_cnr.testing.stores`)."""
+    from torchrec_cnr.testing.stores import moto_server
 
     with moto_server() as url:
         yield url
@@ -86,7 +86,7 @@ def s3_root(s3_env: str) -> str:
 @pytest.fixture(scope="session")
 def gcs_endpoint() -> Iterator[str]:
     """The URL of a ``gcp-storage-emulator`` GCS server in its own process on loopback."""
-    from benchmarks.stores import gcs_server
+    from torchrec_cnr.testing.stores import gcs_server
 
     with gcs_server() as url:
         yield url
@@ -95,7 +95,7 @@ def gcs_endpoint() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def azurite_endpoint() -> Iterator[str]:
     """The URL of an Azurite blob server in its own process on loopback."""
-    from benchmarks.stores import azurite_binary, azurite_server
+    from torchrec_cnr.testing.stores import azurite_binary, azurite_server
 
     if azurite_binary() is None:
         pytest.skip("Azurite is not installed (make setup installs it where npm is)")
@@ -126,7 +126,7 @@ def _root(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if kind == "s3fs":  # the moto bucket, through s3fs; the endpoint from the environment
         return "s3a" + str(request.getfixturevalue("s3_root")).removeprefix("s3")
     if kind == "azure":
-        from benchmarks.stores import azurite_connection_string
+        from torchrec_cnr.testing.stores import azurite_connection_string
 
         url = request.getfixturevalue("azurite_endpoint")
         options = {"connection_string": azurite_connection_string(url)}

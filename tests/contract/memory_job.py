@@ -18,9 +18,9 @@ import tempfile
 
 import torch.distributed as dist
 
-from benchmarks.measure import proc_status_mb
 from cnr_train.workload import TableSpec, build_model, dense_optimizer
 from torchrec_cnr import CheckpointConfig, CheckpointManager
+from torchrec_cnr.testing.memory import proc_status_mb
 
 TABLES = [TableSpec("big", 250_000, 64, "table_wise"), TableSpec("small", 1000, 64, "table_wise")]
 

@@ -6,7 +6,8 @@ every storage backend.
   chain fits in host memory or is read twice.
 - A damaged, truncated, deleted or garbage manifest: every rank raises the same
   ``ManifestError`` naming it within seconds; ``cnr verify`` says the previous committed
-  manifest is intact, and ``manifest_fallback=True`` restores from it.
+  manifest is intact, and ``manifest_fallback=True`` restores from it; one that is not
+  JSON is named by ``Manifest.load``.
 """
 
 from __future__ import annotations
@@ -174,6 +175,12 @@ def test_a_damaged_manifest_fails_every_rank_at_once_and_the_previous_one_is_kep
     run_ranks(2, _falls_back, any_root)
     assert Manifest.load(any_root).steps() == [2, 4, 6]
     assert cnr(["verify", any_root]) == 0
+
+
+def test_corrupt_manifest_is_named(tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(ManifestError, match="manifest.json"):
+        Manifest.load(tmp_path)
 
 
 @pytest.mark.dist

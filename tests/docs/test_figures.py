@@ -17,8 +17,12 @@ import re
 
 import pytest
 
-from benchmarks.report import README_BLOCK, TEMPLATES
 from tests.docs.markdown import GENERATED, PAGES, REPO
+
+TEMPLATES = REPO / "benchmarks" / "templates"
+"""What ``python -m benchmarks.report`` renders README's figures block and docs/ from."""
+README_BLOCK = re.compile(r"<!-- figures: begin -->\n.*?<!-- figures: end -->", re.DOTALL)
+"""README's figures block, rendered from ``templates/readme/figures.md``."""
 
 HAND_WRITTEN = [page for page in PAGES if page not in GENERATED]
 

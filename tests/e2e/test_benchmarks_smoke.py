@@ -1,27 +1,58 @@
 """Every benchmark and experiment of ``benchmarks/`` end to end in ``--smoke`` mode: tiny
 sizes, the same code path. Each must succeed and write a result that parses, with
-measurements and every declared target evaluated. Verdicts are not checked: timings of
-tiny runs on a shared machine are noise.
+measurements and every declared target evaluated, that ``python -m benchmarks.report``
+renders. Verdicts are not checked: timings of tiny runs on a shared machine are noise.
 
-Each runs its module's ``main`` on the tests' ranks (:mod:`tests.multiprocess`: gloo
-ranks started by the library's launcher, as torchrun's are), 2 of them for the cases
-``make bench`` runs under torchrun and 1 for the others; the harness runs a case on the
-group it finds (see ``benchmarks.harness.main``), so that the suite pays for each case's
-work and not for starting and importing torchrec again for each.
+The benchmarks are checked from outside, as a user runs them: the cases are those ``python
+-m benchmarks.runs --list`` prints (what ``make bench`` runs), each runs as ``python -m
+benchmarks.<name> --smoke ...`` would (its module run as ``__main__`` with those
+arguments), and the test reads the files it writes. Each runs on the tests' ranks
+(:mod:`tests.multiprocess`: gloo ranks started by the library's launcher, as torchrun's
+are), 2 of them for the cases ``make bench`` runs under torchrun and 1 for the others; the
+harness runs a case on the group it finds, so that the suite pays for each case's work and
+not for starting and importing torchrec again for each.
 """
 
 from __future__ import annotations
 
-import importlib
+import json
+import re
+import runpy
+import shlex
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from benchmarks import CASES, EXPERIMENTS, SINGLE_PROCESS
-from benchmarks.harness import main
-from benchmarks.report import render, section
-from benchmarks.results import load, lookup
+from tests import REPO
 from tests.multiprocess import run_ranks
+
+
+def _bench_modules() -> dict[str, bool]:
+    """Each module ``make bench`` runs (less ``benchmarks.``) -> whether it runs in one
+    process (``python -m``) in every run, from ``python -m benchmarks.runs --list``."""
+    listed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.runs", "--list"],
+        cwd=REPO, capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    found: dict[str, bool] = {}
+    for line in listed.stdout.splitlines():
+        argv = shlex.split(line)
+        at = argv.index("-m")
+        module = argv[at + 1].removeprefix("benchmarks.")
+        if module != "report":
+            alone = not any(a.endswith("torchrun") for a in argv[:at])
+            found[module] = found.get(module, True) and alone
+    return found
+
+
+_MODULES = _bench_modules()
+CASES = sorted(m for m in _MODULES if not m.startswith("experiments."))
+EXPERIMENTS = sorted(m.split(".", 1)[1] for m in _MODULES if m.startswith("experiments."))
+SINGLE_PROCESS = {m for m, alone in _MODULES.items() if alone}
+"""Cases run by ``python -m`` in one process (serving, shards...); the others by torchrun."""
 
 RUNS = [
     *((c, f"benchmarks.{c}", ()) for c in CASES),
@@ -56,9 +87,47 @@ PARAMS = [
 ]
 
 
-def _main(module: str, argv: list[str]) -> None:
-    case = importlib.import_module(module)
-    assert main(case.CASE, case.__doc__, argv) == 0
+PART = re.compile(r"\[([^\]]*)\]|([^.\[\]]+)")
+"""A part of a dotted key of a result: a name, or one with dots in brackets."""
+
+
+def _lookup(tree: Any, key: str) -> Any:
+    """The value at a dotted ``key`` of a result (list items by index), or :data:`MISSING`."""
+    node = tree
+    for quoted, plain in PART.findall(key):
+        part = quoted or plain
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return MISSING
+    return node
+
+
+def _run_module(module: str, argv: list[str]) -> None:
+    """``python -m module *argv`` on this rank: the module run as ``__main__`` with those
+    arguments; it must exit 0."""
+    saved = sys.argv
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as ended:
+        assert ended.code in (0, None), f"python -m {module} exited {ended.code}"
+    finally:
+        sys.argv = saved
+
+
+def _report(folder: Path, template: str) -> str:
+    """``template`` as ``python -m benchmarks.report`` renders it from the results in
+    ``folder``, smoke runs included."""
+    path = folder.parent / "template.md"
+    path.write_text(template)
+    command = [sys.executable, "-m", "benchmarks.report", str(folder), "--allow-smoke",
+               "--render", str(path)]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 @pytest.mark.timeout(300)  # seconds alone; minutes on a machine that is busy
@@ -73,9 +142,10 @@ def test_smoke_run_writes_a_result_with_measurements_and_evaluated_targets(
     out = tmp_path / f"{name}.json"
     ranks = 1 if module.rsplit(".", 1)[-1] in SINGLE_PROCESS else 2
     argv = [*extra, "--smoke", "--out", str(out), "--scratch", str(tmp_path)]
-    run_ranks(ranks, _main, module, argv)
+    run_ranks(ranks, _run_module, module, argv)
 
-    result = load(out)
+    result = json.loads(out.read_text())
+    assert result["format_version"] == 1
     assert result["smoke"] is True
     assert f"-m {module}" in result["command"] and "--smoke" in result["command"]
     assert result["environment"]["cpu_count"] and result["environment"]["versions"]["torch"]
@@ -87,12 +157,15 @@ def test_smoke_run_writes_a_result_with_measurements_and_evaluated_targets(
         # on a busy machine has no clean steps to pace it by), and its verdict is n/a.
         keys = [t["measured_key"], *([t["reference"]] if isinstance(t["reference"], str) else [])]
         for key in keys:
-            assert lookup(result["measurements"], key, MISSING) is not MISSING, (key, t)
+            assert _lookup(result["measurements"], key) is not MISSING, (key, t)
         if t["verdict"] == "n/a":
             assert None in (t["measured"], t["reference_value"]), t
             continue
         assert t["verdict"] in ("PASS", "MISS", "MIXED"), t
         assert t["measured"] is not None and t["bound"] is not None, t
     # The report renders it (smoke results are only left out of the docs by default).
-    assert result["command"] in render(f"<!-- result: {name} -->", {name: result})
-    assert section(result)
+    alone = tmp_path / "report" / f"{name}.json"
+    alone.parent.mkdir()
+    alone.write_bytes(out.read_bytes())
+    section = _report(alone.parent, f"<!-- result: {name} -->\n")
+    assert result["command"] in section and "Environment:" in section

@@ -45,6 +45,7 @@ STAGES = [
     ("serving",),
     ("manager",),
     ("trainers",),
+    ("testing",),
     ("cli", "__init__"),
 ]
 RANK = {name: i for i, names in enumerate(STAGES) for name in names}
