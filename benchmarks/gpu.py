@@ -42,6 +42,7 @@ from benchmarks.results import Goal, Table
 from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
 from torchrec_cnr import CheckpointConfig, CheckpointManager, DcpStager, list_checkpoints
 from torchrec_cnr.launch import init_distributed
+from torchrec_cnr.testing.rows import modify
 from torchrec_cnr.tracking import model_state
 
 DIM = 64
@@ -107,7 +108,7 @@ def _stall(b: Bench, gib: float) -> list[dict[str, Any]]:
             on_device = [r.to(a.device) for r in rows]
             saves, background = [], []
             for _ in range(a.repeats):
-                measure.modify(shards, on_device)
+                modify(shards, on_device)
                 _sync(a.device)
                 saves.append(measure.timed_save(ck, next(steps))[0])
                 lazy = ck.lazy_staging

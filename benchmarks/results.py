@@ -66,11 +66,17 @@ class Goal:
 
     def evaluate(self, measurements: dict[str, Any]) -> dict[str, Any]:
         """The target with its measured value, reference, bound and verdict: ``PASS``, ``MISS``,
-        ``MIXED`` (a range passes at one end only) or ``n/a`` (a value is missing)."""
-        measured = lookup(measurements, self.measured_key)
+        ``MIXED`` (a range passes at one end only) or ``n/a`` (a value is ``None``: the run
+        could not measure it).
+
+        Raises:
+            KeyError: a key the target names is not among ``measurements`` (a benchmark's
+                mistake, never a verdict).
+        """
+        measured = self._value(measurements, self.measured_key)
         reference = self.reference
         if isinstance(reference, str):
-            reference = lookup(measurements, reference)
+            reference = self._value(measurements, reference)
         ends, refs = _ends(measured), _ends(reference)
         verdict, bound = "n/a", None
         if ends is not None and refs is not None and len(refs) == 1:
@@ -79,6 +85,12 @@ class Goal:
             verdict = "PASS" if all(passed) else "MISS" if not any(passed) else "MIXED"
         return {**asdict(self), "measured": measured, "reference_value": reference,
                 "bound": bound, "verdict": verdict}  # fmt: skip
+
+    def _value(self, measurements: dict[str, Any], key: str) -> Any:
+        found = lookup(measurements, key, missing=KeyError)
+        if found is KeyError:
+            raise KeyError(f"target {self.name!r} names {key!r}, which was not measured")
+        return found
 
 
 Column = str | Callable[[dict[str, Any]], Any]

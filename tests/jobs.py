@@ -29,7 +29,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer
 from tests import models, reference
-from torchrec_cnr import CheckpointConfig, CheckpointManager
+from torchrec_cnr import CheckpointConfig, CheckpointManager, QuantizeConfig
 from torchrec_cnr.storage import Storage
 from torchrec_cnr.tracking.tracker import TrackingMode
 
@@ -156,6 +156,15 @@ def make_job(
     if root is not None:
         job.attach(root, storage, **config)
     return job
+
+
+def interval_config(
+    root: str, policy: str, every: int, quant: dict[str, Any] | None = None, **config: Any
+) -> CheckpointConfig:
+    """A root's configuration: ``policy`` every ``every`` steps, ``quant`` as
+    :class:`QuantizeConfig`'s fields (fp32 if ``None``), ``config`` the other fields."""
+    quantize = QuantizeConfig(**(quant or {}))
+    return CheckpointConfig(root, policy=policy, interval_steps=every, quantize=quantize, **config)  # type: ignore[arg-type]
 
 
 def save_reference(job: Job, refs: Path | str, step: int) -> None:

@@ -151,3 +151,8 @@ def full_tables(refs: list[dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]
                 elif spec.col_offset == 0:
                     table.setdefault(name, torch.zeros(spec.num_embeddings))[rows] = value.float()
     return out
+
+
+def tables_at(folder: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The whole tables of every rank's reference of ``step`` (see :func:`full_tables`)."""
+    return full_tables(load_all(folder, step))

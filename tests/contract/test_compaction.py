@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tests import reference
 from tests.faults import Fault, FaultyStorage
-from tests.jobs import make_job, save_reference
+from tests.jobs import interval_config, make_job, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import (
     CheckpointConfig,
@@ -37,23 +37,11 @@ STEPS, EVERY = 12, 3
 QUANT: dict = {"method": "adaptive", "bits": 4, "min_rows": 1000}
 
 
-def _config(root: str, policy: str, quant: dict | None, **config) -> CheckpointConfig:
-    return CheckpointConfig(
-        path=root,
-        policy=policy,  # type: ignore[arg-type]
-        interval_steps=EVERY,
-        quantize=QuantizeConfig(**(quant or {})),
-        **config,
-    )
-
-
-def _expected(refs: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
-    return reference.full_tables(reference.load_all(refs, step))
-
-
 def _compact_in_job(root: str, refs: str, policy: str, quant: dict | None) -> None:
     job = make_job("ebc", optimizer="exact_adagrad", seed=1)
-    with CheckpointManager(job.model, _config(root, policy, quant), job.app_state) as ckpt:
+    with CheckpointManager(
+        job.model, interval_config(root, policy, EVERY, quant), job.app_state
+    ) as ckpt:
         job.run(1, STEPS, refs, ckpt=ckpt)
         ckpt.wait()
         if policy != "full":
@@ -134,7 +122,7 @@ def test_deltas_that_hold_whole_shards_compact_exactly(root: str, refs: Path) ->
     assert any(not r.all_rows and r.saved_rows for r in delta.shards)
     latest = manifest.latest()
     assert latest is not None and latest.compacted_from == delta.id
-    for table, values in _expected(refs, 2).items():
+    for table, values in reference.tables_at(refs, 2).items():
         assert torch.equal(read_table(root, table), values["weight"]), table
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests import reference
-from tests.jobs import make_job, save_reference
+from tests.jobs import interval_config, make_job, save_reference
 from tests.models import unsharded
 from tests.multiprocess import run_ranks
 from torchrec_cnr import (
@@ -30,26 +30,12 @@ from torchrec_cnr.selection import POLICIES
 STEPS, EVERY = 12, 3
 
 
-def _config(root: str, policy: str, quant: dict | None, **config) -> CheckpointConfig:
-    return CheckpointConfig(
-        path=root,
-        policy=policy,  # type: ignore[arg-type]
-        interval_steps=EVERY,
-        quantize=QuantizeConfig(**(quant or {})),
-        **config,
-    )
-
-
 def _train(root: str, refs: str, policy: str, quant: dict | None = None, **config) -> None:
     job = make_job("ebc", optimizer="exact_adagrad", seed=1)
     with CheckpointManager(
-        job.model, _config(root, policy, quant, **config), job.app_state
+        job.model, interval_config(root, policy, EVERY, quant, **config), job.app_state
     ) as ckpt:
         job.run(1, STEPS, refs, ckpt=ckpt)
-
-
-def _expected(refs: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
-    return reference.full_tables(reference.load_all(refs, step))
 
 
 @pytest.mark.dist
@@ -59,7 +45,7 @@ def test_tables_read_and_export_without_a_model_equal_the_live_model(
 ) -> None:
     run_ranks(2, _train, root, str(refs), policy)
     for step in (EVERY, 9, STEPS):
-        want = _expected(refs, step)
+        want = reference.tables_at(refs, step)
         for table, values in want.items():
             assert torch.equal(read_table(root, table, step), values["weight"]), (table, step)
             states = read_optimizer_state(root, table, step)
@@ -99,7 +85,9 @@ def test_cnr_export_writes_the_state_dict_of_a_step(tmp_path: Path, capsys) -> N
     assert cnr(["export", root, "--step", "9", "--out", str(out), "--tables", "t_row_wise"]) == 0
     saved = torch.load(out)
     assert list(saved) == ["sparse.ebc.embedding_bags.t_row_wise.weight"]
-    assert torch.equal(saved[list(saved)[0]], _expected(refs, 9)["sparse.ebc.t_row_wise"]["weight"])
+    assert torch.equal(
+        saved[list(saved)[0]], reference.tables_at(refs, 9)["sparse.ebc.t_row_wise"]["weight"]
+    )
     assert cnr(["export", root, "--step", "10", "--out", str(out)]) == 2
     assert "no committed checkpoint of step 10" in capsys.readouterr().err
 
@@ -127,9 +115,9 @@ def test_a_quantized_chain_reads_as_the_dequantized_stored_rows(
         restored_dir = tmp_path / f"restored-{step}"
         restored_dir.mkdir()
         run_ranks(2, _restored, root, str(restored_dir), step)
-        restored = _expected(restored_dir, step)
+        restored = reference.tables_at(restored_dir, step)
         exported = export_state_dict(root, step)
-        for table, values in _expected(refs, step).items():
+        for table, values in reference.tables_at(refs, step).items():
             got = read_table(root, table, step)
             assert torch.equal(got, restored[table]["weight"]), (table, step)
             key = table.replace(".ebc.", ".ebc.embedding_bags.").replace(

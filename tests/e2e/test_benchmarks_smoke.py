@@ -16,13 +16,11 @@ not for starting and importing torchrec again for each.
 from __future__ import annotations
 
 import json
-import re
 import runpy
 import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -76,7 +74,6 @@ RUNS = [
     ("policy_bytes", "benchmarks.policies", ("--figure",)),
     *((e, f"benchmarks.experiments.{e}", ()) for e in EXPERIMENTS),
 ]
-MISSING = object()
 PARAMS = [
     pytest.param(
         *run,
@@ -85,24 +82,6 @@ PARAMS = [
     )
     for run in RUNS
 ]
-
-
-PART = re.compile(r"\[([^\]]*)\]|([^.\[\]]+)")
-"""A part of a dotted key of a result: a name, or one with dots in brackets."""
-
-
-def _lookup(tree: Any, key: str) -> Any:
-    """The value at a dotted ``key`` of a result (list items by index), or :data:`MISSING`."""
-    node = tree
-    for quoted, plain in PART.findall(key):
-        part = quoted or plain
-        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        elif isinstance(node, dict) and part in node:
-            node = node[part]
-        else:
-            return MISSING
-    return node
 
 
 def _run_module(module: str, argv: list[str]) -> None:
@@ -152,12 +131,10 @@ def test_smoke_run_writes_a_result_with_measurements_and_evaluated_targets(
     assert result["measurements"] and result["tables"]
     assert all(t["rows"] for t in result["tables"]), result["tables"]
     for t in result["targets"]:
-        # Every key a target names was recorded; a value may be None where the benchmark
-        # could not estimate it this run (a tiny arm whose every step overlapped a commit
-        # on a busy machine has no clean steps to pace it by), and its verdict is n/a.
-        keys = [t["measured_key"], *([t["reference"]] if isinstance(t["reference"], str) else [])]
-        for key in keys:
-            assert _lookup(result["measurements"], key) is not MISSING, (key, t)
+        # Every key a target names was recorded (the harness refuses to write a result
+        # otherwise); a value may be None where the benchmark could not estimate it this
+        # run (a tiny arm whose every step overlapped a commit on a busy machine has no
+        # clean steps to pace it by), and its verdict is n/a.
         if t["verdict"] == "n/a":
             assert None in (t["measured"], t["reference_value"]), t
             continue
