@@ -22,7 +22,7 @@ Beneath the stages: ``schema`` is the on-disk contract (every persisted type and
 ``storage`` the backends (file systems, S3, fsspec) and ``snapshot`` one checkpoint
 directory's tensors; ``iocontext`` the I/O options and the thread pools every reader and
 writer runs on. Beside them: ``recovery`` CPR's interval choice and the save schedule;
-``offload`` the writer in a process of its own; ``interop`` PyTorch's DCP format (import,
+``writer_process`` the writer in a process of its own; ``interop`` PyTorch's DCP format (import,
 export, the stager); ``manager`` only sequences the stages.
 """
 

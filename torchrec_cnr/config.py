@@ -267,7 +267,7 @@ class CheckpointConfig:
     training's for the GIL. ``process``: in a writer process per rank, started with the
     manager (Linux): the training process keeps only the copy of lazily staged rows (in
     C) and relays the writer's collectives; staging buffers are shared memory, which the
-    writer process maps (see ``torchrec_cnr.offload``). Needs ``staging_memory_mb=None``
+    writer process maps (see ``torchrec_cnr.writer_process``). Needs ``staging_memory_mb=None``
     (every checkpoint staged whole) and a config that pickles."""
     verify_checksums: bool = True
     """Check every tensor a restore reads against the checksum recorded at save time."""

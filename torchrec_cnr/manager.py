@@ -26,7 +26,6 @@ from torchrec_cnr.errors import CheckpointError
 from torchrec_cnr.interop.dcp_import import import_dcp
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.launch import warn_if_restarts_unsafe
-from torchrec_cnr.offload import InlineWriter, Writer, WriterProcess
 from torchrec_cnr.read import Intact
 from torchrec_cnr.recovery import SaveSchedule
 from torchrec_cnr.restore import LocalModel, ModelLoader, Restored, RestoreScope
@@ -36,6 +35,7 @@ from torchrec_cnr.snapshot.objects import check_app_state, resolve_globals
 from torchrec_cnr.staging import LazyStaging, Stager
 from torchrec_cnr.storage import Storage
 from torchrec_cnr.tracking import model_state
+from torchrec_cnr.writer_process import InlineWriter, Writer, WriterProcess
 
 __all__ = ["CheckpointError", "CheckpointManager"]
 

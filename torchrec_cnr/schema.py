@@ -70,7 +70,7 @@ __all__ = [
     "DenseInfo",
     "Entry",
     "Format",
-    "Holder",
+    "LeaseHolder",
     "IntervalDecision",
     "Kind",
     "ManifestRecord",
@@ -1058,7 +1058,7 @@ class ManifestRecord:
 
 
 @dataclass
-class Holder:
+class LeaseHolder:
     """The job that holds (or held) a root, as ``lease.json`` records it (whether it still
     counts is the lease's rule: :func:`torchrec_cnr.commit.lease.holder_gone`)."""
 
@@ -1080,7 +1080,7 @@ class Holder:
         return json.dumps(asdict(self)).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Holder:
+    def from_bytes(cls, data: bytes) -> LeaseHolder:
         return cls(**json.loads(data))
 
 

@@ -23,7 +23,7 @@ from tests.multiprocess import free_port, run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointError, Timeouts
 from torchrec_cnr.commit import Manifest
 
-WRITER = "torchrec_cnr.offload.server"
+WRITER = "torchrec_cnr.writer_process.server"
 
 
 def _writers(pid: int) -> list[int]:
@@ -88,7 +88,7 @@ def _killed_mid_commit_fails_everywhere(root: str, after: str) -> None:
     last, of a commit's collectives: rank 0's writer then waits in a later collective,
     or has finished, and either way every rank must raise rank 1's error at once (not
     at the collective timeout, which the test's own outlasts)."""
-    from torchrec_cnr.offload import client
+    from torchrec_cnr.writer_process import client
 
     job = make_job("ebc", root, seed=1, policy="consecutive", background="process",
                    timeouts=Timeouts(collective_timeout_s=3600))  # fmt: skip
@@ -211,8 +211,8 @@ def _refuse() -> None:
 def test_a_writer_process_that_fails_to_start_fails_the_job_with_why(tmp_path: Path) -> None:
     from torchrec_cnr.collectives import Collective
     from torchrec_cnr.commit import CommitTarget
-    from torchrec_cnr.offload import WriterProcess
     from torchrec_cnr.selection import ChainState, Policy
+    from torchrec_cnr.writer_process import WriterProcess
 
     config = CheckpointConfig(path=str(tmp_path), background="process")
     writer = WriterProcess(config, 0, 1, UnreadableStorage())  # type: ignore[arg-type]

@@ -39,7 +39,7 @@ STAGES = [
     ("read",),
     ("restore",),
     ("compaction",),
-    ("offload",),
+    ("writer_process",),
     ("offline",),
     ("interop",),
     ("serving",),

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults import Fault, FaultyStorage
-from torchrec_cnr.commit.lease import Holder, Lease, holder_gone
+from torchrec_cnr.commit.lease import Lease, LeaseHolder, holder_gone
 from torchrec_cnr.commit.manifest import Manifest
 from torchrec_cnr.storage import Storage, open_storage
 
@@ -63,12 +63,12 @@ def _holder(
     run_id: str = "",
     age_s: float = 0.0,
     released: bool = False,
-) -> Holder:
+) -> LeaseHolder:
     now = time.time()
-    return Holder(generation, run_id, host, pid, now - 3600, now - age_s, released)
+    return LeaseHolder(generation, run_id, host, pid, now - 3600, now - age_s, released)
 
 
-def _write_lease(storage: Storage, holder: Holder) -> None:
+def _write_lease(storage: Storage, holder: LeaseHolder) -> None:
     storage.create()
     storage.write("lease.json", json.dumps(asdict(holder)).encode())
 
@@ -167,7 +167,7 @@ def test_take_over_claims_from_a_live_holder(storage: Storage, leases: list[Leas
     ],
 )
 def test_a_stale_or_released_lease_can_be_claimed(
-    storage: Storage, leases: list[Lease], gone: Holder
+    storage: Storage, leases: list[Lease], gone: LeaseHolder
 ) -> None:
     _write_lease(storage, gone)
     lease = _lease(leases, storage)

@@ -31,10 +31,18 @@ import time
 from torchrec_cnr import shutdown
 from torchrec_cnr.commit.manifest import Manifest
 from torchrec_cnr.errors import ManifestError
-from torchrec_cnr.schema import LEASE_NAME, Holder
+from torchrec_cnr.schema import LEASE_NAME, LeaseHolder
 from torchrec_cnr.storage import PreconditionFailed, Storage
 
-__all__ = ["Holder", "Lease", "blocks", "holder_gone", "live_holder", "read_lease", "this_process"]
+__all__ = [
+    "LeaseHolder",
+    "Lease",
+    "blocks",
+    "holder_gone",
+    "live_holder",
+    "read_lease",
+    "this_process",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +50,9 @@ logger = logging.getLogger(__name__)
 _STARTED = time.time()
 
 
-def this_process(generation: int) -> Holder:
+def this_process(generation: int) -> LeaseHolder:
     """This process as the holder of ``generation``, heard from now."""
-    return Holder(
+    return LeaseHolder(
         generation,
         os.environ.get("TORCHELASTIC_RUN_ID", ""),
         socket.gethostname(),
@@ -64,14 +72,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def holder_gone(holder: Holder, ttl_s: float) -> bool:
+def holder_gone(holder: LeaseHolder, ttl_s: float) -> bool:
     """Whether ``holder`` no longer counts: released, silent past ``ttl_s``, or dead here."""
     if holder.released or time.time() - holder.heartbeat_at > ttl_s:
         return True
     return holder.host == socket.gethostname() and not _pid_alive(holder.pid)
 
 
-def blocks(holder: Holder | None, ttl_s: float) -> bool:
+def blocks(holder: LeaseHolder | None, ttl_s: float) -> bool:
     """Whether ``holder`` is a live job that refuses this job's claim (see :class:`Lease`):
     not released, heard from within ``ttl_s``, alive where it runs here, and neither this
     process nor an earlier attempt of this torchrun job."""
@@ -83,13 +91,13 @@ def blocks(holder: Holder | None, ttl_s: float) -> bool:
     return (holder.host, holder.pid) != (me.host, me.pid)
 
 
-def live_holder(storage: Storage, ttl_s: float) -> Holder | None:
+def live_holder(storage: Storage, ttl_s: float) -> LeaseHolder | None:
     """The live job holding ``storage`` that would refuse this job's claim, if any."""
     holder = read_lease(storage)[0]
     return holder if blocks(holder, ttl_s) else None
 
 
-def read_lease(storage: Storage) -> tuple[Holder | None, str | None]:
+def read_lease(storage: Storage) -> tuple[LeaseHolder | None, str | None]:
     """Whoever holds (or held) the root, from its lease, and the lease's version; the
     holder is ``None`` without a lease or with an unreadable one (whoever wrote that can
     claim nothing by it)."""
@@ -97,7 +105,7 @@ def read_lease(storage: Storage) -> tuple[Holder | None, str | None]:
     if got is None:
         return None, None
     try:
-        return Holder.from_bytes(got[0]), got[1]
+        return LeaseHolder.from_bytes(got[0]), got[1]
     except (ValueError, TypeError):
         return None, got[1]
 
@@ -118,12 +126,12 @@ class Lease:
         self.take_over = take_over
         self.fallback = fallback
         self.ttl_s = ttl_s
-        self.mine: Holder | None = None
+        self.mine: LeaseHolder | None = None
         self._version: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def acquire(self) -> Holder | None:
+    def acquire(self) -> LeaseHolder | None:
         """Claims the root with the next generation; returns the live holder that blocks it, if any."""
         for _ in range(10):
             holder, version = read_lease(self.storage)
@@ -211,7 +219,7 @@ class Lease:
             return False
         return True
 
-    def holder(self) -> Holder | None:
+    def holder(self) -> LeaseHolder | None:
         """Whoever holds the root now."""
         return read_lease(self.storage)[0]
 

@@ -36,7 +36,7 @@ import torch
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.errors import ModelMismatchError
 from torchrec_cnr.interop.dcp_io import DcpReader, fused_state_path
-from torchrec_cnr.restore.restore import load_app_state
+from torchrec_cnr.restore.collective import load_app_state
 from torchrec_cnr.tracking.shard import LocalShard, ShardSpec
 
 __all__ = ["DcpPlan", "import_dcp"]

@@ -4,10 +4,10 @@ rows land, the retry when a checkpoint is retired while read).
 """
 
 from torchrec_cnr.restore.apply import PreparedRestore, ReadOptions, apply_chain, read_chain
+from torchrec_cnr.restore.collective import LocalModel, load_app_state, restore_entry
 from torchrec_cnr.restore.compat import check_compatible, check_serving
 from torchrec_cnr.restore.loader import ModelLoader, Restored
 from torchrec_cnr.restore.partial import RestoreScope, select_shards
-from torchrec_cnr.restore.restore import LocalModel, load_app_state, restore_entry
 from torchrec_cnr.restore.verify import verify_chains, verify_checkpoint
 
 __all__ = [

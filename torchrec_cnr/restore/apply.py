@@ -476,7 +476,7 @@ def apply_chain(
 
     ``scalars=False`` leaves the kernels' step counters as they are (a partial restore
     goes on from the live step). ``app_state`` is loaded apart, before this (see
-    :mod:`torchrec_cnr.restore.restore`).
+    :mod:`torchrec_cnr.restore.collective`).
 
     Returns:
         For each local shard, a ``(rows,)`` bool mask of rows that came from a delta

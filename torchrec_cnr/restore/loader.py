@@ -16,8 +16,8 @@ from torchrec_cnr.encoding import FP32
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.read import ChainReader, Intact, load_committed, load_newest_intact
 from torchrec_cnr.restore.apply import ReadOptions
+from torchrec_cnr.restore.collective import LocalModel, restore_entry
 from torchrec_cnr.restore.partial import RestoreScope
-from torchrec_cnr.restore.restore import LocalModel, restore_entry
 from torchrec_cnr.selection import ChainState, Policy
 from torchrec_cnr.selection.rows import resume_chain
 from torchrec_cnr.snapshot.objects import resolve_globals

@@ -124,7 +124,7 @@ class Sink(Protocol):
 class RecordingSink:
     """A sink that keeps what it is given: with ``background="process"``, the training
     process's side of a checkpoint's writer, which hands the shards on to the writer
-    process (:mod:`torchrec_cnr.offload`)."""
+    process (:mod:`torchrec_cnr.writer_process`)."""
 
     def __init__(self, ckpt_id: str) -> None:
         self.ckpt_id = ckpt_id

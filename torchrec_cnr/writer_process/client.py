@@ -1,6 +1,6 @@
 """The training process's side of the writer process (``background="process"``).
 
-:class:`WriterProcess` starts the writer (``python -m torchrec_cnr.offload.server``) with
+:class:`WriterProcess` starts the writer (``python -m torchrec_cnr.writer_process.server``) with
 the manager and runs each background job from the background writer's thread: it sends
 the job (each shard staged at ``save()`` as views into shared buffers), copies the rows
 staged lazily, sending each shard on as soon as it is copied, then relays the writer's
@@ -28,7 +28,11 @@ from torchrec_cnr.commit.background import JobResult
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.encoding import FormatResolver
 from torchrec_cnr.errors import CheckpointError
-from torchrec_cnr.offload.wire import (
+from torchrec_cnr.selection import ChainState
+from torchrec_cnr.staging import RecordingSink, Sink, StagedShard
+from torchrec_cnr.staging.shared import SharedBuffers
+from torchrec_cnr.storage import Storage
+from torchrec_cnr.writer_process.wire import (
     Closed,
     SentShard,
     Wire,
@@ -36,10 +40,6 @@ from torchrec_cnr.offload.wire import (
     sent_tensors,
     unpack_error,
 )
-from torchrec_cnr.selection import ChainState
-from torchrec_cnr.staging import RecordingSink, Sink, StagedShard
-from torchrec_cnr.staging.shared import SharedBuffers
-from torchrec_cnr.storage import Storage
 
 __all__ = ["WriterProcess"]
 
@@ -120,7 +120,7 @@ class WriterProcess:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "torchrec_cnr.offload.server", str(theirs.fileno())],
+                [sys.executable, "-m", "torchrec_cnr.writer_process.server", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
             )
         finally:

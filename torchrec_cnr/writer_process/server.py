@@ -5,7 +5,7 @@ It runs the same jobs as the background thread does with ``background="thread"``
 :class:`~torchrec_cnr.compaction.CompactionHook`, :func:`~torchrec_cnr.compaction.compaction_job`),
 with its own storage and I/O threads. Its collectives are run by the training process,
 which holds the ranks' process group, their payloads pickled here
-(:class:`~torchrec_cnr.offload.wire.PickledCollective`). It exits when told to, or when the training process is gone.
+(:class:`~torchrec_cnr.writer_process.wire.PickledCollective`). It exits when told to, or when the training process is gone.
 """
 
 from __future__ import annotations
@@ -31,16 +31,16 @@ from torchrec_cnr.compaction import (
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.encoding import ShardWriter
 from torchrec_cnr.iocontext import IOContext, lowered_priority
-from torchrec_cnr.offload.wire import (
+from torchrec_cnr.staging import Sink, SourceInfo
+from torchrec_cnr.staging.shared import MappedBuffers
+from torchrec_cnr.storage import Storage
+from torchrec_cnr.writer_process.wire import (
     Closed,
     PickledCollective,
     Wire,
     pack_error,
     received_tensors,
 )
-from torchrec_cnr.staging import Sink, SourceInfo
-from torchrec_cnr.staging.shared import MappedBuffers
-from torchrec_cnr.storage import Storage
 
 __all__ = ["serve"]
 

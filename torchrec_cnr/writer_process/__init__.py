@@ -9,7 +9,7 @@ the training process copies the lazily staged rows and relays the writer's colle
 Both answer the manager alike (:class:`.inline.Writer`).
 """
 
-from torchrec_cnr.offload.client import WriterProcess
-from torchrec_cnr.offload.inline import InlineWriter, Writer
+from torchrec_cnr.writer_process.client import WriterProcess
+from torchrec_cnr.writer_process.inline import InlineWriter, Writer
 
 __all__ = ["InlineWriter", "Writer", "WriterProcess"]

@@ -1,6 +1,6 @@
 """The background writer on the training process's own writer thread (``background="thread"``).
 
-:class:`InlineWriter` and :class:`~torchrec_cnr.offload.client.WriterProcess` answer the
+:class:`InlineWriter` and :class:`~torchrec_cnr.writer_process.client.WriterProcess` answer the
 manager alike (:class:`Writer`): where a save's shards go, the job that encodes, writes and
 commits them, the job of a compaction, and whether the writer still lives.
 """
