@@ -27,7 +27,7 @@ from benchmarks.results import Column, Goal, Table
 from cnr_train.serve import serving_model
 from cnr_train.workload import ZipfBatches
 from torchrec_cnr import CheckpointConfig, CheckpointManager, Follower
-from torchrec_cnr.commit.manifest import TAIL
+from torchrec_cnr.manifest.store import TAIL
 from torchrec_cnr.read import ChainReader
 from torchrec_cnr.serving import FloatTarget
 from torchrec_cnr.storage import CountingStorage, open_storage

@@ -33,9 +33,9 @@ from benchmarks.results import Column, Goal, Table
 from torchrec_cnr import schema
 from torchrec_cnr.commit import commit as commit_mod
 from torchrec_cnr.commit.lease import Lease
-from torchrec_cnr.commit.manifest import Manifest
 from torchrec_cnr.encoding import RankWrite, ShardRecord
 from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.restore import apply
 from torchrec_cnr.selection.policy import ChainState, Decision, Policy

@@ -26,7 +26,6 @@ from collections import defaultdict
 import torch.distributed as dist
 
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.commit import Manifest, saved_fraction
 from torchrec_cnr.commit.fence import Fence
 from torchrec_cnr.compaction import compact_entry
 from torchrec_cnr.config import CheckpointConfig
@@ -40,6 +39,7 @@ from torchrec_cnr.interop.dcp_export import (
 )
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.launch import init_distributed
+from torchrec_cnr.manifest import Manifest, saved_fraction
 from torchrec_cnr.offline import EXPORT_FORMATS, export_state_dict, save_export
 from torchrec_cnr.offline.catalog import changed_rows, saved_rows
 from torchrec_cnr.restore import verify_chains

@@ -16,18 +16,22 @@ torchsnapshot snapshot per checkpoint, with that checkpoint's record::
         dense/<name>          replicated tensors, written once (read as 0/dense/<name>)
         <rank>/app/blob       the rank's app_state, serialized
 
-Each committed checkpoint is an :class:`Entry`: its summary (step, kind, chain, sizes,
-bytes, CPR's interval decision: :class:`IntervalDecision`) and its detail: the sharding of
-each table (:class:`ShardSpec`), what each stored shard holds (:class:`ShardRecord`:
-format, optimizer states, checksums) and the checksums of its dense tensors and
-``app_state``. Since format 6 the detail lives in the checkpoint's own record, and the
-manifest holds the summaries of the latest checkpoints and names the newest sealed history
-segment, which holds older summaries and names the segment before it
-(:class:`SegmentRef`): a commit reads and writes a bounded number of bytes whatever the
-history. Formats 1-5 kept every entry, whole, in the manifest. Each checkpoint directory
-also has torchsnapshot's index (:func:`parse_index`, :func:`index_bytes`). Each type is a dataclass with ``to_json``/``from_json`` (or bytes for the manifest and the
-lease); nothing outside this module reads or writes the JSON. Reading and writing the
-files themselves is :mod:`torchrec_cnr.commit`'s (the manifest, the lease) and
+Each committed checkpoint is an ``Entry`` (:mod:`torchrec_cnr.manifest.records`): its
+summary (step, kind, chain, sizes, bytes, CPR's interval decision:
+:class:`IntervalDecision`) and its detail: the sharding of each table (:class:`ShardSpec`),
+what each stored shard holds (:class:`ShardRecord`: format, optimizer states, checksums)
+and the checksums of its dense tensors and ``app_state``. Since format 6 the detail lives
+in the checkpoint's own record, and the manifest holds the summaries of the latest
+checkpoints and names the newest sealed history segment, which holds older summaries and
+names the segment before it: a commit reads and writes a bounded number of bytes whatever
+the history. Formats 1-5 kept every entry, whole, in the manifest. Each checkpoint
+directory also has torchsnapshot's index (:func:`parse_index`, :func:`index_bytes`).
+
+Each type is a dataclass with ``to_json``/``from_json`` (or bytes for the lease); the
+manifest's own records are :mod:`torchrec_cnr.manifest.records`', in the sealed JSON of
+:func:`sealed_bytes`. Nothing outside these two modules reads or writes the JSON. Reading
+and writing the files themselves is :mod:`torchrec_cnr.manifest.store`'s (the manifest,
+records, segments), :mod:`torchrec_cnr.commit`'s (the lease) and
 :mod:`torchrec_cnr.snapshot`'s (the tensors). The manifest carries ``format_version``;
 every older version still reads.
 """
@@ -40,9 +44,9 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 from torchsnapshot.manifest import (
@@ -67,27 +71,23 @@ __all__ = [
     "RECORD_NAME",
     "SNAPSHOT_MARKER",
     "CheckpointName",
-    "DenseInfo",
-    "Entry",
     "Format",
     "LeaseHolder",
     "IntervalDecision",
     "Kind",
-    "ManifestRecord",
     "Recent",
     "ShardRecord",
     "ShardSpec",
-    "SegmentRef",
     "StateInfo",
-    "TableShape",
     "app_path",
     "checkpoint_id",
     "dense_path",
-    "describe",
     "dtype_name",
     "IndexPart",
     "index_bytes",
     "index_part",
+    "open_sealed",
+    "sealed_bytes",
     "without_gc",
     "parse_checkpoint_id",
     "parse_part",
@@ -97,7 +97,6 @@ __all__ = [
     "record_path",
     "segment_name",
     "rows_path",
-    "saved_fraction",
     "shard_key",
     "stored_ids",
     "stored_part",
@@ -105,8 +104,6 @@ __all__ = [
     "stored_state",
     "stored_weight",
 ]
-
-_M = TypeVar("_M", bound="ManifestRecord")
 
 Kind = Literal["full", "delta"]
 """A checkpoint holds every row (``full``) or some (``delta``)."""
@@ -427,7 +424,7 @@ class IntervalDecision:
         return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
 
 
-# -- the manifest -----------------------------------------------------------------------
+# -- the sealed JSON of the manifest, records, parts and segments ----------------------
 
 FORMAT_VERSION = 7
 """2: optimizer states by FBGEMM name with layout and dtype, and the kernels' step counters.
@@ -444,271 +441,6 @@ and its length (``parent``, ``depth``), not listed whole; ``sizes`` only where t
 decides from them (intermittent). The shard records leave the record: every rank's in
 ``shards.json`` (rank 0, with the record), and each rank's in ``shards-<rank>.json``,
 written by that rank, which is all a restore onto the same sharding reads."""
-
-DETAIL = ("tables", "dense", "shards", "dense_checksums", "app_checksums", "shard_parts")
-"""The fields of an :class:`Entry` its record holds and its summary does not."""
-
-# Version 1 named each shard's states state0, state1, ... in FBGEMM's order.
-_V1_STATE_ORDER = {
-    "EXACT_ADAGRAD": ["momentum1"],
-    "EXACT_ROWWISE_ADAGRAD": ["momentum1", "prev_iter", "row_counter"],
-    "ADAM": ["momentum1", "momentum2"],
-    "PARTIAL_ROWWISE_ADAM": ["momentum1", "momentum2"],
-    "LAMB": ["momentum1", "momentum2"],
-    "PARTIAL_ROWWISE_LAMB": ["momentum1", "momentum2"],
-}
-
-
-def _upgrade_v1(rec: dict[str, Any]) -> dict[str, Any]:
-    order = _V1_STATE_ORDER.get(rec["optimizer"], [])
-    states = {}
-    for j, old in enumerate(rec["states"]):
-        # The dtype was not recorded; "unknown" keeps restore off its in-place path.
-        name = order[j] if j < len(order) else old
-        states[name] = {"tensor": f"{rec['key']}.{old}", "layout": None, "dtype": "unknown"}
-    return rec | {"states": states, "scalars": {}}
-
-
-@dataclass(frozen=True)
-class TableShape:
-    """A whole table's shape, as the model defines it, and its unsharded state-dict key."""
-
-    num_embeddings: int
-    embedding_dim: int
-    state_dict_key: str = field(default="", compare=False)
-
-    @classmethod
-    def of(cls, spec: ShardSpec) -> TableShape:
-        return cls(spec.num_embeddings, spec.embedding_dim, spec.state_dict_key)
-
-
-@dataclass(frozen=True)
-class DenseInfo:
-    """A dense tensor's shape and dtype."""
-
-    shape: tuple[int, ...]
-    dtype: str
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> DenseInfo:
-        return cls(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
-
-    def __str__(self) -> str:
-        return f"{list(self.shape)} {self.dtype}"
-
-
-def describe(manifest: ManifestRecord) -> str:
-    """How many checkpoints a manifest names, and its latest step, for messages."""
-    latest = manifest.latest()
-    if latest is None:
-        return "no checkpoint"
-    return f"{manifest.count()} checkpoint(s), latest step {latest.step}"
-
-
-def saved_fraction(shards: list[ShardRecord]) -> float:
-    """Elements stored by these shard records, as a fraction of the whole shards (Check-N-Run's S_i)."""
-    total = sum(s.spec.rows * s.spec.cols for s in shards)
-    saved = sum(s.saved_rows * s.spec.cols for s in shards)
-    return saved / total if total else 0.0
-
-
-@dataclass
-class Entry:
-    """One committed checkpoint."""
-
-    id: str
-    """Its directory name (see :func:`torchrec_cnr.storage.checkpoint_id`)."""
-    seq: int
-    step: int
-    kind: Kind
-    policy: str
-    chain: list[str]
-    """Ids a restore of this checkpoint applies, baseline first. Stored (format 7) as the
-    link before this one and the length when longer than two, and read from the manifest
-    that names it on first use (:meth:`Entry.linked`)."""
-    sizes: list[float]
-    """S_1..S_i of the deltas since the baseline, for the policy that decides baselines
-    from them (``intermittent``); empty for the others since format 7."""
-    world_size: int
-    tables: dict[str, TableShape]
-    dense: dict[str, DenseInfo]
-    shards: list[ShardRecord]
-    dense_checksums: dict[str, int]
-    app_checksums: list[int]
-    """One per rank."""
-    bytes: int
-    """Bytes on disk."""
-    committed_at: float = field(default_factory=time.time)
-    saved_at: float | None = None
-    """When ``save()`` staged it (rank 0's clock, seconds since the epoch); its rows were
-    trained before, a later checkpoint's after. ``None`` in checkpoints written before."""
-    restores_before: int = 0
-    """Restores recorded in the manifest when this checkpoint was written."""
-    staged_bytes: int = 0
-    """Bytes staged in host memory on rank 0."""
-    stall_s: float = 0.0
-    """Longest time any rank's training was blocked by this save."""
-    interval_decision: IntervalDecision | None = None
-    """CPR's interval decision, once ``interval_steps: auto`` made it."""
-    compacted_from: str | None = None
-    """The checkpoint whose chain this full checkpoint merges (see :mod:`torchrec_cnr.compaction`)."""
-    since: str | None = None
-    """The checkpoint its shards' ``recent`` rows changed since: the one this job committed
-    (or restored) before it; ``None`` for a job's first, or before format 4."""
-    shard_parts: dict[str, str] = field(default_factory=dict)
-    """Format 7: the checksums of the files of its shard records (:func:`part_path`), by
-    storage rank (the part that rank wrote itself) and ``"all"`` (every rank's, written
-    with the record); empty where the record holds ``shards`` (formats 1-6). :attr:`shards`
-    reads the one with every rank's on first use, :meth:`shards_of` a rank's part."""
-
-    def __getattr__(self, name: str) -> Any:
-        # Called only for an attribute not set: the detail of an entry read from a summary,
-        # fetched from its record on first use; or a chain stored by its parent.
-        if name == "chain" and "_parent" in self.__dict__:
-            owner = self.__dict__.get("_owner")
-            if owner is None:
-                raise RuntimeError(f"the chain of {self.id} is read through the manifest naming it")
-            chain = [link.id for link in owner.links(self)]
-            self.__dict__["chain"] = chain
-            return chain
-        fetch = self.__dict__.get("_fetch")
-        if name in DETAIL and fetch is not None:
-            detail = fetch()
-            for key in (*DETAIL, "_parts"):  # its parts, if any, still unread
-                if key in detail.__dict__:
-                    self.__dict__.setdefault(key, detail.__dict__[key])
-            del self.__dict__["_fetch"]
-            return getattr(self, name)
-        parts = self.__dict__.get("_parts")
-        if name == "shards" and parts is not None:
-            shards = parts(self.id, None, self.shard_parts["all"])
-            self.__dict__["shards"] = shards
-            return shards
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    @classmethod
-    def lazy(cls, summary: Entry, fetch: Callable[[], Entry]) -> Entry:
-        """``summary`` (an entry whose detail fields are empty) with its detail read by
-        ``fetch`` on first use; ``fetch`` is pickled with it (see ``commit.manifest``)."""
-        for key in DETAIL:
-            del summary.__dict__[key]
-        summary.__dict__["_fetch"] = fetch
-        return summary
-
-    def linked(self, owner: Any) -> Entry:
-        """This entry, its chain (if stored by its parent) read through ``owner`` (a
-        manifest's :meth:`links`) when first used."""
-        if "chain" not in self.__dict__:
-            self.__dict__["_owner"] = owner
-        return self
-
-    def shards_of(self, rank: int) -> list[ShardRecord]:
-        """The records of the shards storage rank ``rank`` saved: from that rank's part
-        alone, where the checkpoint was read from a root and has parts (format 7)."""
-        checksum = self.shard_parts.get(str(rank))  # (the detail first: it brings "_parts")
-        read = self.__dict__.get("_parts")
-        if read is None or checksum is None:
-            return [rec for rec in self.shards if rec.spec.rank == rank]
-        cache = self.__dict__.setdefault("_part_cache", {})
-        if rank not in cache:
-            cache[rank] = read(self.id, rank, checksum)
-        return cache[rank]  # type: ignore[no-any-return]
-
-    def parts_from(self, read: Callable[[str, int | None, str], list[ShardRecord]]) -> Entry:
-        """This entry, its shards (if its record names parts) read by ``read(ckpt_id,
-        rank or None for every rank's, checksum)`` when first used; ``read`` is pickled
-        with it."""
-        if self.shard_parts and "shards" not in self.__dict__:
-            self.__dict__["_parts"] = read
-        return self
-
-    @property
-    def parent(self) -> str | None:
-        """The link before this one in its chain, without reading the chain."""
-        stored = self.__dict__.get("_parent")
-        if stored is not None or "chain" not in self.__dict__:
-            return stored
-        return self.chain[-2] if len(self.chain) > 1 else None
-
-    @property
-    def depth(self) -> int:
-        """How many checkpoints its chain has, without reading the chain."""
-        return self.__dict__["_depth"] if "chain" not in self.__dict__ else len(self.chain)
-
-    @property
-    def has_detail(self) -> bool:
-        """Whether the detail is in memory (not yet to be fetched from the record)."""
-        return "_fetch" not in self.__dict__
-
-    @staticmethod
-    def signature(
-        shards: list[ShardSpec], dense: Mapping[str, torch.Tensor]
-    ) -> tuple[dict[str, TableShape], dict[str, DenseInfo]]:
-        """Table shapes and dense tensor infos of a model, as an entry records them."""
-        return (
-            {s.table: TableShape.of(s) for s in shards},
-            {k: DenseInfo.of(v) for k, v in dense.items()},
-        )
-
-    def checksums_by_path(self) -> Mapping[str, int]:
-        """Logical tensor path -> CRC32, for every tensor this checkpoint stores; a shard's
-        are read (from its storage rank's part) when first asked for."""
-        return _Checksums(self)
-
-    def summary_json(self) -> dict[str, Any]:
-        """The JSON of the summary alone, as the manifest and history segments hold it."""
-        raw = {k: v for k, v in self.__dict__.items() if k not in DETAIL and k[0] != "_"}
-        if self.depth > 2:  # a chain of consecutive deltas: named by its parent
-            raw.pop("chain", None)
-            raw["parent"], raw["depth"] = self.parent, self.depth
-        if self.interval_decision is not None:
-            raw["interval_decision"] = self.interval_decision.to_json()
-        return raw
-
-    @classmethod
-    def from_summary(cls, raw: dict[str, Any]) -> Entry:
-        """An entry from :meth:`summary_json`, its detail fields empty."""
-        empty: dict[str, Any] = {"tables": {}, "dense": {}, "shards": [],
-                                 "dense_checksums": {}, "app_checksums": []}  # fmt: skip
-        return cls.from_json(raw | empty)
-
-    def to_json(self) -> dict[str, Any]:
-        raw = self.summary_json()
-        raw["shard_parts"] = self.shard_parts
-        raw["dense_checksums"] = self.dense_checksums
-        raw["app_checksums"] = self.app_checksums
-        raw["tables"] = {k: dict(v.__dict__) for k, v in self.tables.items()}
-        raw["dense"] = {
-            k: {"shape": list(v.shape), "dtype": v.dtype} for k, v in self.dense.items()
-        }
-        if not self.shard_parts:  # else each storage rank's part holds them
-            raw["shards"] = [s.to_json() for s in self.shards]
-        return raw
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any], version: int = FORMAT_VERSION) -> Entry:
-        shards = raw.get("shards") if version > 1 else [_upgrade_v1(s) for s in raw["shards"]]
-        known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
-        entry = cls(
-            **known
-            | {
-                "chain": raw.get("chain", []),
-                "tables": {k: TableShape(**v) for k, v in raw["tables"].items()},
-                "dense": {
-                    k: DenseInfo(tuple(v["shape"]), v["dtype"]) for k, v in raw["dense"].items()
-                },
-                "shards": [ShardRecord.from_json(s) for s in shards or []],
-                "interval_decision": None
-                if raw.get("interval_decision") is None
-                else IntervalDecision.from_json(raw["interval_decision"]),
-            }
-        )
-        if raw.get("shard_parts") and "shards" not in raw:
-            del entry.__dict__["shards"]  # read from the parts (Entry.parts_from)
-        if "chain" not in raw:
-            del entry.__dict__["chain"]
-            entry.__dict__["_parent"], entry.__dict__["_depth"] = raw["parent"], int(raw["depth"])
-        return entry
 
 
 def _checksum(payload: dict[str, Any]) -> str:
@@ -747,28 +479,6 @@ def open_sealed(data: bytes, where: str, expect: str | None = None) -> dict[str,
         if expect is not None and recorded != expect:
             raise ManifestError(f"{where} is not the file its checkpoint's record names")
     return raw
-
-
-def record_bytes(entry: Entry) -> bytes:
-    """A checkpoint's record (format 6): its whole entry."""
-    return sealed_bytes({"format_version": FORMAT_VERSION, "entry": entry.to_json()})[0]
-
-
-def parse_record(data: bytes, where: str, ckpt_id: str) -> Entry:
-    """The entry of checkpoint ``ckpt_id``'s record.
-
-    Raises:
-        ManifestError: the record is damaged, or is another checkpoint's.
-    """
-    raw = open_sealed(data, where)
-    try:
-        with without_gc():
-            entry = Entry.from_json(raw["entry"], raw["format_version"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ManifestError(f"{where} is malformed: {e!r}") from e
-    if entry.id != ckpt_id:
-        raise ManifestError(f"{where} is the record of {entry.id}, not of {ckpt_id}")
-    return entry
 
 
 @contextlib.contextmanager
@@ -810,248 +520,6 @@ def parse_part(data: bytes, where: str, checksum: str) -> list[ShardRecord]:
             return [ShardRecord.from_json(s) for s in raw["shards"]]
     except (KeyError, TypeError, ValueError) as e:
         raise ManifestError(f"{where} is malformed: {e!r}") from e
-
-
-class _Checksums(Mapping[str, int]):
-    """An entry's logical path -> CRC32, a storage rank's shards read when first asked for."""
-
-    def __init__(self, entry: Entry) -> None:
-        self.entry = entry
-        self._ranks: dict[int, dict[str, int]] = {}
-
-    def __getitem__(self, path: str) -> int:
-        first, _, rest = path.partition("/")
-        kind, _, name = rest.partition("/")
-        if not first.isdigit():
-            raise KeyError(path)
-        rank = int(first)
-        if kind == "rows":
-            if rank not in self._ranks:
-                recs = self.entry.shards_of(rank)
-                self._ranks[rank] = {n: crc for rec in recs for n, crc in rec.checksums.items()}
-            return self._ranks[rank][name]
-        if kind == "dense" and rank == 0:
-            return self.entry.dense_checksums[name]
-        if kind == "app" and name == "blob" and rank < len(self.entry.app_checksums):
-            return self.entry.app_checksums[rank]
-        raise KeyError(path)
-
-    def _paths(self) -> list[str]:
-        e = self.entry
-        return [
-            *(rows_path(rec.spec.rank, n) for rec in e.shards for n in rec.checksums),
-            *(dense_path(n) for n in e.dense_checksums),
-            *(app_path(r) for r in range(len(e.app_checksums))),
-        ]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._paths())
-
-    def __len__(self) -> int:
-        return len(self._paths())
-
-
-@dataclass(frozen=True)
-class SegmentRef:
-    """A sealed history segment, as the manifest (or the next segment) names it."""
-
-    name: str
-    first_seq: int
-    last_seq: int
-    count: int
-    """Checkpoints in it and in every segment before it."""
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any] | None) -> SegmentRef | None:
-        return None if raw is None else cls(**raw)
-
-
-def segment_bytes(entries: list[Entry], previous: SegmentRef | None) -> tuple[bytes, str]:
-    """A history segment of ``entries``' summaries, naming the segment before it; and its
-    checksum."""
-    return sealed_bytes({
-        "format_version": FORMAT_VERSION,
-        "checkpoints": [e.summary_json() for e in entries],
-        "previous": None if previous is None else previous.to_json(),
-    })  # fmt: skip
-
-
-def parse_segment(data: bytes, where: str) -> tuple[list[Entry], SegmentRef | None]:
-    """The summaries of a history segment (their detail empty), and the segment before it.
-
-    Raises:
-        ManifestError: the segment is damaged.
-    """
-    raw = open_sealed(data, where)
-    try:
-        entries = [Entry.from_summary(e) for e in raw["checkpoints"]]
-        return entries, SegmentRef.from_json(raw["previous"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ManifestError(f"{where} is malformed: {e!r}") from e
-
-
-class ManifestRecord:
-    """The parsed manifest of a checkpoint root (reading and writing it, and the parts it
-    names: :class:`torchrec_cnr.commit.Manifest`).
-
-    It holds the latest checkpoints (:attr:`tail`) and names the newest sealed history
-    segment (:attr:`history`), which holds the ones before; :attr:`checkpoints` is all of
-    them, read from the segments on first use. A format-1-5 manifest holds them all.
-    """
-
-    def __init__(
-        self,
-        checkpoints: list[Entry] | None = None,
-        restores: int = 0,
-        writer_generation: int = 0,
-        version: str | None = None,
-        history: SegmentRef | None = None,
-    ) -> None:
-        self.tail: list[Entry] = list(checkpoints or [])
-        """The latest committed checkpoints, oldest first (every one, without a history)."""
-        self.history = history
-        """The newest sealed history segment; ``None`` if every checkpoint is in :attr:`tail`."""
-        self.restores = restores
-        """Restores performed from this root."""
-        self.writer_generation = writer_generation
-        """The generation of the job that may commit to this root (see ``commit.lease``)."""
-        self.version = version
-        """The storage version it was read at; a save replaces exactly that version."""
-        self._older: list[Entry] | None = None if history is not None else []
-        self._index: tuple[list[Entry] | None, dict[str, Entry]] = (None, {})
-        """:attr:`_older` by id, and the list it was built from."""
-        self._segments: list[str] = []
-        """The names of the history segments read (newest first)."""
-        self._stale_segments: list[str] = []
-        """Segments a replaced history named: deleted once this manifest is saved."""
-        self.read_format = FORMAT_VERSION
-        """The format version it was read in."""
-
-    @property
-    def checkpoints(self) -> list[Entry]:
-        """Every committed checkpoint, oldest first (reads the history segments once)."""
-        if self._older is None:
-            self._older = self.read_history()
-        return self._older + self.tail
-
-    @checkpoints.setter
-    def checkpoints(self, entries: list[Entry]) -> None:
-        """Replaces every checkpoint (retention); the history is sealed again when saved."""
-        if self.history is not None:
-            self.checkpoints  # noqa: B018 - the names of the segments it replaces
-        self._stale_segments += self._segments
-        self.tail, self.history, self._older, self._segments = list(entries), None, [], []
-
-    def read_history(self) -> list[Entry]:
-        """The checkpoints of the sealed history segments, oldest first."""
-        if self.history is not None:
-            raise ManifestError("this manifest names history segments but was read without a root")
-        return []
-
-    def count(self) -> int:
-        """How many checkpoints are committed (without reading the history)."""
-        return len(self.tail) + (0 if self.history is None else self.history.count)
-
-    @classmethod
-    def parse(cls: type[_M], data: bytes, where: str) -> _M:
-        """Parses manifest bytes, checking their checksum.
-
-        Raises:
-            ManifestError: the bytes are not a manifest this library reads, or are damaged.
-        """
-        raw = open_sealed(data, where)
-        version = raw["format_version"]
-        try:
-            if version >= 6:
-                entries = [Entry.from_summary(e) for e in raw.get("checkpoints", [])]
-            else:
-                entries = [Entry.from_json(e, version) for e in raw.get("checkpoints", [])]
-            manifest = cls(
-                checkpoints=entries,
-                restores=int(raw.get("restores", 0)),
-                writer_generation=int(raw.get("writer_generation", 0)),
-                history=SegmentRef.from_json(raw.get("history")),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ManifestError(f"{where} is malformed: {e!r}") from e
-        manifest.read_format = version
-        manifest.tail = [e.linked(manifest) for e in manifest.tail]
-        return manifest
-
-    def to_bytes(self) -> bytes:
-        """The manifest's bytes: the summaries of :attr:`tail` (their records are written
-        by the commit, see :func:`record_bytes`)."""
-        return sealed_bytes({
-            "format_version": FORMAT_VERSION,
-            "writer_generation": self.writer_generation,
-            "restores": self.restores,
-            "checkpoints": [e.summary_json() for e in self.tail],
-            "history": None if self.history is None else self.history.to_json(),
-        })[0]  # fmt: skip
-
-    def latest(self) -> Entry | None:
-        return self.tail[-1] if self.tail else None
-
-    def find(self, step: int | None) -> Entry | None:
-        """The newest committed checkpoint of ``step`` (the latest one if ``None``)."""
-        if step is None:
-            return self.latest()
-        found = next((e for e in reversed(self.tail) if e.step == step), None)
-        if found is None and self.history is not None:
-            found = next((e for e in reversed(self.checkpoints) if e.step == step), None)
-        return found
-
-    def find_id(self, ckpt_id: str) -> Entry | None:
-        """The committed checkpoint of directory ``ckpt_id``, if the manifest names it."""
-        found = next((e for e in self.tail if e.id == ckpt_id), None)
-        name = parse_checkpoint_id(ckpt_id)
-        if found is not None or self.history is None or name is None:
-            return found
-        if name.seq > self.history.last_seq:
-            return None  # newer than every sealed one: the tail would hold it
-        self.checkpoints  # noqa: B018 - reads the history once
-        if self._index[0] is not self._older:
-            self._index = (self._older, {e.id: e for e in self._older or []})
-        return self._index[1].get(ckpt_id)
-
-    def by_id(self, ckpt_id: str) -> Entry:
-        entry = self.find_id(ckpt_id)
-        if entry is None:
-            raise ManifestError(
-                f"checkpoint {ckpt_id!r} is named in a chain but not in the manifest"
-            )
-        return entry
-
-    def steps(self) -> list[int]:
-        return [e.step for e in self.checkpoints]
-
-    def next_seq(self) -> int:
-        last = -1 if self.history is None else self.history.last_seq
-        return max((e.seq for e in self.tail), default=last) + 1
-
-    def links(self, entry: Entry) -> list[Entry]:
-        """The checkpoints of ``entry``'s chain, baseline first; a chain stored by its
-        parent is walked back link by link (see :attr:`Entry.chain`)."""
-        walked = []
-        while "chain" not in entry.__dict__:
-            walked.append(entry)
-            entry = self.by_id(entry.__dict__["_parent"])
-        return [self.by_id(i) for i in entry.chain[:-1]] + [entry] + walked[::-1]
-
-    def chain_bytes(self, entry: Entry) -> int:
-        """Bytes a restore of ``entry`` reads: its chain's checkpoints."""
-        return sum(self.by_id(i).bytes for i in entry.chain)
-
-    def needed_ids(self, last: int | None) -> set[str]:
-        """Ids the chains of the last ``last`` checkpoints need (all if ``None``)."""
-        if last is not None and last <= len(self.tail):
-            entries = self.tail[-last:]
-        else:
-            entries = self.checkpoints if last is None else self.checkpoints[-last:]
-        return {i for e in entries for i in e.chain}
 
 
 # -- the writer's lease -----------------------------------------------------------------

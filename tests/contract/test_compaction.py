@@ -27,7 +27,7 @@ from torchrec_cnr import (
     read_table,
 )
 from torchrec_cnr.cli import main as cnr
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.storage import open_storage
 from torchrec_cnr.testing.rows import modify

@@ -41,7 +41,7 @@ from torchrec_cnr import (
     list_checkpoints,
     quantize,
 )
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.selection.policy import PolicyName
 from torchrec_cnr.serving import (

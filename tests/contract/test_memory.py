@@ -21,7 +21,7 @@ from tests import REPO
 from tests.jobs import make_job, restores_exactly
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointError, QuantizeConfig, read_table
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state

@@ -23,7 +23,7 @@ from torchrec_cnr import (
     read_table,
 )
 from torchrec_cnr.cli import main as cnr
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.offline import save_export
 from torchrec_cnr.selection import POLICIES
 

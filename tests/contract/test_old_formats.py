@@ -27,7 +27,7 @@ from tests.jobs import make_job
 from tests.multiprocess import run_ranks
 from torchrec_cnr import Follower, export_state_dict
 from torchrec_cnr.cli import main as cnr
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.schema import FORMAT_VERSION
 from torchrec_cnr.serving import FloatTarget
 

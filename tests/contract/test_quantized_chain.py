@@ -14,8 +14,8 @@ from tests import reference
 from tests.jobs import Job, make_job, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import QuantizeConfig
-from torchrec_cnr.commit import Manifest
 from torchrec_cnr.encoding import FP32, FormatResolver, writer
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.quantization import quantize
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.snapshot import SNAPSHOT_MARKER

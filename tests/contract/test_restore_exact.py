@@ -11,7 +11,7 @@ import pytest
 from cnr_train.workload import TableSpec
 from tests.jobs import Job, assert_restores, make_job
 from tests.multiprocess import run_ranks
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.selection import POLICIES
 
 TABLES = [

@@ -19,8 +19,8 @@ from tests.jobs import make_job, restores_exactly, save_reference
 from tests.models import MODEL_LAYOUTS, OPTIMIZERS, capture, differences
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointManager
-from torchrec_cnr.commit import Manifest
 from torchrec_cnr.config import Background, Staging
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.selection.policy import PolicyName
 from torchrec_cnr.tracking import model_state

@@ -33,8 +33,8 @@ from torchrec_cnr import (
     export_state_dict,
 )
 from torchrec_cnr.cli import main as cnr
-from torchrec_cnr.commit import Manifest
-from torchrec_cnr.commit.manifest import TAIL
+from torchrec_cnr.manifest import Manifest
+from torchrec_cnr.manifest.store import TAIL
 from torchrec_cnr.storage import open_storage
 
 TABLES = [

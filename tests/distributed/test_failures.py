@@ -17,8 +17,8 @@ from tests.faults import Fault, FaultyStorage
 from tests.jobs import Job, make_job, restores_exactly, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointError, Timeouts
-from torchrec_cnr.commit import Manifest
 from torchrec_cnr.errors import RemoteTraceback
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state
 

@@ -20,7 +20,7 @@ from tests.jobs import make_job, restores_exactly, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointError
 from torchrec_cnr.cli import main as cnr
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 
 
 def _same_process_takes_over(root: str) -> None:

@@ -23,7 +23,7 @@ from tests.jobs import make_job, restores_exactly, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointError, FollowerOptions, Timeouts
 from torchrec_cnr.cli import main as cnr
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.offline import export_state_dict
 from torchrec_cnr.serving import FloatTarget, Follower
 from torchrec_cnr.storage import open_storage

@@ -20,7 +20,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointManager
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.tracking import bitmap, model_state
 
 TABLES = [

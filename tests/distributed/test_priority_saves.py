@@ -14,7 +14,7 @@ from tests import reference
 from tests.jobs import make_job
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointConfig
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.tracking import model_state
 from torchrec_cnr.tracking.tracker import TrackingMode
 

@@ -33,8 +33,9 @@ from tests.jobs import Job, make_job, restores_exactly, save_reference
 from tests.models import capture, differences
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointError, CheckpointManager
-from torchrec_cnr.commit import Manifest
-from torchrec_cnr.schema import part_bytes, part_path, record_bytes, record_path
+from torchrec_cnr.manifest import Manifest
+from torchrec_cnr.manifest.records import record_bytes
+from torchrec_cnr.schema import part_bytes, part_path, record_path
 from torchrec_cnr.storage import open_storage
 
 TABLES = [

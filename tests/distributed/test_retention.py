@@ -11,7 +11,7 @@ from cnr_train.workload import TableSpec
 from tests.jobs import assert_restores, make_job, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr.cli import main as cnr
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.storage import open_storage
 
 TABLES = [TableSpec("a", 500, 16, "table_wise"), TableSpec("b", 4001, 16, "row_wise")]

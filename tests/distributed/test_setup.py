@@ -18,7 +18,7 @@ from tests.faults import Fault, FaultyStorage
 from tests.jobs import make_job, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointError
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.storage import open_storage
 
 TABLES = [TableSpec("a", 400, 16, "table_wise"), TableSpec("b", 300, 16, "column_wise")]

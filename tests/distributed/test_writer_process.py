@@ -21,7 +21,7 @@ import torch.distributed as dist
 from tests.jobs import make_job
 from tests.multiprocess import free_port, run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointError, Timeouts
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 
 WRITER = "torchrec_cnr.writer_process.server"
 

@@ -14,7 +14,7 @@ from tests import BIN
 from tests.jobs import make_job
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointManager
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 
 
 def _full_save(root: str) -> None:

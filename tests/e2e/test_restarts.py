@@ -18,7 +18,7 @@ from tests.docs.markdown import blocks
 from tests.docs.runner import runs
 from tests.docs.standins import Env
 from tests.e2e.test_train_script import SMALL, run_app
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 
 
 def _quick_start(folder: Path, kill_after: int | None) -> list[str]:

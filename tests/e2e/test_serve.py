@@ -20,7 +20,7 @@ from cnr_train.job import DONE_MARKER
 from cnr_train.serve import Server
 from tests import REPO, TORCHRUN
 from torchrec_cnr import FollowerOptions
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.storage import open_storage
 
 # 20,000 rows per table: an interval changes a small part of the Zipf-drawn rows, as in

@@ -13,7 +13,7 @@ import pytest
 from cnr_train import config_file
 from cnr_train.config import JobConfig
 from tests import REPO, TORCHRUN
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 
 
 def run_app(*overrides: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:

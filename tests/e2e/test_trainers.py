@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import REPO, TORCHRUN
-from torchrec_cnr.commit import Manifest
+from torchrec_cnr.manifest import Manifest
 
 
 def _run(job: str, folder: Path, name: str, *args: str) -> tuple[list[str], list[str], str]:

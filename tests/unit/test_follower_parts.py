@@ -28,9 +28,8 @@ import torch
 from cnr_train.serve import serving_model
 from cnr_train.workload import TableSpec
 from torchrec_cnr import CnrError
-from torchrec_cnr.commit import Manifest
-from torchrec_cnr.commit.manifest import Entry
 from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.manifest import Entry, Manifest
 from torchrec_cnr.read import ChainReader
 from torchrec_cnr.serving import FloatTarget, PendingUpdate, RefusedUpdate
 from torchrec_cnr.serving.apply import Applier, SharedLock

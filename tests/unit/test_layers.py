@@ -35,6 +35,7 @@ STAGES = [
     ("snapshot",),
     ("staging",),
     ("encoding",),
+    ("manifest",),
     ("commit",),
     ("read",),
     ("restore",),
@@ -134,6 +135,20 @@ def test_the_pipeline_is_numbered_once_and_followed_everywhere() -> None:
         name: int(n) for name, n in re.findall(r"^  (\w+)/ +(\d+)\. ", design, re.MULTILINE)
     }
     assert in_design == numbered
+
+
+def test_readers_depend_on_the_manifest_not_on_the_write_side() -> None:
+    """The manifest sits below the commit and every reader: a reader of checkpoints (the
+    chain reader, restores, the follower, the catalog) imports nothing of ``commit``."""
+    readers = ("read", "restore", "serving", "offline")
+    wrong = sorted(
+        f"{module} imports {dep}"
+        for module, deps in _graph().items()
+        if module.split(".")[1:2] and module.split(".")[1] in readers
+        for dep in deps
+        if dep.startswith("torchrec_cnr.commit")
+    )
+    assert not wrong, wrong
 
 
 def test_storage_holds_backends_only() -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from tests.faults import Fault, FaultyStorage
 from torchrec_cnr.commit.lease import Lease, LeaseHolder, holder_gone
-from torchrec_cnr.commit.manifest import Manifest
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.storage import Storage, open_storage
 
 TTL_S = 10.0

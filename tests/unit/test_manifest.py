@@ -13,16 +13,9 @@ import torch
 
 from torchrec_cnr import CheckpointConfig, CheckpointReadError, ManifestError
 from torchrec_cnr.commit.commit import CommitTarget, append
-from torchrec_cnr.commit.manifest import (
-    FORMAT_VERSION,
-    TAIL,
-    DenseInfo,
-    Entry,
-    Keep,
-    Manifest,
-    TableShape,
-)
 from torchrec_cnr.encoding import FP32, ShardRecord, StateInfo
+from torchrec_cnr.manifest import FORMAT_VERSION, DenseInfo, Entry, Keep, Manifest, TableShape
+from torchrec_cnr.manifest.store import TAIL
 from torchrec_cnr.schema import checkpoint_id
 from torchrec_cnr.selection.policy import Policy
 from torchrec_cnr.storage import CountingStorage, Storage

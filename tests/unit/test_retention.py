@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.commit.retention import retire
+from torchrec_cnr.manifest import Entry, Manifest
 from torchrec_cnr.schema import CheckpointName, checkpoint_id, parse_checkpoint_id
 from torchrec_cnr.storage import Storage, open_storage
 

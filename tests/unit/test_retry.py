@@ -9,7 +9,7 @@ import pytest
 
 from tests.unit.test_manifest import _commit_run
 from torchrec_cnr import CheckpointReadError
-from torchrec_cnr.commit.manifest import Entry, Manifest
+from torchrec_cnr.manifest import Entry, Manifest
 from torchrec_cnr.read.retry import load_committed
 from torchrec_cnr.storage.fs import FsStorage
 

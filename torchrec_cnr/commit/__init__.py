@@ -1,5 +1,6 @@
-"""Stage 5: the chain manifest read and committed, the commit that makes a checkpoint exist,
-this job's fence on the root (lease, generation), retention and the background writer."""
+"""Stage 5: the commit that makes a checkpoint exist (the manifest it commits is
+:mod:`torchrec_cnr.manifest`'s), this job's fence on the root (lease, generation),
+retention, the background writer and the save's commit job."""
 
 from torchrec_cnr.commit.commit import (
     CommitTarget,
@@ -11,13 +12,9 @@ from torchrec_cnr.commit.commit import (
     write_and_commit,
     write_rank,
 )
-from torchrec_cnr.commit.manifest import FORMAT_VERSION, Entry, Manifest, saved_fraction
 from torchrec_cnr.commit.retention import retire
 
 __all__ = [
-    "FORMAT_VERSION",
-    "Entry",
-    "Manifest",
     "Pending",
     "CommitTarget",
     "append",
@@ -25,7 +22,6 @@ __all__ = [
     "drop",
     "remove_failed",
     "retire",
-    "saved_fraction",
     "write_and_commit",
     "write_rank",
 ]

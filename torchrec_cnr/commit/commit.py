@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.commit.manifest import Entry, Keep, Manifest, saved_fraction
 from torchrec_cnr.commit.retention import retire
 from torchrec_cnr.encoding import FormatResolver, RankWrite, ShardWriter
 from torchrec_cnr.errors import CheckpointError, wrapping
+from torchrec_cnr.manifest import Entry, Keep, Manifest, saved_fraction
 from torchrec_cnr.recovery.interval import IntervalDecision
 from torchrec_cnr.schema import parse_checkpoint_id, without_gc
 from torchrec_cnr.selection.policy import ChainState, Decision, Policy

@@ -19,9 +19,9 @@ import warnings
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit.commit import CommitTarget, count_restore, drop
 from torchrec_cnr.commit.lease import Lease
-from torchrec_cnr.commit.manifest import Manifest
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.errors import CheckpointError
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.selection.policy import Policy
 from torchrec_cnr.snapshot import checkpoint_id
 from torchrec_cnr.storage import Storage

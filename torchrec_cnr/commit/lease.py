@@ -29,8 +29,8 @@ import threading
 import time
 
 from torchrec_cnr import shutdown
-from torchrec_cnr.commit.manifest import Manifest
 from torchrec_cnr.errors import ManifestError
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.schema import LEASE_NAME, LeaseHolder
 from torchrec_cnr.storage import PreconditionFailed, Storage
 

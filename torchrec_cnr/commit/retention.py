@@ -6,7 +6,7 @@ an older generation never deletes anything (see :mod:`torchrec_cnr.commit.lease`
 
 from __future__ import annotations
 
-from torchrec_cnr.commit.manifest import Keep, Manifest
+from torchrec_cnr.manifest import Keep, Manifest
 from torchrec_cnr.schema import parse_checkpoint_id
 from torchrec_cnr.storage import Storage
 

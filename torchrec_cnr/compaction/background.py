@@ -29,11 +29,11 @@ import threading
 from dataclasses import dataclass
 
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.commit import CommitTarget, Entry, Manifest, Pending, append, remove_failed
+from torchrec_cnr.commit import CommitTarget, Pending, append, remove_failed
 from torchrec_cnr.commit.background import JobResult
-from torchrec_cnr.commit.manifest import Keep
 from torchrec_cnr.compaction.compact import CompactedPart, compact_part, compacted_entry
 from torchrec_cnr.iocontext import IOContext, lowered_priority
+from torchrec_cnr.manifest import Entry, Keep, Manifest
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.selection import ChainState
 from torchrec_cnr.snapshot import checkpoint_id

@@ -23,9 +23,10 @@ from typing import Literal
 
 import torch
 
-from torchrec_cnr.commit import CommitTarget, Entry, Manifest, append
+from torchrec_cnr.commit import CommitTarget, append
 from torchrec_cnr.encoding import FP32, ShardContent, ShardRecord, build_record, write_part
 from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.manifest import Entry, Manifest
 from torchrec_cnr.read.chain import ChainReader, missing_step
 from torchrec_cnr.read.geometry import overlaps, place, scatter, scatter_weight, states_fit
 from torchrec_cnr.rowcopy import put_rows

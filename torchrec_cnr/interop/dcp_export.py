@@ -40,9 +40,10 @@ from torchrec_cnr.collectives import Collective
 from torchrec_cnr.config import checked_safe_globals
 from torchrec_cnr.interop.dcp_io import Block, fused_state_path, write_blocks
 from torchrec_cnr.iocontext import IOContext, IOOptions
+from torchrec_cnr.manifest import TableShape
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.read.tables import table_block
-from torchrec_cnr.schema import ShardRecord, TableShape
+from torchrec_cnr.schema import ShardRecord
 from torchrec_cnr.snapshot.objects import load_object, resolve_globals
 from torchrec_cnr.storage import Root
 from torchrec_cnr.tracking.shard import ShardSpec

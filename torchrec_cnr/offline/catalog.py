@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from torchrec_cnr.commit.manifest import Entry, Manifest, saved_fraction
+from torchrec_cnr.manifest import Entry, Manifest, saved_fraction
 from torchrec_cnr.schema import ShardRecord
 from torchrec_cnr.storage import as_storage
 from torchrec_cnr.storage.root import Root

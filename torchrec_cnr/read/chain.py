@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.encoding import ShardRecord
 from torchrec_cnr.iocontext import IOContext, IOOptions
+from torchrec_cnr.manifest import Entry, Manifest
 from torchrec_cnr.snapshot import SnapshotReader
 from torchrec_cnr.storage import Root, Storage, as_storage
 

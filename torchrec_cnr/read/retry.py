@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.errors import CheckpointReadError, UnsafeObjectError
+from torchrec_cnr.manifest import Entry, Manifest
 from torchrec_cnr.read.chain import missing_step
 
 __all__ = ["ATTEMPTS", "Intact", "load_committed", "load_newest_intact"]

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.commit.manifest import Entry, TableShape
 from torchrec_cnr.errors import CheckpointError
+from torchrec_cnr.manifest import Entry, TableShape
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.restore.apply import (
     PreparedRestore,

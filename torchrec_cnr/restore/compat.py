@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from torchrec_cnr.commit.manifest import DenseInfo, Entry, TableShape
 from torchrec_cnr.errors import ModelMismatchError
+from torchrec_cnr.manifest import DenseInfo, Entry, TableShape
 
 __all__ = ["check_compatible", "check_serving"]
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from torchrec_cnr.collectives import Collective
-from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.encoding import FP32
 from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.manifest import Entry, Manifest
 from torchrec_cnr.read import ChainReader, Intact, load_committed, load_newest_intact
 from torchrec_cnr.restore.apply import ReadOptions
 from torchrec_cnr.restore.collective import LocalModel, restore_entry

@@ -7,9 +7,9 @@ from functools import partial
 
 import torch
 
-from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.errors import CheckpointReadError, ManifestError
 from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.manifest import Entry, Manifest
 from torchrec_cnr.snapshot import SnapshotReader, check
 from torchrec_cnr.storage import Storage
 

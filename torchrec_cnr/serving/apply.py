@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from torchrec_cnr.commit.manifest import Entry
+from torchrec_cnr.manifest import Entry
 from torchrec_cnr.serving.gate import PendingUpdate
 from torchrec_cnr.serving.rows import PreparedRows, memory_bytes
 from torchrec_cnr.serving.targets import ServingTarget

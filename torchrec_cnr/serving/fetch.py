@@ -12,8 +12,8 @@ import contextlib
 
 import torch
 
-from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.manifest import Entry, Manifest
 from torchrec_cnr.read import ChainReader
 from torchrec_cnr.restore import check_serving
 from torchrec_cnr.serving.gate import AcceptGate, PendingUpdate

@@ -44,9 +44,9 @@ import warnings
 from typing import Any
 
 from torchrec_cnr import shutdown
-from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.errors import CheckpointReadError, CnrError
 from torchrec_cnr.iocontext import IOContext, IOOptions
+from torchrec_cnr.manifest import Entry, Manifest
 from torchrec_cnr.read import load_committed
 from torchrec_cnr.schema import MANIFEST_NAME
 from torchrec_cnr.serving.apply import Applier

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from torchrec_cnr.commit.manifest import Entry
 from torchrec_cnr.encoding import FP32, ShardRecord
+from torchrec_cnr.manifest import Entry
 from torchrec_cnr.quantization import UNIFORM_METHODS
 from torchrec_cnr.read import ChainReader, find_ids
 from torchrec_cnr.serving.plan import changed_rows

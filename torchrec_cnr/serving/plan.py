@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torchrec_cnr.commit.manifest import Entry, Manifest
 from torchrec_cnr.encoding import ShardRecord
+from torchrec_cnr.manifest import Entry, Manifest
 from torchrec_cnr.read.chain import ChainReader
 
 __all__ = ["UpdatePlan", "changed_rows", "changed_since", "plan_update"]

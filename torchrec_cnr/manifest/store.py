@@ -1,7 +1,7 @@
 """The manifest, read and committed: the versioned contract between save and restore.
 
 One JSON file, ``<root>/manifest.json``, names every committed checkpoint (its types and
-JSON are :mod:`torchrec_cnr.schema`'s): the latest ones by their summaries, the older
+JSON are :mod:`.records`'): the latest ones by their summaries, the older
 ones through the newest sealed history segment. Each checkpoint's detail is its record,
 ``<id>/checkpoint.json``, read when first used. The manifest is replaced atomically (write
 a temporary file, fsync, rename, fsync the directory) and only after every rank's data, the
@@ -21,26 +21,28 @@ from typing import Any
 
 from torchrec_cnr.encoding import write_part
 from torchrec_cnr.errors import CheckpointReadError, ManifestError
-from torchrec_cnr.schema import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    PREVIOUS_MANIFEST_NAME,
+from torchrec_cnr.manifest.records import (
     DenseInfo,
     Entry,
     ManifestRecord,
     SegmentRef,
-    ShardRecord,
     TableShape,
     describe,
-    parse_checkpoint_id,
-    parse_part,
     parse_record,
     parse_segment,
-    part_path,
     record_bytes,
-    record_path,
     saved_fraction,
     segment_bytes,
+)
+from torchrec_cnr.schema import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    PREVIOUS_MANIFEST_NAME,
+    ShardRecord,
+    parse_checkpoint_id,
+    parse_part,
+    part_path,
+    record_path,
     segment_name,
 )
 from torchrec_cnr.storage import PreconditionFailed, Root, Storage, as_storage

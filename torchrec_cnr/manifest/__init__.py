@@ -1,0 +1,17 @@
+"""The manifest in a room of its own, below the write side (:mod:`torchrec_cnr.commit`)
+and every reader (:mod:`torchrec_cnr.read`, restores, the follower, the catalog): its
+records as data (:mod:`.records`) and the manifest read from and committed to a root
+(:mod:`.store`)."""
+
+from torchrec_cnr.manifest.records import DenseInfo, Entry, TableShape, saved_fraction
+from torchrec_cnr.manifest.store import FORMAT_VERSION, Keep, Manifest
+
+__all__ = [
+    "FORMAT_VERSION",
+    "DenseInfo",
+    "Entry",
+    "Keep",
+    "Manifest",
+    "TableShape",
+    "saved_fraction",
+]
