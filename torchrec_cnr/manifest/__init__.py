@@ -4,7 +4,8 @@ records as data (:mod:`.records`) and the manifest read from and committed to a 
 (:mod:`.store`)."""
 
 from torchrec_cnr.manifest.records import DenseInfo, Entry, TableShape, saved_fraction
-from torchrec_cnr.manifest.store import FORMAT_VERSION, Keep, Manifest
+from torchrec_cnr.manifest.store import Keep, Manifest
+from torchrec_cnr.schema import FORMAT_VERSION
 
 __all__ = [
     "FORMAT_VERSION",

@@ -22,20 +22,16 @@ from typing import Any
 from torchrec_cnr.encoding import write_part
 from torchrec_cnr.errors import CheckpointReadError, ManifestError
 from torchrec_cnr.manifest.records import (
-    DenseInfo,
     Entry,
     ManifestRecord,
     SegmentRef,
-    TableShape,
     describe,
     parse_record,
     parse_segment,
     record_bytes,
-    saved_fraction,
     segment_bytes,
 )
 from torchrec_cnr.schema import (
-    FORMAT_VERSION,
     MANIFEST_NAME,
     PREVIOUS_MANIFEST_NAME,
     ShardRecord,
@@ -47,15 +43,7 @@ from torchrec_cnr.schema import (
 )
 from torchrec_cnr.storage import PreconditionFailed, Root, Storage, as_storage
 
-__all__ = [
-    "FORMAT_VERSION",
-    "DenseInfo",
-    "Entry",
-    "Keep",
-    "Manifest",
-    "TableShape",
-    "saved_fraction",
-]
+__all__ = ["TAIL", "Keep", "Manifest", "read_record"]
 
 
 TAIL = 4
