@@ -63,8 +63,10 @@ def from_rank0(fn: Callable[[], T]) -> T:
 
 
 def max_over_ranks(*values: float) -> list[float]:
-    """Each value's maximum over ranks: a figure is the slowest rank's."""
-    t = torch.tensor(values, dtype=torch.float64)
+    """Each value's maximum over ranks: a figure is the slowest rank's (on the GPU where the
+    group is nccl's, which reduces nothing else)."""
+    on = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [float(v) for v in t.tolist()]
 
