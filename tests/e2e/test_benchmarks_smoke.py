@@ -66,10 +66,11 @@ RUNS = [
         ("--followers", "1", "2", "--modes", "copy", "--served", "fp32"),
     ),  # fmt: skip
     # Followers that start once the job has committed: a job that outlasts their start.
+    # One follower mode: joining is the same code path in each (``serving`` runs both).
     (
         "serving_join",
         "benchmarks.serving",
-        ("--join-after", "2", "--steps", "800", "--interval-steps", "40"),
+        ("--join-after", "2", "--steps", "800", "--interval-steps", "40", "--modes", "copy"),
     ),  # fmt: skip
     ("policy_bytes", "benchmarks.policies", ("--figure",)),
     *((e, f"benchmarks.experiments.{e}", ()) for e in EXPERIMENTS),

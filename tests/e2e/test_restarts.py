@@ -53,18 +53,26 @@ def test_the_quick_start_killed_mid_commit_resumes_and_ends_bit_identical(tmp_pa
     assert entries[100].endswith("-g0001") and entries[200].endswith("-g0002")
 
 
-def assert_failed_run_matches_clean_run(tmp_path: Path, *overrides: str) -> dict[str, Any]:
-    """Runs the app uninterrupted, and with rank 1 SIGKILLed right after the save of step
-    40 returned (checkpoints every 20 steps), under ``torchrun --max-restarts=1``.
-
-    Asserts that step 40 never committed (the restarted job resumed from step 20) and that
-    both runs end in the same state, bit for bit; returns the clean run's metrics and
-    stdout.
-    """
+def clean_run(folder: Path, *overrides: str) -> dict[str, Any]:
+    """Runs the app uninterrupted (checkpoints every 20 steps) on the root ``folder/a``;
+    returns its metrics and stdout."""
     clean = run_app(
-        f"checkpoint.path={tmp_path / 'a'}", *overrides, f"train.metrics_path={tmp_path / 'a.json'}"
+        f"checkpoint.path={folder / 'a'}", *overrides, f"train.metrics_path={folder / 'a.json'}"
     )
     assert clean.returncode == 0, clean.stderr[-3000:]
+    metrics = json.loads((folder / "a.json").read_text())
+    assert metrics["resumed_from"] == 0
+    return {**metrics, "stdout": clean.stdout}
+
+
+def assert_failed_run_matches(tmp_path: Path, clean: dict[str, Any], *overrides: str) -> None:
+    """Runs the app with rank 1 SIGKILLed right after the save of step 40 returned
+    (checkpoints every 20 steps), under ``torchrun --max-restarts=1``, on the root
+    ``tmp_path/b``.
+
+    Asserts that step 40 never committed (the restarted job resumed from step 20) and that
+    it ends in the state of the uninterrupted run ``clean`` (:func:`clean_run`), bit for bit.
+    """
     failed = run_app(
         f"checkpoint.path={tmp_path / 'b'}",
         *overrides,
@@ -75,30 +83,49 @@ def assert_failed_run_matches_clean_run(tmp_path: Path, *overrides: str) -> dict
     assert failed.returncode == 0, failed.stderr[-3000:]
     assert "injected failure after step 40, while its checkpoint commits: SIGKILL" in failed.stdout
     assert "resumed from step 20 (restart 1)" in failed.stdout, "step 40 must not have committed"
-    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
-    assert b["resumed_from"] == 20 and a["resumed_from"] == 0
-    assert a["digest"] == b["digest"], "the resumed run must end in the same state, bit for bit"
-    assert a["auc"] == b["auc"] and a["logloss"] == b["logloss"]
-    return {**a, "stdout": clean.stdout}
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert b["resumed_from"] == 20 and clean["resumed_from"] == 0
+    assert clean["digest"] == b["digest"], "the resumed run must end in the same state, bit for bit"
+    assert clean["auc"] == b["auc"] and clean["logloss"] == b["logloss"]
+
+
+def assert_failed_run_matches_clean_run(tmp_path: Path, *overrides: str) -> dict[str, Any]:
+    """:func:`clean_run` and :func:`assert_failed_run_matches` with ``overrides``; returns
+    the clean run's metrics and stdout."""
+    clean = clean_run(tmp_path, *overrides)
+    assert_failed_run_matches(tmp_path, clean, *overrides)
+    return clean
+
+
+@pytest.fixture(scope="module")
+def clean_app(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The demo's configuration, shrunk (:data:`SMALL`), run uninterrupted once for the
+    tests of this module that compare a killed run with it: its folder (its root is
+    ``a``), and its metrics and stdout. The tests only read its root."""
+    folder = tmp_path_factory.mktemp("clean_app")
+    return folder, clean_run(folder, *SMALL)
 
 
 @pytest.mark.dist
 def test_the_app_trains_restores_bit_exact_and_killed_mid_commit_resumes_bit_identical(
-    tmp_path: Path,
+    tmp_path: Path, clean_app: tuple[Path, dict[str, Any]]
 ) -> None:
     """The demo's configuration, shrunk: the uninterrupted run checkpoints and restores
     its last checkpoint bit-exact into a fresh model, the killed one resumes bit-identical,
     and the root goes on in a later run."""
-    clean = assert_failed_run_matches_clean_run(tmp_path, *SMALL)
+    folder, clean = clean_app
+    assert_failed_run_matches(tmp_path, clean, *SMALL)
     assert "restore check: step 60 into a fresh model: bit-exact" in clean["stdout"]
     assert 0.5 < clean["auc"] <= 1 and clean["logloss"] > 0
     assert "x |" in clean["stdout"] and "one full fp32 checkpoint is" in clean["stdout"]
-    root = tmp_path / "a"
-    manifest = Manifest.load(root)
+    manifest = Manifest.load(folder / "a")
     assert manifest.steps() == [20, 40, 60]
     assert [e.kind for e in manifest.checkpoints][0] == "full"
 
-    # A later run resumes from the committed step 60 and goes on to 80.
+    # A later run resumes from the committed step 60 and goes on to 80: on the killed
+    # run's root (the clean one is shared), which holds 20, 40 and 60 as well.
+    root = tmp_path / "b"
+    assert Manifest.load(root).steps() == [20, 40, 60]
     proc = run_app(f"checkpoint.path={root}", *SMALL, "train.steps=80", "train.clean_start=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step 60" in proc.stdout
@@ -107,12 +134,14 @@ def test_the_app_trains_restores_bit_exact_and_killed_mid_commit_resumes_bit_ide
 
 @pytest.mark.dist
 def test_the_app_configured_in_torchtitans_option_names_resumes_bit_identical(
-    tmp_path: Path,
+    tmp_path: Path, clean_app: tuple[Path, dict[str, Any]]
 ) -> None:
     """The same job with its checkpoint section in torchtitan's names (interval,
-    keep_latest_k, async_mode), killed mid-commit: it resumes and ends as the clean run."""
+    keep_latest_k, async_mode), killed mid-commit: it resumes and ends as the clean run
+    (the same job in our names: the names change where and how it checkpoints, not what
+    it trains)."""
     titan = [o for o in SMALL if not o.startswith("checkpoint.interval_steps=")]
     titan += ["checkpoint.interval_steps=null", "checkpoint.interval=20",
               "checkpoint.keep_latest_k=2", "checkpoint.async_mode=async"]  # fmt: skip
-    assert_failed_run_matches_clean_run(tmp_path, *titan)
-    assert Manifest.load(tmp_path / "a").steps()[-2:] == [40, 60]
+    assert_failed_run_matches(tmp_path, clean_app[1], *titan)
+    assert Manifest.load(tmp_path / "b").steps()[-2:] == [40, 60]
