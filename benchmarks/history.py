@@ -32,8 +32,8 @@ from torchrec_cnr.read import ChainReader
 from torchrec_cnr.serving import FloatTarget
 from torchrec_cnr.storage import CountingStorage, open_storage
 
-# The module whose background job calls write_rank and write_and_commit.
-compact: Any = importlib.import_module("torchrec_cnr.compaction.background")
+# The module of the save's commit job, which calls write_rank and write_and_commit.
+compact: Any = importlib.import_module("torchrec_cnr.commit.job")
 
 FIGURES = ("stall_s", "commit_s", "read_b", "written_b", "writer_cpu_s", "follow_s", "follow_b",
            "plan_s", "plan_b", "plan_link_s", "links")  # fmt: skip
