@@ -219,7 +219,7 @@ def _restore_plan(a: argparse.Namespace, root: Path, ranks: int, tables: int, io
 def _follower_plan(root: Path, tables: int, io: IOContext) -> None:
     """A follower's plan from the latest checkpoint's baseline to it."""
     chain = _latest(open_storage(str(root)), io)
-    served = chain.links[0]
+    served = chain.manifest.record(chain.links[0])
     update = plan_update(chain.manifest, chain, served, served.id)
     assert update is not None and not update.cold and len(update.rows) == tables
 

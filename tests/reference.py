@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.tracking import model_state
 
 
@@ -156,3 +157,11 @@ def full_tables(refs: list[dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]
 def tables_at(folder: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
     """The whole tables of every rank's reference of ``step`` (see :func:`full_tables`)."""
     return full_tables(load_all(folder, step))
+
+
+def latest_tables(root: str) -> list[str]:
+    """The tables the latest committed checkpoint of ``root`` records."""
+    manifest = Manifest.load(root)
+    latest = manifest.latest()
+    assert latest is not None, f"{root} holds no checkpoint"
+    return list(manifest.record(latest).tables)

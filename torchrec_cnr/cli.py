@@ -65,14 +65,14 @@ def _inspect(storage: Storage, io: IOContext) -> int:
     entries = manifest.checkpoints
     read = {e.step: e.id for e in entries}  # the one a restore of its step reads: the last
     for e in entries:
-        saved = saved_rows(e.shards)
-        changed = changed_rows(e)
-        first = (base.get(e.parent or "") if e.depth > 2 else None) or e.chain[0]
+        shards = manifest.shards(e)
+        saved, changed = saved_rows(shards), changed_rows(shards)
+        first = (base.get(e.parent or "") if e.depth > 2 else None) or manifest.chain(e)[0]
         base[e.id] = first
         if e.depth > 3:
             needs = f"{manifest.by_id(first).step}, ..., {e.step} ({e.depth})"
         else:
-            needs = ", ".join(str(manifest.by_id(i).step) for i in e.chain)
+            needs = ", ".join(str(link.step) for link in manifest.links(e))
         print(
             f"{e.step:>8} {e.kind:>6} {e.policy:>13} {e.world_size:>5} {saved:>11} "
             f"{'?' if changed is None else changed:>9} {e.bytes / 1e6:>9.2f}  steps {needs}"
@@ -89,7 +89,7 @@ def _inspect(storage: Storage, io: IOContext) -> int:
         )
     print(f"\nlatest (step {latest.step}) per table:")
     by_table = defaultdict(list)
-    for s in latest.shards:
+    for s in manifest.shards(latest):
         by_table[s.spec.table].append(s)
     for table, recs in sorted(by_table.items()):
         fmt = recs[0].format

@@ -18,6 +18,7 @@ from tests import reference
 from tests.faults import Fault, FaultyStorage
 from tests.jobs import interval_config, make_job, save_reference
 from tests.multiprocess import run_ranks
+from tests.reference import latest_tables
 from torchrec_cnr import (
     CheckpointConfig,
     CheckpointError,
@@ -46,7 +47,7 @@ def _compact_in_job(root: str, refs: str, policy: str, quant: dict | None) -> No
         ckpt.wait()
         if policy != "full":
             torch.save(
-                {t: read_table(root, t) for t in Manifest.load(root).latest().tables},  # type: ignore[union-attr]
+                {t: read_table(root, t) for t in latest_tables(root)},
                 Path(refs) / f"chain-{ckpt.rank}.pt",
             )
         assert ckpt.compact() == (policy != "full")
@@ -92,7 +93,7 @@ def test_a_compacted_chain_restores_exactly_what_the_chain_did(
     run_ranks(2, _restores_exactly, root, str(refs), STEPS, quantized)
     # The next checkpoint builds on the compacted one.
     after = manifest.find(STEPS + 1)
-    assert after is not None and after.chain[0] == at_12.id
+    assert after is not None and manifest.chain(after)[0] == at_12.id
     run_ranks(2, _restores_exactly, root, str(refs), STEPS + 1, quantized)
 
 
@@ -118,8 +119,8 @@ def test_deltas_that_hold_whole_shards_compact_exactly(root: str, refs: Path) ->
     run_ranks(2, _whole_shard_deltas, root, str(refs))
     manifest = Manifest.load(root)
     delta = manifest.checkpoints[1]
-    assert delta.kind == "delta" and any(r.all_rows for r in delta.shards)
-    assert any(not r.all_rows and r.saved_rows for r in delta.shards)
+    assert delta.kind == "delta" and any(r.all_rows for r in manifest.shards(delta))
+    assert any(not r.all_rows and r.saved_rows for r in manifest.shards(delta))
     latest = manifest.latest()
     assert latest is not None and latest.compacted_from == delta.id
     for table, values in reference.tables_at(refs, 2).items():
@@ -138,10 +139,11 @@ def _last(refs: Path) -> int:
 
 def _compacted_base(root: str) -> str | None:
     """The compaction the latest checkpoint's chain starts from, if it is a delta on one."""
-    latest = Manifest.load(root).latest()
+    manifest = Manifest.load(root)
+    latest = manifest.latest()
     assert latest is not None
-    first = latest.chain[0]
-    return first if len(latest.chain) > 1 and first.endswith("-c") else None
+    first = manifest.chain(latest)[0]
+    return first if latest.depth > 1 and first.endswith("-c") else None
 
 
 def _compact_every(root: str, refs: str, background: str) -> None:
@@ -178,7 +180,7 @@ def test_compact_every_bounds_the_chain_and_keep_last_retires_the_links(
     run_ranks(2, _compact_every, any_root, str(refs), background)
     manifest = Manifest.load(any_root)
     latest = manifest.latest()
-    assert latest is not None and latest.chain[0].endswith("-c") and len(latest.chain) <= 3
+    assert latest is not None and manifest.chain(latest)[0].endswith("-c") and latest.depth <= 3
     assert set(open_storage(any_root).children()) == manifest.needed_ids(1)
     step = _last(refs)
     run_ranks(2, _restores_exactly, any_root, str(refs), step, False, "exact_sgd")
@@ -203,7 +205,8 @@ def _compacts_a_quantized_chain(root: str, count: int) -> None:
             ckpt.save(step)
             ckpt.wait()
             if dist.get_rank() == 0:
-                tables = Manifest.load(root).checkpoints[0].tables
+                first = Manifest.load(root)
+                tables = first.record(first.checkpoints[0]).tables
                 read[step] = {t: read_table(root, t, step) for t in tables}
     # Two more deltas on the chain, which starts at a compaction now, for the CLI to compact.
     once = dataclasses.replace(cfg, compact_every=None)
@@ -226,16 +229,17 @@ def test_background_compactions_keep_each_tables_stored_encoding(root: str) -> N
     manifest = Manifest.load(root)
     full = manifest.checkpoints[0]
     assert full.kind == "full" and not full.compacted_from
+    full_shards = manifest.shards(full)
     stored = {
-        (r.spec.table, r.spec.rank, r.spec.row_offset, r.spec.col_offset): r for r in full.shards
+        (r.spec.table, r.spec.rank, r.spec.row_offset, r.spec.col_offset): r for r in full_shards
     }
-    assert {r.format.method for r in full.shards} == {"asymmetric", "none"}
+    assert {r.format.method for r in full_shards} == {"asymmetric", "none"}
     compactions = [e for e in manifest.checkpoints if e.compacted_from]
     assert len(compactions) >= count
     read = torch.load(Path(root).parent / "read.pt")
     for c in compactions:
-        assert len(c.shards) == len(full.shards)
-        for r in c.shards:
+        assert len(manifest.shards(c)) == len(full_shards)
+        for r in manifest.shards(c):
             was = stored[(r.spec.table, r.spec.rank, r.spec.row_offset, r.spec.col_offset)]
             assert (r.format, r.parts) == (was.format, was.parts), (c.id, r.spec.table)
             # The same rows in the same encoding; only the ids of the rows the compacted
@@ -248,12 +252,13 @@ def test_background_compactions_keep_each_tables_stored_encoding(root: str) -> N
     # Offline, the CLI's compaction of deltas on a compaction keeps them too.
     latest = manifest.latest()
     assert latest is not None and latest.depth > 2
-    assert latest.chain[0] in {c.id for c in compactions}
+    assert manifest.chain(latest)[0] in {c.id for c in compactions}
     assert cnr(["compact", root]) == 0
-    offline = Manifest.load(root).latest()
+    after = Manifest.load(root)
+    offline = after.latest()
     assert offline is not None and offline.compacted_from == latest.id
-    assert {(r.spec.table, r.format) for r in offline.shards} == {
-        (r.spec.table, r.format) for r in full.shards
+    assert {(r.spec.table, r.format) for r in after.shards(offline)} == {
+        (r.spec.table, r.format) for r in full_shards
     }
     for table, values in read[latest.step].items():
         assert torch.equal(read_table(root, table, latest.step), values), table
@@ -283,9 +288,10 @@ def _saves_go_on_while_a_compaction_writes(root: str, refs: str) -> None:
             ckpt.save(step)
             ckpt.wait()
             save_reference(job, refs, step)
-        latest = Manifest.load(root).latest()
-        assert latest is not None and latest.chain[0].endswith("-c")
-        assert latest.chain[1:] == [e.id for e in Manifest.load(root).checkpoints if 3 < e.step]
+        manifest = Manifest.load(root)
+        latest = manifest.latest()
+        assert latest is not None and manifest.chain(latest)[0].endswith("-c")
+        assert manifest.chain(latest)[1:] == [e.id for e in manifest.checkpoints if 3 < e.step]
         _note_last(refs, step)
 
 
@@ -408,7 +414,7 @@ def test_a_compaction_killed_midway_leaves_the_chain_the_restore_target(
         run_ranks(2, _killed_mid_compaction, root, str(refs))
     latest = Manifest.load(root).latest()
     assert latest is not None
-    assert latest.compacted_from is None and len(latest.chain) == 2
+    assert latest.compacted_from is None and latest.depth == 2
     assert cnr(["verify", root]) == 0
     run_ranks(2, _restores_exactly, root, str(refs), 6, False, "exact_sgd")
     # Offline, the CLI compacts it (the job is gone and its lease with it).

@@ -98,9 +98,10 @@ def test_fp32_follower_serves_exactly_the_latest_checkpoint_after_every_update(
     reports = follower.reports
     assert reports[0].cold and not any(r.cold for r in reports[1:])
     assert (follower.spare_bytes > 0) == swap == follower.swap
-    latest = Manifest.load(root).latest()
+    manifest = Manifest.load(root)
+    latest = manifest.latest()
     assert latest is not None
-    total = sum(t.num_embeddings for t in latest.tables.values())
+    total = sum(t.num_embeddings for t in manifest.record(latest).tables.values())
     assert all(r.rows < total for r in reports[1:]), [r.rows for r in reports]
     follower.close()
 
@@ -169,7 +170,8 @@ def test_far_behind_a_new_baseline_an_update_reads_the_changed_rows_from_it(root
     read from the target, column-wise tables too, not from every checkpoint since that
     changed it (the survivors of older deltas lie scattered through them)."""
     run_ranks(2, _train, root, "ebc", "intermittent", 14, {"baseline_rule": _baseline_after_five})
-    entries = {e.step: e for e in Manifest.load(root).checkpoints}
+    manifest = Manifest.load(root)
+    entries = {e.step: manifest.record(e) for e in manifest.checkpoints}
     assert entries[14].kind == "full" and entries[4].kind == "delta"
     model, _, _ = unsharded("ebc", device="cpu")
     storage = _DataBytes(open_storage(root))
@@ -361,7 +363,8 @@ def test_one_checkpoint_behind_a_cumulative_delta_costs_the_requests_of_a_consec
     from torchrec_cnr.read.chain import ChainReader
 
     run_ranks(2, _intermittent, root)
-    entries = Manifest.load(root).checkpoints
+    manifest = Manifest.load(root)
+    entries = manifest.checkpoints
     assert [e.kind for e in entries[:2]] == ["full", "delta"]
     served = serving_model(_intermittent_tables(), 4, "fp32")
     follower = Follower(root, FloatTarget(served))
@@ -377,7 +380,7 @@ def test_one_checkpoint_behind_a_cumulative_delta_costs_the_requests_of_a_consec
         assert all(torch.equal(v, got[k]) for k, v in want.items()), after.step
         if after.kind != "delta":
             continue
-        records = [r for r in after.shards if r.recent == "tail" and r.recent_rows]
+        records = [r for r in manifest.shards(after) if r.recent == "tail" and r.recent_rows]
         if first is None:  # the first delta stores exactly its changes: contiguous
             assert not records
             first = report.requests
@@ -403,7 +406,9 @@ def test_one_checkpoint_behind_a_cumulative_delta_costs_the_requests_of_a_consec
     want = export_state_dict(root, entries[-1].step)
     got = _served(served)
     assert all(torch.equal(v, got[k]) for k, v in want.items())
-    runs = sum(bool(r.recent_rows or r.recent == "stored") for e in entries[2:] for r in e.shards)
+    runs = sum(
+        bool(r.recent_rows or r.recent == "stored") for e in entries[2:] for r in manifest.shards(e)
+    )
     bound = first + 2 * runs + 3 * len(entries[2:]) if first is not None else 0
     assert report.requests <= bound, (report.requests, bound)
     follower.close()
@@ -452,14 +457,14 @@ def test_quantized_follower_serves_4_bit_checkpoint_rows_as_stored(
         run_ranks(2, _train, root, "ebc", policy, last, four_bit)
         assert follower.poll() == last
         want = export_state_dict(root)
-        latest = Manifest.load(root).latest()
+        manifest = Manifest.load(root)
+        latest = manifest.latest()
         assert latest is not None
+        shards = manifest.shards(latest)
         whole = {  # tables whose every stored row is a whole served row
             shape.state_dict_key
-            for name, shape in latest.tables.items()
-            if all(
-                r.spec.cols == shape.embedding_dim for r in latest.shards if r.spec.table == name
-            )
+            for name, shape in manifest.record(latest).tables.items()
+            if all(r.spec.cols == shape.embedding_dim for r in shards if r.spec.table == name)
         }
         assert len(whole) >= 4
         for key, slot in target.tables().items():

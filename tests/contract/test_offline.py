@@ -109,8 +109,10 @@ def test_a_quantized_chain_reads_as_the_dequantized_stored_rows(
     run_ranks(2, _train, root, str(refs), "consecutive", QUANT)
     config = QuantizeConfig(**QUANT)
     for step in (EVERY, STEPS):
-        entry = Manifest.load(root).find(step)
-        assert entry is not None
+        manifest = Manifest.load(root)
+        found = manifest.find(step)
+        assert found is not None
+        entry = manifest.record(found)
         # What a restore into a live model gives: the stored rows, dequantized.
         restored_dir = tmp_path / f"restored-{step}"
         restored_dir.mkdir()

@@ -74,10 +74,10 @@ def test_quantized_chain_restores_the_quantizer_round_trip_of_saved_rows(
     formats = {
         (r.spec.table.rsplit(".", 1)[-1], r.format.method, r.format.bits)
         for e in manifest.checkpoints
-        for r in e.shards
+        for r in manifest.shards(e)
     }
     assert formats == {("big", "adaptive", 4), ("cw", "asymmetric", 3), ("small", "none", 32)}
-    big = [r for r in manifest.checkpoints[0].shards if r.spec.table.endswith("big")]
+    big = [r for r in manifest.shards(manifest.checkpoints[0]) if r.spec.table.endswith("big")]
     fp32_bytes = sum(r.saved_rows * r.spec.cols * 4 for r in big)
     stored = sum(r.nbytes for r in big)
     assert stored < fp32_bytes / 2, (

@@ -63,7 +63,8 @@ def test_each_checkpoint_records_every_row_that_changed_since_the_one_before(
     policy: str, quantized: bool, root: str
 ) -> None:
     run_ranks(2, _train_and_save, root, policy, quantized)
-    entries = Manifest.load(root).checkpoints
+    manifest = Manifest.load(root)
+    entries = [manifest.record(e) for e in manifest.checkpoints]
     assert entries[0].since is None
     for before, after in zip(entries, entries[1:]):
         assert after.since == before.id
@@ -94,7 +95,7 @@ def test_a_checkpoint_after_a_restore_records_its_changes_since_the_restored_one
     run_ranks(2, _restore_and_go_on, root, "intermittent")
     manifest = Manifest.load(root)
     restored = next(e for e in manifest.checkpoints if e.step == 6)
-    after = manifest.checkpoints[-1]
+    after = manifest.record(manifest.checkpoints[-1])
     assert after.step == 8 and after.since == restored.id
     changed = _changed(root, 8)
     for name in after.tables:
@@ -116,10 +117,11 @@ def test_a_cumulative_delta_stores_the_rows_changed_since_the_previous_checkpoin
 ) -> None:
     run_ranks(2, _train_and_save, root, "intermittent", quantized, staging)
     tails = 0
-    for entry in Manifest.load(root).checkpoints:
+    manifest = Manifest.load(root)
+    for entry in manifest.checkpoints:
         with ChainReader.open(root, entry.step) as chain:
             last = len(chain.links) - 1
-            for rec in entry.shards:
+            for rec in manifest.shards(entry):
                 if rec.saved_rows == 0:
                     continue
                 ids = chain.saved_ids(last, rec)

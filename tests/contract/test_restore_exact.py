@@ -88,7 +88,7 @@ def test_every_policy_restores_saved_steps_bit_exact(
     assert len(entries) == INTERVALS + 3
     assert manifest.restores == 5
     kinds = [e.kind for e in entries]
-    assert _chain_shape_holds(policy, kinds, [len(e.chain) for e in entries]), kinds
+    assert _chain_shape_holds(policy, kinds, [e.depth for e in entries]), kinds
     # Deltas hold fewer rows than a full checkpoint.
     delta_bytes = [e.bytes for e in entries if e.kind == "delta"]
     full_bytes = [e.bytes for e in entries if e.kind == "full"]

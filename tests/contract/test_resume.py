@@ -49,11 +49,12 @@ def _resume_equals_uninterrupted(
         ckpt.wait()
     uninterrupted = capture(job.model, job.app_state)
 
-    entry = Manifest.load(root).find(RESUME_AT)
+    manifest = Manifest.load(root)
+    entry = manifest.find(RESUME_AT)
     assert entry is not None
-    assert policy == "full" or len(entry.chain) >= 2, entry.chain
+    assert policy == "full" or entry.depth >= 2, manifest.chain(entry)
     for rec, shard in zip(
-        [r for r in entry.shards if r.spec.rank == dist.get_rank()],
+        manifest.shards(entry, dist.get_rank()),
         model_state.local_shards(job.model),
         strict=True,
     ):
@@ -154,9 +155,11 @@ def _resume_from_each_beside_background_compaction(root: str, background: Backgr
             last += 1
             job.run(last, last, ckpt=ckpt)
             ckpt.wait()
-            latest = Manifest.load(root).latest()
+            manifest = Manifest.load(root)
+            latest = manifest.latest()
             assert latest is not None
-            rebased += latest.chain[0].endswith("-c") and latest.chain[0] != latest.id
+            first = manifest.chain(latest)[0]
+            rebased += first.endswith("-c") and first != latest.id
     uninterrupted = capture(job.model, job.app_state)
     manifest = Manifest.load(root)
     assert any(e.compacted_from for e in manifest.checkpoints)
@@ -222,6 +225,6 @@ def test_row_wise_chain_restores_exactly_onto_other_layouts_and_back(
     refs.mkdir()
     run_ranks(saved_ranks, _save_chain, saved, root, str(refs))
     latest = Manifest.load(root).latest()
-    assert latest is not None and len(latest.chain) == 2  # a baseline and a delta
+    assert latest is not None and latest.depth == 2  # a baseline and a delta
     run_ranks(restored_ranks, restores_exactly, "ebc", root, str(refs), 6, latest=True,
               optimizer="exact_adagrad", seed=9, layouts=_layouts(restored))  # fmt: skip

@@ -106,7 +106,7 @@ def _damaged_tensor(
     run_ranks(2, _save_chain, any_root)
     assert cnr(["verify", any_root]) == 0
     last = Manifest.load(any_root).latest()
-    assert last is not None and len(last.chain) == 3
+    assert last is not None and last.depth == 3
     got = open_storage(any_root).read(f"{last.id}/.snapshot_metadata")
     assert got is not None
     stored = json.loads(got[0])["manifest"]["0/rows/s0.w"]
@@ -192,9 +192,10 @@ def test_a_damaged_checkpoint_record_is_named_and_a_restore_changes_nothing(
     """The record, a rank's part of its shard records (what that rank's restore reads), or
     every rank's (what a follower, a resharding restore and the offline readers read)."""
     run_ranks(2, _save_chain, any_root)
-    last = Manifest.load(any_root).latest()
+    manifest = Manifest.load(any_root)
+    last = manifest.latest()
     assert last is not None
-    link = last.chain[1]  # a delta the restore of the latest applies
+    link = manifest.chain(last)[1]  # a delta the restore of the latest applies
     name = f"{link}/{file}"
     got = open_storage(any_root).read(name)
     assert got is not None
@@ -311,7 +312,7 @@ def test_a_restore_past_a_damaged_latest_resumes_from_the_newest_intact_checkpoi
     _damage(root, f"{four.id}/{stored['location']}", start, end, "corrupt")
     six = manifest.find(6)
     assert six is not None
-    if four.id not in six.chain:  # then 6 restores: damage it as well
+    if four.id not in manifest.chain(six):  # then 6 restores: damage it as well
         got = open_storage(root).read(f"{six.id}/.snapshot_metadata")
         assert got is not None
         stored = json.loads(got[0])["manifest"]["0/rows/s0.w"]

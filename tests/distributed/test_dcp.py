@@ -155,7 +155,7 @@ def _target(kind: str, layouts: dict[str, str], how: str, src: str, root: str, o
             ckpt.wait()
             assert ckpt.restore() == STEP + MORE
             entry = ckpt._fence.manifest().latest()
-            assert entry is not None and len(entry.chain) == 1
+            assert entry is not None and entry.depth == 1
 
 
 def _export(root: str, out: str) -> None:

@@ -80,9 +80,10 @@ def _saves_and_writes_back(optimizer: str, root: str) -> None:
         ckpt.save(41)
     want = _states(saved)
 
-    entry = Manifest.load(root).latest()
+    manifest = Manifest.load(root)
+    entry = manifest.latest()
     assert entry is not None and entry.kind == "delta"
-    for rec in entry.shards:
+    for rec in manifest.shards(entry):
         assert rec.optimizer == optimizer
         assert set(rec.states) == {"momentum1", "momentum2"}
         assert rec.states["momentum2"].layout == ("row" if CUDA_ONLY[optimizer] else "element")

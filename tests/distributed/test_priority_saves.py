@@ -50,9 +50,10 @@ def _prioritized(root: str, refs: str, mode: TrackingMode) -> None:
     ckpt.wait()
     reference.save(reference.take(model, app), Path(refs), 6)
     # What the delta holds: the top-priority modified rows within the budget.
-    entry = Manifest.load(root).latest()
+    manifest = Manifest.load(root)
+    entry = manifest.latest()
     assert entry is not None
-    saved_bytes = sum(r.nbytes for r in entry.shards if r.spec.rank == rank)
+    saved_bytes = sum(r.nbytes for r in manifest.shards(entry, rank))
     assert saved_bytes <= BUDGET_MB * (1 << 20)
     saved_scores, unsaved_scores = [], []
     for shard, mask, score in zip(shards, modified, scores):

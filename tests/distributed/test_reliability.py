@@ -14,6 +14,7 @@ restores that fail without touching the model.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import shutil
@@ -314,17 +315,17 @@ def test_a_restore_that_fails_anywhere_leaves_model_and_app_state_bit_identical(
     run_ranks(2, _save_with_extra, root)
     run_ranks(2, _app_state_refuses, root)
     # A record that promises more rows than a stored tensor holds: read, then refused.
-    last = Manifest.load(root).checkpoints[-1]
-    rec = next(r for r in last.shards if not r.all_rows and r.saved_rows > 0)
+    manifest = Manifest.load(root)
+    last = manifest.record(manifest.checkpoints[-1])
+    shards = manifest.shards(last)
+    rec = next(r for r in shards if not r.all_rows and r.saved_rows > 0)
     rec.saved_rows += 1
-    storage, shards = open_storage(root), last.shards
+    storage, parts = open_storage(root), dict(last.shard_parts)
     for rank in (None, rec.spec.rank):  # every rank's shard records, and its rank's part
         mine = shards if rank is None else [r for r in shards if r.spec.rank == rank]
-        data, last.shard_parts["all" if rank is None else str(rank)] = part_bytes(
-            last.id, rank, mine
-        )
+        data, parts["all" if rank is None else str(rank)] = part_bytes(last.id, rank, mine)
         storage.write(part_path(last.id, rank), data)
-    storage.write(record_path(last.id), record_bytes(last))
+    storage.write(record_path(last.id), record_bytes(dataclasses.replace(last, shard_parts=parts)))
     run_ranks(2, _data_does_not_fit, root)
 
 

@@ -216,7 +216,7 @@ def test_a_damaged_block_fails_a_resharding_restore_on_every_rank(
     refs.mkdir()
     run_ranks(2, _save, TABLE_WISE, root, str(refs), (2,))
     with ChainReader.open(root) as chain:
-        rec = next(r for r in chain.entry.shards if r.spec.table.endswith(".r"))
+        rec = next(r for r in chain.link_records(-1) if r.spec.table.endswith(".r"))
         name = rec.weight_name(rec.key)
         assert len(rec.block_checksums[name]) == 1 + 20
         reader = chain.reader(-1)

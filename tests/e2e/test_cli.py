@@ -13,6 +13,7 @@ import pytest
 from tests import BIN
 from tests.jobs import make_job
 from tests.multiprocess import run_ranks
+from tests.reference import latest_tables
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.manifest import Manifest
 
@@ -40,9 +41,12 @@ def _cnr(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.dist
 def test_inspect_counts_the_rows_of_the_tables_not_of_their_shards(full_root: str) -> None:
-    entry = Manifest.load(full_root).latest()
-    assert entry is not None
-    assert any(r.spec.cols < r.spec.embedding_dim for r in entry.shards), "column-wise shards"
+    manifest = Manifest.load(full_root)
+    latest = manifest.latest()
+    assert latest is not None
+    entry = manifest.record(latest)
+    shards = manifest.shards(entry)
+    assert any(r.spec.cols < r.spec.embedding_dim for r in shards), "column-wise shards"
     every_row = sum(t.num_embeddings for t in entry.tables.values())
     out = _cnr("inspect", full_root)
     assert out.returncode == 0, out.stderr
@@ -79,7 +83,7 @@ def test_export_progress_goes_to_a_log_a_line_each_and_its_files_follow_the_umas
         )  # fmt: skip
     assert done.returncode == 0, log.read_text()
     lines = [s for s in log.read_text().splitlines() if "export:" in s]
-    tables = len(Manifest.load(full_root).latest().tables)  # type: ignore[union-attr]
+    tables = len(latest_tables(full_root))
     assert len(lines) == tables, lines
     assert all(re.fullmatch(r"export: \d+/\d+ tables \(\S+\)", s) for s in lines), lines
     assert out.stat().st_mode & 0o777 == 0o644

@@ -90,7 +90,8 @@ def test_serving_beside_training_follows_every_commit_and_matches_the_trained_au
 
     served = json.loads((tmp_path / "serve.json").read_text())
     trained = json.loads((tmp_path / "train.json").read_text())
-    latest = Manifest.load(root).latest()
+    manifest = Manifest.load(root)
+    latest = manifest.latest()
     assert latest is not None and latest.step == 80
     assert served["served_step"] == served["job_step"] == latest.step
 
@@ -103,8 +104,9 @@ def test_serving_beside_training_follows_every_commit_and_matches_the_trained_au
     assert 0 <= served["lag_median_s"] <= served["lag_max_s"]
     assert served["blocked_max_s"] > 0
     full = served["full_reload_bytes"]
-    tables = sum(4 * t.num_embeddings * t.embedding_dim for t in latest.tables.values())
-    assert full == tables + sum(4 * math.prod(d.shape) for d in latest.dense.values())
+    record = manifest.record(latest)
+    tables = sum(4 * t.num_embeddings * t.embedding_dim for t in record.tables.values())
+    assert full == tables + sum(4 * math.prod(d.shape) for d in record.dense.values())
     # Every update after the cold first reads only the rows changed since the served step.
     assert all(r["bytes_read"] < full for r in reports[1:]), [r["bytes_read"] for r in reports]
     assert served["bytes_total"] == sum(r["bytes_read"] for r in reports)

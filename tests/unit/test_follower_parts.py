@@ -66,7 +66,7 @@ def io() -> Iterator[IOContext]:
 
 def _entry(manifest: Manifest, step: int) -> Entry:
     (entry,) = [e for e in manifest.checkpoints if e.step == step]
-    return entry
+    return manifest.record(entry)
 
 
 def _values(rows: object) -> torch.Tensor:

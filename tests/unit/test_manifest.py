@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -14,7 +14,15 @@ import torch
 from torchrec_cnr import CheckpointConfig, CheckpointReadError, ManifestError
 from torchrec_cnr.commit.commit import CommitTarget, append
 from torchrec_cnr.encoding import FP32, ShardRecord, StateInfo
-from torchrec_cnr.manifest import FORMAT_VERSION, DenseInfo, Entry, Keep, Manifest, TableShape
+from torchrec_cnr.manifest import (
+    FORMAT_VERSION,
+    DenseInfo,
+    Entry,
+    Keep,
+    Manifest,
+    Summary,
+    TableShape,
+)
 from torchrec_cnr.manifest.store import TAIL
 from torchrec_cnr.schema import checkpoint_id
 from torchrec_cnr.selection.policy import Policy
@@ -65,14 +73,15 @@ def test_manifest_round_trips_and_names_its_format_version(tmp_path: Path) -> No
     assert raw["format_version"] == FORMAT_VERSION
     assert "shards" not in raw["checkpoints"][0]  # the detail is in the record
     loaded = Manifest.load(tmp_path)
-    assert not loaded.checkpoints[0].has_detail
+    assert all(type(e) is Summary for e in loaded.checkpoints)  # records hold the detail
     assert loaded.checkpoints == m.checkpoints  # every typed field survives JSON
     assert loaded.steps() == [10, 20] and loaded.next_seq() == 2
     latest, first = loaded.find(None), loaded.find(10)
     assert latest is not None and latest.id == "b"
     assert first is not None and first.id == "a" and loaded.find(30) is None
     assert loaded.chain_bytes(latest) == 110
-    assert latest.checksums_by_path() == {
+    assert loaded.record(latest) == m.record("b")
+    assert loaded.checksums(latest) == {
         "0/rows/s0.w": 1,
         "0/rows/s0.ids": 2,
         "0/rows/s0.momentum1": 3,
@@ -140,8 +149,7 @@ def _commit_run(
         else:
             base = checkpoint_id(seq - seq % 7, 10 * (seq - seq % 7), 0)
             chain = [base] if base == ckpt_id else [base, ckpt_id]
-        entry = _entry(seq, 10 * seq, chain, 10)
-        entry.policy = policy
+        entry = dataclasses.replace(_entry(seq, 10 * seq, chain, 10), policy=policy)
         counting = CountingStorage(storage)
         append(CommitTarget(counting, Policy(policy), 0, keep_last), entry)  # type: ignore[arg-type]
         costs.append((counting.bytes_read, counting.bytes_written))
@@ -174,12 +182,12 @@ def test_the_history_is_read_from_its_segments_and_a_chain_from_records(tmp_path
     counting = CountingStorage(storage)
     reader = Manifest.load(counting)
     base = reader.by_id(checkpoint_id(98, 980, 0))
-    assert base.step == 980 and base.shards[0].key == "s0"
+    assert base.step == 980 and reader.shards(base)[0].key == "s0"
     assert counting.requests <= 3  # the manifest, the record; no segment
     assert [e.seq for e in manifest.checkpoints] == list(range(100))
     assert manifest.steps() == [10 * i for i in range(100)]
     found = manifest.find(30)
-    assert found is not None and found.shards[0].checksums == {
+    assert found is not None and manifest.shards(found)[0].checksums == {
         "s0.w": 1,
         "s0.ids": 2,
         "s0.momentum1": 3,
@@ -198,14 +206,16 @@ def test_a_consecutive_chain_is_stored_by_parents_and_walked_back_when_read(
     assert "chain" not in record and (record["parent"], record["depth"]) == (ids[-2], 60)
     # A follower's idle poll and update plan read the summaries, not the chain.
     counting = CountingStorage(storage)
-    latest = Manifest.load(counting).latest()
+    counted = Manifest.load(counting)
+    latest = counted.latest()
     assert latest is not None and latest.depth == 60 and latest.parent == ids[-2]
-    assert counting.requests == 1
+    assert latest.chain is None and counting.requests == 1
     # A restore's planning walks it back: from the records, or from the history once read.
-    assert latest.chain == ids and counting.requests == 1 + 60 - len(Manifest.load(tmp_path).tail)
+    held = len(Manifest.load(tmp_path).tail)
+    assert counted.chain(latest) == ids and counting.requests == 1 + 60 - held
     whole = Manifest.load(tmp_path)
     assert [e.id for e in whole.links(whole.checkpoints[-1])] == ids
-    assert [e.chain for e in whole.checkpoints] == [ids[: i + 1] for i in range(60)]
+    assert [whole.chain(e) for e in whole.checkpoints] == [ids[: i + 1] for i in range(60)]
     assert whole.by_id(ids[30]).depth == 31 and whole.by_id(ids[30]).parent == ids[29]
 
 
@@ -220,25 +230,25 @@ def test_a_damaged_segment_or_record_is_named(tmp_path: Path) -> None:
         manifest.steps()
     record = tmp_path / checkpoint_id(39, 390, 0) / "checkpoint.json"
     record.write_bytes(record.read_bytes()[:-10])
-    latest = Manifest.load(tmp_path).latest()
+    manifest = Manifest.load(tmp_path)
+    latest = manifest.latest()
     assert latest is not None
     with pytest.raises(CheckpointReadError, match="checkpoint.json"):
-        latest.shards  # noqa: B018
+        manifest.record(latest)
 
 
 def test_a_format_5_manifest_gets_records_when_first_written(tmp_path: Path) -> None:
     data = Path(__file__).parents[1] / "data" / "format_v5" / "intermittent"
     root = shutil.copytree(data, tmp_path / "root")
     old = Manifest.load(root)
-    assert old.read_format == 5 and all(e.has_detail for e in old.checkpoints)
-    entry = copy.copy(old.checkpoints[-1])
-    entry.id, entry.seq = checkpoint_id(6, 14, 1), 6
+    assert old.read_format == 5
+    entry = dataclasses.replace(old.record(old.checkpoints[-1]), id=checkpoint_id(6, 14, 1), seq=6)
     append(CommitTarget(FsStorage(root), Policy("intermittent"), 1, None), entry)
     new = Manifest.load(root)
     assert new.read_format == FORMAT_VERSION
     assert [e.id for e in new.checkpoints] == [e.id for e in old.checkpoints] + [entry.id]
     for before, after in zip(old.checkpoints, new.checkpoints, strict=False):
-        assert not after.has_detail and after == before
+        assert after == before and new.record(after) == old.record(before)
 
 
 def test_retention_rewrites_a_sealed_history_and_deletes_its_segments(tmp_path: Path) -> None:
@@ -288,8 +298,10 @@ def _land(tmp_path: Path, count: int, compacted_seq: int) -> tuple[Manifest, lis
     assert set(ids[: compacted_seq + 1]) <= {e.id for e in held.checkpoints}, "kept for it"
     assert held.tail[0].seq <= compacted_seq, "nothing from it on is sealed"
     compacted = checkpoint_id(compacted_seq, 10 * compacted_seq, 0, compacted=True)
-    landed = _entry(compacted_seq, 10 * compacted_seq, [compacted], 10)
-    landed.compacted_from = ids[compacted_seq]
+    landed = dataclasses.replace(
+        _entry(compacted_seq, 10 * compacted_seq, [compacted], 10),
+        compacted_from=ids[compacted_seq],
+    )
     after = ids[compacted_seq + 1 : count + 1]
     append(target, _entry(count, 10 * count, [compacted, *after], 10), _Hook(lands=landed))
     append(target, _entry(count + 1, 10 * (count + 1), [compacted, *after, ids[-1]], 10))
@@ -301,7 +313,7 @@ def _land(tmp_path: Path, count: int, compacted_seq: int) -> tuple[Manifest, lis
     first = json.loads((tmp_path / after[0] / "checkpoint.json").read_text())["entry"]
     assert first["chain"] == [compacted, after[0]], "what linked to it links to the compaction"
     for i, ckpt_id in enumerate(after):  # from the summaries, and from the records alone
-        assert manifest.by_id(ckpt_id).chain == [compacted, *after[: i + 1]]
+        assert manifest.chain(manifest.by_id(ckpt_id)) == [compacted, *after[: i + 1]]
     kept = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert kept == sorted({compacted, *after, ids[-1]}), "keep_last=2 retired the old chain"
     return manifest, ids, compacted
@@ -319,4 +331,4 @@ def test_a_long_running_compaction_keeps_its_place_out_of_the_sealed_history(
     manifest, ids, compacted = _land(tmp_path, count, 1)
     assert [e.id for e in manifest.checkpoints] == [compacted, *ids[2:]]
     reread = Manifest.load(CountingStorage(FsStorage(tmp_path)))
-    assert reread.by_id(ids[count]).chain == [compacted, *ids[2 : count + 1]]
+    assert reread.chain(reread.by_id(ids[count])) == [compacted, *ids[2 : count + 1]]

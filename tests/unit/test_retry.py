@@ -9,13 +9,13 @@ import pytest
 
 from tests.unit.test_manifest import _commit_run
 from torchrec_cnr import CheckpointReadError
-from torchrec_cnr.manifest import Entry, Manifest
+from torchrec_cnr.manifest import Manifest, Summary
 from torchrec_cnr.read.retry import load_committed
 from torchrec_cnr.storage.fs import FsStorage
 
 
-def _shards(_: Manifest, entry: Entry) -> tuple[str, int]:
-    return entry.id, len(entry.shards)  # read from the checkpoint's own record
+def _shards(manifest: Manifest, entry: Summary) -> tuple[str, int]:
+    return entry.id, len(manifest.shards(entry))  # read from the checkpoint's own record
 
 
 def test_a_checkpoint_retired_while_read_is_read_again_from_the_new_manifest(

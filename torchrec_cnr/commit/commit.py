@@ -6,6 +6,7 @@ durable; until then the previous checkpoint stays the one a restart uses.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -127,7 +128,7 @@ def write_and_commit(
             entry = _entry(ckpt_id, pending, staged, chain, writes, target)
             # IMPORTANT: every rank's part is durable: the index goes last, then the manifest.
             write_index(target.storage, ckpt_id, [w.index for w in writes], len(writes))
-            entry.bytes = target.storage.tree_bytes(ckpt_id)
+            entry = dataclasses.replace(entry, bytes=target.storage.tree_bytes(ckpt_id))
             append(target, entry, hook)
         except Exception:
             remove_failed(target, ckpt_id)

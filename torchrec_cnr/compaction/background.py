@@ -119,7 +119,11 @@ class BackgroundCompaction:
     def keep(self) -> Keep | None:
         """What the compaction in flight keeps of the manifest."""
         r = self._running
-        return None if r is None else Keep(r.compacted.seq, frozenset(r.compacted.chain))
+        return (
+            None
+            if r is None
+            else Keep(r.compacted.seq, frozenset(link.id for link in r.reader.links))
+        )
 
     def start(
         self,

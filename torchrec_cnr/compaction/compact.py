@@ -163,7 +163,7 @@ def compact_part(
     entry = chain.entry
     writer = SnapshotWriter(chain.storage, new_id, f"r{rank}", io.io, io.object_bytes)
     out = CompactedPart()
-    for i, target in enumerate(entry.shards):
+    for i, target in enumerate(chain.manifest.shards(entry)):
         if target.spec.rank % world != rank:
             continue
         if stop is not None and stop.is_set():

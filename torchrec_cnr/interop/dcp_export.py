@@ -137,7 +137,7 @@ def terminal_progress(rank: int) -> Progress:
 
 def _column_split(chain: ChainReader, table: str) -> list[tuple[int, int]]:
     """``(col_offset, cols)`` of the table's column shards, as the checkpoint last saved it."""
-    last = [rec for rec in chain.entry.shards if rec.spec.table == table]
+    last = [rec for rec in chain.link_records(-1) if rec.spec.table == table]
     recs: Iterable[ShardRecord] = last or (rec for _, rec in chain.records(table))
     return sorted({(r.spec.col_offset, r.spec.cols) for r in recs})
 

@@ -3,7 +3,7 @@ and every reader (:mod:`torchrec_cnr.read`, restores, the follower, the catalog)
 records as data (:mod:`.records`) and the manifest read from and committed to a root
 (:mod:`.store`)."""
 
-from torchrec_cnr.manifest.records import DenseInfo, Entry, TableShape, saved_fraction
+from torchrec_cnr.manifest.records import DenseInfo, Entry, Summary, TableShape, saved_fraction
 from torchrec_cnr.manifest.store import Keep, Manifest
 from torchrec_cnr.schema import FORMAT_VERSION
 
@@ -13,6 +13,7 @@ __all__ = [
     "Entry",
     "Keep",
     "Manifest",
+    "Summary",
     "TableShape",
     "saved_fraction",
 ]

@@ -1,4 +1,5 @@
-"""The manifest's records, as plain data: a committed checkpoint (:class:`Entry`), the
+"""The manifest's records, as plain data that does no I/O: a committed checkpoint's
+summary (:class:`Summary`, what the manifest holds) and whole record (:class:`Entry`), the
 shapes it records (:class:`TableShape`, :class:`DenseInfo`), the manifest itself
 (:class:`ManifestRecord`) and the history segments it names (:class:`SegmentRef`), each
 with its JSON, and the sealed bytes of a checkpoint's record and of a segment.
@@ -10,10 +11,11 @@ The other types a root persists, the names in it and the sealed-JSON format are
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import torch
 
@@ -24,21 +26,18 @@ from torchrec_cnr.schema import (
     Kind,
     ShardRecord,
     ShardSpec,
-    app_path,
-    dense_path,
     open_sealed,
     parse_checkpoint_id,
-    rows_path,
     sealed_bytes,
     without_gc,
 )
 
 __all__ = [
-    "DETAIL",
     "DenseInfo",
     "Entry",
     "ManifestRecord",
     "SegmentRef",
+    "Summary",
     "TableShape",
     "describe",
     "parse_record",
@@ -49,9 +48,6 @@ __all__ = [
 ]
 
 _M = TypeVar("_M", bound="ManifestRecord")
-
-DETAIL = ("tables", "dense", "shards", "dense_checksums", "app_checksums", "shard_parts")
-"""The fields of an :class:`Entry` its record holds and its summary does not."""
 
 # Version 1 named each shard's states state0, state1, ... in FBGEMM's order.
 _V1_STATE_ORDER = {
@@ -117,9 +113,11 @@ def saved_fraction(shards: list[ShardRecord]) -> float:
     return saved / total if total else 0.0
 
 
-@dataclass
-class Entry:
-    """One committed checkpoint."""
+@dataclass(frozen=True, kw_only=True)
+class Summary:
+    """One committed checkpoint, as the manifest and its history segments name it: plain
+    data. Its detail (shapes, shard records, checksums) is its record, an :class:`Entry`,
+    which :meth:`torchrec_cnr.manifest.Manifest.record` reads."""
 
     id: str
     """Its directory name (see :func:`torchrec_cnr.storage.checkpoint_id`)."""
@@ -127,20 +125,18 @@ class Entry:
     step: int
     kind: Kind
     policy: str
-    chain: list[str]
-    """Ids a restore of this checkpoint applies, baseline first. Stored (format 7) as the
-    link before this one and the length when longer than two, and read from the manifest
-    that names it on first use (:meth:`Entry.linked`)."""
+    chain: list[str] | None
+    """Ids a restore of this checkpoint applies, baseline first; ``None`` where the
+    checkpoint before it stores it (format 7, a chain longer than two: stored as
+    :attr:`parent` and :attr:`depth`): :meth:`Manifest.chain` walks it."""
+    parent: str | None = None
+    """The link before this one in its chain (set from :attr:`chain` when stored)."""
+    depth: int = 0
+    """How many checkpoints its chain has (set from :attr:`chain` when stored)."""
     sizes: list[float]
     """S_1..S_i of the deltas since the baseline, for the policy that decides baselines
     from them (``intermittent``); empty for the others since format 7."""
     world_size: int
-    tables: dict[str, TableShape]
-    dense: dict[str, DenseInfo]
-    shards: list[ShardRecord]
-    dense_checksums: dict[str, int]
-    app_checksums: list[int]
-    """One per rank."""
     bytes: int
     """Bytes on disk."""
     committed_at: float = field(default_factory=time.time)
@@ -160,90 +156,63 @@ class Entry:
     since: str | None = None
     """The checkpoint its shards' ``recent`` rows changed since: the one this job committed
     (or restored) before it; ``None`` for a job's first, or before format 4."""
+
+    def __post_init__(self) -> None:
+        if self.chain is not None:  # the stored chain names both
+            object.__setattr__(self, "parent", self.chain[-2] if len(self.chain) > 1 else None)
+            object.__setattr__(self, "depth", len(self.chain))
+
+    def summary(self) -> Summary:
+        """This checkpoint's summary alone (itself, for a summary)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(Summary)}
+        return Summary(**fields) if type(self) is not Summary else self
+
+    def rechained(self, chain: list[str]) -> Self:
+        """This checkpoint with another stored chain (a compaction landed before it)."""
+        return dataclasses.replace(self, chain=chain)
+
+    def summary_json(self) -> dict[str, Any]:
+        """The JSON of the summary alone, as the manifest and history segments hold it."""
+        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(Summary)}
+        if self.depth > 2:  # a chain of consecutive deltas: named by its parent
+            del raw["chain"]
+        else:
+            del raw["parent"], raw["depth"]
+        if self.interval_decision is not None:
+            raw["interval_decision"] = self.interval_decision.to_json()
+        return raw
+
+    @staticmethod
+    def _known(raw: dict[str, Any], cls: type[Summary]) -> dict[str, Any]:
+        known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
+        decision = raw.get("interval_decision")
+        return known | {
+            "chain": raw.get("chain"),
+            "interval_decision": None if decision is None else IntervalDecision.from_json(decision),
+        }
+
+    @classmethod
+    def from_summary(cls, raw: dict[str, Any]) -> Summary:
+        """A summary from :meth:`summary_json`."""
+        return Summary(**Summary._known(raw, Summary))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entry(Summary):
+    """One committed checkpoint, whole: its summary and the detail its record holds."""
+
+    tables: dict[str, TableShape]
+    dense: dict[str, DenseInfo]
+    shards: list[ShardRecord] | None
+    """Its shard records; ``None`` where the files of :attr:`shard_parts` hold them
+    (format 7, read by :meth:`Manifest.shards`)."""
+    dense_checksums: dict[str, int]
+    app_checksums: list[int]
+    """One per rank."""
     shard_parts: dict[str, str] = field(default_factory=dict)
     """Format 7: the checksums of the files of its shard records (:func:`part_path`), by
     storage rank (the part that rank wrote itself) and ``"all"`` (every rank's, written
-    with the record); empty where the record holds ``shards`` (formats 1-6). :attr:`shards`
-    reads the one with every rank's on first use, :meth:`shards_of` a rank's part."""
-
-    def __getattr__(self, name: str) -> Any:
-        # Called only for an attribute not set: the detail of an entry read from a summary,
-        # fetched from its record on first use; or a chain stored by its parent.
-        if name == "chain" and "_parent" in self.__dict__:
-            owner = self.__dict__.get("_owner")
-            if owner is None:
-                raise RuntimeError(f"the chain of {self.id} is read through the manifest naming it")
-            chain = [link.id for link in owner.links(self)]
-            self.__dict__["chain"] = chain
-            return chain
-        fetch = self.__dict__.get("_fetch")
-        if name in DETAIL and fetch is not None:
-            detail = fetch()
-            for key in (*DETAIL, "_parts"):  # its parts, if any, still unread
-                if key in detail.__dict__:
-                    self.__dict__.setdefault(key, detail.__dict__[key])
-            del self.__dict__["_fetch"]
-            return getattr(self, name)
-        parts = self.__dict__.get("_parts")
-        if name == "shards" and parts is not None:
-            shards = parts(self.id, None, self.shard_parts["all"])
-            self.__dict__["shards"] = shards
-            return shards
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    @classmethod
-    def lazy(cls, summary: Entry, fetch: Callable[[], Entry]) -> Entry:
-        """``summary`` (an entry whose detail fields are empty) with its detail read by
-        ``fetch`` on first use; ``fetch`` is pickled with it (see ``commit.manifest``)."""
-        for key in DETAIL:
-            del summary.__dict__[key]
-        summary.__dict__["_fetch"] = fetch
-        return summary
-
-    def linked(self, owner: Any) -> Entry:
-        """This entry, its chain (if stored by its parent) read through ``owner`` (a
-        manifest's :meth:`links`) when first used."""
-        if "chain" not in self.__dict__:
-            self.__dict__["_owner"] = owner
-        return self
-
-    def shards_of(self, rank: int) -> list[ShardRecord]:
-        """The records of the shards storage rank ``rank`` saved: from that rank's part
-        alone, where the checkpoint was read from a root and has parts (format 7)."""
-        checksum = self.shard_parts.get(str(rank))  # (the detail first: it brings "_parts")
-        read = self.__dict__.get("_parts")
-        if read is None or checksum is None:
-            return [rec for rec in self.shards if rec.spec.rank == rank]
-        cache = self.__dict__.setdefault("_part_cache", {})
-        if rank not in cache:
-            cache[rank] = read(self.id, rank, checksum)
-        return cache[rank]  # type: ignore[no-any-return]
-
-    def parts_from(self, read: Callable[[str, int | None, str], list[ShardRecord]]) -> Entry:
-        """This entry, its shards (if its record names parts) read by ``read(ckpt_id,
-        rank or None for every rank's, checksum)`` when first used; ``read`` is pickled
-        with it."""
-        if self.shard_parts and "shards" not in self.__dict__:
-            self.__dict__["_parts"] = read
-        return self
-
-    @property
-    def parent(self) -> str | None:
-        """The link before this one in its chain, without reading the chain."""
-        stored = self.__dict__.get("_parent")
-        if stored is not None or "chain" not in self.__dict__:
-            return stored
-        return self.chain[-2] if len(self.chain) > 1 else None
-
-    @property
-    def depth(self) -> int:
-        """How many checkpoints its chain has, without reading the chain."""
-        return self.__dict__["_depth"] if "chain" not in self.__dict__ else len(self.chain)
-
-    @property
-    def has_detail(self) -> bool:
-        """Whether the detail is in memory (not yet to be fetched from the record)."""
-        return "_fetch" not in self.__dict__
+    with the record); empty where the record holds ``shards`` (formats 1-6)."""
 
     @staticmethod
     def signature(
@@ -255,28 +224,6 @@ class Entry:
             {k: DenseInfo.of(v) for k, v in dense.items()},
         )
 
-    def checksums_by_path(self) -> Mapping[str, int]:
-        """Logical tensor path -> CRC32, for every tensor this checkpoint stores; a shard's
-        are read (from its storage rank's part) when first asked for."""
-        return _Checksums(self)
-
-    def summary_json(self) -> dict[str, Any]:
-        """The JSON of the summary alone, as the manifest and history segments hold it."""
-        raw = {k: v for k, v in self.__dict__.items() if k not in DETAIL and k[0] != "_"}
-        if self.depth > 2:  # a chain of consecutive deltas: named by its parent
-            raw.pop("chain", None)
-            raw["parent"], raw["depth"] = self.parent, self.depth
-        if self.interval_decision is not None:
-            raw["interval_decision"] = self.interval_decision.to_json()
-        return raw
-
-    @classmethod
-    def from_summary(cls, raw: dict[str, Any]) -> Entry:
-        """An entry from :meth:`summary_json`, its detail fields empty."""
-        empty: dict[str, Any] = {"tables": {}, "dense": {}, "shards": [],
-                                 "dense_checksums": {}, "app_checksums": []}  # fmt: skip
-        return cls.from_json(raw | empty)
-
     def to_json(self) -> dict[str, Any]:
         raw = self.summary_json()
         raw["shard_parts"] = self.shard_parts
@@ -287,33 +234,23 @@ class Entry:
             k: {"shape": list(v.shape), "dtype": v.dtype} for k, v in self.dense.items()
         }
         if not self.shard_parts:  # else each storage rank's part holds them
-            raw["shards"] = [s.to_json() for s in self.shards]
+            raw["shards"] = [s.to_json() for s in self.shards or []]
         return raw
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], version: int = FORMAT_VERSION) -> Entry:
         shards = raw.get("shards") if version > 1 else [_upgrade_v1(s) for s in raw["shards"]]
-        known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
-        entry = cls(
-            **known
+        parts = bool(raw.get("shard_parts")) and "shards" not in raw
+        return cls(
+            **Summary._known(raw, cls)
             | {
-                "chain": raw.get("chain", []),
                 "tables": {k: TableShape(**v) for k, v in raw["tables"].items()},
                 "dense": {
                     k: DenseInfo(tuple(v["shape"]), v["dtype"]) for k, v in raw["dense"].items()
                 },
-                "shards": [ShardRecord.from_json(s) for s in shards or []],
-                "interval_decision": None
-                if raw.get("interval_decision") is None
-                else IntervalDecision.from_json(raw["interval_decision"]),
+                "shards": None if parts else [ShardRecord.from_json(s) for s in shards or []],
             }
         )
-        if raw.get("shard_parts") and "shards" not in raw:
-            del entry.__dict__["shards"]  # read from the parts (Entry.parts_from)
-        if "chain" not in raw:
-            del entry.__dict__["chain"]
-            entry.__dict__["_parent"], entry.__dict__["_depth"] = raw["parent"], int(raw["depth"])
-        return entry
 
 
 def record_bytes(entry: Entry) -> bytes:
@@ -338,45 +275,6 @@ def parse_record(data: bytes, where: str, ckpt_id: str) -> Entry:
     return entry
 
 
-class _Checksums(Mapping[str, int]):
-    """An entry's logical path -> CRC32, a storage rank's shards read when first asked for."""
-
-    def __init__(self, entry: Entry) -> None:
-        self.entry = entry
-        self._ranks: dict[int, dict[str, int]] = {}
-
-    def __getitem__(self, path: str) -> int:
-        first, _, rest = path.partition("/")
-        kind, _, name = rest.partition("/")
-        if not first.isdigit():
-            raise KeyError(path)
-        rank = int(first)
-        if kind == "rows":
-            if rank not in self._ranks:
-                recs = self.entry.shards_of(rank)
-                self._ranks[rank] = {n: crc for rec in recs for n, crc in rec.checksums.items()}
-            return self._ranks[rank][name]
-        if kind == "dense" and rank == 0:
-            return self.entry.dense_checksums[name]
-        if kind == "app" and name == "blob" and rank < len(self.entry.app_checksums):
-            return self.entry.app_checksums[rank]
-        raise KeyError(path)
-
-    def _paths(self) -> list[str]:
-        e = self.entry
-        return [
-            *(rows_path(rec.spec.rank, n) for rec in e.shards for n in rec.checksums),
-            *(dense_path(n) for n in e.dense_checksums),
-            *(app_path(r) for r in range(len(e.app_checksums))),
-        ]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._paths())
-
-    def __len__(self) -> int:
-        return len(self._paths())
-
-
 @dataclass(frozen=True)
 class SegmentRef:
     """A sealed history segment, as the manifest (or the next segment) names it."""
@@ -395,7 +293,7 @@ class SegmentRef:
         return None if raw is None else cls(**raw)
 
 
-def segment_bytes(entries: list[Entry], previous: SegmentRef | None) -> tuple[bytes, str]:
+def segment_bytes(entries: list[Summary], previous: SegmentRef | None) -> tuple[bytes, str]:
     """A history segment of ``entries``' summaries, naming the segment before it; and its
     checksum."""
     return sealed_bytes({
@@ -405,15 +303,15 @@ def segment_bytes(entries: list[Entry], previous: SegmentRef | None) -> tuple[by
     })  # fmt: skip
 
 
-def parse_segment(data: bytes, where: str) -> tuple[list[Entry], SegmentRef | None]:
-    """The summaries of a history segment (their detail empty), and the segment before it.
+def parse_segment(data: bytes, where: str) -> tuple[list[Summary], SegmentRef | None]:
+    """The summaries of a history segment, and the segment before it.
 
     Raises:
         ManifestError: the segment is damaged.
     """
     raw = open_sealed(data, where)
     try:
-        entries = [Entry.from_summary(e) for e in raw["checkpoints"]]
+        entries = [Summary.from_summary(e) for e in raw["checkpoints"]]
         return entries, SegmentRef.from_json(raw["previous"])
     except (KeyError, TypeError, ValueError) as e:
         raise ManifestError(f"{where} is malformed: {e!r}") from e
@@ -430,13 +328,13 @@ class ManifestRecord:
 
     def __init__(
         self,
-        checkpoints: list[Entry] | None = None,
+        checkpoints: list[Summary] | None = None,
         restores: int = 0,
         writer_generation: int = 0,
         version: str | None = None,
         history: SegmentRef | None = None,
     ) -> None:
-        self.tail: list[Entry] = list(checkpoints or [])
+        self.tail: list[Summary] = list(checkpoints or [])
         """The latest committed checkpoints, oldest first (every one, without a history)."""
         self.history = history
         """The newest sealed history segment; ``None`` if every checkpoint is in :attr:`tail`."""
@@ -446,8 +344,8 @@ class ManifestRecord:
         """The generation of the job that may commit to this root (see ``commit.lease``)."""
         self.version = version
         """The storage version it was read at; a save replaces exactly that version."""
-        self._older: list[Entry] | None = None if history is not None else []
-        self._index: tuple[list[Entry] | None, dict[str, Entry]] = (None, {})
+        self._older: list[Summary] | None = None if history is not None else []
+        self._index: tuple[list[Summary] | None, dict[str, Summary]] = (None, {})
         """:attr:`_older` by id, and the list it was built from."""
         self._segments: list[str] = []
         """The names of the history segments read (newest first)."""
@@ -457,21 +355,21 @@ class ManifestRecord:
         """The format version it was read in."""
 
     @property
-    def checkpoints(self) -> list[Entry]:
+    def checkpoints(self) -> list[Summary]:
         """Every committed checkpoint, oldest first (reads the history segments once)."""
         if self._older is None:
             self._older = self.read_history()
         return self._older + self.tail
 
     @checkpoints.setter
-    def checkpoints(self, entries: list[Entry]) -> None:
+    def checkpoints(self, entries: list[Summary]) -> None:
         """Replaces every checkpoint (retention); the history is sealed again when saved."""
         if self.history is not None:
             self.checkpoints  # noqa: B018 - the names of the segments it replaces
         self._stale_segments += self._segments
         self.tail, self.history, self._older, self._segments = list(entries), None, [], []
 
-    def read_history(self) -> list[Entry]:
+    def read_history(self) -> list[Summary]:
         """The checkpoints of the sealed history segments, oldest first."""
         if self.history is not None:
             raise ManifestError("this manifest names history segments but was read without a root")
@@ -492,7 +390,9 @@ class ManifestRecord:
         version = raw["format_version"]
         try:
             if version >= 6:
-                entries = [Entry.from_summary(e) for e in raw.get("checkpoints", [])]
+                entries: list[Summary] = [
+                    Summary.from_summary(e) for e in raw.get("checkpoints", [])
+                ]
             else:
                 entries = [Entry.from_json(e, version) for e in raw.get("checkpoints", [])]
             manifest = cls(
@@ -504,7 +404,6 @@ class ManifestRecord:
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"{where} is malformed: {e!r}") from e
         manifest.read_format = version
-        manifest.tail = [e.linked(manifest) for e in manifest.tail]
         return manifest
 
     def to_bytes(self) -> bytes:
@@ -518,10 +417,10 @@ class ManifestRecord:
             "history": None if self.history is None else self.history.to_json(),
         })[0]  # fmt: skip
 
-    def latest(self) -> Entry | None:
+    def latest(self) -> Summary | None:
         return self.tail[-1] if self.tail else None
 
-    def find(self, step: int | None) -> Entry | None:
+    def find(self, step: int | None) -> Summary | None:
         """The newest committed checkpoint of ``step`` (the latest one if ``None``)."""
         if step is None:
             return self.latest()
@@ -530,7 +429,7 @@ class ManifestRecord:
             found = next((e for e in reversed(self.checkpoints) if e.step == step), None)
         return found
 
-    def find_id(self, ckpt_id: str) -> Entry | None:
+    def find_id(self, ckpt_id: str) -> Summary | None:
         """The committed checkpoint of directory ``ckpt_id``, if the manifest names it."""
         found = next((e for e in self.tail if e.id == ckpt_id), None)
         name = parse_checkpoint_id(ckpt_id)
@@ -543,7 +442,7 @@ class ManifestRecord:
             self._index = (self._older, {e.id: e for e in self._older or []})
         return self._index[1].get(ckpt_id)
 
-    def by_id(self, ckpt_id: str) -> Entry:
+    def by_id(self, ckpt_id: str) -> Summary:
         entry = self.find_id(ckpt_id)
         if entry is None:
             raise ManifestError(
@@ -558,18 +457,23 @@ class ManifestRecord:
         last = -1 if self.history is None else self.history.last_seq
         return max((e.seq for e in self.tail), default=last) + 1
 
-    def links(self, entry: Entry) -> list[Entry]:
+    def links(self, entry: Summary) -> list[Summary]:
         """The checkpoints of ``entry``'s chain, baseline first; a chain stored by its
-        parent is walked back link by link (see :attr:`Entry.chain`)."""
+        parent is walked back link by link (see :attr:`Summary.chain`)."""
         walked = []
-        while "chain" not in entry.__dict__:
+        while entry.chain is None:
             walked.append(entry)
-            entry = self.by_id(entry.__dict__["_parent"])
+            assert entry.parent is not None  # a stored chain of more than two
+            entry = self.by_id(entry.parent)
         return [self.by_id(i) for i in entry.chain[:-1]] + [entry] + walked[::-1]
 
-    def chain_bytes(self, entry: Entry) -> int:
+    def chain(self, entry: Summary) -> list[str]:
+        """The ids of ``entry``'s chain, baseline first (see :meth:`links`)."""
+        return entry.chain if entry.chain is not None else [e.id for e in self.links(entry)]
+
+    def chain_bytes(self, entry: Summary) -> int:
         """Bytes a restore of ``entry`` reads: its chain's checkpoints."""
-        return sum(self.by_id(i).bytes for i in entry.chain)
+        return sum(e.bytes for e in self.links(entry))
 
     def needed_ids(self, last: int | None) -> set[str]:
         """Ids the chains of the last ``last`` checkpoints need (all if ``None``)."""
@@ -577,4 +481,4 @@ class ManifestRecord:
             entries = self.tail[-last:]
         else:
             entries = self.checkpoints if last is None else self.checkpoints[-last:]
-        return {i for e in entries for i in e.chain}
+        return {i for e in entries for i in self.chain(e)}

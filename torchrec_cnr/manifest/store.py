@@ -3,7 +3,8 @@
 One JSON file, ``<root>/manifest.json``, names every committed checkpoint (its types and
 JSON are :mod:`.records`'): the latest ones by their summaries, the older
 ones through the newest sealed history segment. Each checkpoint's detail is its record,
-``<id>/checkpoint.json``, read when first used. The manifest is replaced atomically (write
+``<id>/checkpoint.json``, which :meth:`Manifest.record` reads when asked (and its shard
+records, where parts hold them, :meth:`Manifest.shards`). The manifest is replaced atomically (write
 a temporary file, fsync, rename, fsync the directory) and only after every rank's data, the
 record and any new segment are durable, so its rename is the commit: a checkpoint
 directory the manifest does not name does not exist for a restore.
@@ -15,7 +16,9 @@ segment before it.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +28,7 @@ from torchrec_cnr.manifest.records import (
     Entry,
     ManifestRecord,
     SegmentRef,
+    Summary,
     describe,
     parse_record,
     parse_segment,
@@ -35,15 +39,18 @@ from torchrec_cnr.schema import (
     MANIFEST_NAME,
     PREVIOUS_MANIFEST_NAME,
     ShardRecord,
+    app_path,
+    dense_path,
     parse_checkpoint_id,
     parse_part,
     part_path,
     record_path,
+    rows_path,
     segment_name,
 )
 from torchrec_cnr.storage import PreconditionFailed, Root, Storage, as_storage
 
-__all__ = ["TAIL", "Keep", "Manifest", "read_record"]
+__all__ = ["TAIL", "Keep", "Manifest", "read_part", "read_record"]
 
 
 TAIL = 4
@@ -85,52 +92,37 @@ class _Source:
         return self.storage
 
 
-class _Record:
-    """Reads a checkpoint's record: an entry's detail, fetched on first use."""
-
-    def __init__(self, source: _Source, ckpt_id: str) -> None:
-        self.source, self.ckpt_id = source, ckpt_id
-
-    def __call__(self) -> Entry:
-        return read_record(self.source, self.ckpt_id)
-
-
-class _Parts:
-    """Reads a storage rank's part of a checkpoint: its shard records (format 7)."""
-
-    def __init__(self, source: _Source) -> None:
-        self.source = source
-
-    def __call__(self, ckpt_id: str, rank: int | None, checksum: str) -> list[ShardRecord]:
-        storage = self.source.get()
-        name = part_path(ckpt_id, rank)
-        got = storage.read(name)
-        if got is None:
-            raise CheckpointReadError(f"{storage.path(name)} is missing")
-        try:
-            return parse_part(got[0], storage.path(name), checksum)
-        except ManifestError as e:
-            raise CheckpointReadError(str(e)) from e
-
-
-def read_record(source: _Source | Storage, ckpt_id: str) -> Entry:
-    """The entry of checkpoint ``ckpt_id``, from its record (its shards, where parts hold
-    them, read from those when first used).
+def read_record(storage: Storage, ckpt_id: str) -> Entry:
+    """The entry of checkpoint ``ckpt_id``, from its record.
 
     Raises:
         CheckpointReadError: the record is missing or damaged.
     """
-    source = source if isinstance(source, _Source) else _Source(source)
-    storage = source.get()
     name = record_path(ckpt_id)
     got = storage.read(name)
     if got is None:
         raise CheckpointReadError(f"{storage.path(name)} is missing")
     try:
-        entry = parse_record(got[0], storage.path(name), ckpt_id)
+        return parse_record(got[0], storage.path(name), ckpt_id)
     except ManifestError as e:
         raise CheckpointReadError(str(e)) from e
-    return entry.parts_from(_Parts(source))
+
+
+def read_part(storage: Storage, ckpt_id: str, rank: int | None, checksum: str) -> list[ShardRecord]:
+    """The shard records of storage rank ``rank``'s part of a checkpoint (``None``: the
+    part with every rank's), format 7.
+
+    Raises:
+        CheckpointReadError: the part is missing or damaged.
+    """
+    name = part_path(ckpt_id, rank)
+    got = storage.read(name)
+    if got is None:
+        raise CheckpointReadError(f"{storage.path(name)} is missing")
+    try:
+        return parse_part(got[0], storage.path(name), checksum)
+    except ManifestError as e:
+        raise CheckpointReadError(str(e)) from e
 
 
 class Manifest(ManifestRecord):
@@ -196,16 +188,59 @@ class Manifest(ManifestRecord):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._source = _Source(None)
-        self._unrecorded: list[Entry] = list(self.tail)
-        """Entries whose records :meth:`save` writes first: those added, and a format-1-5
-        manifest's (whole, without records until the root is first written)."""
-        self._rechained: list[Entry] = []
-        """Entries whose chain :meth:`land` changed: their records are written again."""
+        self._records: dict[str, Entry] = {e.id: e for e in self.tail if isinstance(e, Entry)}
+        """The records read or added, by id."""
+        self._parts: dict[tuple[str, int | None], list[ShardRecord]] = {}
+        """The parts of shard records read (format 7), by checkpoint id and storage rank."""
+        self._unrecorded: list[str] = list(self._records)
+        """Checkpoints whose records :meth:`save` writes first: those added, and a
+        format-1-5 manifest's (whole, without records until the root is first written)."""
+        self._rechained: list[str] = []
+        """Checkpoints whose chain :meth:`land` changed: their records are written again."""
+
+    def record(self, entry: Summary | str) -> Entry:
+        """The whole entry of a committed checkpoint (or its id): its record, read once.
+
+        Raises:
+            CheckpointReadError: the record is missing or damaged.
+        """
+        ckpt_id = entry if isinstance(entry, str) else entry.id
+        found = self._records.get(ckpt_id)
+        if found is None:
+            found = self._records[ckpt_id] = read_record(self._source.get(), ckpt_id)
+        return found
+
+    def shards(self, entry: Summary | str, rank: int | None = None) -> list[ShardRecord]:
+        """The shard records of a committed checkpoint, every storage rank's or ``rank``'s
+        alone: from the record, or from that rank's part (format 7), read once.
+
+        Raises:
+            CheckpointReadError: the record or the part is missing or damaged.
+        """
+        record = self.record(entry)
+        if record.shards is not None:
+            return (
+                record.shards if rank is None else [s for s in record.shards if s.spec.rank == rank]
+            )
+        if rank is not None and str(rank) not in record.shard_parts:  # no part of its own
+            return [s for s in self.shards(record) if s.spec.rank == rank]
+        key = "all" if rank is None else str(rank)
+        found = self._parts.get((record.id, rank))
+        if found is None:
+            found = read_part(self._source.get(), record.id, rank, record.shard_parts[key])
+            self._parts[(record.id, rank)] = found
+        return found
+
+    def checksums(self, entry: Summary | str) -> Mapping[str, int]:
+        """Logical tensor path -> CRC32, for every tensor a committed checkpoint stores;
+        a storage rank's are read (from its part) when first asked for."""
+        return _Checksums(self, self.record(entry))
 
     def add(self, entry: Entry) -> None:
         """Adds a newly committed checkpoint (its record is written when saved)."""
-        self.tail.append(entry)
-        self._unrecorded.append(entry)
+        self.tail.append(entry.summary())
+        self._records[entry.id] = entry
+        self._unrecorded.append(entry.id)
 
     def land(self, compacted: Entry) -> None:
         """Adds a compaction committed after the checkpoint it compacts (see
@@ -224,21 +259,22 @@ class Manifest(ManifestRecord):
                 f"{compacted.compacted_from}, which {compacted.id} compacts, is not among the "
                 "summaries the manifest holds"
             )
-        self.tail.insert(at + 1, compacted)
-        self._unrecorded.append(compacted)
-        for entry in self.tail[at + 2 :]:
+        self.tail.insert(at + 1, compacted.summary())
+        self._records[compacted.id] = compacted
+        self._unrecorded.append(compacted.id)
+        for i in range(at + 2, len(self.tail)):
+            entry = self.tail[i]
             if entry.parent == compacted.compacted_from:
-                for key in ("_parent", "_depth", "_owner"):
-                    entry.__dict__.pop(key, None)
-                entry.chain = [compacted.id, entry.id]
-                self._rechained.append(entry)
+                chain = [compacted.id, entry.id]
+                self._records[entry.id] = self.record(entry).rechained(chain)
+                self.tail[i] = entry.rechained(chain)
+                self._rechained.append(entry.id)
 
     @classmethod
     def parse(cls, data: bytes, where: str) -> Manifest:
         manifest = super().parse(data, where)
-        if manifest.read_format >= 6:  # summaries: each reads its record when first used
-            manifest._unrecorded = []
-            manifest.tail = [Entry.lazy(e, _Record(manifest._source, e.id)) for e in manifest.tail]
+        if manifest.read_format < 6:  # whole entries: only summaries stay in the tail
+            manifest.tail = [e.summary() for e in manifest.tail]
         return manifest
 
     def attach(self, storage: Storage) -> Manifest:
@@ -247,14 +283,14 @@ class Manifest(ManifestRecord):
         self._source.storage = storage
         return self
 
-    def read_history(self) -> list[Entry]:
+    def read_history(self) -> list[Summary]:
         """The checkpoints of the sealed history segments, oldest first.
 
         Raises:
             ManifestError: a segment is missing or damaged.
         """
         storage = self._source.get() if self.history is not None else None
-        parts: list[list[Entry]] = []
+        parts: list[list[Summary]] = []
         ref = self.history
         while ref is not None:
             assert storage is not None
@@ -262,12 +298,12 @@ class Manifest(ManifestRecord):
             if got is None:
                 raise ManifestError(f"{storage.path(ref.name)} (a history segment) is missing")
             entries, previous = parse_segment(got[0], storage.path(ref.name))
-            parts.append([Entry.lazy(e, _Record(self._source, e.id)).linked(self) for e in entries])
+            parts.append(entries)
             self._segments.append(ref.name)
             ref = previous
         return [e for part in reversed(parts) for e in part]
 
-    def by_id(self, ckpt_id: str) -> Entry:
+    def by_id(self, ckpt_id: str) -> Summary:
         """The committed checkpoint ``ckpt_id`` that a committed chain names: from the
         summaries held, or else from its record alone (no history read).
 
@@ -278,10 +314,10 @@ class Manifest(ManifestRecord):
         unread = self.history is not None and self._older is None
         if unread and parse_checkpoint_id(ckpt_id) is not None:
             found = next((e for e in self.tail if e.id == ckpt_id), None)
-            return found or read_record(self._source, ckpt_id).linked(self)
+            return found or self.record(ckpt_id)
         return super().by_id(ckpt_id)
 
-    def link(self, ckpt_id: str) -> Entry | None:
+    def link(self, ckpt_id: str) -> Summary | None:
         """The checkpoint a committed one links to (``since``), as :meth:`by_id` finds it;
         ``None`` if the root no longer holds it (retired)."""
         try:
@@ -311,12 +347,16 @@ class Manifest(ManifestRecord):
                 f"{storage.path(MANIFEST_NAME)} changed since it was read (another writer?)"
             )
         first = current is None and not storage.exists(PREVIOUS_MANIFEST_NAME)
-        for entry in self._unrecorded:
+        for ckpt_id in self._unrecorded:
+            entry = self._records[ckpt_id]
             if entry.shard_parts:  # format 7: every rank's shard records in one file too
-                entry.shard_parts["all"] = write_part(storage, entry.id, None, entry.shards)
+                assert entry.shards is not None  # a new checkpoint's, in memory
+                every = write_part(storage, entry.id, None, entry.shards)
+                entry = dataclasses.replace(entry, shard_parts=entry.shard_parts | {"all": every})
+                self._records[ckpt_id] = entry
             storage.write(record_path(entry.id), record_bytes(entry))
-        for entry in self._rechained:  # its shard records stay as they are
-            storage.write(record_path(entry.id), record_bytes(entry))
+        for ckpt_id in self._rechained:  # its shard records stay as they are
+            storage.write(record_path(ckpt_id), record_bytes(self._records[ckpt_id]))
         self._unrecorded, self._rechained = [], []
         self._seal(storage, unsealed_from)
         if current is not None:
@@ -355,3 +395,42 @@ class Manifest(ManifestRecord):
             self._older = self._older + older
         self._segments.insert(0, name)
         self.history = SegmentRef(name, older[0].seq, max(e.seq for e in older), count)
+
+
+class _Checksums(Mapping[str, int]):
+    """A checkpoint's logical path -> CRC32, a storage rank's shards read when first asked for."""
+
+    def __init__(self, manifest: Manifest, entry: Entry) -> None:
+        self.manifest, self.entry = manifest, entry
+        self._ranks: dict[int, dict[str, int]] = {}
+
+    def __getitem__(self, path: str) -> int:
+        first, _, rest = path.partition("/")
+        kind, _, name = rest.partition("/")
+        if not first.isdigit():
+            raise KeyError(path)
+        rank = int(first)
+        if kind == "rows":
+            if rank not in self._ranks:
+                recs = self.manifest.shards(self.entry, rank)
+                self._ranks[rank] = {n: crc for rec in recs for n, crc in rec.checksums.items()}
+            return self._ranks[rank][name]
+        if kind == "dense" and rank == 0:
+            return self.entry.dense_checksums[name]
+        if kind == "app" and name == "blob" and rank < len(self.entry.app_checksums):
+            return self.entry.app_checksums[rank]
+        raise KeyError(path)
+
+    def _paths(self) -> list[str]:
+        e = self.entry
+        return [
+            *(rows_path(r.spec.rank, n) for r in self.manifest.shards(e) for n in r.checksums),
+            *(dense_path(n) for n in e.dense_checksums),
+            *(app_path(r) for r in range(len(e.app_checksums))),
+        ]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths())
+
+    def __len__(self) -> int:
+        return len(self._paths())

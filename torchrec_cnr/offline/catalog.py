@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from torchrec_cnr.manifest import Entry, Manifest, saved_fraction
+from torchrec_cnr.manifest import Manifest, Summary, saved_fraction
 from torchrec_cnr.schema import ShardRecord
 from torchrec_cnr.storage import as_storage
 from torchrec_cnr.storage.root import Root
@@ -109,20 +109,22 @@ def saved_rows(shards: list[ShardRecord]) -> int:
     return round(sum(_table_rows(rec, rec.saved_rows) for rec in shards))
 
 
-def changed_rows(entry: Entry) -> int | None:
-    """Table rows of ``entry`` that changed since ``entry.since`` (a row split over column
-    shards counts once); ``None`` if not recorded."""
+def changed_rows(shards: list[ShardRecord]) -> int | None:
+    """Table rows of a checkpoint's ``shards`` that changed since the checkpoint it
+    records as ``since`` (a row split over column shards counts once); ``None`` if not
+    recorded."""
     total = 0.0
-    for rec in entry.shards:
+    for rec in shards:
         if rec.recent == "unknown":
             return None
         total += _table_rows(rec, rec.saved_rows if rec.recent == "stored" else rec.recent_rows)
     return round(total)
 
 
-def _info(manifest: Manifest, entry: Entry) -> CheckpointInfo:
+def _info(manifest: Manifest, summary: Summary) -> CheckpointInfo:
+    entry, shards = manifest.record(summary), manifest.shards(summary)
     by_table = defaultdict(list)
-    for rec in entry.shards:
+    for rec in shards:
         by_table[rec.spec.table].append(rec)
     tables = {}
     for name, shape in entry.tables.items():
@@ -144,7 +146,7 @@ def _info(manifest: Manifest, entry: Entry) -> CheckpointInfo:
         step=entry.step,
         kind=entry.kind,
         policy=entry.policy,
-        chain=tuple(manifest.by_id(i).step for i in entry.chain),
+        chain=tuple(link.step for link in manifest.links(entry)),
         world_size=entry.world_size,
         bytes=entry.bytes,
         restore_bytes=manifest.chain_bytes(entry),
@@ -152,9 +154,9 @@ def _info(manifest: Manifest, entry: Entry) -> CheckpointInfo:
         stall_s=entry.stall_s,
         committed_at=entry.committed_at,
         saved_at=entry.saved_at,
-        saved_fraction=saved_fraction(entry.shards),
-        rows_saved=saved_rows(entry.shards),
-        rows_changed=changed_rows(entry),
+        saved_fraction=saved_fraction(shards),
+        rows_saved=saved_rows(shards),
+        rows_changed=changed_rows(shards),
         since=entry.since,
         compacted_from=entry.compacted_from,
         tables=tables,

@@ -17,7 +17,7 @@ import torch
 
 from torchrec_cnr.encoding import ShardRecord
 from torchrec_cnr.iocontext import IOContext, IOOptions
-from torchrec_cnr.manifest import Entry, Manifest
+from torchrec_cnr.manifest import Manifest, Summary
 from torchrec_cnr.snapshot import SnapshotReader
 from torchrec_cnr.storage import Root, Storage, as_storage
 
@@ -40,13 +40,15 @@ class ChainReader:
     Args:
         storage: the root.
         manifest: the committed manifest that names ``entry``.
-        entry: the checkpoint whose chain is read.
+        entry: the checkpoint whose chain is read (its record is read here).
         io: runs the reads, in pieces of at most ``io.object_bytes``; the caller owns it
             (see :meth:`open` for a reader that owns its own).
         verify: check every tensor read whole against the checksum recorded at save time.
         lazy: read a link's index only once something is read from it (a follower that
             reads the last link alone does not read the others'); else every link's index
             is read here, and a missing link fails at once.
+        only_rank: read only this storage rank's shard records (a restore onto the
+            sharding that rank saved, see ``restore.apply``); every rank's if ``None``.
 
     Raises:
         ManifestError: a checkpoint of the chain is not in the manifest.
@@ -58,14 +60,17 @@ class ChainReader:
         self,
         storage: Storage,
         manifest: Manifest,
-        entry: Entry,
+        entry: Summary,
         io: IOContext,
         verify: bool = True,
         lazy: bool = False,
+        only_rank: int | None = None,
     ) -> None:
         self.storage = storage
         self.manifest = manifest
-        self.entry = entry
+        self.entry = manifest.record(entry)
+        """The checkpoint's whole entry (its record)."""
+        self.only_rank = only_rank
         self.verify = verify
         self.io = io
         self._snapshots: dict[str, SnapshotReader] = {}
@@ -73,23 +78,22 @@ class ChainReader:
         if not lazy:
             for link in self.links:
                 self.snapshot(link)
-        self.only_rank: int | None = None
-        """Set before the records are first used: read only this storage rank's shard
-        records (a restore onto the sharding that rank saved, see ``restore.apply``)."""
         self.held: dict[TensorKey, torch.Tensor] = {}
         """Tensors read ahead (:meth:`hold`, :meth:`hold_many`), served from memory."""
         self._owned: IOContext | None = None
 
     @functools.cached_property
-    def links(self) -> list[Entry]:
+    def links(self) -> list[Summary]:
         """The chain's checkpoints, baseline first (a lazy reader reads them when first
         used: a follower's warm update need not)."""
         return self.manifest.links(self.entry)
 
-    def narrowed(self, links: list[Entry]) -> ChainReader:
+    def narrowed(self, links: list[Summary], only_rank: int | None = None) -> ChainReader:
         """A reader of ``links`` alone (committed checkpoints of this root, oldest first,
-        the last one its entry), sharing this reader's open checkpoints."""
-        sub = ChainReader(self.storage, self.manifest, links[-1], self.io, self.verify, lazy=True)
+        the last one its entry), sharing this reader's open checkpoints; of storage rank
+        ``only_rank``'s shard records alone if given (else as this reader)."""
+        rank = self.only_rank if only_rank is None else only_rank
+        sub = ChainReader(self.storage, self.manifest, links[-1], self.io, self.verify, True, rank)
         sub.__dict__["links"] = links
         sub._snapshots, sub._kept = self._snapshots, self._kept
         return sub
@@ -141,12 +145,12 @@ class ChainReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def snapshot(self, entry: Entry) -> SnapshotReader:
+    def snapshot(self, entry: Summary) -> SnapshotReader:
         """The reader of committed checkpoint ``entry`` (a link or any other of the root),
         made once."""
         reader = self._snapshots.get(entry.id)
         if reader is None:
-            sums = entry.checksums_by_path() if self.verify else None
+            sums = self.manifest.checksums(entry) if self.verify else None
             reader = SnapshotReader(self.storage, entry.id, self.io.io, self.io.object_bytes, sums)
             self._snapshots[entry.id] = reader
         return reader
@@ -155,7 +159,7 @@ class ChainReader:
         """The reader of link ``n`` (``-1``: the chain's checkpoint, its links unread)."""
         return self.snapshot(self.entry if n == -1 else self.links[n])
 
-    def kept(self, entry: Entry, rank: int, name: str) -> torch.Tensor:
+    def kept(self, entry: Summary, rank: int, name: str) -> torch.Tensor:
         """A stored tensor of any committed checkpoint of the root, read once and kept
         (shared with :meth:`narrowed` readers; held already if ``entry`` is a link)."""
         links = self.__dict__.get("links", ())  # nothing is held before they are read
@@ -177,8 +181,7 @@ class ChainReader:
     def link_records(self, n: int) -> list[ShardRecord]:
         """The shard records of link ``n`` (``-1``: the chain's checkpoint) this reader
         uses: with :attr:`only_rank`, that storage rank's alone (its part of each record)."""
-        link = self.entry if n == -1 else self.links[n]
-        return link.shards if self.only_rank is None else link.shards_of(self.only_rank)
+        return self.manifest.shards(self.entry if n == -1 else self.links[n], self.only_rank)
 
     @functools.cached_property
     def _by_table(self) -> dict[str, list[tuple[int, ShardRecord]]]:
@@ -252,7 +255,7 @@ class ChainReader:
         start, last = tail
         return [(ids[:start], torch.arange(start)), (last, torch.arange(start, rec.saved_rows))]
 
-    def _tail(self, entry: Entry, rec: ShardRecord) -> tuple[int, torch.Tensor] | None:
+    def _tail(self, entry: Summary, rec: ShardRecord) -> tuple[int, torch.Tensor] | None:
         """A ``tail`` record's rows changed since the previous checkpoint: where they start
         among its stored rows, and their ids (ascending, from its small ``recent`` tensor);
         ``None`` for any other record."""
@@ -261,7 +264,7 @@ class ChainReader:
         ids = self.kept(entry, rec.spec.rank, rec.recent_name).to(torch.int64)
         return rec.saved_rows - rec.recent_rows, ids
 
-    def _kept_ids(self, entry: Entry, rec: ShardRecord) -> torch.Tensor:
+    def _kept_ids(self, entry: Summary, rec: ShardRecord) -> torch.Tensor:
         """:meth:`saved_ids` of ``rec`` of ``entry``, kept (:meth:`kept`)."""
         ss = rec.spec
         if rec.all_rows:

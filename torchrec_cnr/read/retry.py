@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from torchrec_cnr.errors import CheckpointReadError, UnsafeObjectError
-from torchrec_cnr.manifest import Entry, Manifest
+from torchrec_cnr.errors import CheckpointReadError, ManifestError, UnsafeObjectError
+from torchrec_cnr.manifest import Manifest, Summary
 from torchrec_cnr.read.chain import missing_step
 
 __all__ = ["ATTEMPTS", "Intact", "load_committed", "load_newest_intact"]
@@ -38,9 +38,9 @@ ATTEMPTS = 8
 def load_committed(
     manifest: Callable[[], Manifest],
     step: int | None,
-    load: Callable[[Manifest, Entry], T],
+    load: Callable[[Manifest, Summary], T],
     url: str,
-) -> tuple[Entry, T] | None:
+) -> tuple[Summary, T] | None:
     """``load(manifest, entry)`` of the committed checkpoint of ``step`` (the latest if
     ``None``), read again from a fresh ``manifest()`` if it was retired while read.
 
@@ -74,9 +74,9 @@ def load_committed(
 class Intact(Generic[T]):
     """What :func:`load_newest_intact` loaded, and what it passed over."""
 
-    entry: Entry
+    entry: Summary
     loaded: T
-    passed: list[Entry]
+    passed: list[Summary]
     """The newer checkpoints that did not load, newest first."""
     damaged: list[str]
     """The links found damaged: every passed checkpoint's chain holds one."""
@@ -84,14 +84,18 @@ class Intact(Generic[T]):
     """Why the latest did not load."""
 
 
-def _damaged_link(entry: Entry, error: CheckpointReadError) -> str:
+def _damaged_link(manifest: Manifest, entry: Summary, error: CheckpointReadError) -> str:
     # A read error names the file it failed on, under its checkpoint's directory.
     text = str(error)
-    return next((i for i in reversed(entry.chain) if i in text), entry.id)
+    try:
+        chain = manifest.chain(entry)
+    except (CheckpointReadError, ManifestError):  # a record its chain walks is the damage
+        chain = [i for i in (entry.parent, entry.id) if i is not None]
+    return next((i for i in reversed(chain) if i in text), entry.id)
 
 
 def load_newest_intact(
-    manifest: Callable[[], Manifest], load: Callable[[Manifest, Entry], T], url: str
+    manifest: Callable[[], Manifest], load: Callable[[Manifest, Summary], T], url: str
 ) -> Intact[T] | None:
     """``load`` of the latest committed checkpoint (see :func:`load_committed`); where it
     fails on a damaged file, of the newest checkpoint before it that loads. A checkpoint
@@ -114,15 +118,15 @@ def load_newest_intact(
         current = manifest()
         newest = current.latest()
         assert newest is not None
-        passed, damaged = [newest], [_damaged_link(newest, first)]
+        passed, damaged = [newest], [_damaged_link(current, newest, first)]
         for entry in reversed(current.checkpoints[:-1]):
-            if not any(link in damaged for link in entry.chain):
-                try:
+            try:
+                if not any(link in damaged for link in current.chain(entry)):
                     return Intact(entry, load(current, entry), passed, damaged, first)
-                except UnsafeObjectError:
-                    raise
-                except CheckpointReadError as e:
-                    damaged.append(_damaged_link(entry, e))
+            except UnsafeObjectError:
+                raise
+            except CheckpointReadError as e:
+                damaged.append(_damaged_link(current, entry, e))
             passed.append(entry)
         raise
     return None if loaded is None else Intact(loaded[0], loaded[1], [], [], None)

@@ -98,7 +98,7 @@ def table_states(
     out: dict[str, torch.Tensor] = {}
     states: set[str] = set()
     for link in chain.links:
-        for rec in link.shards:
+        for rec in chain.manifest.shards(link):
             if rec.spec.table == name:
                 out.update({k: torch.tensor(v) for k, v in rec.scalars.items()})  # last wins
                 states.update(rec.states)

@@ -123,7 +123,7 @@ def own_part_suffices(chain: ChainReader, shards: list[LocalShard], rank: int) -
             for s in shards}  # fmt: skip
     for link in chain.links:
         have = {(r.spec.table, r.spec.row_offset, r.spec.col_offset, r.spec.rows, r.spec.cols)
-                for r in link.shards_of(rank)}  # fmt: skip
+                for r in chain.manifest.shards(link, rank)}  # fmt: skip
         if not want <= have:
             return False
     return True

@@ -161,7 +161,7 @@ def restore_entry(
     prepared: PreparedRestore | None = None
     try:
         if own_part_suffices(chain, chosen, group.rank):
-            chain.only_rank = group.rank  # the other ranks' shard records are not read
+            chain = chain.narrowed(chain.links, only_rank=group.rank)  # its records alone
         prepared = read_chain(
             chain, chosen,
             [] if partial else list(dense),

@@ -13,7 +13,7 @@ from torchrec_cnr.collectives import Collective
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.encoding import FP32
 from torchrec_cnr.iocontext import IOContext
-from torchrec_cnr.manifest import Entry, Manifest
+from torchrec_cnr.manifest import Entry, Manifest, Summary
 from torchrec_cnr.read import ChainReader, Intact, load_committed, load_newest_intact
 from torchrec_cnr.restore.apply import ReadOptions
 from torchrec_cnr.restore.collective import LocalModel, restore_entry
@@ -88,7 +88,7 @@ class ModelLoader:
             What was restored; ``None`` if ``step`` is ``None`` and the root holds none.
         """
 
-        def load(current: Manifest, entry: Entry) -> Restored:
+        def load(current: Manifest, entry: Summary) -> Restored:
             reader = self.group.agree_on(
                 lambda: ChainReader(self.storage, current, entry, self.io, self.verify)
             )
@@ -97,7 +97,7 @@ class ModelLoader:
             if not scope.partial:
                 # A partial restore keeps the live chain: the reloaded rows hold checkpointed
                 # values and their bits stay set, so the next checkpoint saves them.
-                state = ChainState(list(entry.chain), list(entry.sizes))
+                state = ChainState(current.chain(entry), list(entry.sizes))
                 mine = self.group.agree_on(
                     lambda: any(rec.format != FP32 for rec in reader.link_records(-1))
                 )
@@ -105,7 +105,7 @@ class ModelLoader:
                 chain = resume_chain(
                     self.model.shards, self.policy, entry.policy, state, touched, requantized
                 )
-            return Restored(entry, current.next_seq(), touched, chain)
+            return Restored(reader.entry, current.next_seq(), touched, chain)
 
         if fall_back and step is None:
             return load_newest_intact(manifest, load, self.storage.url)

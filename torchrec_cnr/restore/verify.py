@@ -9,18 +9,21 @@ import torch
 
 from torchrec_cnr.errors import CheckpointReadError, ManifestError
 from torchrec_cnr.iocontext import IOContext
-from torchrec_cnr.manifest import Entry, Manifest
+from torchrec_cnr.manifest import Manifest, Summary
 from torchrec_cnr.snapshot import SnapshotReader, check
 from torchrec_cnr.storage import Storage
 
 __all__ = ["verify_chains", "verify_checkpoint"]
 
 
-def verify_checkpoint(storage: Storage, ckpt: Entry, io: IOContext) -> list[str]:
-    """Reads every tensor of one checkpoint (and its record) and checks it; returns the
-    problems found."""
+def verify_checkpoint(
+    storage: Storage, manifest: Manifest, summary: Summary, io: IOContext
+) -> list[str]:
+    """Reads every tensor of one committed checkpoint of ``manifest`` (and its record)
+    and checks it; returns the problems found."""
     try:
-        ckpt.shards  # noqa: B018 - its record, read and checked
+        ckpt = manifest.record(summary)
+        shards = manifest.shards(ckpt)
         reader = SnapshotReader(storage, ckpt.id, io.io, io.object_bytes)
     except CheckpointReadError as e:
         return [str(e)]
@@ -29,11 +32,11 @@ def verify_checkpoint(storage: Storage, ckpt: Entry, io: IOContext) -> list[str]
         if key == "all":
             continue
         try:
-            part = [r.to_json() for r in ckpt.shards_of(int(key))]
+            part = [r.to_json() for r in manifest.shards(ckpt, int(key))]
         except CheckpointReadError as e:
             problems.append(str(e))
             continue
-        if part != [r.to_json() for r in ckpt.shards if r.spec.rank == int(key)]:
+        if part != [r.to_json() for r in shards if r.spec.rank == int(key)]:
             problems.append(f"{ckpt.id}: the part of rank {key} differs from its shard records")
 
     def attempt(read: Callable[[], torch.Tensor | bytes], expected: int, what: str) -> None:
@@ -42,7 +45,7 @@ def verify_checkpoint(storage: Storage, ckpt: Entry, io: IOContext) -> list[str]
         except CheckpointReadError as e:  # ChecksumError included
             problems.append(str(e))
 
-    for rec in ckpt.shards:
+    for rec in shards:
         rank = rec.spec.rank
         for name, expected in rec.checksums.items():
             what = f"{ckpt.id}: rank {rank} {rec.spec.table} {name}"
@@ -55,7 +58,7 @@ def verify_checkpoint(storage: Storage, ckpt: Entry, io: IOContext) -> list[str]
 
 
 def verify_chains(
-    storage: Storage, manifest: Manifest, entries: list[Entry], io: IOContext
+    storage: Storage, manifest: Manifest, entries: list[Summary], io: IOContext
 ) -> tuple[int, list[str], list[str]]:
     """Verifies every checkpoint the chains of ``entries`` need, each once.
 
@@ -69,14 +72,13 @@ def verify_chains(
     for entry in entries:
         # A consecutive delta whose parent was checked adds only itself: a chain holds
         # the whole chain of each of its links.
-        ids = [entry.id] if entry.depth > 2 and entry.parent in checked else entry.chain
+        ids = [entry.id] if entry.depth > 2 and entry.parent in checked else manifest.chain(entry)
         for ckpt_id in ids:
             if ckpt_id in checked:
                 continue
             checked.add(ckpt_id)
             try:
-                ckpt = manifest.by_id(ckpt_id)
-                found = verify_checkpoint(storage, ckpt, io)
+                found = verify_checkpoint(storage, manifest, manifest.by_id(ckpt_id), io)
             except (ManifestError, CheckpointReadError) as e:
                 found = [str(e)]
             problems += [f"step {entry.step}: {p}" for p in found]

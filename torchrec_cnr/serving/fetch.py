@@ -13,7 +13,7 @@ import contextlib
 import torch
 
 from torchrec_cnr.iocontext import IOContext
-from torchrec_cnr.manifest import Entry, Manifest
+from torchrec_cnr.manifest import Entry, Manifest, Summary
 from torchrec_cnr.read import ChainReader
 from torchrec_cnr.restore import check_serving
 from torchrec_cnr.serving.gate import AcceptGate, PendingUpdate
@@ -60,7 +60,9 @@ class UpdateReader:
         self.memory_budget = memory_budget
         self.spill_dir = spill_dir
 
-    def read(self, manifest: Manifest, latest: Entry, served: Entry | None) -> PendingUpdate | None:
+    def read(
+        self, manifest: Manifest, latest: Summary, served: Entry | None
+    ) -> PendingUpdate | None:
         """The update from ``served`` to ``latest``, read and ready; ``None`` if ``latest``
         is served already. Over the memory budget, an update a piece of which the gate
         refused has :attr:`PendingUpdate.refused` set and is read no further.
@@ -69,21 +71,22 @@ class UpdateReader:
             ModelMismatchError: the checkpoint does not match the target.
         """
         chain = ChainReader(self.storage, manifest, latest, self.io, verify=False, lazy=True)
+        entry = chain.entry
         slots = {
             key: (s.num_embeddings, s.embedding_dim) for key, s in self.target.tables().items()
         }
-        check_serving(latest, slots, self.target.dense_names(), self.storage.url)
+        check_serving(entry, slots, self.target.dense_names(), self.storage.url)
         plan = plan_update(manifest, chain, served, None if served is None else served.id)
         if plan is None:
             return None
-        update = PendingUpdate(plan, spill=self._spill_for(plan, latest))
+        update = PendingUpdate(plan, spill=self._spill_for(plan, entry))
         if update.spill is None:
-            self._read_whole(update, chain, latest)
-        elif not self._read_pieces(update, chain, latest):
+            self._read_whole(update, chain, entry)
+        elif not self._read_pieces(update, chain, entry):
             return update  # a piece was refused
         if plan.dense or plan.cold:
             shapes, dense = self.target.tables(), self.target.dense_names()
-            read = chain.dense([n for n in latest.dense if n in dense or n in shapes])
+            read = chain.dense([n for n in entry.dense if n in dense or n in shapes])
             for name, tensor in read.items():
                 if name in shapes:  # a data-parallel table: replicated, saved with the dense
                     ids = torch.arange(tensor.shape[0])

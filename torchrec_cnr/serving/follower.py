@@ -46,7 +46,7 @@ from typing import Any
 from torchrec_cnr import shutdown
 from torchrec_cnr.errors import CheckpointReadError, CnrError
 from torchrec_cnr.iocontext import IOContext, IOOptions
-from torchrec_cnr.manifest import Entry, Manifest
+from torchrec_cnr.manifest import Manifest, Summary
 from torchrec_cnr.read import load_committed
 from torchrec_cnr.schema import MANIFEST_NAME
 from torchrec_cnr.serving.apply import Applier
@@ -406,7 +406,7 @@ class Follower:
         else:
             self._spare_deferred = True
 
-    def _read(self, manifest: Manifest, latest: Entry, asked: bool) -> PendingUpdate | None:
+    def _read(self, manifest: Manifest, latest: Summary, asked: bool) -> PendingUpdate | None:
         """The update to ``latest`` (or, following, to the commit after the served one:
         :data:`STEP_THROUGH`), read and ready; ``None`` if it is served already, or was
         refused and is not ``asked`` for by step."""
@@ -422,7 +422,7 @@ class Follower:
                 return None  # refused already: wait for the next commit
         return self._reader.read(manifest, latest, served)
 
-    def _next(self, manifest: Manifest, latest: Entry) -> Entry:
+    def _next(self, manifest: Manifest, latest: Summary) -> Summary:
         """The commit to serve next: the one after the served one where at most
         :data:`STEP_THROUGH` commits came after it and that one was not refused, the latest
         otherwise."""

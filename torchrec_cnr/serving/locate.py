@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from torchrec_cnr.encoding import FP32, ShardRecord
-from torchrec_cnr.manifest import Entry
+from torchrec_cnr.manifest import Summary
 from torchrec_cnr.quantization import UNIFORM_METHODS
 from torchrec_cnr.read import ChainReader, find_ids
 from torchrec_cnr.serving.plan import changed_rows
@@ -106,7 +106,7 @@ def _located(
         return _located_densely(source, table, wanted, shape.num_embeddings)
     pieces = []
     for n in reversed(range(len(source.links))):
-        for rec in source.links[n].shards:
+        for rec in source.link_records(n):
             if rec.spec.table != table or rec.saved_rows == 0 or not wanted.numel():
                 continue
             found = source.locate(n, rec, wanted)
@@ -131,7 +131,7 @@ def _located_densely(
     left[wanted] = True
     pieces = []
     for n in reversed(range(len(source.links))):
-        for rec in source.links[n].shards:
+        for rec in source.link_records(n):
             if rec.spec.table != table or rec.saved_rows == 0:
                 continue
             for ids, at in source.stored(n, rec):
@@ -144,19 +144,19 @@ def _located_densely(
 
 
 def _from_newer(
-    chain: ChainReader, table: str, wanted: torch.Tensor, newer: list[Entry]
+    chain: ChainReader, table: str, wanted: torch.Tensor, newer: list[Summary]
 ) -> tuple[list[_Piece], torch.Tensor]:
     """Rows ``wanted`` of ``table`` from ``newer`` (the checkpoints since the served one,
     newest first: see :attr:`UpdatePlan.newer`), each from the newest that changed it,
     where those rows lie in one run: the pieces, and the rows left."""
     # The target's own records: a row read from a newer checkpoint must be stored as the
     # target stores it (its chain's older links are not read for a warm update).
-    ours = [rec for rec in chain.entry.shards if rec.spec.table == table]
+    ours = [rec for rec in chain.link_records(-1) if rec.spec.table == table]
     dim = chain.entry.tables[table].embedding_dim
     pieces = []
     deferred = []  # changed by a checkpoint that does not store them in a run
     for entry in newer:
-        for rec in entry.shards:
+        for rec in chain.manifest.shards(entry):
             if rec.spec.table != table or rec.saved_rows == 0 or not wanted.numel():
                 continue
             ids, start = changed_rows(chain, entry, rec)
@@ -178,7 +178,7 @@ def _from_newer(
 
 
 def read_table(
-    chain: ChainReader, table: str, wanted: torch.Tensor | None, newer: list[Entry]
+    chain: ChainReader, table: str, wanted: torch.Tensor | None, newer: list[Summary]
 ) -> list[Read]:
     """The latest stored version of rows ``wanted`` (every row if ``None``) of ``table``,
     each row read once: the reads of its ``(ids, rows)`` pieces, queued (:func:`settle`
@@ -234,7 +234,7 @@ def _assemble(source: ChainReader, table: str, wanted: torch.Tensor) -> torch.Te
     left = torch.arange(wanted.numel())  # positions in ``wanted`` still to read
     for n in reversed(range(len(source.links))):
         cover = torch.zeros(left.numel(), dtype=torch.int64)  # columns link n stores
-        for rec in source.links[n].shards:
+        for rec in source.link_records(n):
             if rec.spec.table == table and rec.saved_rows and left.numel():
                 for ids, _ in source.locate(n, rec, wanted[left]):
                     cover[find_ids(wanted[left], ids)[1]] += rec.spec.cols

@@ -1,7 +1,7 @@
 """Which rows a follower must read to go from the checkpoint it serves to another one.
 
 Every checkpoint of format 4 records, per stored shard, the rows that changed since the
-checkpoint before it (``Entry.since``): every stored row (a consecutive delta), or the
+checkpoint before it (``Summary.since``): every stored row (a consecutive delta), or the
 ids its ``<key>.recent`` tensor lists (a cumulative delta, a baseline). Following the
 ``since`` links back from the target to the served checkpoint and uniting those sets
 gives every row whose value differs, read once each however far behind the follower is.
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torchrec_cnr.encoding import ShardRecord
-from torchrec_cnr.manifest import Entry, Manifest
+from torchrec_cnr.manifest import Entry, Manifest, Summary
 from torchrec_cnr.read.chain import ChainReader
 
 __all__ = ["UpdatePlan", "changed_rows", "changed_since", "plan_update"]
@@ -46,7 +46,7 @@ class UpdatePlan:
     """The dense state differs from the served one."""
     path: list[str] = field(default_factory=list)
     """The checkpoints whose recorded changes the plan unites."""
-    newer: list[Entry] = field(default_factory=list)
+    newer: list[Summary] = field(default_factory=list)
     """Where the target is ahead of the served checkpoint (no rewind): the checkpoints
     from the target back to the first after the served one, newest first. Each stores the
     rows it changed with their values at the target's step, unless a newer one changed
@@ -54,16 +54,16 @@ class UpdatePlan:
     one run) rather than scattered through the target's chain."""
 
 
-def _same_state(entry: Entry, ckpt_id: str) -> bool:
+def _same_state(entry: Summary, ckpt_id: str) -> bool:
     return entry.id == ckpt_id or entry.compacted_from == ckpt_id
 
 
-def _lineage(manifest: Manifest, start: Entry) -> Iterator[tuple[set[str], Entry | None]]:
+def _lineage(manifest: Manifest, start: Summary) -> Iterator[tuple[set[str], Summary | None]]:
     """``start`` and the checkpoints it links back to through ``since``, newest first, each
     as the ids that name its state (its own, and the one it compacted) and its entry; the
     last may be a link the root no longer holds (entry ``None``): nothing is known beyond
     it. Read as far as its caller goes: each link is the manifest's or its own record."""
-    entry: Entry | None = start
+    entry: Summary | None = start
     seen: set[str] = set()
     while entry is not None and entry.id not in seen:
         seen.add(entry.id)
@@ -77,13 +77,14 @@ def _lineage(manifest: Manifest, start: Entry) -> Iterator[tuple[set[str], Entry
 
 
 def _meet(
-    ahead: Iterator[tuple[set[str], Entry | None]], behind: Iterator[tuple[set[str], Entry | None]]
-) -> tuple[list[Entry | None], list[Entry | None], tuple[int, int] | None]:
+    ahead: Iterator[tuple[set[str], Summary | None]],
+    behind: Iterator[tuple[set[str], Summary | None]],
+) -> tuple[list[Summary | None], list[Summary | None], tuple[int, int] | None]:
     """Walks both lineages a link at a time until one reaches a state the other has: their
     newest common checkpoint (each side meets the other's ancestors in order, so the first
     shared state found is it). Returns each side's links walked and where they meet."""
-    sides: list[list[tuple[set[str], Entry | None]]] = [[], []]
-    going: list[Iterator[tuple[set[str], Entry | None]] | None] = [ahead, behind]
+    sides: list[list[tuple[set[str], Summary | None]]] = [[], []]
+    going: list[Iterator[tuple[set[str], Summary | None]] | None] = [ahead, behind]
     while going[0] is not None or going[1] is not None:
         for side in (0, 1):
             walk = going[side]
@@ -104,7 +105,7 @@ def _meet(
 
 
 def changed_rows(
-    chain: ChainReader, entry: Entry, rec: ShardRecord
+    chain: ChainReader, entry: Summary, rec: ShardRecord
 ) -> tuple[torch.Tensor, int | None]:
     """The ascending ids of the rows ``rec`` (of ``entry``, its ``recent`` recorded)
     changed since the checkpoint before it, and the position of the first where they are
@@ -123,7 +124,7 @@ def changed_rows(
     return chain.kept(entry, ss.rank, rec.ids_name(rec.key)).to(torch.int64), 0
 
 
-def changed_since(chain: ChainReader, entry: Entry) -> dict[str, torch.Tensor] | None:
+def changed_since(chain: ChainReader, entry: Summary) -> dict[str, torch.Tensor] | None:
     """Table -> ascending global ids of the rows ``entry`` records as changed since
     ``entry.since``; ``None`` if some shard did not record them.
 
@@ -131,7 +132,7 @@ def changed_since(chain: ChainReader, entry: Entry) -> dict[str, torch.Tensor] |
         chain: any open chain of the same root (see :func:`changed_rows`).
     """
     parts: dict[str, list[torch.Tensor]] = {}
-    for rec in entry.shards:
+    for rec in chain.manifest.shards(entry):
         if rec.recent == "unknown":
             return None
         if rec.saved_rows:
