@@ -49,6 +49,8 @@ class ChainReader:
             is read here, and a missing link fails at once.
         only_rank: read only this storage rank's shard records (a restore onto the
             sharding that rank saved, see ``restore.apply``); every rank's if ``None``.
+        links: the chain's checkpoints, if known (see :meth:`narrowed`); else read from
+            the manifest when first used.
 
     Raises:
         ManifestError: a checkpoint of the chain is not in the manifest.
@@ -65,12 +67,14 @@ class ChainReader:
         verify: bool = True,
         lazy: bool = False,
         only_rank: int | None = None,
+        links: list[Summary] | None = None,
     ) -> None:
         self.storage = storage
         self.manifest = manifest
         self.entry = manifest.record(entry)
         """The checkpoint's whole entry (its record)."""
         self.only_rank = only_rank
+        self._links = links
         self.verify = verify
         self.io = io
         self._snapshots: dict[str, SnapshotReader] = {}
@@ -82,19 +86,22 @@ class ChainReader:
         """Tensors read ahead (:meth:`hold`, :meth:`hold_many`), served from memory."""
         self._owned: IOContext | None = None
 
-    @functools.cached_property
+    @property
     def links(self) -> list[Summary]:
         """The chain's checkpoints, baseline first (a lazy reader reads them when first
         used: a follower's warm update need not)."""
-        return self.manifest.links(self.entry)
+        if self._links is None:
+            self._links = self.manifest.links(self.entry)
+        return self._links
 
     def narrowed(self, links: list[Summary], only_rank: int | None = None) -> ChainReader:
         """A reader of ``links`` alone (committed checkpoints of this root, oldest first,
         the last one its entry), sharing this reader's open checkpoints; of storage rank
         ``only_rank``'s shard records alone if given (else as this reader)."""
         rank = self.only_rank if only_rank is None else only_rank
-        sub = ChainReader(self.storage, self.manifest, links[-1], self.io, self.verify, True, rank)
-        sub.__dict__["links"] = links
+        sub = ChainReader(
+            self.storage, self.manifest, links[-1], self.io, self.verify, True, rank, links
+        )
         sub._snapshots, sub._kept = self._snapshots, self._kept
         return sub
 
@@ -162,7 +169,7 @@ class ChainReader:
     def kept(self, entry: Summary, rank: int, name: str) -> torch.Tensor:
         """A stored tensor of any committed checkpoint of the root, read once and kept
         (shared with :meth:`narrowed` readers; held already if ``entry`` is a link)."""
-        links = self.__dict__.get("links", ())  # nothing is held before they are read
+        links = self._links or ()  # nothing is held before they are read
         n = next((i for i, link in enumerate(links) if link.id == entry.id), None)
         held = None if n is None else self.held.get((n, rank, name))
         if held is not None:
