@@ -37,14 +37,9 @@ from cnr_train.workload import TableSpec
 from tests import logged, reference
 from tests.jobs import Job, assert_restore_refused, make_job, save_reference
 from tests.multiprocess import run_ranks
-from torchrec_cnr import (
-    CheckpointReadError,
-    ChecksumError,
-    ManifestError,
-    Timeouts,
-    export_state_dict,
-)
+from torchrec_cnr import CheckpointReadError, ManifestError, Timeouts, export_state_dict
 from torchrec_cnr.cli import main as cnr
+from torchrec_cnr.errors import ChecksumError
 from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.manifest.store import TAIL
 from torchrec_cnr.read import ChainReader
