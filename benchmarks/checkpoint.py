@@ -33,9 +33,10 @@ from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import Rows
 from benchmarks.peers import run_peers, torchsnapshot_restore, torchsnapshot_take_durable
 from benchmarks.results import Column, Goal, Table
-from torchrec_cnr import CheckpointConfig, CheckpointManager, checkpoint_info, list_checkpoints
+from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.config import QuantizeConfig
 from torchrec_cnr.encoding.writer import ENCODE_BYTES
+from torchrec_cnr.offline import checkpoint_info, list_checkpoints
 from torchrec_cnr.quantization import quantize
 from torchrec_cnr.storage.fs import FsStorage
 from torchrec_cnr.testing.rows import modify

@@ -26,7 +26,8 @@ from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import GB
 from benchmarks.results import Goal, Table
 from cnr_train.workload import TableSpec, build_model, dense_optimizer
-from torchrec_cnr import CheckpointConfig, CheckpointManager, ExportOptions, export_dcp
+from torchrec_cnr import CheckpointConfig, CheckpointManager, export_dcp
+from torchrec_cnr.interop import ExportOptions
 from torchrec_cnr.storage.fs import tree_bytes
 
 

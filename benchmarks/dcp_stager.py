@@ -37,7 +37,8 @@ from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import GB, StepLoop
 from benchmarks.results import Goal, Table
 from cnr_train.workload import ZipfBatches
-from torchrec_cnr import CheckpointConfig, CheckpointManager, DcpStager
+from torchrec_cnr import CheckpointConfig, CheckpointManager
+from torchrec_cnr.interop import DcpStager
 from torchrec_cnr.testing.memory import proc_status_mb, reset_peak_rss
 
 Wait = Callable[[], bool]

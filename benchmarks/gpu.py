@@ -40,8 +40,10 @@ from benchmarks import measure, peers
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.results import Goal, Table
 from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer, train_step
-from torchrec_cnr import CheckpointConfig, CheckpointManager, DcpStager, list_checkpoints
+from torchrec_cnr import CheckpointConfig, CheckpointManager
+from torchrec_cnr.interop import DcpStager
 from torchrec_cnr.launch import init_distributed
+from torchrec_cnr.offline import list_checkpoints
 from torchrec_cnr.testing.rows import modify
 from torchrec_cnr.tracking import model_state
 

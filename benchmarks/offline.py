@@ -22,9 +22,15 @@ import torch
 from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.results import Table
-from torchrec_cnr import CheckpointConfig, CheckpointManager, checkpoint_info, list_checkpoints
+from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.cli import main as cnr
-from torchrec_cnr.offline import export_state_dict, read_table, save_export
+from torchrec_cnr.offline import (
+    checkpoint_info,
+    export_state_dict,
+    list_checkpoints,
+    read_table,
+    save_export,
+)
 from torchrec_cnr.testing.rows import modify
 from torchrec_cnr.tracking.model_state import local_shards
 

@@ -16,7 +16,8 @@ from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
 from benchmarks.results import Table
 from cnr_train.workload import ZipfBatches, train_step
-from torchrec_cnr import CheckpointConfig, CheckpointManager, checkpoint_info
+from torchrec_cnr import CheckpointConfig, CheckpointManager
+from torchrec_cnr.offline import checkpoint_info
 from torchrec_cnr.storage.fs import tree_bytes
 
 

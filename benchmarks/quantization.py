@@ -22,7 +22,7 @@ import torch
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.measure import best_seconds
 from benchmarks.results import Goal, Table
-from torchrec_cnr import quantize
+from torchrec_cnr.quantization import quantize
 from torchrec_cnr.quantization._uniform import fbgemm_ops
 
 METHODS = ("symmetric", "asymmetric", "kmeans", "adaptive")

@@ -43,8 +43,9 @@ from benchmarks.measure import (
 from benchmarks.results import Column, Goal, Table
 from cnr_train.job import DONE_MARKER
 from cnr_train.serve import freshness
-from torchrec_cnr import CheckpointInfo, list_checkpoints, quantize
 from torchrec_cnr.config import BACKGROUND
+from torchrec_cnr.offline import CheckpointInfo, list_checkpoints
+from torchrec_cnr.quantization import quantize
 from torchrec_cnr.serving import UpdateReport
 from torchrec_cnr.storage import open_storage
 

@@ -18,8 +18,9 @@ from typing import Any
 from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.results import Goal, Table
-from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
+from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.config import Staging
+from torchrec_cnr.offline import list_checkpoints
 from torchrec_cnr.testing.rows import modify
 from torchrec_cnr.tracking import model_state
 

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
 from benchmarks.results import Table
-from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
+from torchrec_cnr import CheckpointConfig, CheckpointManager
+from torchrec_cnr.offline import list_checkpoints
 from torchrec_cnr.testing import stores
 from torchrec_cnr.testing.rows import modify
 from torchrec_cnr.tracking.model_state import local_shards

@@ -30,18 +30,12 @@ from cnr_train.workload import (
     dense_optimizer,
     train_step,
 )
-from torchrec_cnr import (
-    CheckpointConfig,
-    CheckpointError,
-    CheckpointInfo,
-    CheckpointManager,
-    root_info,
-    write_rows,
-)
+from torchrec_cnr import CheckpointConfig, CheckpointError, CheckpointManager
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.commit.lease import live_holder
+from torchrec_cnr.offline import CheckpointInfo, root_info
 from torchrec_cnr.snapshot import crc32
-from torchrec_cnr.tracking import model_state
+from torchrec_cnr.tracking import model_state, write_rows
 from torchrec_cnr.tracking.tracker import TrackingMode
 
 DONE_MARKER = ".done"

@@ -11,14 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchrec_cnr import (
-    CheckpointConfig,
-    CheckpointInfo,
-    CheckpointManager,
-    QuantizeConfig,
-    RootInfo,
-    checkpoint_info,
-)
+from torchrec_cnr import CheckpointConfig, CheckpointManager, QuantizeConfig
+from torchrec_cnr.offline import CheckpointInfo, RootInfo, checkpoint_info
 from torchrec_cnr.quantization import quantize
 from torchrec_cnr.storage import open_storage
 from torchrec_cnr.tracking import model_state

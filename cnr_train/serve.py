@@ -36,15 +36,8 @@ from torchrec.inference.modules import quantize_embeddings
 from cnr_train.config import JobConfig, ServeDtype
 from cnr_train.job import DONE_MARKER, job_tables, make_data, num_dense
 from cnr_train.workload import BatchStream, TableSpec, dlrm
-from torchrec_cnr import (
-    CheckpointInfo,
-    FloatTarget,
-    Follower,
-    QuantizedTarget,
-    list_checkpoints,
-    root_info,
-    shutdown,
-)
+from torchrec_cnr import FloatTarget, Follower, QuantizedTarget, shutdown
+from torchrec_cnr.offline import CheckpointInfo, list_checkpoints, root_info
 from torchrec_cnr.serving import ServingTarget, UpdateReport
 from torchrec_cnr.storage import Storage
 

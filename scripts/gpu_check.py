@@ -57,16 +57,10 @@ from cnr_train.workload import (  # noqa: E402
     dlrm,
     train_step,
 )
-from torchrec_cnr import (  # noqa: E402
-    CheckpointConfig,
-    CheckpointManager,
-    FloatTarget,
-    Follower,
-    QuantizeConfig,
-    list_checkpoints,
-)
+from torchrec_cnr import CheckpointConfig, CheckpointManager, FloatTarget, Follower, QuantizeConfig  # noqa: E402
 from torchrec_cnr.config import Background, PolicyName, Staging  # noqa: E402
 from torchrec_cnr.launch import init_distributed  # noqa: E402
+from torchrec_cnr.offline import list_checkpoints  # noqa: E402
 from torchrec_cnr.tracking import model_state  # noqa: E402
 from torchrec_cnr.versions import installed  # noqa: E402
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -193,3 +194,20 @@ def restores_exactly(
     fresh = make_job(model, root, **job)
     assert_restores(fresh, refs, step, latest)
     fresh.ckpt.close()
+
+
+def assert_restore_refused(
+    job: Job, error: type[Exception], needles: list[str], step: int | None = None
+) -> None:
+    """``job``'s restore of ``step`` (the latest if ``None``) raises ``error`` naming each
+    of ``needles``, and leaves every local shard (weights, optimizer states and step
+    counters), the dense state and ``app_state`` bit for bit as they were; then closes
+    its manager."""
+    before = models.capture(job.model, job.app_state)
+    with pytest.raises(error) as info:
+        job.ckpt.restore(step)
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+    after = models.capture(job.model, job.app_state)
+    assert not models.differences(before, after), "a failed restore changed the model"
+    job.ckpt.close()

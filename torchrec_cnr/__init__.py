@@ -24,7 +24,16 @@ directory's tensors; ``iocontext`` the I/O options and the thread pools every re
 writer runs on. Beside them: ``recovery`` CPR's interval choice and the save schedule;
 ``writer_process`` the writer in a process of its own; ``interop`` PyTorch's DCP format (import,
 export, the stager); ``manager`` only sequences the stages.
+
+``__all__`` holds what a training or serving job imports: the manager, its configuration,
+the sharders, the follower, the offline restores and the errors to catch. The rest is
+imported from its subpackage (``torchrec_cnr.offline``, ``torchrec_cnr.interop``, ...).
 """
+
+from __future__ import annotations
+
+import importlib
+import warnings
 
 from torchrec_cnr.config import (
     CheckpointConfig,
@@ -36,64 +45,71 @@ from torchrec_cnr.config import (
 from torchrec_cnr.errors import (
     CheckpointError,
     CheckpointReadError,
-    ChecksumError,
     CnrError,
     ManifestError,
     ModelMismatchError,
-    UnsafeObjectError,
 )
-from torchrec_cnr.interop import DcpStager, ExportOptions, export_dcp
+from torchrec_cnr.interop import export_dcp
 from torchrec_cnr.manager import CheckpointManager
-from torchrec_cnr.offline import (
-    CheckpointInfo,
-    RootInfo,
-    TableInfo,
-    checkpoint_info,
-    export_state_dict,
-    list_checkpoints,
-    read_optimizer_state,
-    read_table,
-    root_info,
-)
-from torchrec_cnr.quantization import QuantizedRows, quantize
+from torchrec_cnr.offline import export_state_dict, read_table
 from torchrec_cnr.serving import FloatTarget, Follower, FollowerOptions, QuantizedTarget
-from torchrec_cnr.tracking import tracking_sharders, write_rows
+from torchrec_cnr.tracking import tracking_sharders
 from torchrec_cnr.versions import warn_unsupported
 
 __all__ = [
     "CheckpointConfig",
     "CheckpointError",
-    "CheckpointInfo",
     "CheckpointManager",
     "CheckpointReadError",
-    "ChecksumError",
     "CnrError",
-    "DcpStager",
-    "ExportOptions",
     "FloatTarget",
     "Follower",
     "FollowerOptions",
     "IOOptions",
     "ManifestError",
     "ModelMismatchError",
-    "UnsafeObjectError",
     "QuantizeConfig",
     "QuantizedTarget",
-    "QuantizedRows",
     "RecoveryConfig",
-    "RootInfo",
-    "TableInfo",
     "Timeouts",
-    "checkpoint_info",
     "export_dcp",
     "export_state_dict",
-    "list_checkpoints",
-    "quantize",
-    "read_optimizer_state",
     "read_table",
-    "root_info",
     "tracking_sharders",
-    "write_rows",
 ]
+
+_MOVED = {
+    "ChecksumError": "torchrec_cnr.errors:ChecksumError",
+    "UnsafeObjectError": "torchrec_cnr.errors:UnsafeObjectError",
+    "DcpStager": "torchrec_cnr.interop:DcpStager",
+    "ExportOptions": "torchrec_cnr.interop:ExportOptions",
+    "CheckpointInfo": "torchrec_cnr.offline:CheckpointInfo",
+    "RootInfo": "torchrec_cnr.offline:RootInfo",
+    "TableInfo": "torchrec_cnr.offline:TableInfo",
+    "checkpoint_info": "torchrec_cnr.offline:checkpoint_info",
+    "list_checkpoints": "torchrec_cnr.offline:list_checkpoints",
+    "read_optimizer_state": "torchrec_cnr.offline:read_optimizer_state",
+    "root_info": "torchrec_cnr.offline:root_info",
+    "QuantizedRows": "torchrec_cnr.quantization:QuantizedRows",
+    "quantize": "torchrec_cnr.quantization:quantize",
+    "write_rows": "torchrec_cnr.tracking:write_rows",
+}
+"""Names this package exported before they left ``__all__`` -> ``"module:name"``: they
+import for one more release, with a ``DeprecationWarning`` that names the new spelling."""
+
+
+def __getattr__(name: str) -> object:
+    moved = _MOVED.get(name)
+    if moved is None:
+        raise AttributeError(f"module 'torchrec_cnr' has no attribute {name!r}")
+    module, attr = moved.split(":")
+    warnings.warn(
+        f"torchrec_cnr.{name} is deprecated and leaves torchrec_cnr in the next release;"
+        f" use 'from {module} import {attr}'",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), attr)
+
 
 warn_unsupported()

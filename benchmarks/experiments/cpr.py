@@ -50,7 +50,8 @@ from benchmarks.results import Goal, Table
 from cnr_train.config import DataConfig, JobConfig, ModelConfig, OptimizerConfig
 from cnr_train.job import Trainer, evaluate
 from cnr_train.workload import train_step
-from torchrec_cnr import CheckpointConfig, checkpoint_info, list_checkpoints
+from torchrec_cnr import CheckpointConfig
+from torchrec_cnr.offline import checkpoint_info, list_checkpoints
 from torchrec_cnr.recovery.interval import pls, young_interval
 from torchrec_cnr.tracking.model_state import local_shards
 

@@ -33,7 +33,8 @@ from benchmarks.results import Column, Goal, Table
 from cnr_train.config import JobConfig, ModelConfig
 from cnr_train.job import Trainer, evaluate
 from cnr_train.workload import train_step
-from torchrec_cnr import CheckpointConfig, QuantizeConfig, checkpoint_info
+from torchrec_cnr import CheckpointConfig, QuantizeConfig
+from torchrec_cnr.offline import checkpoint_info
 from torchrec_cnr.quantization import select_bits
 
 AUC_DROP = 0.001

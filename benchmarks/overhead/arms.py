@@ -26,8 +26,9 @@ from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import GB, QUANTS, StepLoop, from_rank0, gathered, rmtree, timed
 from benchmarks.overhead.common import LOSS_BOUND, interval_key, pct, split_steps, warm_trainer
 from benchmarks.results import Goal, Table
-from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
+from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.config import Staging
+from torchrec_cnr.offline import list_checkpoints
 
 STAGINGS: tuple[Staging, ...] = ("eager", "lazy")
 """eager: save() copies the selected rows before it returns; lazy (copy-on-write): after."""

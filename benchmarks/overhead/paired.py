@@ -21,8 +21,9 @@ from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import QUANTS, StepLoop, from_rank0, max_over_ranks, rmtree, timed
 from benchmarks.overhead.common import LOSS_BOUND, interval_key, now, pct, split_steps, warm_trainer
 from benchmarks.results import Goal, Table
-from torchrec_cnr import CheckpointConfig, CheckpointManager, list_checkpoints
+from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.config import OnBusy
+from torchrec_cnr.offline import list_checkpoints
 
 NOTCH = 1.58
 """A median's 95% interval is about ± 1.58 IQR / sqrt(n) (McGill's notches)."""

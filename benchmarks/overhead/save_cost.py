@@ -15,7 +15,8 @@ from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import QUANTS, StepLoop, from_rank0, gathered, rmtree
 from benchmarks.overhead.common import now, split_steps
 from benchmarks.results import Goal, Table
-from torchrec_cnr import CheckpointConfig, CheckpointManager, IOOptions, list_checkpoints
+from torchrec_cnr import CheckpointConfig, CheckpointManager, IOOptions
+from torchrec_cnr.offline import list_checkpoints
 
 COST_ARMS: dict[str, tuple[str, bool, str]] = {
     "eager_fp32": ("eager", True, "fp32"), "lazy_fp32": ("lazy", True, "fp32"),

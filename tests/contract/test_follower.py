@@ -38,10 +38,10 @@ from torchrec_cnr import (
     ModelMismatchError,
     QuantizeConfig,
     export_state_dict,
-    list_checkpoints,
-    quantize,
 )
 from torchrec_cnr.manifest import Manifest
+from torchrec_cnr.offline import list_checkpoints
+from torchrec_cnr.quantization import quantize
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.selection.policy import PolicyName
 from torchrec_cnr.serving import (

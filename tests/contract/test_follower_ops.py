@@ -19,7 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.contract.test_follower import _assert_serves_the_root, _train
 from tests.models import unsharded
 from tests.multiprocess import run_ranks
-from torchrec_cnr import CnrError, export_state_dict, list_checkpoints, quantize
+from torchrec_cnr import CnrError, export_state_dict
+from torchrec_cnr.offline import list_checkpoints
+from torchrec_cnr.quantization import quantize
 from torchrec_cnr.serving import (
     FloatTarget,
     Follower,

@@ -19,12 +19,11 @@ from torchrec_cnr import (
     CheckpointManager,
     QuantizeConfig,
     export_state_dict,
-    read_optimizer_state,
     read_table,
 )
 from torchrec_cnr.cli import main as cnr
 from torchrec_cnr.manifest import Manifest
-from torchrec_cnr.offline import save_export
+from torchrec_cnr.offline import read_optimizer_state, save_export
 from torchrec_cnr.selection import POLICIES
 
 STEPS, EVERY = 12, 3

@@ -15,8 +15,9 @@ import torch
 from cnr_train.workload import TableSpec
 from tests.jobs import make_job
 from tests.multiprocess import run_ranks
-from torchrec_cnr import QuantizeConfig, list_checkpoints, read_table
+from torchrec_cnr import QuantizeConfig, read_table
 from torchrec_cnr.manifest import Manifest
+from torchrec_cnr.offline import list_checkpoints
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.serving.plan import changed_since

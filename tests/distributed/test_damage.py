@@ -6,14 +6,27 @@ every storage backend.
   chain fits in host memory or is read twice.
 - A damaged, truncated, deleted or garbage manifest: every rank raises the same
   ``ManifestError`` naming it within seconds; ``cnr verify`` says the previous committed
-  manifest is intact, and ``manifest_fallback=True`` restores from it; one that is not
-  JSON is named by ``Manifest.load``.
+  manifest is intact, and ``manifest_fallback=True`` restores from it.
+- A damaged, truncated or missing checkpoint record or shard record, or history segment:
+  named by ``cnr verify`` and by a restore, which changes nothing.
+- A missing baseline: a restore of a chain on it names it and changes nothing.
+- A damaged block of rows: a resharding restore that reads only some blocks of a saved
+  shard fails on every rank, whether it holds its windows or reads them twice.
+- ``on_damaged``: a restore can go past a damaged latest checkpoint to the newest intact one.
+
+What ``Manifest.load`` names in one process (a manifest, a record, a history segment) is
+tested in ``tests/unit/test_damage_unit.py``. Follower updates over damaged files are
+tested with the follower (``tests/contract/test_follower.py``), a damaged DCP checkpoint
+with the DCP import (``test_dcp.py``), and a flipped byte in one object with the snapshot
+reader (``tests/unit/test_snapshot.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -22,19 +35,15 @@ import torch.distributed as dist
 
 from cnr_train.workload import TableSpec
 from tests import logged, reference
-from tests.jobs import Job, make_job, save_reference
-from tests.models import capture, differences
+from tests.jobs import Job, assert_restore_refused, make_job, save_reference
 from tests.multiprocess import run_ranks
-from torchrec_cnr import (
-    CheckpointReadError,
-    ChecksumError,
-    ManifestError,
-    Timeouts,
-    export_state_dict,
-)
+from torchrec_cnr import CheckpointReadError, ManifestError, Timeouts, export_state_dict
 from torchrec_cnr.cli import main as cnr
+from torchrec_cnr.errors import ChecksumError
 from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.manifest.store import TAIL
+from torchrec_cnr.read import ChainReader
+from torchrec_cnr.schema import rows_path
 from torchrec_cnr.storage import open_storage
 
 TABLES = [
@@ -44,29 +53,38 @@ TABLES = [
 ]
 
 
-def _job(root: str, seed: int, policy: str = "consecutive", **config) -> Job:
-    return make_job(TABLES, root, seed=seed, data_seed=4, policy=policy, **config)
+def _job(
+    root: str, seed: int, policy: str = "consecutive", tables: list[TableSpec] = TABLES, **config
+) -> Job:
+    return make_job(tables, root, seed=seed, data_seed=4, policy=policy, **config)
 
 
-def _save_chain(root: str) -> None:
-    job = _job(root, seed=1)
-    for step in (2, 4, 6):
-        job.train(2)
-        job.ckpt.save(step)
-    job.ckpt.close()
-
-
-def _restore_refused_and_nothing_changed(
-    root: str, error: type[Exception], needle: str, budget_mb: int | None, step: int | None = None
+def _save(
+    root: str,
+    steps: tuple[int, ...] = (2, 4, 6),
+    tables: list[TableSpec] = TABLES,
+    policy: str = "consecutive",
 ) -> None:
-    job = _job(root, seed=3, restore_memory_mb=budget_mb)
-    before = capture(job.model, job.app_state)
-    with pytest.raises(error, match=needle):
-        job.ckpt.restore(step)
-    assert not differences(before, capture(job.model, job.app_state)), (
-        "a failed restore changed the model"
-    )
+    """Trains a step at a time to the last of ``steps``, saving at each."""
+    job = _job(root, seed=1, policy=policy, tables=tables)
+    for step in range(1, max(steps) + 1):
+        job.train(1)
+        if step in steps:
+            job.ckpt.save(step)
     job.ckpt.close()
+
+
+def _refused(
+    root: str,
+    error: type[Exception],
+    needle: str,
+    budget_mb: float | None = None,
+    step: int | None = None,
+    tables: list[TableSpec] = TABLES,
+    policy: str = "consecutive",
+) -> None:
+    job = _job(root, seed=3, policy=policy, tables=tables, restore_memory_mb=budget_mb)
+    assert_restore_refused(job, error, [needle], step)
 
 
 def _damage(root: str, name: str, start: int, end: int, how: str) -> None:
@@ -103,7 +121,7 @@ def test_a_corrupt_tensor_in_an_fsspec_store_is_named_and_a_restore_changes_noth
 def _damaged_tensor(
     how: str, budget_mb: int | None, any_root: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run_ranks(2, _save_chain, any_root)
+    run_ranks(2, _save, any_root)
     assert cnr(["verify", any_root]) == 0
     last = Manifest.load(any_root).latest()
     assert last is not None and last.depth == 3
@@ -121,7 +139,7 @@ def _damaged_tensor(
     error, needle = (
         (ChecksumError, "s0.w is corrupt") if how == "corrupt" else (CheckpointReadError, last.id)
     )
-    run_ranks(2, _restore_refused_and_nothing_changed, any_root, error, needle, budget_mb)
+    run_ranks(2, _refused, any_root, error, needle, budget_mb)
 
 
 def _manifest_error_on_every_rank(root: str) -> None:
@@ -148,7 +166,7 @@ def _falls_back(root: str) -> None:
 def test_a_damaged_manifest_fails_every_rank_at_once_and_the_previous_one_is_kept(
     how: str, any_root: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run_ranks(2, _save_chain, any_root)
+    run_ranks(2, _save, any_root)
     storage = open_storage(any_root)
     got = storage.read("manifest.json")
     assert got is not None
@@ -177,12 +195,6 @@ def test_a_damaged_manifest_fails_every_rank_at_once_and_the_previous_one_is_kep
     assert cnr(["verify", any_root]) == 0
 
 
-def test_corrupt_manifest_is_named(tmp_path: Path) -> None:
-    (tmp_path / "manifest.json").write_text("{not json")
-    with pytest.raises(ManifestError, match="manifest.json"):
-        Manifest.load(tmp_path)
-
-
 @pytest.mark.dist
 @pytest.mark.parametrize("file", ["checkpoint.json", "shards-1.json", "shards.json"])
 @pytest.mark.parametrize("how", ["corrupt", "truncated", "missing"])
@@ -191,7 +203,7 @@ def test_a_damaged_checkpoint_record_is_named_and_a_restore_changes_nothing(
 ) -> None:
     """The record, a rank's part of its shard records (what that rank's restore reads), or
     every rank's (what a follower, a resharding restore and the offline readers read)."""
-    run_ranks(2, _save_chain, any_root)
+    run_ranks(2, _save, any_root)
     manifest = Manifest.load(any_root)
     last = manifest.latest()
     assert last is not None
@@ -209,9 +221,7 @@ def test_a_damaged_checkpoint_record_is_named_and_a_restore_changes_nothing(
         with pytest.raises(CheckpointReadError, match=name):
             export_state_dict(any_root)
     else:
-        run_ranks(
-            2, _restore_refused_and_nothing_changed, any_root, CheckpointReadError, name, None
-        )
+        run_ranks(2, _refused, any_root, CheckpointReadError, name, None)
 
 
 def _save_long_history(root: str) -> None:
@@ -250,12 +260,62 @@ def test_a_damaged_history_segment_is_named_and_the_latest_still_restores(
     out = capsys.readouterr().out
     assert f"{manifest.history.name} is not valid JSON" in out, out
     refused = (ManifestError, manifest.history.name, None, old)
-    run_ranks(2, _restore_refused_and_nothing_changed, every_root, *refused)
+    run_ranks(2, _refused, every_root, *refused)
     latest = manifest.latest()
     assert latest is not None
     run_ranks(2, _restore_step, every_root, latest.step)
     with pytest.raises(ManifestError, match=manifest.history.name):
         Manifest.load(every_root).find(old)
+
+
+MIXED = [
+    TableSpec("a", 400, 16, "table_wise"),
+    TableSpec("b", 300, 16, "column_wise"),
+    TableSpec("c", 250, 16, "table_column_wise"),
+    TableSpec("d", 120, 16, "data_parallel"),
+]
+
+
+@pytest.mark.dist
+def test_missing_checkpoint_files_are_named_and_change_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    run_ranks(2, _save, str(root), (2, 4), MIXED, "intermittent")
+    baseline = sorted(p for p in root.iterdir() if p.is_dir())[0]
+    shutil.rmtree(baseline)
+    refused = (CheckpointReadError, baseline.name, None, None, MIXED, "intermittent")
+    run_ranks(2, _refused, str(root), *refused)
+
+
+ROW_WISE = [TableSpec("r", 20000, 16, "row_wise"), TableSpec("s", 12000, 16, "row_wise")]
+TABLE_WISE = [dataclasses.replace(t, sharding="table_wise") for t in ROW_WISE]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("budget_mb", [None, 0.2])
+def test_a_damaged_block_fails_a_resharding_restore_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget_mb: float | None
+) -> None:
+    """Saved table-wise in blocks of rows, each with its checksum; restored row-wise, each
+    rank reading only the blocks its rows lie in: with every window held, or each read
+    twice (``restore_memory_mb`` under one table's window)."""
+    monkeypatch.setenv("TORCHREC_CNR_OBJECT_MB", "0.0625")  # 20 and 12 blocks of rows
+    root = str(tmp_path / "ckpt")
+    run_ranks(2, _save, root, (2,), TABLE_WISE, "intermittent")
+    with ChainReader.open(root) as chain:
+        rec = next(r for r in chain.link_records(-1) if r.spec.table.endswith(".r"))
+        name = rec.weight_name(rec.key)
+        assert len(rec.block_checksums[name]) == 1 + 20
+        reader = chain.reader(-1)
+        segments = reader._segments(rows_path(rec.spec.rank, name))
+        assert segments is not None
+        _, _, block = segments[-1]  # its last object: rows 19,xxx
+    assert block.byte_range is not None
+    data = Path(root, chain.entry.id, block.location)
+    raw = bytearray(data.read_bytes())
+    raw[block.byte_range[0] + 100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    refused = (ChecksumError, name, budget_mb, None, ROW_WISE, "intermittent")
+    run_ranks(2, _refused, root, *refused)
 
 
 END = 10
@@ -319,7 +379,7 @@ def test_a_restore_past_a_damaged_latest_resumes_from_the_newest_intact_checkpoi
         start, end = stored["byte_range"]
         _damage(root, f"{six.id}/{stored['location']}", start, end, "corrupt")
     # Without the option, the restore names the damage and changes nothing.
-    run_ranks(2, _restore_refused_and_nothing_changed, root, ChecksumError, "corrupt", None)
+    run_ranks(2, _refused, root, ChecksumError, "corrupt", None)
     run_ranks(2, _resumes_past_the_damage, root, str(refs), policy, on_damaged)
     capsys.readouterr()
     if on_damaged == "fall_back":  # nothing was deleted: the damage is still there

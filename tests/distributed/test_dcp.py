@@ -23,10 +23,10 @@ from torchrec_cnr import (
     CheckpointConfig,
     CheckpointManager,
     CheckpointReadError,
-    ExportOptions,
     ModelMismatchError,
     export_dcp,
 )
+from torchrec_cnr.interop import ExportOptions
 
 STEP, MORE = 3, 2
 EBC_FROM = {"t_column_wise": "column_wise", "w_table_row_wise": "table_row_wise"}

@@ -1,5 +1,5 @@
-"""Background writes: training goes on meanwhile, failures surface and lose
-nothing, and damaged files are named by restore and by ``cnr verify``."""
+"""Background writes: training goes on meanwhile, and failures surface and lose nothing
+(damaged files: ``test_damage.py``)."""
 
 from __future__ import annotations
 

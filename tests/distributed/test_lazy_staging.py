@@ -27,16 +27,10 @@ from cnr_train.workload import TableSpec, ZipfBatches, dense_optimizer, dlrm, ha
 from tests import reference
 from tests.jobs import Job, make_job, restores_exactly, save_reference
 from tests.multiprocess import run_ranks
-from torchrec_cnr import (
-    CheckpointConfig,
-    CheckpointManager,
-    IOOptions,
-    tracking_sharders,
-    write_rows,
-)
+from torchrec_cnr import CheckpointConfig, CheckpointManager, IOOptions, tracking_sharders
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.staging import LazyStaging, cow, lazy
-from torchrec_cnr.tracking import model_state
+from torchrec_cnr.tracking import model_state, write_rows
 
 pytestmark = pytest.mark.dist
 

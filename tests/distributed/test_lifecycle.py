@@ -12,7 +12,8 @@ import torchrec_cnr
 from cnr_train.workload import TableSpec, dlrm
 from tests.jobs import make_job
 from tests.multiprocess import run_ranks
-from torchrec_cnr import QuantizeConfig, cli
+from torchrec_cnr import QuantizeConfig, cli, offline
+from torchrec_cnr.interop import ExportOptions
 from torchrec_cnr.tracking import model_state
 
 TABLES = [TableSpec("a", 2000, 16, "table_wise"), TableSpec("b", 1500, 16, "column_wise")]
@@ -71,12 +72,10 @@ def _readers_leave_no_thread(root: str, out: str) -> None:
     reads = [
         lambda: torchrec_cnr.read_table(root, "a"),
         lambda: torchrec_cnr.read_table(root, "a", rows=[0, 5]),
-        lambda: torchrec_cnr.read_optimizer_state(root, "a"),
+        lambda: offline.read_optimizer_state(root, "a"),
         lambda: torchrec_cnr.export_state_dict(root),
-        lambda: torchrec_cnr.list_checkpoints(root),
-        lambda: torchrec_cnr.export_dcp(
-            root, f"{out}/dcp", options=torchrec_cnr.ExportOptions(overwrite=True)
-        ),
+        lambda: offline.list_checkpoints(root),
+        lambda: torchrec_cnr.export_dcp(root, f"{out}/dcp", options=ExportOptions(overwrite=True)),
         lambda: cli.main(["verify", root]),
         lambda: cli.main(["export", root, "--out", f"{out}/model.pt"]),
     ]

@@ -1,23 +1,21 @@
-"""Restore maps rows by global id onto another sharding or world size, and
-refuses a checkpoint of another model or with missing files without changing anything."""
+"""Restore maps rows by global id onto another sharding or world size, and refuses a
+checkpoint of another model without changing anything (missing or damaged files:
+``test_damage.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from cnr_train.workload import TableSpec
 from tests import reference
-from tests.jobs import Job, make_job, save_reference
+from tests.jobs import Job, assert_restore_refused, make_job, save_reference
 from tests.multiprocess import run_ranks
-from torchrec_cnr import CheckpointReadError, ModelMismatchError
+from torchrec_cnr import ModelMismatchError
 from torchrec_cnr.storage import CountingStorage, open_storage
-from torchrec_cnr.tracking import model_state
 
 MIXED = [
     TableSpec("a", 400, 16, "table_wise"),
@@ -82,22 +80,8 @@ def test_chain_restores_onto_other_sharding(saved: str, restored: str, tmp_path:
     run_ranks(2, _restore_and_compare, _resharded(tables, restored), root, str(refs), 4, True)
 
 
-def _refuses(
-    tables, root: str, expected: type[Exception], needles: list[str], budget_mb: float | None = None
-) -> None:
-    job = _job(tables, root, seed=77, restore_memory_mb=budget_mb)
-    before = reference.take(job.model, job.app_state)
-    with pytest.raises(expected) as info:
-        job.ckpt.restore()
-    for needle in needles:
-        assert needle in str(info.value), str(info.value)
-    after = model_state.local_shards(job.model)
-    for (spec, weight, states), shard in zip(before["shards"], after):
-        assert spec == shard.spec and torch.equal(weight, shard.weight)
-        assert all(torch.equal(v, shard.states[k]) for k, v in states.items())
-    dense = model_state.dense_state(job.model)
-    assert all(torch.equal(v, dense[k]) for k, v in before["dense"].items())
-    job.ckpt.close()
+def _refuses(tables, root: str, expected: type[Exception], needles: list[str]) -> None:
+    assert_restore_refused(_job(tables, root, seed=77), expected, needles)
 
 
 ROW_WISE = [TableSpec("r", 20000, 16, "row_wise"), TableSpec("s", 12000, 16, "row_wise")]
@@ -146,16 +130,6 @@ def test_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path: Pa
     run_ranks(2, _refuses, other, root, ModelMismatchError, needles)
 
 
-@pytest.mark.dist
-def test_missing_checkpoint_files_are_named_and_change_nothing(tmp_path: Path) -> None:
-    root, refs = tmp_path / "ckpt", tmp_path / "refs"
-    refs.mkdir()
-    run_ranks(2, _save, MIXED, str(root), str(refs), (2, 4))
-    baseline = sorted(p for p in root.iterdir() if p.is_dir())[0]
-    shutil.rmtree(baseline)
-    run_ranks(2, _refuses, MIXED, str(root), CheckpointReadError, [baseline.name])
-
-
 TABLE_WISE = _resharded(ROW_WISE, "table_wise")
 SMALL_OBJECTS = "0.0625"
 """MB (64 KiB): each table's weights stored in 20 and 12 blocks of rows, each with its checksum."""
@@ -200,32 +174,3 @@ def test_a_chain_restores_row_wise_within_any_budget(
     run_ranks(2, _save, _resharded(ROW_WISE, saved), root, str(refs), (2, 4))
     for step in (2, 4):
         run_ranks(2, _restore_counting, root, str(refs), step, str(out), budget_mb)
-
-
-@pytest.mark.dist
-@pytest.mark.parametrize("budget_mb", BUDGETS)
-def test_a_damaged_block_fails_a_resharding_restore_on_every_rank(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget_mb: float | None
-) -> None:
-    from torchrec_cnr.errors import ChecksumError
-    from torchrec_cnr.read import ChainReader
-    from torchrec_cnr.schema import rows_path
-
-    monkeypatch.setenv("TORCHREC_CNR_OBJECT_MB", SMALL_OBJECTS)
-    root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
-    refs.mkdir()
-    run_ranks(2, _save, TABLE_WISE, root, str(refs), (2,))
-    with ChainReader.open(root) as chain:
-        rec = next(r for r in chain.link_records(-1) if r.spec.table.endswith(".r"))
-        name = rec.weight_name(rec.key)
-        assert len(rec.block_checksums[name]) == 1 + 20
-        reader = chain.reader(-1)
-        segments = reader._segments(rows_path(rec.spec.rank, name))
-        assert segments is not None
-        _, _, block = segments[-1]  # its last object: rows 19,xxx
-    assert block.byte_range is not None
-    data = Path(root, chain.entry.id, block.location)
-    raw = bytearray(data.read_bytes())
-    raw[block.byte_range[0] + 100] ^= 0xFF
-    data.write_bytes(bytes(raw))
-    run_ranks(2, _refuses, ROW_WISE, root, ChecksumError, [name], budget_mb)

@@ -13,7 +13,8 @@ from cnr_train.report import check_restore
 from cnr_train.workload import TableSpec
 from tests.jobs import make_job
 from tests.multiprocess import run_ranks
-from torchrec_cnr import QuantizeConfig, list_checkpoints
+from torchrec_cnr import QuantizeConfig
+from torchrec_cnr.offline import list_checkpoints
 from torchrec_cnr.tracking import model_state
 
 pytestmark = pytest.mark.dist

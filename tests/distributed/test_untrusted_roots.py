@@ -21,7 +21,8 @@ import torch.distributed as dist
 from cnr_train.workload import TableSpec, ZipfBatches, build_model, dense_optimizer
 from tests.models import capture, differences
 from tests.multiprocess import run_ranks
-from torchrec_cnr import CheckpointConfig, CheckpointManager, UnsafeObjectError
+from torchrec_cnr import CheckpointConfig, CheckpointManager
+from torchrec_cnr.errors import UnsafeObjectError
 from torchrec_cnr.snapshot.objects import load_object, resolve_globals
 
 TABLES = [TableSpec("a", 600, 8, "table_wise"), TableSpec("b", 400, 8, "column_wise")]

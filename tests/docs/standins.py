@@ -38,6 +38,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import torchrec_cnr
 from cnr_train import workload
+from torchrec_cnr.offline import list_checkpoints
 
 TABLES = {"t_user": 41_000, "t_item": 2000, "t_ad": 1000, "t_geo": 500}
 """Table -> rows: the names the pages use; ``t_user`` holds row 40,000 (docs/offline.md)."""
@@ -405,7 +406,7 @@ def _guide_background_process(env: Env, ns: dict[str, Any]) -> Check:
     ns["train_step"] = step_fn(env.kind, ns, "dense_optimizer")
 
     def check(ns: dict[str, Any]) -> None:  # the writer process committed every checkpoint
-        steps = [c.step for c in torchrec_cnr.list_checkpoints(env.path("/ckpt/fresh"))]
+        steps = [c.step for c in list_checkpoints(env.path("/ckpt/fresh"))]
         assert steps == [10, 20, 30], steps
         assert ns["ckpt"].writer_pid is not None
 
@@ -450,7 +451,7 @@ def _launching_damaged(env: Env, ns: dict[str, Any]) -> Check:
 
     def check(ns: dict[str, Any]) -> None:
         assert ns["start"] == TRAINED - EVERY
-        steps = [c.step for c in torchrec_cnr.list_checkpoints(root)]
+        steps = [c.step for c in list_checkpoints(root)]
         assert steps[-2:] == [TRAINED, TRAINED + EVERY] and steps.count(TRAINED) == 2, steps
 
     return check
@@ -463,7 +464,7 @@ def damage_latest(root: str) -> None:
     from torchrec_cnr.storage import open_storage
 
     storage = open_storage(root)
-    latest = torchrec_cnr.list_checkpoints(root)[-1]
+    latest = list_checkpoints(root)[-1]
     got = storage.read(f"{latest.id}/.snapshot_metadata")
     assert got is not None
     stored = next(
@@ -519,7 +520,7 @@ def _entry_torchtnt(env: Env, ns: dict[str, Any]) -> Check:
     ns["unit"] = Unit()
 
     def check(ns: dict[str, Any]) -> None:  # a checkpoint every 10 steps, the last 3 kept
-        steps = [c.step for c in torchrec_cnr.list_checkpoints(env.path("/ckpt/tnt"))]
+        steps = [c.step for c in list_checkpoints(env.path("/ckpt/tnt"))]
         assert steps[-3:] == [10, 20, 30] and ns["reader"].position == 30, steps
 
     return check
@@ -531,7 +532,7 @@ def _entry_lightning(env: Env, ns: dict[str, Any]) -> Check:
               loss_fn=lambda model, batch: loss_of(env.kind, model, batch))  # fmt: skip
 
     def check(ns: dict[str, Any]) -> None:  # a checkpoint every 10 steps, the last 3 kept
-        steps = [c.step for c in torchrec_cnr.list_checkpoints(env.path("/ckpt/lightning"))]
+        steps = [c.step for c in list_checkpoints(env.path("/ckpt/lightning"))]
         assert steps[-3:] == [10, 20, 30] and ns["checkpointer"].restored_step is None, steps
         dist.destroy_process_group()
 
@@ -546,7 +547,7 @@ def _entry_delta_tracker(env: Env, ns: dict[str, Any]) -> Check:
               train_step=step_fn(env.kind, ns, "dense_optimizer"))  # fmt: skip
 
     def check(ns: dict[str, Any]) -> None:  # a chain of deltas on TorchRec's own sharding
-        checkpoints = torchrec_cnr.list_checkpoints(env.path("/ckpt/delta-tracker"))
+        checkpoints = list_checkpoints(env.path("/ckpt/delta-tracker"))
         assert [c.step for c in checkpoints] == [10, 20, 30]
         assert [len(c.chain) for c in checkpoints] == [1, 2, 3], checkpoints
 
@@ -587,7 +588,7 @@ def _migration_import(env: Env, ns: dict[str, Any]) -> Check:
 
     def check(ns: dict[str, Any]) -> None:
         ns["ckpt"].close()
-        saved = torchrec_cnr.list_checkpoints(ns["root"])
+        saved = list_checkpoints(ns["root"])
         assert [(c.step, c.kind) for c in saved] == [(TRAINED + EVERY, "full")], saved
 
     return check
@@ -637,7 +638,7 @@ def _migration_torchsnapshot(env: Env, ns: dict[str, Any]) -> Check:
     def check(ns: dict[str, Any]) -> None:
         ns["ckpt"].close()
         _same_as_step(env, ns["dmp"])
-        assert [c.step for c in torchrec_cnr.list_checkpoints(ns["root"])] == [TRAINED]
+        assert [c.step for c in list_checkpoints(ns["root"])] == [TRAINED]
 
     return check
 

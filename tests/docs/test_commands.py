@@ -32,7 +32,8 @@ from tests import BIN
 from tests.docs.markdown import GENERATED, PAGES, REPO, blocks
 from tests.docs.standins import EVERY, TRAINED, localize
 from tests.e2e.test_criteo_data import _write_tsv as write_criteo_tsv
-from torchrec_cnr import export_state_dict, read_optimizer_state
+from torchrec_cnr import export_state_dict
+from torchrec_cnr.offline import read_optimizer_state
 
 SHRINK = (
     "data.batch_size=256",

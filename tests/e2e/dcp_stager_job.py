@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.jobs import make_job  # noqa: E402
-from torchrec_cnr import CheckpointError, DcpStager  # noqa: E402
+from torchrec_cnr import CheckpointError  # noqa: E402
+from torchrec_cnr.interop import DcpStager  # noqa: E402
 from torchrec_cnr.launch import init_distributed  # noqa: E402
 from torchrec_cnr.tracking import model_state  # noqa: E402
 

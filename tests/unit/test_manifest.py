@@ -1,4 +1,5 @@
-"""The manifest contract: versioned, atomic, and loud about corruption."""
+"""The manifest contract: versioned, atomic, and bounded whatever the history (damage to
+it: ``test_damage_unit.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchrec_cnr import CheckpointConfig, CheckpointReadError, ManifestError
+from torchrec_cnr import CheckpointConfig, ManifestError
 from torchrec_cnr.commit.commit import CommitTarget, append
 from torchrec_cnr.encoding import FP32, ShardRecord, StateInfo
 from torchrec_cnr.manifest import (
@@ -95,14 +96,6 @@ def test_manifest_round_trips_and_names_its_format_version(tmp_path: Path) -> No
 
 def test_missing_manifest_means_no_checkpoint(tmp_path: Path) -> None:
     assert Manifest.load(tmp_path).latest() is None
-
-
-def test_malformed_manifest_is_named(tmp_path: Path) -> None:
-    (tmp_path / "manifest.json").write_text(
-        json.dumps({"format_version": FORMAT_VERSION, "checkpoints": [{"id": "x"}]})
-    )
-    with pytest.raises(ManifestError, match="malformed"):
-        Manifest.load(tmp_path)
 
 
 def test_unknown_format_version_is_refused(tmp_path: Path) -> None:
@@ -217,24 +210,6 @@ def test_a_consecutive_chain_is_stored_by_parents_and_walked_back_when_read(
     assert [e.id for e in whole.links(whole.checkpoints[-1])] == ids
     assert [whole.chain(e) for e in whole.checkpoints] == [ids[: i + 1] for i in range(60)]
     assert whole.by_id(ids[30]).depth == 31 and whole.by_id(ids[30]).parent == ids[29]
-
-
-def test_a_damaged_segment_or_record_is_named(tmp_path: Path) -> None:
-    storage = FsStorage(tmp_path)
-    _commit_run(storage, 40)
-    segment = sorted(tmp_path.glob("history-*.json"))[0]
-    segment.write_bytes(segment.read_bytes().replace(b'"step":10,', b'"step":11,'))
-    manifest = Manifest.load(tmp_path)
-    assert manifest.latest() is not None  # the latest needs no segment
-    with pytest.raises(ManifestError, match=f"{segment.name} is damaged"):
-        manifest.steps()
-    record = tmp_path / checkpoint_id(39, 390, 0) / "checkpoint.json"
-    record.write_bytes(record.read_bytes()[:-10])
-    manifest = Manifest.load(tmp_path)
-    latest = manifest.latest()
-    assert latest is not None
-    with pytest.raises(CheckpointReadError, match="checkpoint.json"):
-        manifest.record(latest)
 
 
 def test_a_format_5_manifest_gets_records_when_first_written(tmp_path: Path) -> None:
