@@ -71,8 +71,8 @@ RUNS = [
         "benchmarks.overhead",
         ("--floor", "--intervals", "0.3", "--background", "process"),
     ),  # fmt: skip
-    # One training rank, as the recorded fanout and join runs: the followers are the
-    # subject (``serving`` trains on two).
+    # One training rank, as the recorded fanout runs: the followers are the subject
+    # (``serving`` trains on two).
     (
         "serving_fanout",
         "benchmarks.serving",
@@ -80,10 +80,12 @@ RUNS = [
     ),  # fmt: skip
     # Followers that start once the job has committed: a job that outlasts their start.
     # One follower mode: joining is the same code path in each (``serving`` runs both).
+    # Two training ranks: one alone ends its 800 steps before followers that start on a
+    # busy machine serve an update after their first (the run then fails).
     (
         "serving_join",
         "benchmarks.serving",
-        tuple("--join-after 2 --steps 800 --interval-steps 40 --modes copy --nproc 1".split()),
+        ("--join-after", "2", "--steps", "800", "--interval-steps", "40", "--modes", "copy"),
     ),  # fmt: skip
     ("policy_bytes", "benchmarks.policies", ("--figure",)),
     *((e, f"benchmarks.experiments.{e}", ()) for e in EXPERIMENTS),
