@@ -52,21 +52,36 @@ EXPERIMENTS = sorted(m.split(".", 1)[1] for m in _MODULES if m.startswith("exper
 SINGLE_PROCESS = {m for m, alone in _MODULES.items() if alone}
 """Cases run by ``python -m`` in one process (serving, shards...); the others by torchrun."""
 
+CASE_EXTRA = {"checkpoint": ("--policies", "full", "intermittent")}
+"""Arguments a case's smoke run adds, as its recorded runs do (``benchmarks.runs --list``):
+the checkpoint case's two policies (each policy is the same code path, and the four of
+``measure.POLICIES`` took two minutes on two busy cores)."""
+
 RUNS = [
-    *((c, f"benchmarks.{c}", ()) for c in CASES),
+    *((c, f"benchmarks.{c}", CASE_EXTRA.get(c, ())) for c in CASES),
     ("quantization_vs_greedy", "benchmarks.quantization", ("--vs-greedy",)),
     ("save_cost", "benchmarks.overhead", ("--save-cost",)),
     ("overhead_paired", "benchmarks.overhead", ("--paired",)),
     ("overhead_gil", "benchmarks.overhead", ("--gil",)),
-    ("overhead_floor", "benchmarks.overhead", ("--floor",)),
-    ("overhead_floor_process", "benchmarks.overhead", ("--floor", "--background", "process")),
+    # One interval, as the recorded 2-rank floor runs: each interval builds a manager per
+    # format, which with a writer process starts a process (and imports torchrec) per rank.
+    ("overhead_floor", "benchmarks.overhead", ("--floor", "--intervals", "0.3")),
+    (
+        "overhead_floor_process",
+        "benchmarks.overhead",
+        ("--floor", "--intervals", "0.3", "--background", "process"),
+    ),  # fmt: skip
+    # One training rank, as the recorded fanout runs: the followers are the subject
+    # (``serving`` trains on two).
     (
         "serving_fanout",
         "benchmarks.serving",
-        ("--followers", "1", "2", "--modes", "copy", "--served", "fp32"),
+        ("--followers", "1", "2", "--modes", "copy", "--served", "fp32", "--nproc", "1"),
     ),  # fmt: skip
     # Followers that start once the job has committed: a job that outlasts their start.
     # One follower mode: joining is the same code path in each (``serving`` runs both).
+    # Two training ranks: one alone ends its 800 steps before followers that start on a
+    # busy machine serve an update after their first (the run then fails).
     (
         "serving_join",
         "benchmarks.serving",

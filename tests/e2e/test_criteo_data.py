@@ -1,4 +1,5 @@
-"""Real Criteo files: the reader against TSV files the tests write, and a torchrun job on one."""
+"""Real Criteo files: the reader against TSV files the tests write, and a torchrun job on one
+(killed mid-commit, in torchtitan's option names, and uninterrupted)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,26 @@ import os
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from cnr_train import criteo
 from cnr_train.workload import criteo_tables
-from tests.e2e.test_restarts import assert_failed_run_matches_clean_run
+from tests.e2e.test_restarts import assert_failed_run_matches, clean_run
 from tests.e2e.test_train_script import SMALL
+from torchrec_cnr.manifest import Manifest
 
 ROWS = 300  # table cap used by the reader tests
+TITAN = (
+    *(o for o in SMALL if not o.startswith("checkpoint.interval_steps=")),
+    "checkpoint.interval_steps=null",
+    "checkpoint.interval=20",
+    "checkpoint.keep_latest_k=2",
+    "checkpoint.async_mode=async",
+)
+"""The app's options (:data:`SMALL`) with its checkpoint section in torchtitan's names."""
 
 
 def _write_tsv(path: Path, n: int, seed: int = 0) -> list[list[str]]:
@@ -137,15 +148,44 @@ def test_too_few_samples_for_one_step_after_holding_out_is_refused(tmp_path: Pat
         criteo.CriteoBatches(files, criteo_tables(ROWS, 8), 16, 2, heldout_rows=16)
 
 
-@pytest.mark.dist
-def test_criteo_file_job_with_injected_failure_ends_bit_identical_to_uninterrupted(
-    tmp_path: Path,
-) -> None:
-    src = tmp_path / "train.txt"
+@pytest.fixture(scope="module")
+def criteo_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The app (:data:`SMALL`) on a Criteo-format file: run uninterrupted in our option
+    names, then with rank 1 SIGKILLed right after the save of step 40 returned, in
+    torchtitan's names (:data:`TITAN`), each on a root of its own. Asserts that the killed
+    run resumed from step 20 and ends in the clean run's state, bit for bit
+    (:func:`assert_failed_run_matches`); returns its folder (roots ``a`` and ``b``) and the
+    clean run's metrics and stdout. One killed run serves both tests below: the names
+    change where and how the job checkpoints, not what it trains or reads."""
+    folder = tmp_path_factory.mktemp("criteo_job")
+    src = folder / "train.txt"
     _write_tsv(src, 12_000)
-    clean = assert_failed_run_matches_clean_run(
-        tmp_path, *SMALL, f"data.path={src}", f"data.cache_dir={tmp_path / 'cache'}"
-    )
+    data = (f"data.path={src}", f"data.cache_dir={folder / 'cache'}")
+    clean = clean_run(folder, *SMALL, *data)
+    assert_failed_run_matches(folder, clean, *TITAN, *data)
+    return folder, clean
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)  # the first to run starts both jobs (criteo_job)
+def test_criteo_file_job_with_injected_failure_ends_bit_identical_to_uninterrupted(
+    criteo_job: tuple[Path, dict[str, Any]],
+) -> None:
+    """The killed run (:func:`criteo_job`) resumed from step 20 and ended bit-identical to
+    the uninterrupted one: the reader's position in the file is restored with the model."""
+    _, clean = criteo_job
     assert "criteo: 9952 training samples" in clean["stdout"]
     assert "restore check: step 60 into a fresh model: bit-exact" in clean["stdout"]
     assert clean["auc"] > 0.6, "labels follow C1's hash: a model that learns beats chance"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)  # the first to run starts both jobs (criteo_job)
+def test_the_app_configured_in_torchtitans_option_names_resumes_bit_identical(
+    criteo_job: tuple[Path, dict[str, Any]],
+) -> None:
+    """The job with its checkpoint section in torchtitan's names (interval, keep_latest_k,
+    async_mode), killed mid-commit: it resumed and ended as the clean run (the same job in
+    our names), and keeps the latest 2 checkpoints."""
+    folder, _ = criteo_job
+    assert Manifest.load(folder / "b").steps()[-2:] == [40, 60]
