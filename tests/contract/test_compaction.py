@@ -18,7 +18,6 @@ from tests import reference
 from tests.faults import Fault, FaultyStorage
 from tests.jobs import interval_config, make_job, save_reference
 from tests.multiprocess import run_ranks
-from tests.reference import latest_tables
 from torchrec_cnr import (
     CheckpointConfig,
     CheckpointError,
@@ -47,7 +46,7 @@ def _compact_in_job(root: str, refs: str, policy: str, quant: dict | None) -> No
         ckpt.wait()
         if policy != "full":
             torch.save(
-                {t: read_table(root, t) for t in latest_tables(root)},
+                {t: read_table(root, t) for t in reference.latest_tables(root)},
                 Path(refs) / f"chain-{ckpt.rank}.pt",
             )
         assert ckpt.compact() == (policy != "full")

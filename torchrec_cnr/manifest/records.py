@@ -162,10 +162,12 @@ class Summary:
             object.__setattr__(self, "parent", self.chain[-2] if len(self.chain) > 1 else None)
             object.__setattr__(self, "depth", len(self.chain))
 
+    def _summary_fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Summary)}
+
     def summary(self) -> Summary:
         """This checkpoint's summary alone (itself, for a summary)."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(Summary)}
-        return Summary(**fields) if type(self) is not Summary else self
+        return Summary(**self._summary_fields()) if type(self) is not Summary else self
 
     def rechained(self, chain: list[str]) -> Self:
         """This checkpoint with another stored chain (a compaction landed before it)."""
@@ -173,7 +175,7 @@ class Summary:
 
     def summary_json(self) -> dict[str, Any]:
         """The JSON of the summary alone, as the manifest and history segments hold it."""
-        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(Summary)}
+        raw = self._summary_fields()
         if self.depth > 2:  # a chain of consecutive deltas: named by its parent
             del raw["chain"]
         else:
@@ -182,8 +184,9 @@ class Summary:
             raw["interval_decision"] = self.interval_decision.to_json()
         return raw
 
-    @staticmethod
-    def _known(raw: dict[str, Any], cls: type[Summary]) -> dict[str, Any]:
+    @classmethod
+    def _known(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """The fields of ``cls`` in the JSON ``raw``, those of a summary typed."""
         known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
         decision = raw.get("interval_decision")
         return known | {
@@ -194,7 +197,7 @@ class Summary:
     @classmethod
     def from_summary(cls, raw: dict[str, Any]) -> Summary:
         """A summary from :meth:`summary_json`."""
-        return Summary(**Summary._known(raw, Summary))
+        return Summary(**Summary._known(raw))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,7 +245,7 @@ class Entry(Summary):
         shards = raw.get("shards") if version > 1 else [_upgrade_v1(s) for s in raw["shards"]]
         parts = bool(raw.get("shard_parts")) and "shards" not in raw
         return cls(
-            **Summary._known(raw, cls)
+            **cls._known(raw)
             | {
                 "tables": {k: TableShape(**v) for k, v in raw["tables"].items()},
                 "dense": {

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from torchrec_cnr.encoding import write_part
 from torchrec_cnr.errors import CheckpointReadError, ManifestError
@@ -92,20 +92,33 @@ class _Source:
         return self.storage
 
 
+_T = TypeVar("_T")
+
+
+def _read_file(storage: Storage, name: str, parse: Callable[[bytes, str], _T]) -> _T:
+    """``parse(data, where)`` of a file of a checkpoint directory.
+
+    Raises:
+        CheckpointReadError: the file is missing or damaged.
+    """
+    got = storage.read(name)
+    if got is None:
+        raise CheckpointReadError(f"{storage.path(name)} is missing")
+    try:
+        return parse(got[0], storage.path(name))
+    except ManifestError as e:
+        raise CheckpointReadError(str(e)) from e
+
+
 def read_record(storage: Storage, ckpt_id: str) -> Entry:
     """The entry of checkpoint ``ckpt_id``, from its record.
 
     Raises:
         CheckpointReadError: the record is missing or damaged.
     """
-    name = record_path(ckpt_id)
-    got = storage.read(name)
-    if got is None:
-        raise CheckpointReadError(f"{storage.path(name)} is missing")
-    try:
-        return parse_record(got[0], storage.path(name), ckpt_id)
-    except ManifestError as e:
-        raise CheckpointReadError(str(e)) from e
+    return _read_file(
+        storage, record_path(ckpt_id), lambda data, where: parse_record(data, where, ckpt_id)
+    )
 
 
 def read_part(storage: Storage, ckpt_id: str, rank: int | None, checksum: str) -> list[ShardRecord]:
@@ -115,14 +128,9 @@ def read_part(storage: Storage, ckpt_id: str, rank: int | None, checksum: str) -
     Raises:
         CheckpointReadError: the part is missing or damaged.
     """
-    name = part_path(ckpt_id, rank)
-    got = storage.read(name)
-    if got is None:
-        raise CheckpointReadError(f"{storage.path(name)} is missing")
-    try:
-        return parse_part(got[0], storage.path(name), checksum)
-    except ManifestError as e:
-        raise CheckpointReadError(str(e)) from e
+    return _read_file(
+        storage, part_path(ckpt_id, rank), lambda data, where: parse_part(data, where, checksum)
+    )
 
 
 class Manifest(ManifestRecord):
