@@ -138,9 +138,6 @@ class _MadeUp(ChainReader):
     def kept(self, entry: Any, rank: int, name: str) -> torch.Tensor:
         return torch.arange(64)  # a shard's changed ids (their values do not matter here)
 
-    def hold(self, n: int, rank: int, name: str) -> torch.Tensor:
-        return torch.empty(0)  # the ids a restore holds first: made up by saved_ids
-
 
 def _measure(fn: Callable[[], Any], trace: bool, repeat: int = 1) -> float:
     """Seconds ``fn`` takes (the median of ``repeat`` calls), or with ``trace`` the peak MB
@@ -209,10 +206,10 @@ def _restore_plan(a: argparse.Namespace, root: Path, ranks: int, tables: int, io
     storage = CountingStorage(open_storage(str(root)))
     chain = _latest(storage, io)
     if apply.own_part_suffices(chain, shards, rank):  # as restore_entry decides
-        chain.only_rank = rank
-    prepared = apply.PreparedRestore(chain)
-    apply._place(chain, shards, prepared)
-    assert len(prepared.steps) == len(chain.links) * tables, len(prepared.steps)
+        chain = chain.narrowed(chain.links, only_rank=rank)
+    # The ids a restore reads first (its first plan) are made up by saved_ids.
+    steps, _ = apply._place(chain, apply._sources(chain, shards))
+    assert len(steps) == len(chain.links) * tables, len(steps)
     return storage.bytes_read
 
 

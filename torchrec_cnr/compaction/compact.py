@@ -11,6 +11,9 @@ winning; where they differ (a resharded or re-formatted chain), the rows are dec
 the exact fp32 values a restore gives and stored as fp32. A compacted fp32 chain is
 bit-exact, a quantized one restores to the same values as the chain.
 
+Each compacted shard's stored tensors, of every link, are read first, in parallel, as
+one plan (:mod:`torchrec_cnr.read.plan`): memory is that shard's tensors of the chain.
+
 Crash safety is that of a save: the new directory counts only once the manifest names
 it; killed mid-compaction, the old chain stays the restore target.
 """
@@ -29,6 +32,8 @@ from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.manifest import Entry, Manifest
 from torchrec_cnr.read.chain import ChainReader, missing_step
 from torchrec_cnr.read.geometry import overlaps, place, scatter, scatter_weight, states_fit
+from torchrec_cnr.read.items import MemoryBudget, ReadItem, ReadPlan
+from torchrec_cnr.read.plan import carry_out
 from torchrec_cnr.rowcopy import put_rows
 from torchrec_cnr.schema import IndexPart
 from torchrec_cnr.snapshot import (
@@ -93,6 +98,24 @@ def _merge_decoded(
     return values, states
 
 
+def _plan(
+    chain: ChainReader, target: ShardRecord, sources: list[tuple[int, ShardRecord]], stored: bool
+) -> ReadPlan:
+    """Every stored tensor :func:`_compact_record` reads: each source's ids, values and the
+    states that carry over (all of them where rows merge ``stored``), and the last link's
+    ``recent`` ids."""
+    items = []
+    for n, rec in sources:
+        names = [] if rec.all_rows else [rec.ids_name(rec.key)]
+        names += rec.value_names
+        if stored or states_fit(rec, target.optimizer, target.states):
+            names += [info.tensor for info in rec.states.values()]
+        items += [ReadItem(n, rec.spec.rank, name) for name in names]
+    if target.recent in ("ids", "tail"):
+        items.append(ReadItem(len(chain.links) - 1, target.spec.rank, target.recent_name))
+    return ReadPlan(tuple((item,) for item in items))
+
+
 def _compact_record(
     chain: ChainReader, target: ShardRecord, key: str
 ) -> tuple[ShardRecord, dict[str, torch.Tensor]]:
@@ -110,6 +133,7 @@ def _compact_record(
         and _layout(first)[:4] == _layout(target)[:4]
         and all(_layout(r) == _layout(first) for _, r in sources)
     )
+    chain = carry_out(chain, _plan(chain, target, sources, as_stored), MemoryBudget(None)).chain
     if as_stored:
         merged = _merge_stored(chain, target, sources)
         values = {

@@ -2,29 +2,29 @@
 
 A restore, a compaction, a read of a table without a model and an export all read a
 chain the same way: one :class:`~torchrec_cnr.snapshot.SnapshotReader` per link, the
-saved row ids of each shard record, stored tensors fetched by (link, rank, name), and
-optionally held in memory once read (a restore reads and verifies everything before it
-changes anything).
+saved row ids of each shard record, stored tensors fetched by (link, rank, name). A reader
+holds nothing its callers put in: a plan carried out (:func:`~torchrec_cnr.read.plan.carry_out`)
+returns a new reader that holds what it read (a restore reads and verifies everything
+before it changes anything).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Self
 
 import torch
 
 from torchrec_cnr.encoding import ShardRecord
 from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.manifest import Manifest, Summary
+from torchrec_cnr.read.items import ReadItem, TensorKey
 from torchrec_cnr.snapshot import SnapshotReader
 from torchrec_cnr.storage import Root, Storage, as_storage
 
 __all__ = ["ChainReader", "TensorKey", "find_ids", "missing_step"]
-
-TensorKey = tuple[int, int, str]
-"""(link index in the chain, storage rank, stored name)."""
 
 
 def missing_step(manifest: Manifest, step: int | None, url: str) -> ValueError:
@@ -51,6 +51,8 @@ class ChainReader:
             sharding that rank saved, see ``restore.apply``); every rank's if ``None``.
         links: the chain's checkpoints, if known (see :meth:`narrowed`); else read from
             the manifest when first used.
+        held: stored tensors read already, by ``(link, rank, name)``, served from memory
+            (see :meth:`holding`).
 
     Raises:
         ManifestError: a checkpoint of the chain is not in the manifest.
@@ -68,6 +70,7 @@ class ChainReader:
         lazy: bool = False,
         only_rank: int | None = None,
         links: list[Summary] | None = None,
+        held: Mapping[TensorKey, torch.Tensor] | None = None,
     ) -> None:
         self.storage = storage
         self.manifest = manifest
@@ -82,8 +85,8 @@ class ChainReader:
         if not lazy:
             for link in self.links:
                 self.snapshot(link)
-        self.held: dict[TensorKey, torch.Tensor] = {}
-        """Tensors read ahead (:meth:`hold`, :meth:`hold_many`), served from memory."""
+        self.held: Mapping[TensorKey, torch.Tensor] = MappingProxyType(dict(held or {}))
+        """Tensors read ahead (:meth:`holding`), served from memory."""
         self._owned: IOContext | None = None
 
     @property
@@ -94,13 +97,31 @@ class ChainReader:
             self._links = self.manifest.links(self.entry)
         return self._links
 
-    def narrowed(self, links: list[Summary], only_rank: int | None = None) -> ChainReader:
+    def narrowed(self, links: list[Summary], only_rank: int | None = None) -> Self:
         """A reader of ``links`` alone (committed checkpoints of this root, oldest first,
         the last one its entry), sharing this reader's open checkpoints; of storage rank
         ``only_rank``'s shard records alone if given (else as this reader)."""
         rank = self.only_rank if only_rank is None else only_rank
-        sub = ChainReader(
-            self.storage, self.manifest, links[-1], self.io, self.verify, True, rank, links
+        return self._sharing(links, rank, {})
+
+    def holding(self, held: Mapping[TensorKey, torch.Tensor]) -> Self:
+        """This reader, also holding ``held`` (see :func:`~torchrec_cnr.read.plan.carry_out`)."""
+        return self._sharing(self.links, self.only_rank, {**self.held, **held})
+
+    def _sharing(
+        self, links: list[Summary], only_rank: int | None, held: Mapping[TensorKey, torch.Tensor]
+    ) -> Self:
+        """A reader of ``links`` sharing this one's open checkpoints and kept tensors."""
+        sub = type(self)(
+            self.storage,
+            self.manifest,
+            links[-1],
+            self.io,
+            self.verify,
+            True,
+            only_rank,
+            links,
+            held,
         )
         sub._snapshots, sub._kept = self._snapshots, self._kept
         return sub
@@ -278,68 +299,46 @@ class ChainReader:
             return torch.arange(ss.row_offset, ss.row_offset + ss.rows)
         return self.kept(entry, ss.rank, rec.ids_name(rec.key)).to(torch.int64)
 
-    def hold(self, n: int, rank: int, name: str) -> torch.Tensor:
-        """Reads a stored tensor of link ``n`` and keeps it in memory."""
-        tensor = self.reader(n).rows(rank, name)
-        self.held[(n, rank, name)] = tensor
-        return tensor
-
-    def hold_windows(self, n: int, windows: list[tuple[ShardRecord, str, int, int]]) -> None:
-        """Reads rows ``lo..hi - 1`` of stored tensors ``(record, name, lo, hi)`` of link
-        ``n`` and keeps them (see :meth:`windows`)."""
-        got = self.windows(n, windows)
-        self.held.update(
-            {(n, rec.spec.rank, name): got[k] for k, (rec, name, _, _) in enumerate(windows)}
-        )
-
     def windows(
-        self,
-        n: int,
-        windows: list[tuple[ShardRecord, str, int, int]],
-        cached: bool = False,
-        out: list[torch.Tensor] | None = None,
+        self, items: list[ReadItem], cached: bool = False, out: list[torch.Tensor] | None = None
     ) -> list[torch.Tensor]:
-        """Rows ``lo..hi - 1`` of stored tensors ``(record, name, lo, hi)`` of link ``n``,
-        every read in parallel: only the blocks they lie in are read and checked where the
-        record has their checksums
-        (:attr:`~torchrec_cnr.schema.ShardRecord.block_checksums`), else the whole tensor.
-        ``cached``: through the host's cache (read a second time, see :meth:`verify_window`);
-        ``out``: where each window's rows go (see
-        :meth:`~torchrec_cnr.snapshot.SnapshotReader.begin_window`)."""
-        reader = self.reader(n)
-        into: list[torch.Tensor | None] = list(out) if out is not None else [None] * len(windows)
-        started = [
-            (rec, name, lo, hi, dst, reader.begin_window(
-                rec.spec.rank, name, lo, hi, rec.block_checksums.get(name), cached, dst))
-            for (rec, name, lo, hi), dst in zip(windows, into)
-        ]  # fmt: skip
+        """The rows of spans ``items``, every read in parallel: only the blocks they lie in
+        are read and checked where the record has their checksums
+        (:attr:`ReadItem.blocks`), else the whole tensor. ``cached``: through the host's
+        cache (read a second time, see :meth:`check`); ``out``: where each span's rows go
+        (see :meth:`~torchrec_cnr.snapshot.SnapshotReader.begin_window`)."""
+        into: list[torch.Tensor | None] = list(out) if out is not None else [None] * len(items)
+        started = []
+        for item, dst in zip(items, into):
+            assert item.span is not None
+            blocks = None if item.blocks is None else list(item.blocks)
+            reader = self.reader(item.link)
+            finish = reader.begin_window(item.rank, item.tensor, *item.span, blocks, cached, dst)
+            started.append((item, dst, finish))
         got = []
-        for rec, name, lo, hi, dst, finish in started:
+        for item, dst, finish in started:
             if finish is not None:
                 got.append(finish())
                 continue
-            rows = reader.rows(rec.spec.rank, name)[lo:hi]
+            lo, hi = item.span or (0, 0)
+            rows = self.reader(item.link).rows(item.rank, item.tensor)[lo:hi]
             got.append(rows if dst is None else dst.copy_(rows))
         return got
 
-    def verify_window(
-        self, n: int, rec: ShardRecord, name: str, lo: int, hi: int, window_bytes: int
-    ) -> None:
-        """Checks rows ``lo..hi - 1`` of a stored tensor of link ``n``, reading them only
-        for that, about ``window_bytes`` at a time, through the host's cache: the blocks
-        they lie in where the record has their checksums, else the whole tensor."""
-        rank = rec.spec.rank
-        blocks = rec.block_checksums.get(name)
-        if not self.reader(n).verify_window(rank, name, lo, hi, blocks, window_bytes):
-            self.verify_tensor(n, rank, name, window_bytes)
+    def check(self, item: ReadItem, window_bytes: int) -> None:
+        """Reads ``item`` only to check it, about ``window_bytes`` at a time, through the
+        host's cache where it is a span (read again while applying): the blocks it lies in
+        where the record has their checksums, else the whole tensor."""
+        reader = self.reader(item.link)
+        if item.span is not None:
+            blocks = None if item.blocks is None else list(item.blocks)
+            if reader.verify_window(item.rank, item.tensor, *item.span, blocks, window_bytes):
+                return
+        reader.verify(item.rank, item.tensor, window_bytes)
 
     def nbytes(self, n: int, rank: int, name: str) -> int:
         """The size of a stored tensor of link ``n`` (nothing is read)."""
         return self.reader(n).nbytes(rank, name)
-
-    def verify_tensor(self, n: int, rank: int, name: str, window_bytes: int) -> None:
-        """Reads a stored tensor of link ``n`` only to check it, ``window_bytes`` at a time."""
-        self.reader(n).verify(rank, name, window_bytes)
 
     def read_into(self, n: int, rank: int, name: str, out: torch.Tensor) -> None:
         """A stored tensor of link ``n`` into ``out``: copied if held, else read straight
@@ -349,17 +348,6 @@ class ChainReader:
             out.copy_(held)
         else:
             self.reader(n).rows_into(rank, name, out)
-
-    def hold_many(
-        self,
-        n: int,
-        wanted: list[tuple[int, str]],
-        alloc: Callable[[tuple[int, str], list[int], torch.dtype], Any] | None = None,
-    ) -> None:
-        """Reads many stored tensors ``(rank, name)`` of link ``n`` at once, every piece in
-        parallel, and keeps them; ``alloc`` may give the tensor to read each into."""
-        got = self.reader(n).read_many(wanted, alloc)
-        self.held.update({(n, *key): t for key, t in got.items()})
 
     def dense(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The dense state (of the chain's last link), all of it or ``names``."""

@@ -3,11 +3,13 @@
 A restore is all or nothing. :func:`read_chain` reads and verifies every tensor this
 rank needs from every link of the chain, deserializes ``app_state`` and plans where every
 saved row lands (:mod:`torchrec_cnr.read.geometry`), checking each saved tensor's
-shape against its destination, before anything changes. A saved shard of which only some
-rows land on this rank (a restore onto another sharding) is read in the checksummed blocks
-those lie in (its window). Read tensors are held in host memory up to a budget; past it
-they are read only to be verified (a few pieces at a time, windows through the host's
-cache), then read again (and verified again) while applying: a saved shard of the same
+shape against its destination, before anything changes. Its reads are two plans
+(:mod:`torchrec_cnr.read.plan`): the saved ids of the deltas, which say where rows land,
+then every tensor the placed shards need. A saved shard of which only some rows land on
+this rank (a restore onto another sharding) is read in the checksummed blocks those lie in
+(its window). Read tensors are held in host memory up to a budget; past it they are read
+only to be verified (a few pieces at a time, windows through the host's cache), then read
+again (and verified again) while applying: a saved shard of the same
 layout straight into the model, a window straight into place where its rows land as one
 piece, else a few blocks at a time, other tensors whole. Only when every rank has read and
 planned (the caller agrees on it) does :func:`apply_chain` write into the model.
@@ -36,6 +38,8 @@ from torchrec_cnr.read.geometry import (
     scatter_weight,
     states_fit,
 )
+from torchrec_cnr.read.items import Alloc, MemoryBudget, ReadItem, ReadPlan, TensorKey
+from torchrec_cnr.read.plan import carry_out
 from torchrec_cnr.rowcopy import run_start
 from torchrec_cnr.schema import without_gc
 from torchrec_cnr.snapshot.objects import load_object
@@ -99,17 +103,19 @@ class _Step:
     """The saved rows read, if not all (``where.keep`` counts from its first)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PreparedRestore:
     """A chain whose every needed tensor was read and verified, planned, ready to apply."""
 
     chain: ChainReader
+    """The chain's reader, holding what was read within the budget."""
     steps: list[_Step] = field(default_factory=list)
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
     app_state: dict[str, Any] | None = None
     """Each ``app_state`` object's saved state dict, by name."""
     warnings: list[str] = field(default_factory=list)
-    """Optimizer states that do not carry over, one message per table."""
+    """Optimizer states that do not carry over, one message per table; where ``app_state``
+    comes from another rank or is not restored."""
     spare_bytes: int | None = None
     """The budget left over what is held (``None``: no budget): windows verified but not
     held are read again while applying, about this many bytes at a time."""
@@ -147,32 +153,43 @@ Window = tuple[int, int]
 """Rows ``lo..hi - 1`` of a saved shard: the only ones of its rows that land on this rank."""
 
 
-def _place(chain: ChainReader, shards: list[LocalShard], prepared: PreparedRestore) -> None:
-    """Where every saved shard of the chain lands (a delta's ids read first, and held)."""
+def _ids_plan(sources: list[tuple[int, ShardRecord, int, LocalShard]]) -> ReadPlan:
+    """The saved ids of every delta placed by rows: read first, and held, to place them."""
+    return ReadPlan(
+        tuple(
+            (ReadItem(n, rec.spec.rank, rec.ids_name(rec.key)),)
+            for n, rec, _, local in sources
+            if not rec.all_rows and not _same_layout(rec, local)
+        ),
+        hold_all=True,
+    )
+
+
+def _place(
+    chain: ChainReader, sources: list[tuple[int, ShardRecord, int, LocalShard]]
+) -> tuple[list[_Step], list[str]]:
+    """Where every saved shard of the chain lands (its saved ids held), and a warning per
+    table whose optimizer state does not carry over."""
+    steps: list[_Step] = []
+    warned: dict[str, str] = {}
     with without_gc():  # many small objects (see schema.without_gc)
-        warned: set[str] = set()
-        for n, rec, i, local in _sources(chain, shards):
+        for n, rec, i, local in sources:
             if _same_layout(rec, local):
-                prepared.steps.append(_Step(n, i, rec, True, None))
+                steps.append(_Step(n, i, rec, True, None))
                 continue
-            ids = rec.ids_name(rec.key)
-            if not rec.all_rows and (n, rec.spec.rank, ids) not in chain.held:
-                chain.hold(n, rec.spec.rank, ids)
             where = place(rec.spec, chain.saved_ids(n, rec), local.spec)
             if where is None:
                 continue
-            prepared.steps.append(_Step(n, i, rec, False, where))
-            if (
-                not states_fit(rec, local.optimizer, local.states)
-                and local.spec.table not in warned
-            ):
-                warned.add(local.spec.table)
-                prepared.warnings.append(
+            steps.append(_Step(n, i, rec, False, where))
+            if not states_fit(rec, local.optimizer, local.states):
+                warned.setdefault(
+                    local.spec.table,
                     f"table {local.spec.table!r}: the checkpoint holds {rec.optimizer} state "
                     f"{sorted(rec.states)}, the model trains with {local.optimizer} "
                     f"{sorted(local.states)}; its weights are restored, its optimizer state "
-                    "is left as initialized"
+                    "is left as initialized",
                 )
+    return steps, list(warned.values())
 
 
 def _windows(steps: list[_Step]) -> dict[tuple[int, int, str], Window]:
@@ -198,96 +215,67 @@ def _windows(steps: list[_Step]) -> dict[tuple[int, int, str], Window]:
     }
 
 
-def _hold(
-    chain: ChainReader,
-    prepared: PreparedRestore,
-    shards: list[LocalShard],
-    windows: dict[tuple[int, int, str], Window],
-    options: ReadOptions,
-) -> None:
-    """Reads every tensor the restore needs into ``chain.held``, within the budget: what
-    fits is held, the rest verified afterwards within what is left (so that memory freed by
-    a verification is never held again on top of it). A saved shard of which only
-    ``windows`` land is read in the blocks they lie in, each checked alone; past the
-    budget, through the host's cache, to be read again while applying."""
-    budget_bytes, pool = options.budget_bytes, options.pool
-    held = sum(t.numel() * t.element_size() for t in chain.held.values())
-    over: list[tuple[int, int, str]] = []
-    over_windows: list[tuple[int, ShardRecord, str, int, int]] = []
-    own_rank = shards[0].spec.rank if shards else -1
-    needed: list[dict[tuple[int, str], None]] = [{} for _ in chain.links]
-    # A saved shard read in a window: its rows' tensors held together or read again together.
-    in_window: dict[tuple[int, int, str], dict[str, None]] = {}
-    for step in prepared.steps:
+def _span(link: int, rec: ShardRecord, name: str, lo: int, hi: int) -> ReadItem:
+    """Rows ``lo..hi - 1`` of stored tensor ``name`` of ``rec`` (of link ``link``)."""
+    blocks = rec.block_checksums.get(name)
+    return ReadItem(link, rec.spec.rank, name, (lo, hi), None if blocks is None else tuple(blocks))
+
+
+def _plan(
+    steps: list[_Step], shards: list[LocalShard], windows: dict[tuple[int, int, str], Window]
+) -> ReadPlan:
+    """Every tensor the restore reads: a saved shard of which only ``windows`` land, its
+    rows' tensors in those rows, held together or read again together; the others whole,
+    baseline first."""
+    spans: dict[tuple[int, int, str], dict[str, ReadItem]] = {}
+    whole: dict[TensorKey, ReadItem] = {}
+    for step in steps:
         rec = step.rec
         unit = (step.link, rec.spec.rank, rec.key)
+        window = windows.get(unit)
         for name in _needs(rec, shards[step.shard]):
-            if (step.link, rec.spec.rank, name) in chain.held:
-                continue
-            if unit in windows and name in rec.row_names:
-                in_window.setdefault(unit, {})[name] = None
+            if window is not None and name in rec.row_names:
+                spans.setdefault(unit, {})[name] = _span(step.link, rec, name, *window)
             else:
-                needed[step.link][(rec.spec.rank, name)] = None
-    records = {(s.link, s.rec.spec.rank, s.rec.key): s.rec for s in prepared.steps}
-    to_hold: list[list[tuple[ShardRecord, str, int, int]]] = [[] for _ in chain.links]
-    for (n, rank, key), names in in_window.items():
-        rec, (lo, hi) = records[(n, rank, key)], windows[(n, rank, key)]
-        nbytes = sum(chain.nbytes(n, rank, name) for name in names) // rec.saved_rows * (hi - lo)
-        if budget_bytes is None or held + nbytes <= budget_bytes:
-            to_hold[n] += [(rec, name, lo, hi) for name in names]
-            held += nbytes
-        else:
-            over_windows += [(n, rec, name, lo, hi) for name in names]
-    for n, those in enumerate(to_hold):
-        if those:
-            chain.hold_windows(n, those)
-    for n, wanted_keys in enumerate(needed):
-        wanted = list(wanted_keys)
-        if budget_bytes is None:  # hold everything: read it all at once, in parallel
-            alloc = None
-            if pool is not None and n == 0:
-                pool.begin()
+                item = ReadItem(step.link, rec.spec.rank, name)
+                whole.setdefault(item.key, item)
+    by_link = sorted(whole.values(), key=lambda item: item.link)
+    return ReadPlan(tuple(tuple(g.values()) for g in spans.values()) + tuple((i,) for i in by_link))
 
-                def alloc(key: tuple[int, str], shape: list[int], dtype: torch.dtype) -> Any:
-                    own = key[0] == own_rank
-                    return pool.take(key[1], tuple(shape), dtype) if own else None
 
-            chain.hold_many(n, wanted, alloc)
-            continue
-        for rank, name in wanted:  # one at a time, keeping what fits the budget
-            nbytes = chain.nbytes(n, rank, name)
-            if held + nbytes <= budget_bytes:
-                chain.hold(n, rank, name)
-                held += nbytes
-            else:
-                over.append((n, rank, name))
-    if budget_bytes is not None:
-        prepared.spare_bytes = spare = max(0, budget_bytes - held)
-        for n, rank, name in over:  # read again while applying
-            chain.verify_tensor(n, rank, name, spare)
-        for n, rec, name, lo, hi in over_windows:
-            chain.verify_window(n, rec, name, lo, hi, spare)
+def _staging(pool: StagingPool, rank: int) -> Alloc:
+    """Reads this rank's own baseline tensors into the staging buffers."""
+    pool.begin()
+
+    def alloc(item: ReadItem, shape: list[int], dtype: torch.dtype) -> torch.Tensor | None:
+        mine = item.link == 0 and item.rank == rank
+        return pool.take(item.tensor, tuple(shape), dtype) if mine else None
+
+    return alloc
 
 
 def _check(
     chain: ChainReader,
     shards: list[LocalShard],
-    prepared: PreparedRestore,
+    steps: list[_Step],
     windows: dict[tuple[int, int, str], Window],
-) -> None:
+) -> list[_Step]:
     """Checks each held tensor's rows against its record; points each step read in a
     window at the window's rows."""
-    for k, step in enumerate(prepared.steps):
+    checked = []
+    for step in steps:
         rec, local = step.rec, shards[step.shard]
         window = windows.get((step.link, rec.spec.rank, rec.key))
         if window is not None:
             assert step.where is not None and step.where.keep is not None
             where = dataclasses.replace(step.where, keep=step.where.keep - window[0])
-            prepared.steps[k] = dataclasses.replace(step, where=where, window=window)
+            step = dataclasses.replace(step, where=where, window=window)
+        checked.append(step)
         for name in _needs(rec, local):
-            if (step.link, rec.spec.rank, name) not in chain.held:
+            held = chain.held.get((step.link, rec.spec.rank, name))
+            if held is None:
                 continue  # over the budget: checked when read again
-            rows = chain.held[(step.link, rec.spec.rank, name)].shape[0]
+            rows = held.shape[0]
             if window is not None and name in rec.row_names:
                 expected = window[1] - window[0]
             else:
@@ -297,6 +285,7 @@ def _check(
                     f"{chain.links[step.link].id}: {name} holds {rows} rows, the manifest "
                     f"records {rec.saved_rows}"
                 )
+    return checked
 
 
 def read_chain(
@@ -329,26 +318,33 @@ def read_chain(
         ValueError: a stored tensor does not fit where it goes.
         UnsafeObjectError: the saved ``app_state`` names a type that is not allowed.
     """
-    prepared = PreparedRestore(chain)
-    _place(chain, shards, prepared)
-    windows = _windows(prepared.steps)
-    _hold(chain, prepared, shards, windows, options)
-    _check(chain, shards, prepared, windows)
-    prepared.dense = chain.dense(dense_names)
+    budget = MemoryBudget(options.budget_bytes)
+    sources = _sources(chain, shards)
+    chain = carry_out(chain, _ids_plan(sources), budget).chain
+    steps, notes = _place(chain, sources)
+    windows = _windows(steps)
+    alloc = None
+    if options.pool is not None and options.budget_bytes is None:
+        alloc = _staging(options.pool, shards[0].spec.rank if shards else -1)
+    held = carry_out(chain, _plan(steps, shards, windows), budget, alloc)
+    chain = held.chain
+    steps = _check(chain, shards, steps, windows)
+    dense = chain.dense(dense_names)
+    app_state = None
     if app_rank is not None:
         world = chain.entry.world_size
         source = app_rank % world
         blob = chain.app_state(source)
         what = f"{chain.links[-1].id}: the app_state of rank {source}"
-        prepared.app_state = load_object(blob, options.safe_globals, what)
+        app_state = load_object(blob, options.safe_globals, what)
         if source != app_rank:
-            prepared.warnings.append(
+            notes.append(
                 f"rank {app_rank} takes the app_state of rank {source}: the checkpoint was "
                 f"written by {world} rank(s)"
             )
         if app_rank == 0 and world_size is not None and world_size < world:
-            prepared.warnings.append(_dropped_app_state(chain, world_size, options))
-    return prepared
+            notes.append(_dropped_app_state(chain, world_size, options))
+    return PreparedRestore(chain, steps, dense, app_state, notes, held.spare_bytes)
 
 
 def _dropped_app_state(chain: ChainReader, world_size: int, options: ReadOptions) -> str:
@@ -439,8 +435,8 @@ def _apply_again(chain: ChainReader, step: _Step, local: LocalShard, spare_bytes
     into = _destinations(rec, where, local)
     if into is not None:
         a = lo + int(where.keep[0])
-        wanted = [(rec, name, a, a + where.count) for name in into]
-        chain.windows(step.link, wanted, cached=True, out=list(into.values()))
+        wanted = [_span(step.link, rec, name, a, a + where.count) for name in into]
+        chain.windows(wanted, cached=True, out=list(into.values()))
         return
     names = [name for name in _needs(rec, local) if name in rec.row_names]
     row_bytes = sum(chain.nbytes(step.link, rec.spec.rank, name) for name in names)
@@ -449,7 +445,7 @@ def _apply_again(chain: ChainReader, step: _Step, local: LocalShard, spare_bytes
     rows = max(1, min(spare_bytes, PIECE_BYTES) // max(1, row_bytes) // block) * block
     by_piece = [name for name in names if rec.block_checksums.get(name, [count])[0] <= rows]
     once = [name for name in names if name not in by_piece]
-    held = dict(zip(once, chain.windows(step.link, [(rec, n, *window) for n in once], True)))
+    held = dict(zip(once, chain.windows([_span(step.link, rec, n, *window) for n in once], True)))
     fits = states_fit(rec, local.optimizer, local.states)
     first = lo // block * block  # pieces cut at whole blocks of the stored rows
     for start in range(first, window[1], rows):
@@ -458,7 +454,7 @@ def _apply_again(chain: ChainReader, step: _Step, local: LocalShard, spare_bytes
         if j0 == j1:
             continue
         piece = dataclasses.replace(where, keep=where.keep[j0:j1] - a, rows=where.rows[j0:j1])
-        got = chain.windows(step.link, [(rec, n, lo + a, lo + b) for n in by_piece], True)
+        got = chain.windows([_span(step.link, rec, n, lo + a, lo + b) for n in by_piece], True)
         parts = {**{n: t[a:b] for n, t in held.items()}, **dict(zip(by_piece, got))}
         scatter_weight(local.weight, piece, rec, parts.__getitem__, chain.io.encode)
         if fits:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from torchrec_cnr.read.items import MemoryBudget
 from torchrec_cnr.serving.rows import PreparedRows, StoredRows, memory_bytes
 from torchrec_cnr.serving.targets import ServingTarget
 
@@ -39,7 +40,7 @@ def piece_bytes(dim: int) -> int:
 
 def piece_rows(budget: int, dim: int) -> int:
     """Rows of width ``dim`` in one piece of at most ``budget`` bytes; at least one."""
-    return max(1, budget // piece_bytes(dim))
+    return MemoryBudget(budget).rows(piece_bytes(dim))
 
 
 class Spill:

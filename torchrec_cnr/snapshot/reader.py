@@ -640,6 +640,10 @@ class SnapshotReader:
         assert isinstance(entry, TensorEntry | ChunkedTensorEntry), name
         return math.prod(entry.shape) * string_to_dtype(entry.dtype).itemsize
 
+    def row_bytes(self, rank: int, name: str) -> int:
+        """The bytes of one row of a stored shard tensor of ``rank`` (nothing is read)."""
+        return self._row_bytes(rows_path(rank, name))[0]
+
     def rows_into(self, rank: int, name: str, out: torch.Tensor) -> None:
         """Reads a stored shard tensor of ``rank`` into ``out`` (straight in where it is
         contiguous), and checks it."""

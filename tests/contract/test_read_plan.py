@@ -1,0 +1,106 @@
+"""Reads as a plan (``read/plan.py``): a plan of frozen items carried out under one
+memory budget. What fits is held by a new reader (the old one is unchanged), groups are
+held whole or not at all, what does not fit is verified (a damaged one fails before
+anything is held), and held tensors are exactly the stored ones."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from cnr_train.workload import TableSpec
+from tests.jobs import make_job
+from tests.multiprocess import run_ranks
+from torchrec_cnr.errors import ChecksumError
+from torchrec_cnr.read import ChainReader, MemoryBudget, ReadItem, ReadPlan, carry_out
+from torchrec_cnr.snapshot import rows_path
+
+pytestmark = pytest.mark.dist
+
+TABLES = [TableSpec("a", 400, 8, "table_wise"), TableSpec("b", 300, 8, "row_wise")]
+
+
+def _save(root: str) -> None:
+    job = make_job(TABLES, root, seed=1, data_seed=2, policy="consecutive", interval_steps=2)
+    job.run(1, 4)
+    job.ckpt.close()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = str(tmp_path_factory.mktemp("plan") / "ckpt")
+    run_ranks(2, _save, root)
+    return root
+
+
+def _items(chain: ChainReader) -> list[ReadItem]:
+    """Every stored row tensor of every link, whole."""
+    return [
+        ReadItem(n, rec.spec.rank, name)
+        for n in range(len(chain.links))
+        for rec in chain.link_records(n)
+        for name in rec.row_names
+    ]
+
+
+def test_a_plan_within_its_budget_is_held_by_a_new_reader_exactly(saved: str) -> None:
+    with ChainReader.open(saved) as chain:
+        assert len(chain.links) == 2, "a baseline and a delta"
+        items = _items(chain)
+        plan = ReadPlan(tuple((item,) for item in items + items[:1]))  # a repeat is read once
+        budget = MemoryBudget(None)
+        held = carry_out(chain, plan, budget)
+        assert not chain.held, "the reader carried out from is unchanged"
+        assert set(held.chain.held) == {item.key for item in items}
+        assert held.deferred == () and held.spare_bytes is None
+        assert budget.used == sum(t.nbytes for t in held.chain.held.values())
+        for (n, rank, name), tensor in held.chain.held.items():
+            assert torch.equal(tensor, chain.reader(n).rows(rank, name))
+        with pytest.raises(TypeError):
+            held.chain.held[(0, 0, "x")] = torch.zeros(1)  # type: ignore[index]
+
+
+def test_over_the_budget_groups_are_deferred_whole_and_spans_hold_their_rows(saved: str) -> None:
+    with ChainReader.open(saved) as chain:
+        items = _items(chain)
+        sizes = {item.key: chain.nbytes(*item.key) for item in items}
+        first, rest = items[0], items[1:]
+        span = ReadItem(first.link, first.rank, first.tensor, (3, 7))
+        budget = MemoryBudget(sizes[first.key] // 2)
+        plan = ReadPlan(((span,), tuple(rest)))  # the rest as one group: larger than the budget
+        held = carry_out(chain, plan, budget)
+        assert set(held.chain.held) == {span.key}
+        rows = chain.reader(first.link).rows(first.rank, first.tensor)
+        assert torch.equal(held.chain.held[span.key], rows[3:7])
+        assert held.deferred == tuple(rest), "a group over the budget is not held in part"
+        assert held.spare_bytes == budget.left == sizes[first.key] // 2 - rows[3:7].nbytes
+
+
+def test_hold_all_holds_over_the_budget_and_counts_it(saved: str) -> None:
+    with ChainReader.open(saved) as chain:
+        items = _items(chain)
+        budget = MemoryBudget(1)
+        held = carry_out(chain, ReadPlan(((items[0],),), hold_all=True), budget)
+        assert set(held.chain.held) == {items[0].key}
+        assert budget.used == chain.nbytes(*items[0].key) and budget.left == 0
+
+
+def test_a_damaged_deferred_tensor_fails_the_plan(saved: str, tmp_path: Path) -> None:
+    root = tmp_path / "copy"
+    shutil.copytree(saved, root)
+    with ChainReader.open(str(root)) as chain:
+        item = _items(chain)[-1]
+        segments = chain.reader(item.link)._segments(rows_path(item.rank, item.tensor))
+        assert segments is not None
+        _, _, stored = segments[0]
+        at = Path(root, chain.links[item.link].id, stored.location)
+    assert stored.byte_range is not None
+    raw = bytearray(at.read_bytes())
+    raw[stored.byte_range[0]] ^= 0xFF
+    at.write_bytes(bytes(raw))
+    with ChainReader.open(str(root)) as chain:
+        with pytest.raises(ChecksumError, match=item.tensor):
+            carry_out(chain, ReadPlan(((item,),)), MemoryBudget(0))
