@@ -18,8 +18,10 @@ The checkpoint holds what ``dcp.save`` holds after TorchRec's recipe
 Quantized rows are written dequantized. The kernels' step counters (``iter``) are not
 written: ``fused_optimizer.state_dict()`` does not hold them.
 
-Every table is written in blocks of at most ``ExportOptions.budget_mb``, each read from the
-chain only when DCP's writer reaches it. Under ``torchrun`` every rank writes its share of the
+Every table is written in blocks, each read from the chain only as DCP's writer reaches the
+block before it (with one writer thread, the next block is read while one is written: two
+blocks of at most half ``ExportOptions.budget_mb`` each; with more, one block of at most
+``budget_mb`` per thread). Under ``torchrun`` every rank writes its share of the
 blocks into its own files in parallel; rank 0 writes the metadata.
 """
 
@@ -42,6 +44,7 @@ from torchrec_cnr.interop.dcp_io import Block, fused_state_path, write_blocks
 from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.manifest import TableShape
 from torchrec_cnr.read.chain import ChainReader
+from torchrec_cnr.read.items import MemoryBudget
 from torchrec_cnr.read.tables import table_block
 from torchrec_cnr.schema import ShardRecord
 from torchrec_cnr.snapshot.objects import load_object, resolve_globals
@@ -71,8 +74,9 @@ class ExportOptions:
     """
 
     budget_mb: float = 256
-    """The most a block holds (a table's rows and their optimizer states), in MB; a rank
-    holds one block at a time (per writer thread), plus the saved shard it reads it from.
+    """The blocks (a table's rows and their optimizer states) a rank holds, in MB: with
+    one writer thread, two of at most half this each (the next read while one is written);
+    with more, one of at most this per thread. Plus the saved shard a block is read from.
     At least 1 KiB (``1 / 1024``)."""
     overwrite: bool = False
     """Replace ``out`` if it exists; otherwise an existing ``out`` is refused before anything
@@ -186,7 +190,7 @@ def _table_blocks(
     groups = []
     for j, (c0, cols) in enumerate(split):
         row_bytes = 4 * cols * (1 + sum(v == "element" for v in states.values())) + 4 * len(states)
-        step = max(1, budget_bytes // row_bytes)
+        step = MemoryBudget(budget_bytes).rows(row_bytes)
         for r0 in range(0, n, step):
             rows = min(step, n - r0)
             dst = ShardSpec(table, 0, "export", r0, c0, rows, cols, n, dim, key)
@@ -299,11 +303,12 @@ def export_dcp(
     with everywhere(lambda: ChainReader.open(root, step, io=io)) as chain:
         read = _Reads(chain, options.progress)
         tables = chain.entry.tables
+        block_bytes = options.budget_bytes // (2 if options.threads == 1 else 1)
         groups = everywhere(
             lambda: [
                 g
                 for name in sorted(tables)
-                for g in _table_blocks(chain, name, tables[name], options.budget_bytes, read)
+                for g in _table_blocks(chain, name, tables[name], block_bytes, read)
             ]
         )
         mine = _share(groups, rank, world)

@@ -18,7 +18,8 @@ import io
 import pickle
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -276,6 +277,30 @@ class Block:
         return ".".join(map(str, self.path))
 
 
+class _ReadAhead:
+    """Each block's ``load`` run one block ahead, on a thread of its own: DCP's writer
+    with one thread asks for the blocks in their order, so the next one is read while
+    this one is written (two blocks in memory at most: the writer frees each once it is
+    written, see :meth:`_WriteBlocks.resolve_data`)."""
+
+    def __init__(self, blocks: list[Block]) -> None:
+        self.loads = [b.load for b in blocks]
+        self.blocks = [replace(b, load=partial(self.take, i)) for i, b in enumerate(blocks)]
+        self.ahead: dict[int, Future[torch.Tensor]] = {}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="cnr-read-ahead")
+
+    def take(self, i: int) -> torch.Tensor:
+        read = self.ahead.pop(i, None)
+        if i + 1 < len(self.loads) and i + 1 not in self.ahead:
+            self.ahead[i + 1] = self.pool.submit(self.loads[i + 1])
+        return self.loads[i]() if read is None else read.result()
+
+    def close(self) -> None:
+        """Waits for a read still running (none outlives the write), dropping its block."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.ahead.clear()
+
+
 def write_blocks(
     path: str | Path,
     blocks: list[Block],
@@ -288,10 +313,27 @@ def write_blocks(
 
     With ``group``, every rank of it calls this with its own blocks (together they tile
     every tensor) and writes its own files; rank 0 writes the metadata. Without one, this
-    process writes everything.
+    process writes everything. With one writer thread, each block is read while the one
+    before it is written (:class:`_ReadAhead`): two blocks are in memory at once.
     """
+    ahead = _ReadAhead(list(blocks)) if threads == 1 else None
+    try:
+        _write_blocks(
+            path, list(blocks) if ahead is None else ahead.blocks, objects, group, threads
+        )
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+def _write_blocks(
+    path: str | Path,
+    blocks: list[Block],
+    objects: Mapping[str, Any] | None,
+    group: dist.ProcessGroup | None,
+    threads: int,
+) -> None:
     flat, mappings = flatten_state_dict(dict(objects or {}))
-    blocks = list(blocks)
     values: dict[str, Any] = {}
     for fqn, value in flat.items():
         if isinstance(value, torch.Tensor):
