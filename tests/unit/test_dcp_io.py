@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -89,3 +91,38 @@ def test_export_options_take_the_budget_in_mb_and_name_a_bad_field() -> None:
             ExportOptions(**kwargs)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="options must be an ExportOptions"):
         export_dcp("/nowhere", "/nowhere/out", None, {"budget_mb": 64})  # type: ignore[arg-type]
+
+
+def _rows(table: torch.Tensor, log: list[str], fail: int | None = None) -> list[Block]:
+    """A block per 2 rows of ``table``, each load logged (``fail``: that one raises)."""
+
+    def load(i: int) -> torch.Tensor:
+        log.append(f"load {i}")
+        if i == fail:
+            raise OSError(f"block {i} unreadable")
+        return table[2 * i : 2 * i + 2].clone()
+
+    n = table.shape[0] // 2
+    return [
+        Block(("model", "t"), (2 * i, 0), (2, 4), (2 * n, 4), partial(load, i)) for i in range(n)
+    ]
+
+
+def test_each_block_is_read_while_the_one_before_it_is_written(tmp_path: Path) -> None:
+    table, log = torch.randn(10, 4), list[str]()
+    write_blocks(tmp_path / "d", _rows(table, log))
+    assert sorted(log) == [f"load {i}" for i in range(5)], "each block read once"
+    out = torch.empty(10, 4)
+    DcpReader(tmp_path / "d").read([("model.t", (0, 0), out)])
+    assert torch.equal(out, table)
+    assert not [t for t in threading.enumerate() if t.name.startswith("cnr-read-ahead")]
+
+
+def test_a_block_read_ahead_that_fails_fails_the_write_and_leaves_no_thread(
+    tmp_path: Path,
+) -> None:
+    log: list[str] = []
+    with pytest.raises(OSError, match="block 2 unreadable"):
+        write_blocks(tmp_path / "d", _rows(torch.randn(10, 4), log, fail=2))
+    assert "load 4" not in log, "nothing read past the block after the one that failed"
+    assert not [t for t in threading.enumerate() if t.name.startswith("cnr-read-ahead")]

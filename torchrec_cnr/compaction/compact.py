@@ -31,7 +31,7 @@ from torchrec_cnr.encoding import FP32, ShardContent, ShardRecord, build_record,
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.manifest import Entry, Manifest
 from torchrec_cnr.read.chain import ChainReader, missing_step
-from torchrec_cnr.read.geometry import overlaps, place, scatter, scatter_weight, states_fit
+from torchrec_cnr.read.geometry import overlaps, place, scatter, scatter_weight, slot, states_fit
 from torchrec_cnr.read.items import MemoryBudget, ReadItem, ReadPlan
 from torchrec_cnr.read.plan import carry_out
 from torchrec_cnr.rowcopy import put_rows
@@ -94,7 +94,7 @@ def _merge_decoded(
         for name, info in rec.states.items():
             saved = chain.tensor(n, rec.spec.rank, info.tensor).float()
             shape = (ts.rows, ts.cols) if saved.dim() == 2 else (ts.rows,)
-            scatter(states.setdefault(name, torch.zeros(shape)), where, saved)
+            scatter(slot(states, name, shape), where, saved)
     return values, states
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "place",
     "scatter",
     "scatter_weight",
+    "slot",
     "states_fit",
     "whole_table",
 ]
@@ -125,6 +126,15 @@ def place(
         dst_cols=slice(cols[0] - dst.col_offset, cols[1] - dst.col_offset),
         owns_row_state=src.col_offset <= dst.col_offset < src.col_offset + src.cols,
     )
+
+
+def slot(out: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """``out[name]``, zeros of ``shape`` made there first if absent (never a fresh buffer
+    for each saved shard scattered into it: a table's zeros cost a page fault per 4 KiB)."""
+    tensor = out.get(name)
+    if tensor is None:
+        tensor = out[name] = torch.zeros(shape)
+    return tensor
 
 
 def scatter(dst: torch.Tensor, where: Placement, saved: torch.Tensor) -> bool:

@@ -22,7 +22,7 @@ import torch
 from torchrec_cnr.encoding import decode_weight
 from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.read.chain import ChainReader
-from torchrec_cnr.read.geometry import Placement, place, scatter, whole_table
+from torchrec_cnr.read.geometry import Placement, place, scatter, slot, whole_table
 from torchrec_cnr.storage import Root
 from torchrec_cnr.tracking.shard import ShardSpec
 
@@ -141,7 +141,7 @@ def table_block(
             if whole:
                 out["weight"] = values
             else:
-                scatter(out.setdefault("weight", torch.zeros(n_out, dst.cols)), where, values)
+                scatter(slot(out, "weight", (n_out, dst.cols)), where, values)
         for state, info in rec.states.items():
             if wanted is not None and state not in wanted:
                 continue
@@ -150,7 +150,7 @@ def table_block(
                 out[state] = saved
                 continue
             shape = (n_out, dst.cols) if saved.dim() == 2 else (n_out,)
-            scatter(out.setdefault(state, torch.zeros(shape)), where, saved)
+            scatter(slot(out, state, shape), where, saved)
     return out
 
 
