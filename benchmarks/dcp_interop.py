@@ -1,10 +1,8 @@
-"""DCP import and export of a ~1 GB model (8 x 500k x 64 fp32, 2 gloo ranks) against DCP's
-own save and load, in turns, caches dropped before each: ``export_dcp`` of a full checkpoint
-(blocks of ``--budget-mb``) against ``dcp.save`` of TorchRec's recipe; ``restore(from_dcp=)``
-against ``dcp.load`` (a call per top-level key); a restore resharded row-wise against
-``dcp.load``, unbounded and within ``restore_memory_mb`` = ``--restore-mb``. Time is the
-slowest rank's; memory the peak resident set above each call's start
-(:class:`benchmarks.measure.Peak`), the largest rank's. Targets: each <= its DCP peer.
+"""DCP import and export of a ~1 GB model against DCP's own save and load, in turns, caches
+dropped before each: ``export_dcp`` (blocks of ``--budget-mb``) against ``dcp.save``;
+``restore(from_dcp=)`` against ``dcp.load``; a restore resharded row-wise, unbounded and
+within ``--restore-mb``, against ``dcp.load``. Time is the slowest rank's; memory the peak
+resident set above each call's start, the largest rank's. Targets: each <= its DCP peer.
 """
 
 from __future__ import annotations

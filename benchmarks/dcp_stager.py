@@ -1,18 +1,13 @@
-"""``dcp.async_save`` of a TorchRec DLRM (``--tables`` x ``--rows`` x ``--dim`` fp32, about
-1 GB by default, fused row-wise Adagrad) with the library's stager, against the ways a
-TorchRec user saves today, in turns on the same model: ``dcp.save`` (blocking), DCP's
-``async_save`` with its ``DefaultStager`` (on the TorchRec model, where it fails, and on a
-dense model of equal bytes, where it works), torchsnapshot's ``async_take`` (patched to copy,
-so that what it writes is consistent, see :mod:`benchmarks.peers`) and the manager's
-``save`` of a full checkpoint.
+"""``dcp.async_save`` of a TorchRec DLRM (``--tables`` x ``--rows`` x ``--dim`` fp32, fused
+row-wise Adagrad) with the library's stager, in turns against ``dcp.save``, DCP's
+``DefaultStager`` (it fails on the TorchRec model: timed on a dense model of equal bytes),
+torchsnapshot's ``async_take`` (patched to copy, :mod:`benchmarks.peers`) and the manager.
 
-Each method's *blocked* time is the call's, the slowest rank's; then the job trains on at
-once, ``--steps`` steps or until the write ends, whichever is later: the *slowdown* is those
-steps' mean time over a clean stretch's (``--steps`` steps with nothing written, measured in
-the same round). Memory is the peak resident set over the call's start until the write
-ended, the largest rank's. The stager's checkpoint is loaded back with stock ``dcp.load``
-into a second model and compared with the state at the call. Targets: the stager's blocked
-time <= 1/10 of ``dcp.save``'s and of torchsnapshot ``async_take``'s, and <= 2x the manager's.
+*Blocked*: the call's time, the slowest rank's; *slowdown*: the mean step while the write
+runs (``--steps`` at least) over a clean stretch's; memory: the peak resident set over the
+call's start, the largest rank's. The stager's checkpoint is loaded back with stock
+``dcp.load`` and compared with the state at the call. Targets: the stager blocks <= 1/10 of
+``dcp.save`` and ``async_take``, and <= 2x the manager.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """A commit's cost against the history before it, from checkpoint 10 to 10,000.
 
-The model (``--tables`` x ``--rows`` x ``--dim``, 2 ranks) trains one step between saves,
-each waited for, every checkpoint kept, per policy. Over the ``--window`` commits ending at
-each of ``--probes``: save + commit time; the metadata bytes rank 0's commit reads and
-writes; the writer's CPU time; a follower's update (seconds, requests, bytes); a restore's
-planning (``ChainReader.open``: seconds, bytes, per link). Medians (times), means (bytes).
-
-Targets: each figure at the last probe <= 1.2x the first's.
+The model trains one step between saves, each waited for, every checkpoint kept. Over the
+``--window`` commits ending at each of ``--probes``: save + commit time, the metadata bytes
+rank 0's commit reads and writes, the writer's CPU, a follower's update and a restore's
+planning (``ChainReader.open``). Targets: each figure at the last probe <= 1.2x the first's.
 """
 
 from __future__ import annotations

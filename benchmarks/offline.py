@@ -1,9 +1,7 @@
-"""Export and compaction of a ~1 GB consecutive chain (8 x 500k x 64 fp32, 2 gloo ranks; a
-baseline and ``--deltas`` deltas of ``--fraction`` of the rows), against a full save and
-the disk: in the job, ``compact()`` until ``wait()`` against a full save, and the cold
-restore of that step before and after; offline, in one process without a model,
-``export_state_dict`` and its ``torch.save``, ``read_table`` of one table and ``cnr
-compact`` of a second chain, against reading as many bytes from the disk.
+"""Export and compaction of a ~1 GB consecutive chain (a baseline and ``--deltas`` deltas of
+``--fraction`` of the rows): in the job, ``compact()`` to ``wait()`` against a full save,
+and the cold restore before and after; offline, in one process, ``export_state_dict``,
+``torch.save``, ``read_table`` and ``cnr compact``, against reading as many bytes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Bytes written and bytes stored at each interval, per policy (Check-N-Run Figs. 15, 16).
-
-Each policy trains the same model (8 table-wise tables x 100k rows x dim 64) on the same
-Zipf batches and checkpoints every interval with ``keep_last=1``: "stored" is measured on
-disk after each commit, "written" is the checkpoint's bytes, both relative to one full
+"""Bytes written and stored at each interval, per policy (Check-N-Run Figs. 15, 16): each
+policy trains the same model on the same batches with ``keep_last=1``, relative to one full
 checkpoint. ``--figure`` also plots them (``fig15_16.png``) and writes ``results.csv``.
 """
 

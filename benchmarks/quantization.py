@@ -1,12 +1,10 @@
 """Per-row checkpoint quantization: error, compression and throughput (Check-N-Run Fig. 9),
-against PyTorch's and FBGEMM's quantizers, in one process on ``--threads`` (one, as the
-checkpoint writer runs).
+against PyTorch's and FBGEMM's quantizers, in one process on ``--threads``.
 
-Every method and bit width on ``--rows`` Gaussian rows of ``--dim``: mean per-row relative
-error, compression against fp32 (scale and bias included), MB/s of fp32 input; PyTorch's
-greedy on the first ``--peer-rows``. ``--vs-greedy``: adaptive 4-bit against the greedy in
-six cells, dims ``--vs-greedy-dims`` x {Gaussian, Student-t 3}. Targets: adaptive 4-bit's
-error <= the greedy's and its MB/s >= 50x; FBGEMM 4-bit's MB/s <= 1.5x asymmetric 4-bit's.
+Every method and bit width on ``--rows`` Gaussian rows of ``--dim`` (PyTorch's slow greedy
+on the first ``--peer-rows``). ``--vs-greedy``: adaptive 4-bit against the greedy, dims
+``--vs-greedy-dims`` x {Gaussian, Student-t 3}. Targets: adaptive 4-bit's error <= the
+greedy's and its MB/s >= 50x; FBGEMM 4-bit's MB/s <= 1.5x asymmetric 4-bit's.
 """
 
 from __future__ import annotations

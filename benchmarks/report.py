@@ -6,16 +6,13 @@ its command, environment, tables and each target's measured value, bound and ver
     .venv/bin/python -m benchmarks.report out/bench --render PAGE.md   # to stdout only
 
 A result's id is its file name without ``.json``, a later folder's replacing an earlier
-one's. In ``benchmarks/templates/*.md`` each line ``<!-- result: ID -->`` becomes the
-section of result ``ID``, the page written under ``--docs``; ``--smoke`` results are left
-out unless ``--allow-smoke``; ``--render FILE`` prints FILE rendered (a template of one's
-own) and writes nothing. Figures in prose are never typed: ``{{ID:dotted.path}}`` is a
-value of result ``ID`` (a key with a dot in brackets: ``by_frac[0.25%].ratio``), and
-``{{EXPR|SPEC}}`` arithmetic on such values (``+ - * /`` between spaces, numbers,
-parentheses, ``min`` and ``max``) with a format spec, e.g.
+one's. In ``benchmarks/templates/*.md`` (the pages written under ``--docs``) a line
+``<!-- result: ID -->`` becomes result ``ID``'s section, ``{{ID:dotted.path}}`` a value (a
+key with a dot in brackets: ``by_frac[0.25%].ratio``) and ``{{EXPR|SPEC}}`` arithmetic on
+values (``+ - * /`` between spaces, numbers, parentheses, ``min``, ``max``), formatted, e.g.
 ``{{stall:measurements.cases.lazy_5.stall_s * 1e3|.1f}}``; a list of two is a range. A
-placeholder that names no value fails. ``README.md``'s lines between ``<!-- figures: begin
--->`` and ``<!-- figures: end -->`` are rendered from ``templates/readme/figures.md``.
+placeholder that names no value fails. ``README.md``'s figures block is rendered from
+``templates/readme/figures.md``. ``--smoke`` results are left out unless ``--allow-smoke``.
 """
 
 from __future__ import annotations

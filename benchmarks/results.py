@@ -1,11 +1,9 @@
 """The one result format of every benchmark and experiment, and how targets are judged.
 
 A run writes one JSON file: ``format_version`` (1), ``case``, ``kind``, ``title``, ``date``,
-``command``, ``note``, ``smoke``, ``environment`` (host, cores, memory, versions,
-variables), ``config`` (every argument), ``wall_s``, ``measurements`` (nested dicts of
-numbers), ``tables`` (:class:`Table`) and ``targets``. A target is data, ``measured op
-factor * reference`` (dotted keys into ``measurements``, or a number); its verdict is
-computed by :meth:`Goal.evaluate` and nowhere else.
+``command``, ``note``, ``smoke``, ``environment``, ``config`` (every argument), ``wall_s``,
+``measurements``, ``tables`` (:class:`Table`) and ``targets``: ``measured op factor *
+reference``, judged by :meth:`Goal.evaluate` alone.
 """
 
 from __future__ import annotations

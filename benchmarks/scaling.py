@@ -1,11 +1,7 @@
 """The scaling curve: stall, commit, restore and peak host memory per rank against the
-embedding bytes each rank holds, for full saves and 5%/25% deltas, fp32 and 4-bit.
-
-For each of ``--gb-per-rank`` (tables of ``--rows`` x 64, 2 gloo ranks), one intermittent
-manager per format takes a baseline, a 5% and a 25% delta, each restored cold after its
-commit: the slowest rank's figures and peak memory above the model, the disk and a memcpy
-beside, each extrapolated to ``--extrapolate`` GB per rank. Writes ``scaling.csv`` and
-``scaling.png`` beside the JSON result.
+embedding bytes each rank holds (``--gb-per-rank``), full saves and 5%/25% deltas, fp32
+and 4-bit, each restored cold; the disk and a memcpy beside, extrapolated to
+``--extrapolate`` GB per rank. Writes ``scaling.csv`` and ``scaling.png``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""A checkpoint's metadata against its number of shards, by simulation (no training, no
-tensors), for ``--ranks`` x ``--tables`` row-wise tables split over every rank: each
-configuration, in a process of its own, commits a baseline and a delta (``--fraction`` of
-each shard's rows) of a real save's shard records and index entries
-(``tests/data/format_v6``). Seconds, bytes and peak Python memory of rank 0's commit, one
-rank's restore planning and a follower's update plan (medians of 3), per shard.
-
+"""A checkpoint's metadata against its number of shards, simulated (no training, no tensors)
+for ``--ranks`` x ``--tables`` row-wise tables split over every rank: each configuration,
+in a process of its own, commits a baseline and a delta (``--fraction`` of each shard's
+rows) of a real save's shard records (``tests/data/format_v6``). Seconds, bytes and peak
+Python memory of rank 0's commit, a rank's restore planning and a follower's update plan.
 Targets: each figure per shard at the largest configuration <= 1.5x the smallest's.
 """
 

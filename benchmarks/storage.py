@@ -1,11 +1,8 @@
-"""Commit and restore times of the same checkpoints on a local file system, on S3 through
-boto3 and through s3fs (a moto server on loopback, keeping objects in memory, unless
-``AWS_ENDPOINT_URL`` names one: the protocol's cost, not a network's), on GCS through gcsfs
-(``gcp-storage-emulator``) and on Azure Blob Storage through adlfs (Azurite), each local
-server started by rank 0. ``--tables`` table-wise tables of ``--rows`` x
-``--dim`` on 2 gloo ranks; on each backend a full fp32 baseline, then a delta of
-``--fraction`` of the rows (intermittent), each timed from ``save()`` to ``wait()``, then a
-restore of the chain, checksums verified. The slowest rank's, median of ``--repeats``.
+"""Commit and restore times of the same checkpoints on a file system, on S3 through boto3 and
+s3fs (moto on loopback unless ``AWS_ENDPOINT_URL``: the protocol's cost, not a network's),
+on GCS (gcsfs, emulator) and Azure (adlfs, Azurite), local servers started by rank 0. On
+each: a full fp32 baseline, a delta of ``--fraction`` of the rows, each to ``wait()``, and
+a restore of the chain; the slowest rank's, median of ``--repeats``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
-"""Iteration time and memory of row tracking: none, torchrec_cnr's bitmaps (plain, with
-CPR's MFU counters, with SSU sampling), TorchRec's ModelDeltaTracker (ID_ONLY) alone, and
-ModelDeltaTracker read by the manager (its hooks record the rows; ours only serve
-copy-on-write; the manager reads the ids into its bitmaps once per ``--iters`` iterations,
-as a checkpoint would).
+"""Iteration time and memory of row tracking: none, torchrec_cnr's bitmaps (plain, with MFU
+counters, with SSU sampling), TorchRec's ModelDeltaTracker (ID_ONLY) alone, and read by the
+manager into its bitmaps once per ``--iters`` iterations.
 
-One model (8 table-wise tables x 500k rows x dim 64, batch 2048 per rank, pooling 4)
-carries both trackers; each round switches each variant on in turn, rotating, for
-``--iters`` iterations, on the same kernels and batches. A variant's figure is its median
-over ``--rounds`` rounds, after a warm-up round. Targets: our bitmap's overhead <= 1% and <=
-ModelDeltaTracker's.
+One model carries both trackers; each round switches each variant on in turn, rotating,
+for ``--iters`` iterations on the same kernels and batches; a variant's figure is its
+median over ``--rounds``, after a warm-up round. Targets: our bitmap's overhead <= 1% and
+<= ModelDeltaTracker's.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""The default question of :mod:`benchmarks.overhead`: the training throughput lost to a
-checkpoint every K steps, at each of ``--intervals`` seconds, eager and lazy staging.
+"""The default question of :mod:`benchmarks.overhead`: the throughput lost to a checkpoint
+every K steps (the interval at the warm-up's step time), at each of ``--intervals`` seconds.
 
-K steps last the interval at the warm-up's step time. In ``--rounds`` interleaved rounds
-every arm trains the same n x K steps (n from ``--arm-s``): ``none``, and {eager, lazy} x
-{fp32, 4-bit} with the intermittent policy, its manager built before the timer and its last
-``wait()`` timed. Throughput lost: against ``none`` in the same round, and from the arm's
-own steps that overlap no checkpoint. Targets: :func:`targets`. ``--merge`` carries a
-result of another world size into this one's.
+In ``--rounds`` interleaved rounds every arm trains the same n x K steps: ``none``, and
+{eager, lazy} x {fp32, 4-bit} (intermittent, the manager built before the timer, the last
+``wait()`` timed). Lost: against ``none`` in the same round, and from the arm's steps that
+overlap no checkpoint. ``--merge`` carries a result of another world size into this one's.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""``--floor`` of :mod:`benchmarks.overhead`: a checkpoint every few seconds on tables large
-against what an interval's lookups touch, its cost to training beside that of a memcpy of
-the same bytes, the floor on a machine whose memory bandwidth training shares.
+"""``--floor`` of :mod:`benchmarks.overhead`: a checkpoint every few seconds on large tables,
+its cost to training beside a memcpy of the same bytes (the floor where training shares the
+memory bandwidth).
 
 At each of ``--intervals``, fp32 and 4-bit checkpoints of ``--policy`` (lazy staging,
-written as ``--background`` says, ``compact_every`` as ``--compact-every``): pairs of
-stretches with and without checkpoints (:func:`benchmarks.overhead.paired.checkpoint_pairs`),
-``--per-stretch`` of them one interval apart, then with and without a thread that copies the
-fp32 checkpoints' median bytes as often. A memcpy's cost to training is within the noise of
-the estimate, so the floor is the copy's own time, the most it could cost.
-
-With one checkpoint a stretch, it also holds the rows of the stretch before (two
-intervals'). With several, a job's steady cadence: each holds one interval's rows, and the
-first of each stretch, which holds two, is left out of the figures.
-
-Targets, at the interval nearest 2 s: lost <= 1%; a checkpoint costs <= 2x the floor.
+``--background``, ``--compact-every``): pairs of stretches with and without ``--per-stretch``
+checkpoints an interval apart (:func:`benchmarks.overhead.paired.checkpoint_pairs`), then
+with and without a thread copying the fp32 checkpoints' median bytes as often; the floor
+is the copy's own time. With several checkpoints a stretch, the first of each (which holds
+two intervals' rows) is left out. Targets at the interval nearest 2 s: lost <= 1%, a
+checkpoint costs <= 2x the floor.
 """
 
 from __future__ import annotations

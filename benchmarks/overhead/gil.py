@@ -1,9 +1,6 @@
 """``--gil`` of :mod:`benchmarks.overhead`: which threads hold the GIL while the model trains
-and commits continuously (a save every step, ``on_busy="skip"``, fp32 and 4-bit), with the
-writer on threads of the training process and in a process of its own: ``py-spy record
---gil --threads`` on each rank's training process, ``--gil-s`` seconds per run, beside the
-steps and commits made and the writer process's CPU time.
-
+and commits continuously (a save every step, ``on_busy="skip"``), the writer on threads or
+in its own process: ``py-spy record --gil --threads`` on each rank for ``--gil-s`` seconds.
 Target (writer process): the writer's threads hold the GIL in <= 10% of the samples.
 """
 

@@ -1,10 +1,8 @@
-"""``--paired`` of :mod:`benchmarks.overhead`: throughput lost against the interval, with
-an estimate that resolves 1% (lazy staging, intermittent policy, fp32 and 4-bit): pairs of
-adjacent stretches of K steps, one with a checkpoint in its middle and one without, in
-alternating order (``--pair-s`` per interval and format), the median over pairs with its
-95% interval. Also saves asked for every 2 steps, ``on_busy`` "wait" and "skip".
-
-Targets: fp32 at the interval nearest 10 s loses <= 1%, resolved to ± 0.5%.
+"""``--paired`` of :mod:`benchmarks.overhead`: throughput lost at each interval, resolving 1%
+(lazy, intermittent, fp32 and 4-bit): pairs of adjacent stretches of K steps, one with a
+checkpoint in its middle, in alternating order; the median over pairs and its 95% interval.
+Also saves asked for every 2 steps, ``on_busy`` "wait" and "skip". Target: fp32 at the
+interval nearest 10 s loses <= 1%, resolved to ± 0.5%.
 """
 
 from __future__ import annotations

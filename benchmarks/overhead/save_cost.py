@@ -1,8 +1,7 @@
-"""``--save-cost`` of :mod:`benchmarks.overhead`: the training time one full checkpoint
-costs, ``--saves`` times per arm, in turns: ``--before`` steps, a save, ``--after`` steps;
-the cost is the stall plus what the steps from the save to the commit took beyond the mean
-of the others. Arms: eager and lazy (the compiled copier), fp32 and 4-bit, and lazy fp32
-with torch's copy under each kernel's lock. Targets: lazy <= eager, and <= torch's copy.
+"""``--save-cost`` of :mod:`benchmarks.overhead`: the training time one full checkpoint costs
+(its stall plus what the steps to its commit took beyond the mean of the others), ``--saves``
+times per arm in turns: eager and lazy, fp32 and 4-bit, and lazy with torch's locked copy.
+Targets: lazy <= eager, and <= torch's copy.
 """
 
 from __future__ import annotations
