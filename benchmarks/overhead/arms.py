@@ -22,7 +22,7 @@ import torch.distributed as dist
 from benchmarks import results
 from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import GB, QUANTS, StepLoop, from_rank0, gathered, rmtree, timed
-from benchmarks.overhead.common import LOSS_BOUND, interval_key, pct, split_steps, warm_trainer
+from benchmarks.overhead import LOSS_BOUND, interval_key, pct, split_steps, warm_trainer
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.config import Staging

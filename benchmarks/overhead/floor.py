@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import QUANTS, StepLoop, max_over_ranks, timed
-from benchmarks.overhead.common import LOSS_BOUND, interval_key, now, pct, warm_trainer
+from benchmarks.overhead import LOSS_BOUND, interval_key, now, pct, warm_trainer
 from benchmarks.overhead.paired import alternating, checkpoint_pairs, spread, step_costs
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig

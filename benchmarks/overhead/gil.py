@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import QUANTS, StepLoop, gathered, max_over_ranks, process_cpu_s, rmtree
-from benchmarks.overhead.common import warm_trainer
+from benchmarks.overhead import warm_trainer
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.config import BACKGROUND, Background

@@ -17,7 +17,7 @@ from typing import Any
 
 from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import QUANTS, StepLoop, from_rank0, max_over_ranks, rmtree, timed
-from benchmarks.overhead.common import LOSS_BOUND, interval_key, now, pct, split_steps, warm_trainer
+from benchmarks.overhead import LOSS_BOUND, interval_key, now, pct, split_steps, warm_trainer
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.config import OnBusy

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import QUANTS, StepLoop, from_rank0, gathered, rmtree
-from benchmarks.overhead.common import now, split_steps
+from benchmarks.overhead import now, split_steps
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, IOOptions
 from torchrec_cnr.offline import list_checkpoints
