@@ -26,18 +26,9 @@ from typing import Any
 
 import torch
 
+from benchmarks import measure
 from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import (
-    QUANTS,
-    children_cpu_s,
-    disk_read_s,
-    memcpy_s,
-    model_arguments,
-    s3_bucket,
-    s3_server,
-    scatter_s,
-    store_cpu_s,
-)
+from benchmarks.measure import QUANTS
 from benchmarks.results import Column, Goal, Table
 from cnr_train.job import DONE_MARKER
 from cnr_train.serve import freshness
@@ -58,7 +49,7 @@ MB = 2**20
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    model_arguments(p, rows=1_000_000, tables=4)
+    measure.model_arguments(p, rows=1_000_000, tables=4)
     p.add_argument("--steps", type=int, default=90, help="training steps per run")
     p.add_argument("--interval-steps", type=int, default=3, help="steps between checkpoints")
     p.add_argument("--batch-size", type=int, default=8192)
@@ -124,7 +115,7 @@ def _one_run(
     key = _key(storage, policy, served, mode, followers)
     out = b.scratch / key
     out.mkdir()
-    root = f"s3://{s3_bucket()}/{key}" if storage == "s3" else str(out / "root")
+    root = f"s3://{measure.s3_bucket()}/{key}" if storage == "s3" else str(out / "root")
     args = ["--config", CONFIG, *_overrides(b, root, policy, served, mode, out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = str(Path(sys.executable).with_name("torchrun"))
@@ -134,7 +125,7 @@ def _one_run(
     job: subprocess.Popen[bytes] | None = None
     launched: dict[str, float] = {}  # a serving process's name -> when it was started
     store = os.environ.get("AWS_ENDPOINT_URL") if storage == "s3" else None
-    processes_cpu, store_cpu = children_cpu_s(), store_cpu_s(store)
+    processes_cpu, store_cpu = measure.children_cpu_s(), measure.store_cpu_s(store)
 
     def serve() -> None:
         for name in names:
@@ -166,8 +157,8 @@ def _one_run(
                                    "longer (--steps) or join earlier (--join-after)")  # fmt: skip
         job.wait(timeout=1800)
         served_rc = [s.wait(timeout=900) for s in servers]
-        processes_cpu = children_cpu_s() - processes_cpu
-        store_end = store_cpu_s(store)
+        processes_cpu = measure.children_cpu_s() - processes_cpu
+        store_end = measure.store_cpu_s(store)
         store_cpu = None if store_end is None or store_cpu is None else store_end - store_cpu
     finally:
         for proc in [*servers, *([job] if job is not None else [])]:
@@ -186,7 +177,7 @@ def _one_run(
     summary["host_cpu"] = _host_cpu(processes_cpu, store_cpu, metrics, infos, summary["interval_s"])
     # The disk's own time for the bytes of the cold start, read cold (the job is over).
     cold_bytes = int(summary["cold_mb"] * MB)
-    summary["cold_disk_s"] = disk_read_s(out, cold_bytes) if storage == "fs" else None
+    summary["cold_disk_s"] = measure.disk_read_s(out, cold_bytes) if storage == "fs" else None
     s = summary
     b.log(f"{key}: torn {s['torn_requests']}/{s['checked_requests']}, update "
           f"{s['update_s']:.2f} s, lag {s['lag_s']:.2f} s (max {s['lag_s_max']:.2f}), fresh "
@@ -287,7 +278,7 @@ def _summarise(
                         "read_over_changed": r.bytes_read / max(1, rows * row),
                         "fresh_mid_s": fresh[r.step]["mid_s"],
                         "fresh_worst_s": fresh[r.step]["worst_s"],
-                        "memcpy_s": memcpy_s(rows * row),
+                        "memcpy_s": measure.memcpy_s(rows * row),
                         "held_over_changed": r.held_bytes / max(1, rows * row)})  # fmt: skip
     if not updates:
         raise RuntimeError("no incremental update was served: train longer (--steps)")
@@ -299,7 +290,7 @@ def _summarise(
         return max(u[k] for u in updates)
 
     intervals = [b.committed_at - a.committed_at for a, b in zip(infos, infos[1:])]
-    scatter = scatter_s(int(med("changed_rows")), row - ID_BYTES, table_rows)
+    scatter = measure.scatter_s(int(med("changed_rows")), row - ID_BYTES, table_rows)
     warm = m.get("warm_updates")  # after the first update past the cold start, idle polls in
     follow_ms = (m["warm_cpu_s"] - m["warm_request_cpu_s"]) / warm * 1e3 if warm else None
     return {
@@ -490,7 +481,7 @@ def run(b: Bench) -> Outcome:
     a = b.args
     runs: dict[str, Any] = {}
     for storage in a.storage:
-        with s3_server() if storage == "s3" else contextlib.nullcontext():
+        with measure.s3_server() if storage == "s3" else contextlib.nullcontext():
             for one in itertools.product(a.policies, a.served, a.modes, a.followers):
                 runs[_key(storage, *one)] = _one_run(b, storage, *one)
     model = {"tables": a.tables, "rows": a.rows, "dim": a.dim,
