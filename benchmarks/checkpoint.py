@@ -139,9 +139,8 @@ BUDGETED = " budget"
 """The side-by-side restore arm within :data:`RESTORE_BUDGET`."""
 
 
-def _side_by_side(
-    b: Bench, model: Any, shards: list[LocalShard], sels: dict[float, Rows], check: Rows
-) -> dict[str, Any]:
+def _side_by_side(b: Bench, model: Any, shards: list[LocalShard], sels: dict[float, Rows],
+                  check: Rows) -> dict[str, Any]:  # fmt: skip
     """The figures the side-by-side targets compare, in interleaved rounds."""
     ts_path, full = b.scratch / "sbs_torchsnapshot", {}
 

@@ -143,9 +143,8 @@ def _cadence(b: Bench) -> dict[str, Any]:
     pin = a.device == "cuda"
     step = 0
 
-    def train(
-        seconds: float, every_s: float | None, act: Callable[[int], Any]
-    ) -> tuple[int, float]:
+    def train(seconds: float, every_s: float | None,
+              act: Callable[[int], Any]) -> tuple[int, float]:  # fmt: skip
         nonlocal step
         began = last = time.perf_counter()
         steps = 0

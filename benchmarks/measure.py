@@ -292,9 +292,8 @@ class StepLoop:
         self.step += (-(self.step + k // 2)) % k
 
 
-def random_rows(
-    shards: list[LocalShard], fractions: Sequence[float], seed: int = 1234
-) -> dict[float, Rows]:
+def random_rows(shards: list[LocalShard], fractions: Sequence[float],
+                seed: int = 1234) -> dict[float, Rows]:  # fmt: skip
     """For each fraction, that share of each local shard's rows (sorted local indices) from
     one seeded permutation per shard: a smaller fraction's rows are in a larger one's."""
     g = torch.Generator().manual_seed(seed + dist.get_rank())
@@ -308,9 +307,8 @@ def max_abs_diff(shards: list[LocalShard], rows: Rows, values: Rows) -> float:
     return max_over_ranks(max((float((w - v).abs().max()) for w, v in pairs), default=0.0))[0]
 
 
-def timed_restore(
-    fn: Callable[[], Any], path: Path, shards: list[LocalShard], rows: Rows
-) -> tuple[float, float]:
+def timed_restore(fn: Callable[[], Any], path: Path, shards: list[LocalShard],
+                  rows: Rows) -> tuple[float, float]:  # fmt: skip
     """A cold restore by ``fn`` (``path`` dropped from the page cache), ``rows`` corrupted
     (+1) before: ``(time, max abs error of rows against their values before)``."""
     drop_cache(path)

@@ -107,9 +107,8 @@ class Table:
     """A line under the table."""
 
     @classmethod
-    def of(
-        cls, title: str, items: Iterable[dict[str, Any]], columns: dict[str, Column], note: str = ""
-    ) -> Table:
+    def of(cls, title: str, items: Iterable[dict[str, Any]], columns: dict[str, Column],
+           note: str = "") -> Table:  # fmt: skip
         """A table of ``items``, one row each; ``columns`` maps a header to its cells."""
         rows = [[c(i) if callable(c) else i.get(c) for c in columns.values()] for i in items]
         return cls(title, list(columns), rows, note)

@@ -107,9 +107,8 @@ def _key(storage: str, policy: str, served: str, mode: str, followers: int = 1) 
             + ("" if followers == 1 else f"_x{followers}"))  # fmt: skip
 
 
-def _one_run(
-    b: Bench, storage: str, policy: str, served: str, mode: str, followers: int = 1
-) -> dict[str, Any]:
+def _one_run(b: Bench, storage: str, policy: str, served: str, mode: str,
+             followers: int = 1) -> dict[str, Any]:  # fmt: skip
     """The job and its serving processes on a fresh root: the first follower's figures, and
     with more, each one's store and CPU cost too (:func:`_fanout`)."""
     key = _key(storage, policy, served, mode, followers)
@@ -211,9 +210,8 @@ def _wait_commits(root: str, n: int, job: subprocess.Popen[bytes]) -> None:
         time.sleep(0.2)
 
 
-def _fanout(
-    summaries: list[dict[str, Any]], metrics: list[dict[str, Any]], infos: list[CheckpointInfo]
-) -> dict[str, Any]:
+def _fanout(summaries: list[dict[str, Any]], metrics: list[dict[str, Any]],
+            infos: list[CheckpointInfo]) -> dict[str, Any]:  # fmt: skip
     """Each follower's cost to the store and the host after its cold start, and the worst."""
     each = []
     commits = len(infos)
@@ -259,9 +257,8 @@ def _host_cpu(processes_s: float, store_s: float | None, metrics: list[dict[str,
             "cores_s": None if interval_s is None else (os.cpu_count() or 1) * interval_s}  # fmt: skip
 
 
-def _summarise(
-    m: dict[str, Any], infos: list[CheckpointInfo], row: int, table_rows: int, launched: float
-) -> dict[str, Any]:
+def _summarise(m: dict[str, Any], infos: list[CheckpointInfo], row: int, table_rows: int,
+               launched: float) -> dict[str, Any]:  # fmt: skip
     """Per incremental update: changed rows and bytes, read over them, freshness, a memcpy of
     the changed bytes (medians and worst); the start to the first step served."""
     reports = [UpdateReport(**r) for r in m["update_reports"]]

@@ -35,9 +35,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
 
 
-def _measure(
-    b: Bench, base: str, model: torch.nn.Module, options: dict[str, Any] | None
-) -> dict[str, Any]:
+def _measure(b: Bench, base: str, model: torch.nn.Module,
+             options: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
     shards = local_shards(model)
     rows = measure.random_rows(shards, [b.args.fraction])[b.args.fraction]
     full, delta, restore = [], [], []

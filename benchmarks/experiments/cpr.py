@@ -138,9 +138,8 @@ def _failures(a: argparse.Namespace) -> list[tuple[int, int]]:
             out.append((step, victim))
 
 
-def _arm(
-    b: Bench, name: str, mode: str, cfg: CheckpointConfig, tracking: Any, plan: dict[str, Any]
-) -> dict[str, Any]:
+def _arm(b: Bench, name: str, mode: str, cfg: CheckpointConfig, tracking: Any,
+         plan: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     """One arm over every failure: its overheads by part, checkpoints, PLS and quality."""
     a = b.args
     t = _trainer(a, cfg, tracking)

@@ -51,9 +51,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", type=int, nargs="*", default=[1, 3, 20], help="L for bits='auto'")
 
 
-def _run(
-    b: Bench, name: str, policy: Policy, quant: QuantizeConfig, bits: int, restores: int
-) -> dict[str, Any]:
+def _run(b: Bench, name: str, policy: Policy, quant: QuantizeConfig, bits: int,
+         restores: int) -> dict[str, Any]:  # fmt: skip
     """One run of ``restores`` evenly spaced restores: quality, bytes written and stored."""
     a, root = b.args, str(b.scratch / name)
     cfg = CheckpointConfig(path=root, policy=policy, interval_steps=a.interval, quantize=quant,

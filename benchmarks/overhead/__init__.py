@@ -36,9 +36,8 @@ def warm_trainer(b: Bench) -> tuple[StepLoop, float]:
     return trainer, step_s
 
 
-def split_steps(
-    took: list[float], ends: list[float], windows: list[tuple[float, float]]
-) -> tuple[list[float], list[float]]:
+def split_steps(took: list[float], ends: list[float],
+                windows: list[tuple[float, float]]) -> tuple[list[float], list[float]]:  # fmt: skip
     """The seconds of the steps (each's seconds and end, on :func:`now`'s clock) that
     overlap one of ``windows`` (spans from a save to its commit), and of the others."""
     inside: list[float] = []

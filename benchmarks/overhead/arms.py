@@ -39,9 +39,8 @@ ANCHORS: dict[str, Any] = {"check_n_run_stall_of_interval": STALL_BOUND,
                            "cpr_total_overhead": [0.0053, 0.0068]}  # fmt: skip
 
 
-def _clean_step_s(
-    took: list[float], ends: list[float], windows: list[tuple[float, float]]
-) -> float | None:
+def _clean_step_s(took: list[float], ends: list[float],
+                  windows: list[tuple[float, float]]) -> float | None:  # fmt: skip
     """The mean seconds of the steps that overlap none of ``windows`` (save to commit), the
     slowest rank's, or ``None`` (too few); the mean, in which other tenants' bursts cancel."""
     clean = split_steps(took, ends, windows)[1]
@@ -50,9 +49,8 @@ def _clean_step_s(
     return max(every) if len(every) == dist.get_world_size() else None
 
 
-def _arm(
-    b: Bench, trainer: StepLoop, k: int, n: int, staging: Staging | None, quant: str | None
-) -> tuple[float, dict[str, Any]]:
+def _arm(b: Bench, trainer: StepLoop, k: int, n: int, staging: Staging | None,
+         quant: str | None) -> tuple[float, dict[str, Any]]:  # fmt: skip
     """One arm of ``n * k`` steps, a checkpoint every ``k`` if ``quant``: steps/s, checkpoints."""
     trainer.align(k)
     if staging is None or quant is None:

@@ -31,9 +31,8 @@ FLOOR_FACTOR = 2.0
 """The target: a checkpoint costs training at most this many memcpys of its rows."""
 
 
-def _copy_stretch(
-    trainer: StepLoop, buffers: tuple[torch.Tensor, torch.Tensor] | None, steps: int, k: int
-) -> dict[str, Any]:
+def _copy_stretch(trainer: StepLoop, buffers: tuple[torch.Tensor, torch.Tensor] | None, steps: int,
+                  k: int) -> dict[str, Any]:  # fmt: skip
     """``steps`` steps, a thread copying ``buffers`` (source, destination) started in the
     middle of every ``k`` if given: the slowest rank's seconds, and each copy's cost to
     training (:func:`step_costs`) and own seconds."""
@@ -73,9 +72,8 @@ def _copy_stretch(
     return out
 
 
-def _floor_pairs(
-    b: Bench, trainer: StepLoop, nbytes: int, steps: int, k: int, n: int
-) -> dict[str, Any]:
+def _floor_pairs(b: Bench, trainer: StepLoop, nbytes: int, steps: int, k: int,
+                 n: int) -> dict[str, Any]:  # fmt: skip
     """``n`` pairs of stretches with and without the copies, their order alternating. Its
     buffers are touched first: a fresh destination would time page faults, not a copy."""
     buffers = (torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8))

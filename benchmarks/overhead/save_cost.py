@@ -27,9 +27,8 @@ STAGING_NAMES = {("eager", True): "eager", ("lazy", True): "lazy (compiled copie
                  ("lazy", False): "lazy, torch copy under the lock"}  # fmt: skip
 
 
-def _save_cost_once(
-    b: Bench, trainer: StepLoop, staging: str, compiled: bool, quant: str, n: int
-) -> dict[str, float]:
+def _save_cost_once(b: Bench, trainer: StepLoop, staging: str, compiled: bool, quant: str,
+                    n: int) -> dict[str, float]:  # fmt: skip
     """One checkpoint of one arm: its stall, commit and the training time it cost."""
     root = b.scratch / f"{staging}_{compiled}_{quant}_{n}"
     rmtree(root)
