@@ -164,9 +164,8 @@ def _side_by_side(b: Bench, model: Any, shards: list[LocalShard], sels: dict[flo
 
     arms = ["torchsnapshot", *FORMATS, f"fp32{PAGE_CACHE}"]
     # Each method starts from a settled disk with its previous output deleted.
-    commits = b.interleaved(
-        b.args.rounds, arms, commit, lambda n: measure.rmtree(root_of(n)), label="durable commit"
-    )
+    commits = b.interleaved(b.args.rounds, arms, commit, lambda n: measure.rmtree(root_of(n)),
+                            label="durable commit")  # fmt: skip
     # Chains to restore: intermittent at each fraction (baseline + one delta), and a
     # consecutive chain of 4 at the smaller one.
     small = min(sels)

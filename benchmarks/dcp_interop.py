@@ -89,9 +89,8 @@ def run(b: Bench) -> Outcome:
     if dist.get_rank() == 0:
         shutil.copytree(root, b.scratch / "root_bounded")
     dist.barrier()
-    bounded = CheckpointConfig(
-        path=str(b.scratch / "root_bounded"), policy="full", restore_memory_mb=a.restore_mb
-    )
+    bounded = CheckpointConfig(path=str(b.scratch / "root_bounded"), policy="full",
+                               restore_memory_mb=a.restore_mb)  # fmt: skip
     with (
         CheckpointManager(resharded, CheckpointConfig(path=str(root), policy="full")) as restorer,
         CheckpointManager(resharded, bounded) as restorer_bounded,

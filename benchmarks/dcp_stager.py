@@ -80,9 +80,8 @@ def run(b: Bench) -> Outcome:
     loop = StepLoop.warm(a, a.batch, steps=3)
     group = dist.new_group(backend="gloo")  # DCP's collectives apart from training's
     stager = DcpStager(loop.work.model)
-    manager = CheckpointManager(
-        loop.work.model, CheckpointConfig(path=str(b.scratch / "manager"), policy="full")
-    )
+    manager = CheckpointManager(loop.work.model,
+                                CheckpointConfig(path=str(b.scratch / "manager"), policy="full"))  # fmt: skip
     dense_bytes = sum(t.numel() * t.element_size() for t in _flat(_recipe(loop)))
     dense = _Dense(dense_bytes)
     figures: dict[str, dict[str, list[float]]] = {}

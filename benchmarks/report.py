@@ -37,9 +37,8 @@ REF = re.compile(r"([A-Za-z_][\w-]*):((?:[\w\-]+|\[[^\]]*\])(?:\.?(?:[\w\-]+|\[[
 _MISSING = object()
 README = Path(__file__).resolve().parents[1] / "README.md"
 README_FIGURES = TEMPLATES / "readme" / "figures.md"
-README_BLOCK = re.compile(
-    r"(<!-- figures: begin -->\n).*?(<!-- figures: end -->)", re.DOTALL | re.MULTILINE
-)
+README_BLOCK = re.compile(r"(<!-- figures: begin -->\n).*?(<!-- figures: end -->)",
+                          re.DOTALL | re.MULTILINE)  # fmt: skip
 
 
 def fmt(x: Any) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import multiprocessing
 import pickle
@@ -235,9 +236,8 @@ def _one(a: argparse.Namespace, ranks: int, tables: int) -> dict[str, float]:
             unit = "mb" if trace else "s"
             # Plans only read: the median of 3 (one, right after a commit of hundreds of MB,
             # varied with the disk's write-back).
-            got[f"plan_{unit}"] = _measure(
-                lambda: _restore_plan(a, root, ranks, tables, io), trace, 3
-            )
+            plan = functools.partial(_restore_plan, a, root, ranks, tables, io)
+            got[f"plan_{unit}"] = _measure(plan, trace, 3)
             got[f"follow_{unit}"] = _measure(lambda: _follower_plan(root, tables, io), trace, 3)
         got["plan_b"] = _restore_plan(a, root, ranks, tables, io)
         got |= _commit(a, root, ranks, tables, 2, chain, trace=True)

@@ -179,9 +179,8 @@ def run(b: Bench) -> Outcome:
         k = max(2, round(target / step_s))
         pairs = max(3, round(a.pair_s / (2 * target)))
         for quant in QUANTS:
-            r = checkpoint_pairs(
-                b, trainer, config(f"{interval_key(target)}_{quant}", k, quant), k, k, pairs
-            )
+            cfg = config(f"{interval_key(target)}_{quant}", k, quant)
+            r = checkpoint_pairs(b, trainer, cfg, k, k, pairs)
             r.update(target_s=target, interval_s=k * step_s, interval_steps=k, quant=quant,
                      pairs=pairs)  # fmt: skip
             intervals.setdefault(interval_key(target), {})[quant] = r
