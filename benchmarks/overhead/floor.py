@@ -156,45 +156,33 @@ def _table(m: dict[str, Any]) -> Table:
         f"training rank(s), {mdl['tables']} x {mdl['rows']:,} x {mdl['dim']} fp32 tables, "
         f"{m['policy']}, lazy staging{how})",
         rows,
-        {
-            "interval s": "interval_s",
-            "checkpoint": "quant",
-            "rows stored": lambda r: pct(r["fraction"]),
-            "MB": "mb",
-            "cost ms (median)": lambda r: _ms(r["cost_s"]),
-            "lost": lambda r: pct(r["loss"]),
-            "memcpy MB": "memcpy_mb",
-            "memcpy cost ms": lambda r: _ms(r["memcpy_cost_s"]),
-            "± (95%)": lambda r: _ms(r["memcpy_spread_s"]),
-            "memcpy ms (floor)": lambda r: _ms(r["memcpy_s"]),
-            "cost / floor": "over_floor",
-            "stall ms (median)": lambda r: r["stall_s"] * 1e3,
-            "(worst)": lambda r: r["stall_max_s"] * 1e3 if "stall_max_s" in r else None,
-            "copy-on-write ms": lambda r: r["hook_s"] * 1e3,
-            "lost, pair times": lambda r: pct(r.get("pair_loss")),
-            "± (95%), pair times": lambda r: pct(r.get("pair_resolution")),
-            "compactions": lambda r: r.get("compactions"),
-            "checkpoints": "checkpoints",
-            "pairs": "pairs",
-        },
+        {"interval s": "interval_s", "checkpoint": "quant",
+         "rows stored": lambda r: pct(r["fraction"]), "MB": "mb",
+         "cost ms (median)": lambda r: _ms(r["cost_s"]), "lost": lambda r: pct(r["loss"]),
+         "memcpy MB": "memcpy_mb", "memcpy cost ms": lambda r: _ms(r["memcpy_cost_s"]),
+         "± (95%)": lambda r: _ms(r["memcpy_spread_s"]),
+         "memcpy ms (floor)": lambda r: _ms(r["memcpy_s"]), "cost / floor": "over_floor",
+         "stall ms (median)": lambda r: r["stall_s"] * 1e3,
+         "(worst)": lambda r: r["stall_max_s"] * 1e3 if "stall_max_s" in r else None,
+         "copy-on-write ms": lambda r: r["hook_s"] * 1e3,
+         "lost, pair times": lambda r: pct(r.get("pair_loss")),
+         "± (95%), pair times": lambda r: pct(r.get("pair_resolution")),
+         "compactions": lambda r: r.get("compactions"), "checkpoints": "checkpoints",
+         "pairs": "pairs"},
         "Cost: the training thread's time in the call that started the checkpoint (save) "
         "or the copy (a thread start), plus what the steps until its commit (or the copy's "
         "end) took beyond the mean of the stretch's other steps; median over pairs. Lost: "
         "that over the interval. The memcpy copies the fp32 checkpoint's median bytes on its "
         "own thread, as often as the checkpoints are taken; its cost is estimated the same "
-        "way (± its 95% interval), and "
-        "the floor is its own time, the most it could cost. Copy-on-write: the training "
-        "thread's time copying rows before their update (median, part of the cost). Stall: "
-        "the training thread's time in save() (median, worst). Pair times: 1 - (time "
-        "without) / (time with), median over pairs. Compactions: landed during the run. "
-        + (
-            "A stretch holds several checkpoints one interval apart; the first of each, "
-            "which also holds the rows of the stretch before, is left out."
-            if cadence > 1
-            else "A stretch without a checkpoint puts its rows into the next "
-            "delta: deltas hold two intervals' rows."
-        ),
-    )
+        "way (± its 95% interval), and the floor is its own time, the most it could cost. "
+        "Copy-on-write: the training thread's time copying rows before their update (median, "
+        "part of the cost). Stall: the training thread's time in save() (median, worst). Pair "
+        "times: 1 - (time without) / (time with), median over pairs. Compactions: landed "
+        "during the run. " + ("A stretch holds several checkpoints one interval apart; the "
+        "first of each, which also holds the rows of the stretch before, is left out."
+        if cadence > 1 else "A stretch without a checkpoint puts its rows into the next "
+        "delta: deltas hold two intervals' rows."),
+    )  # fmt: skip
 
 
 def _targets(m: dict[str, Any]) -> list[Goal]:
