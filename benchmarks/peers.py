@@ -49,10 +49,9 @@ def torchsnapshot_restore(model: torch.nn.Module, path: Path) -> Callable[[], No
 
 
 def _copying_async_take() -> contextlib.AbstractContextManager[Any]:
-    """Makes torchsnapshot's ``async_take`` copy CPU tensors, as its code intends: 0.1.0's
-    ``TensorBufferStager._should_copy_cpu_tensor`` compares the serializer (a str) with the
-    ``Serializer.BUFFER_PROTOCOL`` enum member, never equal, so ``async_take`` keeps views of
-    the live tensors, and training that goes on tears the snapshot. This compares ``.value``."""
+    """Makes torchsnapshot's ``async_take`` copy CPU tensors, as its code intends: 0.1.0
+    compares the serializer (a str) with an enum member, never equal, so it keeps views of the
+    live tensors and training tears the snapshot. This compares ``.value``."""
     original = TensorBufferStager._should_copy_cpu_tensor
 
     def fixed(self: TensorBufferStager) -> bool:

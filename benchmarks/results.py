@@ -64,13 +64,10 @@ class Goal:
 
     def evaluate(self, measurements: dict[str, Any]) -> dict[str, Any]:
         """The target with its measured value, reference, bound and verdict: ``PASS``, ``MISS``,
-        ``MIXED`` (a range passes at one end only) or ``n/a`` (a value is ``None``: the run
-        could not measure it).
+        ``MIXED`` (a range passes at one end only) or ``n/a`` (a value is ``None``).
 
         Raises:
-            KeyError: a key the target names is not among ``measurements`` (a benchmark's
-                mistake, never a verdict).
-        """
+            KeyError: a key the target names was not measured (a benchmark's mistake)."""
         measured = self._value(measurements, self.measured_key)
         reference = self.reference
         if isinstance(reference, str):
@@ -124,10 +121,7 @@ def write(path: Path, record: dict[str, Any]) -> None:
 
 
 def load(path: Path) -> dict[str, Any]:
-    """A result file, checked for its format version.
-
-    Raises:
-        ValueError: the file is not a result of this format."""
+    """A result file; ``ValueError`` if it is not of this format version."""
     raw = json.loads(path.read_text())
     if raw.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: format_version {raw.get('format_version')!r}, not 1")

@@ -160,10 +160,8 @@ def _world(b: Bench) -> dict[str, Any]:
 
 
 def _merged(b: Bench, model: dict[str, Any]) -> dict[str, Any]:
-    """The other world sizes' measurements from ``--merge``'s result.
-
-    Raises:
-        ValueError: not this case's result, of this model, smoke setting and another world."""
+    """The other world sizes' measurements from ``--merge``'s result (``ValueError`` unless
+    an overhead result of the same model and smoke setting at another world size)."""
     path = b.args.merge
     if path is None:
         return {}
