@@ -186,15 +186,13 @@ def _arm(b: Bench, name: str, mode: str, cfg: CheckpointConfig, tracking: Any,
     row: dict[str, Any] = {
         "arm": name, "mode": mode, "tracking": tracking, "policy": cfg.policy,
         "budget_mb": cfg.priority_budget_mb or 0.0, "compact_every": cfg.compact_every or 0,
-        "interval_steps": interval,
-        "checkpoints": sum(1 for i in infos if not i.compacted_from),
+        "interval_steps": interval, "checkpoints": sum(1 for i in infos if not i.compacted_from),
         "compactions": sum(1 for i in infos if i.compacted_from),
         "final_chain": len(infos[-1].chain), "written_mb": sum(i.bytes for i in infos) / 1e6,
         "failures": failures, "lost_steps": lost_steps, "train_s": train_s, "save_s": save_s,
         "load_s": load_s, "lost_s": lost_s, "resched_s": plan["resched_s"] * failures,
         "pls_measured": pls_steps / (a.shards * a.steps) if partial else 0.0,
-        "pls_formula": pls(interval, a.mtbf_steps, a.shards) if partial else 0.0,
-        **metrics,
+        "pls_formula": pls(interval, a.mtbf_steps, a.shards) if partial else 0.0, **metrics,
     }  # fmt: skip
     for part in PARTS:
         row[f"{part}_pct"] = 100 * row[f"{part}_s"] / train_s

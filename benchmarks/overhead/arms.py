@@ -137,8 +137,7 @@ def _interval(b: Bench, trainer: StepLoop, target_s: float, step_s: float) -> di
             "stall_delta_s": _median_or_none(by_kind["delta"]),
             "commit_s": statistics.median(x for d in ds for x in d["commit_s_each"]),
             "bytes": statistics.median(x for d in ds for x in d["bytes_each"]),
-            "full": len(by_kind["full"]), "deltas": len(by_kind["delta"]),
-            "arms": ds,
+            "full": len(by_kind["full"]), "deltas": len(by_kind["delta"]), "arms": ds,
         }  # fmt: skip
     return out
 
@@ -194,13 +193,11 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "staging": "staging", "checkpoint": "quant",
         "throughput lost": lambda r: pct(r["throughput_lost"]),
         "per round": lambda r: ", ".join(pct(x) for x in r["throughput_lost_rounds"]),
-        "from step times": lambda r: pct(r["lost_from_step_times"]),
-        "median stall s": "stall_s",
+        "from step times": lambda r: pct(r["lost_from_step_times"]), "median stall s": "stall_s",
         "stall / interval": lambda r: pct(r["stall_of_interval"]),
         "stall s full, delta": lambda r: ", ".join(
             "–" if x is None else f"{x:.3f}" for x in (r["stall_full_s"], r["stall_delta_s"])),
-        "commit s": "commit_s",
-        "MB per ckpt": lambda r: r["bytes"] / 1e6,
+        "commit s": "commit_s", "MB per ckpt": lambda r: r["bytes"] / 1e6,
         "full + deltas": lambda r: f"{r['full']} + {r['deltas']}",
     }, "Throughput lost: median over rounds of 1 - (steps/s with) / (steps/s without, same "
         "round). From step times: 1 - (steps x the mean time of the steps that overlap no "

@@ -154,8 +154,7 @@ def _table(m: dict[str, Any]) -> Table:
     return Table.of(
         f"A checkpoint's cost to training beside a memcpy of its bytes ({m['world_size']} "
         f"training rank(s), {mdl['tables']} x {mdl['rows']:,} x {mdl['dim']} fp32 tables, "
-        f"{m['policy']}, lazy staging{how})",
-        rows,
+        f"{m['policy']}, lazy staging{how})", rows,
         {"interval s": "interval_s", "checkpoint": "quant",
          "rows stored": lambda r: pct(r["fraction"]), "MB": "mb",
          "cost ms (median)": lambda r: _ms(r["cost_s"]), "lost": lambda r: pct(r["loss"]),

@@ -99,8 +99,7 @@ def run(b: Bench) -> Outcome:
          "runs": {f"{r['format'].replace('-', '')}_{r['background']}": r for r in rows}}  # fmt: skip
     table = Table.of(
         f"Share of the training process's samples holding the GIL, by thread, during "
-        f"continuous commits (rank 0 of {b.world}, {b.args.gil_s:.0f} s per run)",
-        rows,
+        f"continuous commits (rank 0 of {b.world}, {b.args.gil_s:.0f} s per run)", rows,
         {"format": "format", "writer": "background", "training": "training",
          "writer's threads": "writer", "cnr-writer": "cnr-writer", "cnr-encode": "cnr-encode",
          "cnr-io": "cnr-io", "tracker": "cnr-tracker", "other": "other",
