@@ -100,11 +100,9 @@ def run(b: Bench) -> Outcome:
             "reshard_restore_bounded": lambda: restorer_bounded.restore(step=1),
             "reshard_dcp_load": lambda: _dcp_load(resharded, reshard_opt, theirs),
         })  # fmt: skip
-    m: dict[str, Any] = {
-        name: {"seconds": statistics.median(s for s, _ in runs), "seconds_all": [s for s, _ in runs],
-               "peak_mb": max(p for _, p in runs)}
-        for name, runs in got.items()
-    }  # fmt: skip
+    m: dict[str, Any] = {name: {"seconds": statistics.median(s for s, _ in runs),
+                                "seconds_all": [s for s, _ in runs],
+                                "peak_mb": max(p for _, p in runs)} for name, runs in got.items()}  # fmt: skip
     m["bytes"] = sizes
     m["model_gb"] = a.tables * a.rows * a.dim * 4 / GB
     pairs = (("export_dcp", "dcp_save"), ("import", "dcp_load"),
@@ -140,10 +138,9 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, [table], goals)
 
 
-CASE = Case(name="dcp_interop",
-            title="DCP import and export of a 1 GB model against dcp.save and dcp.load",
-            arguments=_arguments, smoke="--tables 2 --rows 4000 --dim 16 --rounds 1 --budget-mb 1 --restore-mb 0",
-            run=run)  # fmt: skip
+CASE = Case("dcp_interop", "DCP import and export of a 1 GB model against dcp.save and dcp.load",
+            _arguments, "--tables 2 --rows 4000 --dim 16 --rounds 1 --budget-mb 1 --restore-mb 0",
+            run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

@@ -101,12 +101,9 @@ def run(b: Bench) -> Outcome:
         peak = proc_status_mb("VmHWM") - before
         blocked_s, total_s = measure.max_over_ranks(blocked, total)
         got = figures.setdefault(name, {})
-        for key, value in (
-            ("blocked_s", blocked_s),
-            ("total_s", total_s),
-            ("step_s", statistics.mean(steps)),
-            ("peak_mb", measure.max_over_ranks(peak)[0]),
-        ):
+        now = {"blocked_s": blocked_s, "total_s": total_s, "step_s": statistics.mean(steps),
+               "peak_mb": measure.max_over_ranks(peak)[0]}  # fmt: skip
+        for key, value in now.items():
             got.setdefault(key, []).append(value)
         if name.startswith("stager"):  # of the call, the stager's own part
             got.setdefault("stage_s", []).append(measure.max_over_ranks(stager.stall_s)[0])
@@ -144,11 +141,10 @@ def run(b: Bench) -> Outcome:
               "torchsnapshot_async_take")}  # fmt: skip
     executors = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
     methods: dict[str, Callable[[], Wait]] = {
-        f"stager_{e}": lambda e=e: async_save(  # type: ignore[misc]
-            executors[e], paths[f"stager_{e}"], async_stager=stager
-        )
+        f"stager_{e}": lambda e=e: async_save(executors[e], paths[f"stager_{e}"],  # type: ignore[misc]
+                                              async_stager=stager)
         for e in a.executors
-    }
+    }  # fmt: skip
     methods |= {
         "dcp_save": lambda: (dcp.save(_recipe(loop), checkpoint_id=str(paths["dcp_save"]),
                                       process_group=group), lambda: True)[1],
@@ -169,10 +165,8 @@ def run(b: Bench) -> Outcome:
     for _ in range(a.rounds):
         clean.append(statistics.mean(loop.train(a.steps)))
     clean_step = statistics.median(clean)
-    m: dict[str, Any] = {
-        name: {k: statistics.median(v) for k, v in got.items()} | {"blocked_all": got["blocked_s"]}
-        for name, got in figures.items()
-    }
+    m: dict[str, Any] = {name: {k: statistics.median(v) for k, v in got.items()}
+                         | {"blocked_all": got["blocked_s"]} for name, got in figures.items()}  # fmt: skip
     for name in m:
         m[name]["slowdown"] = m[name]["step_s"] / clean_step - 1
     m["clean_step_s"] = clean_step
@@ -193,8 +187,8 @@ def run(b: Bench) -> Outcome:
     )
     columns = ["method", "blocked s", "until written s", "training slowdown %",
                "peak MB over its start"]  # fmt: skip
-    table = Table("dcp.async_save with DcpStager against the other ways to save", columns,
-                  rows, note)  # fmt: skip
+    table = Table("dcp.async_save with DcpStager against the other ways to save", columns, rows,
+                  note)  # fmt: skip
     goals = [
         Goal("stager (thread) blocked <= 1/10 of dcp.save's", "stager_thread.blocked_s", "<=",
              "dcp_save.blocked_s", 0.1),
@@ -247,11 +241,10 @@ def loop_args(loop: StepLoop) -> argparse.Namespace:
     return argparse.Namespace(tables=len(t), rows=t[0].rows, dim=t[0].dim)
 
 
-CASE = Case(name="dcp_stager",
-            title="dcp.async_save of a TorchRec model with DcpStager against dcp.save, "
-                  "DefaultStager, torchsnapshot async_take and the manager",
-            arguments=_arguments, smoke="--tables 2 --rows 4000 --dim 16 --rounds 1 --steps 2 --batch 32 --executors thread",
-            run=run)  # fmt: skip
+CASE = Case("dcp_stager", "dcp.async_save of a TorchRec model with DcpStager against dcp.save, "
+            "DefaultStager, torchsnapshot async_take and the manager", _arguments,
+            "--tables 2 --rows 4000 --dim 16 --rounds 1 --steps 2 --batch 32 --executors thread",
+            run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

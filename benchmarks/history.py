@@ -186,8 +186,8 @@ def run(b: Bench) -> Outcome:
     return Outcome({"rows": rows, **by}, [table], _goals(a.probes, a.policies))
 
 
-CASE = Case(name="history", title="History: a commit's cost from checkpoint 10 to 10,000",
-            arguments=_arguments, smoke="--probes 10 40 --rows 500", run=run)  # fmt: skip
+CASE = Case("history", "History: a commit's cost from checkpoint 10 to 10,000", _arguments,
+            "--probes 10 40 --rows 500", run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

@@ -200,9 +200,8 @@ def run(b: Bench) -> Outcome:
     return _vs_greedy(b) if b.args.vs_greedy else _methods(b)
 
 
-CASE = Case(name="quantization", title="Quantization (Check-N-Run Fig. 9)", arguments=_arguments,
-            smoke="--rows 2000 --peer-rows 200 --repeats 1 --min-seconds 0 --vs-greedy-dims 16 64",
-            run=run)  # fmt: skip
+CASE = Case("quantization", "Quantization (Check-N-Run Fig. 9)", _arguments,
+            "--rows 2000 --peer-rows 200 --repeats 1 --min-seconds 0 --vs-greedy-dims 16 64", run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

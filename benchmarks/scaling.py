@@ -124,8 +124,8 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, tables(m, a.extrapolate))
 
 
-CASE = Case(name="scaling", title="Scaling: 0.25 to 4 GB per rank", arguments=_arguments,
-            smoke="--gb-per-rank 0.002 --rows 2000 --disk-mb 8 --memcpy-mb 16", run=run)  # fmt: skip
+CASE = Case("scaling", "Scaling: 0.25 to 4 GB per rank", _arguments,
+            "--gb-per-rank 0.002 --rows 2000 --disk-mb 8 --memcpy-mb 16", run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

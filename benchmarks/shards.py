@@ -308,9 +308,8 @@ def run(b: Bench) -> Outcome:
     return Outcome({"rows": rows, **by}, [table], goals)
 
 
-CASE = Case(name="shards",
-            title="Shards: a commit's and a plan's cost against a checkpoint's shards",
-            arguments=_arguments, smoke="--ranks 4 16 --tables 3 --rows 1000", run=run)  # fmt: skip
+CASE = Case("shards", "Shards: a commit's and a plan's cost against a checkpoint's shards",
+            _arguments, "--ranks 4 16 --tables 3 --rows 1000", run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

@@ -102,9 +102,8 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, [table], targets(a.fractions))
 
 
-CASE = Case(name="stall", title="The stall of a save: eager against lazy (copy-on-write) staging",
-            arguments=_arguments, smoke="--tables 2 --rows 4000 --dim 16 --repeats 1",
-            run=run)  # fmt: skip
+CASE = Case("stall", "The stall of a save: eager against lazy (copy-on-write) staging",
+            _arguments, "--tables 2 --rows 4000 --dim 16 --repeats 1", run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

@@ -114,9 +114,8 @@ def run(b: Bench) -> Outcome:
     return Outcome({"backends": backends}, [table])
 
 
-CASE = Case(name="storage", title="Commit and restore on a file system and on object stores",
-            arguments=_arguments, smoke="--tables 2 --rows 2000 --dim 16 --repeats 1",
-            run=run)  # fmt: skip
+CASE = Case("storage", "Commit and restore on a file system and on object stores",
+            _arguments, "--tables 2 --rows 2000 --dim 16 --repeats 1", run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))

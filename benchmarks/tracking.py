@@ -156,9 +156,8 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, [table], TARGETS)
 
 
-CASE = Case(name="tracking", title="Tracking overhead (one model, one run)", arguments=_arguments,
-            smoke="--tables 2 --rows 2000 --dim 16 --batch-size 64 --rounds 2 --iters 2",
-            run=run)  # fmt: skip
+CASE = Case("tracking", "Tracking overhead (one model, one run)", _arguments,
+            "--tables 2 --rows 2000 --dim 16 --batch-size 64 --rounds 2 --iters 2", run)  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main(CASE, __doc__))
