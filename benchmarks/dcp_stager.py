@@ -172,7 +172,7 @@ def run(b: Bench) -> Outcome:
     m["clean_step_s"] = clean_step
     m["model_gb"] = dense_bytes * b.world / GB
     m["default_stager_torchrec"] = _default_stager_fails(loop, b.scratch / "default", group)
-    m["stager_load_exact"] = _round_trip(loop, stager, b.scratch / "round_trip", group)
+    m["stager_load_exact"] = _round_trip(a, loop, stager, b.scratch / "round_trip", group)
     stager.close()
     manager.close()
     rows = [[name, m[name]["blocked_s"], m[name]["total_s"], 100 * m[name]["slowdown"],
@@ -216,7 +216,8 @@ def _default_stager_fails(loop: StepLoop, path: Path, group: dist.ProcessGroup) 
     return found[0] if found else "it worked"
 
 
-def _round_trip(loop: StepLoop, stager: DcpStager, path: Path, group: dist.ProcessGroup) -> bool:
+def _round_trip(a: argparse.Namespace, loop: StepLoop, stager: DcpStager, path: Path,
+                group: dist.ProcessGroup) -> bool:  # fmt: skip
     """The stager's save, training at once, then stock ``dcp.load`` into a second model:
     whether it holds the state of the call, on every rank."""
     want = _flat(_recipe(loop))
@@ -224,7 +225,7 @@ def _round_trip(loop: StepLoop, stager: DcpStager, path: Path, group: dist.Proce
                                    process_group=group)  # fmt: skip
     loop.train(3)
     response.upload_completion.result()
-    other = StepLoop(measure.uniform_model(loop_args(loop)), ZipfBatches(loop.work.tables, 8),
+    other = StepLoop(measure.uniform_model(a), ZipfBatches(loop.work.tables, 8),
                      dist.get_rank())  # fmt: skip
     target = _recipe(other)
     dcp.load(target, checkpoint_id=str(path), process_group=group)
@@ -233,12 +234,6 @@ def _round_trip(loop: StepLoop, stager: DcpStager, path: Path, group: dist.Proce
     got = _flat(_recipe(other))
     same = len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want))
     return all(measure.gathered(same))
-
-
-def loop_args(loop: StepLoop) -> argparse.Namespace:
-    """The model arguments ``loop``'s model was built from."""
-    t = loop.work.tables
-    return argparse.Namespace(tables=len(t), rows=t[0].rows, dim=t[0].dim)
 
 
 CASE = Case("dcp_stager", "dcp.async_save of a TorchRec model with DcpStager against dcp.save, "

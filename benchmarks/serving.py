@@ -148,7 +148,12 @@ def _one_run(b: Bench, storage: str, policy: str, served: str, mode: str,
                  *args], stdout=log, stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
         if b.args.join_after:
-            _wait_commits(root, b.args.join_after, job)
+            deadline = time.time() + 900
+            while len(list_checkpoints(root)) < b.args.join_after:
+                if job.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"the job did not commit {b.args.join_after} checkpoints "
+                                       "(see train.log)")  # fmt: skip
+                time.sleep(0.2)
             serve()
             if open_storage(root).read(DONE_MARKER) is not None:  # see _wait_following
                 raise RuntimeError(f"{key}: the job ended before its followers started: train "
@@ -172,7 +177,14 @@ def _one_run(b: Bench, storage: str, policy: str, served: str, mode: str,
     table_rows = b.args.tables * b.args.rows
     summaries = [_summarise(m, infos, row, table_rows, launched[n]) for m, n in zip(metrics, names)]
     summary = summaries[0] | _fanout(summaries, metrics, infos)
-    summary["host_cpu"] = _host_cpu(processes_cpu, store_cpu, metrics, infos, summary["interval_s"])
+    # CPU seconds per commit of the run's processes, of the serving processes from following
+    # on, of a local S3 server, against what the host's cores give in an interval.
+    commits, interval_s = max(1, len(infos)), summary["interval_s"]
+    summary["host_cpu"] = {
+        "processes_s": processes_cpu / commits,
+        "followers_s": sum(m["cpu_s"] for m in metrics) / commits,
+        "store_s": None if store_cpu is None else store_cpu / commits,
+        "cores_s": None if interval_s is None else (os.cpu_count() or 1) * interval_s}  # fmt: skip
     # The disk's own time for the bytes of the cold start, read cold (the job is over).
     cold_bytes = int(summary["cold_mb"] * MB)
     summary["cold_disk_s"] = measure.disk_read_s(out, cold_bytes) if storage == "fs" else None
@@ -198,15 +210,6 @@ def _wait_following(out: Path, servers: list[subprocess.Popen[bytes]]) -> None:
                 tail = log.read_text()[-3000:]
                 raise RuntimeError(f"{log.name} did not start following:\n{tail}")
             time.sleep(0.2)
-
-
-def _wait_commits(root: str, n: int, job: subprocess.Popen[bytes]) -> None:
-    """Until the job has committed ``n`` checkpoints."""
-    deadline = time.time() + 900
-    while len(list_checkpoints(root)) < n:
-        if job.poll() is not None or time.time() > deadline:
-            raise RuntimeError(f"the job did not commit {n} checkpoints (see train.log)")
-        time.sleep(0.2)
 
 
 def _fanout(summaries: list[dict[str, Any]], metrics: list[dict[str, Any]],
@@ -241,17 +244,6 @@ def _fanout(summaries: list[dict[str, Any]], metrics: list[dict[str, Any]],
                      "caught_up_requests_per_commit", "idle_poll_requests", "read_over_changed",
                      "follow_cpu_s_per_commit", "follow_cpu_ms_per_update", "torn_requests")},
     }  # fmt: skip
-
-
-def _host_cpu(processes_s: float, store_s: float | None, metrics: list[dict[str, Any]],
-              infos: list[CheckpointInfo], interval_s: float | None) -> dict[str, Any]:  # fmt: skip
-    """CPU seconds per commit of the run's processes, of the serving processes from following
-    on, of a local S3 server, against what the host's cores give in an interval."""
-    commits = max(1, len(infos))
-    return {"processes_s": processes_s / commits,
-            "followers_s": sum(m["cpu_s"] for m in metrics) / commits,
-            "store_s": None if store_s is None else store_s / commits,
-            "cores_s": None if interval_s is None else (os.cpu_count() or 1) * interval_s}  # fmt: skip
 
 
 def _summarise(m: dict[str, Any], infos: list[CheckpointInfo], row: int, table_rows: int,
