@@ -135,8 +135,7 @@ def _cnr(b: Bench, model: Any, shards: list[LocalShard], key: tuple[measure.Poli
 
 PAGE_CACHE = " page cache"
 """The side-by-side arms that read or write through the page cache (the default is ``O_DIRECT``)."""
-BUDGETED = " budget"
-"""The side-by-side restore arm within :data:`RESTORE_BUDGET`."""
+BUDGETED = " budget"  # the side-by-side restore arm within :data:`RESTORE_BUDGET`
 
 
 def _side_by_side(b: Bench, model: Any, shards: list[LocalShard], sels: dict[float, Rows],

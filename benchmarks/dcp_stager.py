@@ -36,8 +36,7 @@ from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.interop import DcpStager
 from torchrec_cnr.testing.memory import proc_status_mb, reset_peak_rss
 
-Wait = Callable[[], bool]
-"""Whether the write in flight has ended."""
+Wait = Callable[[], bool]  # whether the write in flight has ended
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:

@@ -26,11 +26,9 @@ from torchrec_cnr.quantization._uniform import fbgemm_ops
 METHODS = ("symmetric", "asymmetric", "kmeans", "adaptive")
 BITS = (2, 3, 4, 8)
 DISTRIBUTIONS = ("gaussian", "student_t3")
-SPEED = 50.0
-"""Adaptive 4-bit must quantize at least this many times faster than the greedy."""
+SPEED = 50.0  # adaptive 4-bit must quantize at least this many times faster than the greedy
 
-Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, int]]
-"""Rows -> (dequantized rows, stored bytes)."""
+Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, int]]  # -> (dequantized, stored bytes)
 
 METHOD_TARGETS = [
     # The greedy is slow: it runs on the first --peer-rows rows, and errors are compared there.
@@ -41,17 +39,6 @@ METHOD_TARGETS = [
     Goal("FBGEMM 4-bit MB/s <= 1.5 x asymmetric 4-bit's",
            "peers.fbgemm_4bit.mb_per_s", "<=", "ours.asymmetric_4.mb_per_s", 1.5),
 ]  # fmt: skip
-
-
-def cell_targets(key: str) -> list[Goal]:
-    """The targets of one ``--vs-greedy`` cell: >= 50x the greedy's speed, its error at most."""
-    cell = f"cells.{key}"
-    return [
-        Goal(f"{key}: adaptive 4-bit MB/s >= {SPEED:g} x greedy's",
-               f"{cell}.adaptive.mb_per_s", ">=", f"{cell}.greedy.mb_per_s", SPEED),
-        Goal(f"{key}: adaptive 4-bit error <= greedy's",
-               f"{cell}.adaptive.rel_error", "<=", f"{cell}.greedy.rel_error"),
-    ]  # fmt: skip
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -178,7 +165,11 @@ def _vs_greedy(b: Bench) -> Outcome:
         key = f"{kind}_d{dim}"
         cells[key] = {"adaptive": ours, "greedy": greedy}
         rows.append({"kind": kind, "dim": dim, "a": ours, "g": greedy})
-        targets += cell_targets(key)
+        cell = f"cells.{key}"  # >= 50x the greedy's speed, its error at most
+        targets += [Goal(f"{key}: adaptive 4-bit MB/s >= {SPEED:g} x greedy's",
+                         f"{cell}.adaptive.mb_per_s", ">=", f"{cell}.greedy.mb_per_s", SPEED),
+                    Goal(f"{key}: adaptive 4-bit error <= greedy's", f"{cell}.adaptive.rel_error",
+                         "<=", f"{cell}.greedy.rel_error")]  # fmt: skip
         b.log(f"{key} done")
     title = f"Adaptive 4-bit vs PyTorch greedy: {elems * 4 / 1e6:.1f} MB fp32 per cell, the "
     title += f"greedy and both errors on its first {peer_elems * 4 / 1e6:.1f} MB"

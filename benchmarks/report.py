@@ -193,8 +193,7 @@ def render(template: str, results: dict[str, dict[str, Any]]) -> str:
 
 
 ITEM = re.compile(r"^(\s*(?:[-*]|\d+\.) )")
-WIDTH = 95
-"""Prose is rewrapped at this width once its figures are in (no ragged lines)."""
+WIDTH = 95  # prose is rewrapped at this width once its figures are in (no ragged lines)
 
 
 GLUE = re.compile(r"(?<=\d) (?=(?:ms|s|GB|MB|GiB|B|x|steps|bits|ranks?)\b)")

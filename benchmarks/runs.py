@@ -25,10 +25,8 @@ from typing import Literal
 
 Launcher = Literal["torchrun", "torchrun1", "python"]
 
-OUT = "out/bench"
-"""Where the results go, relative to the repository."""
-BIN = ".venv/bin"
-"""The virtual environment's scripts, as a printed command names them."""
+OUT = "out/bench"  # where the results go, relative to the repository
+BIN = ".venv/bin"  # the virtual environment's scripts, as a printed command names them
 
 
 @dataclass(frozen=True)

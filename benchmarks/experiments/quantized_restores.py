@@ -31,8 +31,7 @@ from torchrec_cnr import CheckpointConfig, QuantizeConfig
 from torchrec_cnr.offline import checkpoint_info
 from torchrec_cnr.quantization import select_bits
 
-AUC_DROP = 0.001
-"""Check-N-Run's bound on the AUC a quantized restore may cost."""
+AUC_DROP = 0.001  # Check-N-Run's bound on the AUC a quantized restore may cost
 
 
 def targets(restores: list[int]) -> list[Goal]:

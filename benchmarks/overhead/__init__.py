@@ -17,8 +17,7 @@ import time
 from benchmarks.harness import Bench
 from benchmarks.measure import StepLoop, timed
 
-LOSS_BOUND = 0.01
-"""The throughput target: at most 1% lost at the headline interval."""
+LOSS_BOUND = 0.01  # the throughput target: at most 1% lost at the headline interval
 
 
 def interval_key(interval_s: float) -> str:

@@ -31,8 +31,7 @@ from torchrec_cnr.offline import list_checkpoints
 STAGINGS: tuple[Staging, ...] = ("eager", "lazy")
 """eager: save() copies the selected rows before it returns; lazy (copy-on-write): after."""
 NONE = "none"
-STALL_BOUND = 0.004
-"""Check-N-Run's stall: under 0.4% of the (30-minute) interval."""
+STALL_BOUND = 0.004  # Check-N-Run's stall: under 0.4% of the (30-minute) interval
 LOSS_ESTIMATES = {"throughput_lost": "", "lost_from_step_times": " from step times"}
 """The estimates of throughput lost: against the arm without checkpoints, from step times."""
 ANCHORS: dict[str, Any] = {"check_n_run_stall_of_interval": STALL_BOUND,

@@ -27,8 +27,7 @@ from benchmarks.overhead.paired import alternating, checkpoint_pairs, spread, st
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig
 
-FLOOR_FACTOR = 2.0
-"""The target: a checkpoint costs training at most this many memcpys of its rows."""
+FLOOR_FACTOR = 2.0  # the target: a checkpoint costs training at most this many memcpys of its rows
 
 
 def _copy_stretch(trainer: StepLoop, buffers: tuple[torch.Tensor, torch.Tensor] | None, steps: int,

@@ -23,8 +23,7 @@ from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.config import OnBusy
 from torchrec_cnr.offline import list_checkpoints
 
-NOTCH = 1.58
-"""A median's 95% interval is about ± 1.58 IQR / sqrt(n) (McGill's notches)."""
+NOTCH = 1.58  # a median's 95% interval is about ± 1.58 IQR / sqrt(n) (McGill's notches)
 BUSY_STEPS = 2
 """The busy arms save every 2 steps: each save asked for while the previous one commits."""
 
