@@ -165,7 +165,7 @@ def _table(m: dict[str, Any]) -> Table:
          "copy-on-write ms": lambda r: r["hook_s"] * 1e3,
          "lost, pair times": lambda r: pct(r.get("pair_loss")),
          "± (95%), pair times": lambda r: pct(r.get("pair_resolution")),
-         "compactions": lambda r: r.get("compactions"), "checkpoints": "checkpoints",
+         "compactions": "compactions", "checkpoints": "checkpoints",
          "pairs": "pairs"},
         "Cost: the training thread's time in the call that started the checkpoint (save) "
         "or the copy (a thread start), plus what the steps until its commit (or the copy's "
