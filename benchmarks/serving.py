@@ -391,14 +391,13 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "step row first read s": "probe_fresh_s", "(worst)": "probe_fresh_s_max",
         "lag s (median)": "lag_s", "lag s (worst)": "lag_s_max",
     }, "A torn request read rows of another step than follower.step named. Missed after "
-        "first: commits after the first served step that were never served. Start: from "
-        "the follower's start (the serving process's) to its first step served; its MB read, "
-        "and the disk's time to read as many bytes cold, sequentially, after the job (file "
-        "system). Interval: "
-        "median seconds between commits. Fresh: from a row's training step to served "
-        "(the middle row of an update; the worst, trained right after the previous "
-        "served save). Step row first read: from the save of a step to the first request "
-        "that read the rows the job wrote at it (median, worst). Lag: commit to served.",
+        "first: commits after the first served step that were never served. Start: from the "
+        "follower's start (the serving process's) to its first step served; its MB read, and the "
+        "disk's time to read as many bytes cold, sequentially, after the job (file system). "
+        "Interval: median seconds between commits. Fresh: from a row's training step to served "
+        "(the middle row of an update; the worst, trained right after the previous served save). "
+        "Step row first read: from the save of a step to the first request that read the rows the "
+        "job wrote at it (median, worst). Lag: commit to served.",
     )  # fmt: skip
     update = Table.of("Per update (median; worst where marked)", runs, {
         **which, "update s": "update_s", "update s (worst)": "update_s_max",
@@ -413,16 +412,15 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "spare MB": lambda r: r.get("spare_mb", 0.0),
         "request ms": lambda r: None if r["request_s"] is None else r["request_s"] * 1e3,
     }, "Changed: the rows changed since the served step, as stored, with int32 ids. "
-        "Blocked: the exclusive hold of an update; memcpy: a copy of its changed bytes "
-        "between warm buffers. Follow CPU: the serving process's CPU time, less its request "
-        "thread's, over the updates after the first that followed the cold start (idle polls "
-        "included; the cold start, the catch-up after it and swap mode's second copy of the "
-        "tables left out); scatter: a write of as many rows at random places of a table as "
-        "large as the model's, from a warm buffer (the least an update in place costs). "
-        "Held: memory the update's rows took at once (as read, "
-        "and in serving form where not a view of them; with a budget, the largest "
-        "piece, and spilled: the mapped files); spare: swap mode's second copy "
-        "of the tables. Request: one held-out batch's forward, waits included.",
+        "Blocked: the exclusive hold of an update; memcpy: a copy of its changed bytes between "
+        "warm buffers. Follow CPU: the serving process's CPU time, less its request thread's, "
+        "over the updates after the first that followed the cold start (idle polls included; the "
+        "cold start, the catch-up after it and swap mode's second copy of the tables left out); "
+        "scatter: a write of as many rows at random places of a table as large as the model's, "
+        "from a warm buffer (the least an update in place costs). Held: memory the update's rows "
+        "took at once (as read, and in serving form where not a view of them; with a budget, the "
+        "largest piece, and spilled: the mapped files); spare: swap mode's second copy of the "
+        "tables. Request: one held-out batch's forward, waits included.",
     )  # fmt: skip
     followers = Table.of("Followers on one root (each its own process, at nice 10)", fanout, {
         "run": "run", "follower": "follower",

@@ -167,17 +167,17 @@ def _table(m: dict[str, Any]) -> Table:
          "± (95%), pair times": lambda r: pct(r.get("pair_resolution")),
          "compactions": "compactions", "checkpoints": "checkpoints",
          "pairs": "pairs"},
-        "Cost: the training thread's time in the call that started the checkpoint (save) "
-        "or the copy (a thread start), plus what the steps until its commit (or the copy's "
-        "end) took beyond the mean of the stretch's other steps; median over pairs. Lost: "
-        "that over the interval. The memcpy copies the fp32 checkpoint's median bytes on its "
-        "own thread, as often as the checkpoints are taken; its cost is estimated the same "
-        "way (± its 95% interval), and the floor is its own time, the most it could cost. "
-        "Copy-on-write: the training thread's time copying rows before their update (median, "
-        "part of the cost). Stall: the training thread's time in save() (median, worst). Pair "
-        "times: 1 - (time without) / (time with), median over pairs. Compactions: landed "
-        "during the run. " + ("A stretch holds several checkpoints one interval apart; the "
-        "first of each, which also holds the rows of the stretch before, is left out."
+        "Cost: the training thread's time in the call that started the checkpoint (save) or the "
+        "copy (a thread start), plus what the steps until its commit (or the copy's end) took "
+        "beyond the mean of the stretch's other steps; median over pairs. Lost: that over the "
+        "interval. The memcpy copies the fp32 checkpoint's median bytes on its own thread, as "
+        "often as the checkpoints are taken; its cost is estimated the same way (± its 95% "
+        "interval), and the floor is its own time, the most it could cost. Copy-on-write: the "
+        "training thread's time copying rows before their update (median, part of the cost). "
+        "Stall: the training thread's time in save() (median, worst). Pair times: 1 - (time "
+        "without) / (time with), median over pairs. Compactions: landed during the run. "
+        + ("A stretch holds several checkpoints one interval apart; the first of each, which "
+        "also holds the rows of the stretch before, is left out."
         if cadence > 1 else "A stretch without a checkpoint puts its rows into the next "
         "delta: deltas hold two intervals' rows."),
     )  # fmt: skip

@@ -230,15 +230,14 @@ def _paired_tables(m: dict[str, Any]) -> list[Table]:
         "full, delta": lambda r: f"{r['kinds'].count('full')}, {r['kinds'].count('delta')}",
         "MB per checkpoint": lambda r: statistics.median(r["mb_each"]),
     }, "Each pair: two adjacent stretches of K steps, one with a checkpoint in its middle "
-        "(its commit waited for at the end), one without, in alternating order. A "
-        "checkpoint's cost: its stall plus what the steps from its save to its commit took "
-        "beyond the mean of the stretch's other steps. Pooled: the median cost of every "
-        "checkpoint of every interval (of one format) over the interval. From step times: "
-        "this interval's costs, each over its stretch's time, median over pairs. Pair times: "
-        "1 - (time without) / (time with), median over pairs. ±: the 95% interval of the "
-        "median, 1.58 IQR / sqrt(pairs). A stretch without a checkpoint puts its changed rows "
-        "into the next delta: deltas hold two intervals' rows, more than a job checkpointing "
-        "every interval writes.",
+        "(its commit waited for at the end), one without, in alternating order. A checkpoint's "
+        "cost: its stall plus what the steps from its save to its commit took beyond the mean of "
+        "the stretch's other steps. Pooled: the median cost of every checkpoint of every interval "
+        "(of one format) over the interval. From step times: this interval's costs, each over its "
+        "stretch's time, median over pairs. Pair times: 1 - (time without) / (time with), median "
+        "over pairs. ±: the 95% interval of the median, 1.58 IQR / sqrt(pairs). A stretch without "
+        "a checkpoint puts its changed rows into the next delta: deltas hold two intervals' rows, "
+        "more than a job checkpointing every interval writes.",
     )  # fmt: skip
     busy = Table.of(
         "A save asked for while the previous one still commits (fp32, a save every "
