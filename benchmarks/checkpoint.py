@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import gc
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.measure import Rows
 from benchmarks.peers import run_peers, torchsnapshot_restore, torchsnapshot_take_durable
 from benchmarks.results import Column, Goal, Table
@@ -359,4 +358,4 @@ CASE = Case("checkpoint", "Checkpoint stall, commit, bytes and restore against t
             "--rounds 1 --warmup-steps 1 --disk-mb 8 --disk-passes 1", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.measure import GB
 from benchmarks.results import Goal, Table
 from cnr_train.workload import TableSpec, build_model, dense_optimizer
@@ -143,4 +142,4 @@ CASE = Case("dcp_interop", "DCP import and export of a 1 GB model against dcp.sa
             run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

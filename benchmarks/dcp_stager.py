@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchsnapshot import Snapshot
 
 from benchmarks import measure, peers
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.measure import GB, StepLoop
 from benchmarks.results import Goal, Table
 from cnr_train.workload import ZipfBatches
@@ -241,4 +240,4 @@ CASE = Case("dcp_stager", "dcp.async_save of a TorchRec model with DcpStager aga
             run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

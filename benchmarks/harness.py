@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -173,6 +173,11 @@ def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
         if made_group:
             dist.destroy_process_group()
     return 0
+
+
+def cli(case: Case, doc: str | None) -> NoReturn:
+    """``python -m benchmarks.<name>``: :func:`main`, exiting with its status."""
+    sys.exit(main(case, doc))
 
 
 def command_line(case: Case, argv: Sequence[str]) -> str:

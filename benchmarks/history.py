@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.results import Column, Goal, Table
 from cnr_train.serve import serving_model
 from cnr_train.workload import ZipfBatches
@@ -189,4 +188,4 @@ CASE = Case("history", "History: a commit's cost from checkpoint 10 to 10,000", 
             "--probes 10 40 --rows 500", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.results import Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, offline
 from torchrec_cnr.cli import main as cnr
@@ -134,4 +133,4 @@ CASE = Case("offline", "Export and compaction of a 1 GB chain", _arguments,
             "--tables 2 --rows 4000 --dim 16 --deltas 2 --disk-mb 8 --repeats 1", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

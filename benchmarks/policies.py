@@ -6,11 +6,10 @@ checkpoint. ``--figure`` also plots them (``fig15_16.png``) and writes ``results
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
+from benchmarks.harness import Bench, Case, Outcome, cli, pyplot, save_figure, write_csv
 from benchmarks.results import Table
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import CheckpointConfig, CheckpointManager
@@ -120,4 +119,4 @@ CASE = Case("policies", "Bytes written and stored per policy (Check-N-Run Figs. 
             "--steps-per-interval 2", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.measure import best_seconds
 from benchmarks.results import Goal, Table
 from torchrec_cnr.quantization import quantize
@@ -195,4 +194,4 @@ CASE = Case("quantization", "Quantization (Check-N-Run Fig. 9)", _arguments,
             "--rows 2000 --peer-rows 200 --repeats 1 --min-seconds 0 --vs-greedy-dims 16 64", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

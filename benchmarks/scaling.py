@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import sys
 from typing import Any
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
+from benchmarks.harness import Bench, Case, Outcome, cli, pyplot, save_figure, write_csv
 from benchmarks.results import Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.testing.memory import proc_status_mb, reset_peak_rss
@@ -128,4 +127,4 @@ CASE = Case("scaling", "Scaling: 0.25 to 4 GB per rank", _arguments,
             "--gb-per-rank 0.002 --rows 2000 --disk-mb 8 --memcpy-mb 16", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.measure import QUANTS
 from benchmarks.results import Column, Goal, Table
 from cnr_train.job import DONE_MARKER
@@ -470,4 +470,4 @@ CASE = Case("serving", "Train to serve: torn snapshots, freshness, update time, 
             "--policies intermittent --served int4", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

@@ -15,7 +15,6 @@ import json
 import multiprocessing
 import pickle
 import statistics
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.results import Column, Goal, Table
 from torchrec_cnr import schema
 from torchrec_cnr.commit import commit as commit_mod
@@ -312,4 +311,4 @@ CASE = Case("shards", "Shards: a commit's and a plan's cost against a checkpoint
             _arguments, "--ranks 4 16 --tables 3 --rows 1000", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

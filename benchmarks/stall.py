@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 from typing import Any
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.config import Staging
@@ -106,4 +105,4 @@ CASE = Case("stall", "The stall of a save: eager against lazy (copy-on-write) st
             _arguments, "--tables 2 --rows 4000 --dim 16 --repeats 1", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import os
 import statistics
-import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.results import Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.offline import list_checkpoints
@@ -118,4 +117,4 @@ CASE = Case("storage", "Commit and restore on a file system and on object stores
             _arguments, "--tables 2 --rows 2000 --dim 16 --repeats 1", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
 
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.measure import gathered, model_arguments, uniform_model
 from benchmarks.results import Goal, Table
 from cnr_train.workload import ZipfBatches, train_step
@@ -160,4 +159,4 @@ CASE = Case("tracking", "Tracking overhead (one model, one run)", _arguments,
             "--tables 2 --rows 2000 --dim 16 --batch-size 64 --rounds 2 --iters 2", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

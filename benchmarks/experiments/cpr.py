@@ -28,13 +28,12 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 import time
 from typing import Any
 
 import torch.distributed as dist
 
-from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
+from benchmarks.harness import Bench, Case, Outcome, cli, pyplot, save_figure, write_csv
 from benchmarks.measure import Policy, from_rank0, gathered, max_over_ranks, rmtree, timed_save
 from benchmarks.results import Goal, Table
 from cnr_train.config import DataConfig, JobConfig, ModelConfig, OptimizerConfig
@@ -320,4 +319,4 @@ CASE = Case("experiments.cpr", "CPR recovery experiment", _arguments,
             "--probe-steps 2", run, kind="experiment")  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

@@ -18,10 +18,9 @@ kept to restore. The grid is ``--bits`` x ``--restores`` (``fig14_auc.png``,
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
+from benchmarks.harness import Bench, Case, Outcome, cli, pyplot, save_figure, write_csv
 from benchmarks.measure import Policy, from_rank0, rmtree
 from benchmarks.results import Column, Goal, Table
 from cnr_train.config import JobConfig, ModelConfig
@@ -190,4 +189,4 @@ CASE = Case("experiments.quantized_restores", "Quantized restores (Check-N-Run F
             "--bits 4 --restores 1 --targets 1", run, kind="experiment")  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

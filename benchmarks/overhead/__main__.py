@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import benchmarks.overhead
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.measure import model_arguments
 from benchmarks.overhead import arms, floor, gil, paired, save_cost
 from torchrec_cnr.config import BACKGROUND
@@ -57,4 +56,4 @@ CASE = Case("overhead", "End-to-end overhead: throughput lost to checkpoints eve
             "--pair-s 1.2 --busy-steps 6 --busy-pairs 2 --gil-s 2", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, benchmarks.overhead.__doc__))
+    cli(CASE, benchmarks.overhead.__doc__)
