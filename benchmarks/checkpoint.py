@@ -1,14 +1,12 @@
 """Training stall, commit time, bytes written and restore time of one checkpoint of a
-sharded model (``--tables`` x ``--rows`` x ``--dim``, row-wise Adagrad, 2 gloo ranks):
-torchrec_cnr's policies, fp32 and 4-bit, against torchsnapshot and DCP
-(:mod:`benchmarks.peers`), in one run on one model, beside the disk's bandwidth, a memcpy
-and the quantizer's rate.
+sharded model (``--tables`` x ``--rows`` x ``--dim``, row-wise Adagrad): torchrec_cnr's
+policies, fp32 and 4-bit, against torchsnapshot and DCP (:mod:`benchmarks.peers`), beside
+the disk's bandwidth, a memcpy and the quantizer's rate.
 
-- Per policy x format x share of rows modified, on a fresh root: a baseline, then
-  ``--repeats`` saves, ``--restore-repeats`` cold restores (checked) and the peak memory.
+- Per policy x format x share of rows modified: a baseline, ``--repeats`` saves,
+  ``--restore-repeats`` cold restores (checked) and the peak memory.
 - Side by side, in ``--rounds`` interleaved rounds: durable full commits (torchsnapshot's
-  ``take`` + fsync; ours at each bit width, ``O_DIRECT`` or through the page cache) and
-  cold restores (chains, full checkpoints, within a memory budget), with peak memory.
+  ``take`` + fsync; ours per bit width, ``O_DIRECT`` or not) and cold restores.
 
 Targets (:func:`targets`): stalls against ``async_take``'s and a memcpy; commits against
 torchsnapshot's and the disk; quantized against fp32; restores against torchsnapshot's.
@@ -21,7 +19,6 @@ import dataclasses
 import functools
 import gc
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.measure import Rows
 from benchmarks.peers import run_peers, torchsnapshot_restore, torchsnapshot_take_durable
 from benchmarks.results import Column, Goal, Table
@@ -57,7 +54,7 @@ RESTORE_BUDGET = 1 / 8
 
 
 def _peak(fn: Callable[[], Any]) -> tuple[Any, float]:
-    """``fn()`` and the most resident memory it added, MB, the largest rank's (:class:`Peak`)."""
+    """``fn()`` and the most resident memory it added, MB, the largest rank's."""
     watched = measure.Peak(fn)
     return watched(), watched.over_ranks()
 
@@ -80,8 +77,7 @@ def encode_rates(shards: list[LocalShard]) -> dict[str, float]:
 def _arguments(p: argparse.ArgumentParser) -> None:
     measure.model_arguments(p, rows=1_000_000)
     p.add_argument("--fractions", type=float, nargs=2, default=[0.05, 0.25])
-    policies = measure.POLICIES
-    p.add_argument("--policies", nargs="+", default=list(policies), choices=policies)
+    p.add_argument("--policies", nargs="+", default=list(measure.POLICIES), choices=measure.POLICIES)  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="timed saves per method, median")
     p.add_argument("--restore-repeats", type=int, default=2, help="cold restores, median")
     p.add_argument("--rounds", type=int, default=3, help="interleaved side-by-side rounds")
@@ -138,13 +134,11 @@ def _cnr(b: Bench, model: Any, shards: list[LocalShard], key: tuple[measure.Poli
 
 PAGE_CACHE = " page cache"
 """The side-by-side arms that read or write through the page cache (the default is ``O_DIRECT``)."""
-BUDGETED = " budget"
-"""The side-by-side restore arm within :data:`RESTORE_BUDGET`."""
+BUDGETED = " budget"  # the side-by-side restore arm within :data:`RESTORE_BUDGET`
 
 
-def _side_by_side(
-    b: Bench, model: Any, shards: list[LocalShard], sels: dict[float, Rows], check: Rows
-) -> dict[str, Any]:
+def _side_by_side(b: Bench, model: Any, shards: list[LocalShard], sels: dict[float, Rows],
+                  check: Rows) -> dict[str, Any]:  # fmt: skip
     """The figures the side-by-side targets compare, in interleaved rounds."""
     ts_path, full = b.scratch / "sbs_torchsnapshot", {}
 
@@ -168,9 +162,8 @@ def _side_by_side(
 
     arms = ["torchsnapshot", *FORMATS, f"fp32{PAGE_CACHE}"]
     # Each method starts from a settled disk with its previous output deleted.
-    commits = b.interleaved(
-        b.args.rounds, arms, commit, lambda n: measure.rmtree(root_of(n)), label="durable commit"
-    )
+    commits = b.interleaved(b.args.rounds, arms, commit, lambda n: measure.rmtree(root_of(n)),
+                            label="durable commit")  # fmt: skip
     # Chains to restore: intermittent at each fraction (baseline + one delta), and a
     # consecutive chain of 4 at the smaller one.
     small = min(sels)
@@ -360,12 +353,9 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, tables(m), targets(a.fractions, a.policies))
 
 
-CASE = Case(name="checkpoint",
-            title="Checkpoint stall, commit, bytes and restore against torchsnapshot and DCP",
-            arguments=_arguments,
-            smoke="--tables 2 --rows 4000 --dim 16 --repeats 1 --restore-repeats 1 --rounds 1 "
-                  "--warmup-steps 1 --disk-mb 8 --disk-passes 1",
-            run=run)  # fmt: skip
+CASE = Case("checkpoint", "Checkpoint stall, commit, bytes and restore against torchsnapshot and "
+            "DCP", _arguments, "--tables 2 --rows 4000 --dim 16 --repeats 1 --restore-repeats 1 "
+            "--rounds 1 --warmup-steps 1 --disk-mb 8 --disk-passes 1", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

@@ -1,10 +1,8 @@
-"""DCP import and export of a ~1 GB model (8 x 500k x 64 fp32, 2 gloo ranks) against DCP's
-own save and load, in turns, caches dropped before each: ``export_dcp`` of a full checkpoint
-(blocks of ``--budget-mb``) against ``dcp.save`` of TorchRec's recipe; ``restore(from_dcp=)``
-against ``dcp.load`` (a call per top-level key); a restore resharded row-wise against
-``dcp.load``, unbounded and within ``restore_memory_mb`` = ``--restore-mb``. Time is the
-slowest rank's; memory the peak resident set above each call's start
-(:class:`benchmarks.measure.Peak`), the largest rank's. Targets: each <= its DCP peer.
+"""DCP import and export of a ~1 GB model against DCP's own save and load, in turns, caches
+dropped before each: ``export_dcp`` (blocks of ``--budget-mb``) against ``dcp.save``;
+``restore(from_dcp=)`` against ``dcp.load``; a restore resharded row-wise, unbounded and
+within ``--restore-mb``, against ``dcp.load``. Time is the slowest rank's; memory the peak
+resident set above each call's start, the largest rank's. Targets: each <= its DCP peer.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.measure import GB
 from benchmarks.results import Goal, Table
 from cnr_train.workload import TableSpec, build_model, dense_optimizer
@@ -91,9 +88,8 @@ def run(b: Bench) -> Outcome:
     if dist.get_rank() == 0:
         shutil.copytree(root, b.scratch / "root_bounded")
     dist.barrier()
-    bounded = CheckpointConfig(
-        path=str(b.scratch / "root_bounded"), policy="full", restore_memory_mb=a.restore_mb
-    )
+    bounded = CheckpointConfig(path=str(b.scratch / "root_bounded"), policy="full",
+                               restore_memory_mb=a.restore_mb)  # fmt: skip
     with (
         CheckpointManager(resharded, CheckpointConfig(path=str(root), policy="full")) as restorer,
         CheckpointManager(resharded, bounded) as restorer_bounded,
@@ -103,11 +99,9 @@ def run(b: Bench) -> Outcome:
             "reshard_restore_bounded": lambda: restorer_bounded.restore(step=1),
             "reshard_dcp_load": lambda: _dcp_load(resharded, reshard_opt, theirs),
         })  # fmt: skip
-    m: dict[str, Any] = {
-        name: {"seconds": statistics.median(s for s, _ in runs), "seconds_all": [s for s, _ in runs],
-               "peak_mb": max(p for _, p in runs)}
-        for name, runs in got.items()
-    }  # fmt: skip
+    m: dict[str, Any] = {name: {"seconds": statistics.median(s for s, _ in runs),
+                                "seconds_all": [s for s, _ in runs],
+                                "peak_mb": max(p for _, p in runs)} for name, runs in got.items()}  # fmt: skip
     m["bytes"] = sizes
     m["model_gb"] = a.tables * a.rows * a.dim * 4 / GB
     pairs = (("export_dcp", "dcp_save"), ("import", "dcp_load"),
@@ -143,10 +137,9 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, [table], goals)
 
 
-CASE = Case(name="dcp_interop",
-            title="DCP import and export of a 1 GB model against dcp.save and dcp.load",
-            arguments=_arguments, smoke="--tables 2 --rows 4000 --dim 16 --rounds 1 --budget-mb 1 --restore-mb 0",
-            run=run)  # fmt: skip
+CASE = Case("dcp_interop", "DCP import and export of a 1 GB model against dcp.save and dcp.load",
+            _arguments, "--tables 2 --rows 4000 --dim 16 --rounds 1 --budget-mb 1 --restore-mb 0",
+            run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

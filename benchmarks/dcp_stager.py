@@ -1,25 +1,19 @@
-"""``dcp.async_save`` of a TorchRec DLRM (``--tables`` x ``--rows`` x ``--dim`` fp32, about
-1 GB by default, fused row-wise Adagrad) with the library's stager, against the ways a
-TorchRec user saves today, in turns on the same model: ``dcp.save`` (blocking), DCP's
-``async_save`` with its ``DefaultStager`` (on the TorchRec model, where it fails, and on a
-dense model of equal bytes, where it works), torchsnapshot's ``async_take`` (patched to copy,
-so that what it writes is consistent, see :mod:`benchmarks.peers`) and the manager's
-``save`` of a full checkpoint.
+"""``dcp.async_save`` of a TorchRec DLRM (``--tables`` x ``--rows`` x ``--dim`` fp32, fused
+row-wise Adagrad) with the library's stager, in turns against ``dcp.save``, DCP's
+``DefaultStager`` (it fails on the TorchRec model: timed on a dense model of equal bytes),
+torchsnapshot's ``async_take`` (patched to copy, :mod:`benchmarks.peers`) and the manager.
 
-Each method's *blocked* time is the call's, the slowest rank's; then the job trains on at
-once, ``--steps`` steps or until the write ends, whichever is later: the *slowdown* is those
-steps' mean time over a clean stretch's (``--steps`` steps with nothing written, measured in
-the same round). Memory is the peak resident set over the call's start until the write
-ended, the largest rank's. The stager's checkpoint is loaded back with stock ``dcp.load``
-into a second model and compared with the state at the call. Targets: the stager's blocked
-time <= 1/10 of ``dcp.save``'s and of torchsnapshot ``async_take``'s, and <= 2x the manager's.
+*Blocked*: the call's time, the slowest rank's; *slowdown*: the mean step while the write
+runs (``--steps`` at least) over a clean stretch's; memory: the peak resident set over the
+call's start, the largest rank's. The stager's checkpoint is loaded back with stock
+``dcp.load`` and compared with the state at the call. Targets: the stager blocks <= 1/10 of
+``dcp.save`` and ``async_take``, and <= 2x the manager.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +27,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchsnapshot import Snapshot
 
 from benchmarks import measure, peers
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.measure import GB, StepLoop
 from benchmarks.results import Goal, Table
 from cnr_train.workload import ZipfBatches
@@ -41,8 +35,7 @@ from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.interop import DcpStager
 from torchrec_cnr.testing.memory import proc_status_mb, reset_peak_rss
 
-Wait = Callable[[], bool]
-"""Whether the write in flight has ended."""
+Wait = Callable[[], bool]  # whether the write in flight has ended
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -85,9 +78,8 @@ def run(b: Bench) -> Outcome:
     loop = StepLoop.warm(a, a.batch, steps=3)
     group = dist.new_group(backend="gloo")  # DCP's collectives apart from training's
     stager = DcpStager(loop.work.model)
-    manager = CheckpointManager(
-        loop.work.model, CheckpointConfig(path=str(b.scratch / "manager"), policy="full")
-    )
+    manager = CheckpointManager(loop.work.model,
+                                CheckpointConfig(path=str(b.scratch / "manager"), policy="full"))  # fmt: skip
     dense_bytes = sum(t.numel() * t.element_size() for t in _flat(_recipe(loop)))
     dense = _Dense(dense_bytes)
     figures: dict[str, dict[str, list[float]]] = {}
@@ -107,12 +99,9 @@ def run(b: Bench) -> Outcome:
         peak = proc_status_mb("VmHWM") - before
         blocked_s, total_s = measure.max_over_ranks(blocked, total)
         got = figures.setdefault(name, {})
-        for key, value in (
-            ("blocked_s", blocked_s),
-            ("total_s", total_s),
-            ("step_s", statistics.mean(steps)),
-            ("peak_mb", measure.max_over_ranks(peak)[0]),
-        ):
+        now = {"blocked_s": blocked_s, "total_s": total_s, "step_s": statistics.mean(steps),
+               "peak_mb": measure.max_over_ranks(peak)[0]}  # fmt: skip
+        for key, value in now.items():
             got.setdefault(key, []).append(value)
         if name.startswith("stager"):  # of the call, the stager's own part
             got.setdefault("stage_s", []).append(measure.max_over_ranks(stager.stall_s)[0])
@@ -150,11 +139,10 @@ def run(b: Bench) -> Outcome:
               "torchsnapshot_async_take")}  # fmt: skip
     executors = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
     methods: dict[str, Callable[[], Wait]] = {
-        f"stager_{e}": lambda e=e: async_save(  # type: ignore[misc]
-            executors[e], paths[f"stager_{e}"], async_stager=stager
-        )
+        f"stager_{e}": lambda e=e: async_save(executors[e], paths[f"stager_{e}"],  # type: ignore[misc]
+                                              async_stager=stager)
         for e in a.executors
-    }
+    }  # fmt: skip
     methods |= {
         "dcp_save": lambda: (dcp.save(_recipe(loop), checkpoint_id=str(paths["dcp_save"]),
                                       process_group=group), lambda: True)[1],
@@ -175,16 +163,14 @@ def run(b: Bench) -> Outcome:
     for _ in range(a.rounds):
         clean.append(statistics.mean(loop.train(a.steps)))
     clean_step = statistics.median(clean)
-    m: dict[str, Any] = {
-        name: {k: statistics.median(v) for k, v in got.items()} | {"blocked_all": got["blocked_s"]}
-        for name, got in figures.items()
-    }
+    m: dict[str, Any] = {name: {k: statistics.median(v) for k, v in got.items()}
+                         | {"blocked_all": got["blocked_s"]} for name, got in figures.items()}  # fmt: skip
     for name in m:
         m[name]["slowdown"] = m[name]["step_s"] / clean_step - 1
     m["clean_step_s"] = clean_step
     m["model_gb"] = dense_bytes * b.world / GB
     m["default_stager_torchrec"] = _default_stager_fails(loop, b.scratch / "default", group)
-    m["stager_load_exact"] = _round_trip(loop, stager, b.scratch / "round_trip", group)
+    m["stager_load_exact"] = _round_trip(a, loop, stager, b.scratch / "round_trip", group)
     stager.close()
     manager.close()
     rows = [[name, m[name]["blocked_s"], m[name]["total_s"], 100 * m[name]["slowdown"],
@@ -199,8 +185,8 @@ def run(b: Bench) -> Outcome:
     )
     columns = ["method", "blocked s", "until written s", "training slowdown %",
                "peak MB over its start"]  # fmt: skip
-    table = Table("dcp.async_save with DcpStager against the other ways to save", columns,
-                  rows, note)  # fmt: skip
+    table = Table("dcp.async_save with DcpStager against the other ways to save", columns, rows,
+                  note)  # fmt: skip
     goals = [
         Goal("stager (thread) blocked <= 1/10 of dcp.save's", "stager_thread.blocked_s", "<=",
              "dcp_save.blocked_s", 0.1),
@@ -228,7 +214,8 @@ def _default_stager_fails(loop: StepLoop, path: Path, group: dist.ProcessGroup) 
     return found[0] if found else "it worked"
 
 
-def _round_trip(loop: StepLoop, stager: DcpStager, path: Path, group: dist.ProcessGroup) -> bool:
+def _round_trip(a: argparse.Namespace, loop: StepLoop, stager: DcpStager, path: Path,
+                group: dist.ProcessGroup) -> bool:  # fmt: skip
     """The stager's save, training at once, then stock ``dcp.load`` into a second model:
     whether it holds the state of the call, on every rank."""
     want = _flat(_recipe(loop))
@@ -236,7 +223,7 @@ def _round_trip(loop: StepLoop, stager: DcpStager, path: Path, group: dist.Proce
                                    process_group=group)  # fmt: skip
     loop.train(3)
     response.upload_completion.result()
-    other = StepLoop(measure.uniform_model(loop_args(loop)), ZipfBatches(loop.work.tables, 8),
+    other = StepLoop(measure.uniform_model(a), ZipfBatches(loop.work.tables, 8),
                      dist.get_rank())  # fmt: skip
     target = _recipe(other)
     dcp.load(target, checkpoint_id=str(path), process_group=group)
@@ -247,17 +234,10 @@ def _round_trip(loop: StepLoop, stager: DcpStager, path: Path, group: dist.Proce
     return all(measure.gathered(same))
 
 
-def loop_args(loop: StepLoop) -> argparse.Namespace:
-    """The model arguments ``loop``'s model was built from."""
-    t = loop.work.tables
-    return argparse.Namespace(tables=len(t), rows=t[0].rows, dim=t[0].dim)
-
-
-CASE = Case(name="dcp_stager",
-            title="dcp.async_save of a TorchRec model with DcpStager against dcp.save, "
-                  "DefaultStager, torchsnapshot async_take and the manager",
-            arguments=_arguments, smoke="--tables 2 --rows 4000 --dim 16 --rounds 1 --steps 2 --batch 32 --executors thread",
-            run=run)  # fmt: skip
+CASE = Case("dcp_stager", "dcp.async_save of a TorchRec model with DcpStager against dcp.save, "
+            "DefaultStager, torchsnapshot async_take and the manager", _arguments,
+            "--tables 2 --rows 4000 --dim 16 --rounds 1 --steps 2 --batch 32 --executors thread",
+            run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

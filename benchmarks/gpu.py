@@ -2,19 +2,15 @@
 cadence, and the peers' blocking times, in one process on one GPU (``--device cpu`` runs
 the same on the host: how it is tried without a GPU; its figures are not GPU figures).
 
-- **Stall**, per size (``--gib``: GiB of fp32 tables, 4 tables x 64 columns) and share of
-  rows modified: a delta ``save()`` (median of ``--repeats``, lazy staging) against its
-  floor, a gather of as many rows on the device and their copy to pinned host memory; the
-  background copy (the rows the lookup hooks did not copy) against the same floor; a full
-  ``save()`` against 2 ms + a copy of the dense state. Targets: delta save <= 2x the floor,
-  background copy <= 2x the floor, full save <= 2 ms + the dense copy.
-- **Cadence**: a training loop on the smallest size for ``--cadence-s`` seconds per arm:
-  no checkpoint, a checkpoint every 2, 5 and 10 s (consecutive, lazy), and the floor (as
-  often, a copy of the same bytes to pinned memory). Throughput lost against the loop
-  without checkpoints; targets <= 1% at 2 s and <= 2x the floor's loss.
-- **Peers**: the blocking time of a full save of the smallest model: this library's
-  ``save()``, torchsnapshot ``async_take``, ``dcp.save`` and ``dcp.async_save``, the last
-  alone and with this library's ``DcpStager`` (a failure is recorded as such).
+- **Stall**, per size (``--gib`` of fp32 tables) and share of rows modified: a delta
+  ``save()`` (median of ``--repeats``, lazy staging) and the background copy against the
+  floor, a gather of as many rows on the device and their copy to pinned host memory
+  (targets <= 2x); a full ``save()`` against 2 ms + a copy of the dense state.
+- **Cadence**: training on the smallest size for ``--cadence-s`` s per arm: no checkpoint,
+  one every ``--cadences`` s (consecutive, lazy), and the floor as often. Throughput lost:
+  targets <= 1% at 2 s and <= 2x the floor's loss.
+- **Peers**: the blocking time of a full save: ``save()``, torchsnapshot ``async_take``,
+  ``dcp.save``, ``dcp.async_save`` alone and with ``DcpStager`` (a failure is recorded).
 
     source .device/gpu/on_device.sh && python3 -m benchmarks.gpu --out $OUT/gpu.json
 """
@@ -62,8 +58,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _model(b: Bench, gib: float) -> Any:
-    rows = max(1000, int(gib * 2**30 / (4 * DIM * 4)))
-    tables = [TableSpec(f"t{i}", rows, DIM, "table_wise") for i in range(4)]
+    """The model of ``gib`` GiB of fp32 tables (4 x 64 columns), its optimizer and tables."""
+    tables = [TableSpec(f"t{i}", max(1000, int(gib * 2**30 / (4 * DIM * 4))), DIM, "table_wise")
+              for i in range(4)]  # fmt: skip
     model = build_model(tables, seed=0, device=torch.device(b.args.device))
     return model, dense_optimizer(model), tables
 
@@ -74,8 +71,8 @@ def _sync(device: str) -> None:
 
 
 def _floor_s(b: Bench, shards: list[Any], rows: list[torch.Tensor]) -> float:
-    """A gather of ``rows`` of every shard (weights and states) and its copy to pinned host
-    memory: the least a checkpoint of those rows costs the training process."""
+    """A gather of ``rows`` of every shard (weights and states) and their copy to pinned host
+    memory: the least a checkpoint of those rows costs training."""
     pin = b.args.device == "cuda"
     pairs = []
     for s, r in zip(shards, rows):
@@ -93,14 +90,14 @@ def _floor_s(b: Bench, shards: list[Any], rows: list[torch.Tensor]) -> float:
 
 
 def _stall(b: Bench, gib: float) -> list[dict[str, Any]]:
+    """Delta saves per share of rows, and full saves, against their floors."""
     a = b.args
-    model, _, _ = _model(b, gib)
+    model = _model(b, gib)[0]
     shards = model_state.local_shards(model)
     dense = model_state.dense_state(model)
-    dense_s = statistics.median(
-        measure.timed(lambda: {k: v.detach().to("cpu") for k, v in dense.items()})[0]
-        for _ in range(5)
-    )
+    copies = [measure.timed(lambda: {k: v.detach().to("cpu") for k, v in dense.items()})[0]
+              for _ in range(5)]  # fmt: skip
+    dense_s = statistics.median(copies)
     out: list[dict[str, Any]] = []
     root = b.scratch / f"stall_{gib}"
     steps = itertools.count(1)
@@ -115,9 +112,8 @@ def _stall(b: Bench, gib: float) -> list[dict[str, Any]]:
                 saves.append(measure.timed_save(ck, next(steps))[0])
                 lazy = ck.lazy_staging
                 background.append(0.0 if lazy is None else lazy.background_s)
-            floor = _floor_s(b, shards, on_device)
             row = {"gib": gib, "fraction": f, "save_s": statistics.median(saves),
-                   "slowest_s": max(saves), "floor_s": floor,
+                   "slowest_s": max(saves), "floor_s": _floor_s(b, shards, on_device),
                    "background_s": statistics.median(background)}  # fmt: skip
             b.log_row(row)
             out.append(row)
@@ -127,16 +123,19 @@ def _stall(b: Bench, gib: float) -> list[dict[str, Any]]:
         full = [measure.timed_save(ck, 2 + i)[0] for i in range(a.repeats)]
     out.append({"gib": gib, "fraction": 1.0, "save_s": statistics.median(full),
                 "slowest_s": max(full), "floor_s": 0.002 + dense_s, "background_s": None})  # fmt: skip
-    measure.rmtree(root)
-    measure.rmtree(Path(str(root) + "_full"))
+    for path in (root, Path(f"{root}_full")):
+        measure.rmtree(path)
     return out
+
+
+def _copy_to(host: torch.Tensor, src: torch.Tensor, pin: bool, _step: int) -> None:
+    host.copy_(src, non_blocking=pin)
 
 
 def _cadence(b: Bench) -> dict[str, Any]:
     """Steps per second of one training loop per arm, the arms in turns over ``--rounds``
-    rounds (a drift of the machine hits each alike): no checkpoint, a checkpoint every
-    ``e`` s, and the floor every ``e`` s: a copy to pinned memory of as many bytes as that
-    cadence's checkpoints staged on average (measured first, in a calibration stretch)."""
+    rounds: no checkpoint, a checkpoint every ``e`` s, and the floor every ``e`` s (a copy to
+    pinned memory of the bytes that cadence's checkpoints staged in a calibration stretch)."""
     a = b.args
     model, opt, tables = _model(b, min(a.gib))
     data = ZipfBatches(tables, a.batch, seed=0)
@@ -144,9 +143,8 @@ def _cadence(b: Bench) -> dict[str, Any]:
     pin = a.device == "cuda"
     step = 0
 
-    def train(
-        seconds: float, every_s: float | None, act: Callable[[int], Any]
-    ) -> tuple[int, float]:
+    def train(seconds: float, every_s: float | None,
+              act: Callable[[int], Any]) -> tuple[int, float]:  # fmt: skip
         nonlocal step
         began = last = time.perf_counter()
         steps = 0
@@ -176,7 +174,7 @@ def _cadence(b: Bench) -> dict[str, Any]:
             src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
             arms[f"ckpt_{every:g}s"] = (every, ck.save)
-            arms[f"floor_{every:g}s"] = (every, functools.partial(_copy, host, src, pin))
+            arms[f"floor_{every:g}s"] = (every, functools.partial(_copy_to, host, src, pin))
         steps = {name: [0, 0.0] for name in arms}
         names = list(arms)
         for r in range(a.rounds):
@@ -187,25 +185,15 @@ def _cadence(b: Bench) -> dict[str, Any]:
             b.log(f"cadence round {r + 1}/{a.rounds}: " + ", ".join(
                 f"{k} {v[0] / v[1]:.1f}/s" for k, v in steps.items()))  # fmt: skip
     rate = {name: n / took for name, (n, took) in steps.items()}
-    return {
-        f"{e:g}s": {
-            "lost": 1 - rate[f"ckpt_{e:g}s"] / rate["none"],
-            "floor_lost": 1 - rate[f"floor_{e:g}s"] / rate["none"],
-            "steps_per_s": rate[f"ckpt_{e:g}s"],
-            "plain_steps_per_s": rate["none"],
-            "staged_bytes": staged[f"{e:g}s"],
-        }
-        for e in a.cadences
-    }
-
-
-def _copy(host: torch.Tensor, src: torch.Tensor, pin: bool, _step: int) -> None:
-    host.copy_(src, non_blocking=pin)
+    return {f"{e:g}s": {"lost": 1 - rate[f"ckpt_{e:g}s"] / rate["none"],
+                        "floor_lost": 1 - rate[f"floor_{e:g}s"] / rate["none"],
+                        "steps_per_s": rate[f"ckpt_{e:g}s"], "plain_steps_per_s": rate["none"],
+                        "staged_bytes": staged[f"{e:g}s"]} for e in a.cadences}  # fmt: skip
 
 
 def _peers(b: Bench) -> dict[str, Any]:
     """The blocking time of a full save of the smallest model, per method."""
-    model, _, _ = _model(b, min(b.args.gib))
+    model = _model(b, min(b.args.gib))[0]
     got: dict[str, Any] = {}
 
     def blocking(name: str, start: Callable[[Path], Any], finish: Callable[[Any], None]) -> None:
@@ -224,19 +212,16 @@ def _peers(b: Bench) -> dict[str, Any]:
         measure.timed_save(ck, 1)
         blocking("torchrec_cnr save()", lambda p: ck.save(2), lambda _: ck.wait())
     with peers._copying_async_take():
-        blocking("torchsnapshot async_take",
-                 lambda p: Snapshot.async_take(str(p), app_state={"model": model}),
-                 lambda pending: pending.wait())  # fmt: skip
+        blocking("torchsnapshot async_take", lambda p: Snapshot.async_take(
+            str(p), app_state={"model": model}), lambda pending: pending.wait())  # fmt: skip
     blocking("dcp.save", lambda p: dcp.save(model.state_dict(), checkpoint_id=str(p)),
              lambda _: None)  # fmt: skip
-    blocking("dcp.async_save",
-             lambda p: dcp.async_save(model.state_dict(), checkpoint_id=str(p)),
+    blocking("dcp.async_save", lambda p: dcp.async_save(model.state_dict(), checkpoint_id=str(p)),
              lambda fut: fut.result())  # fmt: skip
     stager = DcpStager(model)
-    blocking("dcp.async_save + DcpStager",
-             lambda p: dcp.async_save(model.state_dict(), checkpoint_id=str(p),
-                                      async_stager=stager),
-             lambda r: getattr(r, "upload_completion", r).result())  # fmt: skip
+    blocking("dcp.async_save + DcpStager", lambda p: dcp.async_save(
+        model.state_dict(), checkpoint_id=str(p), async_stager=stager),
+        lambda r: getattr(r, "upload_completion", r).result())  # fmt: skip
     return got
 
 
@@ -248,63 +233,43 @@ def run(b: Bench) -> Outcome:
     m = {"device": a.device, "stall": stall, "cadence": cadence, "peers": blocking}
     goals = []
     for i, r in enumerate(stall):
-        at = f"{r['gib']:g} GiB, {r['fraction']:.0%}"
+        at, s = f"{r['gib']:g} GiB, {r['fraction']:.0%}", f"stall.{i}"
         if r["fraction"] < 1:
-            goals.append(Goal(f"delta save() <= 2x the floor at {at}", f"stall.{i}.save_s", "<=",
-                              f"stall.{i}.floor_s", 2.0))  # fmt: skip
-            goals.append(Goal(f"background copy <= 2x the floor at {at}",
-                              f"stall.{i}.background_s", "<=", f"stall.{i}.floor_s", 2.0))  # fmt: skip
+            goals += [Goal(f"delta save() <= 2x the floor at {at}", f"{s}.save_s", "<=",
+                           f"{s}.floor_s", 2.0),
+                      Goal(f"background copy <= 2x the floor at {at}", f"{s}.background_s", "<=",
+                           f"{s}.floor_s", 2.0)]  # fmt: skip
         else:
             goals.append(Goal(f"full save() <= 2 ms + the dense copy at {r['gib']:g} GiB",
-                              f"stall.{i}.save_s", "<=", f"stall.{i}.floor_s"))  # fmt: skip
-    for e in cadence:
-        goals.append(Goal(f"throughput lost <= 2x the floor's at {e}", f"cadence.{e}.lost", "<=",
-                          f"cadence.{e}.floor_lost", 2.0))  # fmt: skip
+                              f"{s}.save_s", "<=", f"{s}.floor_s"))  # fmt: skip
+    goals += [Goal(f"throughput lost <= 2x the floor's at {e}", f"cadence.{e}.lost", "<=",
+                   f"cadence.{e}.floor_lost", 2.0) for e in cadence]  # fmt: skip
     if "2s" in cadence:
         goals.append(Goal("throughput lost <= 1% at 2 s", "cadence.2s.lost", "<=", 0.01))
     tables = [
-        Table.of(
-            f"The stall of a save on {a.device}",
-            stall,
-            {
-                "GiB": "gib",
-                "modified": lambda r: f"{r['fraction']:.0%}",
-                "save() ms": lambda r: r["save_s"] * 1e3,
-                "floor ms": lambda r: r["floor_s"] * 1e3,
-                "ratio": lambda r: r["save_s"] / r["floor_s"],
-                "background copy ms": lambda r: (
-                    "" if r["background_s"] is None else r["background_s"] * 1e3
-                ),
-            },
-        ),  # fmt: skip
-        Table.of(
-            "Throughput lost to checkpoints at a cadence",
-            [{"every": e, **v} for e, v in cadence.items()],
-            {
-                "every": "every",
-                "lost %": lambda r: r["lost"] * 100,
-                "floor lost %": lambda r: r["floor_lost"] * 100,
-                "ratio": lambda r: r["lost"] / r["floor_lost"] if r["floor_lost"] > 0 else "",
-            },
-        ),  # fmt: skip
-        Table.of(
-            "Blocking time of a full save",
-            [{"method": k, "value": v} for k, v in blocking.items()],
-            {
-                "method": "method",
-                "blocks ms": lambda r: (
-                    r["value"] * 1e3 if isinstance(r["value"], float) else r["value"]
-                ),
-            },
-        ),  # fmt: skip
-    ]
+        Table.of(f"The stall of a save on {a.device}", stall, {
+            "GiB": "gib", "modified": lambda r: f"{r['fraction']:.0%}",
+            "save() ms": lambda r: r["save_s"] * 1e3, "floor ms": lambda r: r["floor_s"] * 1e3,
+            "ratio": lambda r: r["save_s"] / r["floor_s"],
+            "background copy ms": lambda r: "" if r["background_s"] is None
+            else r["background_s"] * 1e3}),
+        Table.of("Throughput lost to checkpoints at a cadence",
+                 [{"every": e, **v} for e, v in cadence.items()], {
+            "every": "every", "lost %": lambda r: r["lost"] * 100,
+            "floor lost %": lambda r: r["floor_lost"] * 100,
+            "ratio": lambda r: r["lost"] / r["floor_lost"] if r["floor_lost"] > 0 else ""}),
+        Table.of("Blocking time of a full save",
+                 [{"method": k, "value": v} for k, v in blocking.items()], {
+            "method": "method",
+            "blocks ms": lambda r: r["value"] * 1e3 if isinstance(r["value"], float)
+            else r["value"]}),
+    ]  # fmt: skip
     return Outcome(m, tables, goals)
 
 
-CASE = Case(name="gpu", title="Checkpoints of CUDA tables: stall, cadence and peers",
-            arguments=_arguments, run=run,
-            smoke="--device cpu --gib 0.004 --fractions 0.05 --repeats 1 --cadences 1 "
-                  "--cadence-s 2 --rounds 1 --batch 64")  # fmt: skip
+CASE = Case("gpu", "Checkpoints of CUDA tables: stall, cadence and peers", _arguments,
+            "--device cpu --gib 0.004 --fractions 0.05 --repeats 1 --cadences 1 --cadence-s 2 "
+            "--rounds 1 --batch 64", run)  # fmt: skip
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

@@ -1,8 +1,6 @@
-"""The harness every benchmark and experiment runs on: a case declares its arguments, its
-``--smoke`` sizes and a ``run(bench)`` that returns an :class:`Outcome` (:class:`Case`);
-:func:`main` does the rest alike for every case (the process group, a scratch folder, the
-run, one JSON result of :mod:`benchmarks.results`, the teardown). What the cases measure
-with is in :mod:`benchmarks.measure`.
+"""The harness every benchmark and experiment runs on: a :class:`Case` declares its
+arguments, its ``--smoke`` sizes and a ``run(bench)``; :func:`main` does the rest alike (the
+process group, a scratch folder, one JSON result of :mod:`benchmarks.results`, teardown).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -88,7 +86,7 @@ class Bench:
             sys.stderr.flush()
 
     def log_row(self, row: Mapping[str, Any]) -> None:
-        """:meth:`log` of a row of figures: ``key value``, floats to 4 digits."""
+        """:meth:`log` of a row of figures, floats to 4 digits."""
         self.log(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                            for k, v in row.items()))  # fmt: skip
 
@@ -104,8 +102,8 @@ class Bench:
     def interleaved(self, rounds: int, methods: Iterable[str], measure: Callable[[str], float],
                     prepare: Callable[[str], None] | None = None, settle: bool = True,
                     label: str = "") -> dict[str, list[float]]:  # fmt: skip
-        """``measure(m)`` of each of ``methods`` per round, in turns, rotating (a drift of the disk
-        hits each alike); before each, ``prepare`` (e.g. deleting its output) and :meth:`settle`."""
+        """``measure(m)`` of each of ``methods`` per round, rotating (a drift of the disk hits
+        each alike); before each, ``prepare`` (e.g. deleting its output) and :meth:`settle`."""
         names = list(methods)
         got: dict[str, list[float]] = {n: [] for n in names}
         for r in range(rounds):
@@ -175,6 +173,11 @@ def main(case: Case, doc: str | None, argv: Sequence[str] | None = None) -> int:
         if made_group:
             dist.destroy_process_group()
     return 0
+
+
+def cli(case: Case, doc: str | None) -> NoReturn:
+    """``python -m benchmarks.<name>``: :func:`main`, exiting with its status."""
+    sys.exit(main(case, doc))
 
 
 def command_line(case: Case, argv: Sequence[str]) -> str:

@@ -1,12 +1,9 @@
 """A commit's cost against the history before it, from checkpoint 10 to 10,000.
 
-The model (``--tables`` x ``--rows`` x ``--dim``, 2 ranks) trains one step between saves,
-each waited for, every checkpoint kept, per policy. Over the ``--window`` commits ending at
-each of ``--probes``: save + commit time; the metadata bytes rank 0's commit reads and
-writes; the writer's CPU time; a follower's update (seconds, requests, bytes); a restore's
-planning (``ChainReader.open``: seconds, bytes, per link). Medians (times), means (bytes).
-
-Targets: each figure at the last probe <= 1.2x the first's.
+The model trains one step between saves, each waited for, every checkpoint kept. Over the
+``--window`` commits ending at each of ``--probes``: save + commit time, the metadata bytes
+rank 0's commit reads and writes, the writer's CPU, a follower's update and a restore's
+planning (``ChainReader.open``). Targets: each figure at the last probe <= 1.2x the first's.
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.results import Column, Goal, Table
 from cnr_train.serve import serving_model
 from cnr_train.workload import ZipfBatches
@@ -177,8 +173,7 @@ def run(b: Bench) -> Outcome:
                "commit writes (KB)": lambda r: r["written_b"] / 1e3,
                "writer CPU (ms)": lambda r: 1e3 * r["writer_cpu_s"],
                "follower update (ms)": lambda r: 1e3 * r["follow_s"],
-               "restore planning (ms)": lambda r: 1e3 * r["plan_s"],
-               "chain links": lambda r: r["links"],
+               "restore planning (ms)": lambda r: 1e3 * r["plan_s"], "chain links": "links",
                "planning per link (ms)": lambda r: 1e3 * r["plan_link_s"],
                "manifest.json (KB)": lambda r: r["manifest_b"] / 1e3}  # fmt: skip
     table = Table.of(
@@ -189,8 +184,8 @@ def run(b: Bench) -> Outcome:
     return Outcome({"rows": rows, **by}, [table], _goals(a.probes, a.policies))
 
 
-CASE = Case(name="history", title="History: a commit's cost from checkpoint 10 to 10,000",
-            arguments=_arguments, smoke="--probes 10 40 --rows 500", run=run)  # fmt: skip
+CASE = Case("history", "History: a commit's cost from checkpoint 10 to 10,000", _arguments,
+            "--probes 10 40 --rows 500", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

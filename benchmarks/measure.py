@@ -1,14 +1,14 @@
-"""What the benchmarks measure with, written once: timing over ranks (every figure the
-slowest rank's), the limits figures are compared with (the disk, a memcpy), cold reads and
-peak memory, the model most cases checkpoint and the rows they choose, and an S3 store.
-What the tests share with them (the local stores, the rows modified on purpose, the memory
-readings) is in :mod:`torchrec_cnr.testing`.
+"""What the benchmarks measure with: timing over ranks (every figure the slowest rank's),
+the limits figures are compared with (the disk, a memcpy), cold reads, peak memory, the
+model most cases checkpoint, the rows they modify, and an S3 store. What the tests share
+with them is in :mod:`torchrec_cnr.testing`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import resource
 import shutil
@@ -63,8 +63,7 @@ def from_rank0(fn: Callable[[], T]) -> T:
 
 
 def max_over_ranks(*values: float) -> list[float]:
-    """Each value's maximum over ranks: a figure is the slowest rank's (on the GPU where the
-    group is nccl's, which reduces nothing else)."""
+    """Each value's maximum over ranks (on the GPU where the group is nccl's)."""
     on = "cuda" if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor(values, dtype=torch.float64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -90,7 +89,7 @@ def timed_save(ckpt: CheckpointManager, step: int) -> tuple[float, float]:
 
 
 def best_seconds(fn: Callable[[], Any], repeats: int, min_total: float = 1.0) -> float:
-    """Fastest of ``repeats`` calls of ``fn`` after a warm-up, or more, up to ``min_total``
+    """Fastest of ``repeats`` calls of ``fn`` after a warm-up, or more up to ``min_total``
     seconds (100 calls at most): the minimum filters out other processes' stalls."""
     fn()
     best, total, calls = float("inf"), 0.0, 0
@@ -104,9 +103,7 @@ def best_seconds(fn: Callable[[], Any], repeats: int, min_total: float = 1.0) ->
 
 def rmtree(path: Path) -> None:
     """Deletes ``path`` (rank 0) between barriers, so that no rank still uses it."""
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
+    from_rank0(lambda: shutil.rmtree(path, ignore_errors=True))
     dist.barrier()
 
 
@@ -129,12 +126,11 @@ def evict(path: Path) -> None:
 
 def drop_cache(path: Path) -> None:
     """:func:`evict` by rank 0, for every rank."""
-    if dist.get_rank() == 0:
-        evict(path)
-    dist.barrier()
+    from_rank0(lambda: evict(path))
 
 
 def _disk_pass(path: Path, nbytes: int, chunk: int) -> dict[str, float]:
+    """Writes ``nbytes`` to ``path`` in ``chunk``-byte writes, fsyncs, reads them back cold."""
     buf = os.urandom(chunk)
     with open(path, "wb") as f:  # buffered: every byte written, whatever write(2) returns
         t0 = time.perf_counter()
@@ -156,8 +152,8 @@ def _disk_pass(path: Path, nbytes: int, chunk: int) -> dict[str, float]:
 
 def disk_bandwidth(folder: Path, nbytes: int, chunk: int = 64 << 20,
                    passes: int = 2) -> dict[str, Any]:  # fmt: skip
-    """The disk's sequential bandwidth: rank 0 writes ``nbytes`` in ``chunk``-byte writes,
-    fsyncs and reads them back cold; the best of ``passes`` (the first touches the cache)."""
+    """The disk's sequential bandwidth, measured by rank 0: the best of ``passes`` of
+    :func:`_disk_pass` (the first touches the cache)."""
     chunk = min(chunk, nbytes)
     nbytes = nbytes // chunk * chunk
 
@@ -171,48 +167,40 @@ def disk_bandwidth(folder: Path, nbytes: int, chunk: int = 64 << 20,
 
 
 def disk_read_s(folder: Path, nbytes: int, chunk: int = 64 << 20) -> float:
-    """Seconds the disk under ``folder`` takes to read ``nbytes`` cold, sequentially, in
-    this process (the best of two passes of :func:`disk_bandwidth`'s)."""
+    """Seconds the disk under ``folder`` takes to read ``nbytes`` cold, in this process (the
+    best of two passes)."""
     chunk = max(1, min(chunk, nbytes))
     nbytes = max(1, nbytes // chunk) * chunk
     return min(_disk_pass(folder / "disk_read.bin", nbytes, chunk)["read_s"] for _ in range(2))
 
 
-_MEMCPY: dict[tuple[int, ...], float] = {}
-
-
 def memcpy_s(nbytes: int) -> float:
     """Slowest rank's time to copy its ``nbytes`` between warm buffers (median of 3)."""
-    key = tuple(gathered(nbytes))
-    if key not in _MEMCPY:
-        src = torch.ones(max(nbytes, 1), dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        dst.copy_(src)  # every page touched first, as the staging pool's are
-        _MEMCPY[key] = statistics.median(timed(lambda: dst.copy_(src))[0] for _ in range(3))
-    return _MEMCPY[key]
+    return _memcpy_s(tuple(gathered(nbytes)))
 
 
-_SCATTER: dict[tuple[int, int, int], float] = {}
+@functools.cache
+def _memcpy_s(every_rank: tuple[int, ...]) -> float:
+    src = torch.ones(max(every_rank[dist.get_rank()], 1), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # every page touched first, as the staging pool's are
+    return statistics.median(timed(lambda: dst.copy_(src))[0] for _ in range(3))
 
 
+@functools.cache
 def scatter_s(rows: int, row_bytes: int, table_rows: int) -> float:
-    """Time to write ``rows`` rows of ``row_bytes`` each at random ascending positions of a
-    warm table of ``table_rows`` rows, from a warm buffer, with the row copy a follower
-    applies updates with (:func:`~torchrec_cnr.rowcopy.put_rows`, faster here than
-    ``index_copy_``; median of 3): the least an update applied in place costs, where its rows
-    lie scattered through the tables."""
-    key = (rows, row_bytes, table_rows)
-    if key not in _SCATTER:
-        table = torch.ones(table_rows, row_bytes, dtype=torch.uint8)
-        src = torch.ones(rows, row_bytes, dtype=torch.uint8)
-        ids = torch.randperm(table_rows)[:rows].sort().values
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            put_rows(table, ids, src)
-            times.append(time.perf_counter() - t0)
-        _SCATTER[key] = statistics.median(times)
-    return _SCATTER[key]
+    """Time to write ``rows`` rows of ``row_bytes`` at random ascending places of a warm table
+    of ``table_rows`` rows with the follower's row copy (:func:`~torchrec_cnr.rowcopy.put_rows`;
+    median of 3): the least an update applied in place costs."""
+    table = torch.ones(table_rows, row_bytes, dtype=torch.uint8)
+    src = torch.ones(rows, row_bytes, dtype=torch.uint8)
+    ids = torch.randperm(table_rows)[:rows].sort().values
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        put_rows(table, ids, src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def process_cpu_s(pid: int) -> float:
@@ -229,7 +217,7 @@ def children_cpu_s() -> float:
 
 class Peak:
     """``fn`` that notes the most resident memory its calls added over their start, MB (this
-    rank's; the peak resident set reset at each call): ``fn``'s alone, not the work around."""
+    rank's; the peak reset at each call)."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn, self.mb = fn, 0.0
@@ -258,8 +246,7 @@ QUANTS = {"fp32": QuantizeConfig(), "4-bit": QuantizeConfig(method="adaptive", b
 
 class Workload(NamedTuple):
     model: DistributedModelParallel
-    opt: torch.optim.Optimizer
-    """The dense parameters' optimizer (the tables' is fused into their kernels)."""
+    opt: torch.optim.Optimizer  # the dense parameters' (the tables' is fused into their kernels)
     tables: list[TableSpec]
 
 
@@ -300,16 +287,15 @@ class StepLoop:
         return loop
 
     def align(self, k: int) -> None:
-        """Moves the step on so that the next multiple of ``k`` comes after ``k // 2`` steps (each
-        save falls mid-interval, and the last one's commit within the arm)."""
+        """Moves the step on so that the next multiple of ``k`` comes after ``k // 2`` steps
+        (each save falls mid-interval)."""
         self.step += (-(self.step + k // 2)) % k
 
 
-def random_rows(
-    shards: list[LocalShard], fractions: Sequence[float], seed: int = 1234
-) -> dict[float, Rows]:
-    """For each fraction, that share of each local shard's rows (sorted local indices), from
-    one seeded permutation per shard: a smaller fraction's rows are inside a larger one's."""
+def random_rows(shards: list[LocalShard], fractions: Sequence[float],
+                seed: int = 1234) -> dict[float, Rows]:  # fmt: skip
+    """For each fraction, that share of each local shard's rows (sorted local indices) from
+    one seeded permutation per shard: a smaller fraction's rows are in a larger one's."""
     g = torch.Generator().manual_seed(seed + dist.get_rank())
     perms = [torch.randperm(s.spec.rows, generator=g) for s in shards]
     return {f: [p[: round(f * p.numel())].sort().values for p in perms] for f in fractions}
@@ -321,13 +307,11 @@ def max_abs_diff(shards: list[LocalShard], rows: Rows, values: Rows) -> float:
     return max_over_ranks(max((float((w - v).abs().max()) for w, v in pairs), default=0.0))[0]
 
 
-def timed_restore(
-    fn: Callable[[], Any], path: Path | None, shards: list[LocalShard], rows: Rows
-) -> tuple[float, float]:
-    """A cold restore by ``fn`` (``path`` dropped from the page cache if given), ``rows``
-    corrupted (+1) before: ``(time, max abs error of rows against their values before)``."""
-    if path is not None:
-        drop_cache(path)
+def timed_restore(fn: Callable[[], Any], path: Path, shards: list[LocalShard],
+                  rows: Rows) -> tuple[float, float]:  # fmt: skip
+    """A cold restore by ``fn`` (``path`` dropped from the page cache), ``rows`` corrupted
+    (+1) before: ``(time, max abs error of rows against their values before)``."""
+    drop_cache(path)
     saved = [s.weight[r].clone() for s, r in zip(shards, rows)]
     with torch.no_grad():
         for s, r in zip(shards, rows):
@@ -337,8 +321,7 @@ def timed_restore(
 
 
 def store_cpu_s(url: str | None) -> float | None:
-    """CPU seconds the local server at ``url`` has used, where this process started it
-    (:mod:`torchrec_cnr.testing.stores`); ``None`` otherwise."""
+    """CPU seconds of the local server at ``url`` where this process started it, else ``None``."""
     pid = stores.STARTED.get(url or "")
     return None if pid is None else process_cpu_s(pid)
 

@@ -1,9 +1,7 @@
-"""Export and compaction of a ~1 GB consecutive chain (8 x 500k x 64 fp32, 2 gloo ranks; a
-baseline and ``--deltas`` deltas of ``--fraction`` of the rows), against a full save and
-the disk: in the job, ``compact()`` until ``wait()`` against a full save, and the cold
-restore of that step before and after; offline, in one process without a model,
-``export_state_dict`` and its ``torch.save``, ``read_table`` of one table and ``cnr
-compact`` of a second chain, against reading as many bytes from the disk.
+"""Export and compaction of a ~1 GB consecutive chain (a baseline and ``--deltas`` deltas of
+``--fraction`` of the rows): in the job, ``compact()`` to ``wait()`` against a full save,
+and the cold restore before and after; offline, in one process, ``export_state_dict``,
+``torch.save``, ``read_table`` and ``cnr compact``, against reading as many bytes.
 """
 
 from __future__ import annotations
@@ -11,7 +9,6 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,17 +17,10 @@ from typing import Any, TypeVar
 import torch
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.results import Table
-from torchrec_cnr import CheckpointConfig, CheckpointManager
+from torchrec_cnr import CheckpointConfig, CheckpointManager, offline
 from torchrec_cnr.cli import main as cnr
-from torchrec_cnr.offline import (
-    checkpoint_info,
-    export_state_dict,
-    list_checkpoints,
-    read_table,
-    save_export,
-)
 from torchrec_cnr.testing.rows import modify
 from torchrec_cnr.tracking.model_state import local_shards
 
@@ -74,7 +64,7 @@ def _in_job(b: Bench, model: torch.nn.Module) -> dict[str, Any]:
     # The peer: a full save of the same state, committed (what a fresh baseline costs).
     with CheckpointManager(model, CheckpointConfig(str(b.scratch / "full"), policy="full")) as full:
         _, full_s = measure.timed_save(full, step)
-    infos = {i.id: i for i in measure.from_rank0(lambda: list_checkpoints(str(root)))}
+    infos = {i.id: i for i in measure.from_rank0(lambda: offline.list_checkpoints(str(root)))}
     latest = list(infos.values())[-1]
     assert latest.compacted_from and len(latest.chain) == 1, latest
     return {"compact_s": compact_s, "full_save_s": full_s, "restore_chain_s": restore_chain,
@@ -83,7 +73,7 @@ def _in_job(b: Bench, model: torch.nn.Module) -> dict[str, Any]:
             "compacted_bytes": latest.bytes}  # fmt: skip
 
 
-def _offline(root: Path, out: Path, repeats: int) -> dict[str, Any]:
+def _offline_figures(root: Path, out: Path, repeats: int) -> dict[str, Any]:
     """In this process alone, without a model or a process group."""
     times: dict[str, list[float]] = {"export": [], "save": [], "table": [], "compact": []}
 
@@ -94,13 +84,13 @@ def _offline(root: Path, out: Path, repeats: int) -> dict[str, Any]:
         times[name].append(time.perf_counter() - t0)
         return value
 
-    read_bytes = checkpoint_info(str(root)).restore_bytes
+    read_bytes = offline.checkpoint_info(str(root)).restore_bytes
     for _ in range(repeats):
-        state_dict = clock("export", lambda: export_state_dict(str(root)))
-        clock("save", functools.partial(save_export, state_dict, out, "torch"))
+        state_dict = clock("export", lambda: offline.export_state_dict(str(root)))
+        clock("save", functools.partial(offline.save_export, state_dict, out, "torch"))
         out.unlink()
         del state_dict
-        clock("table", lambda: read_table(str(root), "t0"))
+        clock("table", lambda: offline.read_table(str(root), "t0"))
     assert clock("compact", lambda: cnr(["compact", str(root)])) == 0
     medians = {f"{k}_s": statistics.median(v) for k, v in times.items()}
     return {"read_bytes": read_bytes, **medians}
@@ -115,7 +105,7 @@ def run(b: Bench) -> Outcome:
     b.log("second chain, then export and offline compaction in one process")
     _chain(b, b.scratch / "offline", model).close()
     export = b.scratch / "export.pt"
-    off = measure.from_rank0(lambda: _offline(b.scratch / "offline", export, a.repeats))
+    off = measure.from_rank0(lambda: _offline_figures(b.scratch / "offline", export, a.repeats))
     off["read_disk_s"] = off["read_bytes"] / measure.GB / disk["read_gb_s"]
     m = {"disk": disk, "in_job": job, "offline": off}
     rows = [
@@ -139,9 +129,8 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, [table])
 
 
-CASE = Case(name="offline", title="Export and compaction of a 1 GB chain", arguments=_arguments,
-            smoke="--tables 2 --rows 4000 --dim 16 --deltas 2 --disk-mb 8 --repeats 1",
-            run=run)  # fmt: skip
+CASE = Case("offline", "Export and compaction of a 1 GB chain", _arguments,
+            "--tables 2 --rows 4000 --dim 16 --deltas 2 --disk-mb 8 --repeats 1", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

@@ -49,10 +49,9 @@ def torchsnapshot_restore(model: torch.nn.Module, path: Path) -> Callable[[], No
 
 
 def _copying_async_take() -> contextlib.AbstractContextManager[Any]:
-    """Makes torchsnapshot's ``async_take`` copy CPU tensors, as its code intends: 0.1.0's
-    ``TensorBufferStager._should_copy_cpu_tensor`` compares the serializer (a str) with the
-    ``Serializer.BUFFER_PROTOCOL`` enum member, never equal, so ``async_take`` keeps views of
-    the live tensors, and training that goes on tears the snapshot. This compares ``.value``."""
+    """Makes torchsnapshot's ``async_take`` copy CPU tensors, as its code intends: 0.1.0
+    compares the serializer (a str) with an enum member, never equal, so it keeps views of the
+    live tensors and training tears the snapshot. This compares ``.value``."""
     original = TensorBufferStager._should_copy_cpu_tensor
 
     def fixed(self: TensorBufferStager) -> bool:
@@ -73,9 +72,8 @@ def _take(model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: Ro
             "fsync_after_s": fsync_s, "restore_s": restore_s, "restore_max_abs_err": err}  # fmt: skip
 
 
-def _async_take(
-    model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: Rows, copy: bool
-) -> Row:
+def _async_take(model: torch.nn.Module, path: Path, shards: list[LocalShard], rows: Rows,
+                copy: bool) -> Row:  # fmt: skip
     """``async_take`` while training goes on (+1 on ``rows``): the restore shows a torn one."""
     before = [s.weight[r].clone() for s, r in zip(shards, rows)]
     with _copying_async_take() if copy else contextlib.nullcontext():
@@ -141,9 +139,8 @@ def _dcp_async_save(model: torch.nn.Module, path: Path) -> Row:
     return {"method": "DCP async_save", "stall_s": stall, "commit_s": commit}
 
 
-def run_peers(
-    model: torch.nn.Module, folder: Path, shards: list[LocalShard], rows: Rows
-) -> dict[str, Row]:
+def run_peers(model: torch.nn.Module, folder: Path, shards: list[LocalShard],
+              rows: Rows) -> dict[str, Row]:  # fmt: skip
     """Every peer in turn on ``model``, each into a fresh folder deleted afterwards; each
     restore is checked on ``rows`` (which ``async_take``'s training modifies as it writes)."""
     peers: dict[str, Callable[[Path], Row]] = {

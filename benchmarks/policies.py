@@ -1,19 +1,15 @@
-"""Bytes written and bytes stored at each interval, per policy (Check-N-Run Figs. 15, 16).
-
-Each policy trains the same model (8 table-wise tables x 100k rows x dim 64) on the same
-Zipf batches and checkpoints every interval with ``keep_last=1``: "stored" is measured on
-disk after each commit, "written" is the checkpoint's bytes, both relative to one full
+"""Bytes written and stored at each interval, per policy (Check-N-Run Figs. 15, 16): each
+policy trains the same model on the same batches with ``keep_last=1``, relative to one full
 checkpoint. ``--figure`` also plots them (``fig15_16.png``) and writes ``results.csv``.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
+from benchmarks.harness import Bench, Case, Outcome, cli, pyplot, save_figure, write_csv
 from benchmarks.results import Table
 from cnr_train.workload import ZipfBatches, train_step
 from torchrec_cnr import CheckpointConfig, CheckpointManager
@@ -118,11 +114,9 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, tables(m))
 
 
-CASE = Case(name="policies",
-            title="Bytes written and stored per policy (Check-N-Run Figs. 15 and 16)",
-            arguments=arguments, run=run,
-            smoke="--tables 2 --rows 2000 --dim 16 --batch-size 64 --intervals 4 "
-                  "--steps-per-interval 2")  # fmt: skip
+CASE = Case("policies", "Bytes written and stored per policy (Check-N-Run Figs. 15 and 16)",
+            arguments, "--tables 2 --rows 2000 --dim 16 --batch-size 64 --intervals 4 "
+            "--steps-per-interval 2", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

@@ -1,25 +1,22 @@
 """Per-row checkpoint quantization: error, compression and throughput (Check-N-Run Fig. 9),
-against PyTorch's and FBGEMM's quantizers, in one process on ``--threads`` (one, as the
-checkpoint writer runs).
+against PyTorch's and FBGEMM's quantizers, in one process on ``--threads``.
 
-Every method and bit width on ``--rows`` Gaussian rows of ``--dim``: mean per-row relative
-error, compression against fp32 (scale and bias included), MB/s of fp32 input; PyTorch's
-greedy on the first ``--peer-rows``. ``--vs-greedy``: adaptive 4-bit against the greedy in
-six cells, dims ``--vs-greedy-dims`` x {Gaussian, Student-t 3}. Targets: adaptive 4-bit's
-error <= the greedy's and its MB/s >= 50x; FBGEMM 4-bit's MB/s <= 1.5x asymmetric 4-bit's.
+Every method and bit width on ``--rows`` Gaussian rows of ``--dim`` (PyTorch's slow greedy
+on the first ``--peer-rows``). ``--vs-greedy``: adaptive 4-bit against the greedy, dims
+``--vs-greedy-dims`` x {Gaussian, Student-t 3}. Targets: adaptive 4-bit's error <= the
+greedy's and its MB/s >= 50x; FBGEMM 4-bit's MB/s <= 1.5x asymmetric 4-bit's.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.measure import best_seconds
 from benchmarks.results import Goal, Table
 from torchrec_cnr.quantization import quantize
@@ -28,11 +25,9 @@ from torchrec_cnr.quantization._uniform import fbgemm_ops
 METHODS = ("symmetric", "asymmetric", "kmeans", "adaptive")
 BITS = (2, 3, 4, 8)
 DISTRIBUTIONS = ("gaussian", "student_t3")
-SPEED = 50.0
-"""Adaptive 4-bit must quantize at least this many times faster than the greedy."""
+SPEED = 50.0  # adaptive 4-bit must quantize at least this many times faster than the greedy
 
-Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, int]]
-"""Rows -> (dequantized rows, stored bytes)."""
+Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, int]]  # -> (dequantized, stored bytes)
 
 METHOD_TARGETS = [
     # The greedy is slow: it runs on the first --peer-rows rows, and errors are compared there.
@@ -43,17 +38,6 @@ METHOD_TARGETS = [
     Goal("FBGEMM 4-bit MB/s <= 1.5 x asymmetric 4-bit's",
            "peers.fbgemm_4bit.mb_per_s", "<=", "ours.asymmetric_4.mb_per_s", 1.5),
 ]  # fmt: skip
-
-
-def cell_targets(key: str) -> list[Goal]:
-    """The targets of one ``--vs-greedy`` cell: >= 50x the greedy's speed, its error at most."""
-    cell = f"cells.{key}"
-    return [
-        Goal(f"{key}: adaptive 4-bit MB/s >= {SPEED:g} x greedy's",
-               f"{cell}.adaptive.mb_per_s", ">=", f"{cell}.greedy.mb_per_s", SPEED),
-        Goal(f"{key}: adaptive 4-bit error <= greedy's",
-               f"{cell}.adaptive.rel_error", "<=", f"{cell}.greedy.rel_error"),
-    ]  # fmt: skip
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -180,7 +164,11 @@ def _vs_greedy(b: Bench) -> Outcome:
         key = f"{kind}_d{dim}"
         cells[key] = {"adaptive": ours, "greedy": greedy}
         rows.append({"kind": kind, "dim": dim, "a": ours, "g": greedy})
-        targets += cell_targets(key)
+        cell = f"cells.{key}"  # >= 50x the greedy's speed, its error at most
+        targets += [Goal(f"{key}: adaptive 4-bit MB/s >= {SPEED:g} x greedy's",
+                         f"{cell}.adaptive.mb_per_s", ">=", f"{cell}.greedy.mb_per_s", SPEED),
+                    Goal(f"{key}: adaptive 4-bit error <= greedy's", f"{cell}.adaptive.rel_error",
+                         "<=", f"{cell}.greedy.rel_error")]  # fmt: skip
         b.log(f"{key} done")
     title = f"Adaptive 4-bit vs PyTorch greedy: {elems * 4 / 1e6:.1f} MB fp32 per cell, the "
     title += f"greedy and both errors on its first {peer_elems * 4 / 1e6:.1f} MB"
@@ -202,9 +190,8 @@ def run(b: Bench) -> Outcome:
     return _vs_greedy(b) if b.args.vs_greedy else _methods(b)
 
 
-CASE = Case(name="quantization", title="Quantization (Check-N-Run Fig. 9)", arguments=_arguments,
-            smoke="--rows 2000 --peer-rows 200 --repeats 1 --min-seconds 0 --vs-greedy-dims 16 64",
-            run=run)  # fmt: skip
+CASE = Case("quantization", "Quantization (Check-N-Run Fig. 9)", _arguments,
+            "--rows 2000 --peer-rows 200 --repeats 1 --min-seconds 0 --vs-greedy-dims 16 64", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

@@ -1,11 +1,9 @@
 """The one result format of every benchmark and experiment, and how targets are judged.
 
 A run writes one JSON file: ``format_version`` (1), ``case``, ``kind``, ``title``, ``date``,
-``command``, ``note``, ``smoke``, ``environment`` (host, cores, memory, versions,
-variables), ``config`` (every argument), ``wall_s``, ``measurements`` (nested dicts of
-numbers), ``tables`` (:class:`Table`) and ``targets``. A target is data, ``measured op
-factor * reference`` (dotted keys into ``measurements``, or a number); its verdict is
-computed by :meth:`Goal.evaluate` and nowhere else.
+``command``, ``note``, ``smoke``, ``environment``, ``config`` (every argument), ``wall_s``,
+``measurements``, ``tables`` (:class:`Table`) and ``targets``: ``measured op factor *
+reference``, judged by :meth:`Goal.evaluate` alone.
 """
 
 from __future__ import annotations
@@ -66,13 +64,10 @@ class Goal:
 
     def evaluate(self, measurements: dict[str, Any]) -> dict[str, Any]:
         """The target with its measured value, reference, bound and verdict: ``PASS``, ``MISS``,
-        ``MIXED`` (a range passes at one end only) or ``n/a`` (a value is ``None``: the run
-        could not measure it).
+        ``MIXED`` (a range passes at one end only) or ``n/a`` (a value is ``None``).
 
         Raises:
-            KeyError: a key the target names is not among ``measurements`` (a benchmark's
-                mistake, never a verdict).
-        """
+            KeyError: a key the target names was not measured (a benchmark's mistake)."""
         measured = self._value(measurements, self.measured_key)
         reference = self.reference
         if isinstance(reference, str):
@@ -109,9 +104,8 @@ class Table:
     """A line under the table."""
 
     @classmethod
-    def of(
-        cls, title: str, items: Iterable[dict[str, Any]], columns: dict[str, Column], note: str = ""
-    ) -> Table:
+    def of(cls, title: str, items: Iterable[dict[str, Any]], columns: dict[str, Column],
+           note: str = "") -> Table:  # fmt: skip
         """A table of ``items``, one row each; ``columns`` maps a header to its cells."""
         rows = [[c(i) if callable(c) else i.get(c) for c in columns.values()] for i in items]
         return cls(title, list(columns), rows, note)
@@ -127,10 +121,7 @@ def write(path: Path, record: dict[str, Any]) -> None:
 
 
 def load(path: Path) -> dict[str, Any]:
-    """A result file, checked for its format version.
-
-    Raises:
-        ValueError: the file is not a result of this format."""
+    """A result file; ``ValueError`` if it is not of this format version."""
     raw = json.loads(path.read_text())
     if raw.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: format_version {raw.get('format_version')!r}, not 1")

@@ -25,10 +25,8 @@ from typing import Literal
 
 Launcher = Literal["torchrun", "torchrun1", "python"]
 
-OUT = "out/bench"
-"""Where the results go, relative to the repository."""
-BIN = ".venv/bin"
-"""The virtual environment's scripts, as a printed command names them."""
+OUT = "out/bench"  # where the results go, relative to the repository
+BIN = ".venv/bin"  # the virtual environment's scripts, as a printed command names them
 
 
 @dataclass(frozen=True)
@@ -63,18 +61,10 @@ RUNS: tuple[Run, ...] = (
     Run("tracking", "torchrun", "tracking.json", "--rounds 30"),
     Run("quantization", "python", "quantization.json"),
     Run("quantization", "python", "quantization_vs_greedy.json", "--vs-greedy"),
-    Run(
-        "checkpoint",
-        "torchrun",
-        "checkpoint.json",
-        "--policies full intermittent --repeats 1 --restore-repeats 1 --rounds 5",
-    ),
-    Run(
-        "checkpoint",
-        "torchrun1",
-        "checkpoint_1rank.json",
-        "--policies full --repeats 1 --restore-repeats 1 --rounds 3",
-    ),
+    Run("checkpoint", "torchrun", "checkpoint.json",
+        "--policies full intermittent --repeats 1 --restore-repeats 1 --rounds 5"),
+    Run("checkpoint", "torchrun1", "checkpoint_1rank.json",
+        "--policies full --repeats 1 --restore-repeats 1 --rounds 3"),
     Run("stall", "torchrun", "stall.json"),
     Run("stall", "torchrun", "stall_1gb.json", "--rows 500000 --repeats 5"),
     Run("stall", "torchrun", "stall_4gb.json", "--rows 2000000 --repeats 5"),
@@ -89,86 +79,51 @@ RUNS: tuple[Run, ...] = (
     Run("dcp_stager", "torchrun", "dcp_stager.json"),
     Run("serving", "python", "serving.json"),
     Run("serving", "python", "serving_5s.json", "--interval-steps 30 --steps 300 --modes copy"),
-    Run(
-        "serving",
-        "python",
-        "serving_fresh.json",
-        "--tables 8 --interval-steps 6 --steps 120 --policies intermittent consecutive --served fp32 int4 --modes swap",
-    ),
-    Run(
-        "serving",
-        "python",
-        "serving_fresh_process.json",
-        "--tables 8 --interval-steps 6 --steps 120 --policies consecutive --served fp32 int4 --modes swap --background process",
-    ),
-    Run(
-        "serving",
-        "python",
-        "serving_join.json",
-        "--policies consecutive --served fp32 int4 --modes copy swap --nproc 1 --interval-steps 30 --steps 600 --join-after 5",
-    ),
-    Run(
-        "serving",
-        "python",
-        "serving_join_s3.json",
-        "--storage s3 --policies consecutive --served fp32 int4 --modes copy --nproc 1 --interval-steps 30 --steps 600 --join-after 5",
-    ),
-    Run(
-        "serving", "python", "serving_s3.json", "--storage s3 --served int4 --modes copy --steps 60"
-    ),
+    Run("serving", "python", "serving_fresh.json",
+        "--tables 8 --interval-steps 6 --steps 120 --policies intermittent consecutive "
+        "--served fp32 int4 --modes swap"),
+    Run("serving", "python", "serving_fresh_process.json",
+        "--tables 8 --interval-steps 6 --steps 120 --policies consecutive --served fp32 int4 "
+        "--modes swap --background process"),
+    Run("serving", "python", "serving_join.json",
+        "--policies consecutive --served fp32 int4 --modes copy swap --nproc 1 "
+        "--interval-steps 30 --steps 600 --join-after 5"),
+    Run("serving", "python", "serving_join_s3.json",
+        "--storage s3 --policies consecutive --served fp32 int4 --modes copy --nproc 1 "
+        "--interval-steps 30 --steps 600 --join-after 5"),
+    Run("serving", "python", "serving_s3.json",
+        "--storage s3 --served int4 --modes copy --steps 60"),
     Run("serving", "python", "serving_budget.json", "--modes budget --budget-mb 16"),
-    Run(
-        "serving",
-        "python",
-        "serving_fanout_fs.json",
-        "--policies consecutive --served fp32 --modes copy --followers 1 4 --nproc 1 --interval-steps 48 --steps 1200 --requests-per-s 1 --storage fs",
-    ),
-    Run(
-        "serving",
-        "python",
-        "serving_fanout_s3.json",
-        "--policies consecutive --served fp32 --modes copy --followers 1 4 --nproc 1 --interval-steps 48 --steps 1200 --requests-per-s 1 --storage s3",
-    ),
+    Run("serving", "python", "serving_fanout_fs.json",
+        "--policies consecutive --served fp32 --modes copy --followers 1 4 --nproc 1 "
+        "--interval-steps 48 --steps 1200 --requests-per-s 1 --storage fs"),
+    Run("serving", "python", "serving_fanout_s3.json",
+        "--policies consecutive --served fp32 --modes copy --followers 1 4 --nproc 1 "
+        "--interval-steps 48 --steps 1200 --requests-per-s 1 --storage s3"),
     Run("overhead", "torchrun1", "overhead_1rank.json"),
-    Run(
-        "overhead",
-        "torchrun",
-        "overhead.json",
-        "--intervals 5 30 --merge {out}/overhead_1rank.json",
-    ),
+    Run("overhead", "torchrun", "overhead.json",
+        "--intervals 5 30 --merge {out}/overhead_1rank.json"),
     Run("overhead", "torchrun1", "overhead_1rank_30.json", "--intervals 30 --rounds 3"),
     Run("overhead", "torchrun1", "overhead_paired_1rank.json", "--paired --intervals 5 10 30"),
     Run("overhead", "torchrun", "overhead_paired_2rank.json", "--paired --intervals 5 10 30"),
     Run("overhead", "torchrun1", "save_cost.json", "--save-cost --saves 16"),
     Run("overhead", "torchrun1", "overhead_gil.json", "--gil --gil-s 60"),
-    Run(
-        "overhead",
-        "torchrun1",
-        "overhead_floor_1rank.json",
-        "--floor --tables 8 --rows 1000000 --intervals 2 5 10 --pair-s 60 --per-stretch 3 --compact-every 10 --policy consecutive",
-    ),
-    Run(
-        "overhead",
-        "torchrun",
-        "overhead_floor_2rank.json",
-        "--floor --tables 8 --rows 1000000 --intervals 2 --pair-s 60 --per-stretch 3 --compact-every 10 --policy consecutive",
-    ),
-    Run(
-        "overhead",
-        "torchrun1",
-        "overhead_floor_process_1rank.json",
-        "--floor --tables 8 --rows 1000000 --intervals 2 5 10 --pair-s 60 --per-stretch 3 --compact-every 10 --policy consecutive --background process",
-    ),
-    Run(
-        "overhead",
-        "torchrun",
-        "overhead_floor_process_2rank.json",
-        "--floor --tables 8 --rows 1000000 --intervals 2 --pair-s 60 --per-stretch 3 --compact-every 10 --policy consecutive --background process",
-    ),
+    Run("overhead", "torchrun1", "overhead_floor_1rank.json",
+        "--floor --tables 8 --rows 1000000 --intervals 2 5 10 --pair-s 60 --per-stretch 3 "
+        "--compact-every 10 --policy consecutive"),
+    Run("overhead", "torchrun", "overhead_floor_2rank.json",
+        "--floor --tables 8 --rows 1000000 --intervals 2 --pair-s 60 --per-stretch 3 "
+        "--compact-every 10 --policy consecutive"),
+    Run("overhead", "torchrun1", "overhead_floor_process_1rank.json",
+        "--floor --tables 8 --rows 1000000 --intervals 2 5 10 --pair-s 60 --per-stretch 3 "
+        "--compact-every 10 --policy consecutive --background process"),
+    Run("overhead", "torchrun", "overhead_floor_process_2rank.json",
+        "--floor --tables 8 --rows 1000000 --intervals 2 --pair-s 60 --per-stretch 3 "
+        "--compact-every 10 --policy consecutive --background process"),
     Run("experiments.quantized_restores", "torchrun", "experiments/quantized_restores.json"),
     Run("policies", "torchrun", "experiments/policy_bytes.json", "--figure"),
     Run("experiments.cpr", "torchrun", "experiments/cpr.json"),
-)
+)  # fmt: skip
 
 REPORT = (f"{BIN}/python", "-m", "benchmarks.report", "benchmarks/results", "{out}")
 """The last command: docs/benchmarks.md, docs/experiments.md and the README's figures,

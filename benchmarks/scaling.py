@@ -1,11 +1,7 @@
 """The scaling curve: stall, commit, restore and peak host memory per rank against the
-embedding bytes each rank holds, for full saves and 5%/25% deltas, fp32 and 4-bit.
-
-For each of ``--gb-per-rank`` (tables of ``--rows`` x 64, 2 gloo ranks), one intermittent
-manager per format takes a baseline, a 5% and a 25% delta, each restored cold after its
-commit: the slowest rank's figures and peak memory above the model, the disk and a memcpy
-beside, each extrapolated to ``--extrapolate`` GB per rank. Writes ``scaling.csv`` and
-``scaling.png`` beside the JSON result.
+embedding bytes each rank holds (``--gb-per-rank``), full saves and 5%/25% deltas, fp32
+and 4-bit, each restored cold; the disk and a memcpy beside, extrapolated to
+``--extrapolate`` GB per rank. Writes ``scaling.csv`` and ``scaling.png``.
 """
 
 from __future__ import annotations
@@ -13,11 +9,10 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import sys
 from typing import Any
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
+from benchmarks.harness import Bench, Case, Outcome, cli, pyplot, save_figure, write_csv
 from benchmarks.results import Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.testing.memory import proc_status_mb, reset_peak_rss
@@ -128,8 +123,8 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, tables(m, a.extrapolate))
 
 
-CASE = Case(name="scaling", title="Scaling: 0.25 to 4 GB per rank", arguments=_arguments,
-            smoke="--gb-per-rank 0.002 --rows 2000 --disk-mb 8 --memcpy-mb 16", run=run)  # fmt: skip
+CASE = Case("scaling", "Scaling: 0.25 to 4 GB per rank", _arguments,
+            "--gb-per-rank 0.002 --rows 2000 --disk-mb 8 --memcpy-mb 16", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

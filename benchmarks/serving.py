@@ -1,14 +1,12 @@
 """Train to serve: the app's training job and its serving process, side by side at 1 GB.
 
 Each run is the app (``configs/serving.yaml``): ``scripts/serve.py`` follows the root and
-answers requests while ``torchrun scripts/train.py`` trains and commits every
-``--interval-steps``, writing each step into the last row of every table, which every
-request checks (else: torn). One run per policy, served model (fp32; adaptive 4-bit as
-INT4), follower mode and storage. Per update: bytes read against those changed, seconds to
-served, time blocked against a memcpy, lag from commit, a row's freshness. ``--followers 1
-4``: several serving processes (at nice 10), each one's cost against a lone one's.
-``--join-after N``: the serving processes start once the job has committed N checkpoints,
-as a follower joining a running job does; its cold start is then timed against 3 s.
+answers requests while ``torchrun scripts/train.py`` commits every ``--interval-steps``,
+writing each step into the last row of every table, which every request checks (else:
+torn). One run per policy, served model, follower mode and storage. Per update: bytes read
+against those changed, time to served and blocked (against a memcpy), lag, freshness.
+``--followers 1 4``: several serving processes, each one's cost against a lone one's.
+``--join-after N``: the followers start once the job has committed N checkpoints.
 """
 
 from __future__ import annotations
@@ -28,18 +26,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import Bench, Case, Outcome, main
-from benchmarks.measure import (
-    QUANTS,
-    children_cpu_s,
-    disk_read_s,
-    memcpy_s,
-    model_arguments,
-    s3_bucket,
-    s3_server,
-    scatter_s,
-    store_cpu_s,
-)
+from benchmarks import measure
+from benchmarks.harness import Bench, Case, Outcome, cli
+from benchmarks.measure import QUANTS
 from benchmarks.results import Column, Goal, Table
 from cnr_train.job import DONE_MARKER
 from cnr_train.serve import freshness
@@ -60,7 +49,7 @@ MB = 2**20
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    model_arguments(p, rows=1_000_000, tables=4)
+    measure.model_arguments(p, rows=1_000_000, tables=4)
     p.add_argument("--steps", type=int, default=90, help="training steps per run")
     p.add_argument("--interval-steps", type=int, default=3, help="steps between checkpoints")
     p.add_argument("--batch-size", type=int, default=8192)
@@ -68,21 +57,18 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     p.add_argument("--storage", nargs="+", default=["fs"], choices=["fs", "s3"])
     p.add_argument("--nproc", type=int, default=2, help="training ranks")
-    p.add_argument(
-        "--background", default="thread", choices=BACKGROUND, help="where the job's writer runs"
-    )
+    p.add_argument("--background", default="thread", choices=BACKGROUND,
+                   help="where the job's writer runs")  # fmt: skip
     p.add_argument("--modes", nargs="+", default=["copy", "swap"], choices=MODES, help="the "
-                   "follower's copy mode, swap mode, and copy mode with a memory "
-                   "budget")  # fmt: skip
+                   "follower's copy mode, swap mode, and copy mode with a memory budget")  # fmt: skip
     p.add_argument("--budget-mb", type=float, default=16.0,
                    help="--modes budget: the follower's memory budget")  # fmt: skip
     p.add_argument("--followers", nargs="+", type=int, default=[1], help="serving processes "
                    "on one root; with more than one, every run's run at nice 10")  # fmt: skip
-    p.add_argument("--requests-per-s", type=float, help="each serving process's requests "
-                   "(default: configs/serving.yaml's)")  # fmt: skip
+    p.add_argument("--requests-per-s", type=float,
+                   help="each serving process's requests (default: configs/serving.yaml's)")  # fmt: skip
     p.add_argument("--join-after", type=int, default=0, help="start the serving processes "
-                   "once the job has committed this many checkpoints (0: before it "
-                   "starts)")  # fmt: skip
+                   "once the job has committed this many checkpoints (0: before it starts)")  # fmt: skip
 
 
 def _row_bytes(fmt: str, dim: int) -> int:
@@ -102,8 +88,7 @@ def _overrides(b: Bench, root: str, policy: str, served: str, mode: str, out: Pa
     q = QUANTS[fmt]
     return [
         f"checkpoint.path={root}", f"checkpoint.policy={policy}",
-        f"checkpoint.background={a.background}",
-        f"checkpoint.interval_steps={a.interval_steps}",
+        f"checkpoint.background={a.background}", f"checkpoint.interval_steps={a.interval_steps}",
         f"checkpoint.quantize.method={q.method}", f"checkpoint.quantize.bits={q.bits}",
         f"checkpoint.quantize.min_rows={q.min_rows}",
         f"model.num_tables={a.tables}", f"model.max_rows={a.rows}", f"model.dim={a.dim}",
@@ -121,15 +106,14 @@ def _key(storage: str, policy: str, served: str, mode: str, followers: int = 1) 
             + ("" if followers == 1 else f"_x{followers}"))  # fmt: skip
 
 
-def _one_run(
-    b: Bench, storage: str, policy: str, served: str, mode: str, followers: int = 1
-) -> dict[str, Any]:
+def _one_run(b: Bench, storage: str, policy: str, served: str, mode: str,
+             followers: int = 1) -> dict[str, Any]:  # fmt: skip
     """The job and its serving processes on a fresh root: the first follower's figures, and
     with more, each one's store and CPU cost too (:func:`_fanout`)."""
     key = _key(storage, policy, served, mode, followers)
     out = b.scratch / key
     out.mkdir()
-    root = f"s3://{s3_bucket()}/{key}" if storage == "s3" else str(out / "root")
+    root = f"s3://{measure.s3_bucket()}/{key}" if storage == "s3" else str(out / "root")
     args = ["--config", CONFIG, *_overrides(b, root, policy, served, mode, out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = str(Path(sys.executable).with_name("torchrun"))
@@ -139,7 +123,7 @@ def _one_run(
     job: subprocess.Popen[bytes] | None = None
     launched: dict[str, float] = {}  # a serving process's name -> when it was started
     store = os.environ.get("AWS_ENDPOINT_URL") if storage == "s3" else None
-    processes_cpu, store_cpu = children_cpu_s(), store_cpu_s(store)
+    processes_cpu, store_cpu = measure.children_cpu_s(), measure.store_cpu_s(store)
 
     def serve() -> None:
         for name in names:
@@ -164,15 +148,20 @@ def _one_run(
                  *args], stdout=log, stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
         if b.args.join_after:
-            _wait_commits(root, b.args.join_after, job)
+            deadline = time.time() + 900
+            while len(list_checkpoints(root)) < b.args.join_after:
+                if job.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"the job did not commit {b.args.join_after} checkpoints "
+                                       "(see train.log)")  # fmt: skip
+                time.sleep(0.2)
             serve()
             if open_storage(root).read(DONE_MARKER) is not None:  # see _wait_following
                 raise RuntimeError(f"{key}: the job ended before its followers started: train "
                                    "longer (--steps) or join earlier (--join-after)")  # fmt: skip
         job.wait(timeout=1800)
         served_rc = [s.wait(timeout=900) for s in servers]
-        processes_cpu = children_cpu_s() - processes_cpu
-        store_end = store_cpu_s(store)
+        processes_cpu = measure.children_cpu_s() - processes_cpu
+        store_end = measure.store_cpu_s(store)
         store_cpu = None if store_end is None or store_cpu is None else store_end - store_cpu
     finally:
         for proc in [*servers, *([job] if job is not None else [])]:
@@ -188,11 +177,23 @@ def _one_run(
     table_rows = b.args.tables * b.args.rows
     summaries = [_summarise(m, infos, row, table_rows, launched[n]) for m, n in zip(metrics, names)]
     summary = summaries[0] | _fanout(summaries, metrics, infos)
-    summary["host_cpu"] = _host_cpu(processes_cpu, store_cpu, metrics, infos, summary["interval_s"])
+    # CPU seconds per commit of the run's processes, of the serving processes from following
+    # on, of a local S3 server, against what the host's cores give in an interval.
+    commits, interval_s = max(1, len(infos)), summary["interval_s"]
+    summary["host_cpu"] = {
+        "processes_s": processes_cpu / commits,
+        "followers_s": sum(m["cpu_s"] for m in metrics) / commits,
+        "store_s": None if store_cpu is None else store_cpu / commits,
+        "cores_s": None if interval_s is None else (os.cpu_count() or 1) * interval_s}  # fmt: skip
     # The disk's own time for the bytes of the cold start, read cold (the job is over).
     cold_bytes = int(summary["cold_mb"] * MB)
-    summary["cold_disk_s"] = disk_read_s(out, cold_bytes) if storage == "fs" else None
-    b.log(f"{key}: {_brief(summary)} ({time.time() - began:.0f} s)")
+    summary["cold_disk_s"] = measure.disk_read_s(out, cold_bytes) if storage == "fs" else None
+    s = summary
+    b.log(f"{key}: torn {s['torn_requests']}/{s['checked_requests']}, update "
+          f"{s['update_s']:.2f} s, lag {s['lag_s']:.2f} s (max {s['lag_s_max']:.2f}), fresh "
+          f"{s['fresh_s']:.2f} s (max {s['fresh_s_max']:.2f}), blocked "
+          f"{s['blocked_s'] * 1e3:.1f} ms, read/changed {s['read_over_changed']:.2f}, served "
+          f"{s['served_commits']}/{s['commits']} ({time.time() - began:.0f} s)")  # fmt: skip
     return {"storage": storage, "policy": policy, "served": served, "mode": mode,
             "followers": followers, "joined_after": b.args.join_after, "row_bytes": row, **summary,
             **({"budget_mb": b.args.budget_mb} if mode == "budget" else {})}  # fmt: skip
@@ -211,21 +212,9 @@ def _wait_following(out: Path, servers: list[subprocess.Popen[bytes]]) -> None:
             time.sleep(0.2)
 
 
-def _wait_commits(root: str, n: int, job: subprocess.Popen[bytes]) -> None:
-    """Until the job has committed ``n`` checkpoints."""
-    deadline = time.time() + 900
-    while len(list_checkpoints(root)) < n:
-        if job.poll() is not None or time.time() > deadline:
-            raise RuntimeError(f"the job did not commit {n} checkpoints (see train.log)")
-        time.sleep(0.2)
-
-
-def _fanout(
-    summaries: list[dict[str, Any]], metrics: list[dict[str, Any]], infos: list[CheckpointInfo]
-) -> dict[str, Any]:
-    """Each follower's cost to the store and the host, and the worst: requests and bytes per
-    commit after its cold start, requests of an idle poll, read over changed bytes (median),
-    CPU seconds of following (less its request thread's) per commit."""
+def _fanout(summaries: list[dict[str, Any]], metrics: list[dict[str, Any]],
+            infos: list[CheckpointInfo]) -> dict[str, Any]:  # fmt: skip
+    """Each follower's cost to the store and the host after its cold start, and the worst."""
     each = []
     commits = len(infos)
     for s, m in zip(summaries, metrics):
@@ -245,10 +234,8 @@ def _fanout(
             "caught_up_requests_per_commit": caught_up / len(later) if later else None,
             "read_over_changed": s["read_over_changed"],
             "follow_cpu_s_per_commit": (m["cpu_s"] - m["request_cpu_s"]) / commits,
-            "follow_cpu_ms_per_update": s["follow_cpu_ms"],
-            "served_commits": s["served_commits"],
-            "torn_requests": s["torn_requests"],
-            "lag_s": s["lag_s"],
+            "follow_cpu_ms_per_update": s["follow_cpu_ms"], "served_commits": s["served_commits"],
+            "torn_requests": s["torn_requests"], "lag_s": s["lag_s"],
         })  # fmt: skip
     return {
         "each_follower": each,
@@ -259,33 +246,10 @@ def _fanout(
     }  # fmt: skip
 
 
-def _host_cpu(
-    processes_s: float,
-    store_s: float | None,
-    metrics: list[dict[str, Any]],
-    infos: list[CheckpointInfo],
-    interval_s: float | None,
-) -> dict[str, Any]:
-    """CPU seconds per commit of the run's processes (the training job's and the serving
-    processes', their starts included), of following and answering requests (the serving
-    processes' from following on), of a local S3 server (the job's writes and every
-    follower's reads), against what the host's cores give in an interval."""
-    commits = max(1, len(infos))
-    return {
-        "processes_s": processes_s / commits,
-        "followers_s": sum(m["cpu_s"] for m in metrics) / commits,
-        "store_s": None if store_s is None else store_s / commits,
-        "cores_s": None if interval_s is None else (os.cpu_count() or 1) * interval_s,
-    }
-
-
-def _summarise(
-    m: dict[str, Any], infos: list[CheckpointInfo], row: int, table_rows: int, launched: float
-) -> dict[str, Any]:
+def _summarise(m: dict[str, Any], infos: list[CheckpointInfo], row: int, table_rows: int,
+               launched: float) -> dict[str, Any]:  # fmt: skip
     """Per incremental update: changed rows and bytes, read over them, freshness, a memcpy of
-    the changed bytes; medians and worst. The start: from the follower's start (and the
-    serving process's, ``launched``) to its first step served; commits after that step
-    never served."""
+    the changed bytes (medians and worst); the start to the first step served."""
     reports = [UpdateReport(**r) for r in m["update_reports"]]
     fresh = {f["step"]: f for f in freshness(reports, infos)}
     committed = {i.step: i.committed_at for i in infos}
@@ -300,7 +264,7 @@ def _summarise(
                         "read_over_changed": r.bytes_read / max(1, rows * row),
                         "fresh_mid_s": fresh[r.step]["mid_s"],
                         "fresh_worst_s": fresh[r.step]["worst_s"],
-                        "memcpy_s": memcpy_s(rows * row),
+                        "memcpy_s": measure.memcpy_s(rows * row),
                         "held_over_changed": r.held_bytes / max(1, rows * row)})  # fmt: skip
     if not updates:
         raise RuntimeError("no incremental update was served: train longer (--steps)")
@@ -312,7 +276,7 @@ def _summarise(
         return max(u[k] for u in updates)
 
     intervals = [b.committed_at - a.committed_at for a, b in zip(infos, infos[1:])]
-    scatter = scatter_s(int(med("changed_rows")), row - ID_BYTES, table_rows)
+    scatter = measure.scatter_s(int(med("changed_rows")), row - ID_BYTES, table_rows)
     warm = m.get("warm_updates")  # after the first update past the cold start, idle polls in
     follow_ms = (m["warm_cpu_s"] - m["warm_request_cpu_s"]) / warm * 1e3 if warm else None
     return {
@@ -323,8 +287,7 @@ def _summarise(
         "torn_requests": m["torn_requests"], "torn_examples": m["torn_examples"],
         "cold_s": next((r.seconds for r in reports if r.cold), None),
         "cold_mb": next((r.bytes_read for r in reports if r.cold), 0) / MB,
-        "start_s": first_served - m["following_at"],
-        "process_start_s": first_served - launched,
+        "start_s": first_served - m["following_at"], "process_start_s": first_served - launched,
         "missed_commits": sum(i.step > reports[0].step and i.step not in served for i in infos),
         "update_s": med("seconds"), "update_s_max": worst("seconds"),
         "lag_s": med("lag_s"), "lag_s_max": worst("lag_s"),
@@ -347,21 +310,8 @@ def _summarise(
     }  # fmt: skip
 
 
-def _brief(s: dict[str, Any]) -> str:
-    return (
-        f"torn {s['torn_requests']}/{s['checked_requests']}, update {s['update_s']:.2f} s, "
-        f"lag {s['lag_s']:.2f} s (max {s['lag_s_max']:.2f}), fresh {s['fresh_s']:.2f} s "
-        f"(max {s['fresh_s_max']:.2f}), blocked {s['blocked_s'] * 1e3:.1f} ms, "
-        f"read/changed {s['read_over_changed']:.2f}, served {s['served_commits']}/{s['commits']}"
-    )
-
-
 def targets(runs: dict[str, Any]) -> list[Goal]:
-    """Every run: no torn snapshot; freshness ≤ 6 s (median), lag ≤ 2 s (worst); bytes ≤ 1.2x
-    the changed rows; every commit after the first served is served; blocked ≤ a memcpy of
-    the changed bytes (copy), ≤ 5 ms (swap), held ≤ the memory budget (budget); the
-    follower's CPU per update ≤ 2x a memcpy of the changed bytes; joining a running job,
-    served ≤ 3 s after the follower starts."""
+    """Every run's: consistency, freshness, bytes read, blocking, CPU, and a joiner's start."""
     out: list[Goal] = []
     for key, run in runs.items():
         r = f"runs.{key}"
@@ -395,9 +345,7 @@ def targets(runs: dict[str, Any]) -> list[Goal]:
 
 
 def _fanout_targets(runs: dict[str, Any], key: str) -> list[Goal]:
-    """Several followers on one root: an idle poll costs each one request, each reads ≤ 1.2x
-    its changed bytes, and each costs the store ≤ 1.2x a lone follower's requests per commit
-    (once caught up) and bytes per commit."""
+    """Several followers on one root: each costs the store about what a lone one does."""
     run, r = runs[key], f"runs.{key}"
     n = run["followers"]
     out = []
@@ -436,62 +384,51 @@ def tables(m: dict[str, Any]) -> list[Table]:
         **which,
         "torn / checked requests": lambda r: f"{r['torn_requests']} / {r['checked_requests']}",
         "served / commits": lambda r: f"{r['served_commits']} / {r['commits']}",
-        "missed after first": lambda r: r.get("missed_commits"),
-        "start s": lambda r: r.get("start_s"),
-        "(process)": lambda r: r.get("process_start_s"),
-        "start MB": lambda r: r.get("cold_mb"),
-        "disk s (same MB)": lambda r: r.get("cold_disk_s"),
-        "interval s": "interval_s",
+        "missed after first": "missed_commits",
+        "start s": "start_s", "(process)": "process_start_s",
+        "start MB": "cold_mb", "disk s (same MB)": "cold_disk_s", "interval s": "interval_s",
         "fresh s (median)": "fresh_s", "fresh s (worst)": "fresh_s_max",
         "step row first read s": "probe_fresh_s", "(worst)": "probe_fresh_s_max",
         "lag s (median)": "lag_s", "lag s (worst)": "lag_s_max",
     }, "A torn request read rows of another step than follower.step named. Missed after "
-        "first: commits after the first served step that were never served. Start: from "
-        "the follower's start (the serving process's) to its first step served; its MB read, "
-        "and the disk's time to read as many bytes cold, sequentially, after the job (file "
-        "system). Interval: "
-        "median seconds between commits. Fresh: from a row's training step to served "
-        "(the middle row of an update; the worst, trained right after the previous "
-        "served save). Step row first read: from the save of a step to the first request "
-        "that read the rows the job wrote at it (median, worst). Lag: commit to served.",
+        "first: commits after the first served step that were never served. Start: from the "
+        "follower's start (the serving process's) to its first step served; its MB read, and the "
+        "disk's time to read as many bytes cold, sequentially, after the job (file system). "
+        "Interval: median seconds between commits. Fresh: from a row's training step to served "
+        "(the middle row of an update; the worst, trained right after the previous served save). "
+        "Step row first read: from the save of a step to the first request that read the rows the "
+        "job wrote at it (median, worst). Lag: commit to served.",
     )  # fmt: skip
     update = Table.of("Per update (median; worst where marked)", runs, {
-        **which,
-        "update s": "update_s", "update s (worst)": "update_s_max",
+        **which, "update s": "update_s", "update s (worst)": "update_s_max",
         "changed MB": "changed_mb", "read MB": "read_mb",
         "read / changed": "read_over_changed", "read / changed (worst)": "read_over_changed_max",
-        "storage requests": "requests",
-        "blocked ms": lambda r: r["blocked_s"] * 1e3,
+        "storage requests": "requests", "blocked ms": lambda r: r["blocked_s"] * 1e3,
         "blocked ms (worst)": lambda r: r["blocked_s_max"] * 1e3,
-        "memcpy ms": lambda r: r.get("memcpy_ms"), "blocked / memcpy": "blocked_over_memcpy",
-        "follow CPU ms": lambda r: r.get("follow_cpu_ms"),
-        "CPU / memcpy": lambda r: r.get("follow_cpu_over_memcpy"),
-        "scatter ms": lambda r: r.get("scatter_ms"),
-        "held MB": lambda r: r.get("held_mb"), "(worst)": lambda r: r.get("held_mb_max"),
-        "spilled MB": lambda r: r.get("spilled_mb"),
-        "held / changed": lambda r: r.get("held_over_changed"),
+        "memcpy ms": "memcpy_ms", "blocked / memcpy": "blocked_over_memcpy",
+        "follow CPU ms": "follow_cpu_ms", "CPU / memcpy": "follow_cpu_over_memcpy",
+        "scatter ms": "scatter_ms", "held MB": "held_mb", "(worst)": "held_mb_max",
+        "spilled MB": "spilled_mb", "held / changed": "held_over_changed",
         "spare MB": lambda r: r.get("spare_mb", 0.0),
         "request ms": lambda r: None if r["request_s"] is None else r["request_s"] * 1e3,
     }, "Changed: the rows changed since the served step, as stored, with int32 ids. "
-        "Blocked: the exclusive hold of an update; memcpy: a copy of its changed bytes "
-        "between warm buffers. Follow CPU: the serving process's CPU time, less its request "
-        "thread's, over the updates after the first that followed the cold start (idle polls "
-        "included; the cold start, the catch-up after it and swap mode's second copy of the "
-        "tables left out); scatter: a write of as many rows at random places of a table as "
-        "large as the model's, from a warm buffer (the least an update in place costs). "
-        "Held: memory the update's rows took at once (as read, "
-        "and in serving form where not a view of them; with a budget, the largest "
-        "piece, and spilled: the mapped files); spare: swap mode's second copy "
-        "of the tables. Request: one held-out batch's forward, waits included.",
+        "Blocked: the exclusive hold of an update; memcpy: a copy of its changed bytes between "
+        "warm buffers. Follow CPU: the serving process's CPU time, less its request thread's, "
+        "over the updates after the first that followed the cold start (idle polls included; the "
+        "cold start, the catch-up after it and swap mode's second copy of the tables left out); "
+        "scatter: a write of as many rows at random places of a table as large as the model's, "
+        "from a warm buffer (the least an update in place costs). Held: memory the update's rows "
+        "took at once (as read, and in serving form where not a view of them; with a budget, the "
+        "largest piece, and spilled: the mapped files); spare: swap mode's second copy of the "
+        "tables. Request: one held-out batch's forward, waits included.",
     )  # fmt: skip
     followers = Table.of("Followers on one root (each its own process, at nice 10)", fanout, {
         "run": "run", "follower": "follower",
         "requests / commit": "requests_per_commit", "(caught up)": "caught_up_requests_per_commit",
         "MB / commit": "mb_per_commit",
         "requests / update": "requests_per_update", "requests / idle poll": "idle_poll_requests",
-        "read / changed": "read_over_changed",
-        "follow CPU s / commit": "follow_cpu_s_per_commit",
-        "(ms / update, warm)": lambda r: r.get("follow_cpu_ms_per_update"),
+        "read / changed": "read_over_changed", "follow CPU s / commit": "follow_cpu_s_per_commit",
+        "(ms / update, warm)": "follow_cpu_ms_per_update",
         "lag s (median)": "lag_s", "served commits": "served_commits", "torn": "torn_requests",
     }, "Per follower, after its cold start: requests and bytes it cost the store per commit "
         "of the job, idle polls included (caught up: after its first incremental update, "
@@ -518,7 +455,7 @@ def run(b: Bench) -> Outcome:
     a = b.args
     runs: dict[str, Any] = {}
     for storage in a.storage:
-        with s3_server() if storage == "s3" else contextlib.nullcontext():
+        with measure.s3_server() if storage == "s3" else contextlib.nullcontext():
             for one in itertools.product(a.policies, a.served, a.modes, a.followers):
                 runs[_key(storage, *one)] = _one_run(b, storage, *one)
     model = {"tables": a.tables, "rows": a.rows, "dim": a.dim,
@@ -528,11 +465,9 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, tables(m), targets(runs))
 
 
-CASE = Case(name="serving",
-            title="Train to serve: torn snapshots, freshness, update time, bytes and blocking",
-            arguments=_arguments,
-            smoke="--tables 2 --rows 2000 --dim 16 --steps 45 --batch-size 256 "
-                  "--policies intermittent --served int4", run=run)  # fmt: skip
+CASE = Case("serving", "Train to serve: torn snapshots, freshness, update time, bytes and "
+            "blocking", _arguments, "--tables 2 --rows 2000 --dim 16 --steps 45 --batch-size 256 "
+            "--policies intermittent --served int4", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

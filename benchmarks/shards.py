@@ -1,10 +1,8 @@
-"""A checkpoint's metadata against its number of shards, by simulation (no training, no
-tensors), for ``--ranks`` x ``--tables`` row-wise tables split over every rank: each
-configuration, in a process of its own, commits a baseline and a delta (``--fraction`` of
-each shard's rows) of a real save's shard records and index entries
-(``tests/data/format_v6``). Seconds, bytes and peak Python memory of rank 0's commit, one
-rank's restore planning and a follower's update plan (medians of 3), per shard.
-
+"""A checkpoint's metadata against its number of shards, simulated (no training, no tensors)
+for ``--ranks`` x ``--tables`` row-wise tables split over every rank: each configuration,
+in a process of its own, commits a baseline and a delta (``--fraction`` of each shard's
+rows) of a real save's shard records (``tests/data/format_v6``). Seconds, bytes and peak
+Python memory of rank 0's commit, a rank's restore planning and a follower's update plan.
 Targets: each figure per shard at the largest configuration <= 1.5x the smallest's.
 """
 
@@ -12,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import multiprocessing
 import pickle
 import statistics
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -28,7 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.results import Column, Goal, Table
 from torchrec_cnr import schema
 from torchrec_cnr.commit import commit as commit_mod
@@ -234,9 +232,8 @@ def _one(a: argparse.Namespace, ranks: int, tables: int) -> dict[str, float]:
             unit = "mb" if trace else "s"
             # Plans only read: the median of 3 (one, right after a commit of hundreds of MB,
             # varied with the disk's write-back).
-            got[f"plan_{unit}"] = _measure(
-                lambda: _restore_plan(a, root, ranks, tables, io), trace, 3
-            )
+            plan = functools.partial(_restore_plan, a, root, ranks, tables, io)
+            got[f"plan_{unit}"] = _measure(plan, trace, 3)
             got[f"follow_{unit}"] = _measure(lambda: _follower_plan(root, tables, io), trace, 3)
         got["plan_b"] = _restore_plan(a, root, ranks, tables, io)
         got |= _commit(a, root, ranks, tables, 2, chain, trace=True)
@@ -307,9 +304,8 @@ def run(b: Bench) -> Outcome:
     return Outcome({"rows": rows, **by}, [table], goals)
 
 
-CASE = Case(name="shards",
-            title="Shards: a commit's and a plan's cost against a checkpoint's shards",
-            arguments=_arguments, smoke="--ranks 4 16 --tables 3 --rows 1000", run=run)  # fmt: skip
+CASE = Case("shards", "Shards: a commit's and a plan's cost against a checkpoint's shards",
+            _arguments, "--ranks 4 16 --tables 3 --rows 1000", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

@@ -1,11 +1,8 @@
-"""Commit and restore times of the same checkpoints on a local file system, on S3 through
-boto3 and through s3fs (a moto server on loopback, keeping objects in memory, unless
-``AWS_ENDPOINT_URL`` names one: the protocol's cost, not a network's), on GCS through gcsfs
-(``gcp-storage-emulator``) and on Azure Blob Storage through adlfs (Azurite), each local
-server started by rank 0. ``--tables`` table-wise tables of ``--rows`` x
-``--dim`` on 2 gloo ranks; on each backend a full fp32 baseline, then a delta of
-``--fraction`` of the rows (intermittent), each timed from ``save()`` to ``wait()``, then a
-restore of the chain, checksums verified. The slowest rank's, median of ``--repeats``.
+"""Commit and restore times of the same checkpoints on a file system, on S3 through boto3 and
+s3fs (moto on loopback unless ``AWS_ENDPOINT_URL``: the protocol's cost, not a network's),
+on GCS (gcsfs, emulator) and Azure (adlfs, Azurite), local servers started by rank 0. On
+each: a full fp32 baseline, a delta of ``--fraction`` of the rows, each to ``wait()``, and
+a restore of the chain; the slowest rank's, median of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ import argparse
 import contextlib
 import os
 import statistics
-import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import measure
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.results import Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.offline import list_checkpoints
@@ -38,9 +34,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
 
 
-def _measure(
-    b: Bench, base: str, model: torch.nn.Module, options: dict[str, Any] | None
-) -> dict[str, Any]:
+def _measure(b: Bench, base: str, model: torch.nn.Module,
+             options: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
     shards = local_shards(model)
     rows = measure.random_rows(shards, [b.args.fraction])[b.args.fraction]
     full, delta, restore = [], [], []
@@ -118,9 +113,8 @@ def run(b: Bench) -> Outcome:
     return Outcome({"backends": backends}, [table])
 
 
-CASE = Case(name="storage", title="Commit and restore on a file system and on object stores",
-            arguments=_arguments, smoke="--tables 2 --rows 2000 --dim 16 --repeats 1",
-            run=run)  # fmt: skip
+CASE = Case("storage", "Commit and restore on a file system and on object stores",
+            _arguments, "--tables 2 --rows 2000 --dim 16 --repeats 1", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

@@ -1,21 +1,17 @@
-"""Iteration time and memory of row tracking: none, torchrec_cnr's bitmaps (plain, with
-CPR's MFU counters, with SSU sampling), TorchRec's ModelDeltaTracker (ID_ONLY) alone, and
-ModelDeltaTracker read by the manager (its hooks record the rows; ours only serve
-copy-on-write; the manager reads the ids into its bitmaps once per ``--iters`` iterations,
-as a checkpoint would).
+"""Iteration time and memory of row tracking: none, torchrec_cnr's bitmaps (plain, with MFU
+counters, with SSU sampling), TorchRec's ModelDeltaTracker (ID_ONLY) alone, and read by the
+manager into its bitmaps once per ``--iters`` iterations.
 
-One model (8 table-wise tables x 500k rows x dim 64, batch 2048 per rank, pooling 4)
-carries both trackers; each round switches each variant on in turn, rotating, for
-``--iters`` iterations, on the same kernels and batches. A variant's figure is its median
-over ``--rounds`` rounds, after a warm-up round. Targets: our bitmap's overhead <= 1% and <=
-ModelDeltaTracker's.
+One model carries both trackers; each round switches each variant on in turn, rotating,
+for ``--iters`` iterations on the same kernels and batches; a variant's figure is its
+median over ``--rounds``, after a warm-up round. Targets: our bitmap's overhead <= 1% and
+<= ModelDeltaTracker's.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -23,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
 
-from benchmarks.harness import Bench, Case, Outcome, main
+from benchmarks.harness import Bench, Case, Outcome, cli
 from benchmarks.measure import gathered, model_arguments, uniform_model
 from benchmarks.results import Goal, Table
 from cnr_train.workload import ZipfBatches, train_step
@@ -159,9 +155,8 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, [table], TARGETS)
 
 
-CASE = Case(name="tracking", title="Tracking overhead (one model, one run)", arguments=_arguments,
-            smoke="--tables 2 --rows 2000 --dim 16 --batch-size 64 --rounds 2 --iters 2",
-            run=run)  # fmt: skip
+CASE = Case("tracking", "Tracking overhead (one model, one run)", _arguments,
+            "--tables 2 --rows 2000 --dim 16 --batch-size 64 --rounds 2 --iters 2", run)  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

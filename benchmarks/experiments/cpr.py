@@ -1,36 +1,26 @@
-"""CPR's comparison on the synthetic Criteo-like DLRM, in the paper's setting: overhead and
-quality of full recovery, partial recovery, and partial recovery with MFU / SSU
-prioritized saves, under emulated failures of single embedding shards.
+"""CPR's comparison on the synthetic Criteo-like DLRM: overhead and quality of full recovery,
+partial recovery, and partial recovery with MFU / SSU prioritized saves, under emulated
+failures of single embedding shards.
 
-**Emulated shards.** CPR's embedding tables live on N parameter-server shards and a failure
-takes one of them down. Here each rank's tables are split into ``--shards / world`` groups
-of about equal bytes (``--shards 16``: 8 per rank on 2 ranks), each group one emulated
-shard. Failure steps are drawn from an exponential distribution with mean
-``--mtbf-steps``; each hits one shard, drawn at random; the pattern is seeded and the same
-for every arm. Every arm trains the same model on the same batches for ``--steps`` steps;
-a full checkpoint at step 0 gives every failure a restore target.
+Each rank's tables form ``--shards / world`` emulated shards of about equal bytes. Failures
+arrive with exponential gaps of mean ``--mtbf-steps`` (seeded, the same for every arm), each
+taking one shard down. Every arm trains the same model on the same batches for ``--steps``
+steps, a full checkpoint at step 0 first.
 
-- ``full``: checkpoints every Young's interval ``sqrt(2 * O_save * T_fail)`` (``O_save``:
-  the time a probe save blocks training). At a failure every rank waits for the pending
-  checkpoint, restores the latest committed one (step c) and re-runs steps c+1..f.
-- ``partial``: checkpoints every ``2 * T_fail * N * pls_target`` (PLS target); at a
-  failure only the failed shard's tables reload (``restore(tables=...)``).
-- ``partial+mfu`` / ``partial+ssu``: as ``partial``, with MFU / SSU tracking, the
-  consecutive policy, a per-rank priority budget (a fraction of one full checkpoint's
-  per-rank bytes), saving ``--prio-interval-frac`` times as often, and ``compact_every``
-  so that a restore reads a bounded chain.
+- ``full``: checkpoints every Young's interval ``sqrt(2 * O_save * T_fail)``; at a failure
+  every rank restores the latest committed checkpoint (step c) and re-runs c+1..f.
+- ``partial``: checkpoints every ``2 * T_fail * N * pls_target``; only the failed shard's
+  tables reload (``restore(tables=...)``).
+- ``partial+mfu`` / ``partial+ssu``: as ``partial`` with MFU / SSU tracking, the consecutive
+  policy, a per-rank priority budget (``--budget-frac`` of a full checkpoint),
+  ``--prio-interval-frac`` times the interval and ``compact_every``.
 
-**Rescheduling** (replacing the failed node) is accounted, not slept, for every failure of
-every arm: ``--reschedule-frac`` of the MTBF (default 0.5%, the upper bound the CPR paper's
-own figures put on it). The result also gives the full/partial ratio for other values,
-from the same measured run.
-
-Overheads, as a percentage of the pure training time of the arm's steps: save (blocked in
-``save`` plus ``wait`` at failures), load (in ``restore``), lost computation (re-run steps)
-and rescheduling; the slowest rank's. PLS measured: the sum over failures of the steps
-since the failed shard's last committed checkpoint, over ``N * steps``. Targets: partial
-recovery's overhead (best arm) <= 1/5 of full recovery's; its AUC within 0.001 of full
-recovery's. Writes ``results.csv`` and ``overhead.png`` beside the JSON result.
+Rescheduling is accounted, not slept: ``--reschedule-frac`` of the MTBF per failure (the
+result gives the ratio for other values too). Overheads are percentages of the arm's pure
+training time (save, load, lost computation, rescheduling), the slowest rank's; PLS
+measured is the steps lost to partial restores over ``N * steps``. Targets: the best partial
+arm's overhead <= 1/5 of full recovery's, its AUC within 0.001. Writes ``results.csv`` and
+``overhead.png`` beside the JSON result.
 """
 
 from __future__ import annotations
@@ -38,13 +28,12 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 import time
 from typing import Any
 
 import torch.distributed as dist
 
-from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
+from benchmarks.harness import Bench, Case, Outcome, cli, pyplot, save_figure, write_csv
 from benchmarks.measure import Policy, from_rank0, gathered, max_over_ranks, rmtree, timed_save
 from benchmarks.results import Goal, Table
 from cnr_train.config import DataConfig, JobConfig, ModelConfig, OptimizerConfig
@@ -59,12 +48,11 @@ LR = 0.05
 RESCHEDULE_FRACS = (0.0, 0.001, 0.0025, 0.005, 0.01, 0.02)
 """Rescheduling costs (fractions of the MTBF) the result recomputes the ratio for."""
 PARTS = ("save", "load", "lost", "resched")
-
 TARGETS = [
     Goal("partial recovery overhead (best arm) <= 1/5 of full recovery's",
-           "verdicts.best_partial_overhead_pct", "<=", "arms.full.overhead_pct", 0.2),
+         "verdicts.best_partial_overhead_pct", "<=", "arms.full.overhead_pct", 0.2),
     Goal("AUC of the best partial arm within 0.001 of full recovery's",
-           "verdicts.auc_diff_abs", "<=", 0.001),
+         "verdicts.auc_diff_abs", "<=", 0.001),
 ]  # fmt: skip
 
 
@@ -89,25 +77,21 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 def _trainer(a: argparse.Namespace, cfg: CheckpointConfig, tracking: Any) -> Trainer:
     """The same model, seeds and data for every arm; only checkpointing differs."""
-    job = JobConfig(
-        checkpoint=cfg,
-        model=ModelConfig(tables="criteo", max_rows=a.max_rows, dim=a.dim),
-        data=DataConfig(batch_size=a.batch_size),
-        optimizer=OptimizerConfig(sparse_lr=LR, dense_lr=LR),
-    )
+    job = JobConfig(checkpoint=cfg, data=DataConfig(batch_size=a.batch_size),
+                    model=ModelConfig(tables="criteo", max_rows=a.max_rows, dim=a.dim),
+                    optimizer=OptimizerConfig(sparse_lr=LR, dense_lr=LR))  # fmt: skip
     return Trainer.build(job, seed=0, tracking_mode=tracking)
 
 
 def _emulated_shards(t: Trainer, num_shards: int) -> list[list[str]]:
     """Each rank's tables in ``num_shards / world`` groups of about equal bytes (largest
-    table first into the lightest group); every rank's groups, in rank order."""
+    first into the lightest group); every rank's groups, in rank order."""
     world = dist.get_world_size()
     if num_shards % world:
         raise ValueError(f"--shards {num_shards} is not a multiple of {world} ranks")
     per_rank = num_shards // world
-    local = sorted(
-        ((s.spec.rows * s.spec.cols, s.spec.table) for s in local_shards(t.model)), reverse=True
-    )
+    local = sorted(((s.spec.rows * s.spec.cols, s.spec.table) for s in local_shards(t.model)),
+                   reverse=True)  # fmt: skip
     if len(local) < per_rank:
         raise ValueError(f"a rank holds {len(local)} tables, fewer than {per_rank} shards")
     groups: list[list[str]] = [[] for _ in range(per_rank)]
@@ -134,13 +118,8 @@ def _probe(b: Bench) -> dict[str, Any]:
     t.ckpt.close()
     full_bytes = from_rank0(lambda: checkpoint_info(str(root)).bytes)
     rmtree(root)
-    return {
-        "step_s": step_s,
-        "save_s": stall,
-        "commit_s": commit,
-        "full_bytes": full_bytes,
-        "shards": shards,
-    }
+    return {"step_s": step_s, "save_s": stall, "commit_s": commit, "full_bytes": full_bytes,
+            "shards": shards}  # fmt: skip
 
 
 def _failures(a: argparse.Namespace) -> list[tuple[int, int]]:
@@ -158,9 +137,9 @@ def _failures(a: argparse.Namespace) -> list[tuple[int, int]]:
             out.append((step, victim))
 
 
-def _arm(
-    b: Bench, name: str, mode: str, cfg: CheckpointConfig, tracking: Any, plan: dict[str, Any]
-) -> dict[str, Any]:
+def _arm(b: Bench, name: str, mode: str, cfg: CheckpointConfig, tracking: Any,
+         plan: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """One arm over every failure: its overheads by part, checkpoints, PLS and quality."""
     a = b.args
     t = _trainer(a, cfg, tracking)
     fail_at = dict(plan["failures"])
@@ -202,37 +181,23 @@ def _arm(
     train_s, save_s, load_s, lost_s = max_over_ranks(*clock.values())
     interval = cfg.interval_steps
     assert isinstance(interval, int)
-    failures = len(plan["failures"])
+    failures, partial = len(plan["failures"]), mode == "partial"
     row: dict[str, Any] = {
-        "arm": name,
-        "mode": mode,
-        "tracking": tracking,
-        "policy": cfg.policy,
-        "budget_mb": cfg.priority_budget_mb or 0.0,
-        "compact_every": cfg.compact_every or 0,
-        "interval_steps": interval,
-        "checkpoints": sum(1 for i in infos if not i.compacted_from),
+        "arm": name, "mode": mode, "tracking": tracking, "policy": cfg.policy,
+        "budget_mb": cfg.priority_budget_mb or 0.0, "compact_every": cfg.compact_every or 0,
+        "interval_steps": interval, "checkpoints": sum(1 for i in infos if not i.compacted_from),
         "compactions": sum(1 for i in infos if i.compacted_from),
-        "final_chain": len(infos[-1].chain),
-        "written_mb": sum(i.bytes for i in infos) / 1e6,
-        "failures": failures,
-        "lost_steps": lost_steps,
-        "train_s": train_s,
-        "save_s": save_s,
-        "load_s": load_s,
-        "lost_s": lost_s,
-        "resched_s": plan["resched_s"] * failures,
-        "pls_measured": pls_steps / (a.shards * a.steps) if mode == "partial" else 0.0,
-        "pls_formula": pls(interval, a.mtbf_steps, a.shards) if mode == "partial" else 0.0,
-        **metrics,
-    }
+        "final_chain": len(infos[-1].chain), "written_mb": sum(i.bytes for i in infos) / 1e6,
+        "failures": failures, "lost_steps": lost_steps, "train_s": train_s, "save_s": save_s,
+        "load_s": load_s, "lost_s": lost_s, "resched_s": plan["resched_s"] * failures,
+        "pls_measured": pls_steps / (a.shards * a.steps) if partial else 0.0,
+        "pls_formula": pls(interval, a.mtbf_steps, a.shards) if partial else 0.0, **metrics,
+    }  # fmt: skip
     for part in PARTS:
         row[f"{part}_pct"] = 100 * row[f"{part}_s"] / train_s
     row["overhead_pct"] = sum(row[f"{p}_pct"] for p in PARTS)
-    b.log(
-        f"{name}: every {interval} steps, {row['checkpoints']} ckpts: overhead "
-        f"{row['overhead_pct']:.2f}%, AUC {row['auc']:.4f}, PLS {row['pls_measured']:.4f}"
-    )
+    b.log(f"{name}: every {interval} steps, {row['checkpoints']} ckpts: overhead "
+          f"{row['overhead_pct']:.2f}%, AUC {row['auc']:.4f}, PLS {row['pls_measured']:.4f}")  # fmt: skip
     rmtree(b.scratch / name.replace("+", "_"))
     return row
 
@@ -247,51 +212,37 @@ def _verdicts(arms: dict[str, dict[str, Any]], mtbf_s: float) -> dict[str, Any]:
     best = min(partial, key=lambda r: r["overhead_pct"])
 
     def total(r: dict[str, Any], frac: float) -> float:
-        return (
-            r["overhead_pct"]
-            - r["resched_pct"]
-            + 100 * frac * mtbf_s * r["failures"] / r["train_s"]
-        )
+        resched = 100 * frac * mtbf_s * r["failures"] / r["train_s"]
+        return r["overhead_pct"] - r["resched_pct"] + resched
 
     return {
-        "best_partial": best["arm"],
-        "best_partial_overhead_pct": best["overhead_pct"],
+        "best_partial": best["arm"], "best_partial_overhead_pct": best["overhead_pct"],
         "full_over_best_partial": full["overhead_pct"] / max(best["overhead_pct"], 1e-12),
         "auc_diff_abs": abs(full["auc"] - best["auc"]),
         "by_reschedule_frac": {
             f"{frac:.2%}": {
-                "full": total(full, frac),
-                **{r["arm"]: total(r, frac) for r in partial},
+                "full": total(full, frac), **{r["arm"]: total(r, frac) for r in partial},
                 "ratio": total(full, frac) / max(min(total(r, frac) for r in partial), 1e-12),
-            }
-            for frac in RESCHEDULE_FRACS
+            } for frac in RESCHEDULE_FRACS
         },
-    }
+    }  # fmt: skip
 
 
 def tables(m: dict[str, Any]) -> list[Table]:
-    arms = m["arms"]
-    main_table = Table.of("Arms", arms.values(), {
-        "arm": "arm",
-        "interval (steps)": "interval_steps",
+    out = [Table.of("Arms", m["arms"].values(), {
+        "arm": "arm", "interval (steps)": "interval_steps",
         "checkpoints (+ compactions)": lambda r: f"{r['checkpoints']} (+{r['compactions']})",
-        "final chain": "final_chain",
-        **{f"{p} %": f"{p}_pct" for p in ("overhead", *PARTS)},
+        "final chain": "final_chain", **{f"{p} %": f"{p}_pct" for p in ("overhead", *PARTS)},
         "PLS measured / formula": lambda r: f"{r['pls_measured']:.4f} / {r['pls_formula']:.4f}",
-        "AUC": lambda r: f"{r['auc']:.4f}",
-        "log loss": lambda r: f"{r['logloss']:.4f}",
-    }, note=m["setting"])  # fmt: skip
-    out = [main_table]
+        "AUC": lambda r: f"{r['auc']:.4f}", "log loss": lambda r: f"{r['logloss']:.4f}",
+    }, note=m["setting"])]  # fmt: skip
     by = m["verdicts"].get("by_reschedule_frac")
     if by:
         cols = [k for k in next(iter(by.values())) if k != "ratio"]
-        out.append(
-            Table(
-                "Full / best partial overhead % for other rescheduling costs (same run)",
-                ["rescheduling, % of MTBF", *cols, "ratio"],
-                [[frac, *(v[c] for c in cols), f"{v['ratio']:.2f}x"] for frac, v in by.items()],
-            )
-        )
+        out.append(Table("Full / best partial overhead % for other rescheduling costs (same run)",
+                         ["rescheduling, % of MTBF", *cols, "ratio"],
+                         [[frac, *(v[c] for c in cols), f"{v['ratio']:.2f}x"]
+                          for frac, v in by.items()]))  # fmt: skip
     return out
 
 
@@ -305,8 +256,8 @@ def _plot(b: Bench, rows: list[dict[str, Any]], title: str) -> None:
         ax.bar(xs, vals, 0.6, bottom=bottom, label=label)
         bottom = [x + v for x, v in zip(bottom, vals)]
     for x, r, top in zip(xs, rows, bottom):
-        label = f"AUC {r['auc']:.4f}"
-        ax.annotate(label, (x, top), xytext=(0, 3), textcoords="offset points", ha="center")
+        ax.annotate(f"AUC {r['auc']:.4f}", (x, top), xytext=(0, 3), textcoords="offset points",
+                    ha="center")  # fmt: skip
     ax.set_xticks(xs, [r["arm"] for r in rows])
     ax.set_ylabel("overhead, % of training time")
     ax.set_ylim(0, max(bottom) * 1.2 + 1e-9)
@@ -324,11 +275,8 @@ def run(b: Bench) -> Outcome:
     partial_interval = max(1, round(2 * a.mtbf_steps * a.shards * a.pls_target))
     prio_interval = max(1, round(partial_interval * a.prio_interval_frac))
     budget = a.budget_frac * probe["full_bytes"] / b.world / (1 << 20)
-    plan = {
-        "failures": _failures(a),
-        "shards": probe["shards"],
-        "resched_s": a.reschedule_frac * mtbf_s,
-    }
+    plan = {"failures": _failures(a), "shards": probe["shards"],
+            "resched_s": a.reschedule_frac * mtbf_s}  # fmt: skip
     setting = (
         f"{a.steps} steps, 26 Criteo tables x <= {a.max_rows} rows x dim {a.dim}, batch "
         f"{a.batch_size}/rank, {b.world} ranks, {a.shards} emulated shards. Probe: step "
@@ -349,46 +297,26 @@ def run(b: Bench) -> Outcome:
     arms = {}
     for name in a.arms:
         mode, interval, extra, tracking = arms_spec[name]
-        root = str(b.scratch / name.replace("+", "_"))
         policy: Policy = extra["policy"]
-        cfg = CheckpointConfig(
-            path=root,
-            interval_steps=interval,
-            policy=policy,
-            priority_budget_mb=extra.get("priority_budget_mb"),
-            compact_every=extra.get("compact_every"),
-        )
+        cfg = CheckpointConfig(path=str(b.scratch / name.replace("+", "_")), policy=policy,
+                               interval_steps=interval,
+                               priority_budget_mb=extra.get("priority_budget_mb"),
+                               compact_every=extra.get("compact_every"))  # fmt: skip
         arms[name] = _arm(b, name, mode, cfg, tracking, plan)
-    m = {
-        "probe": probe,
-        "mtbf_s": mtbf_s,
-        "young_s": young_s,
-        "resched_s": plan["resched_s"],
-        "failures": plan["failures"],
-        "setting": setting,
-        "arms": arms,
-        "verdicts": _verdicts(arms, mtbf_s),
-    }
+    m = {"probe": probe, "mtbf_s": mtbf_s, "young_s": young_s, "resched_s": plan["resched_s"],
+         "failures": plan["failures"], "setting": setting, "arms": arms,
+         "verdicts": _verdicts(arms, mtbf_s)}  # fmt: skip
     if b.rank == 0:
         write_csv(b.artifacts / "results.csv", list(arms.values()))
-        _plot(
-            b,
-            list(arms.values()),
-            f"CPR: {len(plan['failures'])} failures of 1 in {a.shards} "
-            f"shards in {a.steps} steps (MTBF {a.mtbf_steps:g} steps)",
-        )
+        _plot(b, list(arms.values()), f"CPR: {len(plan['failures'])} failures of 1 in "
+              f"{a.shards} shards in {a.steps} steps (MTBF {a.mtbf_steps:g} steps)")  # fmt: skip
     return Outcome(m, tables(m), TARGETS)
 
 
-CASE = Case(
-    name="experiments.cpr",
-    title="CPR recovery experiment",
-    arguments=_arguments,
-    smoke="--steps 12 --mtbf-steps 5 --shards 4 --pls-target 0.1 --arms full partial+mfu "
-    "--max-rows 500 --dim 8 --batch-size 32 --eval-batches 2 --probe-warmup 1 --probe-steps 2",
-    run=run,
-    kind="experiment",
-)
+CASE = Case("experiments.cpr", "CPR recovery experiment", _arguments,
+            "--steps 12 --mtbf-steps 5 --shards 4 --pls-target 0.1 --arms full partial+mfu "
+            "--max-rows 500 --dim 8 --batch-size 32 --eval-batches 2 --probe-warmup 1 "
+            "--probe-steps 2", run, kind="experiment")  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

@@ -2,19 +2,13 @@
 restores from quantized checkpoints, and the write and capacity reductions.
 
 Every run trains the same model (26 Criteo tables capped at ``--max-rows``, dim ``--dim``)
-on the same batches for ``--steps`` steps, checkpointing every ``--interval`` steps with the
-intermittent policy. A run with L restores restores the model from its latest checkpoint
-right after L evenly spaced checkpoints, as a failure would; the restored (dequantized)
-rows replace the live ones, so the run's quality shows the error quantization adds at
-each restore. The reference run never restores. Reductions compare with full fp32
-checkpoints at every interval: bytes written over the run, and the peak bytes kept to
-restore the latest checkpoint. Also measured: the rows modified per interval and the
-bytes written per row.
-
-The grid is ``--bits`` x ``--restores`` (Fig. 14; ``fig14_auc.png`` and
-``fig17_reduction.png`` beside the JSON result); the targets are ``bits="auto"`` for each L
-of ``--targets``: AUC drop <= 0.001. ``--bits --restores`` with no values runs the targets
-alone, e.g. over longer training::
+on the same batches for ``--steps`` steps, an intermittent checkpoint every ``--interval``.
+A run with L restores restores its latest checkpoint after L evenly spaced ones, as a
+failure would, so its quality shows the error quantization adds; the reference never
+restores. Reductions are against full fp32 checkpoints: bytes written, and the peak bytes
+kept to restore. The grid is ``--bits`` x ``--restores`` (``fig14_auc.png``,
+``fig17_reduction.png``); the targets, ``bits="auto"`` for each L of ``--targets``: AUC drop
+<= 0.001. ``--bits --restores`` with no values runs the targets alone::
 
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node=2 \\
         -m benchmarks.experiments.quantized_restores --steps 4800 --bits --restores \\
@@ -24,10 +18,9 @@ alone, e.g. over longer training::
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from benchmarks.harness import Bench, Case, Outcome, main, pyplot, save_figure, write_csv
+from benchmarks.harness import Bench, Case, Outcome, cli, pyplot, save_figure, write_csv
 from benchmarks.measure import Policy, from_rank0, rmtree
 from benchmarks.results import Column, Goal, Table
 from cnr_train.config import JobConfig, ModelConfig
@@ -37,17 +30,12 @@ from torchrec_cnr import CheckpointConfig, QuantizeConfig
 from torchrec_cnr.offline import checkpoint_info
 from torchrec_cnr.quantization import select_bits
 
-AUC_DROP = 0.001
-"""Check-N-Run's bound on the AUC a quantized restore may cost."""
+AUC_DROP = 0.001  # Check-N-Run's bound on the AUC a quantized restore may cost
 
 
 def targets(restores: list[int]) -> list[Goal]:
-    """For each L, the run with ``bits="auto"`` loses at most 0.001 AUC."""
-    return [
-        Goal(f"bits='auto' for L={n}: AUC drop <= {AUC_DROP}",
-               f"runs.auto-L{n}.auc_drop", "<=", AUC_DROP)
-        for n in restores
-    ]  # fmt: skip
+    return [Goal(f"bits='auto' for L={n}: AUC drop <= {AUC_DROP}", f"runs.auto-L{n}.auc_drop", "<=",
+                 AUC_DROP) for n in restores]  # fmt: skip
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -61,23 +49,17 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", type=int, nargs="*", default=[1, 3, 20], help="L for bits='auto'")
 
 
-def _run(
-    b: Bench, name: str, policy: Policy, quant: QuantizeConfig, bits: int, restores: int
-) -> dict[str, Any]:
-    a = b.args
-    root = str(b.scratch / name)
-    cfg = CheckpointConfig(
-        path=root, policy=policy, interval_steps=a.interval, quantize=quant, keep_last=1
-    )
-    job = JobConfig(
-        checkpoint=cfg, model=ModelConfig(tables="criteo", max_rows=a.max_rows, dim=a.dim)
-    )
-    t = Trainer.build(job, seed=0)
+def _run(b: Bench, name: str, policy: Policy, quant: QuantizeConfig, bits: int,
+         restores: int) -> dict[str, Any]:  # fmt: skip
+    """One run of ``restores`` evenly spaced restores: quality, bytes written and stored."""
+    a, root = b.args, str(b.scratch / name)
+    cfg = CheckpointConfig(path=root, policy=policy, interval_steps=a.interval, quantize=quant,
+                           keep_last=1)  # fmt: skip
+    t = Trainer.build(JobConfig(checkpoint=cfg, model=ModelConfig(
+        tables="criteo", max_rows=a.max_rows, dim=a.dim)), seed=0)  # fmt: skip
     checkpoints = a.steps // a.interval
-    restore_at = {
-        round((k + 1) * checkpoints / (restores + 1)) * a.interval for k in range(restores)
-    }
-    all_rows = 0
+    restore_at = {round((k + 1) * checkpoints / (restores + 1)) * a.interval
+                  for k in range(restores)}  # fmt: skip
     written = peak_stored = done = 0
     rows_saved = 0.0  # embedding rows written; a column shard counts as its share of a row
     one_interval: list[float] = []  # share of rows in each first delta after a baseline
@@ -100,23 +82,12 @@ def _run(
     metrics = evaluate(t.model, t.data, a.eval_batches)
     t.ckpt.close()
     rmtree(b.scratch / name)
-    row = {
-        "run": name,
-        "policy": policy,
-        "method": quant.method,
-        "bits": bits,
-        "L": restores,
-        **metrics,
-        "written": written,
-        "peak_stored": peak_stored,
-        "restores": done,
-        "checkpoints": checkpoints,
-        "bytes_per_row": written / max(rows_saved, 1),
-        "rows_per_interval": sum(one_interval) / len(one_interval) if one_interval else None,
-    }
-    b.log(
-        f"{name}: AUC {row['auc']:.4f}, log loss {row['logloss']:.4f}, written {written / 1e6:.1f} MB"
-    )
+    row = {"run": name, "policy": policy, "method": quant.method, "bits": bits, "L": restores,
+           **metrics, "written": written, "peak_stored": peak_stored, "restores": done,
+           "checkpoints": checkpoints, "bytes_per_row": written / max(rows_saved, 1),
+           "rows_per_interval": sum(one_interval) / len(one_interval) if one_interval else None}  # fmt: skip
+    b.log(f"{name}: AUC {row['auc']:.4f}, log loss {row['logloss']:.4f}, "
+          f"written {written / 1e6:.1f} MB")  # fmt: skip
     return row
 
 
@@ -144,11 +115,8 @@ def tables(m: dict[str, Any]) -> list[Table]:
     note = f"Reference (intermittent fp32, no restore): AUC {ref['auc']:.4f}, log loss "
     note += f"{ref['logloss']:.4f}; one full fp32 checkpoint {full['written'] / full['checkpoints'] / 1e6:.1f} MB."
     out = [Table.of("Targets: bits='auto' for L expected restores", auto, {
-        "L": "L",
-        "bits": "bits",
-        "~steps between restores": lambda r: steps // (r["L"] + 1),
-        **quality,
-    }, note)]  # fmt: skip
+        "L": "L", "bits": "bits", "~steps between restores": lambda r: steps // (r["L"] + 1),
+        **quality}, note)]  # fmt: skip
     why = [r for k, r in runs.items() if not k.startswith("adaptive") and "bytes_per_row" in r]
     if why:
         out.append(Table.of("Where the reductions come from", why, {
@@ -184,9 +152,8 @@ def _figures(b: Bench, runs: dict[str, dict[str, Any]]) -> None:
     ref = runs["intermittent-fp32-L0"]
     shown = [ref, *[r for r in grid if r["L"] == b.args.restores[0]]]
     xs = range(len(shown))
-    ax.bar(
-        [x - 0.2 for x in xs], [r["write_reduction"] for r in shown], 0.4, label="write bandwidth"
-    )
+    ax.bar([x - 0.2 for x in xs], [r["write_reduction"] for r in shown], 0.4,
+           label="write bandwidth")  # fmt: skip
     ax.bar([x + 0.2 for x in xs], [r["capacity_reduction"] for r in shown], 0.4, label="capacity")
     ax.set_xticks(list(xs), ["fp32" if r is ref else f"{r['bits']}-bit" for r in shown])
     ax.set_ylabel("x less than full fp32 checkpoints")
@@ -200,28 +167,13 @@ def run(b: Bench) -> Outcome:
     plan: list[tuple[str, Policy, QuantizeConfig, int, int]] = [
         ("full-fp32", "full", QuantizeConfig(), 32, 0),
         ("intermittent-fp32-L0", "intermittent", QuantizeConfig(), 32, 0),
-        *(
-            (
-                f"adaptive{bits}-L{n}",
-                "intermittent",
-                QuantizeConfig(method="adaptive", bits=bits, min_rows=0),
-                bits,
-                n,
-            )
-            for bits in a.bits
-            for n in a.restores
-        ),
-        *(
-            (
-                f"auto-L{n}",
-                "intermittent",
-                QuantizeConfig(method="adaptive", bits="auto", expected_restores=n, min_rows=0),
-                select_bits(n),
-                n,
-            )
-            for n in a.targets
-        ),
-    ]
+        *((f"adaptive{bits}-L{n}", "intermittent",
+           QuantizeConfig(method="adaptive", bits=bits, min_rows=0), bits, n)
+          for bits in a.bits for n in a.restores),
+        *((f"auto-L{n}", "intermittent",
+           QuantizeConfig(method="adaptive", bits="auto", expected_restores=n, min_rows=0),
+           select_bits(n), n) for n in a.targets),
+    ]  # fmt: skip
     runs = {p[0]: _run(b, *p) for p in plan}
     _compare(runs)
     if b.rank == 0:
@@ -232,15 +184,9 @@ def run(b: Bench) -> Outcome:
     return Outcome(m, tables(m), targets(a.targets))
 
 
-CASE = Case(
-    name="experiments.quantized_restores",
-    title="Quantized restores (Check-N-Run Figs. 14 and 17)",
-    arguments=_arguments,
-    smoke="--steps 8 --interval 2 --max-rows 2000 --dim 8 --eval-batches 2 --bits 4 --restores 1 "
-    "--targets 1",
-    run=run,
-    kind="experiment",
-)
+CASE = Case("experiments.quantized_restores", "Quantized restores (Check-N-Run Figs. 14 and 17)",
+            _arguments, "--steps 8 --interval 2 --max-rows 2000 --dim 8 --eval-batches 2 "
+            "--bits 4 --restores 1 --targets 1", run, kind="experiment")  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main(CASE, __doc__))
+    cli(CASE, __doc__)

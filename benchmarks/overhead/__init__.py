@@ -1,10 +1,8 @@
-"""End-to-end overhead: the training throughput that checkpointing costs, asked five ways
-of one training job: the DLRM of :mod:`cnr_train.workload` (``--tables`` x ``--rows`` x
-``--dim``, batch ``--batch`` per rank, Zipf ids, the tracker on in every arm), fp32 or 4-bit
-checkpoints (:data:`benchmarks.measure.QUANTS`), on 1 training rank (a core free for the
-writer, as on a GPU host) or 2 (none free).
+"""End-to-end overhead: the training throughput that checkpointing costs, asked five ways of
+one training job (the DLRM of :mod:`cnr_train.workload`, Zipf ids, the tracker on in
+every arm), fp32 or 4-bit checkpoints, on 1 training rank (a core free for the writer) or 2.
 
-- By default: a checkpoint every K steps at each of ``--intervals``, eager or lazy (:mod:`.arms`).
+- By default: a checkpoint every K steps at each of ``--intervals`` (:mod:`.arms`).
 - ``--save-cost``: one full checkpoint's cost, measured alone many times (:mod:`.save_cost`).
 - ``--paired``: the loss at each interval, resolving 1% (:mod:`.paired`).
 - ``--gil``: which threads hold the GIL while commits run back to back (:mod:`.gil`).
@@ -13,57 +11,44 @@ writer, as on a GPU host) or 2 (none free).
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
+import statistics
+import time
 
-from benchmarks.harness import Bench, Case, Outcome
-from benchmarks.measure import model_arguments
-from benchmarks.overhead import arms, floor, gil, paired, save_cost
-from torchrec_cnr.config import BACKGROUND
+from benchmarks.harness import Bench
+from benchmarks.measure import StepLoop, timed
 
-
-def _arguments(p: argparse.ArgumentParser) -> None:
-    model_arguments(p, rows=200_000)
-    p.add_argument("--batch", type=int, default=512, help="samples per rank per step")
-    p.add_argument("--intervals", type=float, nargs="+", default=[2.0, 5.0, 15.0, 30.0, 60.0])
-    p.add_argument("--arm-s", type=float, default=10.0, help="least training time of an arm")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per interval")
-    p.add_argument("--warmup-steps", type=int, default=30, help="untimed training steps first")
-    p.add_argument("--probe-steps", type=int, default=100, help="timed steps that set K")
-    p.add_argument("--headline-s", type=float, default=30.0, help="the target's interval")
-    p.add_argument("--save-cost", action="store_true", help="ask overhead.save_cost's question")
-    p.add_argument("--saves", type=int, default=8, help="--save-cost: checkpoints per arm")
-    p.add_argument("--before", type=int, default=100, help="--save-cost: steps before a save")
-    p.add_argument("--after", type=int, default=200, help="--save-cost: steps after it")
-    p.add_argument("--paired", action="store_true", help="ask overhead.paired's question")
-    p.add_argument("--pair-s", type=float, default=90.0, help="--paired: seconds of pairs")
-    p.add_argument("--busy-steps", type=int, default=60, help="--paired: steps per busy stretch")
-    p.add_argument("--busy-pairs", type=int, default=5, help="--paired: pairs per busy arm")
-    p.add_argument("--gil", action="store_true", help="ask overhead.gil's question")
-    p.add_argument("--floor", action="store_true", help="ask overhead.floor's question")
-    p.add_argument("--policy", default="intermittent", help="--floor: the checkpoints' policy")
-    p.add_argument("--background", default="thread", choices=BACKGROUND,
-                   help="--floor: where the checkpoints are written (CheckpointConfig)")  # fmt: skip
-    p.add_argument("--per-stretch", type=int, default=1,
-                   help="--floor: checkpoints per stretch, one every interval")  # fmt: skip
-    p.add_argument("--compact-every", type=int, default=None,
-                   help="--floor: CheckpointConfig.compact_every")  # fmt: skip
-    p.add_argument("--gil-s", type=float, default=20.0, help="--gil: seconds sampled per format")
-    p.add_argument("--merge", type=Path, help="this case's result at another world size")
+LOSS_BOUND = 0.01  # the throughput target: at most 1% lost at the headline interval
 
 
-def run(b: Bench) -> Outcome:
-    """The question the flags ask (the arms without one)."""
+def interval_key(interval_s: float) -> str:
+    """An interval's key in ``measurements``: no dot, which a target's key would split."""
+    return f"{interval_s:g}s".replace(".", "_")
+
+
+def warm_trainer(b: Bench) -> tuple[StepLoop, float]:
+    """The model trained ``--warmup-steps``, and its seconds per step (median of 5 chunks)."""
     a = b.args
-    question = (gil if a.gil else floor if a.floor else save_cost if a.save_cost
-                else paired if a.paired else arms)  # fmt: skip
-    return question.run(b)
+    trainer = StepLoop.warm(a, a.batch, a.warmup_steps)
+    chunk = max(1, a.probe_steps // 5)
+    step_s = statistics.median(timed(lambda: trainer.train(chunk))[0] / chunk for _ in range(5))
+    b.log(f"{b.world} rank(s): {step_s * 1e3:.1f} ms per step")
+    return trainer, step_s
 
 
-CASE = Case(name="overhead",
-            title="End-to-end overhead: throughput lost to checkpoints every K steps",
-            arguments=_arguments,
-            smoke="--tables 2 --rows 4000 --dim 16 --batch 64 --intervals 0.3 0.6 --arm-s 0.6 "
-                  "--rounds 1 --warmup-steps 3 --probe-steps 20 --saves 1 --before 5 --after 40 "
-                  "--pair-s 1.2 --busy-steps 6 --busy-pairs 2 --gil-s 2",
-            run=run)  # fmt: skip
+def split_steps(took: list[float], ends: list[float],
+                windows: list[tuple[float, float]]) -> tuple[list[float], list[float]]:  # fmt: skip
+    """The seconds of the steps (each's seconds and end, on :func:`now`'s clock) that
+    overlap one of ``windows`` (spans from a save to its commit), and of the others."""
+    inside: list[float] = []
+    clean: list[float] = []
+    for t, e in zip(took, ends):
+        (inside if any(e >= lo and e - t <= hi for lo, hi in windows) else clean).append(t)
+    return inside, clean
+
+
+def pct(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2%}"
+
+
+def now() -> float:
+    return time.time()  # the clock of CheckpointInfo.committed_at

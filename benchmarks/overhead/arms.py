@@ -1,12 +1,10 @@
-"""The default question of :mod:`benchmarks.overhead`: the training throughput lost to a
-checkpoint every K steps, at each of ``--intervals`` seconds, eager and lazy staging.
+"""The default question of :mod:`benchmarks.overhead`: the throughput lost to a checkpoint
+every K steps (the interval at the warm-up's step time), at each of ``--intervals`` seconds.
 
-K steps last the interval at the warm-up's step time. In ``--rounds`` interleaved rounds
-every arm trains the same n x K steps (n from ``--arm-s``): ``none``, and {eager, lazy} x
-{fp32, 4-bit} with the intermittent policy, its manager built before the timer and its last
-``wait()`` timed. Throughput lost: against ``none`` in the same round, and from the arm's
-own steps that overlap no checkpoint. Targets: :func:`targets`. ``--merge`` carries a
-result of another world size into this one's.
+In ``--rounds`` interleaved rounds every arm trains the same n x K steps: ``none``, and
+{eager, lazy} x {fp32, 4-bit} (intermittent, the manager built before the timer, the last
+``wait()`` timed). Lost: against ``none`` in the same round, and from the arm's steps that
+overlap no checkpoint. ``--merge`` carries a result of another world size into this one's.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import torch.distributed as dist
 from benchmarks import results
 from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import GB, QUANTS, StepLoop, from_rank0, gathered, rmtree, timed
-from benchmarks.overhead.common import LOSS_BOUND, interval_key, pct, split_steps, warm_trainer
+from benchmarks.overhead import LOSS_BOUND, interval_key, pct, split_steps, warm_trainer
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.config import Staging
@@ -33,17 +31,15 @@ from torchrec_cnr.offline import list_checkpoints
 STAGINGS: tuple[Staging, ...] = ("eager", "lazy")
 """eager: save() copies the selected rows before it returns; lazy (copy-on-write): after."""
 NONE = "none"
-STALL_BOUND = 0.004
-"""Check-N-Run's stall: under 0.4% of the (30-minute) interval."""
+STALL_BOUND = 0.004  # Check-N-Run's stall: under 0.4% of the (30-minute) interval
 LOSS_ESTIMATES = {"throughput_lost": "", "lost_from_step_times": " from step times"}
 """The estimates of throughput lost: against the arm without checkpoints, from step times."""
 ANCHORS: dict[str, Any] = {"check_n_run_stall_of_interval": STALL_BOUND,
                            "cpr_total_overhead": [0.0053, 0.0068]}  # fmt: skip
 
 
-def _clean_step_s(
-    took: list[float], ends: list[float], windows: list[tuple[float, float]]
-) -> float | None:
+def _clean_step_s(took: list[float], ends: list[float],
+                  windows: list[tuple[float, float]]) -> float | None:  # fmt: skip
     """The mean seconds of the steps that overlap none of ``windows`` (save to commit), the
     slowest rank's, or ``None`` (too few); the mean, in which other tenants' bursts cancel."""
     clean = split_steps(took, ends, windows)[1]
@@ -52,9 +48,8 @@ def _clean_step_s(
     return max(every) if len(every) == dist.get_world_size() else None
 
 
-def _arm(
-    b: Bench, trainer: StepLoop, k: int, n: int, staging: Staging | None, quant: str | None
-) -> tuple[float, dict[str, Any]]:
+def _arm(b: Bench, trainer: StepLoop, k: int, n: int, staging: Staging | None,
+         quant: str | None) -> tuple[float, dict[str, Any]]:  # fmt: skip
     """One arm of ``n * k`` steps, a checkpoint every ``k`` if ``quant``: steps/s, checkpoints."""
     trainer.align(k)
     if staging is None or quant is None:
@@ -141,8 +136,7 @@ def _interval(b: Bench, trainer: StepLoop, target_s: float, step_s: float) -> di
             "stall_delta_s": _median_or_none(by_kind["delta"]),
             "commit_s": statistics.median(x for d in ds for x in d["commit_s_each"]),
             "bytes": statistics.median(x for d in ds for x in d["bytes_each"]),
-            "full": len(by_kind["full"]), "deltas": len(by_kind["delta"]),
-            "arms": ds,
+            "full": len(by_kind["full"]), "deltas": len(by_kind["delta"]), "arms": ds,
         }  # fmt: skip
     return out
 
@@ -164,10 +158,8 @@ def _world(b: Bench) -> dict[str, Any]:
 
 
 def _merged(b: Bench, model: dict[str, Any]) -> dict[str, Any]:
-    """The other world sizes' measurements from ``--merge``'s result.
-
-    Raises:
-        ValueError: not this case's result, of this model, smoke setting and another world."""
+    """The other world sizes' measurements from ``--merge``'s result (``ValueError`` unless
+    an overhead result of the same model and smoke setting at another world size)."""
     path = b.args.merge
     if path is None:
         return {}
@@ -200,13 +192,11 @@ def tables(m: dict[str, Any]) -> list[Table]:
         "staging": "staging", "checkpoint": "quant",
         "throughput lost": lambda r: pct(r["throughput_lost"]),
         "per round": lambda r: ", ".join(pct(x) for x in r["throughput_lost_rounds"]),
-        "from step times": lambda r: pct(r["lost_from_step_times"]),
-        "median stall s": "stall_s",
+        "from step times": lambda r: pct(r["lost_from_step_times"]), "median stall s": "stall_s",
         "stall / interval": lambda r: pct(r["stall_of_interval"]),
         "stall s full, delta": lambda r: ", ".join(
             "–" if x is None else f"{x:.3f}" for x in (r["stall_full_s"], r["stall_delta_s"])),
-        "commit s": "commit_s",
-        "MB per ckpt": lambda r: r["bytes"] / 1e6,
+        "commit s": "commit_s", "MB per ckpt": lambda r: r["bytes"] / 1e6,
         "full + deltas": lambda r: f"{r['full']} + {r['deltas']}",
     }, "Throughput lost: median over rounds of 1 - (steps/s with) / (steps/s without, same "
         "round). From step times: 1 - (steps x the mean time of the steps that overlap no "

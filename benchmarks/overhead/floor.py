@@ -1,19 +1,14 @@
-"""``--floor`` of :mod:`benchmarks.overhead`: a checkpoint every few seconds on tables large
-against what an interval's lookups touch, its cost to training beside that of a memcpy of
-the same bytes, the floor on a machine whose memory bandwidth training shares.
+"""``--floor`` of :mod:`benchmarks.overhead`: a checkpoint every few seconds on large tables,
+its cost to training beside a memcpy of the same bytes (the floor where training shares the
+memory bandwidth).
 
 At each of ``--intervals``, fp32 and 4-bit checkpoints of ``--policy`` (lazy staging,
-written as ``--background`` says, ``compact_every`` as ``--compact-every``): pairs of
-stretches with and without checkpoints (:func:`benchmarks.overhead.paired.checkpoint_pairs`),
-``--per-stretch`` of them one interval apart, then with and without a thread that copies the
-fp32 checkpoints' median bytes as often. A memcpy's cost to training is within the noise of
-the estimate, so the floor is the copy's own time, the most it could cost.
-
-With one checkpoint a stretch, it also holds the rows of the stretch before (two
-intervals'). With several, a job's steady cadence: each holds one interval's rows, and the
-first of each stretch, which holds two, is left out of the figures.
-
-Targets, at the interval nearest 2 s: lost <= 1%; a checkpoint costs <= 2x the floor.
+``--background``, ``--compact-every``): pairs of stretches with and without ``--per-stretch``
+checkpoints an interval apart (:func:`benchmarks.overhead.paired.checkpoint_pairs`), then
+with and without a thread copying the fp32 checkpoints' median bytes as often; the floor
+is the copy's own time. With several checkpoints a stretch, the first of each (which holds
+two intervals' rows) is left out. Targets at the interval nearest 2 s: lost <= 1%, a
+checkpoint costs <= 2x the floor.
 """
 
 from __future__ import annotations
@@ -27,18 +22,16 @@ import torch
 
 from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import QUANTS, StepLoop, max_over_ranks, timed
-from benchmarks.overhead.common import LOSS_BOUND, interval_key, now, pct, warm_trainer
+from benchmarks.overhead import LOSS_BOUND, interval_key, now, pct, warm_trainer
 from benchmarks.overhead.paired import alternating, checkpoint_pairs, spread, step_costs
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig
 
-FLOOR_FACTOR = 2.0
-"""The target: a checkpoint costs training at most this many memcpys of its rows."""
+FLOOR_FACTOR = 2.0  # the target: a checkpoint costs training at most this many memcpys of its rows
 
 
-def _copy_stretch(
-    trainer: StepLoop, buffers: tuple[torch.Tensor, torch.Tensor] | None, steps: int, k: int
-) -> dict[str, Any]:
+def _copy_stretch(trainer: StepLoop, buffers: tuple[torch.Tensor, torch.Tensor] | None, steps: int,
+                  k: int) -> dict[str, Any]:  # fmt: skip
     """``steps`` steps, a thread copying ``buffers`` (source, destination) started in the
     middle of every ``k`` if given: the slowest rank's seconds, and each copy's cost to
     training (:func:`step_costs`) and own seconds."""
@@ -78,9 +71,8 @@ def _copy_stretch(
     return out
 
 
-def _floor_pairs(
-    b: Bench, trainer: StepLoop, nbytes: int, steps: int, k: int, n: int
-) -> dict[str, Any]:
+def _floor_pairs(b: Bench, trainer: StepLoop, nbytes: int, steps: int, k: int,
+                 n: int) -> dict[str, Any]:  # fmt: skip
     """``n`` pairs of stretches with and without the copies, their order alternating. Its
     buffers are touched first: a fresh destination would time page faults, not a copy."""
     buffers = (torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8))
@@ -161,47 +153,34 @@ def _table(m: dict[str, Any]) -> Table:
     return Table.of(
         f"A checkpoint's cost to training beside a memcpy of its bytes ({m['world_size']} "
         f"training rank(s), {mdl['tables']} x {mdl['rows']:,} x {mdl['dim']} fp32 tables, "
-        f"{m['policy']}, lazy staging{how})",
-        rows,
-        {
-            "interval s": "interval_s",
-            "checkpoint": "quant",
-            "rows stored": lambda r: pct(r["fraction"]),
-            "MB": "mb",
-            "cost ms (median)": lambda r: _ms(r["cost_s"]),
-            "lost": lambda r: pct(r["loss"]),
-            "memcpy MB": "memcpy_mb",
-            "memcpy cost ms": lambda r: _ms(r["memcpy_cost_s"]),
-            "± (95%)": lambda r: _ms(r["memcpy_spread_s"]),
-            "memcpy ms (floor)": lambda r: _ms(r["memcpy_s"]),
-            "cost / floor": "over_floor",
-            "stall ms (median)": lambda r: r["stall_s"] * 1e3,
-            "(worst)": lambda r: r["stall_max_s"] * 1e3 if "stall_max_s" in r else None,
-            "copy-on-write ms": lambda r: r["hook_s"] * 1e3,
-            "lost, pair times": lambda r: pct(r.get("pair_loss")),
-            "± (95%), pair times": lambda r: pct(r.get("pair_resolution")),
-            "compactions": lambda r: r.get("compactions"),
-            "checkpoints": "checkpoints",
-            "pairs": "pairs",
-        },
-        "Cost: the training thread's time in the call that started the checkpoint (save) "
-        "or the copy (a thread start), plus what the steps until its commit (or the copy's "
-        "end) took beyond the mean of the stretch's other steps; median over pairs. Lost: "
-        "that over the interval. The memcpy copies the fp32 checkpoint's median bytes on its "
-        "own thread, as often as the checkpoints are taken; its cost is estimated the same "
-        "way (± its 95% interval), and "
-        "the floor is its own time, the most it could cost. Copy-on-write: the training "
-        "thread's time copying rows before their update (median, part of the cost). Stall: "
-        "the training thread's time in save() (median, worst). Pair times: 1 - (time "
+        f"{m['policy']}, lazy staging{how})", rows,
+        {"interval s": "interval_s", "checkpoint": "quant",
+         "rows stored": lambda r: pct(r["fraction"]), "MB": "mb",
+         "cost ms (median)": lambda r: _ms(r["cost_s"]), "lost": lambda r: pct(r["loss"]),
+         "memcpy MB": "memcpy_mb", "memcpy cost ms": lambda r: _ms(r["memcpy_cost_s"]),
+         "± (95%)": lambda r: _ms(r["memcpy_spread_s"]),
+         "memcpy ms (floor)": lambda r: _ms(r["memcpy_s"]), "cost / floor": "over_floor",
+         "stall ms (median)": lambda r: r["stall_s"] * 1e3,
+         "(worst)": lambda r: r["stall_max_s"] * 1e3 if "stall_max_s" in r else None,
+         "copy-on-write ms": lambda r: r["hook_s"] * 1e3,
+         "lost, pair times": lambda r: pct(r.get("pair_loss")),
+         "± (95%), pair times": lambda r: pct(r.get("pair_resolution")),
+         "compactions": "compactions", "checkpoints": "checkpoints",
+         "pairs": "pairs"},
+        "Cost: the training thread's time in the call that started the checkpoint (save) or the "
+        "copy (a thread start), plus what the steps until its commit (or the copy's end) took "
+        "beyond the mean of the stretch's other steps; median over pairs. Lost: that over the "
+        "interval. The memcpy copies the fp32 checkpoint's median bytes on its own thread, as "
+        "often as the checkpoints are taken; its cost is estimated the same way (± its 95% "
+        "interval), and the floor is its own time, the most it could cost. Copy-on-write: the "
+        "training thread's time copying rows before their update (median, part of the cost). "
+        "Stall: the training thread's time in save() (median, worst). Pair times: 1 - (time "
         "without) / (time with), median over pairs. Compactions: landed during the run. "
-        + (
-            "A stretch holds several checkpoints one interval apart; the first of each, "
-            "which also holds the rows of the stretch before, is left out."
-            if cadence > 1
-            else "A stretch without a checkpoint puts its rows into the next "
-            "delta: deltas hold two intervals' rows."
-        ),
-    )
+        + ("A stretch holds several checkpoints one interval apart; the first of each, which "
+        "also holds the rows of the stretch before, is left out."
+        if cadence > 1 else "A stretch without a checkpoint puts its rows into the next "
+        "delta: deltas hold two intervals' rows."),
+    )  # fmt: skip
 
 
 def _targets(m: dict[str, Any]) -> list[Goal]:

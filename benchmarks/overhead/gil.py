@@ -1,9 +1,6 @@
 """``--gil`` of :mod:`benchmarks.overhead`: which threads hold the GIL while the model trains
-and commits continuously (a save every step, ``on_busy="skip"``, fp32 and 4-bit), with the
-writer on threads of the training process and in a process of its own: ``py-spy record
---gil --threads`` on each rank's training process, ``--gil-s`` seconds per run, beside the
-steps and commits made and the writer process's CPU time.
-
+and commits continuously (a save every step, ``on_busy="skip"``), the writer on threads or
+in its own process: ``py-spy record --gil --threads`` on each rank for ``--gil-s`` seconds.
 Target (writer process): the writer's threads hold the GIL in <= 10% of the samples.
 """
 
@@ -21,7 +18,7 @@ import torch.distributed as dist
 
 from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import QUANTS, StepLoop, gathered, max_over_ranks, process_cpu_s, rmtree
-from benchmarks.overhead.common import warm_trainer
+from benchmarks.overhead import warm_trainer
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.config import BACKGROUND, Background
@@ -102,8 +99,7 @@ def run(b: Bench) -> Outcome:
          "runs": {f"{r['format'].replace('-', '')}_{r['background']}": r for r in rows}}  # fmt: skip
     table = Table.of(
         f"Share of the training process's samples holding the GIL, by thread, during "
-        f"continuous commits (rank 0 of {b.world}, {b.args.gil_s:.0f} s per run)",
-        rows,
+        f"continuous commits (rank 0 of {b.world}, {b.args.gil_s:.0f} s per run)", rows,
         {"format": "format", "writer": "background", "training": "training",
          "writer's threads": "writer", "cnr-writer": "cnr-writer", "cnr-encode": "cnr-encode",
          "cnr-io": "cnr-io", "tracker": "cnr-tracker", "other": "other",

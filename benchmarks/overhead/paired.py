@@ -1,10 +1,8 @@
-"""``--paired`` of :mod:`benchmarks.overhead`: throughput lost against the interval, with
-an estimate that resolves 1% (lazy staging, intermittent policy, fp32 and 4-bit): pairs of
-adjacent stretches of K steps, one with a checkpoint in its middle and one without, in
-alternating order (``--pair-s`` per interval and format), the median over pairs with its
-95% interval. Also saves asked for every 2 steps, ``on_busy`` "wait" and "skip".
-
-Targets: fp32 at the interval nearest 10 s loses <= 1%, resolved to ± 0.5%.
+"""``--paired`` of :mod:`benchmarks.overhead`: throughput lost at each interval, resolving 1%
+(lazy, intermittent, fp32 and 4-bit): pairs of adjacent stretches of K steps, one with a
+checkpoint in its middle, in alternating order; the median over pairs and its 95% interval.
+Also saves asked for every 2 steps, ``on_busy`` "wait" and "skip". Target: fp32 at the
+interval nearest 10 s loses <= 1%, resolved to ± 0.5%.
 """
 
 from __future__ import annotations
@@ -19,14 +17,13 @@ from typing import Any
 
 from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import QUANTS, StepLoop, from_rank0, max_over_ranks, rmtree, timed
-from benchmarks.overhead.common import LOSS_BOUND, interval_key, now, pct, split_steps, warm_trainer
+from benchmarks.overhead import LOSS_BOUND, interval_key, now, pct, split_steps, warm_trainer
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager
 from torchrec_cnr.config import OnBusy
 from torchrec_cnr.offline import list_checkpoints
 
-NOTCH = 1.58
-"""A median's 95% interval is about ± 1.58 IQR / sqrt(n) (McGill's notches)."""
+NOTCH = 1.58  # a median's 95% interval is about ± 1.58 IQR / sqrt(n) (McGill's notches)
 BUSY_STEPS = 2
 """The busy arms save every 2 steps: each save asked for while the previous one commits."""
 
@@ -153,13 +150,11 @@ def checkpoint_pairs(b: Bench, trainer: StepLoop, cfg: CheckpointConfig, steps: 
         "step_loss": statistics.median(step_losses) if step_losses else None,
         "step_loss_each": step_losses,
         "step_resolution": spread(step_losses) if step_losses else None,
-        "cost_each_s": [c for c, _ in each],
-        "hook_each_s": [h for _, h in each],
+        "cost_each_s": [c for c, _ in each], "hook_each_s": [h for _, h in each],
         "saves_asked": sum(s["asked"] for s in saving),
         "saves_made": sum(s["made"] for s in saving),
         "compactions": len({c for s in saving for c in s.get("compacted", [])}),
-        "stall_s": stall, "stall_max_s": worst,
-        "kinds": [s.get("kind") for s in saving],
+        "stall_s": stall, "stall_max_s": worst, "kinds": [s.get("kind") for s in saving],
         "mb_each": [m for s in saving for m in s.get("mb_each", [s["mb"]] if "mb" in s else [])],
         "fraction_each": [f for s in saving
                           for f in s.get("fraction_each", [s["fraction"]] if "fraction" in s else [])],
@@ -181,9 +176,8 @@ def run(b: Bench) -> Outcome:
         k = max(2, round(target / step_s))
         pairs = max(3, round(a.pair_s / (2 * target)))
         for quant in QUANTS:
-            r = checkpoint_pairs(
-                b, trainer, config(f"{interval_key(target)}_{quant}", k, quant), k, k, pairs
-            )
+            cfg = config(f"{interval_key(target)}_{quant}", k, quant)
+            r = checkpoint_pairs(b, trainer, cfg, k, k, pairs)
             r.update(target_s=target, interval_s=k * step_s, interval_steps=k, quant=quant,
                      pairs=pairs)  # fmt: skip
             intervals.setdefault(interval_key(target), {})[quant] = r
@@ -230,22 +224,20 @@ def _paired_tables(m: dict[str, Any]) -> list[Table]:
         "lost, from step times": lambda r: pct(r["step_loss"]),
         "± (95%), step times": lambda r: pct(r["step_resolution"]),
         "lost, pair times": lambda r: pct(r["loss"]),
-        "± (95%), pair times": lambda r: pct(r["resolution"]),
-        "pairs": "pairs",
+        "± (95%), pair times": lambda r: pct(r["resolution"]), "pairs": "pairs",
         "each pair (pair times)": lambda r: ", ".join(pct(x) for x in r["loss_each"]),
         "stall ms (median)": lambda r: r["stall_s"] * 1e3,
         "full, delta": lambda r: f"{r['kinds'].count('full')}, {r['kinds'].count('delta')}",
         "MB per checkpoint": lambda r: statistics.median(r["mb_each"]),
     }, "Each pair: two adjacent stretches of K steps, one with a checkpoint in its middle "
-        "(its commit waited for at the end), one without, in alternating order. A "
-        "checkpoint's cost: its stall plus what the steps from its save to its commit took "
-        "beyond the mean of the stretch's other steps. Pooled: the median cost of every "
-        "checkpoint of every interval (of one format) over the interval. From step times: "
-        "this interval's costs, each over its stretch's time, median over pairs. Pair times: "
-        "1 - (time without) / (time with), median over pairs. ±: the 95% interval of the "
-        "median, 1.58 IQR / sqrt(pairs). A stretch without a checkpoint puts its changed rows "
-        "into the next delta: deltas hold two intervals' rows, more than a job checkpointing "
-        "every interval writes.",
+        "(its commit waited for at the end), one without, in alternating order. A checkpoint's "
+        "cost: its stall plus what the steps from its save to its commit took beyond the mean of "
+        "the stretch's other steps. Pooled: the median cost of every checkpoint of every interval "
+        "(of one format) over the interval. From step times: this interval's costs, each over its "
+        "stretch's time, median over pairs. Pair times: 1 - (time without) / (time with), median "
+        "over pairs. ±: the 95% interval of the median, 1.58 IQR / sqrt(pairs). A stretch without "
+        "a checkpoint puts its changed rows into the next delta: deltas hold two intervals' rows, "
+        "more than a job checkpointing every interval writes.",
     )  # fmt: skip
     busy = Table.of(
         "A save asked for while the previous one still commits (fp32, a save every "

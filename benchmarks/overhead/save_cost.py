@@ -1,8 +1,7 @@
-"""``--save-cost`` of :mod:`benchmarks.overhead`: the training time one full checkpoint
-costs, ``--saves`` times per arm, in turns: ``--before`` steps, a save, ``--after`` steps;
-the cost is the stall plus what the steps from the save to the commit took beyond the mean
-of the others. Arms: eager and lazy (the compiled copier), fp32 and 4-bit, and lazy fp32
-with torch's copy under each kernel's lock. Targets: lazy <= eager, and <= torch's copy.
+"""``--save-cost`` of :mod:`benchmarks.overhead`: the training time one full checkpoint costs
+(its stall plus what the steps to its commit took beyond the mean of the others), ``--saves``
+times per arm in turns: eager and lazy, fp32 and 4-bit, and lazy with torch's locked copy.
+Targets: lazy <= eager, and <= torch's copy.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import torch.distributed as dist
 
 from benchmarks.harness import Bench, Outcome
 from benchmarks.measure import QUANTS, StepLoop, from_rank0, gathered, rmtree
-from benchmarks.overhead.common import now, split_steps
+from benchmarks.overhead import now, split_steps
 from benchmarks.results import Goal, Table
 from torchrec_cnr import CheckpointConfig, CheckpointManager, IOOptions
 from torchrec_cnr.offline import list_checkpoints
@@ -28,9 +27,8 @@ STAGING_NAMES = {("eager", True): "eager", ("lazy", True): "lazy (compiled copie
                  ("lazy", False): "lazy, torch copy under the lock"}  # fmt: skip
 
 
-def _save_cost_once(
-    b: Bench, trainer: StepLoop, staging: str, compiled: bool, quant: str, n: int
-) -> dict[str, float]:
+def _save_cost_once(b: Bench, trainer: StepLoop, staging: str, compiled: bool, quant: str,
+                    n: int) -> dict[str, float]:  # fmt: skip
     """One checkpoint of one arm: its stall, commit and the training time it cost."""
     root = b.scratch / f"{staging}_{compiled}_{quant}_{n}"
     rmtree(root)
