@@ -187,7 +187,9 @@ def run(b: Bench) -> Outcome:
     pooled = {}  # one checkpoint's cost, every interval's pairs together
     for quant in QUANTS:
         costs = [c for iv in intervals.values() for c in iv[quant]["cost_each_s"]]
-        pooled[quant] = {"cost_s": statistics.median(costs), "spread_s": spread(costs),
+        # None measured (a loaded machine: too few steps outside the commits): NaN, a failed target.
+        cost = statistics.median(costs) if costs else math.nan
+        pooled[quant] = {"cost_s": cost, "spread_s": spread(costs),
                          "checkpoints": len(costs)}  # fmt: skip
         for iv in intervals.values():
             r = iv[quant]
