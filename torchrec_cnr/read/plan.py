@@ -3,7 +3,7 @@
 
 A restore plans before it reads: first the saved ids it places rows by, then every stored
 tensor (or span of rows of one) its placed shards need. :func:`carry_out` reads a plan:
-what fits the :class:`~torchrec_cnr.read.items.MemoryBudget` is read (every link's reads
+what fits the :class:`~torchrec_cnr.read.items.MemoryBudget` is read (each link's reads
 in parallel) and held by the reader it returns; the rest is only verified, a few pieces at
 a time within what the budget leaves, to be read again where it is used. The export and
 the follower cut their reads into pieces by the same budget
@@ -57,7 +57,7 @@ def carry_out(
     chain: ChainReader, plan: ReadPlan, budget: MemoryBudget, alloc: Alloc | None = None
 ) -> Held:
     """Reads ``plan``: each group that fits ``budget`` (in the plan's order) is read and
-    held, every link's reads in parallel; each item of the others is read only to verify
+    held, the reads of each link in parallel; each item of the others is read only to verify
     it, within what the budget leaves.
 
     Raises:
