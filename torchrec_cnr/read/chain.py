@@ -311,9 +311,10 @@ class ChainReader:
         started = []
         for item, dst in zip(items, into):
             assert item.span is not None
-            blocks = None if item.blocks is None else list(item.blocks)
             reader = self.reader(item.link)
-            finish = reader.begin_window(item.rank, item.tensor, *item.span, blocks, cached, dst)
+            finish = reader.begin_window(
+                item.rank, item.tensor, *item.span, item.blocks, cached, dst
+            )
             started.append((item, dst, finish))
         got = []
         for item, dst, finish in started:
@@ -331,8 +332,7 @@ class ChainReader:
         where the record has their checksums, else the whole tensor."""
         reader = self.reader(item.link)
         if item.span is not None:
-            blocks = None if item.blocks is None else list(item.blocks)
-            if reader.verify_window(item.rank, item.tensor, *item.span, blocks, window_bytes):
+            if reader.verify_window(item.rank, item.tensor, *item.span, item.blocks, window_bytes):
                 return
         reader.verify(item.rank, item.tensor, window_bytes)
 

@@ -16,7 +16,7 @@ import collections
 import functools
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -388,7 +388,7 @@ class SnapshotReader:
         return sorted(out, key=lambda s: s[0])
 
     def rows_window(
-        self, rank: int, name: str, lo: int, hi: int, blocks: list[int] | None
+        self, rank: int, name: str, lo: int, hi: int, blocks: Sequence[int] | None
     ) -> torch.Tensor | None:
         """Rows ``lo..hi - 1`` of a stored shard tensor, reading only the blocks of rows
         they lie in, each checked against its own CRC32 (``blocks``: the record's
@@ -404,7 +404,7 @@ class SnapshotReader:
         return None if finish is None else finish()
 
     def _blocks(
-        self, logical: str, lo: int, hi: int, blocks: list[int] | None
+        self, logical: str, lo: int, hi: int, blocks: Sequence[int] | None
     ) -> list[tuple[int, int, TensorEntry, int, int]] | None:
         """``(first row, rows, object entry, row in it, CRC32)`` of each stored block of
         rows that rows ``lo..hi - 1`` of ``logical`` lie in, in row order (``blocks``: see
@@ -443,7 +443,7 @@ class SnapshotReader:
         name: str,
         lo: int,
         hi: int,
-        blocks: list[int] | None,
+        blocks: Sequence[int] | None,
         cached: bool = False,
         out: torch.Tensor | None = None,
     ) -> Callable[[], torch.Tensor] | None:
@@ -486,7 +486,13 @@ class SnapshotReader:
         return finish
 
     def verify_window(
-        self, rank: int, name: str, lo: int, hi: int, blocks: list[int] | None, window_bytes: int
+        self,
+        rank: int,
+        name: str,
+        lo: int,
+        hi: int,
+        blocks: Sequence[int] | None,
+        window_bytes: int,
     ) -> bool:
         """Reads the blocks rows ``lo..hi - 1`` lie in only to check each against its
         CRC32, holding about ``window_bytes`` at once (see :meth:`verify`), through the
