@@ -439,8 +439,8 @@ def _apply_again(chain: ChainReader, step: _Step, local: LocalShard, spare_bytes
         chain.windows(wanted, cached=True, out=list(into.values()))
         return
     names = [name for name in _needs(rec, local) if name in rec.row_names]
-    row_bytes = sum(chain.nbytes(step.link, rec.spec.rank, name) for name in names)
-    row_bytes //= rec.saved_rows
+    reader = chain.reader(step.link)
+    row_bytes = sum(reader.row_bytes(rec.spec.rank, name) for name in names)
     block = rec.block_checksums.get(rec.value_names[0], [count])[0]
     rows = max(1, min(spare_bytes, PIECE_BYTES) // max(1, row_bytes) // block) * block
     by_piece = [name for name in names if rec.block_checksums.get(name, [count])[0] <= rows]
