@@ -276,7 +276,10 @@ def _summarise(m: dict[str, Any], infos: list[CheckpointInfo], row: int, table_r
         return max(u[k] for u in updates)
 
     intervals = [b.committed_at - a.committed_at for a, b in zip(infos, infos[1:])]
-    scatter = measure.scatter_s(int(med("changed_rows")), row - ID_BYTES, table_rows)
+    # Rows changed in several of the commits one update covers count once each commit: the
+    # update rewrites at most every row of the tables.
+    scatter_rows = min(int(med("changed_rows")), table_rows)
+    scatter = measure.scatter_s(scatter_rows, row - ID_BYTES, table_rows)
     warm = m.get("warm_updates")  # after the first update past the cold start, idle polls in
     follow_ms = (m["warm_cpu_s"] - m["warm_request_cpu_s"]) / warm * 1e3 if warm else None
     return {
