@@ -27,6 +27,7 @@ from torchrec_cnr import (
     export_dcp,
 )
 from torchrec_cnr.interop import ExportOptions
+from torchrec_cnr.storage import CountingStorage, open_storage
 
 STEP, MORE = 3, 2
 EBC_FROM = {"t_column_wise": "column_wise", "w_table_row_wise": "table_row_wise"}
@@ -269,7 +270,10 @@ def _unsharded(exported: str, torch_save: str, want: str) -> None:
     assert opt["t_column_wise.momentum1"].shape == (2 * 301,)  # two column shards
 
 
-def test_export_loads_into_an_unsharded_model_and_a_torch_file(tmp_path: Path) -> None:
+def test_export_loads_into_an_unsharded_model_and_a_torch_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHREC_CNR_OBJECT_MB", str(8 / 1024))  # checksummed in 8 KiB blocks
     root, dcp_dir = str(tmp_path / "root"), str(tmp_path / "dcp")
     run_ranks(2, _source, "ebc", EBC_FROM, root, dcp_dir)
     from torchrec_cnr import export_state_dict
@@ -282,6 +286,13 @@ def test_export_loads_into_an_unsharded_model_and_a_torch_file(tmp_path: Path) -
     with pytest.raises(FileExistsError, match="overwrite"):
         export_dcp(root, exported)
     export_dcp(root, exported, options=ExportOptions(overwrite=True))
+    # Blocks of 32 KiB, far smaller than the saved shards: each reads only the stored blocks
+    # its rows lie in, not every saved shard it overlaps whole.
+    counting, small = CountingStorage(open_storage(root)), str(tmp_path / "small")
+    export_dcp(counting, small, options=ExportOptions(budget_mb=1 / 16))
+    _unsharded(small, str(tmp_path / "small.pt"), str(want))
+    stored = sum(f.stat().st_size for f in Path(root).rglob("*") if f.is_file())
+    assert counting.bytes_read < 2 * stored, (counting.bytes_read, stored)
 
 
 def _wrong_model(dcp_dir: str, root: str) -> None:

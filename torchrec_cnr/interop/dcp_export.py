@@ -76,8 +76,10 @@ class ExportOptions:
     budget_mb: float = 256
     """The blocks (a table's rows and their optimizer states) a rank holds, in MB: with
     one writer thread, two of at most half this each (the next read while one is written);
-    with more, one of at most this per thread. Plus the saved shard a block is read from.
-    At least 1 KiB (``1 / 1024``)."""
+    with more, one of at most this per thread. Plus what a block is read from: each saved
+    shard wholly in it, one at a time, and the stored rows of each partly in it that land
+    (in the checksummed blocks they lie in; in roots written before block checksums, the
+    saved shard whole). At least 1 KiB (``1 / 1024``)."""
     overwrite: bool = False
     """Replace ``out`` if it exists; otherwise an existing ``out`` is refused before anything
     is written."""

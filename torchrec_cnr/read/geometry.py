@@ -70,7 +70,7 @@ class Placement:
     """Which of a saved shard's rows land in a destination, and where."""
 
     keep: torch.Tensor | None
-    """``(k,)`` positions in the saved tensors of the rows that land; ``None`` for all."""
+    """``(k,)`` ascending positions in the saved tensors of the rows that land; ``None`` for all."""
     rows: torch.Tensor
     """``(k,)`` their rows in the destination tensor."""
     src_cols: slice
@@ -83,6 +83,14 @@ class Placement:
     @property
     def count(self) -> int:
         return int(self.rows.numel())
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        """Positions ``lo..hi - 1`` of the saved rows, from the first that lands to the last
+        (only these need be read); ``None`` if all land."""
+        if self.keep is None:
+            return None
+        return int(self.keep[0]), int(self.keep[-1]) + 1
 
 
 def place(

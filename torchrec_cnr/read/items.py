@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from torchrec_cnr.encoding import ShardRecord
+
 __all__ = ["Alloc", "MemoryBudget", "ReadItem", "ReadPlan", "TensorKey"]
 
 TensorKey = tuple[int, int, str]
@@ -32,6 +34,17 @@ class ReadItem:
     blocks: tuple[int, ...] | None = None
     """The record's block checksums of the tensor (see
     :attr:`~torchrec_cnr.encoding.ShardRecord.block_checksums`), for a span."""
+
+    @classmethod
+    def of(
+        cls, link: int, rec: ShardRecord, name: str, window: tuple[int, int] | None = None
+    ) -> ReadItem:
+        """Stored tensor ``name`` of saved shard ``rec`` (of link ``link``): rows
+        ``window`` alone (in the blocks the record has checksums of) if given, else whole."""
+        if window is None:
+            return cls(link, rec.spec.rank, name)
+        blocks = rec.block_checksums.get(name)
+        return cls(link, rec.spec.rank, name, window, None if blocks is None else tuple(blocks))
 
     @property
     def key(self) -> TensorKey:

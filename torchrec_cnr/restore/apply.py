@@ -195,16 +195,16 @@ def _place(
 def _windows(steps: list[_Step]) -> dict[tuple[int, int, str], Window]:
     """``(link, storage rank, record key)`` -> the rows of a saved shard that land on this
     rank, for each saved shard placed by rows where some of its rows land elsewhere (a
-    restore onto another sharding reads only those, see :func:`_hold`)."""
+    restore onto another sharding reads only those, see :func:`_plan`)."""
     spans: dict[tuple[int, int, str], Window] = {}
     whole: set[tuple[int, int, str]] = set()
     for step in steps:
         key = (step.link, step.rec.spec.rank, step.rec.key)
-        keep = None if step.where is None else step.where.keep
-        if step.whole or keep is None:
+        window = None if step.where is None else step.where.window
+        if step.whole or window is None:
             whole.add(key)
-        elif keep.numel():
-            lo, hi = int(keep.min()), int(keep.max()) + 1
+        else:
+            lo, hi = window
             old = spans.get(key, (lo, hi))
             spans[key] = (min(lo, old[0]), max(hi, old[1]))
     saved = {(s.link, s.rec.spec.rank, s.rec.key): s.rec.saved_rows for s in steps}
@@ -213,12 +213,6 @@ def _windows(steps: list[_Step]) -> dict[tuple[int, int, str], Window]:
         for key, (lo, hi) in spans.items()
         if key not in whole and hi - lo < saved[key]
     }
-
-
-def _span(link: int, rec: ShardRecord, name: str, lo: int, hi: int) -> ReadItem:
-    """Rows ``lo..hi - 1`` of stored tensor ``name`` of ``rec`` (of link ``link``)."""
-    blocks = rec.block_checksums.get(name)
-    return ReadItem(link, rec.spec.rank, name, (lo, hi), None if blocks is None else tuple(blocks))
 
 
 def _plan(
@@ -235,7 +229,7 @@ def _plan(
         window = windows.get(unit)
         for name in _needs(rec, shards[step.shard]):
             if window is not None and name in rec.row_names:
-                spans.setdefault(unit, {})[name] = _span(step.link, rec, name, *window)
+                spans.setdefault(unit, {})[name] = ReadItem.of(step.link, rec, name, window)
             else:
                 item = ReadItem(step.link, rec.spec.rank, name)
                 whole.setdefault(item.key, item)
@@ -435,7 +429,7 @@ def _apply_again(chain: ChainReader, step: _Step, local: LocalShard, spare_bytes
     into = _destinations(rec, where, local)
     if into is not None:
         a = lo + int(where.keep[0])
-        wanted = [_span(step.link, rec, name, a, a + where.count) for name in into]
+        wanted = [ReadItem.of(step.link, rec, name, (a, a + where.count)) for name in into]
         chain.windows(wanted, cached=True, out=list(into.values()))
         return
     names = [name for name in _needs(rec, local) if name in rec.row_names]
@@ -445,7 +439,9 @@ def _apply_again(chain: ChainReader, step: _Step, local: LocalShard, spare_bytes
     rows = max(1, min(spare_bytes, PIECE_BYTES) // max(1, row_bytes) // block) * block
     by_piece = [name for name in names if rec.block_checksums.get(name, [count])[0] <= rows]
     once = [name for name in names if name not in by_piece]
-    held = dict(zip(once, chain.windows([_span(step.link, rec, n, *window) for n in once], True)))
+    held = dict(
+        zip(once, chain.windows([ReadItem.of(step.link, rec, n, window) for n in once], True))
+    )
     fits = states_fit(rec, local.optimizer, local.states)
     first = lo // block * block  # pieces cut at whole blocks of the stored rows
     for start in range(first, window[1], rows):
@@ -454,7 +450,9 @@ def _apply_again(chain: ChainReader, step: _Step, local: LocalShard, spare_bytes
         if j0 == j1:
             continue
         piece = dataclasses.replace(where, keep=where.keep[j0:j1] - a, rows=where.rows[j0:j1])
-        got = chain.windows([_span(step.link, rec, n, lo + a, lo + b) for n in by_piece], True)
+        got = chain.windows(
+            [ReadItem.of(step.link, rec, n, (lo + a, lo + b)) for n in by_piece], True
+        )
         parts = {**{n: t[a:b] for n, t in held.items()}, **dict(zip(by_piece, got))}
         scatter_weight(local.weight, piece, rec, parts.__getitem__, chain.io.encode)
         if fits:
