@@ -2,10 +2,10 @@
 
 A table is assembled from its saved shards, baseline first and later links of the chain
 winning, one saved shard at a time (:mod:`torchrec_cnr.read.geometry` says where each
-row lands): memory is the table itself plus one shard. A block of a table's rows (the
-DCP export writes tables in blocks) is read as a plan (:mod:`torchrec_cnr.read.plan`):
-of a saved shard only partly in it, only the stored rows that land. Quantized rows come
-back dequantized, exactly as a restore gives them.
+row lands): memory is the table itself plus one shard. Each saved shard is read as a
+plan (:mod:`torchrec_cnr.read.plan`): for a block of a table's rows (the DCP export
+writes tables in blocks), of a saved shard only partly in it only the stored rows that
+land. Quantized rows come back dequantized, exactly as a restore gives them.
 
 Example::
 
@@ -123,11 +123,11 @@ def table_block(
     a shard ``dst`` gives it: ``"weight"``, ``(rows, cols)`` fp32 values, and each fused
     optimizer state by FBGEMM name, per element ``(rows, cols)`` or per row ``(rows,)``
     from the saved shards holding ``dst``'s first column. ``wanted``: only these of them.
-    ``rows``: only these ascending global rows of ``dst``, in that order. Of each saved
-    shard only the stored rows from the first that lands in ``dst`` to the last are read
-    (in the checksummed blocks they lie in; the whole tensor in roots written before block
-    checksums); with ``rows`` and without checksum verification, only the rows that land.
-    What no saved shard holds is left out."""
+    ``rows``: only these ascending global rows of ``dst``, in that order. One saved shard
+    at a time, of each only the stored rows from the first that lands in ``dst`` to the
+    last are read (in the checksummed blocks they lie in; the whole tensor in roots written
+    before block checksums); with ``rows`` and without checksum verification, only the
+    rows that land. What no saved shard holds is left out."""
     n_out = dst.rows if rows is None else rows.numel()
     out: dict[str, torch.Tensor] = {}
     placed = [
@@ -136,10 +136,11 @@ def table_block(
         if wanted is None or "weight" in wanted or set(rec.states) & set(wanted)
         if (where := place(rec.spec, chain.saved_ids(n, rec), dst, rows)) is not None
     ]
-    if rows is None:
-        chain, placed = _read_windows(chain, placed, wanted)
     for n, rec, where in placed:
-        if where.keep is None or rows is None:
+        if rows is None:
+            reader, where = _read_saved(chain, n, rec, where, wanted)
+            fetch = reader.fetch(n, rec)
+        elif where.keep is None:
             fetch = chain.fetch(n, rec)
         else:
             fetch = partial(chain.subset, n, rec, keep=where.keep)
@@ -167,29 +168,28 @@ def _wants(wanted: Collection[str] | None, name: str) -> bool:
     return wanted is None or name in wanted
 
 
-Placed = list[tuple[int, ShardRecord, Placement]]
-
-
-def _read_windows(
-    chain: ChainReader, placed: Placed, wanted: Collection[str] | None
-) -> tuple[ChainReader, Placed]:
-    """Reads, as one plan, the stored rows of each placed saved shard of which some rows
-    land elsewhere, from the first that lands to the last (:attr:`Placement.window`): a
-    reader holding them, and the placements counting their saved rows from each window's
-    first. A saved shard whose every row lands is read whole where it is used, one at a
-    time."""
-    groups, windowed = [], []
-    for n, rec, where in placed:
-        names = [rec.states[s].tensor for s in rec.states if _wants(wanted, s)]
-        names = (rec.value_names if _wants(wanted, "weight") else []) + names
-        window = where.window
-        if window is not None and not any((n, rec.spec.rank, m) in chain.held for m in names):
-            groups.append(tuple(ReadItem.of(n, rec, name, window) for name in names))
-            assert where.keep is not None
-            where = dataclasses.replace(where, keep=where.keep - window[0])
-        windowed.append((n, rec, where))
-    held = carry_out(chain, ReadPlan(tuple(groups)), MemoryBudget(None))
-    return held.chain, windowed
+def _read_saved(
+    chain: ChainReader,
+    n: int,
+    rec: ShardRecord,
+    where: Placement,
+    wanted: Collection[str] | None,
+) -> tuple[ChainReader, Placement]:
+    """Reads, as a plan, the stored tensors of saved shard ``rec`` (of link ``n``) that a
+    block wants: whole where every saved row lands in it, else from the first that lands
+    to the last (:attr:`Placement.window`). A reader holding them, and ``where`` counting
+    the saved rows from the first read."""
+    names = [rec.states[s].tensor for s in rec.states if _wants(wanted, s)]
+    names = (rec.value_names if _wants(wanted, "weight") else []) + names
+    window = where.window
+    if window is not None and any((n, rec.spec.rank, m) in chain.held for m in names):
+        window = None  # held whole already
+    plan = ReadPlan((tuple(ReadItem.of(n, rec, name, window) for name in names),))
+    reader = carry_out(chain, plan, MemoryBudget(None)).chain
+    if window is None:
+        return reader, where
+    assert where.keep is not None
+    return reader, dataclasses.replace(where, keep=where.keep - window[0])
 
 
 def _is_whole(where: Placement, src: ShardSpec, dst: ShardSpec) -> bool:
