@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
+from cnr_train.workload import TableSpec
 from tests import models
 from tests.jobs import Job, make_job
 from tests.multiprocess import run_ranks
@@ -24,9 +25,12 @@ from torchrec_cnr import (
     CheckpointManager,
     CheckpointReadError,
     ModelMismatchError,
+    QuantizeConfig,
     export_dcp,
+    read_table,
 )
 from torchrec_cnr.interop import ExportOptions
+from torchrec_cnr.read import ChainReader
 from torchrec_cnr.storage import CountingStorage, open_storage
 
 STEP, MORE = 3, 2
@@ -293,6 +297,50 @@ def test_export_loads_into_an_unsharded_model_and_a_torch_file(
     _unsharded(small, str(tmp_path / "small.pt"), str(want))
     stored = sum(f.stat().st_size for f in Path(root).rglob("*") if f.is_file())
     assert counting.bytes_read < 2 * stored, (counting.bytes_read, stored)
+
+
+CHAIN_TABLES = [
+    TableSpec("a", 600, 8, "table_wise"),
+    TableSpec("b", 300, 8, "column_wise"),
+    TableSpec("c", 401, 8, "row_wise"),
+]
+
+
+def _chain(root: str, policy: str, quantize: QuantizeConfig) -> None:
+    job = make_job(CHAIN_TABLES, root, seed=1, policy=policy, alpha=1.3, quantize=quantize)
+    for step in range(2, 11, 2):
+        job.train(2)
+        job.ckpt.save(step)
+    job.ckpt.close()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("policy", "bits"), [("intermittent", 4), ("consecutive", None)], ids=["tail-4bit", "fp32"]
+)
+def test_an_export_in_blocks_smaller_than_the_saved_shards_equals_one_in_whole_tables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str, bits: int | None
+) -> None:
+    """A chain of deltas (cumulative ones store their latest rows last, out of order),
+    quantized or not: blocks of 2 KiB read each saved shard's landing rows alone, the
+    whole tables read each saved shard whole; both give the same tensors."""
+    monkeypatch.setenv("TORCHREC_CNR_OBJECT_MB", str(4 / 1024))
+    quantize = (
+        QuantizeConfig(method="adaptive", bits=bits, min_rows=0) if bits else QuantizeConfig()
+    )
+    root = str(tmp_path / "root")
+    run_ranks(2, _chain, root, policy, quantize)
+    with ChainReader.open(root) as chain:
+        assert len(chain.links) > 1, "a baseline and deltas"
+    got = {}
+    for name, mb in (("small", 1 / 512), ("whole", 64)):
+        export_dcp(root, str(tmp_path / name), options=ExportOptions(budget_mb=mb))
+        dcp_to_torch_save(str(tmp_path / name), str(tmp_path / f"{name}.pt"))
+        got[name] = torch.load(str(tmp_path / f"{name}.pt"), weights_only=False)
+    assert models.differences(got["whole"], got["small"]) == []
+    for spec in CHAIN_TABLES:
+        key = f"sparse_arch.embedding_bag_collection.embedding_bags.{spec.name}.weight"
+        assert torch.equal(got["small"]["model"][key], read_table(root, spec.name))
 
 
 def _wrong_model(dcp_dir: str, root: str) -> None:
