@@ -322,8 +322,9 @@ def test_an_export_in_blocks_smaller_than_the_saved_shards_equals_one_in_whole_t
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str, bits: int | None
 ) -> None:
     """A chain of deltas (cumulative ones store their latest rows last, out of order),
-    quantized or not: blocks of 2 KiB read each saved shard's landing rows alone, the
-    whole tables read each saved shard whole; both give the same tensors."""
+    quantized or not: blocks of 1 KiB read each saved shard's landing rows alone (by one
+    writer thread or by three at once), the whole tables read each saved shard whole; all
+    give the same tensors."""
     monkeypatch.setenv("TORCHREC_CNR_OBJECT_MB", str(4 / 1024))
     quantize = (
         QuantizeConfig(method="adaptive", bits=bits, min_rows=0) if bits else QuantizeConfig()
@@ -333,11 +334,13 @@ def test_an_export_in_blocks_smaller_than_the_saved_shards_equals_one_in_whole_t
     with ChainReader.open(root) as chain:
         assert len(chain.links) > 1, "a baseline and deltas"
     got = {}
-    for name, mb in (("small", 1 / 512), ("whole", 64)):
-        export_dcp(root, str(tmp_path / name), options=ExportOptions(budget_mb=mb))
+    for name, mb, threads in (("small", 1 / 512, 1), ("threads", 1 / 512, 3), ("whole", 64, 1)):
+        options = ExportOptions(budget_mb=mb, threads=threads)
+        export_dcp(root, str(tmp_path / name), options=options)
         dcp_to_torch_save(str(tmp_path / name), str(tmp_path / f"{name}.pt"))
         got[name] = torch.load(str(tmp_path / f"{name}.pt"), weights_only=False)
     assert models.differences(got["whole"], got["small"]) == []
+    assert models.differences(got["whole"], got["threads"]) == []
     for spec in CHAIN_TABLES:
         key = f"sparse_arch.embedding_bag_collection.embedding_bags.{spec.name}.weight"
         assert torch.equal(got["small"]["model"][key], read_table(root, spec.name))
