@@ -6,7 +6,7 @@ under (carried out by :mod:`torchrec_cnr.read.plan`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,10 @@ class ReadItem:
     blocks: tuple[int, ...] | None = None
     """The record's block checksums of the tensor (see
     :attr:`~torchrec_cnr.encoding.ShardRecord.block_checksums`), for a span."""
+    positions: torch.Tensor | None = field(default=None, compare=False)
+    """``(k,)`` ascending stored rows alone, read as ranged reads of their runs (a
+    follower's changed rows, scattered through a checkpoint): streamed by
+    :func:`~torchrec_cnr.read.plan.stream`, never held by a reader."""
 
     @classmethod
     def of(

@@ -8,6 +8,10 @@ in parallel) and held by the reader it returns; the rest is only verified, a few
 a time within what the budget leaves, to be read again where it is used. The export and
 the follower cut their reads into pieces by the same budget
 (:meth:`~torchrec_cnr.read.items.MemoryBudget.rows`).
+
+A follower streams its reads instead of holding them: :func:`stream` begins items of
+scattered rows (:attr:`~torchrec_cnr.read.items.ReadItem.positions`) and returns what
+waits for each, so that the next table is planned while they run.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.read.items import Alloc, MemoryBudget, ReadItem, ReadPlan, TensorKey
 
-__all__ = ["Held", "carry_out"]
+__all__ = ["Held", "carry_out", "stream"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ def carry_out(
     to_read: dict[int, list[ReadItem]] = {}
     seen = set(chain.held)
     for group in plan.groups:
+        assert all(item.positions is None for item in group), "scattered rows: see stream"
         todo = [item for item in group if item.key not in seen]
         seen.update(item.key for item in todo)
         if budget.take(sum(_nbytes(chain, item) for item in todo), plan.hold_all):
@@ -86,3 +91,15 @@ def carry_out(
     for item in deferred:  # read again where used: checked now, before anything changes
         chain.check(item, spare or 0)
     return Held(chain.holding(held), tuple(deferred), spare)
+
+
+def stream(chain: ChainReader, items: list[ReadItem]) -> list[Callable[[], torch.Tensor]]:
+    """Begins reading ``items``, each of scattered rows (``positions``; with a record's
+    verification off, only their bytes), all at once on the I/O threads: for each, the call
+    that waits for its rows, as stored."""
+    begun = []
+    for item in items:
+        assert item.positions is not None, "stream reads scattered rows; carry_out the rest"
+        reader = chain.reader(item.link)
+        begun.append(reader.begin_rows_subset(item.rank, item.tensor, item.positions))
+    return begun

@@ -27,9 +27,10 @@ from torchrec_cnr.encoding import FP32, ShardRecord
 from torchrec_cnr.manifest import Summary
 from torchrec_cnr.quantization import UNIFORM_METHODS
 from torchrec_cnr.read import ChainReader, find_ids
+from torchrec_cnr.read.items import ReadItem
+from torchrec_cnr.read.plan import stream
 from torchrec_cnr.serving.plan import changed_rows
 from torchrec_cnr.serving.rows import StoredRows
-from torchrec_cnr.snapshot import SnapshotReader
 from torchrec_cnr.snapshot.reader import settle
 
 __all__ = ["Read", "read_table"]
@@ -37,38 +38,39 @@ __all__ = ["Read", "read_table"]
 
 @dataclass
 class _Piece:
-    """Rows ``ids`` of a table, stored at positions ``keep`` of ``rec`` of ``snapshot``'s
-    checkpoint."""
+    """Rows ``ids`` of a table, stored at positions ``keep`` of ``rec`` of link ``link`` of
+    ``reader``."""
 
     ids: torch.Tensor
     rec: ShardRecord
     keep: torch.Tensor
-    snapshot: SnapshotReader
+    reader: ChainReader
+    link: int
+
+    def items(self, names: list[str]) -> list[ReadItem]:
+        """Its rows of stored tensors ``names``, as read items."""
+        rank = self.rec.spec.rank
+        return [ReadItem(self.link, rank, name, positions=self.keep) for name in names]
 
     def cost(self) -> int:
         """The bytes its read fetches, a request counted as ``request_bytes`` more."""
-        total = 0
+        snapshot, total = self.reader.reader(self.link), 0
         for name in self.rec.value_names:
-            nbytes, requests = self.snapshot.subset_cost(self.rec.spec.rank, name, self.keep)
-            total += nbytes + requests * self.snapshot.storage.request_bytes
+            nbytes, requests = snapshot.subset_cost(self.rec.spec.rank, name, self.keep)
+            total += nbytes + requests * snapshot.storage.request_bytes
         return total
 
     def begin(self) -> Read:
         """Queues its reads; returns what waits for them and gives ``(ids, rows)``, the
         rows as stored."""
-        rec, snapshot = self.rec, self.snapshot
-
-        def begin(name: str) -> Callable[[], torch.Tensor]:
-            return snapshot.begin_rows_subset(rec.spec.rank, name, self.keep)
-
+        rec = self.rec
+        names = rec.value_names
+        parts = stream(self.reader, self.items(names))
         if rec.format == FP32:
-            values = begin(rec.weight_name(rec.key))
-            return lambda: (self.ids, StoredRows.fp32(values()))
-        names = list(rec.parts)
-        parts = [begin(rec.part_name(rec.key, p)) for p in names]
+            return lambda: (self.ids, StoredRows.fp32(parts[0]()))
 
         def finish() -> tuple[torch.Tensor, StoredRows]:
-            read = dict(zip(names, settle(parts)))
+            read = dict(zip(rec.parts, settle(parts)))
             return self.ids, StoredRows.quantized(
                 read, rec.format.method, rec.format.bits, rec.spec.cols
             )
@@ -110,7 +112,7 @@ def _located(
             if rec.spec.table != table or rec.saved_rows == 0 or not wanted.numel():
                 continue
             found = source.locate(n, rec, wanted)
-            pieces += [_Piece(ids, rec, keep, source.reader(n)) for ids, keep in found]
+            pieces += [_Piece(ids, rec, keep, source, n) for ids, keep in found]
             if found:
                 taken = (
                     found[0][0]
@@ -138,24 +140,25 @@ def _located_densely(
                 hit = left[ids]
                 if bool(hit.any()):
                     ids = ids[hit]
-                    pieces.append(_Piece(ids, rec, at[hit], source.reader(n)))
+                    pieces.append(_Piece(ids, rec, at[hit], source, n))
                     left[ids] = False
     return pieces, left.nonzero().flatten()
 
 
 def _from_newer(
-    chain: ChainReader, table: str, wanted: torch.Tensor, newer: list[Summary]
+    chain: ChainReader, source: ChainReader, table: str, wanted: torch.Tensor
 ) -> tuple[list[_Piece], torch.Tensor]:
-    """Rows ``wanted`` of ``table`` from ``newer`` (the checkpoints since the served one,
-    newest first: see :attr:`UpdatePlan.newer`), each from the newest that changed it,
-    where those rows lie in one run: the pieces, and the rows left."""
+    """Rows ``wanted`` of ``table`` from ``source``'s links (the checkpoints since the
+    served one, oldest first: see :attr:`UpdatePlan.newer`), each from the newest that
+    changed it, where those rows lie in one run: the pieces, and the rows left."""
     # The target's own records: a row read from a newer checkpoint must be stored as the
     # target stores it (its chain's older links are not read for a warm update).
     ours = [rec for rec in chain.link_records(-1) if rec.spec.table == table]
     dim = chain.entry.tables[table].embedding_dim
     pieces = []
     deferred = []  # changed by a checkpoint that does not store them in a run
-    for entry in newer:
+    for n in reversed(range(len(source.links))):
+        entry = source.links[n]
         for rec in chain.manifest.shards(entry):
             if rec.spec.table != table or rec.saved_rows == 0 or not wanted.numel():
                 continue
@@ -171,7 +174,7 @@ def _from_newer(
                 # Their value is the target chain's: older checkpoints hold older ones.
                 deferred.append(found)
             else:
-                pieces.append(_Piece(found, rec, start + at, chain.snapshot(entry)))
+                pieces.append(_Piece(found, rec, start + at, source, n))
     if deferred:
         wanted = torch.sort(torch.cat([wanted, *deferred])).values
     return pieces, wanted
@@ -195,7 +198,7 @@ def read_table(
     if not newer:
         return _read_rest(chain, table, [], rows, _located(chain, table, rows))
     source = chain.narrowed(newer[::-1])
-    pieces, rest = _from_newer(chain, table, rows, newer)
+    pieces, rest = _from_newer(chain, source, table, rows)
     found = _located(source, table, rest)
     if len(newer) > 1 and (alone := _located(chain.narrowed([chain.entry]), table, rows)):
         if not alone[1].numel() and (
