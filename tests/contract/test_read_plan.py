@@ -1,7 +1,8 @@
 """Reads as a plan (``read/plan.py``): a plan of frozen items carried out under one
 memory budget. What fits is held by a new reader (the old one is unchanged), groups are
 held whole or not at all, what does not fit is verified (a damaged one fails before
-anything is held), and held tensors are exactly the stored ones."""
+anything is held), and held tensors are exactly the stored ones. A follower's scattered
+rows are streamed (``stream``), as stored, and never held."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tests.jobs import make_job
 from tests.multiprocess import run_ranks
 from torchrec_cnr.errors import ChecksumError
 from torchrec_cnr.read import ChainReader, MemoryBudget, ReadItem, ReadPlan, carry_out
+from torchrec_cnr.read.plan import stream
 from torchrec_cnr.snapshot import rows_path
 
 pytestmark = pytest.mark.dist
@@ -104,3 +106,17 @@ def test_a_damaged_deferred_tensor_fails_the_plan(saved: str, tmp_path: Path) ->
     with ChainReader.open(str(root)) as chain:
         with pytest.raises(ChecksumError, match=item.tensor):
             carry_out(chain, ReadPlan(((item,),)), MemoryBudget(0))
+
+
+def test_scattered_rows_are_streamed_as_stored_and_never_held(saved: str) -> None:
+    with ChainReader.open(saved) as chain:
+        items = _items(chain)
+        rows = [chain.reader(i.link).rows(i.rank, i.tensor) for i in items]
+        picked = [torch.tensor([0, 2, 3, r.shape[0] - 1]) for r in rows]
+        scattered = [ReadItem(i.link, i.rank, i.tensor, positions=p) for i, p in zip(items, picked)]
+        waits = stream(chain, scattered)
+        for wait, stored, at in zip(waits, rows, picked):
+            assert torch.equal(wait(), stored[at])
+        assert not chain.held
+        with pytest.raises(AssertionError, match="stream"):
+            carry_out(chain, ReadPlan(((scattered[0],),)), MemoryBudget(None))
