@@ -32,6 +32,7 @@ from torchrec_cnr import (
 from torchrec_cnr.interop import ExportOptions
 from torchrec_cnr.read import ChainReader
 from torchrec_cnr.storage import CountingStorage, open_storage
+from torchrec_cnr.storage.fs import tree_bytes
 
 STEP, MORE = 3, 2
 EBC_FROM = {"t_column_wise": "column_wise", "w_table_row_wise": "table_row_wise"}
@@ -295,7 +296,7 @@ def test_export_loads_into_an_unsharded_model_and_a_torch_file(
     counting, small = CountingStorage(open_storage(root)), str(tmp_path / "small")
     export_dcp(counting, small, options=ExportOptions(budget_mb=1 / 16))
     _unsharded(small, str(tmp_path / "small.pt"), str(want))
-    stored = sum(f.stat().st_size for f in Path(root).rglob("*") if f.is_file())
+    stored = tree_bytes(root)
     assert counting.bytes_read < 2 * stored, (counting.bytes_read, stored)
 
 
