@@ -179,8 +179,8 @@ def _read_saved(
     block wants: whole where every saved row lands in it, else from the first that lands
     to the last (:attr:`Placement.window`). A reader holding them, and ``where`` counting
     the saved rows from the first read."""
-    names = [rec.states[s].tensor for s in rec.states if _wants(wanted, s)]
-    names = (rec.value_names if _wants(wanted, "weight") else []) + names
+    values = rec.value_names if _wants(wanted, "weight") else []
+    names = values + [info.tensor for state, info in rec.states.items() if _wants(wanted, state)]
     window = where.window
     if window is not None and any((n, rec.spec.rank, m) in chain.held for m in names):
         window = None  # held whole already
