@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from torchrec_cnr.errors import CheckpointReadError, UnsafeObjectError
 from torchrec_cnr.interop.dcp_export import ExportOptions, export_dcp
-from torchrec_cnr.interop.dcp_io import Block, DcpReader, write_blocks
+from torchrec_cnr.interop.dcp_io import Block, DcpReader, mapped, write_blocks
 
 
 class Reader:
@@ -37,7 +37,7 @@ def test_blocks_written_in_pieces_read_back_in_other_pieces(tmp_path: Path) -> N
 
     # Two column shards, the first cut in two row pieces.
     blocks = [piece(0, 0, 4), piece(4, 0, 6), piece(0, 3, 10)]
-    write_blocks(tmp_path / "d", blocks, {"app": {"step": 7, "ids": torch.arange(3)}})
+    write_blocks(tmp_path / "d", [blocks], {"app": {"step": 7, "ids": torch.arange(3)}})
     reader = DcpReader(tmp_path / "d")
     assert reader.size("model.t.weight") == (10, 6)
     assert [o for o, _ in reader.chunks("model.t.weight")] == [(0, 0), (0, 3), (4, 0)]
@@ -110,7 +110,7 @@ def _rows(table: torch.Tensor, log: list[str], fail: int | None = None) -> list[
 
 def test_each_block_is_read_while_the_one_before_it_is_written(tmp_path: Path) -> None:
     table, log = torch.randn(10, 4), list[str]()
-    write_blocks(tmp_path / "d", _rows(table, log))
+    write_blocks(tmp_path / "d", [[b] for b in _rows(table, log)])
     assert sorted(log) == [f"load {i}" for i in range(5)], "each block read once"
     out = torch.empty(10, 4)
     DcpReader(tmp_path / "d").read([("model.t", (0, 0), out)])
@@ -118,11 +118,65 @@ def test_each_block_is_read_while_the_one_before_it_is_written(tmp_path: Path) -
     assert not [t for t in threading.enumerate() if t.name.startswith("cnr-read-ahead")]
 
 
+def test_each_group_is_read_while_the_one_before_it_is_written(tmp_path: Path) -> None:
+    # Groups of a table's rows and their per-row state: the whole next group is read on
+    # the read-ahead thread once the writer reaches a group, not one block ahead (which
+    # read the next rows only while this group's small state was written).
+    table, state = torch.randn(6, 4), torch.randn(6)
+    log: list[tuple[str, str]] = []
+
+    def load(name: str, t: torch.Tensor) -> torch.Tensor:
+        log.append((name, threading.current_thread().name))
+        return t.clone()
+
+    groups = [
+        [
+            Block(
+                ("model", "t"), (r0, 0), (2, 4), (6, 4), partial(load, f"t{r0}", table[r0 : r0 + 2])
+            ),
+            Block(("optim", "s"), (r0,), (2,), (6,), partial(load, f"s{r0}", state[r0 : r0 + 2])),
+        ]
+        for r0 in (0, 2, 4)
+    ]
+    write_blocks(tmp_path / "d", groups)
+    ahead = {name for name, thread in log if thread.startswith("cnr-read-ahead")}
+    assert sorted(name for name, _ in log) == ["s0", "s2", "s4", "t0", "t2", "t4"]
+    assert ahead == {"t2", "s2", "t4", "s4"}, log
+    for key, value in (("model.t", table), ("optim.s", state)):
+        out = torch.empty_like(value)
+        DcpReader(tmp_path / "d").read([(key, (0,) * value.dim(), out)])
+        assert torch.equal(out, value)
+
+
+def test_mapped_blocks_are_written_as_they_are_and_their_memory_returned(tmp_path: Path) -> None:
+    table = torch.randn(3 * 1024, 4)  # three blocks of 16 KiB
+    given: list[torch.Tensor] = []
+
+    def load(i: int) -> torch.Tensor:
+        t = mapped([1024, 4], torch.float32)
+        assert t.untyped_storage().nbytes() == t.nbytes and t.data_ptr() % 4096 == 0
+        t.copy_(table[1024 * i : 1024 * (i + 1)])
+        given.append(t)
+        return t
+
+    blocks = [
+        Block(("model", "t"), (1024 * i, 0), (1024, 4), (3 * 1024, 4), partial(load, i), owned=True)
+        for i in range(3)
+    ]
+    write_blocks(tmp_path / "d", [[b] for b in blocks])
+    out = torch.empty_like(table)
+    DcpReader(tmp_path / "d").read([("model.t", (0, 0), out)])
+    assert torch.equal(out, table)
+    # Each block written before the last was freed in place (its pages read as zeros):
+    # the memory written is the memory given, not a copy.
+    assert all(not t.any() for t in given[:2]), "a written block's memory kept"
+
+
 def test_a_block_read_ahead_that_fails_fails_the_write_and_leaves_no_thread(
     tmp_path: Path,
 ) -> None:
     log: list[str] = []
     with pytest.raises(OSError, match="block 2 unreadable"):
-        write_blocks(tmp_path / "d", _rows(torch.randn(10, 4), log, fail=2))
+        write_blocks(tmp_path / "d", [[b] for b in _rows(torch.randn(10, 4), log, fail=2)])
     assert "load 4" not in log, "nothing read past the block after the one that failed"
     assert not [t for t in threading.enumerate() if t.name.startswith("cnr-read-ahead")]

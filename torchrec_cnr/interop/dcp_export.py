@@ -40,11 +40,11 @@ import torch.distributed as dist
 
 from torchrec_cnr.collectives import Collective
 from torchrec_cnr.config import checked_safe_globals
-from torchrec_cnr.interop.dcp_io import Block, fused_state_path, write_blocks
+from torchrec_cnr.interop.dcp_io import Block, fused_state_path, mapped, write_blocks
 from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.manifest import TableShape
 from torchrec_cnr.read.chain import ChainReader
-from torchrec_cnr.read.items import MemoryBudget
+from torchrec_cnr.read.items import MemoryBudget, ReadItem
 from torchrec_cnr.read.tables import table_block
 from torchrec_cnr.schema import ShardRecord
 from torchrec_cnr.snapshot.objects import load_object, resolve_globals
@@ -157,6 +157,10 @@ def _states(chain: ChainReader, table: str) -> dict[str, str]:
     return found
 
 
+def _mapped(item: ReadItem, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return mapped(shape, dtype)
+
+
 @dataclass
 class _Reads:
     """Reads each tensor of a block once, when the writer asks for it."""
@@ -167,7 +171,7 @@ class _Reads:
     done: int = 0
 
     def __call__(self, dst: ShardSpec, name: str) -> torch.Tensor:
-        value = table_block(self.chain, dst, (name,)).get(name)
+        value = table_block(self.chain, dst, (name,), alloc=_mapped).get(name)
         if value is None:  # a state no saved shard of this block holds
             value = torch.zeros((dst.rows, dst.cols) if name == "weight" else (dst.rows,))
         self.done += 1
@@ -212,16 +216,16 @@ def _table_blocks(
     return groups
 
 
-def _share(groups: list[list[Block]], rank: int, world: int) -> list[Block]:
-    """This rank's blocks: groups dealt to the rank with the fewest bytes so far."""
+def _share(groups: list[list[Block]], rank: int, world: int) -> list[list[Block]]:
+    """This rank's groups of blocks: each dealt to the rank with the fewest bytes so far."""
     load = [0] * world
-    mine: list[Block] = []
+    mine: list[list[Block]] = []
     for group in groups:
         size = sum(4 * int(torch.Size(b.sizes).numel()) for b in group)
         to = min(range(world), key=lambda r: (load[r], r))
         load[to] += size
         if to == rank:
-            mine.extend(group)
+            mine.append(group)
     return mine
 
 
@@ -314,9 +318,9 @@ def export_dcp(
             ]
         )
         mine = _share(groups, rank, world)
-        read.total = len(mine)
+        read.total = sum(map(len, mine))
         saved = everywhere(lambda: objects(chain))
         write_blocks(target, mine, saved, group, options.threads)
         keys = sorted({b.fqn for g in groups for b in g})
-        nbytes = sum(4 * int(torch.Size(b.sizes).numel()) for b in mine)
-        return DcpExport(chain.entry.step, len(mine), nbytes, len(tables), keys)
+        nbytes = sum(4 * int(torch.Size(b.sizes).numel()) for g in mine for b in g)
+        return DcpExport(chain.entry.step, read.total, nbytes, len(tables), keys)

@@ -8,16 +8,20 @@ planner interface and file-system storage, so the files are DCP's own:
 - :class:`DcpReader` reads a checkpoint's metadata with an unpickler that runs no code,
   any block of a tensor, and the objects under a key, unpickled as a restore unpickles
   ``app_state`` (nothing but the types it is told to allow);
-- :func:`write_blocks` writes tensors given as blocks read on demand (memory: one block at
-  a time) and objects, under nested keys that ``dcp_to_torch_save`` rebuilds.
+- :func:`write_blocks` writes tensors given as groups of blocks read on demand (memory:
+  the group written and the next, read meanwhile; a block's memory is returned once it
+  is written) and objects, under nested keys that ``dcp_to_torch_save`` rebuilds.
 """
 
 from __future__ import annotations
 
 import io
+import math
+import mmap
 import pickle
 import threading
-from collections.abc import Callable, Iterable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
@@ -54,7 +58,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torchrec_cnr.errors import CheckpointReadError, CnrError
 from torchrec_cnr.snapshot.objects import load_object
 
-__all__ = ["Block", "DcpReader", "fused_state_path", "write_blocks"]
+__all__ = ["Block", "DcpReader", "fused_state_path", "mapped", "write_blocks"]
 
 Path_ = tuple[str | int, ...]
 """A key's place in the nested state dict: ``("optim", "state", "t0.weight", "t0.momentum1")``."""
@@ -278,21 +282,27 @@ class Block:
 
 
 class _ReadAhead:
-    """Each block's ``load`` run one block ahead, on a thread of its own: DCP's writer
-    with one thread asks for the blocks in their order, so the next one is read while
-    this one is written (two blocks in memory at most: the writer frees each once it is
-    written, see :meth:`_WriteBlocks.resolve_data`)."""
+    """Each group of blocks read while the group before it is written, on a thread of its
+    own: DCP's writer with one thread asks for the blocks in their order, so when it
+    reaches a group's first block the next group's reads begin (two groups in memory at
+    most: the writer frees each block once it is written, see
+    :meth:`_WriteBlocks.resolve_data`)."""
 
-    def __init__(self, blocks: list[Block]) -> None:
-        self.loads = [b.load for b in blocks]
-        self.blocks = [replace(b, load=partial(self.take, i)) for i, b in enumerate(blocks)]
+    def __init__(self, groups: Sequence[Sequence[Block]]) -> None:
+        flat = [b for g in groups for b in g]
+        self.loads = [b.load for b in flat]
+        self.blocks = [replace(b, load=partial(self.take, i)) for i, b in enumerate(flat)]
+        firsts = [0]
+        for g in groups:
+            firsts.append(firsts[-1] + len(g))
+        self.next_group = {a: range(b, c) for a, b, c in zip(firsts, firsts[1:], firsts[2:])}
         self.ahead: dict[int, Future[torch.Tensor]] = {}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="cnr-read-ahead")
 
     def take(self, i: int) -> torch.Tensor:
         read = self.ahead.pop(i, None)
-        if i + 1 < len(self.loads) and i + 1 not in self.ahead:
-            self.ahead[i + 1] = self.pool.submit(self.loads[i + 1])
+        for j in self.next_group.get(i, ()):
+            self.ahead[j] = self.pool.submit(self.loads[j])
         return self.loads[i]() if read is None else read.result()
 
     def close(self) -> None:
@@ -303,24 +313,24 @@ class _ReadAhead:
 
 def write_blocks(
     path: str | Path,
-    blocks: list[Block],
+    blocks: Sequence[Sequence[Block]],
     objects: Mapping[str, Any] | None = None,
     group: dist.ProcessGroup | None = None,
     threads: int = 1,
 ) -> None:
-    """Writes a DCP checkpoint of ``blocks`` and ``objects`` (a nested state dict of
-    plain values and tensors, flattened as ``dcp.save`` flattens one).
+    """Writes a DCP checkpoint of ``blocks``, in groups read together (a table's rows
+    and their optimizer states), and ``objects`` (a nested state dict of plain values and
+    tensors, flattened as ``dcp.save`` flattens one).
 
     With ``group``, every rank of it calls this with its own blocks (together they tile
     every tensor) and writes its own files; rank 0 writes the metadata. Without one, this
-    process writes everything. With one writer thread, each block is read while the one
-    before it is written (:class:`_ReadAhead`): two blocks are in memory at once.
+    process writes everything. With one writer thread, each group is read while the one
+    before it is written (:class:`_ReadAhead`): two groups are in memory at once.
     """
-    ahead = _ReadAhead(list(blocks)) if threads == 1 else None
+    ahead = _ReadAhead(blocks) if threads == 1 else None
     try:
-        _write_blocks(
-            path, list(blocks) if ahead is None else ahead.blocks, objects, group, threads
-        )
+        flat = [b for g in blocks for b in g] if ahead is None else ahead.blocks
+        _write_blocks(path, flat, objects, group, threads)
     finally:
         if ahead is not None:
             ahead.close()
@@ -398,14 +408,44 @@ class _WriteBlocks(DefaultSavePlanner):
         # only read for the safetensors format, which this writer does not use).
         done = getattr(self._written, "last", None)
         if done is not None:
-            done.untyped_storage().resize_(0)
+            _free(done)
         block = self.blocks[write_item.index]
         t = block.load()
         assert tuple(t.shape) == block.sizes, (block.fqn, tuple(t.shape), block.sizes)
         t = t.to(block.dtype).contiguous()
         if block.owned:
             storage = t.untyped_storage()
-            if storage.nbytes() != t.nbytes or not storage.resizable():
+            mine = storage.resizable() or storage.data_ptr() in _MAPPED
+            if storage.nbytes() != t.nbytes or not mine:
                 t = t.clone()  # a view (the copy DCP would make) or memory not ours to free
             self._written.last = t
         return t
+
+
+_MAPPED: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()
+"""The memory of :func:`mapped` tensors, by address."""
+
+
+def mapped(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor in anonymous memory of its own, page-aligned (a whole stored
+    tensor is read straight into it with ``O_DIRECT``), whose storage is exactly its bytes:
+    DCP's writer writes it without the copy it makes of a view, and frees it once written
+    (:func:`_free`)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
+    _MAPPED[t.data_ptr()] = memory
+    return t
+
+
+def _free(t: torch.Tensor) -> None:
+    """Returns a written block's memory: a :func:`mapped` tensor's pages to the system
+    (it reads as zeros after), any other's storage resized to nothing."""
+    storage = t.untyped_storage()
+    memory = _MAPPED.get(storage.data_ptr())
+    if memory is not None:
+        memory.madvise(mmap.MADV_DONTNEED)
+    else:
+        storage.resize_(0)

@@ -26,7 +26,7 @@ from torchrec_cnr.encoding import ShardRecord, decode_weight
 from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.read.geometry import Placement, place, scatter, slot, whole_table
-from torchrec_cnr.read.items import MemoryBudget, ReadItem, ReadPlan
+from torchrec_cnr.read.items import Alloc, MemoryBudget, ReadItem, ReadPlan
 from torchrec_cnr.read.plan import carry_out
 from torchrec_cnr.storage import Root
 from torchrec_cnr.tracking.shard import ShardSpec
@@ -118,6 +118,7 @@ def table_block(
     dst: ShardSpec,
     wanted: Collection[str] | None = None,
     rows: torch.Tensor | None = None,
+    alloc: Alloc | None = None,
 ) -> dict[str, torch.Tensor]:
     """One block of a table, ``dst`` (``dst.table`` its qualified name), as a restore into
     a shard ``dst`` gives it: ``"weight"``, ``(rows, cols)`` fp32 values, and each fused
@@ -127,7 +128,9 @@ def table_block(
     at a time, of each only the stored rows from the first that lands in ``dst`` to the
     last are read (in the checksummed blocks they lie in; the whole tensor in roots written
     before block checksums); with ``rows`` and without checksum verification, only the
-    rows that land. What no saved shard holds is left out."""
+    rows that land. ``alloc`` gives what a stored tensor read whole is read into (a
+    saved shard that is the block itself is given back in it). What no saved shard
+    holds is left out."""
     n_out = dst.rows if rows is None else rows.numel()
     out: dict[str, torch.Tensor] = {}
     placed = [
@@ -138,7 +141,7 @@ def table_block(
     ]
     for n, rec, where in placed:
         if rows is None:
-            reader, where = _read_saved(chain, n, rec, where, wanted)
+            reader, where = _read_saved(chain, n, rec, where, wanted, alloc)
             fetch = reader.fetch(n, rec)
         elif where.keep is None:
             fetch = chain.fetch(n, rec)
@@ -174,6 +177,7 @@ def _read_saved(
     rec: ShardRecord,
     where: Placement,
     wanted: Collection[str] | None,
+    alloc: Alloc | None,
 ) -> tuple[ChainReader, Placement]:
     """Reads, as a plan, the stored tensors of saved shard ``rec`` (of link ``n``) that a
     block wants: whole where every saved row lands in it, else from the first that lands
@@ -185,7 +189,7 @@ def _read_saved(
     if window is not None and any((n, rec.spec.rank, m) in chain.held for m in names):
         window = None  # held whole already
     plan = ReadPlan((tuple(ReadItem.of(n, rec, name, window) for name in names),))
-    reader = carry_out(chain, plan, MemoryBudget(None)).chain
+    reader = carry_out(chain, plan, MemoryBudget(None), alloc).chain
     if window is None:
         return reader, where
     assert where.keep is not None
