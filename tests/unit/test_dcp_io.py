@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from torchrec_cnr.errors import CheckpointReadError, UnsafeObjectError
 from torchrec_cnr.interop.dcp_export import ExportOptions, export_dcp
-from torchrec_cnr.interop.dcp_io import Block, DcpReader, mapped, write_blocks
+from torchrec_cnr.interop.dcp_io import Block, DcpReader, _ReadAhead, mapped, write_blocks
 
 
 class Reader:
@@ -123,10 +123,10 @@ def test_each_group_is_read_while_the_one_before_it_is_written(tmp_path: Path) -
     # the read-ahead thread once the writer reaches a group, not one block ahead (which
     # read the next rows only while this group's small state was written).
     table, state = torch.randn(6, 4), torch.randn(6)
-    log: list[tuple[str, str]] = []
+    log: list[str] = []
 
     def load(name: str, t: torch.Tensor) -> torch.Tensor:
-        log.append((name, threading.current_thread().name))
+        log.append(name)
         return t.clone()
 
     groups = [
@@ -138,10 +138,22 @@ def test_each_group_is_read_while_the_one_before_it_is_written(tmp_path: Path) -
         ]
         for r0 in (0, 2, 4)
     ]
+    ahead = _ReadAhead(groups)
+
+    def settled() -> list[str]:
+        """The loads begun so far, once ended (the read-ahead thread runs them in order)."""
+        ahead.pool.submit(lambda: None).result()
+        return list(log)
+
+    try:
+        assert settled() == ["t0", "s0"], "the first group is read from the start"
+        for i, then in enumerate((["t2", "s2"], [], ["t4", "s4"], [], [], [])):
+            before = settled()
+            ahead.blocks[i].load()  # the writer asks for block i
+            assert settled() == before + then, (i, log)
+    finally:
+        ahead.close()
     write_blocks(tmp_path / "d", groups)
-    ahead = {name for name, thread in log if thread.startswith("cnr-read-ahead")}
-    assert sorted(name for name, _ in log) == ["s0", "s2", "s4", "t0", "t2", "t4"]
-    assert ahead == {"t2", "s2", "t4", "s4"}, log
     for key, value in (("model.t", table), ("optim.s", state)):
         out = torch.empty_like(value)
         DcpReader(tmp_path / "d").read([(key, (0,) * value.dim(), out)])

@@ -22,7 +22,7 @@ import pickle
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -286,7 +286,7 @@ class _ReadAhead:
     own: DCP's writer with one thread asks for the blocks in their order, so when it
     reaches a group's first block the next group's reads begin (two groups in memory at
     most: the writer frees each block once it is written, see
-    :meth:`_WriteBlocks.resolve_data`)."""
+    :meth:`_WriteBlocks.resolve_data`). The first group is read from the start."""
 
     def __init__(self, groups: Sequence[Sequence[Block]]) -> None:
         flat = [b for g in groups for b in g]
@@ -296,8 +296,9 @@ class _ReadAhead:
         for g in groups:
             firsts.append(firsts[-1] + len(g))
         self.next_group = {a: range(b, c) for a, b, c in zip(firsts, firsts[1:], firsts[2:])}
-        self.ahead: dict[int, Future[torch.Tensor]] = {}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="cnr-read-ahead")
+        first = range(len(groups[0]) if groups else 0)  # read while DCP plans
+        self.ahead = {j: self.pool.submit(self.loads[j]) for j in first}
 
     def take(self, i: int) -> torch.Tensor:
         read = self.ahead.pop(i, None)
