@@ -15,8 +15,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from torchrec_cnr.errors import CheckpointReadError, UnsafeObjectError
+from torchrec_cnr.interop import dcp_io
 from torchrec_cnr.interop.dcp_export import ExportOptions, export_dcp
 from torchrec_cnr.interop.dcp_io import Block, DcpReader, _ReadAhead, mapped, write_blocks
+from torchrec_cnr.storage import DIRECT_MIN_BYTES
 
 
 class Reader:
@@ -161,18 +163,19 @@ def test_each_group_is_read_while_the_one_before_it_is_written(tmp_path: Path) -
 
 
 def test_mapped_blocks_are_written_as_they_are_and_their_memory_returned(tmp_path: Path) -> None:
-    table = torch.randn(3 * 1024, 4)  # three blocks of 16 KiB
+    n = DIRECT_MIN_BYTES // 16  # rows of a block of a MiB
+    table = torch.randn(3 * n, 4)
     given: list[torch.Tensor] = []
 
     def load(i: int) -> torch.Tensor:
-        t = mapped([1024, 4], torch.float32)
+        t = mapped([n, 4], torch.float32)
         assert t.untyped_storage().nbytes() == t.nbytes and t.data_ptr() % 4096 == 0
-        t.copy_(table[1024 * i : 1024 * (i + 1)])
+        t.copy_(table[n * i : n * (i + 1)])
         given.append(t)
         return t
 
     blocks = [
-        Block(("model", "t"), (1024 * i, 0), (1024, 4), (3 * 1024, 4), partial(load, i), owned=True)
+        Block(("model", "t"), (n * i, 0), (n, 4), (3 * n, 4), partial(load, i), owned=True)
         for i in range(3)
     ]
     write_blocks(tmp_path / "d", [[b] for b in blocks])
@@ -182,6 +185,17 @@ def test_mapped_blocks_are_written_as_they_are_and_their_memory_returned(tmp_pat
     # Each block written before the last was freed in place (its pages read as zeros):
     # the memory written is the memory given, not a copy.
     assert all(not t.any() for t in given[:2]), "a written block's memory kept"
+
+
+def test_mapped_memory_is_for_large_tensors_and_a_bounded_number_of_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert mapped([16, 4], torch.float32).untyped_storage().resizable(), "a small one: as usual"
+    monkeypatch.setattr(dcp_io, "MAX_MAPPED", len(dcp_io._MAPPED) + 1)
+    first = mapped([DIRECT_MIN_BYTES], torch.uint8)
+    assert not first.untyped_storage().resizable(), "mapped"
+    second = mapped([DIRECT_MIN_BYTES], torch.uint8)
+    assert second.untyped_storage().resizable(), "past the bound: as usual"
 
 
 def test_a_block_read_ahead_that_fails_fails_the_write_and_leaves_no_thread(

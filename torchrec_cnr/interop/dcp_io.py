@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from torchrec_cnr.errors import CheckpointReadError, CnrError
 from torchrec_cnr.snapshot.objects import load_object
+from torchrec_cnr.storage import DIRECT_MIN_BYTES
 
 __all__ = ["Block", "DcpReader", "fused_state_path", "mapped", "write_blocks"]
 
@@ -425,15 +426,20 @@ class _WriteBlocks(DefaultSavePlanner):
 
 _MAPPED: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()
 """The memory of :func:`mapped` tensors, by address."""
+MAX_MAPPED = 4096
+"""Mappings alive at once at most (DCP's writer holds every tensor of a file until the file
+is written; a process has about 65,000 mappings in all): past it, tensors are allocated as
+usual, and copied once before they are written."""
 
 
 def mapped(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized tensor in anonymous memory of its own, page-aligned (a whole stored
-    tensor is read straight into it with ``O_DIRECT``), whose storage is exactly its bytes:
-    DCP's writer writes it without the copy it makes of a view, and frees it once written
-    (:func:`_free`)."""
+    """An uninitialized tensor of a MiB or more in anonymous memory of its own,
+    page-aligned (a whole stored tensor is read straight into it with ``O_DIRECT``), whose
+    storage is exactly its bytes: DCP's writer writes it without the copy it makes of a
+    view, and frees it once written (:func:`_free`). Smaller ones, and any past
+    :data:`MAX_MAPPED`, as ``torch.empty`` gives them."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
+    if nbytes < DIRECT_MIN_BYTES or len(_MAPPED) >= MAX_MAPPED:
         return torch.empty(shape, dtype=dtype)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     t = torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
