@@ -112,8 +112,9 @@ def run(b: Bench) -> Outcome:
             for name, peer in pairs]  # fmt: skip
     note = (
         f"{a.tables} tables x {a.rows} rows x dim {a.dim} fp32 ({m['model_gb']:.2f} GB) on "
-        f"{b.world} ranks, fused row-wise Adagrad; median of {a.rounds} turns, caches dropped "
-        f"before each; export blocks of {a.budget_mb} MB; the bounded restore's "
+        f"{b.world} ranks, fused row-wise Adagrad; median of {a.rounds} turns, each after a "
+        f"sync{' and the page cache dropped' if a.drop_caches else ''}; "
+        f"export blocks of {a.budget_mb} MB; the bounded restore's "
         f"restore_memory_mb {a.restore_mb}; checkpoint bytes: export "
         f"{sizes['export_dcp'] / GB:.3f} GB, dcp.save {sizes['dcp_save'] / GB:.3f} GB"
     )

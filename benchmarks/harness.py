@@ -91,12 +91,17 @@ class Bench:
                            for k, v in row.items()))  # fmt: skip
 
     def settle(self) -> None:
-        """Syncs, and drops the page cache where allowed (as root, not in ``--smoke`` runs)."""
+        """Syncs, and drops the page cache where allowed (as root, not in ``--smoke`` runs).
+        Where it is refused (not root, a read-only ``/proc/sys``), it says so once and the
+        result records ``drop_caches`` false."""
         if dist.get_rank() == 0:
             os.sync()
             if self.args.drop_caches:
-                with contextlib.suppress(OSError):  # not root, or a read-only /proc/sys
+                try:
                     Path("/proc/sys/vm/drop_caches").write_text("1\n")
+                except OSError as e:
+                    self.log(f"the page cache is not dropped between methods: {e}")
+                    self.args.drop_caches = False
         dist.barrier()
 
     def interleaved(self, rounds: int, methods: Iterable[str], measure: Callable[[str], float],
