@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -293,12 +294,11 @@ class _ReadAhead:
         flat = [b for g in groups for b in g]
         self.loads = [b.load for b in flat]
         self.blocks = [replace(b, load=partial(self.take, i)) for i, b in enumerate(flat)]
-        firsts = [0]
-        for g in groups:
-            firsts.append(firsts[-1] + len(g))
-        self.next_group = {a: range(b, c) for a, b, c in zip(firsts, firsts[1:], firsts[2:])}
+        starts = [0, *accumulate(map(len, groups))]
+        spans = [range(a, b) for a, b in zip(starts, starts[1:])]  # each group's blocks
+        self.next_group = {span.start: after for span, after in zip(spans, spans[1:])}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="cnr-read-ahead")
-        first = range(len(groups[0]) if groups else 0)  # read while DCP plans
+        first = spans[0] if spans else range(0)  # read while DCP plans
         self.ahead = {j: self.pool.submit(self.loads[j]) for j in first}
 
     def take(self, i: int) -> torch.Tensor:
