@@ -41,10 +41,7 @@ def _measure(b: Bench, base: str, model: torch.nn.Module,
     full, delta, restore = [], [], []
     for rep in range(b.args.repeats):
         root = f"{base}/{rep}"
-        config = CheckpointConfig(
-            path=root, policy="intermittent", storage_options=options,
-            single_writer=root.startswith("gs://"),  # the emulator ignores ifGenerationMatch
-        )  # fmt: skip
+        config = CheckpointConfig(path=root, policy="intermittent", storage_options=options)
         with CheckpointManager(model, config) as ckpt:
             full.append(measure.timed_save(ckpt, 1)[1])
             modify(shards, rows)

@@ -7,7 +7,8 @@ port for the whole session; each test gets a bucket of its own. Clients find it 
 ``AWS_ENDPOINT_URL``, as they would a real store; the rank workers of
 :mod:`tests.multiprocess` see the test's environment. ``every_root`` adds the fsspec
 roots: S3 through s3fs (``s3a://``) on the same server, GCS through gcsfs on
-``gcp-storage-emulator``, Azure Blob Storage through adlfs on Azurite; their options reach
+``gcp-storage-emulator`` (refusing uploads whose ``ifGenerationMatch`` fails, as GCS
+does), Azure Blob Storage through adlfs on Azurite; their options reach
 every process through ``TORCHREC_CNR_STORAGE_OPTIONS``, as a job's would.
 """
 
@@ -93,6 +94,15 @@ def gcs_endpoint() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def lax_gcs_endpoint() -> Iterator[str]:
+    """The URL of the stock ``gcp-storage-emulator``, which ignores ``ifGenerationMatch``."""
+    from torchrec_cnr.testing.stores import gcs_server
+
+    with gcs_server(preconditions=False) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
 def azurite_endpoint() -> Iterator[str]:
     """The URL of an Azurite blob server in its own process on loopback."""
     from torchrec_cnr.testing.stores import azurite_binary, azurite_server
@@ -104,7 +114,7 @@ def azurite_endpoint() -> Iterator[str]:
 
 
 def _fsspec_root(
-    protocol: str, options: Mapping[str, object], monkeypatch: pytest.MonkeyPatch, single: bool
+    protocol: str, options: Mapping[str, object], monkeypatch: pytest.MonkeyPatch
 ) -> str:
     """A fresh bucket (container) of an fsspec store, and the environment that opens it."""
     import fsspec
@@ -112,8 +122,6 @@ def _fsspec_root(
     bucket = f"test-{uuid.uuid4().hex[:12]}"
     fsspec.filesystem(protocol, **options).mkdir(bucket)
     monkeypatch.setenv("TORCHREC_CNR_STORAGE_OPTIONS", json.dumps(dict(options)))
-    if single:
-        monkeypatch.setenv("TORCHREC_CNR_SINGLE_WRITER", "1")
     return f"{protocol}://{bucket}/ckpt"
 
 
@@ -130,11 +138,10 @@ def _root(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
         url = request.getfixturevalue("azurite_endpoint")
         options = {"connection_string": azurite_connection_string(url)}
-        return _fsspec_root("az", options, monkeypatch, single=False)
-    # The emulator ignores ifGenerationMatch: a root there needs single_writer.
-    url = request.getfixturevalue("gcs_endpoint")
+        return _fsspec_root("az", options, monkeypatch)
+    url = request.getfixturevalue("lax_gcs_endpoint" if kind == "lax_gcs" else "gcs_endpoint")
     options = {"endpoint_url": url, "token": "anon", "project": "test"}
-    return _fsspec_root("gs", options, monkeypatch, single=True)
+    return _fsspec_root("gs", options, monkeypatch)
 
 
 @pytest.fixture(params=["fs", "s3"])

@@ -80,6 +80,27 @@ def test_folders_list_measure_and_delete(every_root: str) -> None:
     assert storage.children() == [] and storage.read("top") is None
 
 
+def test_a_folder_another_deleter_empties_meanwhile_is_deleted_without_an_error(
+    fsspec_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A taken-over job removes its failed checkpoint while the new writer sweeps it.
+    storage, other = open_storage(fsspec_root), open_storage(fsspec_root)
+    storage.create()
+    for i in range(3):
+        storage.write(f"a/{i}", b"x")
+    listed = storage._files  # type: ignore[attr-defined]
+
+    def listed_then_deleted_by_the_other(name: str) -> dict[str, object]:
+        found = listed(name)
+        other.delete_tree(name)  # another deleter gets there first
+        return found  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(storage, "_files", listed_then_deleted_by_the_other)
+    storage.write("b/0", b"x")
+    storage.delete_tree("a")
+    assert storage.children() == ["b"] and storage.read("a/1") is None
+
+
 def test_a_read_past_an_objects_end_names_its_real_length(every_root: str) -> None:
     storage = open_storage(every_root)
     storage.create()

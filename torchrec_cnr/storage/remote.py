@@ -391,8 +391,17 @@ class FsspecStorage(Storage):
 
     def delete_tree(self, name: str) -> None:
         files = list(self._files(name))
-        if files:
-            self.fs.rm(files)
+        try:
+            if files:
+                self.fs.rm(files)
+        except FileNotFoundError:
+            # Another deleter got some first (a taken-over job removing its failed
+            # checkpoint while the new writer sweeps it): the rest one by one.
+            for path in files:
+                try:
+                    self.fs.rm_file(path)
+                except FileNotFoundError:
+                    pass
         if self.protocol in ("memory", "hdfs"):  # stores with real folders
             try:
                 self.fs.rm(self._path(name), recursive=True)

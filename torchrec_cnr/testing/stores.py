@@ -93,25 +93,22 @@ def moto_server() -> contextlib.AbstractContextManager[str]:
     )
 
 
-def gcs_server() -> contextlib.AbstractContextManager[str]:
-    """``gcp-storage-emulator``'s GCS JSON API (objects in memory, no credentials).
+def gcs_server(preconditions: bool = True) -> contextlib.AbstractContextManager[str]:
+    """``gcp-storage-emulator``'s GCS JSON API (objects in memory, no credentials), which
+    refuses an upload whose ``ifGenerationMatch`` does not hold, as GCS does (see
+    :mod:`.gcs_emulator`); with ``preconditions=False``, the stock emulator, which ignores it.
 
     gcsfs reaches it with ``endpoint_url=URL, token="anon"``, and with
     ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` set before gcsfs is imported (its default
     file system asks a gRPC API the emulator lacks what kind each bucket is).
     """
-    emulator = Path(sys.executable).with_name("gcp-storage-emulator")
+    if preconditions:
+        program = [sys.executable, "-m", "torchrec_cnr.testing.gcs_emulator"]
+    else:
+        program = [str(Path(sys.executable).with_name("gcp-storage-emulator"))]
     return _serve(
         "GCS emulator",
-        lambda port: [
-            str(emulator),
-            "start",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--in-memory",
-        ],  # fmt: skip
+        lambda port: [*program, "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"],
     )
 
 

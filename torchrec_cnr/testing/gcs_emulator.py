@@ -1,0 +1,72 @@
+"""``gcp-storage-emulator`` with GCS's write precondition, for the tests' GCS roots.
+
+    python -m torchrec_cnr.testing.gcs_emulator start --host 127.0.0.1 --port PORT --in-memory
+
+The emulator accepts ``ifGenerationMatch`` on an upload and ignores it, so two writers
+on one of its roots overwrite each other, where GCS refuses the second with 412. This
+runs the same emulator with the check GCS makes: an upload that names a generation
+other than the object's (``0``: the object exists) is refused with 412 and changes
+nothing. The emulator serves one request at a time, so the check and the write are one
+step, as on GCS.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from http import HTTPStatus
+from typing import Any
+
+from gcp_storage_emulator import __main__ as emulator
+from gcp_storage_emulator import server
+from gcp_storage_emulator.exceptions import NotFound
+from gcp_storage_emulator.handlers import objects
+
+_insert = objects.insert
+
+
+def _object_name(request: Any) -> str | None:
+    if "name" in request.query:
+        return str(request.query["name"][0])
+    if request.query.get("uploadType", [""])[0] == "multipart":
+        return request.data["meta"].get("name")  # type: ignore[no-any-return]
+    return None
+
+
+def _insert_if_generation_matches(request: Any, response: Any, storage: Any) -> None:
+    """The emulator's upload, refused with 412 unless ``ifGenerationMatch`` holds."""
+    wanted = request.query.get("ifGenerationMatch")
+    name = _object_name(request)
+    if wanted and name is not None:
+        try:
+            found = str(storage.get_file_obj(request.params["bucket_name"], name)["generation"])
+        except NotFound:
+            found = "0"
+        if found != wanted[0]:
+            response.status = HTTPStatus.PRECONDITION_FAILED
+            response["Content-type"] = "application/json"
+            response._content = json.dumps(
+                {
+                    "error": {
+                        "code": 412,
+                        "message": "Precondition Failed",
+                        "errors": [{"reason": "conditionNotMet"}],
+                    }
+                }  # fmt: skip
+            )
+            return
+    _insert(request, response, storage)
+
+
+def main() -> int:
+    for _, handlers in server.HANDLERS:
+        for method, handler in list(handlers.items()):
+            if handler is _insert:
+                handlers[method] = _insert_if_generation_matches
+    objects.insert = _insert_if_generation_matches  # the router's fallback for bare POSTs
+    emulator.main(sys.argv[1:])  # exits with the server's status
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
