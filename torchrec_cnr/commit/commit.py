@@ -294,6 +294,16 @@ def append(target: CommitTarget, entry: Entry, hook: Landing | None = None) -> M
             storage.url,
             entry.id,
         )
+    except Exception as e:  # committed all the same: the save must not report a failure
+        logger.warning(
+            "%s: checkpoint %s is committed, but retiring old checkpoints failed (%s: %s); "
+            "those the manifest still names are retired by the next commit, files it no "
+            "longer names stay until the root's next writer sweeps it",
+            storage.url,
+            entry.id,
+            type(e).__name__,
+            e,
+        )
     return manifest
 
 
