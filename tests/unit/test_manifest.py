@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.faults import Fault, FaultyStorage
 from torchrec_cnr import CheckpointConfig, ManifestError
 from torchrec_cnr.commit.commit import CommitTarget, append
 from torchrec_cnr.encoding import FP32, ShardRecord, StateInfo
@@ -307,3 +308,32 @@ def test_a_long_running_compaction_keeps_its_place_out_of_the_sealed_history(
     assert [e.id for e in manifest.checkpoints] == [compacted, *ids[2:]]
     reread = Manifest.load(CountingStorage(FsStorage(tmp_path)))
     assert reread.chain(reread.by_id(ids[count])) == [compacted, *ids[2 : count + 1]]
+
+
+def test_a_landing_whose_manifest_write_fails_leaves_every_committed_chain_as_it_was(
+    tmp_path: Path,
+) -> None:
+    # The landing rewrote the records of what links to the compacted checkpoint, then its
+    # manifest write failed (a full disk, a takeover): the compaction never committed, and
+    # its files go. Chains read from records alone, once those are sealed, must not name it.
+    storage = FsStorage(tmp_path)
+    ids = [checkpoint_id(seq, 10 * seq, 0) for seq in range(5 * TAIL)]
+    target = CommitTarget(storage, Policy("consecutive"), 0, None)
+    for seq in range(4):
+        append(target, _entry(seq, 10 * seq, ids[: seq + 1], 10))
+    compacted = checkpoint_id(1, 10, 0, compacted=True)
+    landed = dataclasses.replace(_entry(1, 10, [compacted], 10), compacted_from=ids[1])
+    full = CommitTarget(
+        FaultyStorage(storage, Fault("write", "manifest.json")), target.policy, 0, None
+    )
+    with pytest.raises(OSError, match="injected"):
+        append(full, _entry(4, 40, [compacted, *ids[2:5]], 10), _Hook(lands=landed))
+    for ckpt_id in (compacted, ids[4]):
+        storage.delete_tree(ckpt_id)  # the failed commit's files (remove_failed, the sweep)
+    for seq in range(4, len(ids)):
+        append(target, _entry(seq, 10 * seq, ids[: seq + 1], 10))
+    reread = Manifest.load(CountingStorage(storage))
+    assert ids[2] not in {e.id for e in reread.tail}, "sealed: its chain comes from records"
+    assert reread.chain(reread.by_id(ids[-1])) == ids
+    fresh = Manifest.load(storage)
+    assert fresh.chain(fresh.by_id(ids[3])) == ids[:4], "walked back through ids[2]'s record"

@@ -325,6 +325,22 @@ class Manifest(ManifestRecord):
             return found or self.record(ckpt_id)
         return super().by_id(ckpt_id)
 
+    def links(self, entry: Summary) -> list[Summary]:
+        """As :meth:`ManifestRecord.links`; a chain walked through records alone that
+        reaches a checkpoint the root does not hold is walked again through the history.
+
+        A landing rewrites the records of what links to the checkpoint it compacts before
+        its manifest is written; if that write fails, those records name a compaction that
+        never committed (whose files then go), where the summaries still name the chain.
+        """
+        try:
+            return super().links(entry)
+        except (CheckpointReadError, ManifestError):
+            if self.history is None or self._older is not None:
+                raise
+            self.checkpoints  # noqa: B018 - reads the history: what was committed
+            return super().links(self.by_id(entry.id))
+
     def link(self, ckpt_id: str) -> Summary | None:
         """The checkpoint a committed one links to (``since``), as :meth:`by_id` finds it;
         ``None`` if the root no longer holds it (retired)."""
