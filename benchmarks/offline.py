@@ -57,7 +57,8 @@ def _in_job(b: Bench, model: torch.nn.Module) -> dict[str, Any]:
         ckpt.compact()
         ckpt.wait()
 
-    compact_s, _ = measure.timed(compact)
+    watched = measure.Peak(compact)
+    compact_s, _ = measure.timed(watched)
     measure.drop_cache(root)
     restore_one, _ = measure.timed(lambda: ckpt.restore(step))
     ckpt.close()
@@ -68,7 +69,7 @@ def _in_job(b: Bench, model: torch.nn.Module) -> dict[str, Any]:
     latest = list(infos.values())[-1]
     assert latest.compacted_from and len(latest.chain) == 1, latest
     return {"compact_s": compact_s, "full_save_s": full_s, "restore_chain_s": restore_chain,
-            "restore_compacted_s": restore_one,
+            "restore_compacted_s": restore_one, "compact_peak_mb": watched.over_ranks(),
             "chain_bytes": infos[latest.compacted_from].restore_bytes,
             "compacted_bytes": latest.bytes}  # fmt: skip
 
@@ -76,6 +77,7 @@ def _in_job(b: Bench, model: torch.nn.Module) -> dict[str, Any]:
 def _offline_figures(root: Path, out: Path, repeats: int) -> dict[str, Any]:
     """In this process alone, without a model or a process group."""
     times: dict[str, list[float]] = {"export": [], "save": [], "table": [], "compact": []}
+    compact = measure.Peak(lambda: cnr(["compact", str(root)]))
 
     def clock(name: str, fn: Callable[[], T]) -> T:
         measure.evict(root)  # every read is cold
@@ -91,9 +93,9 @@ def _offline_figures(root: Path, out: Path, repeats: int) -> dict[str, Any]:
         out.unlink()
         del state_dict
         clock("table", lambda: offline.read_table(str(root), "t0"))
-    assert clock("compact", lambda: cnr(["compact", str(root)])) == 0
+    assert clock("compact", compact) == 0
     medians = {f"{k}_s": statistics.median(v) for k, v in times.items()}
-    return {"read_bytes": read_bytes, **medians}
+    return {"read_bytes": read_bytes, "compact_peak_mb": compact.mb, **medians}
 
 
 def run(b: Bench) -> Outcome:
@@ -109,15 +111,18 @@ def run(b: Bench) -> Outcome:
     off["read_disk_s"] = off["read_bytes"] / measure.GB / disk["read_gb_s"]
     m = {"disk": disk, "in_job": job, "offline": off}
     rows = [
-        ["compaction in the job (`compact()` to `wait()`)", job["compact_s"],
+        ["compaction in the job (`compact()` to `wait()`), s", job["compact_s"],
          f"full save of the same model {job['full_save_s']:.2f} s"],
-        ["compaction offline (`cnr compact`, 1 process)", off["compact_s"], ""],
-        [f"restore of that step, chain of {a.deltas + 1}", job["restore_chain_s"],
+        ["compaction offline (`cnr compact`, 1 process), s", off["compact_s"], ""],
+        ["peak memory of the compaction in the job over its start, MB (largest rank)",
+         job["compact_peak_mb"], f"a table's shard: {a.rows * a.dim * 4 / 2**20:.0f} MB"],
+        ["peak memory of `cnr compact` over its start, MB", off["compact_peak_mb"], ""],
+        [f"restore of that step, chain of {a.deltas + 1}, s", job["restore_chain_s"],
          f"after compaction: {job['restore_compacted_s']:.2f} s"],
-        ["`export_state_dict` (1 process, cold cache)", off["export_s"],
+        ["`export_state_dict` (1 process, cold cache), s", off["export_s"],
          f"reading its {off['read_bytes'] / measure.GB:.2f} GB from disk: {off['read_disk_s']:.2f} s"],
-        ["writing the export with `torch.save`", off["save_s"], ""],
-        [f"`read_table` of one {a.rows} x {a.dim} table", off["table_s"], ""],
+        ["writing the export with `torch.save`, s", off["save_s"], ""],
+        [f"`read_table` of one {a.rows} x {a.dim} table, s", off["table_s"], ""],
     ]  # fmt: skip
     note = (
         f"{a.tables} tables x {a.rows} rows x dim {a.dim} fp32 on {b.world} ranks; a consecutive "
@@ -125,7 +130,7 @@ def run(b: Bench) -> Outcome:
         f"({job['chain_bytes'] / measure.GB:.2f} GB stored); disk: write {disk['write_gb_s']:.2f} GB/s, "
         f"read {disk['read_gb_s']:.2f} GB/s"
     )
-    table = Table("Export and compaction", ["figure", "time s", "peer, same run"], rows, note)
+    table = Table("Export and compaction", ["figure", "value", "peer, same run"], rows, note)
     return Outcome(m, [table])
 
 

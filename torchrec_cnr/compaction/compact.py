@@ -11,8 +11,11 @@ winning; where they differ (a resharded or re-formatted chain), the rows are dec
 the exact fp32 values a restore gives and stored as fp32. A compacted fp32 chain is
 bit-exact, a quantized one restores to the same values as the chain.
 
-Each compacted shard's stored tensors, of every link, are read first, in parallel, as
-one plan (:mod:`torchrec_cnr.read.plan`): memory is that shard's tensors of the chain.
+Where rows merge as stored, a shard is merged a window of rows at a time: each link's
+ids are read first (:mod:`torchrec_cnr.read.plan`), then each window's rows of every link,
+in parallel, and the window is written before the next is read, so memory is about
+:data:`WINDOW_OBJECTS` data objects whatever the shard's size. Decoded rows (a resharded or
+re-formatted chain) are merged a whole shard at a time.
 
 Crash safety is that of a save: the new directory counts only once the manifest names
 it; killed mid-compaction, the old chain stays the restore target.
@@ -21,6 +24,7 @@ it; killed mid-compaction, the old chain stays the restore target.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -57,18 +61,69 @@ def _layout(rec: ShardRecord) -> tuple[object, ...]:
     return (s.row_offset, s.col_offset, s.rows, s.cols, rec.format, rec.parts, states)
 
 
+WINDOW_OBJECTS = 4
+"""A compaction merges a shard's stored rows a window at a time: the merged rows of a
+window and every link's rows in it take about this many data objects (``IOOptions.object_mb``)."""
+
+Write = Callable[[dict[str, torch.Tensor], int, "int | None"], None]
+"""``write(tensors, first row, rows)``: stored tensors of a compacted shard by name, each
+its rows from ``first row`` on of ``rows`` (``None``: each tensor whole)."""
+
+
 def _merge_stored(
-    chain: ChainReader, target: ShardRecord, sources: list[tuple[int, ShardRecord]]
-) -> dict[str, torch.Tensor]:
-    """Rows merged as stored: the baseline's tensors, overwritten row by row by each
-    delta; keyed by the baseline's stored names."""
+    chain: ChainReader,
+    target: ShardRecord,
+    sources: list[tuple[int, ShardRecord]],
+    window_bytes: int,
+    write: Callable[[dict[str, torch.Tensor], int], None],
+) -> None:
+    """Rows merged as stored, a window of rows at a time: the baseline's rows of the
+    window, overwritten row by row by each delta's; each window handed to
+    ``write(tensors, first row)`` by the baseline's stored names. A window's merged rows
+    and the links' rows in it take about ``window_bytes`` (each link's read in the
+    checksummed blocks they lie in); a stored tensor larger than that without block
+    checksums (an older format) is read whole once."""
     (n0, base), deltas = sources[0], sources[1:]
-    merged = {name: chain.tensor(n0, base.spec.rank, name).clone() for name in base.row_names}
-    for n, rec in deltas:
-        local = chain.saved_ids(n, rec) - target.spec.row_offset
-        for name, theirs in _same_tensors(base, rec):
-            put_rows(merged[name], local, chain.tensor(n, rec.spec.rank, theirs))
-    return merged
+    offset, rows = target.spec.row_offset, target.spec.rows
+    row_bytes = sum(chain.reader(n0).row_bytes(base.spec.rank, name) for name in base.row_names)
+    step = MemoryBudget(window_bytes).rows(row_bytes * len(sources))
+    whole: dict[tuple[int, str], torch.Tensor] = {}
+
+    def read(spans: list[tuple[int, ShardRecord, str, tuple[int, int]]]) -> list[torch.Tensor]:
+        items = [ReadItem.of(n, rec, name, span) for n, rec, name, span in spans]
+        windowed = [
+            i
+            for i, (n, rec, name, _) in enumerate(spans)
+            if items[i].blocks is not None or chain.nbytes(n, rec.spec.rank, name) <= window_bytes
+        ]
+        got = dict(zip(windowed, chain.windows([items[i] for i in windowed])))
+        out = []
+        for i, (n, rec, name, (lo, hi)) in enumerate(spans):
+            if i in got:
+                out.append(got[i])
+                continue
+            if (n, name) not in whole:
+                whole[(n, name)] = chain.tensor(n, rec.spec.rank, name)
+            out.append(whole[(n, name)][lo:hi])
+        return out
+
+    stored = [
+        (n, rec, [(ids - offset, at) for ids, at in chain.stored(n, rec)]) for n, rec in deltas
+    ]
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        spans = [(n0, base, name, (lo, hi)) for name in base.row_names]
+        merged = dict(zip(base.row_names, read(spans)))
+        for n, rec, pieces in stored:
+            pairs = _same_tensors(base, rec)
+            for local, at in pieces:
+                a, b = torch.searchsorted(local, torch.tensor([lo, hi])).tolist()
+                if a < b:
+                    span = (int(at[a]), int(at[b - 1]) + 1)
+                    got = read([(n, rec, theirs, span) for _, theirs in pairs])
+                    for (name, _), theirs_rows in zip(pairs, got):
+                        put_rows(merged[name], local[a:b] - lo, theirs_rows)
+        write(merged, lo)
 
 
 def _same_tensors(base: ShardRecord, rec: ShardRecord) -> list[tuple[str, str]]:
@@ -101,15 +156,16 @@ def _merge_decoded(
 def _plan(
     chain: ChainReader, target: ShardRecord, sources: list[tuple[int, ShardRecord]], stored: bool
 ) -> ReadPlan:
-    """Every stored tensor :func:`_compact_record` reads: each source's ids, values and the
-    states that carry over (all of them where rows merge ``stored``), and the last link's
-    ``recent`` ids."""
+    """What :func:`_compact_record` reads before it merges: each source's ids, the last
+    link's ``recent`` ids, and, where rows are decoded (not merged ``stored``), each
+    source's values and the states that carry over."""
     items = []
     for n, rec in sources:
         names = [] if rec.all_rows else [rec.ids_name(rec.key)]
-        names += rec.value_names
-        if stored or states_fit(rec, target.optimizer, target.states):
-            names += [info.tensor for info in rec.states.values()]
+        if not stored:
+            names += rec.value_names
+            if states_fit(rec, target.optimizer, target.states):
+                names += [info.tensor for info in rec.states.values()]
         items += [ReadItem(n, rec.spec.rank, name) for name in names]
     if target.recent in ("ids", "tail"):
         items.append(ReadItem(len(chain.links) - 1, target.spec.rank, target.recent_name))
@@ -117,9 +173,11 @@ def _plan(
 
 
 def _compact_record(
-    chain: ChainReader, target: ShardRecord, key: str
-) -> tuple[ShardRecord, dict[str, torch.Tensor]]:
-    """The compacted record of one shard of the chain's last checkpoint, and its tensors.
+    chain: ChainReader, target: ShardRecord, key: str, window_bytes: int, write: Write
+) -> ShardRecord:
+    """The compacted record of one shard of the chain's last checkpoint; its tensors go
+    to ``write`` (by their stored names), a window of rows at a time where rows merge as
+    stored, else whole.
 
     It stands for that checkpoint, so it keeps which rows changed since the one before.
     """
@@ -134,17 +192,6 @@ def _compact_record(
         and all(_layout(r) == _layout(first) for _, r in sources)
     )
     chain = carry_out(chain, _plan(chain, target, sources, as_stored), MemoryBudget(None)).chain
-    if as_stored:
-        merged = _merge_stored(chain, target, sources)
-        values = {
-            ("" if first.format == FP32 else part): merged[name]
-            for part, name in zip(first.parts or [""], first.value_names)
-        }
-        states = {name: merged[info.tensor] for name, info in first.states.items()}
-        fmt = first.format
-    else:
-        decoded, states = _merge_decoded(chain, target, sources)
-        values, fmt = {"": decoded}, FP32
     recent: torch.Tensor | None | Literal["unknown"] = "unknown"
     if target.recent in ("ids", "tail"):
         recent = chain.tensor(len(chain.links) - 1, target.spec.rank, target.recent_name)
@@ -153,8 +200,43 @@ def _compact_record(
         recent = None if target.all_rows else chain.saved_ids(len(chain.links) - 1, target)
         if recent is not None and recent.numel() == target.spec.rows:
             recent = None
-    content = ShardContent(values, fmt, target.optimizer, states, target.scalars, recent=recent)
-    return build_record(target.spec, key, content)
+    if as_stored:
+        # Named (and recorded) from tensors of the merged shape; written window by window.
+        reader = chain.reader(sources[0][0])
+        shaped = {name: reader.rows_like(first.spec.rank, name) for name in first.row_names}
+        values = {
+            ("" if first.format == FP32 else part): shaped[name]
+            for part, name in zip(first.parts or [""], first.value_names)
+        }
+        states = {name: shaped[info.tensor] for name, info in first.states.items()}
+        content = ShardContent(values, first.format, target.optimizer, states, target.scalars,
+                               recent=recent)  # fmt: skip
+        record, tensors = build_record(target.spec, key, content)
+        stored = {id(t): name for name, t in tensors.items()}
+        renamed = {name: stored[id(t)] for name, t in shaped.items()}
+        rows = target.spec.rows
+        _merge_stored(chain, target, sources, window_bytes,
+                      lambda got, row0: write({renamed[n]: t for n, t in got.items()}, row0, rows))  # fmt: skip
+        write({n: t for n, t in tensors.items() if n not in renamed.values()}, 0, None)
+        return record
+    decoded, states = _merge_decoded(chain, target, sources)
+    content = ShardContent({"": decoded}, FP32, target.optimizer, states, target.scalars,
+                           recent=recent)  # fmt: skip
+    record, tensors = build_record(target.spec, key, content)
+    write(tensors, 0, None)
+    return record
+
+
+def _writes(writer: SnapshotWriter, rank: int) -> Write:
+    """The ``write`` of storage rank ``rank``'s compacted shards into ``writer``: each
+    call's tensors, then a wait (one window of one shard's merged rows in memory at a time)."""
+
+    def write(tensors: dict[str, torch.Tensor], row0: int, rows: int | None) -> None:
+        for name, t in tensors.items():
+            writer.write(rows_path(rank, name), t, row0, rows)
+        writer.wait()
+
+    return write
 
 
 @dataclass
@@ -192,11 +274,10 @@ def compact_part(
             continue
         if stop is not None and stop.is_set():
             raise Stopped(f"the compaction into {new_id} was stopped")
-        record, tensors = _compact_record(chain, target, key=f"c{i}")
-        for name, t in tensors.items():
-            writer.write(rows_path(target.spec.rank, name), t)
-        writer.wait()  # one shard's merged rows in memory at a time
-        out.records.append(record)
+
+        write = _writes(writer, target.spec.rank)
+        window_bytes = WINDOW_OBJECTS * io.object_bytes
+        out.records.append(_compact_record(chain, target, f"c{i}", window_bytes, write))
     if rank == 0:
         for name, t in chain.dense().items():
             writer.write(dense_path(name), t, replicated=True)

@@ -650,6 +650,13 @@ class SnapshotReader:
         """The bytes of one row of a stored shard tensor of ``rank`` (nothing is read)."""
         return self._row_bytes(rows_path(rank, name))[0]
 
+    def rows_like(self, rank: int, name: str) -> torch.Tensor:
+        """A tensor on the ``meta`` device of a stored shard tensor's shape and dtype
+        (nothing is read)."""
+        entry = self._entry(rows_path(rank, name))
+        assert isinstance(entry, TensorEntry | ChunkedTensorEntry), name
+        return torch.empty(entry.shape, dtype=string_to_dtype(entry.dtype), device="meta")
+
     def rows_into(self, rank: int, name: str, out: torch.Tensor) -> None:
         """Reads a stored shard tensor of ``rank`` into ``out`` (straight in where it is
         contiguous), and checks it."""
