@@ -1,13 +1,14 @@
 """``gcp-storage-emulator`` with GCS's write precondition, for the tests' GCS roots.
 
-    python -m torchrec_cnr.testing.gcs_emulator start --host 127.0.0.1 --port PORT --in-memory
+    python torchrec_cnr/testing/gcs_emulator.py start --host 127.0.0.1 --port PORT --in-memory
 
 The emulator accepts ``ifGenerationMatch`` on an upload and ignores it, so two writers
 on one of its roots overwrite each other, where GCS refuses the second with 412. This
 runs the same emulator with the check GCS makes: an upload that names a generation
 other than the object's (``0``: the object exists) is refused with 412 and changes
 nothing. The emulator serves one request at a time, so the check and the write are one
-step, as on GCS.
+step, as on GCS. It imports nothing of this package (run by its path, it starts in about
+a second, where importing torch and TorchRec would take ten).
 """
 
 from __future__ import annotations
