@@ -269,14 +269,13 @@ def compact_part(
     entry = chain.entry
     writer = SnapshotWriter(chain.storage, new_id, f"r{rank}", io.io, io.object_bytes)
     out = CompactedPart()
+    window_bytes = WINDOW_OBJECTS * io.object_bytes
     for i, target in enumerate(chain.manifest.shards(entry)):
         if target.spec.rank % world != rank:
             continue
         if stop is not None and stop.is_set():
             raise Stopped(f"the compaction into {new_id} was stopped")
-
         write = _writes(writer, target.spec.rank)
-        window_bytes = WINDOW_OBJECTS * io.object_bytes
         out.records.append(_compact_record(chain, target, f"c{i}", window_bytes, write))
     if rank == 0:
         for name, t in chain.dense().items():

@@ -13,7 +13,6 @@ a second, where importing torch and TorchRec would take ten).
 
 from __future__ import annotations
 
-import json
 import sys
 from http import HTTPStatus
 from typing import Any
@@ -45,29 +44,24 @@ def _insert_if_generation_matches(request: Any, response: Any, storage: Any) -> 
             found = "0"
         if found != wanted[0]:
             response.status = HTTPStatus.PRECONDITION_FAILED
-            response["Content-type"] = "application/json"
-            response._content = json.dumps(
-                {
-                    "error": {
-                        "code": 412,
-                        "message": "Precondition Failed",
-                        "errors": [{"reason": "conditionNotMet"}],
-                    }
-                }  # fmt: skip
-            )
+            error = {
+                "code": 412,
+                "message": "Precondition Failed",
+                "errors": [{"reason": "conditionNotMet"}],
+            }
+            response.json({"error": error})
             return
     _insert(request, response, storage)
 
 
-def main() -> int:
+def main() -> None:
     for _, handlers in server.HANDLERS:
         for method, handler in list(handlers.items()):
             if handler is _insert:
                 handlers[method] = _insert_if_generation_matches
     objects.insert = _insert_if_generation_matches  # the router's fallback for bare POSTs
-    emulator.main(sys.argv[1:])  # exits with the server's status
-    return 0
+    emulator.main(sys.argv[1:])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
