@@ -80,31 +80,49 @@ def _merge_stored(
     """Rows merged as stored, a window of rows at a time: the baseline's rows of the
     window, overwritten row by row by each delta's; each window handed to
     ``write(tensors, first row)`` by the baseline's stored names. A window's merged rows
-    and the links' rows in it take about ``window_bytes`` (each link's read in the
-    checksummed blocks they lie in); a stored tensor larger than that without block
-    checksums (an older format) is read whole once."""
+    and the links' rows in it take about ``window_bytes``, each link's read in the
+    checksummed blocks they lie in, every block once (a stored tensor holds at most two
+    blocks past its window's rows); a stored tensor not stored in blocks (an older format)
+    is read whole once."""
     (n0, base), deltas = sources[0], sources[1:]
     offset, rows = target.spec.row_offset, target.spec.rows
     row_bytes = sum(chain.reader(n0).row_bytes(base.spec.rank, name) for name in base.row_names)
     step = MemoryBudget(window_bytes).rows(row_bytes * len(sources))
-    whole: dict[tuple[int, str], torch.Tensor] = {}
+    # Per stored tensor, rows from some row on, read in whole blocks: a window's rows are
+    # taken from there, and only the blocks past it are read, so no block is read twice.
+    held: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}
 
     def read(spans: list[tuple[int, ShardRecord, str, tuple[int, int]]]) -> list[torch.Tensor]:
-        items = [ReadItem.of(n, rec, name, span) for n, rec, name, span in spans]
-        windowed = [
-            i
-            for i, (n, rec, name, _) in enumerate(spans)
-            if items[i].blocks is not None or chain.nbytes(n, rec.spec.rank, name) <= window_bytes
-        ]
-        got = dict(zip(windowed, chain.windows([items[i] for i in windowed])))
+        todo: list[tuple[tuple[int, str], int, int, tuple[int, int] | None]] = []
+        items = []
+        for n, rec, name, (lo, hi) in spans:
+            r0, have = held.get((n, name), (0, None))
+            end = r0 + (0 if have is None else have.shape[0])
+            start = end if have is not None and r0 <= lo <= end else lo
+            blocks = None
+            if start < hi:
+                sums = rec.block_checksums.get(name)
+                blocks = chain.reader(n).block_rows(rec.spec.rank, name, start, hi, sums)
+                if blocks is None:  # stored otherwise (an older format): read whole once
+                    held[(n, name)] = (0, chain.tensor(n, rec.spec.rank, name))
+                else:
+                    items.append(ReadItem.of(n, rec, name, blocks))
+            todo.append(((n, name), lo, hi, blocks))
+        got = iter(chain.windows(items))
         out = []
-        for i, (n, rec, name, (lo, hi)) in enumerate(spans):
-            if i in got:
-                out.append(got[i])
-                continue
-            if (n, name) not in whole:
-                whole[(n, name)] = chain.tensor(n, rec.spec.rank, name)
-            out.append(whole[(n, name)][lo:hi])
+        for key, lo, hi, blocks in todo:
+            if blocks is not None:
+                r0, have = held.get(key, (0, None))
+                new = next(got)
+                if lo < blocks[0]:  # its first rows from the blocks read before
+                    assert have is not None
+                    new_rows = new[: hi - blocks[0]]
+                    held[key] = blocks[0], new
+                    out.append(torch.cat([have[lo - r0 :], new_rows]))
+                    continue
+                held[key] = blocks[0], new
+            r0, have = held[key]
+            out.append(have[lo - r0 : hi - r0])
         return out
 
     stored = [

@@ -403,6 +403,17 @@ class SnapshotReader:
         finish = self.begin_window(rank, name, lo, hi, blocks)
         return None if finish is None else finish()
 
+    def block_rows(
+        self, rank: int, name: str, lo: int, hi: int, blocks: Sequence[int] | None
+    ) -> tuple[int, int] | None:
+        """``(first, last)``: the rows ``first..last - 1`` of the checked blocks that rows
+        ``lo..hi - 1`` of a stored shard tensor lie in, which :meth:`rows_window` reads;
+        ``None`` where it cannot read them so (nothing is read)."""
+        picked = self._blocks(rows_path(rank, name), lo, hi, blocks)
+        if not picked:
+            return None
+        return picked[0][0], picked[-1][0] + picked[-1][1]
+
     def _blocks(
         self, logical: str, lo: int, hi: int, blocks: Sequence[int] | None
     ) -> list[tuple[int, int, TensorEntry, int, int]] | None:
