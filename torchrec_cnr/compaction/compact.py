@@ -96,9 +96,13 @@ def _merge_stored(
         todo: list[tuple[tuple[int, str], int, int, tuple[int, int] | None]] = []
         items = []
         for n, rec, name, (lo, hi) in spans:
-            r0, have = held.get((n, name), (0, None))
-            end = r0 + (0 if have is None else have.shape[0])
-            start = end if have is not None and r0 <= lo <= end else lo
+            r0, have = held.pop((n, name), (0, None))
+            start = lo
+            if have is not None and r0 <= lo <= r0 + have.shape[0]:
+                if hi > r0 + have.shape[0]:  # only its rows from lo on stay (a block at most)
+                    have, r0 = have[lo - r0 :].clone(), lo
+                held[(n, name)] = r0, have
+                start = r0 + have.shape[0]
             blocks = None
             if start < hi:
                 sums = rec.block_checksums.get(name)
@@ -142,6 +146,7 @@ def _merge_stored(
                     for (name, _), theirs_rows in zip(pairs, got):
                         put_rows(merged[name], local[a:b] - lo, theirs_rows)
         write(merged, lo)
+        del merged  # its rows are written: not held while the next window is read
 
 
 def _same_tensors(base: ShardRecord, rec: ShardRecord) -> list[tuple[str, str]]:
