@@ -70,31 +70,23 @@ Write = Callable[[dict[str, torch.Tensor], int, "int | None"], None]
 its rows from ``first row`` on of ``rows`` (``None``: each tensor whole)."""
 
 
-def _merge_stored(
-    chain: ChainReader,
-    target: ShardRecord,
-    sources: list[tuple[int, ShardRecord]],
-    window_bytes: int,
-    write: Callable[[dict[str, torch.Tensor], int], None],
-) -> None:
-    """Rows merged as stored, a window of rows at a time: the baseline's rows of the
-    window, overwritten row by row by each delta's; each window handed to
-    ``write(tensors, first row)`` by the baseline's stored names. A window's merged rows
-    and the links' rows in it take about ``window_bytes``, each link's read in the
-    checksummed blocks they lie in, every block once (a stored tensor holds at most two
-    blocks past its window's rows); a stored tensor not stored in blocks (an older format)
-    is read whole once."""
-    (n0, base), deltas = sources[0], sources[1:]
-    offset, rows = target.spec.row_offset, target.spec.rows
-    row_bytes = sum(chain.reader(n0).row_bytes(base.spec.rank, name) for name in base.row_names)
-    step = MemoryBudget(window_bytes).rows(row_bytes * len(sources))
-    # Per stored tensor, rows from some row on, read in whole blocks: a window's rows are
-    # taken from there, and only the blocks past it are read, so no block is read twice.
-    held: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}
+class _Spans:
+    """Spans of rows of a chain's stored tensors, each tensor's spans ascending, each
+    checked block read once: a tensor keeps its rows from its last span on (read in whole
+    blocks, at most a block past that span once the next is asked for), the next span's
+    first rows come from there and only the blocks past them are read. A tensor not stored
+    in blocks (an older format) is read whole once."""
 
-    def read(spans: list[tuple[int, ShardRecord, str, tuple[int, int]]]) -> list[torch.Tensor]:
-        todo: list[tuple[tuple[int, str], int, int, tuple[int, int] | None]] = []
-        items = []
+    def __init__(self, chain: ChainReader) -> None:
+        self.chain = chain
+        self._held: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}
+
+    def read(
+        self, spans: list[tuple[int, ShardRecord, str, tuple[int, int]]]
+    ) -> list[torch.Tensor]:
+        """Rows ``lo..hi - 1`` of each stored tensor ``(link, record, name, (lo, hi))``,
+        the reads all in parallel."""
+        held, todo, items = self._held, [], []
         for n, rec, name, (lo, hi) in spans:
             r0, have = held.pop((n, name), (0, None))
             start = lo
@@ -106,43 +98,58 @@ def _merge_stored(
             blocks = None
             if start < hi:
                 sums = rec.block_checksums.get(name)
-                blocks = chain.reader(n).block_rows(rec.spec.rank, name, start, hi, sums)
-                if blocks is None:  # stored otherwise (an older format): read whole once
-                    held[(n, name)] = (0, chain.tensor(n, rec.spec.rank, name))
+                blocks = self.chain.reader(n).block_rows(rec.spec.rank, name, start, hi, sums)
+                if blocks is None:
+                    held[(n, name)] = (0, self.chain.tensor(n, rec.spec.rank, name))
                 else:
                     items.append(ReadItem.of(n, rec, name, blocks))
             todo.append(((n, name), lo, hi, blocks))
-        got = iter(chain.windows(items))
+        got = iter(self.chain.windows(items))
         out = []
         for key, lo, hi, blocks in todo:
             if blocks is not None:
                 r0, have = held.get(key, (0, None))
                 new = next(got)
+                held[key] = blocks[0], new
                 if lo < blocks[0]:  # its first rows from the blocks read before
                     assert have is not None
-                    new_rows = new[: hi - blocks[0]]
-                    held[key] = blocks[0], new
-                    out.append(torch.cat([have[lo - r0 :], new_rows]))
+                    out.append(torch.cat([have[lo - r0 :], new[: hi - blocks[0]]]))
                     continue
-                held[key] = blocks[0], new
             r0, have = held[key]
             out.append(have[lo - r0 : hi - r0])
         return out
 
+
+def _merge_stored(
+    chain: ChainReader,
+    target: ShardRecord,
+    sources: list[tuple[int, ShardRecord]],
+    window_bytes: int,
+    write: Callable[[dict[str, torch.Tensor], int], None],
+) -> None:
+    """Rows merged as stored, a window of rows at a time: the baseline's rows of the
+    window, overwritten row by row by each delta's; each window handed to
+    ``write(tensors, first row)`` by the baseline's stored names. A window's merged rows
+    and the links' rows in it take about ``window_bytes``, read as :class:`_Spans`."""
+    (n0, base), deltas = sources[0], sources[1:]
+    offset, rows = target.spec.row_offset, target.spec.rows
+    row_bytes = sum(chain.reader(n0).row_bytes(base.spec.rank, name) for name in base.row_names)
+    step = MemoryBudget(window_bytes).rows(row_bytes * len(sources))
+    reader = _Spans(chain)
     stored = [
         (n, rec, [(ids - offset, at) for ids, at in chain.stored(n, rec)]) for n, rec in deltas
     ]
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
         spans = [(n0, base, name, (lo, hi)) for name in base.row_names]
-        merged = dict(zip(base.row_names, read(spans)))
+        merged = dict(zip(base.row_names, reader.read(spans)))
         for n, rec, pieces in stored:
             pairs = _same_tensors(base, rec)
             for local, at in pieces:
                 a, b = torch.searchsorted(local, torch.tensor([lo, hi])).tolist()
                 if a < b:
                     span = (int(at[a]), int(at[b - 1]) + 1)
-                    got = read([(n, rec, theirs, span) for _, theirs in pairs])
+                    got = reader.read([(n, rec, theirs, span) for _, theirs in pairs])
                     for (name, _), theirs_rows in zip(pairs, got):
                         put_rows(merged[name], local[a:b] - lo, theirs_rows)
         write(merged, lo)
