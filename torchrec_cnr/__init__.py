@@ -34,27 +34,31 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from typing import TYPE_CHECKING
 
-from torchrec_cnr.config import (
-    CheckpointConfig,
-    IOOptions,
-    QuantizeConfig,
-    RecoveryConfig,
-    Timeouts,
-)
-from torchrec_cnr.errors import (
-    CheckpointError,
-    CheckpointReadError,
-    CnrError,
-    ManifestError,
-    ModelMismatchError,
-)
-from torchrec_cnr.interop import export_dcp
-from torchrec_cnr.manager import CheckpointManager
-from torchrec_cnr.offline import export_state_dict, read_table
-from torchrec_cnr.serving import FloatTarget, Follower, FollowerOptions, QuantizedTarget
-from torchrec_cnr.tracking import tracking_sharders
+from torchrec_cnr.lazy import exports
 from torchrec_cnr.versions import warn_unsupported
+
+if TYPE_CHECKING:
+    from torchrec_cnr.config import (
+        CheckpointConfig,
+        IOOptions,
+        QuantizeConfig,
+        RecoveryConfig,
+        Timeouts,
+    )
+    from torchrec_cnr.errors import (
+        CheckpointError,
+        CheckpointReadError,
+        CnrError,
+        ManifestError,
+        ModelMismatchError,
+    )
+    from torchrec_cnr.interop import export_dcp
+    from torchrec_cnr.manager import CheckpointManager
+    from torchrec_cnr.offline import export_state_dict, read_table
+    from torchrec_cnr.serving import FloatTarget, Follower, FollowerOptions, QuantizedTarget
+    from torchrec_cnr.tracking import tracking_sharders
 
 __all__ = [
     "CheckpointConfig",
@@ -98,7 +102,29 @@ _MOVED = {
 import for one more release, with a ``DeprecationWarning`` that names the new spelling."""
 
 
+_lazy = exports(
+    globals(),
+    {
+        "torchrec_cnr.config": (
+            "CheckpointConfig", "IOOptions", "QuantizeConfig", "RecoveryConfig", "Timeouts",
+        ),
+        "torchrec_cnr.errors": (
+            "CheckpointError", "CheckpointReadError", "CnrError", "ManifestError",
+            "ModelMismatchError",
+        ),
+        "torchrec_cnr.serving": ("FloatTarget", "Follower", "FollowerOptions", "QuantizedTarget"),
+        "torchrec_cnr.manager": ("CheckpointManager",),
+        "torchrec_cnr.interop": ("export_dcp",),
+        "torchrec_cnr.offline": ("export_state_dict", "read_table"),
+        "torchrec_cnr.tracking": ("tracking_sharders",),
+    },
+)  # fmt: skip
+"""Each name of ``__all__`` imports on first use (:mod:`torchrec_cnr.lazy`)."""
+
+
 def __getattr__(name: str) -> object:
+    if name in __all__:
+        return _lazy(name)
     moved = _MOVED.get(name)
     if moved is None:
         raise AttributeError(f"module 'torchrec_cnr' has no attribute {name!r}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "torchrec_cnr"
 STAGES = [
     (
         "errors",
+        "lazy",
         "env",
         "units",
         "versions",
@@ -194,3 +197,19 @@ def test_the_library_needs_no_yaml_no_progress_bar_and_no_training_application()
         if m.split(".")[0] in banned
     }
     assert not found, sorted(found)
+
+
+@pytest.mark.parametrize(
+    "module", ["torchrec_cnr.writer_process.server", "torchrec_cnr.cli", "torchrec_cnr"]
+)
+def test_a_process_that_needs_no_model_imports_no_torchrec(module: str) -> None:
+    # The writer process and the command line import torch, not TorchRec (about 1 s on two
+    # cores each time one starts); a name of a package's __all__ imports on first use.
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m == 'torchrec'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    got = subprocess.run(
+        [sys.executable, "-c", "import torchrec_cnr; print(torchrec_cnr.tracking_sharders)"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "function tracking_sharders" in got.stdout
