@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-mb",
         type=float,
         default=ExportOptions.budget_mb,
-        help="dcp: the most one block holds, per rank",
+        help="dcp: the most the blocks hold, per rank (default: TORCHREC_CNR_READ_MEMORY_MB, "
+        "else 256)",
     )
     p_export.add_argument(
         "--safe-globals", nargs="*", default=[], help="dcp: types app_state may hold"

@@ -278,7 +278,8 @@ class CheckpointConfig:
     names, and refuses, before any change, a type not listed."""
     restore_memory_mb: float | None = None
     """Host memory a restore may hold to read and verify the whole chain before it changes
-    the model; ``None``: ``staging_memory_mb`` (no limit if that is ``None`` too: the
+    the model; ``None``: ``io.read_memory_mb`` (the bound of every read), then
+    ``staging_memory_mb`` (no limit if those are ``None`` too: the
     baseline is read into the staging buffers a save holds anyway, and nothing more is
     held). Past it, tensors are read only to be verified, a few
     pieces at a time, then read again while applying: a saved shard of the same layout

@@ -25,6 +25,7 @@ training is measured by ``benchmarks.overhead --save-cost`` (docs/benchmarks.md)
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import threading
@@ -41,6 +42,11 @@ __all__ = ["IOContext", "IOOptions", "lowered_priority", "storage_defaults"]
 
 log = logging.getLogger(__name__)
 _said: list[str] = []
+
+
+def _optional_mb(name: str) -> float | None:
+    """Environment variable ``name`` as a size in MB; ``None`` where unset."""
+    return env_number(name, math.nan) if name in os.environ else None
 
 
 def _object_mb() -> float:
@@ -96,6 +102,15 @@ class IOOptions:
     )
     """Claim lazy staging's rows with the compiled copier where it is built; off, copy
     under a lock per kernel (``TORCHREC_CNR_COMPILED_STAGING``)."""
+    read_memory_mb: float | None = field(
+        default_factory=lambda: _optional_mb("TORCHREC_CNR_READ_MEMORY_MB")
+    )
+    """The host memory one read of a checkpoint may hold, in MB, whichever reads it: a
+    restore's held tensors, a follower's update in copy mode, an export's blocks, a
+    compaction's window (``TORCHREC_CNR_READ_MEMORY_MB``). A reader's own option wins where
+    set (``restore_memory_mb``, ``FollowerOptions.memory_budget_mb``,
+    ``ExportOptions.budget_mb``); ``None``: each reader's own default (:meth:`read_budget`).
+    At least 1/1024 (a KiB)."""
     object_kb: InitVar[float | None] = None
     """Deprecated: :attr:`object_mb` in KiB (it sets ``object_mb = object_kb / 1024``, with
     a ``DeprecationWarning``)."""
@@ -116,6 +131,8 @@ class IOOptions:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"io.{name} must be a positive int, got {value!r}")
         check_size_mb("io.object_mb", self.object_mb)
+        if self.read_memory_mb is not None:
+            check_size_mb("io.read_memory_mb", self.read_memory_mb)
         if (
             not isinstance(self.nice, int)
             or isinstance(self.nice, bool)
@@ -130,6 +147,15 @@ class IOOptions:
     def object_bytes(self) -> int:
         """:attr:`object_mb` in bytes."""
         return mb_bytes(self.object_mb)
+
+    def read_budget(self, own_mb: float | None, default_mb: float | None) -> int | None:
+        """The bytes one read may hold, chosen here for every reader: its own option
+        ``own_mb`` where set, else :attr:`read_memory_mb`, else its ``default_mb``;
+        ``None``: no bound."""
+        for mb in (own_mb, self.read_memory_mb, default_mb):
+            if mb is not None:
+                return mb_bytes(mb)
+        return None
 
 
 def storage_defaults() -> tuple[dict[str, Any] | None, bool]:

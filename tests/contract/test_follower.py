@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import threading
 import time
@@ -198,14 +199,20 @@ BUDGET_MB = BUDGET / 2**20
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("served", ["fp32", "int4"])
+@pytest.mark.parametrize(
+    ("served", "bound"), [("fp32", "own"), ("int4", "own"), ("fp32", "every_read")]
+)
 def test_an_update_over_the_memory_budget_is_served_exactly_in_pieces(
-    served: str, root: str, tmp_path: Path
+    served: str, bound: str, root: str, tmp_path: Path
 ) -> None:
+    # The follower's own budget, or the bound of every read (IOOptions.read_memory_mb).
     spill = tmp_path / "spill"
     spill.mkdir()
     model, target = _serving_target(served)
-    options = FollowerOptions(memory_budget_mb=BUDGET_MB, spill_dir=str(spill))
+    if bound == "own":
+        options = FollowerOptions(memory_budget_mb=BUDGET_MB, spill_dir=str(spill))
+    else:
+        options = FollowerOptions(io=IOOptions(read_memory_mb=BUDGET_MB), spill_dir=str(spill))
     follower = Follower(root, target, options)
     whole_model, whole = _serving_target(served)
     unbounded = Follower(root, whole)  # what the same updates serve held whole
@@ -315,6 +322,10 @@ def test_by_default_a_follower_swaps_where_the_second_copy_fits_in_half_the_free
     assert swap_mode(chosen, int(SWAP_SHARE * free) // 2)
     assert not swap_mode(chosen, int(SWAP_SHARE * free) * 2), "no room: copy mode"
     assert not swap_mode(FollowerOptions(memory_budget_mb=BUDGET_MB), 1), "a budget: copy mode"
+    bounded = FollowerOptions(io=IOOptions(read_memory_mb=BUDGET_MB))
+    assert not swap_mode(bounded, 1), "the bound of every read: copy mode"
+    assert bounded.memory_budget_bytes == BUDGET
+    assert swap_mode(dataclasses.replace(bounded, swap=True), 1), "swap mode as asked"
     assert swap_mode(FollowerOptions(swap=True), 2**62) and not swap_mode(
         FollowerOptions(swap=False), 1
     )

@@ -24,6 +24,7 @@ from torchrec_cnr import (
     CheckpointConfig,
     CheckpointManager,
     CheckpointReadError,
+    IOOptions,
     ModelMismatchError,
     QuantizeConfig,
     export_dcp,
@@ -334,14 +335,20 @@ def test_an_export_in_blocks_smaller_than_the_saved_shards_equals_one_in_whole_t
     run_ranks(2, _chain, root, policy, quantize)
     with ChainReader.open(root) as chain:
         assert len(chain.links) > 1, "a baseline and deltas"
-    got = {}
-    for name, mb, threads in (("small", 1 / 512, 1), ("threads", 1 / 512, 3), ("whole", 64, 1)):
-        options = ExportOptions(budget_mb=mb, threads=threads)
-        export_dcp(root, str(tmp_path / name), options=options)
+    got, blocks = {}, {}
+    tiny = IOOptions(read_memory_mb=1 / 512)  # the bound of every read, where none is given
+    for name, options, io in (
+        ("small", ExportOptions(budget_mb=1 / 512), None),
+        ("threads", ExportOptions(budget_mb=1 / 512, threads=3), None),
+        ("io", ExportOptions(), tiny),
+        ("whole", ExportOptions(budget_mb=64), tiny),  # the export's own budget wins
+    ):
+        blocks[name] = export_dcp(root, str(tmp_path / name), options=options, io=io).blocks
         dcp_to_torch_save(str(tmp_path / name), str(tmp_path / f"{name}.pt"))
         got[name] = torch.load(str(tmp_path / f"{name}.pt"), weights_only=False)
-    assert models.differences(got["whole"], got["small"]) == []
-    assert models.differences(got["whole"], got["threads"]) == []
+    assert blocks["io"] == blocks["small"] > blocks["whole"], blocks
+    for name in ("small", "threads", "io"):
+        assert models.differences(got["whole"], got[name]) == [], name
     for spec in CHAIN_TABLES:
         key = f"sparse_arch.embedding_bag_collection.embedding_bags.{spec.name}.weight"
         assert torch.equal(got["small"]["model"][key], read_table(root, spec.name))

@@ -174,3 +174,27 @@ def test_a_chain_restores_row_wise_within_any_budget(
     run_ranks(2, _save, _resharded(ROW_WISE, saved), root, str(refs), (2, 4))
     for step in (2, 4):
         run_ranks(2, _restore_counting, root, str(refs), step, str(out), budget_mb)
+
+
+@pytest.mark.dist
+def test_the_bound_of_every_read_bounds_a_restore_and_its_own_budget_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TORCHREC_CNR_READ_MEMORY_MB`` (``IOOptions.read_memory_mb``) under one table's
+    window: a restore holds only what fits, so it reads its windows twice (checked, then
+    again while applying), exactly; ``restore_memory_mb`` set wins over it."""
+    monkeypatch.setenv("TORCHREC_CNR_OBJECT_MB", SMALL_OBJECTS)
+    root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
+    refs.mkdir()
+    run_ranks(2, _save, TABLE_WISE, root, str(refs), (2,))
+    read = {}
+    for name, bound, own in (("unbounded", None, None), ("bounded", "0.2", None),
+                             ("own", "0.2", 1000.0)):  # fmt: skip
+        if bound is not None:
+            monkeypatch.setenv("TORCHREC_CNR_READ_MEMORY_MB", bound)
+        out = tmp_path / name
+        out.mkdir()
+        run_ranks(2, _restore_counting, root, str(refs), 2, str(out), own)
+        read[name] = [int((out / f"rank{r}").read_text()) for r in range(2)]
+    assert all(b > 1.8 * u for b, u in zip(read["bounded"], read["unbounded"])), read
+    assert read["own"] == read["unbounded"], read

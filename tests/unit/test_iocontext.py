@@ -87,6 +87,26 @@ def test_io_options_refuse_an_object_size_under_a_kib_or_not_a_number(bad: objec
         IOOptions(object_mb=bad)  # type: ignore[arg-type]
 
 
+def test_one_read_bound_for_every_reader_a_readers_own_option_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TORCHREC_CNR_READ_MEMORY_MB", raising=False)
+    unset = IOOptions()
+    assert unset.read_memory_mb is None
+    assert unset.read_budget(None, None) is None  # no bound anywhere: none
+    assert unset.read_budget(None, 256) == 256 << 20  # the reader's default
+    monkeypatch.setenv("TORCHREC_CNR_READ_MEMORY_MB", "16")
+    bounded = IOOptions()
+    assert bounded.read_budget(None, 256) == bounded.read_budget(None, None) == 16 << 20
+    assert bounded.read_budget(1.5, None) == 3 << 19  # the reader's own option wins
+    assert IOOptions(read_memory_mb=2).read_budget(None, None) == 2 << 20  # an argument wins
+    with pytest.raises(ValueError, match="io.read_memory_mb"):
+        IOOptions(read_memory_mb=0)
+    monkeypatch.setenv("TORCHREC_CNR_READ_MEMORY_MB", "lots")
+    with pytest.raises(ValueError, match="TORCHREC_CNR_READ_MEMORY_MB"):
+        IOOptions()
+
+
 def test_the_object_size_in_kib_that_object_mb_replaced_still_counts_deprecated(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

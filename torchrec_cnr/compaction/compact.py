@@ -14,7 +14,8 @@ bit-exact, a quantized one restores to the same values as the chain.
 Where rows merge as stored, a shard is merged a window of rows at a time: each link's
 ids are read first (:mod:`torchrec_cnr.read.plan`), then each window's rows of every link,
 in parallel, and the window is written before the next is read, so memory is about
-:data:`WINDOW_OBJECTS` data objects whatever the shard's size. Decoded rows (a resharded or
+``IOOptions.read_memory_mb`` where set, else :data:`WINDOW_OBJECTS` data objects, whatever
+the shard's size. Decoded rows (a resharded or
 re-formatted chain) are merged a whole shard at a time.
 
 Crash safety is that of a save: the new directory counts only once the manifest names
@@ -299,7 +300,8 @@ def compact_part(
     entry = chain.entry
     writer = SnapshotWriter(chain.storage, new_id, f"r{rank}", io.io, io.object_bytes)
     out = CompactedPart()
-    window_bytes = WINDOW_OBJECTS * io.object_bytes
+    window_bytes = io.options.read_budget(None, WINDOW_OBJECTS * io.options.object_mb)
+    assert window_bytes is not None
     for i, target in enumerate(chain.manifest.shards(entry)):
         if target.spec.rank % world != rank:
             continue

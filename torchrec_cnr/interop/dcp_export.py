@@ -50,7 +50,7 @@ from torchrec_cnr.schema import ShardRecord
 from torchrec_cnr.snapshot.objects import load_object, resolve_globals
 from torchrec_cnr.storage import Root
 from torchrec_cnr.tracking.shard import ShardSpec
-from torchrec_cnr.units import check_size_mb, mb_bytes
+from torchrec_cnr.units import check_size_mb
 
 __all__ = ["DcpExport", "ExportOptions", "export_dcp", "progress_line", "terminal_progress"]
 
@@ -63,6 +63,11 @@ Progress = Callable[[int, int], None]
 """Called after each block a rank writes, with its blocks done and its blocks in all."""
 
 
+BUDGET_MB = 256
+"""The blocks a rank holds in an export, in MB, where neither ``ExportOptions.budget_mb``
+nor ``IOOptions.read_memory_mb`` is set."""
+
+
 @dataclass(frozen=True)
 class ExportOptions:
     """Options of :func:`export_dcp`: how large its blocks are, what it may replace and load,
@@ -73,8 +78,9 @@ class ExportOptions:
         export_dcp(root, "/ckpt/dcp_out", options=ExportOptions(budget_mb=64, overwrite=True))
     """
 
-    budget_mb: float = 256
-    """The blocks (a table's rows and their optimizer states) a rank holds, in MB: with
+    budget_mb: float | None = None
+    """The blocks (a table's rows and their optimizer states) a rank holds, in MB
+    (``None``: ``io.read_memory_mb``, the bound of every read, else :data:`BUDGET_MB`): with
     one writer thread, two of at most half this each (the next read while one is written);
     with more, one of at most this per thread. Plus what a block is read from: each saved
     shard wholly in it, one at a time, and the stored rows of each partly in it that land
@@ -94,7 +100,8 @@ class ExportOptions:
     (:func:`terminal_progress` prints them); ``None`` reports nothing."""
 
     def __post_init__(self) -> None:
-        check_size_mb("budget_mb", self.budget_mb)
+        if self.budget_mb is not None:
+            check_size_mb("budget_mb", self.budget_mb)
         if not isinstance(self.overwrite, bool):
             raise ValueError(f"overwrite must be a bool, got {self.overwrite!r}")
         object.__setattr__(self, "safe_globals", checked_safe_globals(self.safe_globals))
@@ -105,9 +112,15 @@ class ExportOptions:
 
     @property
     def budget_bytes(self) -> int:
-        """:attr:`budget_mb` in bytes."""
-        budget = mb_bytes(self.budget_mb)
-        assert budget is not None  # a number, checked on construction
+        """:attr:`budget_mb` in bytes, as an export with the environment's I/O options
+        reads (:meth:`budget`)."""
+        return self.budget(IOOptions())
+
+    def budget(self, io: IOOptions) -> int:
+        """The bytes of blocks a rank holds, reading with ``io``
+        (:meth:`~torchrec_cnr.IOOptions.read_budget`)."""
+        budget = io.read_budget(self.budget_mb, BUDGET_MB)
+        assert budget is not None  # BUDGET_MB at the least
         return budget
 
 
@@ -309,7 +322,7 @@ def export_dcp(
     with everywhere(lambda: ChainReader.open(root, step, io=io)) as chain:
         read = _Reads(chain, options.progress)
         tables = chain.entry.tables
-        block_bytes = options.budget_bytes // (2 if options.threads == 1 else 1)
+        block_bytes = options.budget(chain.io.options) // (2 if options.threads == 1 else 1)
         groups = everywhere(
             lambda: [
                 g

@@ -23,7 +23,6 @@ from torchrec_cnr.selection.rows import resume_chain
 from torchrec_cnr.snapshot.objects import resolve_globals
 from torchrec_cnr.staging import StagingPool
 from torchrec_cnr.storage import Storage
-from torchrec_cnr.units import mb_bytes
 
 __all__ = ["ModelLoader", "Restored"]
 
@@ -39,7 +38,8 @@ class ModelLoader:
         io: the I/O context reads run on.
         model: this rank's shards, dense tensors and ``app_state``.
         config: ``verify_checksums``, ``restore_memory_mb`` (host memory a restore may
-            hold; ``None``: ``staging_memory_mb``, and if that is ``None`` too, all) and
+            hold; ``None``: ``io.read_memory_mb``, then ``staging_memory_mb``, and if those
+            are ``None`` too, all) and
             ``safe_globals`` (types ``app_state`` may hold beyond the built-in ones).
         policy: the job's policy, to continue a restored chain (see :func:`resume_chain`).
         pool: the staging buffers; a restore reads this rank's baseline into them if
@@ -62,11 +62,8 @@ class ModelLoader:
     ) -> None:
         self.group, self.storage, self.io, self.model = group, storage, io, model
         self.verify = config.verify_checksums
-        mb = config.restore_memory_mb
-        if mb is None:
-            mb = config.staging_memory_mb
         self.options = ReadOptions(
-            budget_bytes=mb_bytes(mb),
+            budget_bytes=config.io.read_budget(config.restore_memory_mb, config.staging_memory_mb),
             pool=pool if pool.budget_bytes is None else None,
             safe_globals=resolve_globals(config.safe_globals),
         )

@@ -166,15 +166,16 @@ class Follower:
             as_storage(root, self._io.options, options.storage_options), read_only=True
         )
         self.target = target
+        swap = swap_mode(options, target.table_bytes())  # its update budget bounds copy mode
         self._reader = UpdateReader(
             self.storage,
             self._io,
             target,
             options.accept,
-            options.memory_budget_bytes,
+            None if swap else options.memory_budget_bytes,
             options.spill_dir,
         )
-        self._applier = Applier(target, swap_mode(options, target.table_bytes()))
+        self._applier = Applier(target, swap)
         self._lock = self._applier.lock
         self._poller = Poller(self.poll, self.storage.url)
         self.counters = Counters()

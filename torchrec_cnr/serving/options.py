@@ -13,7 +13,6 @@ from typing import Any
 
 from torchrec_cnr.iocontext import IOOptions
 from torchrec_cnr.serving.gate import AcceptGate, finite_rows
-from torchrec_cnr.units import mb_bytes
 
 __all__ = ["SWAP_SHARE", "FollowerOptions", "available_memory", "swap_mode"]
 
@@ -46,11 +45,12 @@ class FollowerOptions:
     off: no second copy, and lookups wait about a memcpy of the changed rows. ``None``
     (the default) chooses when the follower is made: swap mode where the second copy
     takes at most :data:`SWAP_SHARE` of the memory available then and no memory budget is
-    set, copy mode otherwise (:func:`swap_mode`)."""
+    set (here or as ``io.read_memory_mb``), copy mode otherwise (:func:`swap_mode`)."""
     memory_budget_mb: float | None = None
     """Copy mode: the most memory an update's rows take, in MB; a larger update is read in
     pieces, each shown to the gate, prepared and moved into a mapped, unlinked file
-    (:mod:`torchrec_cnr.serving.spill`). ``None``: an update's rows are held whole."""
+    (:mod:`torchrec_cnr.serving.spill`). ``None``: ``io.read_memory_mb`` (the bound of
+    every read), and if that is ``None`` too, an update's rows are held whole."""
     spill_dir: str | None = None
     """Where those files go (a folder on a disk, which must exist when the follower is
     made); the system's temporary folder if ``None``."""
@@ -84,8 +84,10 @@ class FollowerOptions:
 
     @property
     def memory_budget_bytes(self) -> int | None:
-        """:attr:`memory_budget_mb` in bytes (at least one); ``None``: no bound."""
-        budget = mb_bytes(self.memory_budget_mb)
+        """:attr:`memory_budget_mb` in bytes (at least one), else ``io.read_memory_mb``'s
+        (:meth:`~torchrec_cnr.IOOptions.read_budget`); ``None``: no bound."""
+        io = self.io if self.io is not None else IOOptions()
+        budget = io.read_budget(self.memory_budget_mb, None)
         return None if budget is None else max(1, budget)
 
 
@@ -108,6 +110,6 @@ def swap_mode(options: FollowerOptions, spare_bytes: int) -> bool:
     second copy fits in :data:`SWAP_SHARE` of :func:`available_memory`."""
     if options.swap is not None:
         return options.swap
-    if options.memory_budget_mb is not None:
+    if options.memory_budget_bytes is not None:
         return False
     return spare_bytes <= SWAP_SHARE * available_memory()
