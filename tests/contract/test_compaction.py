@@ -30,7 +30,7 @@ from torchrec_cnr import (
 from torchrec_cnr.cli import main as cnr
 from torchrec_cnr.commit import CommitTarget
 from torchrec_cnr.compaction import compact_entry
-from torchrec_cnr.iocontext import IOContext
+from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.offline import checkpoint_info
 from torchrec_cnr.selection import POLICIES
@@ -476,3 +476,61 @@ def test_a_chain_compacted_a_window_of_rows_at_a_time_reads_each_block_once_and_
     assert cnr(["verify", root]) == 0
     if not quantized:
         run_ranks(2, restores_exactly, WIDE, root, str(refs), 5, seed=9, data_seed=2)
+
+
+RESHARDED = [TableSpec("a", 3000, 16, "table_wise"), TableSpec("b", 2001, 16, "column_wise")]
+
+
+def _resharded_chain(root: str, refs: str, quant: dict | None) -> None:
+    # A consecutive chain saved table- and column-wise, continued by a job sharded row-wise
+    # (and quantized, for ``quant``): the same policy, so its deltas extend the chain.
+    job = make_job(RESHARDED, root, seed=1, data_seed=2, policy="consecutive")
+    for step in (1, 2):
+        job.train(1)
+        job.ckpt.save(step)
+    job.ckpt.close()
+    quantize = QuantizeConfig(**(quant or {}))
+    other = [dataclasses.replace(t, sharding="row_wise") for t in RESHARDED]
+    job = make_job(other, root, seed=7, data_seed=2, policy="consecutive", quantize=quantize)
+    assert job.ckpt.restore() == 2
+    for step in (3, 4):
+        job.train(1)
+        job.ckpt.save(step)
+        job.ckpt.wait()
+    save_reference(job, refs, 4)
+    job.ckpt.close()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "4-bit"])
+def test_a_resharded_chain_is_decoded_a_window_at_a_time_and_reads_as_the_chain_did(
+    quantized: bool, root: str, refs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its links store the tables in two layouts (and formats): the rows are decoded to the
+    # values a restore gives and stored as fp32, here in windows of 16 KiB (the bound of
+    # every read) over shards of 100-200 KB, each link's rows in 4 KiB checked blocks.
+    monkeypatch.setenv("TORCHREC_CNR_OBJECT_MB", "0.004")
+    run_ranks(2, _resharded_chain, root, str(refs), QUANT | {"min_rows": 0} if quantized else None)
+    manifest = Manifest.load(root)
+    latest = manifest.latest()
+    assert latest is not None and len(manifest.chain(latest)) == 4
+    chain = {t: read_table(root, t) for t in reference.latest_tables(root)}
+    stored = checkpoint_info(root).restore_bytes
+    counting = CountingStorage(open_storage(root))
+    target = CommitTarget(counting, Policy("consecutive"), manifest.writer_generation, None)  # type: ignore[arg-type]
+    io = IOContext(IOOptions(read_memory_mb=16 / 1024))
+    try:
+        compacted = compact_entry(target, io)
+    finally:
+        io.close()
+    assert compacted is not None and compacted.chain == [compacted.id]
+    records = Manifest.load(root).shards(compacted)
+    assert {r.format.method for r in records} == {"none"}, "decoded: stored as fp32"
+    # Each stored byte of the chain about once: a window reads only the blocks it needs.
+    assert stored <= counting.bytes_read <= 1.2 * stored, (counting.bytes_read, stored)
+    for table, values in chain.items():
+        assert torch.equal(read_table(root, table, 4), values), table
+    assert cnr(["verify", root]) == 0
+    if not quantized:
+        other = [dataclasses.replace(t, sharding="row_wise") for t in RESHARDED]
+        run_ranks(2, restores_exactly, other, root, str(refs), 4, seed=9, data_seed=2)

@@ -11,12 +11,11 @@ winning; where they differ (a resharded or re-formatted chain), the rows are dec
 the exact fp32 values a restore gives and stored as fp32. A compacted fp32 chain is
 bit-exact, a quantized one restores to the same values as the chain.
 
-Where rows merge as stored, a shard is merged a window of rows at a time: each link's
-ids are read first (:mod:`torchrec_cnr.read.plan`), then each window's rows of every link,
-in parallel, and the window is written before the next is read, so memory is about
-``IOOptions.read_memory_mb`` where set, else :data:`WINDOW_OBJECTS` data objects, whatever
-the shard's size. Decoded rows (a resharded or
-re-formatted chain) are merged a whole shard at a time.
+A shard is merged a window of its rows at a time, merged as stored or decoded: each link's
+ids are read first (:mod:`torchrec_cnr.read.plan`), then each window's rows of every link
+(the checked blocks they lie in, each read once), in parallel, and the window is written
+before the next is read, so memory is about ``IOOptions.read_memory_mb`` where set, else
+:data:`WINDOW_OBJECTS` data objects, whatever the shard's size.
 
 Crash safety is that of a save: the new directory counts only once the manifest names
 it; killed mid-compaction, the old chain stays the restore target.
@@ -26,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -36,7 +35,7 @@ from torchrec_cnr.encoding import FP32, ShardContent, ShardRecord, build_record,
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.manifest import Entry, Manifest
 from torchrec_cnr.read.chain import ChainReader, missing_step
-from torchrec_cnr.read.geometry import overlaps, place, scatter, scatter_weight, slot, states_fit
+from torchrec_cnr.read.geometry import overlaps, place, scatter, scatter_weight, states_fit
 from torchrec_cnr.read.items import MemoryBudget, ReadItem, ReadPlan
 from torchrec_cnr.read.plan import carry_out
 from torchrec_cnr.rowcopy import put_rows
@@ -63,8 +62,9 @@ def _layout(rec: ShardRecord) -> tuple[object, ...]:
 
 
 WINDOW_OBJECTS = 4
-"""A compaction merges a shard's stored rows a window at a time: the merged rows of a
-window and every link's rows in it take about this many data objects (``IOOptions.object_mb``)."""
+"""A compaction merges a shard's rows a window at a time: the merged rows of a window and
+every link's rows in it take about this many data objects (``IOOptions.object_mb``), where
+``IOOptions.read_memory_mb`` is not set."""
 
 Write = Callable[[dict[str, torch.Tensor], int, "int | None"], None]
 """``write(tensors, first row, rows)``: stored tensors of a compacted shard by name, each
@@ -163,41 +163,71 @@ def _same_tensors(base: ShardRecord, rec: ShardRecord) -> list[tuple[str, str]]:
     return pairs + [(info.tensor, rec.states[name].tensor) for name, info in base.states.items()]
 
 
-def _merge_decoded(
+def _decoded_states(
     chain: ChainReader, target: ShardRecord, sources: list[tuple[int, ShardRecord]]
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Rows decoded to the values a restore gives, placed as a restore places them."""
-    ts = target.spec
-    values = torch.zeros(ts.rows, ts.cols)
-    states: dict[str, torch.Tensor] = {}
+) -> dict[str, torch.Tensor]:
+    """The optimizer states a decoded merge gives ``target``, as ``meta`` tensors of its
+    shape: those of every source whose state carries over (as in a restore)."""
+    ts, states = target.spec, {}
     for n, rec in sources:
-        where = place(rec.spec, chain.saved_ids(n, rec), ts)
-        if where is None:
-            continue
-        scatter_weight(values, where, rec, chain.fetch(n, rec), chain.io.encode)
-        if not states_fit(rec, target.optimizer, target.states):
-            continue  # another optimizer's state does not carry over (as in a restore)
-        for name, info in rec.states.items():
-            saved = chain.tensor(n, rec.spec.rank, info.tensor).float()
-            shape = (ts.rows, ts.cols) if saved.dim() == 2 else (ts.rows,)
-            scatter(slot(states, name, shape), where, saved)
-    return values, states
+        if states_fit(rec, target.optimizer, target.states):
+            for name, info in rec.states.items():
+                saved = chain.reader(n).rows_like(rec.spec.rank, info.tensor)
+                shape = (ts.rows, ts.cols) if saved.dim() == 2 else (ts.rows,)
+                states[name] = torch.empty(shape, device="meta")
+    return states
+
+
+def _merge_decoded(
+    chain: ChainReader,
+    target: ShardRecord,
+    sources: list[tuple[int, ShardRecord]],
+    states: dict[str, torch.Tensor],
+    window_bytes: int,
+    write: Callable[[dict[str, torch.Tensor], int], None],
+) -> None:
+    """Rows decoded to the values a restore gives, placed as a restore places them (later
+    links winning), a window of the target's rows at a time: of each source, the stored
+    rows that land in the window (a span of each run of its rows stored in ascending order,
+    read as :class:`_Spans`). Each window is handed to ``write(tensors, first row)``: the
+    values as ``""``, each state of ``states`` by its name."""
+    ts = target.spec
+    row_bytes = 4 * ts.cols + sum(4 * t[0].numel() for t in states.values())
+    step = MemoryBudget(window_bytes).rows(2 * row_bytes)  # the window, and what lands in it
+    reader = _Spans(chain)
+    runs = [
+        (n, rec, states_fit(rec, target.optimizer, target.states), chain.stored(n, rec))
+        for n, rec in sources
+    ]
+    for lo in range(0, ts.rows, step):
+        window = replace(ts, row_offset=ts.row_offset + lo, rows=min(step, ts.rows - lo))
+        values = torch.zeros(window.rows, ts.cols)
+        merged = {name: torch.zeros((window.rows, *t.shape[1:])) for name, t in states.items()}
+        bounds = torch.tensor([window.row_offset, window.row_offset + window.rows])
+        for n, rec, fits, stored in runs:
+            names = [*rec.value_names, *(i.tensor for i in rec.states.values() if fits)]
+            for ids, at in stored:
+                a, b = torch.searchsorted(ids, bounds).tolist()
+                where = place(rec.spec, ids[a:b], window) if a < b else None
+                if where is None:
+                    continue
+                span = (int(at[a]), int(at[b - 1]) + 1)
+                got = dict(zip(names, reader.read([(n, rec, name, span) for name in names])))
+                scatter_weight(values, where, rec, got.__getitem__, chain.io.encode)
+                for name, info in rec.states.items() if fits else ():
+                    scatter(merged[name], where, got[info.tensor].float())
+        write({"": values, **merged}, lo)
+        del values, merged  # written: not held while the next window is read
 
 
 def _plan(
-    chain: ChainReader, target: ShardRecord, sources: list[tuple[int, ShardRecord]], stored: bool
+    chain: ChainReader, target: ShardRecord, sources: list[tuple[int, ShardRecord]]
 ) -> ReadPlan:
-    """What :func:`_compact_record` reads before it merges: each source's ids, the last
-    link's ``recent`` ids, and, where rows are decoded (not merged ``stored``), each
-    source's values and the states that carry over."""
-    items = []
-    for n, rec in sources:
-        names = [] if rec.all_rows else [rec.ids_name(rec.key)]
-        if not stored:
-            names += rec.value_names
-            if states_fit(rec, target.optimizer, target.states):
-                names += [info.tensor for info in rec.states.values()]
-        items += [ReadItem(n, rec.spec.rank, name) for name in names]
+    """What :func:`_compact_record` reads before it merges: each source's ids and the last
+    link's ``recent`` ids (the rows themselves are read a window at a time)."""
+    items = [
+        ReadItem(n, rec.spec.rank, rec.ids_name(rec.key)) for n, rec in sources if not rec.all_rows
+    ]
     if target.recent in ("ids", "tail"):
         items.append(ReadItem(len(chain.links) - 1, target.spec.rank, target.recent_name))
     return ReadPlan(tuple((item,) for item in items))
@@ -207,8 +237,7 @@ def _compact_record(
     chain: ChainReader, target: ShardRecord, key: str, window_bytes: int, write: Write
 ) -> ShardRecord:
     """The compacted record of one shard of the chain's last checkpoint; its tensors go
-    to ``write`` (by their stored names), a window of rows at a time where rows merge as
-    stored, else whole.
+    to ``write`` (by their stored names), a window of rows at a time.
 
     It stands for that checkpoint, so it keeps which rows changed since the one before.
     """
@@ -222,7 +251,7 @@ def _compact_record(
         and _layout(first)[:4] == _layout(target)[:4]
         and all(_layout(r) == _layout(first) for _, r in sources)
     )
-    chain = carry_out(chain, _plan(chain, target, sources, as_stored), MemoryBudget(None)).chain
+    chain = carry_out(chain, _plan(chain, target, sources), MemoryBudget(None)).chain
     recent: torch.Tensor | None | Literal["unknown"] = "unknown"
     if target.recent in ("ids", "tail"):
         recent = chain.tensor(len(chain.links) - 1, target.spec.rank, target.recent_name)
@@ -231,8 +260,9 @@ def _compact_record(
         recent = None if target.all_rows else chain.saved_ids(len(chain.links) - 1, target)
         if recent is not None and recent.numel() == target.spec.rows:
             recent = None
+    # The record is built from tensors of the merged shape on the meta device (nothing
+    # held); the merge writes their rows window by window, by the names it gives them.
     if as_stored:
-        # Named (and recorded) from tensors of the merged shape; written window by window.
         reader = chain.reader(sources[0][0])
         shaped = {name: reader.rows_like(first.spec.rank, name) for name in first.row_names}
         values = {
@@ -240,21 +270,25 @@ def _compact_record(
             for part, name in zip(first.parts or [""], first.value_names)
         }
         states = {name: shaped[info.tensor] for name, info in first.states.items()}
-        content = ShardContent(values, first.format, target.optimizer, states, target.scalars,
-                               recent=recent)  # fmt: skip
-        record, tensors = build_record(target.spec, key, content)
-        stored = {id(t): name for name, t in tensors.items()}
-        renamed = {name: stored[id(t)] for name, t in shaped.items()}
-        rows = target.spec.rows
-        _merge_stored(chain, target, sources, window_bytes,
-                      lambda got, row0: write({renamed[n]: t for n, t in got.items()}, row0, rows))  # fmt: skip
-        write({n: t for n, t in tensors.items() if n not in renamed.values()}, 0, None)
-        return record
-    decoded, states = _merge_decoded(chain, target, sources)
-    content = ShardContent({"": decoded}, FP32, target.optimizer, states, target.scalars,
-                           recent=recent)  # fmt: skip
+        fmt = first.format
+    else:
+        states = _decoded_states(chain, target, sources)
+        values = {"": torch.empty(target.spec.rows, target.spec.cols, device="meta")}
+        shaped, fmt = {"": values[""], **states}, FP32
+    content = ShardContent(values, fmt, target.optimizer, states, target.scalars, recent=recent)
     record, tensors = build_record(target.spec, key, content)
-    write(tensors, 0, None)
+    stored = {id(t): name for name, t in tensors.items()}
+    renamed = {name: stored[id(t)] for name, t in shaped.items()}
+    rows = target.spec.rows
+
+    def put(got: dict[str, torch.Tensor], row0: int) -> None:
+        write({renamed[n]: t for n, t in got.items()}, row0, rows)
+
+    if as_stored:
+        _merge_stored(chain, target, sources, window_bytes, put)
+    else:
+        _merge_decoded(chain, target, sources, states, window_bytes, put)
+    write({n: t for n, t in tensors.items() if n not in renamed.values()}, 0, None)
     return record
 
 
