@@ -7,8 +7,8 @@ on one of its roots overwrite each other, where GCS refuses the second with 412.
 runs the same emulator with the check GCS makes: an upload that names a generation
 other than the object's (``0``: the object exists) is refused with 412 and changes
 nothing. The emulator serves one request at a time, so the check and the write are one
-step, as on GCS. It imports nothing of this package (run by its path, it starts in about
-a second, where importing torch and TorchRec would take ten).
+step, as on GCS. It imports nothing of this package and runs by its path, so its start
+(about a second) does not depend on what the package imports.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def gcs_server(preconditions: bool = True) -> contextlib.AbstractContextManager[
     ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` set before gcsfs is imported (its default
     file system asks a gRPC API the emulator lacks what kind each bucket is).
     """
-    if preconditions:  # by path: not importing this package (torch, TorchRec) makes it start in 1 s
+    if preconditions:  # by path: it needs nothing of this package
         program = [sys.executable, str(Path(__file__).with_name("gcs_emulator.py"))]
     else:
         program = [str(Path(sys.executable).with_name("gcp-storage-emulator"))]
