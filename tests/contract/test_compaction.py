@@ -31,7 +31,7 @@ from torchrec_cnr.cli import main as cnr
 from torchrec_cnr.commit import CommitTarget
 from torchrec_cnr.compaction import compact_entry
 from torchrec_cnr.iocontext import IOContext, IOOptions
-from torchrec_cnr.manifest import Manifest
+from torchrec_cnr.manifest import Entry, Manifest
 from torchrec_cnr.offline import checkpoint_info
 from torchrec_cnr.selection import POLICIES
 from torchrec_cnr.selection.policy import Policy
@@ -446,6 +446,26 @@ def _chain(root: str, refs: str, quant: dict | None) -> None:
     job.ckpt.close()
 
 
+def _compact_counting(
+    root: str, io_options: IOOptions | None = None
+) -> tuple[Entry, dict[str, torch.Tensor], int, int]:
+    """The latest chain of ``root`` compacted here through a counting storage: the
+    compacted entry, each table as the chain read before, the bytes the compaction read
+    and the chain's stored bytes."""
+    chain = {t: read_table(root, t) for t in reference.latest_tables(root)}
+    stored = checkpoint_info(root).restore_bytes
+    counting = CountingStorage(open_storage(root))
+    generation = Manifest.load(root).writer_generation
+    target = CommitTarget(counting, Policy("consecutive"), generation, None)  # type: ignore[arg-type]
+    io = IOContext(io_options)
+    try:
+        compacted = compact_entry(target, io)
+    finally:
+        io.close()
+    assert compacted is not None and compacted.chain == [compacted.id]
+    return compacted, chain, counting.bytes_read, stored
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "4-bit"])
 def test_a_chain_compacted_a_window_of_rows_at_a_time_reads_each_block_once_and_restores_exactly(
@@ -457,20 +477,11 @@ def test_a_chain_compacted_a_window_of_rows_at_a_time_reads_each_block_once_and_
     # the blocks they lie in; a block that two windows share is read once.
     monkeypatch.setenv("TORCHREC_CNR_OBJECT_MB", "0.004")
     run_ranks(2, _chain, root, str(refs), QUANT if quantized else None)
-    chain = {t: read_table(root, t) for t in reference.latest_tables(root)}
-    stored = checkpoint_info(root).restore_bytes
-    counting = CountingStorage(open_storage(root))
-    generation = Manifest.load(root).writer_generation
-    target = CommitTarget(counting, Policy("consecutive"), generation, None)  # type: ignore[arg-type]
-    io = IOContext()
-    try:
-        compacted = compact_entry(target, io)
-    finally:
-        io.close()
-    assert compacted is not None and compacted.compacted_from and compacted.chain == [compacted.id]
+    compacted, chain, read, stored = _compact_counting(root)
+    assert compacted.compacted_from
     # Every stored byte of the chain once, and its metadata (records, indexes, manifest):
     # reading a shared block again would be 2-3x here.
-    assert stored <= counting.bytes_read <= 1.1 * stored, (counting.bytes_read, stored)
+    assert stored <= read <= 1.1 * stored, (read, stored)
     for table, values in chain.items():
         assert torch.equal(read_table(root, table, 5), values), table
     assert cnr(["verify", root]) == 0
@@ -514,20 +525,11 @@ def test_a_resharded_chain_is_decoded_a_window_at_a_time_and_reads_as_the_chain_
     manifest = Manifest.load(root)
     latest = manifest.latest()
     assert latest is not None and len(manifest.chain(latest)) == 4
-    chain = {t: read_table(root, t) for t in reference.latest_tables(root)}
-    stored = checkpoint_info(root).restore_bytes
-    counting = CountingStorage(open_storage(root))
-    target = CommitTarget(counting, Policy("consecutive"), manifest.writer_generation, None)  # type: ignore[arg-type]
-    io = IOContext(IOOptions(read_memory_mb=16 / 1024))
-    try:
-        compacted = compact_entry(target, io)
-    finally:
-        io.close()
-    assert compacted is not None and compacted.chain == [compacted.id]
+    compacted, chain, read, stored = _compact_counting(root, IOOptions(read_memory_mb=16 / 1024))
     records = Manifest.load(root).shards(compacted)
     assert {r.format.method for r in records} == {"none"}, "decoded: stored as fp32"
     # Each stored byte of the chain about once: a window reads only the blocks it needs.
-    assert stored <= counting.bytes_read <= 1.2 * stored, (counting.bytes_read, stored)
+    assert stored <= read <= 1.2 * stored, (read, stored)
     for table, values in chain.items():
         assert torch.equal(read_table(root, table, 4), values), table
     assert cnr(["verify", root]) == 0
