@@ -208,6 +208,9 @@ def test_a_process_that_needs_no_model_imports_no_torchrec(module: str) -> None:
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m == 'torchrec'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_public_name_that_needs_torchrec_imports_it_on_first_use() -> None:
     got = subprocess.run(
         [sys.executable, "-c", "import torchrec_cnr; print(torchrec_cnr.tracking_sharders)"],
         capture_output=True, text=True, check=True,
