@@ -36,7 +36,7 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING
 
-from torchrec_cnr.lazy import exports
+from torchrec_cnr.lazy import exports, listing
 from torchrec_cnr.versions import warn_unsupported
 
 if TYPE_CHECKING:
@@ -120,6 +120,7 @@ _lazy = exports(
     },
 )  # fmt: skip
 """Each name of ``__all__`` imports on first use (:mod:`torchrec_cnr.lazy`)."""
+__dir__ = listing(globals())
 
 
 def __getattr__(name: str) -> object:

@@ -8,7 +8,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["exports"]
+__all__ = ["exports", "listing"]
 
 
 def exports(namespace: dict[str, Any], homes: dict[str, tuple[str, ...]]) -> Callable[[str], Any]:
@@ -26,3 +26,9 @@ def exports(namespace: dict[str, Any], homes: dict[str, tuple[str, ...]]) -> Cal
         return value
 
     return __getattr__
+
+
+def listing(namespace: dict[str, Any]) -> Callable[[], list[str]]:
+    """The ``__dir__`` of such a package: its globals and every name of its ``__all__``,
+    imported or not, so that ``dir()`` and editors' completion show the public names."""
+    return lambda: sorted({*namespace, *namespace.get("__all__", ())})

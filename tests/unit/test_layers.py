@@ -216,3 +216,15 @@ def test_a_public_name_that_needs_torchrec_imports_it_on_first_use() -> None:
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert "function tracking_sharders" in got.stdout
+
+
+def test_dir_of_a_lazy_package_lists_its_public_names_before_they_import() -> None:
+    code = (
+        "import sys, torchrec_cnr, torchrec_cnr.tracking as t, torchrec_cnr.interop as i\n"
+        "for p in (torchrec_cnr, t, i):\n"
+        "    missing = set(p.__all__) - set(dir(p))\n"
+        "    assert not missing, (p.__name__, missing)\n"
+        "print(sorted(m for m in sys.modules if m == 'torchrec'))"
+    )
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert got.returncode == 0 and got.stdout.strip() == "[]", got.stdout + got.stderr

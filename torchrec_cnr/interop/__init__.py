@@ -6,7 +6,7 @@ save a TorchRec model copy-on-write (:class:`DcpStager`). Its names import on fi
 
 from typing import TYPE_CHECKING
 
-from torchrec_cnr.lazy import exports
+from torchrec_cnr.lazy import exports, listing
 
 if TYPE_CHECKING:
     from torchrec_cnr.interop.dcp_export import DcpExport, ExportOptions, export_dcp
@@ -23,3 +23,4 @@ __getattr__ = exports(
         ".dcp_stager": ("DcpStager",),
     },
 )
+__dir__ = listing(globals())

@@ -5,7 +5,7 @@ types need no TorchRec, the sharders and the model's state do."""
 
 from typing import TYPE_CHECKING
 
-from torchrec_cnr.lazy import exports
+from torchrec_cnr.lazy import exports, listing
 
 if TYPE_CHECKING:
     from torchrec_cnr.tracking.model_state import write_rows
@@ -32,3 +32,4 @@ __getattr__ = exports(
         ".tracker": ("TRACKER_ATTR", "TRACKING_MODES", "RowTracker"),
     },
 )
+__dir__ = listing(globals())
