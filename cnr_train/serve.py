@@ -34,7 +34,7 @@ from torch import nn
 from torchrec.inference.modules import quantize_embeddings
 
 from cnr_train.config import JobConfig, ServeDtype
-from cnr_train.job import DONE_MARKER, job_tables, make_data, num_dense
+from cnr_train.job import DONE_MARKER, freeze_heap, job_tables, make_data, num_dense
 from cnr_train.workload import BatchStream, TableSpec, dlrm
 from torchrec_cnr import FloatTarget, Follower, QuantizedTarget, shutdown
 from torchrec_cnr.offline import CheckpointInfo, list_checkpoints, root_info
@@ -303,6 +303,7 @@ class Server:
                 last committed step.
         """
         s = self.config.serve
+        freeze_heap()
         started, self._cpu0 = time.time(), time.process_time()
         self.follower.start(s.interval_s)
         print(f"serving: following {self.root} every {s.interval_s} s", file=sys.stderr, flush=True)

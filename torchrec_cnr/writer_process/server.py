@@ -10,6 +10,7 @@ which holds the ranks' process group, their payloads pickled here
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -165,6 +166,9 @@ def serve(fd: int) -> None:
     except BaseException as e:
         wire.send("failed", pack_error(e))
         raise
+    # What the imports made lives as long as the process: frozen, no collection walks it
+    # again (each full one would walk torch's modules; the one at exit too).
+    gc.freeze()
     wire.send("ready", os.getpid())
     try:
         server.run()
