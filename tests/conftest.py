@@ -14,6 +14,7 @@ every process through ``TORCHREC_CNR_STORAGE_OPTIONS``, as a job's would.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import uuid
@@ -161,3 +162,13 @@ def every_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh checkpoint root on each backend and each fsspec store with a local server
     in turn: the fault tests' roots."""
     return _root(request.param, request, tmp_path)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """What a test left is collected once and the survivors (modules, session fixtures)
+    frozen out of later collections: with TorchRec imported, each automatic full
+    collection would walk them all again (as :mod:`tests.multiprocess`'s ranks do after
+    each call, and the app before its loop: ``cnr_train.job.freeze_heap``)."""
+    gc.collect()
+    gc.freeze()

@@ -12,6 +12,7 @@ replaces the pool, so the next call starts from fresh processes.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import signal
 import socket
@@ -44,6 +45,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, conn: Connectio
 
     torch.set_num_threads(1)
     init_distributed(backend, timeout_s=CALL_TIMEOUT_S)
+    gc.freeze()  # the imports
     while True:
         try:
             call = conn.recv()
@@ -56,6 +58,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, conn: Connectio
             fn(*args, **kwargs)
             # Leave together: the next call's collectives must not meet this one's.
             dist.barrier()
+            # What the call left collected once, the rest frozen: no later collection
+            # walks the ranks' modules and models again (see tests/conftest.py).
+            gc.collect()
+            gc.freeze()
         except BaseException:
             conn.send(traceback.format_exc())
             return  # the pool is replaced; the others may be stuck in a collective
