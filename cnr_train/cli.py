@@ -14,12 +14,17 @@ Every ``key.path=value`` after the options overrides the YAML file.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
 from cnr_train.quiet import quiet_third_party
 
 quiet_third_party()
+# Importing TorchRec makes some 350k objects that live as long as the process: the
+# collections that would run while they are made find almost nothing to free and take a
+# fifth of the imports' time. They are frozen instead (see job.freeze_heap).
+gc.disable()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -29,6 +34,9 @@ from cnr_train.config import JobConfig  # noqa: E402
 from cnr_train.job import Trainer, run  # noqa: E402
 from torchrec_cnr import CnrError  # noqa: E402
 from torchrec_cnr.launch import init_distributed  # noqa: E402
+
+gc.freeze()
+gc.enable()
 
 
 def _load(config_path: str | None, overrides: list[str]) -> JobConfig | None:

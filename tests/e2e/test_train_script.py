@@ -173,3 +173,13 @@ def test_real_data_needs_the_26_criteo_tables() -> None:
         config_file.load(
             JobConfig, REPO / "configs/demo.yaml", ["model.tables=uniform", "data.path=/x.txt"]
         )
+
+
+def test_the_app_imports_with_collections_off_then_on_its_modules_frozen() -> None:
+    # What the imports made is frozen, not walked by the collections that would run while
+    # it is made; collections are on again afterwards (a process left without them would
+    # never free a reference cycle).
+    code = "import gc, cnr_train.cli; print(gc.isenabled(), gc.get_freeze_count())"
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    enabled, frozen = got.stdout.split()
+    assert enabled == "True" and int(frozen) > 100_000, got.stdout
