@@ -19,23 +19,29 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any
 
-from torchrec_cnr.collectives import Collective
-from torchrec_cnr.commit import CommitTarget, Pending
-from torchrec_cnr.commit.background import JobResult
-from torchrec_cnr.commit.job import commit_job
-from torchrec_cnr.compaction import (
+if __name__ == "__main__":
+    # Started as the writer process: the imports below make some 350k objects that live as
+    # long as it does; collections while they are made would find almost nothing to free
+    # (a fifth of its start). ``serve`` freezes them, then turns collections back on.
+    gc.disable()
+
+from torchrec_cnr.collectives import Collective  # noqa: E402
+from torchrec_cnr.commit import CommitTarget, Pending  # noqa: E402
+from torchrec_cnr.commit.background import JobResult  # noqa: E402
+from torchrec_cnr.commit.job import commit_job  # noqa: E402
+from torchrec_cnr.compaction import (  # noqa: E402
     BackgroundCompaction,
     CompactionHook,
     compaction_job,
     finishing_job,
 )
-from torchrec_cnr.config import CheckpointConfig
-from torchrec_cnr.encoding import ShardWriter
-from torchrec_cnr.iocontext import IOContext, lowered_priority
-from torchrec_cnr.staging import Sink, SourceInfo
-from torchrec_cnr.staging.shared import MappedBuffers
-from torchrec_cnr.storage import Storage
-from torchrec_cnr.writer_process.wire import (
+from torchrec_cnr.config import CheckpointConfig  # noqa: E402
+from torchrec_cnr.encoding import ShardWriter  # noqa: E402
+from torchrec_cnr.iocontext import IOContext, lowered_priority  # noqa: E402
+from torchrec_cnr.staging import Sink, SourceInfo  # noqa: E402
+from torchrec_cnr.staging.shared import MappedBuffers  # noqa: E402
+from torchrec_cnr.storage import Storage  # noqa: E402
+from torchrec_cnr.writer_process.wire import (  # noqa: E402
     Closed,
     PickledCollective,
     Wire,
@@ -166,9 +172,11 @@ def serve(fd: int) -> None:
     except BaseException as e:
         wire.send("failed", pack_error(e))
         raise
-    # What the imports made lives as long as the process: frozen, no collection walks it
-    # again (each full one would walk torch's modules; the one at exit too).
+    # What the imports and the set-up made lives as long as the process: frozen, no
+    # collection walks it again (each full one would walk torch's modules; the one at exit
+    # too).
     gc.freeze()
+    gc.enable()
     wire.send("ready", os.getpid())
     try:
         server.run()
