@@ -164,6 +164,21 @@ def every_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return _root(request.param, request, tmp_path)
 
 
+def pytest_collectstart(collector: pytest.Collector) -> None:
+    """Collections off while the test modules import TorchRec and the rest (see
+    :func:`pytest_collection_finish`), where tests are collected (not in xdist's
+    controller)."""
+    gc.disable()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collecting imported is frozen, then collections are on again: those objects
+    live as long as the session, and collections while they were made would have found
+    almost nothing to free."""
+    gc.freeze()
+    gc.enable()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item) -> None:
     """What a test left is collected once and the survivors (modules, session fixtures)
