@@ -221,7 +221,8 @@ def test_a_public_name_that_needs_torchrec_imports_it_on_first_use() -> None:
 def test_dir_of_a_lazy_package_lists_its_public_names_before_they_import() -> None:
     code = (
         "import sys, torchrec_cnr, torchrec_cnr.tracking as t, torchrec_cnr.interop as i\n"
-        "for p in (torchrec_cnr, t, i):\n"
+        "import torchrec_cnr.writer_process as w\n"
+        "for p in (torchrec_cnr, t, i, w):\n"
         "    missing = set(p.__all__) - set(dir(p))\n"
         "    assert not missing, (p.__name__, missing)\n"
         "print(sorted(m for m in sys.modules if m == 'torchrec'))"
