@@ -24,6 +24,7 @@ quiet_third_party()
 # Importing TorchRec makes some 350k objects that live as long as the process: the
 # collections that would run while they are made find almost nothing to free and take a
 # fifth of the imports' time. They are frozen instead (see job.freeze_heap).
+_collecting = gc.isenabled()
 gc.disable()
 
 import torch  # noqa: E402
@@ -36,7 +37,8 @@ from torchrec_cnr import CnrError  # noqa: E402
 from torchrec_cnr.launch import init_distributed  # noqa: E402
 
 gc.freeze()
-gc.enable()
+if _collecting:
+    gc.enable()
 
 
 def _load(config_path: str | None, overrides: list[str]) -> JobConfig | None:
