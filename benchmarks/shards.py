@@ -38,6 +38,7 @@ from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.restore import apply
 from torchrec_cnr.selection.policy import ChainState, Decision, Policy
 from torchrec_cnr.serving.plan import plan_update
+from torchrec_cnr.snapshot.index import index_part, parse_index
 from torchrec_cnr.staging import StagedCheckpoint
 from torchrec_cnr.storage import CountingStorage, Storage, open_storage
 from torchrec_cnr.tracking import ShardSpec
@@ -66,9 +67,9 @@ class _Template:
         self.key = raw["key"]
         self.record = json.dumps(raw)
         rank = raw["spec"]["rank"]
-        index = schema.parse_index((ckpt / ".snapshot_metadata").read_bytes())
+        entries = parse_index((ckpt / ".snapshot_metadata").read_bytes())
         prefix = schema.rows_path(rank, self.key + ".")
-        self.index = {p[len(prefix) :]: e for p, e in index.items() if p.startswith(prefix)}
+        self.index = {p[len(prefix) :]: e for p, e in entries.items() if p.startswith(prefix)}
 
     def shard(self, spec: ShardSpec, key: str, saved: int, all_rows: bool) -> ShardRecord:
         raw = json.loads(self.record.replace(f'"{self.key}.', f'"{key}.'))
@@ -80,7 +81,7 @@ class _Template:
         out = {}
         for suffix, e in self.index.items():
             e = copy.copy(e)
-            e.shape = [saved, *e.shape[1:]]  # type: ignore[attr-defined]
+            e.shape = [saved, *e.shape[1:]]  # type: ignore[union-attr]
             out[schema.rows_path(rank, f"{key}.{suffix}")] = e
         return out
 
@@ -104,7 +105,7 @@ def _rank_write(a: argparse.Namespace, tmpl: _Template, ranks: int, tables: int,
     # itself (ShardWriter.finish).
     data, checksum = schema.part_bytes(ckpt_id, rank, shards)
     storage.write(schema.part_path(ckpt_id, rank), data)
-    return RankWrite(shards, {}, 0, 0, 0, 0.0, schema.index_part(entries), checksum)
+    return RankWrite(shards, {}, 0, 0, 0, 0.0, index_part(entries), checksum)
 
 
 class _Group:

@@ -25,7 +25,7 @@ in the checkpoint's own record, and the manifest holds the summaries of the late
 checkpoints and names the newest sealed history segment, which holds older summaries and
 names the segment before it: a commit reads and writes a bounded number of bytes whatever
 the history. Formats 1-5 kept every entry, whole, in the manifest. Each checkpoint
-directory also has torchsnapshot's index (:func:`parse_index`, :func:`index_bytes`).
+directory also has torchsnapshot's index (:mod:`torchrec_cnr.snapshot.index`).
 
 Each type is a dataclass with ``to_json``/``from_json`` (or bytes for the lease); the
 manifest's own records are :mod:`torchrec_cnr.manifest.records`', in the sealed JSON of
@@ -45,20 +45,10 @@ import json
 import re
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
-from torchsnapshot.manifest import (
-    ChunkedTensorEntry,
-    DictEntry,
-    ObjectEntry,
-    PrimitiveEntry,
-    SnapshotMetadata,
-    TensorEntry,
-)
-from torchsnapshot.manifest import Entry as IndexEntry
-from torchsnapshot.manifest import Shard as IndexShard
 
 from torchrec_cnr.errors import ManifestError
 
@@ -83,9 +73,6 @@ __all__ = [
     "checkpoint_id",
     "dense_path",
     "dtype_name",
-    "IndexPart",
-    "index_bytes",
-    "index_part",
     "open_sealed",
     "sealed_bytes",
     "without_gc",
@@ -93,7 +80,6 @@ __all__ = [
     "parse_part",
     "part_bytes",
     "part_path",
-    "parse_index",
     "record_path",
     "segment_name",
     "rows_path",
@@ -550,103 +536,3 @@ class LeaseHolder:
     @classmethod
     def from_bytes(cls, data: bytes) -> LeaseHolder:
         return cls(**json.loads(data))
-
-
-# -- a checkpoint directory's index: torchsnapshot's own --------------------------------
-
-SNAPSHOT_VERSION = "0.1.0"
-"""The torchsnapshot version whose index format checkpoint directories carry."""
-
-_ENTRY_TYPES: dict[str, Any] = {
-    "Tensor": TensorEntry,
-    "ChunkedTensor": ChunkedTensorEntry,
-    "dict": DictEntry,
-    "object": ObjectEntry,
-}
-
-
-def parse_index(data: bytes) -> dict[str, IndexEntry]:
-    """torchsnapshot's index (``.snapshot_metadata``) as its typed entries, by logical path.
-
-    JSON is read with :mod:`json` (torchsnapshot writes JSON, a subset of the YAML its own
-    reader parses far more slowly); entry types this library never writes stay untyped
-    and are refused when read as tensors.
-    """
-    out: dict[str, IndexEntry] = {}
-    for path, raw in json.loads(data)["manifest"].items():
-        kind = raw["type"]
-        if kind in PrimitiveEntry.supported_types:
-            out[path] = PrimitiveEntry.from_yaml_obj(raw)
-        elif kind in _ENTRY_TYPES:
-            out[path] = _ENTRY_TYPES[kind].from_yaml_obj(raw)
-        else:
-            out[path] = IndexEntry(kind)
-    return out
-
-
-@dataclass
-class IndexPart:
-    """One writer's share of a checkpoint's torchsnapshot index, serialized by that writer
-    (so that the rank that writes the index only joins them)."""
-
-    entries: bytes = b""
-    """Its entries as the members of a JSON object: ``"<logical path>": {...}, ...``."""
-    folders: dict[str, list[str]] = field(default_factory=dict)
-    """The folder entries its paths need: folder -> keys, in order."""
-
-
-def index_part(entries: dict[str, IndexEntry]) -> IndexPart:
-    """A writer's share of the index: ``entries`` (logical path -> torchsnapshot entry)."""
-    folders: dict[str, dict[str, None]] = {}
-    for logical in sorted(entries):
-        path = logical
-        while "/" in path:
-            parent, _, key = path.rpartition("/")
-            folders.setdefault(parent, {})[key] = None
-            path = parent
-    members = json.dumps(_plain(entries))[1:-1].encode()
-    return IndexPart(members, {k: list(v) for k, v in folders.items()})
-
-
-def index_bytes(parts: list[IndexPart], world_size: int) -> bytes:
-    """The index of a checkpoint directory from its writers' shares, with the folder
-    entries torchsnapshot's reader expects.
-
-    torchsnapshot's own ``to_yaml`` (``dataclasses.asdict``, then ``json.dumps`` with an
-    indent, which runs json's pure-Python encoder) costs ~300 us an entry, on one rank: a
-    commit of 100k shards would spend a minute on it. The same JSON on one line is YAML too,
-    and reads alike."""
-    folders: dict[str, dict[str, None]] = {}
-    for part in parts:
-        for folder, keys in part.folders.items():
-            folders.setdefault(folder, {}).update(dict.fromkeys(keys))
-    dicts = {k: DictEntry(keys=list(v)) for k, v in folders.items()}
-    members = [json.dumps(_plain(dicts))[1:-1].encode(), *(p.entries for p in parts)]
-    head = json.dumps({"version": SNAPSHOT_VERSION, "world_size": world_size})[:-1]
-    return f'{head}, "manifest": {{'.encode() + b", ".join(m for m in members if m) + b"}}"
-
-
-def _plain(obj: Any) -> Any:
-    """``dataclasses.asdict`` of torchsnapshot's entries, without its deep copies."""
-    if isinstance(obj, list):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    names = _FIELDS.get(type(obj))
-    if names is None:
-        return obj
-    return {name: _plain(getattr(obj, name)) for name in names}
-
-
-_FIELDS: dict[type, tuple[str, ...]] = {
-    cls: tuple(f.name for f in fields(cls))
-    for cls in (
-        SnapshotMetadata,
-        DictEntry,
-        TensorEntry,
-        ChunkedTensorEntry,
-        IndexShard,
-        PrimitiveEntry,
-        ObjectEntry,
-    )  # fmt: skip
-}

@@ -3,6 +3,7 @@ own reader and by ours, with whole-tensor checksums combined from the pieces'.""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import zlib
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchsnapshot import Snapshot
-from torchsnapshot.manifest import ChunkedTensorEntry, TensorEntry
+from torchsnapshot import Snapshot, StateDict
+from torchsnapshot.manifest import ChunkedTensorEntry, SnapshotMetadata, TensorEntry
 
 from torchrec_cnr.errors import CheckpointReadError, ChecksumError
 from torchrec_cnr.snapshot import (
@@ -27,6 +28,8 @@ from torchrec_cnr.snapshot import (
 )
 from torchrec_cnr.snapshot import reader as snapshot_reader
 from torchrec_cnr.snapshot import writer as snapshot_writer
+from torchrec_cnr.snapshot.index import ChunkedTensorEntry as IndexChunks
+from torchrec_cnr.snapshot.index import OtherEntry, PrimitiveEntry, index_part, parse_index
 from torchrec_cnr.snapshot.reader import _spans, span_bytes
 from torchrec_cnr.storage import CountingStorage, StorageWrapper, open_storage
 
@@ -94,6 +97,33 @@ def test_what_the_writer_writes_torchsnapshot_reads(
     assert len(locations) < len(tensors)
 
 
+def test_our_index_reads_torchsnapshots_own_and_writes_each_entry_back_as_it_was(
+    tmp_path: Path,
+) -> None:
+    # torchsnapshot's package is not imported to read or write an index
+    # (torchrec_cnr.snapshot.index): its own snapshot, read by both, entry by entry.
+    values = {"n": 3, "s": "x", "f": 1.5, "b": True, "raw": b"\x00\x01"}
+    state = StateDict(
+        t=torch.randn(5, 3), big=torch.randn(4096, 64), obj={"k": [1, 2]}, pickled={1, 2}, **values
+    )
+    Snapshot.take(str(tmp_path / "snap"), {"app": state})
+    data = (tmp_path / "snap" / ".snapshot_metadata").read_bytes()
+    raw = json.loads(data)["manifest"]
+    theirs = SnapshotMetadata.from_yaml(data.decode()).manifest
+    ours = parse_index(data)
+    assert ours.keys() == theirs.keys() == raw.keys()
+    for path, entry in ours.items():
+        assert entry.type == theirs[path].type, path
+        if not isinstance(entry, OtherEntry):  # an untyped entry keeps its tag alone
+            again = json.loads(b"{" + index_part({path: entry}).entries + b"}")[path]
+            assert again == raw[path], path
+    kinds = {type(e).__name__ for e in ours.values()}
+    assert kinds >= {"TensorEntry", "DictEntry", "ObjectEntry", "PrimitiveEntry"}, kinds
+    for key, value in values.items():
+        entry = ours[f"0/app/{key}"]
+        assert isinstance(entry, PrimitiveEntry) and entry.value() == value, key
+
+
 def test_torchsnapshot_reads_stored_tensors_but_restores_no_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -124,7 +154,7 @@ def test_our_reader_checks_every_piece_and_reads_rows_alone(
     assert torch.equal(reader.rows_subset(0, "s0.w", index), tensors[rows_path(0, "s0.w")][index])
     # One flipped byte in one piece of one object.
     chunked = reader._entries[rows_path(0, "s0.w")]
-    assert isinstance(chunked, ChunkedTensorEntry)
+    assert isinstance(chunked, IndexChunks)
     entry = chunked.chunks[3].tensor
     target = tmp_path / "ckpt" / entry.location
     data = bytearray(target.read_bytes())
@@ -165,7 +195,7 @@ def test_rows_in_a_window_are_read_and_checked_in_their_blocks_alone(
     assert reader.rows_window(0, "s0.w", 0, 10, None) is None  # several blocks, no sums
     # One flipped byte in rows 1024..1151 (the third object's first block).
     chunked = reader._entries[logical]
-    assert isinstance(chunked, ChunkedTensorEntry)
+    assert isinstance(chunked, IndexChunks)
     entry = next(c.tensor for c in chunked.chunks if c.offsets[0] == 1024)
     assert entry.byte_range is not None
     target = tmp_path / "ckpt" / entry.location

@@ -39,8 +39,8 @@ from torchrec_cnr.read.geometry import overlaps, place, scatter, scatter_weight,
 from torchrec_cnr.read.items import MemoryBudget, ReadItem, ReadPlan
 from torchrec_cnr.read.plan import carry_out
 from torchrec_cnr.rowcopy import put_rows
-from torchrec_cnr.schema import IndexPart
 from torchrec_cnr.snapshot import (
+    IndexPart,
     SnapshotWriter,
     app_path,
     checkpoint_id,

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from torchrec_cnr.encoding.codec import ShardRecord, encode_shard
 from torchrec_cnr.encoding.formats import FP32, Format, FormatResolver
 from torchrec_cnr.iocontext import IOContext
-from torchrec_cnr.schema import IndexPart, part_bytes, part_path
-from torchrec_cnr.snapshot import SnapshotWriter, app_path, crc32, dense_path, rows_path
+from torchrec_cnr.schema import part_bytes, part_path
+from torchrec_cnr.snapshot import IndexPart, SnapshotWriter, app_path, crc32, dense_path, rows_path
 from torchrec_cnr.staging import StagedCheckpoint, StagedShard
 from torchrec_cnr.storage import Storage
 

@@ -28,7 +28,6 @@ blocks into its own files in parallel; rank 0 writes the metadata.
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
@@ -43,6 +42,7 @@ from torchrec_cnr.config import checked_safe_globals
 from torchrec_cnr.interop.dcp_io import Block, fused_state_path, mapped, write_blocks
 from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.manifest import TableShape
+from torchrec_cnr.offline.export import progress_line
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.read.items import MemoryBudget, ReadItem
 from torchrec_cnr.read.tables import table_block
@@ -134,15 +134,6 @@ class DcpExport:
     tables: int = 0
     keys: list[str] = field(default_factory=list)
     """Every key of the checkpoint (all ranks')."""
-
-
-def progress_line(text: str, last: bool) -> None:
-    """Shows a progress line on stderr: rewritten in place on a terminal, a line of its own
-    where stderr goes to a file or a pipe (a log), so that the lines do not run together."""
-    if sys.stderr.isatty():
-        print(f"\r{text}", end="\n" if last else "", file=sys.stderr, flush=True)
-    else:
-        print(text, file=sys.stderr, flush=True)
 
 
 def terminal_progress(rank: int) -> Progress:

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -107,3 +108,12 @@ def save_export(
         path.chmod(0o666 & ~mask)
     else:
         raise ValueError(f"format must be one of {EXPORT_FORMATS}, got {fmt!r}")
+
+
+def progress_line(text: str, last: bool) -> None:
+    """Shows a progress line on stderr: rewritten in place on a terminal, a line of its own
+    where stderr goes to a file or a pipe (a log), so that the lines do not run together."""
+    if sys.stderr.isatty():
+        print(f"\r{text}", end="\n" if last else "", file=sys.stderr, flush=True)
+    else:
+        print(text, file=sys.stderr, flush=True)

@@ -2,7 +2,8 @@
 
 :mod:`torchrec_cnr.schema` names what lies where in a root; ``writer`` writes one writer's (rank's) part
 of a directory and its index, ``reader`` reads tensors back without a model, and
-``checksum`` is the CRC32 every stored tensor carries. Storage itself (files, objects)
+``checksum`` is the CRC32 every stored tensor carries, and ``index`` the format of the
+directory's index. Storage itself (files, objects)
 is :mod:`torchrec_cnr.storage`'s.
 """
 
@@ -24,6 +25,7 @@ from torchrec_cnr.schema import (
     stored_weight,
 )
 from torchrec_cnr.snapshot.checksum import as_bytes, check, crc32, crc32_combine, mismatch
+from torchrec_cnr.snapshot.index import IndexPart
 from torchrec_cnr.snapshot.reader import SnapshotReader, page_aligned
 from torchrec_cnr.snapshot.writer import RankPart, SnapshotWriter, write_index
 
@@ -33,6 +35,7 @@ __all__ = [
     "PREVIOUS_MANIFEST_NAME",
     "SNAPSHOT_MARKER",
     "CheckpointName",
+    "IndexPart",
     "RankPart",
     "SnapshotReader",
     "SnapshotWriter",

@@ -22,16 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-from torchsnapshot.manifest import (
-    ChunkedTensorEntry,
-    Entry,
-    PrimitiveEntry,
-    TensorEntry,
-)
-from torchsnapshot.serialization import string_to_dtype
 
 from torchrec_cnr.errors import CheckpointReadError
-from torchrec_cnr.schema import SNAPSHOT_MARKER, app_path, dense_path, parse_index, rows_path
+from torchrec_cnr.schema import SNAPSHOT_MARKER, app_path, dense_path, rows_path
 from torchrec_cnr.snapshot.checksum import (
     as_bytes,
     check,
@@ -39,6 +32,14 @@ from torchrec_cnr.snapshot.checksum import (
     crc32_bytes,
     crc32_combine,
     mismatch,
+)
+from torchrec_cnr.snapshot.index import (
+    ChunkedTensorEntry,
+    IndexEntry,
+    PrimitiveEntry,
+    TensorEntry,
+    named_dtype,
+    parse_index,
 )
 from torchrec_cnr.snapshot.objects import load_object
 from torchrec_cnr.storage import DIRECT_ALIGN, DIRECT_MIN_BYTES, Storage
@@ -224,7 +225,7 @@ class SnapshotReader:
             raise CheckpointReadError(f"{self.path}/{SNAPSHOT_MARKER} is damaged: {e!r}") from e
         self._sums: Mapping[str, int] = {} if checksums is None else checksums
 
-    def _entry(self, logical: str) -> Entry:
+    def _entry(self, logical: str) -> IndexEntry:
         entry = self._entries.get(logical)
         if entry is None:
             raise CheckpointReadError(f"{self.path} holds no {logical!r}")
@@ -232,7 +233,7 @@ class SnapshotReader:
 
     def _start(self, read: _Read, entry: TensorEntry, target: torch.Tensor) -> None:
         """Queues the reads of one stored tensor entry into the contiguous ``target``."""
-        dtype, shape = string_to_dtype(entry.dtype), list(entry.shape)
+        dtype, shape = named_dtype(entry.dtype), list(entry.shape)
         if list(target.shape) != shape or target.dtype != dtype:
             raise CheckpointReadError(
                 f"{self.name}/{read.logical}: stored {dtype} {shape}, "
@@ -269,10 +270,10 @@ class SnapshotReader:
         if it gives one); a value if read at once."""
         entry = self._entry(logical)
         if isinstance(entry, PrimitiveEntry) and entry.type == "bytes":
-            return entry.get_value()
+            return entry.value()
         if not isinstance(entry, TensorEntry | ChunkedTensorEntry):
             raise CheckpointReadError(f"{self.path}: {logical!r} is a {entry.type}, not a tensor")
-        dtype, shape = string_to_dtype(entry.dtype), list(entry.shape)
+        dtype, shape = named_dtype(entry.dtype), list(entry.shape)
         if out is None and alloc is not None:
             out = alloc(shape, dtype)
         if out is None or not out.is_contiguous():
@@ -310,7 +311,7 @@ class SnapshotReader:
         return read
 
     def _begin_tensor(self, logical: str, entry: TensorEntry) -> _Read:
-        value = _empty(list(entry.shape), dtype=string_to_dtype(entry.dtype))
+        value = _empty(list(entry.shape), dtype=named_dtype(entry.dtype))
         read = _Read(logical, value)
         self._start(read, entry, value)
         return read
@@ -445,7 +446,7 @@ class SnapshotReader:
         """``(bytes a row, dtype, shape of a row)`` of a stored tensor of rows."""
         entry = self._entry(logical)
         assert isinstance(entry, TensorEntry | ChunkedTensorEntry)
-        dtype = string_to_dtype(entry.dtype)
+        dtype = named_dtype(entry.dtype)
         return math.prod(entry.shape[1:]) * dtype.itemsize, dtype, list(entry.shape[1:])
 
     def begin_window(
@@ -655,7 +656,7 @@ class SnapshotReader:
         """The size of a stored shard tensor of ``rank``, from the index (nothing is read)."""
         entry = self._entry(rows_path(rank, name))
         assert isinstance(entry, TensorEntry | ChunkedTensorEntry), name
-        return math.prod(entry.shape) * string_to_dtype(entry.dtype).itemsize
+        return math.prod(entry.shape) * named_dtype(entry.dtype).itemsize
 
     def row_bytes(self, rank: int, name: str) -> int:
         """The bytes of one row of a stored shard tensor of ``rank`` (nothing is read)."""
@@ -666,7 +667,7 @@ class SnapshotReader:
         (nothing is read)."""
         entry = self._entry(rows_path(rank, name))
         assert isinstance(entry, TensorEntry | ChunkedTensorEntry), name
-        return torch.empty(entry.shape, dtype=string_to_dtype(entry.dtype), device="meta")
+        return torch.empty(entry.shape, dtype=named_dtype(entry.dtype), device="meta")
 
     def rows_into(self, rank: int, name: str, out: torch.Tensor) -> None:
         """Reads a stored shard tensor of ``rank`` into ``out`` (straight in where it is

@@ -20,24 +20,26 @@ restore.
 
 from __future__ import annotations
 
-import base64
 import math
 from concurrent import futures
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 import torch
-from torchsnapshot.manifest import (
-    ChunkedTensorEntry,
-    Entry,
-    PrimitiveEntry,
-    Shard,
-    TensorEntry,
-)
-from torchsnapshot.serialization import dtype_to_string
 
-from torchrec_cnr.schema import SNAPSHOT_MARKER, IndexPart, index_bytes, index_part
+from torchrec_cnr.schema import SNAPSHOT_MARKER
 from torchrec_cnr.snapshot.checksum import as_bytes, crc32_bytes, crc32_combine
+from torchrec_cnr.snapshot.index import (
+    ChunkedTensorEntry,
+    IndexEntry,
+    IndexPart,
+    IndexShard,
+    PrimitiveEntry,
+    TensorEntry,
+    dtype_name,
+    index_bytes,
+    index_part,
+)
 from torchrec_cnr.storage import Storage
 
 __all__ = ["RankPart", "SnapshotWriter", "write_index"]
@@ -228,7 +230,7 @@ class SnapshotWriter:
         """Waits for every write; returns the index entries and checksums of this writer."""
         self._flush_batch()
         self.wait()
-        entries: dict[str, Entry] = {}
+        entries: dict[str, IndexEntry] = {}
         checksums: dict[str, int] = {}
         blocks: dict[str, list[int]] = {}
         nbytes = 0
@@ -250,7 +252,7 @@ class SnapshotWriter:
                 blocks[logical] = [self._block_rows(_row_bytes(t)), *sums]
             nbytes += sum(p.nbytes for p in pieces)
         for logical, value in self._inline.items():
-            entries[logical] = PrimitiveEntry("bytes", base64.b64encode(value).decode(), False)
+            entries[logical] = PrimitiveEntry.of_bytes(value)
             checksums[logical] = crc32_bytes(value)
             nbytes += len(value)
         return RankPart(index_part(entries), checksums, nbytes, blocks)
@@ -264,27 +266,25 @@ def _tensor_entry(t: _Logical, piece: _Piece, shape: list[int]) -> TensorEntry:
     return TensorEntry(
         location=piece.location,
         serializer="buffer_protocol",
-        dtype=dtype_to_string(t.dtype),
+        dtype=dtype_name(t.dtype),
         shape=shape,
         replicated=t.replicated,
         byte_range=[piece.start, piece.start + piece.nbytes],
     )
 
 
-def _entry(t: _Logical, pieces: list[_Piece]) -> Entry:
+def _entry(t: _Logical, pieces: list[_Piece]) -> IndexEntry:
     if len(pieces) == 1:
         return _tensor_entry(t, pieces[0], [t.rows, *t.row_shape] if t.shape else [])
     chunks = [
-        Shard(
+        IndexShard(
             offsets=[p.row0] + [0] * len(t.row_shape),
             sizes=[p.rows, *t.row_shape],
             tensor=_tensor_entry(t, p, [p.rows, *t.row_shape]),
         )
         for p in pieces
     ]
-    return ChunkedTensorEntry(
-        dtype_to_string(t.dtype), [t.rows, *t.row_shape], chunks, t.replicated
-    )
+    return ChunkedTensorEntry(dtype_name(t.dtype), [t.rows, *t.row_shape], chunks, t.replicated)
 
 
 def write_index(storage: Storage, ckpt_id: str, parts: list[IndexPart], world_size: int) -> None:
