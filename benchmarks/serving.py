@@ -470,7 +470,7 @@ def run(b: Bench) -> Outcome:
 
 CASE = Case("serving", "Train to serve: torn snapshots, freshness, update time, bytes and "
             "blocking", _arguments, "--tables 2 --rows 2000 --dim 16 --steps 45 --batch-size 256 "
-            "--policies intermittent --served int4", run)  # fmt: skip
+            "--policies intermittent --served int4 --modes swap", run)  # fmt: skip
 
 if __name__ == "__main__":
     cli(CASE, __doc__)

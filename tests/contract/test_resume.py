@@ -10,6 +10,7 @@ and the dense optimizer in ``app_state``.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -74,9 +75,11 @@ def _resume_equals_uninterrupted(
     diff = differences(uninterrupted, capture(resumed.model, resumed.app_state))
     assert not diff, f"resumed run differs from the uninterrupted one at {diff[:5]}"
 
-    # The resumed run continued the chain; its last checkpoint restores the same state.
+    # The resumed run continued the chain; its last checkpoint restores the same state (as a
+    # job that only reads it does: with background="process", no writer process starts).
     latest = make_job(kind, optimizer=optimizer, seed=3, delta_tracker=delta_tracker)
-    with CheckpointManager(latest.model, config, latest.app_state) as ckpt:
+    reader = dataclasses.replace(config, read_only=True)
+    with CheckpointManager(latest.model, reader, latest.app_state) as ckpt:
         assert ckpt.restore() == STEPS
     diff = differences(uninterrupted, capture(latest.model, latest.app_state))
     assert not diff, f"continued chain restores differently at {diff[:5]}"

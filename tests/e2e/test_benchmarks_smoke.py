@@ -79,7 +79,7 @@ RUNS = [
         ("--followers", "1", "2", "--modes", "copy", "--served", "fp32", "--nproc", "1"),
     ),  # fmt: skip
     # Followers that start once the job has committed: a job that outlasts their start.
-    # One follower mode: joining is the same code path in each (``serving`` runs both).
+    # Copy mode: joining is the same code path in each (``serving``'s smoke runs swap mode).
     # Two training ranks: one alone ends its 800 steps before followers that start on a
     # busy machine serve an update after their first (the run then fails).
     (
