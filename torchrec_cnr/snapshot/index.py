@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -145,7 +146,6 @@ class ObjectEntry:
 class PrimitiveEntry:
     """A value stored in the index itself; ``type`` is its Python type's name."""
 
-    TYPES: ClassVar[tuple[str, ...]] = ("int", "str", "bool", "bytes", "float")
     type: str
     serialized_value: str
     """The value as text: ``bytes`` and ``float`` (its 8 bytes) in base64."""
@@ -175,26 +175,34 @@ IndexEntry = (
 )
 """An entry of the index."""
 
-_TAGGED: dict[str, Any] = {
-    cls.TAG: cls for cls in (TensorEntry, ChunkedTensorEntry, DictEntry, ObjectEntry)
+
+def _chunked(raw: dict[str, Any]) -> ChunkedTensorEntry:
+    chunks = []
+    for c in raw.pop("chunks"):
+        tensor = c["tensor"]
+        tensor.pop("type", None)
+        chunks.append(IndexShard(c["offsets"], c["sizes"], TensorEntry(**tensor)))
+    return ChunkedTensorEntry(chunks=chunks, **raw)
+
+
+def _primitive(kind: str) -> Callable[[dict[str, Any]], PrimitiveEntry]:
+    return lambda raw: PrimitiveEntry(kind, **raw)
+
+
+_PARSERS: dict[str, Callable[[dict[str, Any]], IndexEntry]] = {
+    TensorEntry.TAG: lambda raw: TensorEntry(**raw),
+    ChunkedTensorEntry.TAG: _chunked,
+    DictEntry.TAG: lambda raw: DictEntry(**raw),
+    ObjectEntry.TAG: lambda raw: ObjectEntry(**raw),
+    **{kind: _primitive(kind) for kind in ("int", "str", "bool", "bytes", "float")},
 }
-
-
-def _untagged(raw: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in raw.items() if k != "type"}
+"""Tag -> the entry of the rest of its keys (a fresh JSON object, consumed)."""
 
 
 def _entry(raw: dict[str, Any]) -> IndexEntry:
-    kind, values = raw["type"], _untagged(raw)
-    if kind in PrimitiveEntry.TYPES:
-        return PrimitiveEntry(kind, **values)
-    if kind == ChunkedTensorEntry.TAG:
-        values["chunks"] = [
-            IndexShard(c["offsets"], c["sizes"], TensorEntry(**_untagged(c["tensor"])))
-            for c in values["chunks"]
-        ]
-    cls = _TAGGED.get(kind)
-    return OtherEntry(kind) if cls is None else cls(**values)
+    kind = raw.pop("type")
+    parse = _PARSERS.get(kind)
+    return OtherEntry(kind) if parse is None else parse(raw)
 
 
 def parse_index(data: bytes) -> dict[str, IndexEntry]:
