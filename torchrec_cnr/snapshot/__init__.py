@@ -1,10 +1,9 @@
 """The on-disk format of one checkpoint: a torchsnapshot snapshot per checkpoint directory.
 
 :mod:`torchrec_cnr.schema` names what lies where in a root; ``writer`` writes one writer's (rank's) part
-of a directory and its index, ``reader`` reads tensors back without a model, and
-``checksum`` is the CRC32 every stored tensor carries, and ``index`` the format of the
-directory's index. Storage itself (files, objects)
-is :mod:`torchrec_cnr.storage`'s.
+of a directory and its index, ``reader`` reads tensors back without a model, ``index`` is
+the index's format (torchsnapshot's, without its package), and ``checksum`` is the CRC32
+every stored tensor carries. Storage itself (files, objects) is :mod:`torchrec_cnr.storage`'s.
 """
 
 from torchrec_cnr.schema import (

@@ -5,8 +5,8 @@ reader opens torchsnapshot's snapshots: both sides agree on the index alone, whi
 JSON (torchsnapshot reads it as YAML, of which JSON is a subset). Its entries are tagged
 by a ``type`` key; each class here carries the keys of one tag, in torchsnapshot's order,
 and nothing else. The index is written and read here without torchsnapshot's package,
-whose import loads FBGEMM and sympy (0.6 s of CPU a process): a writer process, a
-follower and the command line read and write indexes and need neither.
+whose import loads FBGEMM and sympy (0.6 s of CPU a process): a writer process and the
+command line read and write indexes and need neither.
 """
 
 from __future__ import annotations
@@ -73,8 +73,18 @@ class OtherEntry:
     type: str
 
 
+class _Tagged:
+    """An entry whose tag is its class's: ``TAG``, written first as its ``type``."""
+
+    TAG: ClassVar[str]
+
+    @property
+    def type(self) -> str:
+        return self.TAG
+
+
 @dataclass
-class TensorEntry:
+class TensorEntry(_Tagged):
     """A tensor stored whole in ``location``, or in its ``byte_range`` (``[start, end)``)."""
 
     TAG: ClassVar[str] = "Tensor"
@@ -85,10 +95,6 @@ class TensorEntry:
     shape: list[int]
     replicated: bool
     byte_range: list[int] | None = None
-
-    @property
-    def type(self) -> str:
-        return self.TAG
 
 
 @dataclass
@@ -101,7 +107,7 @@ class IndexShard:
 
 
 @dataclass
-class ChunkedTensorEntry:
+class ChunkedTensorEntry(_Tagged):
     """A tensor stored as chunks of rows, each a :class:`TensorEntry`."""
 
     TAG: ClassVar[str] = "ChunkedTensor"
@@ -110,25 +116,17 @@ class ChunkedTensorEntry:
     chunks: list[IndexShard]
     replicated: bool
 
-    @property
-    def type(self) -> str:
-        return self.TAG
-
 
 @dataclass
-class DictEntry:
+class DictEntry(_Tagged):
     """A folder of the logical paths: the keys below it, in order."""
 
     TAG: ClassVar[str] = "dict"
     keys: list[str | int]
 
-    @property
-    def type(self) -> str:
-        return self.TAG
-
 
 @dataclass
-class ObjectEntry:
+class ObjectEntry(_Tagged):
     """A pickled object stored in ``location``."""
 
     TAG: ClassVar[str] = "object"
@@ -136,10 +134,6 @@ class ObjectEntry:
     serializer: str
     obj_type: str
     replicated: bool
-
-    @property
-    def type(self) -> str:
-        return self.TAG
 
 
 @dataclass
@@ -223,7 +217,7 @@ def _plain(obj: Any) -> Any:
     names = _FIELDS.get(type(obj))
     if names is None:
         return obj
-    tag = {"type": obj.type} if hasattr(obj, "TAG") else {}
+    tag = {"type": obj.type} if isinstance(obj, _Tagged) else {}
     return tag | {name: _plain(getattr(obj, name)) for name in names}
 
 
