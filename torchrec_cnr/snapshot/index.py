@@ -31,8 +31,8 @@ __all__ = [
     "OtherEntry",
     "PrimitiveEntry",
     "TensorEntry",
-    "dtype_name",
     "index_bytes",
+    "index_dtype_name",
     "index_part",
     "named_dtype",
     "parse_index",
@@ -50,8 +50,10 @@ _DTYPES = {
 """The dtypes torchsnapshot stores, by the names its index gives them (``torch.float32``)."""
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``dtype`` as the index names it; ``ValueError`` for one torchsnapshot cannot store."""
+def index_dtype_name(dtype: torch.dtype) -> str:
+    """``dtype`` as the index names it (``torch.float32``; a shard record's
+    :func:`torchrec_cnr.schema.dtype_name` is ``float32``); ``ValueError`` for one
+    torchsnapshot cannot store."""
     name = str(dtype)
     if name not in _DTYPES:
         raise ValueError(f"dtype {dtype} is not one a torchsnapshot index can name")

@@ -36,8 +36,8 @@ from torchrec_cnr.snapshot.index import (
     IndexShard,
     PrimitiveEntry,
     TensorEntry,
-    dtype_name,
     index_bytes,
+    index_dtype_name,
     index_part,
 )
 from torchrec_cnr.storage import Storage
@@ -266,7 +266,7 @@ def _tensor_entry(t: _Logical, piece: _Piece, shape: list[int]) -> TensorEntry:
     return TensorEntry(
         location=piece.location,
         serializer="buffer_protocol",
-        dtype=dtype_name(t.dtype),
+        dtype=index_dtype_name(t.dtype),
         shape=shape,
         replicated=t.replicated,
         byte_range=[piece.start, piece.start + piece.nbytes],
@@ -284,7 +284,9 @@ def _entry(t: _Logical, pieces: list[_Piece]) -> IndexEntry:
         )
         for p in pieces
     ]
-    return ChunkedTensorEntry(dtype_name(t.dtype), [t.rows, *t.row_shape], chunks, t.replicated)
+    return ChunkedTensorEntry(
+        index_dtype_name(t.dtype), [t.rows, *t.row_shape], chunks, t.replicated
+    )
 
 
 def write_index(storage: Storage, ckpt_id: str, parts: list[IndexPart], world_size: int) -> None:
