@@ -36,7 +36,7 @@ from torchrec_cnr import export_state_dict
 from torchrec_cnr.offline import read_optimizer_state
 
 SHRINK = (
-    "data.batch_size=256",
+    "data.batch_size=64",
     "model.max_rows=2000",
     "model.dim=16",
     "eval.batches=2",
