@@ -323,17 +323,27 @@ def _close(name: str) -> Check:
     return check
 
 
-def _killing(train_step: Callable[..., float], reader: Reader) -> Callable[..., float]:
+def _killing(
+    train_step: Callable[..., float], reader: Reader, ns: dict[str, Any], out: str
+) -> Callable[..., float]:
     """``train_step`` that SIGKILLs rank 1 at the step after ``DOCS_TEST_KILL_AFTER`` in a
     job's first attempt: right after ``maybe_save`` of that step returned, while its
-    checkpoint commits in the background."""
+    checkpoint commits in the background. Just before, with ``out``, each rank writes the
+    digest of its state then (:func:`digest`; the reader at the step trained last) to
+    ``<out>.<rank>.uninterrupted``: the state of a job that never stopped, at that step."""
     after = int(os.environ.get("DOCS_TEST_KILL_AFTER", "0"))
 
     def step(model: nn.Module, batch: Any) -> float:
         first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if after and reader.position == after + 1 and dist.get_rank() == 1 and first:
-            print(f"rank 1 SIGKILLed after the save of step {after}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+        if after and reader.position == after + 1 and first:
+            if out:
+                reader.position = after  # next() moved it to this step's batch, untrained
+                state = digest(ns["model"], ns["dense_optimizer"], reader)
+                reader.position = after + 1
+                Path(f"{out}.{dist.get_rank()}.uninterrupted").write_text(state)
+            if dist.get_rank() == 1:
+                print(f"rank 1 SIGKILLed after the save of step {after}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
         return train_step(model, batch)
 
     return step
@@ -346,7 +356,7 @@ def _readme_quickstart(env: Env, ns: dict[str, Any]) -> Check:
         module=unsharded(env.kind),
         device=torch.device("cpu"),
         reader=reader,
-        train_step=_killing(step_fn(env.kind, ns, "dense_optimizer"), reader),
+        train_step=_killing(step_fn(env.kind, ns, "dense_optimizer"), reader, ns, env.out),
         num_steps=int(os.environ.get("DOCS_TEST_STEPS", TRAINED + EVERY)),
     )
 

@@ -21,29 +21,33 @@ from tests.e2e.test_train_script import SMALL, run_app
 from torchrec_cnr.manifest import Manifest
 
 
-def _quick_start(folder: Path, kill_after: int | None) -> list[str]:
-    """The README's quick start as ``train.py`` under the README's torchrun command; each
-    rank's state when it ends."""
+def _quick_start(folder: Path, kill_after: int) -> tuple[list[str], list[str]]:
+    """The README's quick start as ``train.py`` under the README's torchrun command, rank 1
+    SIGKILLed after the save of step ``kill_after``: each rank's state when the job ends,
+    and when its first attempt had trained to ``kill_after`` uninterrupted."""
     run = next(r for r in runs(blocks("README.md")) if r.name == "quickstart")
     folder.mkdir()
     (folder / "train.py").write_text(run.script(Env(tmp=str(folder), out=str(folder / "state"))))
     env = dict(os.environ, OMP_NUM_THREADS="1", DOCS_TEST_STEPS="300")
-    if kill_after is not None:
-        env["DOCS_TEST_KILL_AFTER"] = str(kill_after)
+    env["DOCS_TEST_KILL_AFTER"] = str(kill_after)
     cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "--max-restarts=3", "train.py"]
     proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    if kill_after is not None:
-        assert f"rank 1 SIGKILLed after the save of step {kill_after}" in proc.stdout
-    return [(folder / f"state.{rank}").read_text() for rank in range(2)]
+    assert f"rank 1 SIGKILLed after the save of step {kill_after}" in proc.stdout
+    ended, uninterrupted = (
+        [(folder / f"state.{rank}{suffix}").read_text() for rank in range(2)]
+        for suffix in ("", ".uninterrupted")
+    )
+    return ended, uninterrupted
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_the_quick_start_killed_mid_commit_resumes_and_ends_bit_identical(tmp_path: Path) -> None:
-    clean = _quick_start(tmp_path / "clean", None)
-    killed = _quick_start(tmp_path / "killed", 200)
-    assert killed == clean, "the restarted job must end where the uninterrupted one does"
+    # The quick start ends restored to step 200. The killed job's first attempt trained to
+    # step 200 and saved it; rank 1 died while that save committed.
+    ended, uninterrupted = _quick_start(tmp_path / "killed", 200)
+    assert ended == uninterrupted, "the restarted job must end where the uninterrupted one was"
     # The killed attempt never committed step 200: the restarted attempt (a newer writer
     # generation) resumed from step 100 and wrote it again.
     entries = {
