@@ -3,7 +3,7 @@
     python torchrec_cnr/testing/moto_s3.py -H 127.0.0.1 -p PORT
 
 moto's server as ``python -m moto.server`` runs it, with two costs taken off each request
-(a fifth of its CPU on the tests' checkpoints of 64 KiB objects): moto looks for the
+(about a quarter of its CPU on the tests' checkpoints of 64 KiB objects): moto looks for the
 request's service by listing its own package folder on disk, here listed once, and
 werkzeug logs every request, here only warnings. What it answers is unchanged. It
 imports nothing of this package and runs by its path, as ``gcs_emulator.py`` does.
