@@ -24,7 +24,7 @@ import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -214,9 +214,14 @@ def step_fn(kind: str, ns: dict[str, Any], optimizer_name: str) -> Callable[...,
     return train_step
 
 
-def digest(
-    model: DistributedModelParallel, dense_opt: torch.optim.Optimizer, reader: Reader
-) -> str:
+class Saved(Protocol):
+    """What a digest takes of a data reader: its state dict (:class:`Reader`'s, or a
+    trainer job's reader's)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+
+def digest(model: DistributedModelParallel, dense_opt: torch.optim.Optimizer, reader: Saved) -> str:
     """One rank's whole training state, hashed: its shards of every table and fused
     optimizer state, the dense parameters, the dense optimizer and the reader."""
     h = hashlib.sha256()

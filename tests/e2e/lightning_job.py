@@ -121,7 +121,7 @@ def main() -> int:
         trainer.fit(module, reader)
         assert module.job is not None
         out = f"{args.out}.{dist.get_rank()}"
-        Path(out).write_text(digest(module.model, module.job.dense_opt, reader))  # type: ignore[arg-type]
+        Path(out).write_text(digest(module.model, module.job.dense_opt, reader))
         Path(f"{out}.resumed").write_text(str(checkpointer.restored_step))
     finally:
         dist.destroy_process_group()

@@ -39,7 +39,7 @@ def _uninterrupted(out: str) -> None:
     to ``out.<rank>``."""
     job = make_job("ebc", optimizer="exact_adagrad", seed=1)
     job.train(STEPS)
-    Path(f"{out}.{dist.get_rank()}").write_text(digest(job.model, job.dense_opt, _Read(STEPS)))  # type: ignore[arg-type]
+    Path(f"{out}.{dist.get_rank()}").write_text(digest(job.model, job.dense_opt, _Read(STEPS)))
 
 
 @pytest.fixture(scope="module")

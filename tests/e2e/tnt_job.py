@@ -107,7 +107,7 @@ def main() -> int:
             callbacks.append(KillAfter(args.kill_after))
         train(Unit(job), reader, max_steps=args.steps, callbacks=callbacks)
         out = f"{args.out}.{dist.get_rank()}"
-        Path(out).write_text(digest(job.model, job.dense_opt, reader))  # type: ignore[arg-type]
+        Path(out).write_text(digest(job.model, job.dense_opt, reader))
         Path(f"{out}.resumed").write_text(str(checkpointer.restored_step))
     finally:
         dist.destroy_process_group()
