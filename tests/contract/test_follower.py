@@ -54,6 +54,7 @@ from torchrec_cnr.serving import (
 )
 from torchrec_cnr.serving.follower import STEP_THROUGH
 from torchrec_cnr.serving.options import SWAP_SHARE, available_memory, swap_mode
+from torchrec_cnr.snapshot import buffers
 from torchrec_cnr.storage import Storage, StorageWrapper, open_storage
 
 EVERY = 2
@@ -770,6 +771,33 @@ def test_swap_mode_serves_a_commit_landed_during_the_first_read_before_making_th
     assert caught_up.poll() == 2 + 2 * EVERY and caught_up.spare_bytes > 0
     for f in (follower, caught_up):
         f.close()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("swap", [False, True])
+def test_rows_read_into_reused_buffers_serve_exactly_and_rows_a_gate_keeps_stay_as_read(
+    root: str, swap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Warm updates read into buffers reused from one update to the next (every read,
+    here, however small): each step is served exactly, and the rows the gate kept of one
+    update are not overwritten by the updates after it."""
+    monkeypatch.setattr(buffers, "MIN_BYTES", 0)
+    model, _, _ = unsharded("ebc", device="cpu")
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows as read, a copy)
+
+    def gate(update: PendingUpdate) -> str | None:
+        if update.step == 6:
+            kept.extend((t, t.clone()) for _, _, rows in update.rows for t in rows.tensors())
+        return None
+
+    follower = Follower(root, FloatTarget(model), FollowerOptions(accept=gate, swap=swap))
+    for last in (2, 4, 6, 8, 10, 12):
+        run_ranks(2, _train, root, "ebc", "consecutive", last, {})
+        assert follower.poll() == last
+        _assert_serves_the_root(model, root)
+    assert kept and all(torch.equal(t, copy) for t, copy in kept)
+    assert not any(r.cold for r in follower.reports[1:])
+    follower.close()
 
 
 @pytest.mark.dist

@@ -23,6 +23,7 @@ import torch
 
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.read.items import Alloc, MemoryBudget, ReadItem, ReadPlan, TensorKey
+from torchrec_cnr.snapshot.buffers import Buffers
 
 __all__ = ["Held", "carry_out", "stream"]
 
@@ -93,13 +94,17 @@ def carry_out(
     return Held(chain.holding(held), tuple(deferred), spare)
 
 
-def stream(chain: ChainReader, items: list[ReadItem]) -> list[Callable[[], torch.Tensor]]:
+def stream(
+    chain: ChainReader, items: list[ReadItem], buffers: Buffers | None = None
+) -> list[Callable[[], torch.Tensor]]:
     """Begins reading ``items``, each of scattered rows (``positions``; with a record's
-    verification off, only their bytes), all at once on the I/O threads: for each, the call
-    that waits for its rows, as stored."""
+    verification off, only their bytes), all at once on the I/O threads, into ``buffers``
+    where given: for each, the call that waits for its rows, as stored."""
     begun = []
     for item in items:
         assert item.positions is not None, "stream reads scattered rows; carry_out the rest"
         reader = chain.reader(item.link)
-        begun.append(reader.begin_rows_subset(item.rank, item.tensor, item.positions))
+        begun.append(
+            reader.begin_rows_subset(item.rank, item.tensor, item.positions, buffers=buffers)
+        )
     return begun

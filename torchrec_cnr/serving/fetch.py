@@ -22,6 +22,7 @@ from torchrec_cnr.serving.plan import UpdatePlan, plan_update
 from torchrec_cnr.serving.rows import StoredRows
 from torchrec_cnr.serving.spill import Spill, piece_bytes, piece_rows
 from torchrec_cnr.serving.targets import ServingTarget
+from torchrec_cnr.snapshot.buffers import Buffers
 from torchrec_cnr.snapshot.reader import settle
 from torchrec_cnr.storage import Storage
 
@@ -59,6 +60,10 @@ class UpdateReader:
         self.accept = accept
         self.memory_budget = memory_budget
         self.spill_dir = spill_dir
+        self.buffers = Buffers()
+        """What warm updates read into, reused from one to the next (see
+        :mod:`torchrec_cnr.snapshot.buffers`); a cold one, every row, reads into fresh
+        memory, which is not kept."""
 
     def read(
         self, manifest: Manifest, latest: Summary, served: Entry | None
@@ -101,11 +106,14 @@ class UpdateReader:
         table is located, so that the reading threads stay busy while this one plans."""
         keys: list[str] = []
         reads: list[Read] = []
+        buffers = None if update.plan.cold else self.buffers
+        if buffers is not None:
+            buffers.trim()  # what the last update took stays, no more
         try:
             for table, shape in latest.tables.items():
                 wanted = _wanted(update.plan, table)
                 if wanted is None or wanted.numel():
-                    queued = read_table(chain, table, wanted, update.plan.newer)
+                    queued = read_table(chain, table, wanted, update.plan.newer, buffers)
                     keys += [shape.state_dict_key] * len(queued)
                     reads += queued
         except BaseException:

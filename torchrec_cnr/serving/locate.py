@@ -31,6 +31,7 @@ from torchrec_cnr.read.items import ReadItem
 from torchrec_cnr.read.plan import stream
 from torchrec_cnr.serving.plan import changed_rows
 from torchrec_cnr.serving.rows import StoredRows
+from torchrec_cnr.snapshot.buffers import Buffers
 from torchrec_cnr.snapshot.reader import settle
 
 __all__ = ["Read", "read_table"]
@@ -60,12 +61,12 @@ class _Piece:
             total += nbytes + requests * snapshot.storage.request_bytes
         return total
 
-    def begin(self) -> Read:
-        """Queues its reads; returns what waits for them and gives ``(ids, rows)``, the
-        rows as stored."""
+    def begin(self, buffers: Buffers | None) -> Read:
+        """Queues its reads (into ``buffers`` where given); returns what waits for them and
+        gives ``(ids, rows)``, the rows as stored."""
         rec = self.rec
         names = rec.value_names
-        parts = stream(self.reader, self.items(names))
+        parts = stream(self.reader, self.items(names), buffers)
         if rec.format == FP32:
             return lambda: (self.ids, StoredRows.fp32(parts[0]()))
 
@@ -181,7 +182,11 @@ def _from_newer(
 
 
 def read_table(
-    chain: ChainReader, table: str, wanted: torch.Tensor | None, newer: list[Summary]
+    chain: ChainReader,
+    table: str,
+    wanted: torch.Tensor | None,
+    newer: list[Summary],
+    buffers: Buffers | None = None,
 ) -> list[Read]:
     """The latest stored version of rows ``wanted`` (every row if ``None``) of ``table``,
     each row read once: the reads of its ``(ids, rows)`` pieces, queued (:func:`settle`
@@ -193,10 +198,11 @@ def read_table(
     (:func:`_from_newer`), the rest from the newest that stores it; or, where the target
     stores them all (a full checkpoint, or a delta since a baseline no later than the
     served one) and that costs less, all from the target (the survivors of older
-    checkpoints' runs lie scattered through them)."""
+    checkpoints' runs lie scattered through them). Rows are read into ``buffers`` where
+    given."""
     rows = torch.arange(chain.entry.tables[table].num_embeddings) if wanted is None else wanted
     if not newer:
-        return _read_rest(chain, table, [], rows, _located(chain, table, rows))
+        return _read_rest(chain, table, [], rows, _located(chain, table, rows), buffers)
     source = chain.narrowed(newer[::-1])
     pieces, rest = _from_newer(chain, source, table, rows)
     found = _located(source, table, rest)
@@ -205,8 +211,8 @@ def read_table(
             found is None
             or sum(p.cost() for p in alone[0]) < sum(p.cost() for p in pieces + found[0])
         ):
-            return [p.begin() for p in alone[0]]
-    return _read_rest(source, table, pieces, rest, found)
+            return [p.begin(buffers) for p in alone[0]]
+    return _read_rest(source, table, pieces, rest, found, buffers)
 
 
 def _read_rest(
@@ -215,15 +221,16 @@ def _read_rest(
     pieces: list[_Piece],
     rest: torch.Tensor,
     found: tuple[list[_Piece], torch.Tensor] | None,
+    buffers: Buffers | None,
 ) -> list[Read]:
     """``pieces`` read, then rows ``rest`` where :func:`_located` ``found`` them in
     ``source`` (``None``: assembled from its links, split by column, before this returns)."""
     if found is not None:
-        return [p.begin() for p in pieces + found[0]]
+        return [p.begin(buffers) for p in pieces + found[0]]
     if not rest.numel():
-        return [p.begin() for p in pieces]
+        return [p.begin(buffers) for p in pieces]
     values = StoredRows.fp32(_assemble(source, table, rest))
-    return [*(p.begin() for p in pieces), lambda: (rest, values)]
+    return [*(p.begin(buffers) for p in pieces), lambda: (rest, values)]
 
 
 def _assemble(source: ChainReader, table: str, wanted: torch.Tensor) -> torch.Tensor:

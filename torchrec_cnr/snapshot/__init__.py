@@ -1,7 +1,8 @@
 """The on-disk format of one checkpoint: a torchsnapshot snapshot per checkpoint directory.
 
 :mod:`torchrec_cnr.schema` names what lies where in a root; ``writer`` writes one writer's (rank's) part
-of a directory and its index, ``reader`` reads tensors back without a model, ``index`` is
+of a directory and its index, ``reader`` reads tensors back without a model (``buffers``:
+memory it reads into again and again, for readers that read as much each time), ``index`` is
 the index's format (torchsnapshot's, without its package), and ``checksum`` is the CRC32
 every stored tensor carries. Storage itself (files, objects) is :mod:`torchrec_cnr.storage`'s.
 """
@@ -23,12 +24,14 @@ from torchrec_cnr.schema import (
     stored_state,
     stored_weight,
 )
+from torchrec_cnr.snapshot.buffers import Buffers
 from torchrec_cnr.snapshot.checksum import as_bytes, check, crc32, crc32_combine, mismatch
 from torchrec_cnr.snapshot.index import IndexPart
 from torchrec_cnr.snapshot.reader import SnapshotReader, page_aligned
 from torchrec_cnr.snapshot.writer import RankPart, SnapshotWriter, write_index
 
 __all__ = [
+    "Buffers",
     "LEASE_NAME",
     "MANIFEST_NAME",
     "PREVIOUS_MANIFEST_NAME",

@@ -25,6 +25,7 @@ import torch
 
 from torchrec_cnr.errors import CheckpointReadError
 from torchrec_cnr.schema import SNAPSHOT_MARKER, app_path, dense_path, rows_path
+from torchrec_cnr.snapshot.buffers import Buffers
 from torchrec_cnr.snapshot.checksum import (
     as_bytes,
     check,
@@ -547,12 +548,18 @@ class SnapshotReader:
         return self.begin_rows_subset(rank, name, index, extra)()
 
     def begin_rows_subset(
-        self, rank: int, name: str, index: torch.Tensor, extra: float = COALESCE_EXTRA
+        self,
+        rank: int,
+        name: str,
+        index: torch.Tensor,
+        extra: float = COALESCE_EXTRA,
+        buffers: Buffers | None = None,
     ) -> Callable[[], torch.Tensor]:
         """:meth:`rows_subset`, its requests queued on the executor: returns ``finish()``,
         which waits for them and gives the rows, so that the caller can plan the next
-        read while these run."""
-        plan = self._subset_plan(rank, name, index, extra)
+        read while these run. ``buffers``: where the rows are read into (else fresh
+        memory)."""
+        plan = self._subset_plan(rank, name, index, extra, buffers)
         if plan is None:
             rows = self.rows(rank, name)[index]  # pickled or chunked by column: read it whole
             return lambda: rows
@@ -592,7 +599,12 @@ class SnapshotReader:
         return sum(hi - lo for _, lo, hi, _, _ in tasks) * row_bytes, len(tasks)
 
     def _subset_plan(
-        self, rank: int, name: str, index: torch.Tensor, extra: float
+        self,
+        rank: int,
+        name: str,
+        index: torch.Tensor,
+        extra: float,
+        buffers: Buffers | None = None,
     ) -> tuple[torch.Tensor, list[tuple[tuple[int, int, TensorEntry], int, int, int, int]]] | None:
         """:meth:`rows_subset`'s output, empty, and its reads (see :meth:`_read_spans`);
         ``None`` for a tensor not stored in blocks of whole rows (read whole)."""
@@ -621,7 +633,10 @@ class SnapshotReader:
         # The first span read straight in (its rows consecutive) lies in the output as in
         # its file: O_DIRECT reads it without a bounce copy (the tail of a delta, say).
         phase = _row_offset(tensor, lo - first, row_bytes) if hi - lo == b - a else 0
-        return _empty([index.numel(), *row_shape], dtype, phase), tasks
+        shape = [index.numel(), *row_shape]
+        if buffers is not None and buffers.holds(index.numel() * row_bytes):
+            return buffers.take(math.prod(shape), dtype, phase).view(shape), tasks
+        return _empty(shape, dtype, phase), tasks
 
     def _read_spans(
         self,

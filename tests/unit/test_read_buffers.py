@@ -1,0 +1,60 @@
+"""Buffers a reader reads into again and again: handed out again only once nothing views
+them, at the asked phase past a page boundary, and trimmed to what one round took."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from torchrec_cnr.snapshot.buffers import Buffers
+from torchrec_cnr.storage import DIRECT_ALIGN
+
+
+def test_a_buffer_is_reused_once_nothing_views_it_and_never_while_a_view_lives() -> None:
+    buffers = Buffers()
+    first = buffers.take(1000, torch.float32)
+    one = buffers.nbytes
+    first.fill_(1.0)
+    kept = first[10:20].view(2, 5)  # a view alone keeps the buffer in use
+    address = first.data_ptr()
+    del first
+    second = buffers.take(1000, torch.float32)
+    assert second.data_ptr() != address
+    second.fill_(2.0)
+    assert torch.equal(kept, torch.ones(2, 5)), "a viewed buffer was handed out again"
+    del kept
+    gc.collect()
+    third = buffers.take(900, torch.float32)  # fits the first buffer, free now
+    assert third.data_ptr() == address
+    assert buffers.nbytes == 2 * one  # no third buffer
+
+
+def test_a_buffer_starts_at_the_asked_phase_past_a_page_and_holds_what_was_asked() -> None:
+    buffers = Buffers()
+    for phase in (0, 256, DIRECT_ALIGN - 8, DIRECT_ALIGN + 8):
+        t = buffers.take(3000, torch.int64, phase)
+        assert t.numel() == 3000 and t.dtype == torch.int64
+        assert t.data_ptr() % DIRECT_ALIGN == phase % DIRECT_ALIGN
+        t.fill_(7)  # every element writable
+        assert int(t.sum()) == 7 * 3000
+
+
+def test_trim_keeps_of_the_free_buffers_about_what_was_taken_since_the_last_trim() -> None:
+    buffers = Buffers()
+    big = [buffers.take(1 << 20, torch.uint8) for _ in range(4)]  # a large round (a cold read)
+    buffers.trim()
+    del big
+    small = buffers.take(1 << 18, torch.uint8)  # a small round reuses one of them
+    assert buffers.nbytes >= 4 << 20
+    buffers.trim()  # keeps about the small round's bytes: the buffer in use and one free
+    assert buffers.nbytes <= 2 * (5 << 20) // 4
+    assert small.numel() == 1 << 18
+    del small
+    buffers.trim()  # nothing taken since the last trim: nothing free kept
+    assert buffers.nbytes == 0
+
+
+def test_only_reads_of_a_mebibyte_or_more_go_into_the_buffers() -> None:
+    buffers = Buffers()
+    assert buffers.holds(1 << 20) and not buffers.holds((1 << 20) - 1)
