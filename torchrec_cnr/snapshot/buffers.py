@@ -26,8 +26,8 @@ from torchrec_cnr.storage import DIRECT_ALIGN, DIRECT_MIN_BYTES
 __all__ = ["Buffers"]
 
 MIN_BYTES = DIRECT_MIN_BYTES
-"""Reads smaller than this go into fresh memory, as before: their pages cost little, and
-a reader of many small pieces would otherwise hold a mapping for each."""
+"""Reads smaller than this go into fresh memory: their pages cost little, and a reader of
+many small pieces would otherwise hold a mapping for each."""
 
 SLACK = 1.25
 """A new buffer holds this much more than asked for, so that a later read a little larger
@@ -35,6 +35,7 @@ SLACK = 1.25
 
 
 def _references(buffers: list[mmap.mmap], i: int) -> int:
+    """The reference count of ``buffers[i]``, each tensor that views it holding one."""
     return sys.getrefcount(buffers[i])
 
 
