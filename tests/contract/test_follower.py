@@ -454,10 +454,13 @@ def test_a_format_4_root_is_followed_and_read_as_it_was_written(tmp_path: Path) 
 @pytest.mark.dist
 @pytest.mark.parametrize("policy", ["consecutive", "intermittent"])
 def test_quantized_follower_serves_4_bit_checkpoint_rows_as_stored(
-    policy: PolicyName, root: str
+    policy: PolicyName, root: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Each poll is two checkpoints behind: rows come from the newest checkpoint that
-    # changed them, the same 4-bit bytes the target's chain stores.
+    # changed them, the same 4-bit bytes the target's chain stores. Consecutive: every
+    # warm read (codes, scales and biases) into buffers reused from update to update.
+    if policy == "consecutive":
+        monkeypatch.setattr(buffers, "MIN_BYTES", 0)
     four_bit = {"quantize": QuantizeConfig(method="adaptive", bits=4, min_rows=0)}
     from torchrec.inference.modules import quantize_embeddings
 
