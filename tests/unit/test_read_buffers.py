@@ -4,9 +4,12 @@ them, at the asked phase past a page boundary, and trimmed to what one round too
 from __future__ import annotations
 
 import gc
+from typing import Any
 
+import pytest
 import torch
 
+from torchrec_cnr.snapshot import buffers
 from torchrec_cnr.snapshot.buffers import Buffers
 from torchrec_cnr.storage import DIRECT_ALIGN
 
@@ -19,13 +22,15 @@ def test_a_buffer_is_reused_once_nothing_views_it_and_never_while_a_view_lives()
     kept = first[10:20].view(2, 5)  # a view alone keeps the buffer in use
     address = first.data_ptr()
     del first
+    buffers.trim()  # a new round: the viewed buffer is not free
     second = buffers.take(1000, torch.float32)
     assert second.data_ptr() != address
     second.fill_(2.0)
     assert torch.equal(kept, torch.ones(2, 5)), "a viewed buffer was handed out again"
     del kept
     gc.collect()
-    third = buffers.take(900, torch.float32)  # fits the first buffer, free now
+    buffers.trim()  # the next round: the first buffer is free now
+    third = buffers.take(900, torch.float32)  # fits the first buffer
     assert third.data_ptr() == address
     assert buffers.nbytes == 2 * one  # no third buffer
 
@@ -42,11 +47,11 @@ def test_a_buffer_starts_at_the_asked_phase_past_a_page_and_holds_what_was_asked
 
 def test_trim_keeps_of_the_free_buffers_about_what_was_taken_since_the_last_trim() -> None:
     buffers = Buffers()
-    big = [buffers.take(1 << 20, torch.uint8) for _ in range(4)]  # a large round (a cold read)
-    buffers.trim()
+    big = [buffers.take(1 << 20, torch.uint8) for _ in range(4)]  # a large round
     del big
+    buffers.trim()  # all four kept: the last round took as much
     small = buffers.take(1 << 18, torch.uint8)  # a small round reuses one of them
-    assert buffers.nbytes >= 4 << 20
+    assert buffers.nbytes == 4 * (5 << 20) // 4  # no new buffer
     buffers.trim()  # keeps about the small round's bytes: the buffer in use and one free
     assert buffers.nbytes <= 2 * (5 << 20) // 4
     assert small.numel() == 1 << 18
@@ -58,3 +63,27 @@ def test_trim_keeps_of_the_free_buffers_about_what_was_taken_since_the_last_trim
 def test_only_reads_of_a_mebibyte_or_more_go_into_the_buffers() -> None:
     buffers = Buffers()
     assert buffers.holds(1 << 20) and not buffers.holds((1 << 20) - 1)
+
+
+def test_a_round_checks_each_buffer_once_at_its_trim_not_at_each_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A follower of thousands of tables takes thousands of buffers an update: finding
+    # each one must not pass over every buffer held (a round of 5,000 took seconds so).
+    checks = 0
+    counted = buffers._references
+
+    def counting(held: list[Any], i: int) -> int:
+        nonlocal checks
+        checks += 1
+        return counted(held, i)
+
+    monkeypatch.setattr(buffers, "_references", counting)
+    pool, n = Buffers(), 2000
+    for _ in range(3):
+        pool.trim()
+        held = [pool.take(4096, torch.uint8) for _ in range(n)]
+        del held
+    # 8 KiB each (4 KiB and SLACK): no round after the first made any.
+    assert pool.nbytes == n * 2 * 4096
+    assert checks <= 3 * n

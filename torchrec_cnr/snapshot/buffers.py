@@ -15,6 +15,7 @@ replayed, rows an accept gate kept) is never handed out again.
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import sys
 import threading
@@ -46,32 +47,33 @@ _IDLE = _references([mmap.mmap(-1, DIRECT_ALIGN)], 0)
 class Buffers:
     """Page-aligned buffers to read into, each reused once no tensor views it.
 
-    :meth:`trim` keeps, of the free ones, about as many bytes as were taken since the
-    last trim: a reader that trims before each round of reads holds, between rounds, the
-    memory of one round, not of the largest it ever read.
+    A reader calls :meth:`trim` before each round of reads (a follower's update): the
+    buffers free then, up to about the bytes the last round took, are kept to be handed
+    out in this round, the other free ones dropped. Between rounds a reader so holds the
+    memory of one round, not of the largest it ever read, and a read finds its buffer by
+    a search of the kept ones, not a pass over every buffer held.
     """
 
     def __init__(self) -> None:
-        self._maps: list[mmap.mmap] = []
+        self._maps: list[mmap.mmap] = []  # every buffer held, free or in use
+        self._idle: list[mmap.mmap] = []  # free at the last trim, not handed out since; by size
         self._lock = threading.Lock()
         self._taken = 0  # bytes handed out since the last trim
-        self.min_bytes = MIN_BYTES
-        """Reads of fewer bytes are not read into these buffers (:meth:`holds`)."""
 
     def holds(self, nbytes: int) -> bool:
-        """Whether a read of ``nbytes`` goes into these buffers."""
-        return nbytes >= self.min_bytes
+        """Whether a read of ``nbytes`` goes into these buffers (:data:`MIN_BYTES`)."""
+        return nbytes >= MIN_BYTES
 
     def take(self, numel: int, dtype: torch.dtype, phase: int = 0) -> torch.Tensor:
         """An uninitialized 1-d tensor of ``numel`` elements starting ``phase`` bytes (mod
         4 KiB) past a page boundary (see :func:`~torchrec_cnr.snapshot.page_aligned`): the
-        smallest free buffer that holds it, else a new one."""
+        smallest buffer kept at the last trim that holds it, else a new one."""
         phase %= DIRECT_ALIGN
         need = phase + numel * dtype.itemsize
         with self._lock:
-            fits = [i for i in self._free() if len(self._maps[i]) >= need]
-            if fits:
-                chosen = self._maps[min(fits, key=lambda i: len(self._maps[i]))]
+            at = bisect.bisect_left(self._idle, need, key=len)
+            if at < len(self._idle):
+                chosen = self._idle.pop(at)
             else:
                 size = -(-int(need * SLACK) // DIRECT_ALIGN) * DIRECT_ALIGN
                 chosen = mmap.mmap(-1, max(size, DIRECT_ALIGN))
@@ -81,23 +83,23 @@ class Buffers:
         return raw[phase:].view(dtype)
 
     def trim(self) -> None:
-        """Drops free buffers, largest first, past the bytes taken since the last trim."""
+        """Keeps, smallest first, the free buffers that fit in the bytes taken since the
+        last trim, for the next round to take; drops the other free ones."""
         with self._lock:
             keep, self._taken = self._taken, 0
-            free = set(self._free())
-            kept, drop = 0, set()
+            self._idle = []  # its references would make its buffers look in use
+            free = [i for i in range(len(self._maps)) if _references(self._maps, i) == _IDLE]
+            dropped: set[int] = set()
             for i in sorted(free, key=lambda i: len(self._maps[i])):
-                if kept + len(self._maps[i]) <= keep:
-                    kept += len(self._maps[i])
+                if len(self._maps[i]) <= keep:
+                    keep -= len(self._maps[i])
+                    self._idle.append(self._maps[i])
                 else:
-                    drop.add(i)
-            self._maps = [m for i, m in enumerate(self._maps) if i not in drop]
+                    dropped.add(i)
+            self._maps = [m for i, m in enumerate(self._maps) if i not in dropped]
 
     @property
     def nbytes(self) -> int:
         """Bytes of every buffer held, free or in use."""
         with self._lock:
             return sum(len(m) for m in self._maps)
-
-    def _free(self) -> list[int]:
-        return [i for i in range(len(self._maps)) if _references(self._maps, i) == _IDLE]
