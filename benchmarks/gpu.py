@@ -12,6 +12,9 @@ the same on the host: how it is tried without a GPU; its figures are not GPU fig
 - **Peers**: the blocking time of a full save: ``save()``, torchsnapshot ``async_take``,
   ``dcp.save``, ``dcp.async_save`` alone and with ``DcpStager`` (a failure is recorded).
 
+``--budget-s`` fits a lease: the sections run in the order ``run`` gives, and what is cut or
+skipped is recorded in ``cut``.
+
     source .device/gpu/on_device.sh && python3 -m benchmarks.gpu --out $OUT/gpu.json
 """
 
@@ -21,6 +24,7 @@ import argparse
 import contextlib
 import functools
 import itertools
+import signal
 import statistics
 import sys
 import time
@@ -55,6 +59,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cadence-s", type=float, default=30.0, help="seconds of training per arm")
     p.add_argument("--rounds", type=int, default=3, help="turns the cadence arms take")
     p.add_argument("--batch", type=int, default=8192)
+    p.add_argument("--budget-s", type=float,
+                   help="skip a section that would start after this many seconds, and cut one "
+                   "still running then (recorded as such)")  # fmt: skip
 
 
 def _model(b: Bench, gib: float) -> Any:
@@ -89,8 +96,9 @@ def _floor_s(b: Bench, shards: list[Any], rows: list[torch.Tensor]) -> float:
     return statistics.median(measure.timed(copy)[0] for _ in range(5))
 
 
-def _stall(b: Bench, gib: float) -> list[dict[str, Any]]:
-    """Delta saves per share of rows, and full saves, against their floors."""
+def _stall(b: Bench, gib: float, out: list[dict[str, Any]]) -> None:
+    """Delta saves per share of rows, and full saves, against their floors: rows appended to
+    ``out`` as they are measured (a section cut short keeps them)."""
     a = b.args
     model = _model(b, gib)[0]
     shards = model_state.local_shards(model)
@@ -98,7 +106,6 @@ def _stall(b: Bench, gib: float) -> list[dict[str, Any]]:
     copies = [measure.timed(lambda: {k: v.detach().to("cpu") for k, v in dense.items()})[0]
               for _ in range(5)]  # fmt: skip
     dense_s = statistics.median(copies)
-    out: list[dict[str, Any]] = []
     root = b.scratch / f"stall_{gib}"
     steps = itertools.count(1)
     with CheckpointManager(model, CheckpointConfig(path=str(root), policy="intermittent")) as ck:
@@ -117,15 +124,14 @@ def _stall(b: Bench, gib: float) -> list[dict[str, Any]]:
                    "background_s": statistics.median(background)}  # fmt: skip
             b.log_row(row)
             out.append(row)
-    full_cfg = CheckpointConfig(path=str(root) + "_full", policy="full")
+    measure.rmtree(root)
+    full_cfg = CheckpointConfig(path=str(root) + "_full", policy="full", keep_last=1)
     with CheckpointManager(model, full_cfg) as ck:
         measure.timed_save(ck, 1)  # buffers faulted in once
         full = [measure.timed_save(ck, 2 + i)[0] for i in range(a.repeats)]
     out.append({"gib": gib, "fraction": 1.0, "save_s": statistics.median(full),
                 "slowest_s": max(full), "floor_s": 0.002 + dense_s, "background_s": None})  # fmt: skip
-    for path in (root, Path(f"{root}_full")):
-        measure.rmtree(path)
-    return out
+    measure.rmtree(Path(f"{root}_full"))
 
 
 def _copy_to(host: torch.Tensor, src: torch.Tensor, pin: bool, _step: int) -> None:
@@ -143,7 +149,10 @@ def _cadence(b: Bench) -> dict[str, Any]:
     pin = a.device == "cuda"
     step = 0
 
-    def train(seconds: float, every_s: float | None,
+    since: dict[str, float] = {}  # an arm's training seconds since its last act, across turns
+    acts: dict[str, int] = {}
+
+    def train(name: str, seconds: float, every_s: float | None,
               act: Callable[[int], Any]) -> tuple[int, float]:  # fmt: skip
         nonlocal step
         began = last = time.perf_counter()
@@ -152,22 +161,25 @@ def _cadence(b: Bench) -> dict[str, Any]:
             step += 1
             train_step(model, opt, data.batch(0, step).to(dev))
             steps += 1
-            if every_s is not None and now - last >= every_s:
+            if every_s is not None and since.get(name, 0.0) + now - last >= every_s:
                 act(step)
-                last = now
+                acts[name] = acts.get(name, 0) + 1
+                since[name], last = 0.0, now
         _sync(a.device)
+        since[name] = since.get(name, 0.0) + time.perf_counter() - last
         return steps, time.perf_counter() - began
 
     stretch = a.cadence_s / a.rounds
     arms: dict[str, tuple[float | None, Callable[[int], Any]]] = {"none": (None, lambda s: None)}
     staged: dict[str, int] = {}
     with contextlib.ExitStack() as stack:
-        train(min(5.0, stretch), None, lambda s: None)  # warm
+        train("warm", min(5.0, stretch), None, lambda s: None)
         for every in a.cadences:
             root = b.scratch / f"cadence_{every:g}"
             cfg = CheckpointConfig(path=str(root), policy="consecutive")
             ck = stack.enter_context(CheckpointManager(model, cfg))
-            train(max(stretch, 2.5 * every), every, ck.save)  # calibration: the bytes staged
+            # A calibration: the bytes a checkpoint at this cadence stages.
+            train(f"calibrate_{every:g}", 2.5 * every, every, ck.save)
             ck.wait()
             infos = list_checkpoints(str(root))[1:] or list_checkpoints(str(root))
             staged[f"{every:g}s"] = nbytes = int(statistics.mean(i.staged_bytes for i in infos))
@@ -179,7 +191,7 @@ def _cadence(b: Bench) -> dict[str, Any]:
         names = list(arms)
         for r in range(a.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                n, took = train(stretch, *arms[name])
+                n, took = train(name, stretch, *arms[name])
                 steps[name][0] += n
                 steps[name][1] += took
             b.log(f"cadence round {r + 1}/{a.rounds}: " + ", ".join(
@@ -188,6 +200,7 @@ def _cadence(b: Bench) -> dict[str, Any]:
     return {f"{e:g}s": {"lost": 1 - rate[f"ckpt_{e:g}s"] / rate["none"],
                         "floor_lost": 1 - rate[f"floor_{e:g}s"] / rate["none"],
                         "steps_per_s": rate[f"ckpt_{e:g}s"], "plain_steps_per_s": rate["none"],
+                        "checkpoints": acts.get(f"ckpt_{e:g}s", 0),
                         "staged_bytes": staged[f"{e:g}s"]} for e in a.cadences}  # fmt: skip
 
 
@@ -225,12 +238,50 @@ def _peers(b: Bench) -> dict[str, Any]:
     return got
 
 
+class _OutOfTime(Exception):
+    pass
+
+
+def _on_alarm(*_: Any) -> None:
+    raise _OutOfTime
+
+
 def run(b: Bench) -> Outcome:
+    """The sections in order of what a short lease most needs: the stall at the smallest
+    size, the peers, the cadence, then the larger sizes; under ``--budget-s`` each one's rows
+    so far are kept and a section cut or skipped is named in ``cut``."""
     a = b.args
-    stall = [row for gib in a.gib for row in _stall(b, gib)]
-    cadence = _cadence(b)
-    blocking = _peers(b)
-    m = {"device": a.device, "stall": stall, "cadence": cadence, "peers": blocking}
+    began = time.perf_counter()
+    stall: list[dict[str, Any]] = []
+    found: dict[str, Any] = {"cadence": {}, "peers": {}}
+    cut: dict[str, str] = {}
+    need_cadence = (min(5.0, a.cadence_s / a.rounds) + 2.5 * sum(a.cadences)
+                    + a.cadence_s * (1 + 2 * len(a.cadences)))  # fmt: skip
+    sizes = sorted(a.gib)
+    sections: list[tuple[str, float, Callable[[], Any]]] = [
+        (f"stall {sizes[0]:g} GiB", 0.0, lambda: _stall(b, sizes[0], stall)),
+        ("peers", 0.0, lambda: found.__setitem__("peers", _peers(b))),
+        ("cadence", need_cadence, lambda: found.__setitem__("cadence", _cadence(b))),
+        *[(f"stall {g:g} GiB", 0.0, functools.partial(_stall, b, g, stall)) for g in sizes[1:]],
+    ]  # fmt: skip
+    for name, need_s, section in sections:
+        left = None if a.budget_s is None else a.budget_s - (time.perf_counter() - began)
+        if left is not None and left < need_s + 1:
+            cut[name] = f"skipped: {left:.0f} s of --budget-s left, about {need_s:.0f} s needed"
+            continue
+        previous = signal.signal(signal.SIGALRM, _on_alarm)
+        signal.alarm(0 if left is None else int(left))
+        try:
+            section()
+        except _OutOfTime:
+            cut[name] = "cut at --budget-s"
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+        if name in cut:
+            b.log(f"{name}: {cut[name]}")
+    cadence, blocking = found["cadence"], found["peers"]
+    m = {"device": a.device, "stall": stall, "cadence": cadence, "peers": blocking, "cut": cut}
     goals = []
     for i, r in enumerate(stall):
         at, s = f"{r['gib']:g} GiB, {r['fraction']:.0%}", f"stall.{i}"

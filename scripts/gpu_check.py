@@ -5,7 +5,7 @@ kernels, in one command on a lent GPU machine (see ``../shared/gpu/README.md``):
     python3 scripts/gpu_check.py --out $OUT/gpu_check.json   # then benchmarks.gpu
 
 It records the device and the versions it ran (:mod:`torchrec_cnr.versions`), runs the
-suite's ``gpu``-marked tests (``pytest -m gpu``), then trains a DLRM with one table of
+suite's ``gpu``-marked tests (``pytest -m gpu``) in a process beside the cases, and trains a DLRM with one table of
 every sharding type one process allows, saving every ``--every`` steps and training on at
 once (hot rows, large batches, so the batches after a ``save()`` update rows still being
 staged), once per case: every fused optimizer FBGEMM has on the device, every policy,
@@ -21,7 +21,8 @@ Last, a follower serves the latest checkpoint into an unsharded fp32 model on th
 (FloatTarget; FBGEMM's ``IntNBit`` inference kernels are not in the GPU bundle, so a
 quantized target is not checked there). ``--device cpu`` runs the same on CPU with gloo
 (the optimizers FBGEMM has on CPU): how the script is tried without a GPU. Exits 1 if any
-check fails; the JSON holds every case's outcome.
+check fails; the JSON holds every case's outcome, rewritten after each case (a run cut
+short still leaves what it checked).
 """
 
 from __future__ import annotations
@@ -245,18 +246,40 @@ def check_follower(a: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     return {"name": "follower (fp32, FloatTarget)", "device": str(device), "problems": problems}
 
 
-def run_pytest(a: argparse.Namespace) -> dict[str, Any]:
-    """The suite's ``gpu``-marked tests, in a process of their own: the files that mark any
-    (the others need packages a GPU machine may lack, such as the store servers)."""
+def start_pytest() -> tuple[list[str], subprocess.Popen[bytes], Any]:
+    """The suite's ``gpu``-marked tests, in a process of their own that runs beside the cases
+    (both check, neither is timed), its output in a file: the files that mark any (the others
+    need packages a GPU machine may lack, such as the store servers)."""
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
                    if "pytest.mark.gpu" in p.read_text())  # fmt: skip
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-o", "addopts=", "-p",
            "no:cacheprovider", *files]  # fmt: skip
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.pytest_timeout_s)
-    lines = done.stdout.strip().splitlines()
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    return cmd, proc, log
+
+
+def finish_pytest(timeout_s: float, cmd: list[str], proc: subprocess.Popen[bytes],
+                  log: Any) -> dict[str, Any]:  # fmt: skip
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.seek(0)
+    lines = log.read().decode(errors="replace").strip().splitlines()
+    log.close()
     failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
-    return {"command": " ".join(cmd[1:]), "rc": done.returncode,
-            "summary": lines[-1] if lines else done.stderr[-2000:], "failed": failed}  # fmt: skip
+    summary = lines[-1] if lines else ""
+    if proc.returncode < 0:
+        summary = f"killed after --pytest-timeout-s {timeout_s:g}; last line: {summary}"
+    return {"command": " ".join(cmd[1:]), "rc": proc.returncode, "summary": summary,
+            "failed": failed, "tail": lines[-40:]}  # fmt: skip
+
+
+def write(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
 
 
 def main() -> int:
@@ -274,13 +297,13 @@ def main() -> int:
     p.add_argument("--every", type=int, default=2, help="a save every this many steps")
     p.add_argument("--no-pytest", dest="pytest", action="store_false")
     p.add_argument("--no-follower", dest="follower", action="store_false")
-    p.add_argument("--pytest-timeout-s", type=float, default=900)
+    p.add_argument("--pytest-timeout-s", type=float, default=900, help="after the cases end")
     a = p.parse_args()
     record: dict[str, Any] = {"device": a.device, "versions": installed(),
                               "python": platform.python_version()}  # fmt: skip
     if a.device == "cuda":
         record |= {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda}
-    record["pytest"] = run_pytest(a) if a.pytest else None
+    pytest = start_pytest() if a.pytest else None
     init_distributed("nccl" if a.device == "cuda" else "gloo")
     chosen = [c for c in cases(a.device) if not a.cases or c.name in a.cases]
     results = []
@@ -295,15 +318,16 @@ def main() -> int:
                 name = case if isinstance(case, str) else case.name
                 got = {"name": name, "problems": [traceback.format_exc(limit=8)]}
             results.append(got)
+            write(a.out, record | {"cases": results, "ok": None})
             print(f"gpu_check: {'ok  ' if not got['problems'] else 'FAIL'} {got['name']} "
                   f"{got.get('seconds', '')}", *got["problems"], sep="\n  ", flush=True)  # fmt: skip
     dist.destroy_process_group()
+    record["pytest"] = finish_pytest(a.pytest_timeout_s, *pytest) if pytest else None
     record["cases"] = results
     failed = [r["name"] for r in results if r["problems"]]
     pytest_failed = record["pytest"] is not None and record["pytest"]["rc"] != 0
     record["ok"] = not failed and not pytest_failed
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    write(a.out, record)
     print(f"gpu_check: {len(results) - len(failed)}/{len(results)} cases ok; pytest "
           f"{record['pytest']['summary'] if record['pytest'] else 'not run'}; wrote {a.out}")  # fmt: skip
     return 0 if record["ok"] else 1
