@@ -325,7 +325,8 @@ CASE = Case("gpu", "Checkpoints of CUDA tables: stall, cadence and peers", _argu
 if __name__ == "__main__":
     argv = sys.argv[1:]
     on_cpu = "--smoke" in argv or ("--device" in argv and argv[argv.index("--device") + 1] == "cpu")
-    init_distributed("gloo" if on_cpu else "nccl")  # one GPU: world size 1
+    # One GPU: world size 1; gloo beside nccl, as DCP's async_save needs.
+    init_distributed("gloo" if on_cpu else "cpu:gloo,cuda:nccl")
     try:
         code = main(CASE, __doc__)
     finally:

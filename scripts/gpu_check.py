@@ -19,7 +19,8 @@ lazy and eager staging, thread and process writers, 2/3/4/8-bit rows. Per case:
 
 Last, a follower serves the latest checkpoint into an unsharded fp32 model on the device
 (FloatTarget; FBGEMM's ``IntNBit`` inference kernels are not in the GPU bundle, so a
-quantized target is not checked there). ``--device cpu`` runs the same on CPU with gloo
+quantized target is not checked there); and stock ``dcp.async_save`` with the library's
+``DcpStager``, training on at once, loads back with ``dcp.load`` bit for bit. ``--device cpu`` runs the same on CPU with gloo
 (the optimizers FBGEMM has on CPU): how the script is tried without a GPU. Exits 1 if any
 check fails; the JSON holds every case's outcome, rewritten after each case (a run cut
 short still leaves what it checked).
@@ -28,6 +29,7 @@ short still leaves what it checked).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import subprocess
@@ -35,6 +37,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,12 +45,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import results as bench_results  # noqa: E402
 from cnr_train.quiet import quiet_third_party  # noqa: E402
 
 quiet_third_party()  # before TorchRec and FBGEMM are imported
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
 
 from cnr_train.workload import (  # noqa: E402
@@ -60,6 +65,7 @@ from cnr_train.workload import (  # noqa: E402
 )
 from torchrec_cnr import CheckpointConfig, CheckpointManager, FloatTarget, Follower, QuantizeConfig  # noqa: E402
 from torchrec_cnr.config import Background, PolicyName, Staging  # noqa: E402
+from torchrec_cnr.interop import DcpStager  # noqa: E402
 from torchrec_cnr.launch import init_distributed  # noqa: E402
 from torchrec_cnr.offline import list_checkpoints  # noqa: E402
 from torchrec_cnr.tracking import model_state  # noqa: E402
@@ -76,6 +82,7 @@ OPTIMIZERS = {
     "partial_rowwise_adam": (EmbOptimType.PARTIAL_ROWWISE_ADAM, 0.01),
     "lamb": (EmbOptimType.LAMB, 0.01),
 }
+FOLLOWER, DCP = "follower (fp32, FloatTarget)", "dcp.async_save + DcpStager"
 ON_CPU = ("exact_rowwise_adagrad", "exact_sgd", "exact_adagrad")
 """The fused optimizers FBGEMM runs on CPU; the others need CUDA."""
 
@@ -211,6 +218,45 @@ def check_case(case: Case, a: argparse.Namespace, scratch: Path) -> dict[str, An
             "seconds": round(time.perf_counter() - began, 2)}  # fmt: skip
 
 
+def check_dcp_stager(a: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    """Stock ``dcp.async_save`` with the library's stager, training on at once; a fresh model
+    loaded with stock ``dcp.load`` holds the tables, their optimizer state and the dense
+    parameters of the call, bit for bit (on its own gloo group, as DCP's async_save needs)."""
+    root = str(scratch / "dcp")
+    group = dist.new_group(backend="gloo")
+    job = Run(Case("dcp"), a, str(scratch / "dcp_unused"), seed=1)
+    for step in (1, 2, 3):
+        job.step(step)
+    # TorchRec's recipe holds neither the dense optimizer nor the kernels' scalar counters.
+    want = {k: v for k, v in job.state().items()
+            if not k.startswith("dense_opt/") and not k.endswith("/scalars")}  # fmt: skip
+    stager = DcpStager(job.model)
+    began = time.perf_counter()
+    response: Any = dcp.async_save(
+        {"model": job.model.state_dict(), "optim": job.model.fused_optimizer.state_dict()},
+        checkpoint_id=root, async_stager=stager, process_group=group,
+    )  # fmt: skip
+    blocked_s = time.perf_counter() - began
+    for step in (4, 5, 6):
+        job.step(step)  # at once: these batches update rows while they are staged
+    response.upload_completion.result()  # with a stager, async_save answers two futures
+    stager.close()
+    moved = differences({k: v for k, v in job.state().items() if k in want}, want, None)
+    job.ckpt.close()
+    fresh = Run(Case("dcp"), a, str(scratch / "dcp_unused_fresh"), seed=2, fresh=True)
+    target = {"model": fresh.model.state_dict(), "optim": fresh.model.fused_optimizer.state_dict()}
+    dcp.load(target, checkpoint_id=root, process_group=group)
+    fresh.model.load_state_dict(target["model"])
+    fresh.model.fused_optimizer.load_state_dict(target["optim"])
+    bad = differences({k: v for k, v in fresh.state().items() if k in want}, want, None)
+    fresh.ckpt.close()
+    problems = [f"loaded state differs from the call: {bad[:4]}"] if bad else []
+    if not moved:
+        problems.append("training on changed nothing: the check would prove nothing")
+    return {"name": DCP, "blocked_s": round(blocked_s, 4),
+            "problems": problems}  # fmt: skip
+
+
 def check_follower(a: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     """A follower serves the latest checkpoint of a job into an unsharded fp32 model."""
     root = str(scratch / "follow")
@@ -243,7 +289,7 @@ def check_follower(a: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             problems.append(f"served step {follower.step}")
     finally:
         follower.close()
-    return {"name": "follower (fp32, FloatTarget)", "device": str(device), "problems": problems}
+    return {"name": FOLLOWER, "device": str(device), "problems": problems}
 
 
 def start_pytest() -> tuple[list[str], subprocess.Popen[bytes], Any]:
@@ -277,6 +323,47 @@ def finish_pytest(timeout_s: float, cmd: list[str], proc: subprocess.Popen[bytes
             "failed": failed, "tail": lines[-40:]}  # fmt: skip
 
 
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+
+
+def as_result(record: dict[str, Any], command: str) -> dict[str, Any]:
+    """A check's record in the benchmarks' result format (:mod:`benchmarks.results`), for
+    ``docs/benchmarks.md``: a table of the cases and the suite's gpu tests, and two targets."""
+    Goal, Table = bench_results.Goal, bench_results.Table
+
+    def outcome(c: dict[str, Any]) -> str:
+        if c["problems"]:
+            return str(c["problems"][0]).strip().splitlines()[-1][:200]
+        return "exact" if c.get("bits") is None else "within half a step"
+
+    cases = [{"name": c["name"], "checkpoints": c.get("checkpoints"),
+              "seconds": c.get("seconds"), "outcome": outcome(c)} for c in record["cases"]]  # fmt: skip
+    pytest = record.get("pytest") or {}
+    failed_tests = None  # not run; a run cut short counts as one failure
+    if pytest:
+        failed_tests = max(len(pytest["failed"]), int(pytest["rc"] != 0))
+    measurements = {**{k: record.get(k) for k in ("device", "gpu", "cuda", "python", "versions")},
+                    "cases": cases, "failed_cases": sum(bool(c["problems"]) for c in record["cases"]),
+                    "pytest": pytest, "failed_tests": failed_tests}  # fmt: skip
+    tables = [
+        Table.of(f"Every case on {record.get('gpu') or record['device']}", cases, {
+            "case": "name", "checkpoints": lambda c: " ".join(map(str, c["checkpoints"] or [])),
+            "s": "seconds", "outcome": "outcome"}),
+        Table("The suite's gpu-marked tests", ["summary", "failed"],
+              [[pytest.get("summary", "not run"), " ".join(pytest.get("failed", [])) or "none"]]),
+    ]  # fmt: skip
+    goals = [Goal("every case restores exactly (and resumes bit-identically)", "failed_cases",
+                  "<=", 0.0),
+             Goal("every gpu-marked test passes", "failed_tests", "<=", 0.0)]  # fmt: skip
+    return {"case": "gpu_check", "kind": "benchmark", "title": "The full stack on a GPU",
+            "date": record.get("date") or _now(),
+            "command": record.get("command") or command, "note": "", "smoke": False,
+            "environment": {k: measurements[k] for k in ("device", "gpu", "cuda", "python")},
+            "config": {}, "wall_s": record.get("wall_s"), "measurements": measurements,
+            "tables": tables, "targets": goals}  # fmt: skip
+
+
 def write(path: Path, record: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")
@@ -296,11 +383,28 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--every", type=int, default=2, help="a save every this many steps")
     p.add_argument("--no-pytest", dest="pytest", action="store_false")
-    p.add_argument("--no-follower", dest="follower", action="store_false")
+    p.add_argument(
+        "--no-follower", dest="follower", action="store_false", help="nor the dcp.async_save check"
+    )
+    p.add_argument("--result", type=Path, help="also write the record as a benchmark result")
+    p.add_argument(
+        "--from",
+        dest="source",
+        type=Path,
+        help="write --result from this record instead of running the check",
+    )
     p.add_argument("--pytest-timeout-s", type=float, default=900, help="after the cases end")
     a = p.parse_args()
+    command = "python3 " + " ".join(sys.argv)
+    if a.source is not None:
+        if a.result is None:
+            p.error("--from needs --result")
+        bench_results.write(a.result, as_result(json.loads(a.source.read_text()), command))
+        return 0
+    began = time.perf_counter()
     record: dict[str, Any] = {"device": a.device, "versions": installed(),
-                              "python": platform.python_version()}  # fmt: skip
+                              "python": platform.python_version(), "command": command,
+                              "date": _now()}  # fmt: skip
     if a.device == "cuda":
         record |= {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda}
     pytest = start_pytest() if a.pytest else None
@@ -308,14 +412,16 @@ def main() -> int:
     chosen = [c for c in cases(a.device) if not a.cases or c.name in a.cases]
     results = []
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
-        for case in chosen + (["follower"] if a.follower else []):
+        checks: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+            (c.name, functools.partial(check_case, c, a, Path(scratch))) for c in chosen
+        ]
+        if a.follower:
+            checks += [(FOLLOWER, functools.partial(check_follower, a, Path(scratch))),
+                       (DCP, functools.partial(check_dcp_stager, a, Path(scratch)))]  # fmt: skip
+        for name, check in checks:
             try:
-                if case == "follower":
-                    got = check_follower(a, Path(scratch))
-                else:
-                    got = check_case(case, a, Path(scratch))  # type: ignore[arg-type]
+                got = check()
             except Exception:  # noqa: BLE001 - a case that raises is a failed case, recorded
-                name = case if isinstance(case, str) else case.name
                 got = {"name": name, "problems": [traceback.format_exc(limit=8)]}
             results.append(got)
             write(a.out, record | {"cases": results, "ok": None})
@@ -327,7 +433,10 @@ def main() -> int:
     failed = [r["name"] for r in results if r["problems"]]
     pytest_failed = record["pytest"] is not None and record["pytest"]["rc"] != 0
     record["ok"] = not failed and not pytest_failed
+    record["wall_s"] = round(time.perf_counter() - began, 1)
     write(a.out, record)
+    if a.result is not None:
+        bench_results.write(a.result, as_result(record, command))
     print(f"gpu_check: {len(results) - len(failed)}/{len(results)} cases ok; pytest "
           f"{record['pytest']['summary'] if record['pytest'] else 'not run'}; wrote {a.out}")  # fmt: skip
     return 0 if record["ok"] else 1

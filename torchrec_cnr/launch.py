@@ -32,10 +32,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> No
 
     Under torchrun (``MASTER_ADDR`` set) every rank joins the job's group; elsewhere it
     makes a group of one process, so the same script runs as ``python train.py`` too.
-    With ``nccl``, each rank also takes its ``LOCAL_RANK``'s GPU.
+    With ``nccl`` (alone or beside gloo), each rank also takes its ``LOCAL_RANK``'s GPU.
 
     Args:
-        backend: ``nccl`` where CUDA is available, ``gloo`` otherwise, if ``None``.
+        backend: ``nccl`` where CUDA is available, ``gloo`` otherwise, if ``None``; a
+            backend per device, such as ``cpu:gloo,cuda:nccl`` (which DCP's ``async_save``
+            needs on GPUs), is passed on as given.
         timeout_s: the collectives' timeout, in seconds.
 
     Raises:
@@ -83,7 +85,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> No
             timeout=timeout,
         )
     _made_here = True
-    if backend == "nccl":
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 

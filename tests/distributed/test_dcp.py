@@ -424,3 +424,47 @@ def test_bad_dcp_input_fails_before_anything_changes(tmp_path: Path) -> None:
     flat = str(tmp_path / "flat")  # a flat model state dict, without optimizer state
     run_ranks(2, _flat_save, flat)
     run_ranks(2, _no_optimizer_state, flat, str(tmp_path / "r2"))
+
+
+def _staged_tables_say_what_their_buffers_are() -> None:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    from torchrec_cnr.interop.dcp_stager import _address, _restage
+    from torchrec_cnr.tracking import model_state
+
+    job = make_job("ebc", optimizer="exact_adagrad", seed=1)
+    # Every table staged into a buffer that is pinned, as the stager's are where the tables
+    # are on a GPU (CPU builds cannot pin: the buffers say so through is_pinned).
+    copies, pinned = {}, set()
+    for s in model_state.local_shards(job.model):
+        for live in [s.weight, *s.states.values()]:
+            copies[_address(live)] = buffer = live.detach().clone()
+            pinned.add(buffer.data_ptr())
+    real = torch.Tensor.is_pinned
+    torch.Tensor.is_pinned = lambda self, *a: self.data_ptr() in pinned or real(self, *a)  # type: ignore[method-assign]
+    try:
+        staged, _ = _restage(job.model.state_dict(), copies)
+    finally:
+        torch.Tensor.is_pinned = real  # type: ignore[method-assign]
+    tables = [v for v in staged.values() if isinstance(v, ShardedTensor)]
+    assert tables, "the model's state dict holds no ShardedTensor"
+    for t in tables:
+        assert t.metadata().tensor_properties.pin_memory
+        assert all(s.tensor.data_ptr() in pinned for s in t.local_shards())
+
+
+@pytest.mark.dist
+def test_staged_sharded_tensors_carry_the_pinning_of_their_buffers() -> None:
+    # On a GPU, DCP's async_save with the stager failed: ShardedTensor refused host shards
+    # in pinned buffers under metadata that said unpinned.
+    run_ranks(1, _staged_tables_say_what_their_buffers_are)
+
+
+def test_a_shard_on_a_gpu_is_staged_on_the_host_of_its_rank() -> None:
+    from torch.distributed._shard.metadata import ShardMetadata
+
+    from torchrec_cnr.interop.dcp_stager import _on_host
+
+    got = _on_host(ShardMetadata([0, 8], [4, 8], "rank:3/cuda:1"))
+    assert str(got.placement) == "rank:3/cpu"
+    assert (got.shard_offsets, got.shard_sizes) == ([0, 8], [4, 8])

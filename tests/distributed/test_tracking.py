@@ -54,7 +54,8 @@ def _bitmaps_equal_ids_seen(
                 ] = True
     shards = model_state.local_shards(model)
     assert shards, "rank holds no tracked shard"
-    kernels = torch.tensor([max(len(s.kernel.config.embedding_tables) for s in shards)])
+    per_kernel = max(len(s.kernel.config.embedding_tables) for s in shards)
+    kernels = torch.tensor([per_kernel], device=device)  # nccl reduces on the GPU
     dist.all_reduce(kernels, op=dist.ReduceOp.MAX)
     assert not several_per_kernel or kernels.item() > 1, "no kernel holds several tables"
     assert not any(s.spec.table.endswith("t_dp") for s in shards), (

@@ -631,10 +631,13 @@ def test_lazy_staging_on_cuda_never_reads_a_row_after_training_wrote_it(kind: Ki
         plan = plan_save(0, [shard], decision, [True], None)
         lazy = LazyStaging.begin(plan.staged("lazy"), decision, StagingPool(None, pin=True))
         sink = _Collect()
-        copier = threading.Thread(target=lazy.run, args=(sink,))
-        copier.start()
         g = torch.Generator(device="cuda").manual_seed(seed)
         assert shard.lookups is not None
+        # One batch's hook copies first, so that the chunks read flags it wrote (a fast GPU
+        # can copy every chunk before the loop's first batch).
+        shard.lookups.before(torch.randint(0, n, (8192,), device="cuda", generator=g))
+        copier = threading.Thread(target=lazy.run, args=(sink,))
+        copier.start()
         batches = 0
         while copier.is_alive() or batches < 4:
             rows = torch.randint(0, n, (8192,), device="cuda", generator=g)

@@ -264,6 +264,9 @@ def _restage(obj: Any, copies: dict[tuple[int, tuple[int, ...]], torch.Tensor]) 
             shards = [Shard(tensor(s.tensor), _on_host(s.metadata)) for s in value.local_shards()]
             meta = value.metadata()
             meta = replace(meta, shards_metadata=[_on_host(m) for m in meta.shards_metadata])
+            if shards:  # the staged buffers are pinned where the tables are on a GPU
+                props = replace(meta.tensor_properties, pin_memory=shards[0].tensor.is_pinned())
+                meta = replace(meta, tensor_properties=props)
             return ShardedTensor._init_from_local_shards_and_global_metadata(
                 shards, meta, process_group=value._process_group
             )
@@ -289,9 +292,7 @@ def _on_host(meta: Any) -> Any:
     placement = meta.placement
     if placement is None or placement.device().type == "cpu":
         return meta
-    from torch.distributed._remote_device import _remote_device
-
-    return replace(meta, placement=_remote_device(f"rank:{placement.rank()}/cpu"))
+    return replace(meta, placement=type(placement)(f"rank:{placement.rank()}/cpu"))
 
 
 def _shards_wrapper() -> type | None:
