@@ -5,7 +5,7 @@
 # The full-stack check (scripts/gpu_check.py, the suite's gpu tests beside its cases), then
 # the stall, peers and cadence (benchmarks.gpu), its sections fitted to what is left of
 # LEASE_S seconds. gpu_check.json and gpu.json land in $OUT, to copy into
-# benchmarks/results/ (the check's own record and the logs beside them).
+# benchmarks/results/device/; the check's own record and the logs land beside them.
 set -u
 LEASE_S=${LEASE_S:-540}
 source .device/gpu/on_device.sh || exit 1
