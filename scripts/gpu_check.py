@@ -2,14 +2,15 @@
 kernels, in one command on a lent GPU machine (see ``../shared/gpu/README.md``)::
 
     source .device/gpu/on_device.sh
-    python3 scripts/gpu_check.py --out $OUT/gpu_check.json   # then benchmarks.gpu
+    python3 scripts/gpu_check.py --out $OUT/gpu_check_record.json --result $OUT/gpu_check.json
 
 It records the device and the versions it ran (:mod:`torchrec_cnr.versions`), runs the
-suite's ``gpu``-marked tests (``pytest -m gpu``) in a process beside the cases, and trains a DLRM with one table of
-every sharding type one process allows, saving every ``--every`` steps and training on at
-once (hot rows, large batches, so the batches after a ``save()`` update rows still being
-staged), once per case: every fused optimizer FBGEMM has on the device, every policy,
-lazy and eager staging, thread and process writers, 2/3/4/8-bit rows. Per case:
+suite's ``gpu``-marked tests (``pytest -m gpu``) in a process beside the cases, and trains
+a DLRM with one table of every sharding type one process allows, saving every ``--every``
+steps and training on at once (hot rows, large batches, so the batches after a ``save()``
+update rows still being staged), once per case: every fused optimizer FBGEMM has on the
+device, every policy, lazy and eager staging, thread and process writers, 2/3/4/8-bit
+rows. Per case:
 
 - every committed checkpoint restores into a fresh model as it was when saved: bit-exact in
   fp32 (rows, optimizer state, step counters, dense state, the dense optimizer), within
@@ -19,11 +20,12 @@ lazy and eager staging, thread and process writers, 2/3/4/8-bit rows. Per case:
 
 Last, a follower serves the latest checkpoint into an unsharded fp32 model on the device
 (FloatTarget; FBGEMM's ``IntNBit`` inference kernels are not in the GPU bundle, so a
-quantized target is not checked there); and stock ``dcp.async_save`` with the library's
-``DcpStager``, training on at once, loads back with ``dcp.load`` bit for bit. ``--device cpu`` runs the same on CPU with gloo
-(the optimizers FBGEMM has on CPU): how the script is tried without a GPU. Exits 1 if any
-check fails; the JSON holds every case's outcome, rewritten after each case (a run cut
-short still leaves what it checked).
+quantized target is not checked there), and stock ``dcp.async_save`` with the library's
+``DcpStager``, training on at once, loads back with ``dcp.load`` bit for bit. ``--device
+cpu`` runs the same on CPU with gloo (the optimizers FBGEMM has on CPU): how the script is
+tried without a GPU. Exits 1 if any check fails; the JSON holds every case's outcome,
+rewritten after each case (a run cut short still leaves what it checked); ``--result``
+writes it as a benchmark result too (``--from`` converts a record written earlier).
 """
 
 from __future__ import annotations
@@ -384,7 +386,10 @@ def main() -> int:
     p.add_argument("--every", type=int, default=2, help="a save every this many steps")
     p.add_argument("--no-pytest", dest="pytest", action="store_false")
     p.add_argument(
-        "--no-follower", dest="follower", action="store_false", help="nor the dcp.async_save check"
+        "--no-follower",
+        dest="follower",
+        action="store_false",
+        help="skip the follower and the dcp.async_save checks",
     )
     p.add_argument("--result", type=Path, help="also write the record as a benchmark result")
     p.add_argument(
