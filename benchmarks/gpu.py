@@ -255,41 +255,52 @@ def _on_alarm(*_: Any) -> None:
     raise _OutOfTime
 
 
+def _out_of_time(e: BaseException | None) -> bool:
+    """Whether ``e`` is the alarm's, or was raised from it."""
+    while e is not None:
+        if isinstance(e, _OutOfTime):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def run(b: Bench) -> Outcome:
     """The sections in order of what a short lease most needs: the stall at the smallest
     size, the peers, the cadence, then the larger sizes; under ``--budget-s`` each one's rows
     so far are kept and a section cut or skipped is named in ``cut``."""
     a = b.args
     began = time.perf_counter()
-    stall: list[dict[str, Any]] = []
-    found: dict[str, Any] = {"cadence": {}, "peers": {}}
+    stall: list[dict[str, Any]] = []  # rows kept as measured, also of a section cut short
     cut: dict[str, str] = {}
     need_cadence = (min(5.0, a.cadence_s / a.rounds) + 2.5 * sum(a.cadences)
                     + a.cadence_s * (1 + 2 * len(a.cadences)))  # fmt: skip
     sizes = sorted(a.gib)
     sections: list[tuple[str, float, Callable[[], Any]]] = [
-        (f"stall {sizes[0]:g} GiB", 0.0, lambda: _stall(b, sizes[0], stall)),
-        ("peers", 0.0, lambda: found.__setitem__("peers", _peers(b))),
-        ("cadence", need_cadence, lambda: found.__setitem__("cadence", _cadence(b))),
+        (f"stall {sizes[0]:g} GiB", 0.0, functools.partial(_stall, b, sizes[0], stall)),
+        ("peers", 0.0, functools.partial(_peers, b)),
+        ("cadence", need_cadence, functools.partial(_cadence, b)),
         *[(f"stall {g:g} GiB", 0.0, functools.partial(_stall, b, g, stall)) for g in sizes[1:]],
     ]  # fmt: skip
+    found: dict[str, Any] = {}
     for name, need_s, section in sections:
         left = None if a.budget_s is None else a.budget_s - (time.perf_counter() - began)
         if left is not None and left < need_s + 1:
             cut[name] = f"skipped: {left:.0f} s of --budget-s left, about {need_s:.0f} s needed"
-            continue
-        previous = signal.signal(signal.SIGALRM, _on_alarm)
-        signal.alarm(0 if left is None else int(left))
-        try:
-            section()
-        except _OutOfTime:
-            cut[name] = "cut at --budget-s"
-        finally:
-            signal.alarm(0)
-            signal.signal(signal.SIGALRM, previous)
+        else:
+            previous = signal.signal(signal.SIGALRM, _on_alarm)
+            signal.alarm(0 if left is None else int(left))
+            try:
+                found[name] = section()
+            except BaseException as e:  # the alarm, maybe wrapped (a save's wait says failed)
+                if not _out_of_time(e):
+                    raise
+                cut[name] = "cut at --budget-s"
+            finally:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, previous)
         if name in cut:
             b.log(f"{name}: {cut[name]}")
-    cadence, blocking = found["cadence"], found["peers"]
+    cadence, blocking = found.get("cadence") or {}, found.get("peers") or {}
     m = {"device": a.device, "stall": stall, "cadence": cadence, "peers": blocking, "cut": cut}
     goals = []
     for i, r in enumerate(stall):

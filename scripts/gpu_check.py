@@ -47,7 +47,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import results as bench_results  # noqa: E402
+from benchmarks.results import Goal, Table  # noqa: E402
+from benchmarks.results import write as write_result  # noqa: E402
 from cnr_train.quiet import quiet_third_party  # noqa: E402
 
 quiet_third_party()  # before TorchRec and FBGEMM are imported
@@ -332,7 +333,6 @@ def _now() -> str:
 def as_result(record: dict[str, Any], command: str) -> dict[str, Any]:
     """A check's record in the benchmarks' result format (:mod:`benchmarks.results`), for
     ``docs/benchmarks.md``: a table of the cases and the suite's gpu tests, and two targets."""
-    Goal, Table = bench_results.Goal, bench_results.Table
 
     def outcome(c: dict[str, Any]) -> str:
         if c["problems"]:
@@ -404,7 +404,7 @@ def main() -> int:
     if a.source is not None:
         if a.result is None:
             p.error("--from needs --result")
-        bench_results.write(a.result, as_result(json.loads(a.source.read_text()), command))
+        write_result(a.result, as_result(json.loads(a.source.read_text()), command))
         return 0
     began = time.perf_counter()
     record: dict[str, Any] = {"device": a.device, "versions": installed(),
@@ -441,7 +441,7 @@ def main() -> int:
     record["wall_s"] = round(time.perf_counter() - began, 1)
     write(a.out, record)
     if a.result is not None:
-        bench_results.write(a.result, as_result(record, command))
+        write_result(a.result, as_result(record, command))
     print(f"gpu_check: {len(results) - len(failed)}/{len(results)} cases ok; pytest "
           f"{record['pytest']['summary'] if record['pytest'] else 'not run'}; wrote {a.out}")  # fmt: skip
     return 0 if record["ok"] else 1
