@@ -191,11 +191,14 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Blocks until the pending checkpoint is committed; raises ``CheckpointError`` if it
-        failed (the previous one stays the restore target)."""
+        failed (the previous one stays the restore target). An exception that interrupts
+        the wait itself (``KeyboardInterrupt``, a signal handler's) is raised as it is: the
+        checkpoint goes on being written, and the next ``wait()`` waits for it."""
         try:
             self._background.settle(self._shards)
         finally:
-            self._stager.detach()  # the job is over, whatever happened to it
+            if self._background.busy is None:  # the job is over, whatever happened to it
+                self._stager.detach()  # (an interrupted wait leaves it running, guarded)
 
     def close(self) -> None:
         """Waits for the pending checkpoint and a background compaction in flight

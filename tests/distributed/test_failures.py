@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import errno
+import signal
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,48 @@ def test_training_continues_during_a_write_and_a_skipped_save_loses_nothing(
     refs.mkdir()
     run_ranks(2, _trains_while_writing, root, str(refs))
     run_ranks(2, _restores_latest, root, str(refs), 6)
+
+
+# -- a wait interrupted ------------------------------------------------------
+
+
+class _Interrupt(Exception):
+    """What a signal handler raises into the training thread."""
+
+
+def _interrupted_wait(root: str, refs: str) -> None:
+    hold = Fault("write_object", "step0000000002", "hold", times=1)
+    job = _job(root, seed=1, policy="consecutive", storage=FaultyStorage(root, hold))
+    job.train(2)
+    assert job.ckpt.save(2)
+    save_reference(job, refs, 2)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise _Interrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(_Interrupt):  # as it is, not as the checkpoint failing
+            job.ckpt.wait()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert job.ckpt._background.busy == "checkpoint of step 2", "the job runs on"
+    job.train(2)  # updates rows that step 2 holds
+    hold.released.set()
+    job.ckpt.wait()  # waits for that same job
+    assert Manifest.load(root).steps() == [2]
+
+
+@pytest.mark.dist
+def test_an_interrupted_wait_raises_the_interrupt_and_the_checkpoint_still_commits_exact(
+    tmp_path,
+) -> None:
+    root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
+    refs.mkdir()
+    run_ranks(2, _interrupted_wait, root, str(refs))
+    run_ranks(2, _restores_latest, root, str(refs), 2)
 
 
 # -- injected I/O error ----------------------------------------------------

@@ -100,6 +100,10 @@ class BackgroundWriter:
     def settle(self, shards: list[LocalShard]) -> None:
         """Waits for the running job, if any, and takes the chain it left.
 
+        An exception raised in the waiting thread itself (a ``KeyboardInterrupt``, a signal
+        handler's) is raised as it is, and the job is kept: it runs on, and the next call
+        waits for it again.
+
         Raises:
             CheckpointError: the job failed; its bits are put back into ``shards``, so the
                 next checkpoint saves its rows. Or its follow-up (a compaction) failed
@@ -111,6 +115,11 @@ class BackgroundWriter:
         try:
             result = job.future.result()
         except BaseException as e:
+            if not _raised_by(job.future, e):
+                # The wait itself was interrupted (KeyboardInterrupt, a signal handler's
+                # exception): the job runs on, and the next settle() waits for it.
+                self._job = job
+                raise
             put_back_bits(shards, job.cleared_bits)
             raise wrapping(
                 CheckpointError(
@@ -138,3 +147,11 @@ class BackgroundWriter:
         if self.group is not None:
             dist.destroy_process_group(self.group.pg)
             self.group = None
+
+
+def _raised_by(future: Future[JobResult], e: BaseException) -> bool:
+    """Whether ``future.result()`` raised ``e`` because the job failed (or was cancelled),
+    not because the wait for it was interrupted."""
+    if not future.done():
+        return False
+    return future.cancelled() or future.exception() is e
