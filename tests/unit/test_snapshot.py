@@ -30,6 +30,7 @@ from torchrec_cnr.snapshot import reader as snapshot_reader
 from torchrec_cnr.snapshot import writer as snapshot_writer
 from torchrec_cnr.snapshot.index import ChunkedTensorEntry as IndexChunks
 from torchrec_cnr.snapshot.index import OtherEntry, PrimitiveEntry, index_part, parse_index
+from torchrec_cnr.snapshot.index import TensorEntry as IndexTensor
 from torchrec_cnr.snapshot.reader import _spans, span_bytes
 from torchrec_cnr.storage import CountingStorage, StorageWrapper, open_storage
 
@@ -307,3 +308,61 @@ def test_a_failed_piece_raises_only_once_every_other_piece_has_ended(
     ended = len(finished)
     time.sleep(0.5)
     assert ended > 0 and len(finished) == ended, "a piece ended after the read had failed"
+
+
+def _small_tables(root: Path) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """Twenty small tables of one rank, packed by the writer into a few objects."""
+    storage = open_storage(str(root))
+    storage.create()
+    g = torch.Generator().manual_seed(3)
+    tables = {f"t{i}": torch.randn(10 + i, 8, generator=g) for i in range(20)}
+    writer = SnapshotWriter(storage, "ckpt", "0", IO, PIECE)
+    for name, t in tables.items():
+        writer.write(rows_path(0, name), t)
+    part = writer.finish()
+    write_index(storage, "ckpt", [part.index], world_size=1)
+    return tables, part.checksums
+
+
+def test_small_tensors_of_one_object_are_read_together_and_each_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tables, checksums = _small_tables(tmp_path)
+    wanted = [(0, name) for name in tables]
+    requests, together = {}, snapshot_reader.SMALL_BYTES
+    for small in (together, 0):  # 0: each tensor read alone
+        monkeypatch.setattr(snapshot_reader, "SMALL_BYTES", small)
+        storage = CountingStorage(open_storage(str(tmp_path)))
+        reader = SnapshotReader(storage, "ckpt", IO, PIECE, checksums)
+        before = storage.requests
+        got = reader.read_many(wanted)
+        requests[small] = storage.requests - before
+        for name, t in tables.items():
+            assert torch.equal(got[(0, name)], t), name
+        # A window's blocks and lone tensors too, through the same queue.
+        window = reader.rows_window(0, "t7", 2, 9, None)
+        assert window is not None and torch.equal(window, tables["t7"][2:9])
+        assert torch.equal(reader.rows(0, "t3"), tables["t3"])
+    locations = {e.location for e in reader._entries.values() if isinstance(e, IndexTensor)}
+    assert requests[0] == len(tables) and requests[together] == len(locations)
+    assert len(locations) < len(tables) // 4
+
+    # One flipped byte names its own tensor; those read with it stay intact.
+    entry = reader._entries[rows_path(0, "t11")]
+    assert isinstance(entry, IndexTensor) and entry.byte_range is not None
+    target = tmp_path / "ckpt" / entry.location
+    data = bytearray(target.read_bytes())
+    data[entry.byte_range[0] + 5] ^= 0x10
+    target.write_bytes(bytes(data))
+    monkeypatch.setattr(snapshot_reader, "SMALL_BYTES", together)
+    reader = SnapshotReader(open_storage(str(tmp_path)), "ckpt", IO, PIECE, checksums)
+    with pytest.raises(ChecksumError, match=r"ckpt/0/rows/t11 is corrupt"):
+        reader.read_many(wanted)
+    others = [key for key in wanted if key != (0, "t11")]
+    assert all(torch.equal(v, tables[k[1]]) for k, v in reader.read_many(others).items())
+
+    # A short object fails every tensor read from it, none left waiting.
+    target.write_bytes(bytes(data[: entry.byte_range[0]]))
+    reader = SnapshotReader(open_storage(str(tmp_path)), "ckpt", IO, PIECE, checksums)
+    with pytest.raises(CheckpointReadError, match=entry.location):
+        reader.read_many(wanted)

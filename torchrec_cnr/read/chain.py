@@ -316,6 +316,8 @@ class ChainReader:
                 item.rank, item.tensor, *item.span, item.blocks, cached, dst
             )
             started.append((item, dst, finish))
+        for link in {item.link for item in items}:
+            self.reader(link).flush()  # their small pieces, read together
         got = []
         for item, dst, finish in started:
             if finish is not None:
