@@ -30,7 +30,7 @@ from torchrec_cnr.read import Intact
 from torchrec_cnr.recovery import SaveSchedule
 from torchrec_cnr.restore import LocalModel, ModelLoader, Restored, RestoreScope
 from torchrec_cnr.selection import Policy
-from torchrec_cnr.selection.rows import ClearedBits
+from torchrec_cnr.selection.rows import ClearedBits, put_back_bits
 from torchrec_cnr.snapshot.objects import check_app_state, resolve_globals
 from torchrec_cnr.staging import LazyStaging, Stager
 from torchrec_cnr.storage import Storage
@@ -148,6 +148,10 @@ class CheckpointManager:
         before this returns). False: skipped, since the previous one still writes and
         ``on_busy == "skip"``.
 
+        An exception raised in this thread meanwhile (``KeyboardInterrupt``, a signal
+        handler's) passes through; the save is withdrawn, no bit lost, unless its job had
+        started, which then goes on (see :meth:`wait`).
+
         Raises:
             CheckpointError: the previous checkpoint failed (its rows go into the next), or
                 this one did (``wait_for_commit``).
@@ -164,12 +168,19 @@ class CheckpointManager:
         resolver = FormatResolver(self.config.quantize, self._fence.restores)
         sink = self._writer.sink(ckpt_id, resolver)
         staged, cleared, failure = self._stager.stage(step, decision, self.app_state, sink)
-        job = Pending(seq, staged, sink, decision, chain, resolver,
-                      self._schedule.decision, failure)  # fmt: skip
-        what = f"checkpoint of step {step}"
-        every, target = self.config.compact_every, self._fence.target()
-        run = partial(self._writer.commit, job, target, every, what)
-        self._background.submit(what, run, cleared)
+        try:
+            job = Pending(seq, staged, sink, decision, chain, resolver,
+                          self._schedule.decision, failure)  # fmt: skip
+            what = f"checkpoint of step {step}"
+            every, target = self.config.compact_every, self._fence.target()
+            run = partial(self._writer.commit, job, target, every, what)
+            self._background.submit(what, run, cleared)
+        except BaseException:  # an interrupt (KeyboardInterrupt, a signal handler's)
+            if self._background.withdraw():  # no job writes it: no bit lost, nothing held
+                put_back_bits(self._shards, cleared)
+                self._stager.detach()
+                sink.abandon()
+            raise
         self._schedule.saved(step)
         if self.config.wait_for_commit:
             self.wait()

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import errno
 import signal
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ import torch.multiprocessing as mp
 from cnr_train.workload import TableSpec
 from tests import reference
 from tests.faults import Fault, FaultyStorage
-from tests.jobs import Job, make_job, restores_exactly, save_reference
+from tests.jobs import Job, assert_restores, make_job, restores_exactly, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointError, Timeouts
 from torchrec_cnr.errors import RemoteTraceback
@@ -72,7 +75,7 @@ def test_training_continues_during_a_write_and_a_skipped_save_loses_nothing(
     run_ranks(2, _restores_latest, root, str(refs), 6)
 
 
-# -- a wait interrupted ------------------------------------------------------
+# -- interrupts: a wait, a save ---------------------------------------------
 
 
 class _Interrupt(Exception):
@@ -112,6 +115,87 @@ def test_an_interrupted_wait_raises_the_interrupt_and_the_checkpoint_still_commi
     refs.mkdir()
     run_ranks(2, _interrupted_wait, root, str(refs))
     run_ranks(2, _restores_latest, root, str(refs), 2)
+
+
+def _interrupting(at: int | None) -> tuple[Callable[..., Any], list[int]]:
+    """A trace function that counts the lines run in the library's own code on this
+    thread and raises ``KeyboardInterrupt`` at line ``at`` (counts only if ``None``), as
+    a signal handler's exception lands between any two lines; and the count."""
+    count = [0]
+    package = str(Path(model_state.__file__).parents[1])
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            count[0] += 1
+            if count[0] == at:
+                raise KeyboardInterrupt
+        return local
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename.startswith(package) else None
+
+    return calls, count
+
+
+def _traced_save(job: Job, at: int | None) -> int | None:
+    """``job``'s save of its step, interrupted at line ``at`` of the library's code:
+    the lines it ran if it ran to the end, else ``None``."""
+    trace, lines = _interrupting(at)
+    sys.settrace(trace)
+    try:
+        assert job.ckpt.save(job.data.position)
+    except KeyboardInterrupt:
+        return None
+    finally:
+        sys.settrace(None)
+    return lines[0]
+
+
+def _saves_interrupted_anywhere(root: str, refs: str, cuts: int, staging: str) -> None:
+    job = _job(root, seed=1, policy="consecutive", staging=staging)
+    job.train(2)
+    job.ckpt.save(2)
+    job.ckpt.wait()
+    save_reference(job, refs, 2)
+    interrupted, lines = 0, 0
+    # Lines spread over the whole save, then each of its last ones (the job's submission),
+    # counted from the last save that ran to its end (a delta's, as these are).
+    for i in range(cuts + 12):
+        for interrupt in (True, False):
+            job.train(1)  # rows an interrupted save may have cleared the bits of
+            save_reference(job, refs, job.data.position)  # its job may run on and commit
+            at = (i * lines // cuts if i < cuts else lines - (i - cuts)) if interrupt else None
+            ran = _traced_save(job, at or None)
+            job.ckpt.wait()  # the job, if it started: it commits
+            if interrupt:
+                interrupted += ran is None
+            else:
+                assert ran is not None
+                lines = ran
+    assert interrupted >= cuts + 8, f"only {interrupted} of {cuts + 12} saves were interrupted"
+    job.ckpt.close()
+
+
+def _every_saved_step_restores(root: str, refs: str) -> None:
+    job = _job(root, seed=90)
+    for step in Manifest.load(root).steps():
+        assert_restores(job, refs, step)
+    job.ckpt.close()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("staging", ["lazy", "eager"])
+def test_a_save_interrupted_at_any_line_loses_no_row_and_every_checkpoint_restores_exact(
+    tmp_path, staging: str
+) -> None:
+    """KeyboardInterrupt raised from inside ``save()`` at evenly spread lines of its own
+    code (staging, clearing the bits, submitting the job): the save is withdrawn with its
+    bits put back, or its job runs on and commits; the next save holds every row changed
+    since the last commit, and each committed step restores to its reference."""
+    root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
+    refs.mkdir()
+    run_ranks(1, _saves_interrupted_anywhere, root, str(refs), 16, staging)
+    run_ranks(1, _every_saved_step_restores, root, str(refs))
 
 
 # -- injected I/O error ----------------------------------------------------

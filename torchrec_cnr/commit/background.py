@@ -90,12 +90,33 @@ class BackgroundWriter:
         fn: Callable[[Collective], JobResult],
         cleared_bits: ClearedBits,
     ) -> Future[JobResult]:
-        """Starts ``fn(group)``; call :meth:`settle` first."""
+        """Starts ``fn(group)``; call :meth:`settle` first. The job is this writer's (and
+        :meth:`settle` waits for it) before it can start, so that one cut short here is
+        either withdrawn or waited for (see :meth:`withdraw`)."""
         if self.group is None:
             raise CheckpointError(f"{what} after close")
-        future = self._executor.submit(fn, self.group)
+        group, future = self.group, Future[JobResult]()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():  # else withdrawn before it started
+                try:
+                    future.set_result(fn(group))
+                except BaseException as e:
+                    future.set_exception(e)
+
         self._job = _Job(what, future, cleared_bits)
+        self._executor.submit(run)
         return future
+
+    def withdraw(self) -> bool:
+        """After :meth:`submit` (or the save leading to it) was cut short: cancels its job
+        if it has not started. Whether none runs: its bits and buffers are then the
+        caller's again; if ``False``, the job runs on and :meth:`settle` waits for it."""
+        job = self._job
+        if job is not None and not job.future.cancel():  # running, or over
+            return False
+        self._job = None
+        return True
 
     def settle(self, shards: list[LocalShard]) -> None:
         """Waits for the running job, if any, and takes the chain it left.

@@ -128,6 +128,7 @@ def restart_bits(
     decision: Decision,
     prioritized: list[torch.Tensor | None] | None,
     keep: Callable[[int, str, torch.Tensor], torch.Tensor] | None = None,
+    cleared: ClearedBits | None = None,
 ) -> ClearedBits:
     """Clears the bits (and CPR priorities) of the rows the staged checkpoint covers, and
     every shard's bits of rows modified since the previous checkpoint.
@@ -141,21 +142,23 @@ def restart_bits(
             (``"cleared"``, ``"recent_cleared"``) into a buffer it may reuse for the next
             checkpoint's (fresh ones are page-faulted in on the training thread); a clone
             if ``None``.
+        cleared: where the copies go, each before its bits are cleared: if this is cut
+            short (an exception, an interrupt), it holds at least what was cleared.
 
     Returns:
-        A copy of what was cleared, for :func:`put_back_bits`.
+        A copy of what was cleared (``cleared``, if given), for :func:`put_back_bits`.
     """
     copy = keep if keep is not None else lambda _i, _name, bits: bits.clone()
-    cleared = ClearedBits()
+    cleared = ClearedBits() if cleared is None else cleared
     for i, shard in enumerate(shards):
         if shard.recent is not None:
             cleared.recent.append(copy(i, "recent_cleared", shard.recent))
             shard.recent.zero_()
     if not decision.clear_bits:
         return cleared
-    cleared.words = [
-        copy(i, "cleared", s.words) for i, s in enumerate(shards) if s.words is not None
-    ]
+    for i, shard in enumerate(shards):
+        if shard.words is not None:
+            cleared.words.append(copy(i, "cleared", shard.words))
     for i, shard in enumerate(shards):
         if shard.words is None:
             continue

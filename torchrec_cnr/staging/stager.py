@@ -18,7 +18,7 @@ import torch
 
 from torchrec_cnr.config import CheckpointConfig
 from torchrec_cnr.selection.policy import Decision
-from torchrec_cnr.selection.rows import ClearedBits, restart_bits
+from torchrec_cnr.selection.rows import ClearedBits, put_back_bits, restart_bits
 from torchrec_cnr.snapshot.objects import serialize_app_state
 from torchrec_cnr.staging.eager import stage
 from torchrec_cnr.staging.lazy import LazyStaging, lazy_fallback
@@ -96,6 +96,7 @@ class Stager:
         for shard in self.shards:
             shard.drain()
         self.lazy = None
+        cleared = ClearedBits()
         try:
             plan = self.plan(step, decision)
             staged = stage(plan, self.dense, app_state, self.pool, sink)
@@ -106,10 +107,13 @@ class Stager:
                 staged.staged_bytes += self.lazy.nbytes
             # Rows modified while the write runs belong to the next checkpoint.
             chosen = plan.chosen if self.priority_bytes is not None else None
-            cleared = restart_bits(self.shards, decision, chosen, self._keep_bits)
-        except Exception as e:
+            restart_bits(self.shards, decision, chosen, self._keep_bits, cleared)
+        except BaseException as e:  # an interrupt too: nothing staged, no bit lost
             self.detach()
             sink.abandon()
+            put_back_bits(self.shards, cleared)
+            if not isinstance(e, Exception):
+                raise
             return None, ClearedBits(), e
         staged.stall_s = time.perf_counter() - began
         return staged, cleared, None
