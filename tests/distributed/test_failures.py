@@ -198,6 +198,52 @@ def test_a_save_interrupted_at_any_line_loses_no_row_and_every_checkpoint_restor
     run_ranks(1, _every_saved_step_restores, root, str(refs))
 
 
+def _compact_interrupted(job: Job, refs: str, at: int | None) -> int | None:
+    """Two saves, then ``job``'s compaction, interrupted at line ``at`` of the library's
+    code (its wait for the last save's job first): the lines it ran if not cut short."""
+    for _ in range(2):  # a chain of two links at least, to compact
+        job.train(1)
+        job.ckpt.save(job.data.position)
+        save_reference(job, refs, job.data.position)
+    trace, lines = _interrupting(at)
+    sys.settrace(trace)
+    try:
+        assert job.ckpt.compact()
+    except KeyboardInterrupt:
+        return None
+    finally:
+        sys.settrace(None)
+    return lines[0]
+
+
+def _compactions_interrupted_anywhere(root: str, refs: str) -> None:
+    job = _job(root, seed=1, policy="consecutive")
+    lines = _compact_interrupted(job, refs, None)
+    assert lines is not None
+    # Each of its first lines (taking the last save's outcome), then lines spread over
+    # the rest.
+    ats = sorted({*range(1, 17), *(i * lines // 17 for i in range(1, 17))})
+    for at in ats:
+        assert _compact_interrupted(job, refs, at) is None, f"line {at} of {lines} not reached"
+        job.ckpt.wait()  # the compaction, if it started: never a job that cannot end
+    job.ckpt.close()
+
+
+@pytest.mark.dist
+def test_a_compaction_interrupted_at_any_line_never_hangs_a_wait_and_every_step_restores(
+    tmp_path,
+) -> None:
+    """KeyboardInterrupt from inside ``compact()``, which first takes the outcome of the
+    save before it: a job cut short stays waited for, none that cannot start is left
+    behind, and every committed step restores to its reference (before, an interrupt as
+    the outcome was taken dropped the job and its chain: the next delta built on a stale
+    one)."""
+    root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
+    refs.mkdir()
+    run_ranks(1, _compactions_interrupted_anywhere, root, str(refs))
+    run_ranks(1, _every_saved_step_restores, root, str(refs))
+
+
 # -- injected I/O error ----------------------------------------------------
 
 

@@ -105,7 +105,12 @@ class BackgroundWriter:
                     future.set_exception(e)
 
         self._job = _Job(what, future, cleared_bits)
-        self._executor.submit(run)
+        try:
+            self._executor.submit(run)
+        except BaseException:  # an interrupt, or the executor shut down
+            if future.cancel():  # it will never start: not this writer's any more
+                self._job = None
+            raise
         return future
 
     def withdraw(self) -> bool:
@@ -130,7 +135,9 @@ class BackgroundWriter:
                 next checkpoint saves its rows. Or its follow-up (a compaction) failed
                 after its own checkpoint was committed.
         """
-        job, self._job = self._job, None
+        # The job stays this writer's until its outcome is taken, each step of that
+        # repeatable (an OR, an assignment): an interrupt anywhere here loses nothing.
+        job = self._job
         if job is None:
             return
         try:
@@ -139,9 +146,9 @@ class BackgroundWriter:
             if not _raised_by(job.future, e):
                 # The wait itself was interrupted (KeyboardInterrupt, a signal handler's
                 # exception): the job runs on, and the next settle() waits for it.
-                self._job = job
                 raise
             put_back_bits(shards, job.cleared_bits)
+            self._job = None
             raise wrapping(
                 CheckpointError(
                     f"{job.what} failed: {e}; the previous checkpoint stays the restore "
@@ -151,6 +158,7 @@ class BackgroundWriter:
                 e,
             ) from e
         self._chain = result.chain
+        self._job = None
         if result.followup_error is not None:
             raise wrapping(
                 CheckpointError(
