@@ -151,8 +151,10 @@ def _traced_save(job: Job, at: int | None) -> int | None:
     return lines[0]
 
 
-def _saves_interrupted_anywhere(root: str, refs: str, cuts: int, staging: str) -> None:
-    job = _job(root, seed=1, policy="consecutive", staging=staging)
+def _saves_interrupted_anywhere(
+    root: str, refs: str, cuts: int, staging: str, background: str
+) -> None:
+    job = _job(root, seed=1, policy="consecutive", staging=staging, background=background)
     job.train(2)
     job.ckpt.save(2)
     job.ckpt.wait()
@@ -184,9 +186,11 @@ def _every_saved_step_restores(root: str, refs: str) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("staging", ["lazy", "eager"])
+@pytest.mark.parametrize(
+    "staging, background", [("lazy", "thread"), ("eager", "thread"), ("lazy", "process")]
+)
 def test_a_save_interrupted_at_any_line_loses_no_row_and_every_checkpoint_restores_exact(
-    tmp_path, staging: str
+    tmp_path, staging: str, background: str
 ) -> None:
     """KeyboardInterrupt raised from inside ``save()`` at evenly spread lines of its own
     code (staging, clearing the bits, submitting the job): the save is withdrawn with its
@@ -194,7 +198,7 @@ def test_a_save_interrupted_at_any_line_loses_no_row_and_every_checkpoint_restor
     since the last commit, and each committed step restores to its reference."""
     root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
     refs.mkdir()
-    run_ranks(1, _saves_interrupted_anywhere, root, str(refs), 16, staging)
+    run_ranks(1, _saves_interrupted_anywhere, root, str(refs), 16, staging, background)
     run_ranks(1, _every_saved_step_restores, root, str(refs))
 
 
