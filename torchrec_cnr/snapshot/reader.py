@@ -314,7 +314,7 @@ class SnapshotReader:
         """Queues the reads of ``target``'s bytes (of ``read``) from ``location`` at
         ``start``, in pieces of at most ``piece_bytes``, each checksummed if ``crc``."""
         data = as_bytes(target)
-        if 0 < len(data) <= SMALL_BYTES:
+        if 0 < len(data) <= min(SMALL_BYTES, self.piece_bytes):
             small = _Small(location, start, data, crc, cached, _Deferred(self.flush))
             with self._small_lock:
                 self._small.append(small)
