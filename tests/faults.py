@@ -13,6 +13,9 @@ The points used most:
 - ``Fault("make_durable", "-c")``: the same, for a compaction;
 - ``Fault("write_object", ...)``, ``Fault("write", "manifest.json")``,
   ``Fault("write", "lease.json")``: an object, the manifest, the lease.
+
+:func:`interrupting` cuts the training thread's own calls short instead, at a chosen line
+of the library's code, as a signal handler's exception (``KeyboardInterrupt``) would.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ import errno
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
+import torchrec_cnr
 from torchrec_cnr.storage import Storage, StorageWrapper, open_storage
 
 Action = Literal["oserror", "sigkill", "hold"]
@@ -72,3 +78,24 @@ class FaultyStorage(StorageWrapper):
             if fault.action == "hold" and not fault.released.wait(120):
                 raise TimeoutError(f"injected hold of {op} {name} was never released")
             return
+
+
+def interrupting(at: int | None) -> tuple[Callable[..., Any], list[int]]:
+    """A trace function (``sys.settrace``) that counts the lines run in the library's own
+    code on this thread and raises ``KeyboardInterrupt`` at line ``at`` (counts only if
+    ``None``), as a signal handler's exception lands between any two lines; and the count
+    (a one-element list)."""
+    count = [0]
+    package = str(Path(torchrec_cnr.__file__).parent)
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            count[0] += 1
+            if count[0] == at:
+                raise KeyboardInterrupt
+        return local
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename.startswith(package) else None
+
+    return calls, count

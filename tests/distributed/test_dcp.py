@@ -468,3 +468,74 @@ def test_a_shard_on_a_gpu_is_staged_on_the_host_of_its_rank() -> None:
     got = _on_host(ShardMetadata([0, 8], [4, 8], "rank:3/cuda:1"))
     assert str(got.placement) == "rank:3/cpu"
     assert (got.shard_offsets, got.shard_sizes) == ([0, 8], [4, 8])
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor of a state dict in order, this rank's shards of a sharded one."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(obj, ShardedTensor):
+        return [s.tensor for s in obj.local_shards()]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj) for t in _tensors(obj[k])]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return [obj] if isinstance(obj, torch.Tensor) else []
+
+
+def _stagings_interrupted_anywhere() -> None:
+    import sys
+
+    from tests.faults import interrupting
+    from torchrec_cnr.interop import DcpStager
+    from torchrec_cnr.tracking import model_state
+
+    job = make_job("ebc", optimizer="exact_adagrad", seed=1)
+    job.train(2)
+    stager = DcpStager(job.model)
+    lookups = {id(s.lookups): s.lookups for s in model_state.local_shards(job.model)}
+
+    def state() -> dict[str, Any]:  # TorchRec's recipe, as DCP hands it to the stager
+        return {"model": job.model.state_dict(), "optim": job.model.fused_optimizer.state_dict()}
+
+    def staged_at(at: int | None) -> tuple[Any, list[int]]:
+        trace, lines = interrupting(at)
+        sys.settrace(trace)
+        try:
+            return stager.stage(state()), lines
+        except KeyboardInterrupt:
+            return None, lines
+        finally:
+            sys.settrace(None)
+
+    future, lines = staged_at(None)
+    future.result()
+    cut = 0
+    for at in sorted({*range(1, 9), *(i * lines[0] // 13 for i in range(1, 13))}):
+        job.train(1)
+        future, _ = staged_at(at)
+        cut += future is None
+        if future is not None:
+            future.result()
+        stager._executor.submit(lambda: None).result()  # what it may have queued has run
+        hooked = [lk for lk in lookups.values() if lk is not None and lk.listened]
+        assert not hooked, f"staging cut at line {at} of {lines[0]} left a hook copying rows"
+    assert cut >= 16, f"only {cut} stagings were cut short"
+    # Staging goes on as before: a copy of the state at the call, whatever training does.
+    job.train(1)
+    want = [t.clone() for t in _tensors(state())]
+    future, _ = staged_at(None)
+    job.train(2)
+    got = _tensors(future.result())
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    now = _tensors(state())
+    assert any(not torch.equal(a, b) for a, b in zip(now, want)), "training changed nothing"
+    stager.close()
+
+
+@pytest.mark.dist
+def test_a_dcp_staging_interrupted_at_any_line_leaves_no_hook_and_stages_exactly_after() -> None:
+    """KeyboardInterrupt from inside ``DcpStager.stage`` (each of its first 8 lines of the
+    library's code, then 12 spread over the rest): no copy-on-write hook is left copying
+    rows into buffers nobody reads, and the next staging holds the state at its call."""
+    run_ranks(1, _stagings_interrupted_anywhere)

@@ -6,9 +6,7 @@ from __future__ import annotations
 import errno
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ import torch.multiprocessing as mp
 
 from cnr_train.workload import TableSpec
 from tests import reference
-from tests.faults import Fault, FaultyStorage
+from tests.faults import Fault, FaultyStorage, interrupting
 from tests.jobs import Job, assert_restores, make_job, restores_exactly, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointError, Timeouts
@@ -117,30 +115,10 @@ def test_an_interrupted_wait_raises_the_interrupt_and_the_checkpoint_still_commi
     run_ranks(2, _restores_latest, root, str(refs), 2)
 
 
-def _interrupting(at: int | None) -> tuple[Callable[..., Any], list[int]]:
-    """A trace function that counts the lines run in the library's own code on this
-    thread and raises ``KeyboardInterrupt`` at line ``at`` (counts only if ``None``), as
-    a signal handler's exception lands between any two lines; and the count."""
-    count = [0]
-    package = str(Path(model_state.__file__).parents[1])
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "line":
-            count[0] += 1
-            if count[0] == at:
-                raise KeyboardInterrupt
-        return local
-
-    def calls(frame: Any, event: str, arg: Any) -> Any:
-        return local if frame.f_code.co_filename.startswith(package) else None
-
-    return calls, count
-
-
 def _traced_save(job: Job, at: int | None) -> int | None:
     """``job``'s save of its step, interrupted at line ``at`` of the library's code:
     the lines it ran if it ran to the end, else ``None``."""
-    trace, lines = _interrupting(at)
+    trace, lines = interrupting(at)
     sys.settrace(trace)
     try:
         assert job.ckpt.save(job.data.position)
@@ -209,7 +187,7 @@ def _compact_interrupted(job: Job, refs: str, at: int | None) -> int | None:
         job.train(1)
         job.ckpt.save(job.data.position)
         save_reference(job, refs, job.data.position)
-    trace, lines = _interrupting(at)
+    trace, lines = interrupting(at)
     sys.settrace(trace)
     try:
         assert job.ckpt.compact()

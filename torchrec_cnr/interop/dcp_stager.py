@@ -126,23 +126,26 @@ class DcpStager(AsyncStager):
         """Starts staging ``state_dict`` (whose values DCP has already turned from
         ``Stateful`` objects into state dicts); returns the future of its staged copy.
 
-        Raises nothing itself: a failure on any rank fails the future on every rank.
+        Raises nothing itself: a failure on any rank fails the future on every rank. An
+        interrupt (``KeyboardInterrupt``, a signal handler's exception) passes through,
+        leaving no copy-on-write hook behind.
         """
         began = time.perf_counter()
         self._wait()  # one staging at a time (they take milliseconds)
-        error: Exception | None = None
         lazy: LazyStaging | None = None
-        staged: dict[str, Any] | None = None
         try:
             lazy, copies = self._begin()
             staged, self.copied_bytes = _restage(state_dict, copies)
             self.copy_on_write_bytes = 0 if lazy is None else lazy.nbytes
             self._views = [weakref.ref(t) for t in copies.values()]
-        except Exception as e:  # reported once every rank agrees, on every rank
+            future = self._executor.submit(self._finish, lazy, staged, None)
+        except BaseException as e:  # an interrupt too: no hook left copying rows
             if lazy is not None:
                 lazy.detach()
-            error = e
-        future = self._executor.submit(self._finish, lazy, staged, error)
+            if not isinstance(e, Exception):
+                raise
+            # Reported once every rank agrees, on every rank.
+            future = self._executor.submit(self._finish, None, None, e)
         self._pending = weakref.ref(future)
         self.stall_s = time.perf_counter() - began
         return future
@@ -168,9 +171,13 @@ class DcpStager(AsyncStager):
                 copies[_address(live)] = live.detach().to("cpu", copy=True)
         lazy = LazyStaging.begin(lazy_plans, _FULL, pool) if lazy_plans else None
         if lazy is not None:
-            for plan in lazy_plans:
-                for live, buffer in zip(_live(plan.shard), lazy.buffers(plan.shard)):
-                    copies[_address(live)] = buffer
+            try:
+                for plan in lazy_plans:
+                    for live, buffer in zip(_live(plan.shard), lazy.buffers(plan.shard)):
+                        copies[_address(live)] = buffer
+            except BaseException:
+                lazy.detach()
+                raise
         return lazy, copies
 
     def _finish(

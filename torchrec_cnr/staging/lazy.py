@@ -227,16 +227,20 @@ class LazyStaging:
         by_kernel: dict[int, list[_Shard]] = {}
         for s in staged:
             by_kernel.setdefault(id(s.shard.lookups), []).append(s)
-        for group in by_kernel.values():
-            lookups = group[0].shard.lookups
-            assert lookups is not None
-            if lib is not None:
-                compiled = cow.Group(lib, [_compiled_args(s) for s in group])
-                for i, s in enumerate(group):
-                    s.compiled = (compiled, i)
-            listener = self._listener(group)
-            lookups.subscribe(listener)
-            self._listeners.append((lookups, listener))
+        try:  # an interrupt midway leaves no hook behind
+            for group in by_kernel.values():
+                lookups = group[0].shard.lookups
+                assert lookups is not None
+                if lib is not None:
+                    compiled = cow.Group(lib, [_compiled_args(s) for s in group])
+                    for i, s in enumerate(group):
+                        s.compiled = (compiled, i)
+                listener = self._listener(group)
+                self._listeners.append((lookups, listener))
+                lookups.subscribe(listener)
+        except BaseException:
+            self.detach()
+            raise
         return self
 
     def buffers(self, shard: LocalShard) -> list[torch.Tensor]:
