@@ -41,6 +41,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, conn: Connectio
     import torch
     import torch.distributed as dist
 
+    from torchrec_cnr import shutdown
     from torchrec_cnr.launch import init_distributed
 
     torch.set_num_threads(1)
@@ -56,6 +57,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, conn: Connectio
         os.environ.update(env)
         try:
             fn(*args, **kwargs)
+            # What the call left running (a manager it did not close: a lease's heartbeat,
+            # a tracker) stops, as the job's exit would stop it: a heartbeat of an
+            # earlier test's root must not warn into a later test's logs.
+            shutdown.stop_all()
             # Leave together: the next call's collectives must not meet this one's.
             dist.barrier()
             # What the call left collected once, the rest frozen: no later collection

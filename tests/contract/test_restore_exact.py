@@ -52,6 +52,7 @@ def _policy_case(policy: str, root: str, refs: str, staging: str) -> None:
     ):
         fresh = _job(policy, root, seed=100 + step)
         assert_restores(fresh, refs_p, step)
+        fresh.ckpt.close()
 
     # Resume from the latest checkpoint, keep training and saving on the
     # restored chain, then restore the newest checkpoint once more.
@@ -59,8 +60,10 @@ def _policy_case(policy: str, root: str, refs: str, staging: str) -> None:
     assert job.ckpt.restore() == last
     newest = last + 3 * STEPS_PER_INTERVAL
     job.run(last + 1, newest, refs_p)
-    job.ckpt.wait()
-    assert_restores(_job(policy, root, seed=8), refs_p, newest, latest=True)
+    job.ckpt.close()
+    fresh = _job(policy, root, seed=8)
+    assert_restores(fresh, refs_p, newest, latest=True)
+    fresh.ckpt.close()
 
 
 def _chain_shape_holds(policy: str, kinds: Sequence[str], chains: list[int]) -> bool:
