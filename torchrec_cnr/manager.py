@@ -30,7 +30,7 @@ from torchrec_cnr.read import Intact
 from torchrec_cnr.recovery import SaveSchedule
 from torchrec_cnr.restore import LocalModel, ModelLoader, Restored, RestoreScope
 from torchrec_cnr.selection import Policy
-from torchrec_cnr.selection.rows import ClearedBits, put_back_bits
+from torchrec_cnr.selection.rows import ClearedBits
 from torchrec_cnr.snapshot.objects import check_app_state, resolve_globals
 from torchrec_cnr.staging import LazyStaging, Stager
 from torchrec_cnr.storage import Storage
@@ -177,9 +177,7 @@ class CheckpointManager:
             self._background.submit(what, run, cleared)
         except BaseException:  # an interrupt (KeyboardInterrupt, a signal handler's)
             if self._background.withdraw():  # no job writes it: no bit lost, nothing held
-                put_back_bits(self._shards, cleared)
-                self._stager.detach()
-                sink.abandon()
+                self._stager.withdraw(sink, cleared)
             raise
         self._schedule.saved(step)
         if self.config.wait_for_commit:

@@ -109,9 +109,7 @@ class Stager:
             chosen = plan.chosen if self.priority_bytes is not None else None
             restart_bits(self.shards, decision, chosen, self._keep_bits, cleared)
         except BaseException as e:  # an interrupt too: nothing staged, no bit lost
-            self.detach()
-            sink.abandon()
-            put_back_bits(self.shards, cleared)
+            self.withdraw(sink, cleared)
             if not isinstance(e, Exception):
                 raise
             return None, ClearedBits(), e
@@ -156,6 +154,13 @@ class Stager:
         if why not in self._said:
             self._said.add(why)
             logger.info("staging eagerly (the stall grows with the checkpoint): %s", why)
+
+    def withdraw(self, sink: Sink, cleared: ClearedBits) -> None:
+        """Takes back a staging that no job will write (it failed, or was cut short): ends
+        its copy-on-write, abandons ``sink`` and ORs back the bits it ``cleared``."""
+        self.detach()
+        sink.abandon()
+        put_back_bits(self.shards, cleared)
 
     def detach(self) -> None:
         """Ends the last save's copy-on-write (its job is over, whatever happened to it)."""
