@@ -14,8 +14,8 @@ The points used most:
 - ``Fault("write_object", ...)``, ``Fault("write", "manifest.json")``,
   ``Fault("write", "lease.json")``: an object, the manifest, the lease.
 
-:func:`interrupting` cuts the training thread's own calls short instead, at a chosen line
-of the library's code, as a signal handler's exception (``KeyboardInterrupt``) would.
+:func:`cut_at` cuts the training thread's own calls short instead, at a chosen line of
+the library's code, as a signal handler's exception (``KeyboardInterrupt``) would.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torchrec_cnr
 from torchrec_cnr.storage import Storage, StorageWrapper, open_storage
@@ -80,22 +81,32 @@ class FaultyStorage(StorageWrapper):
             return
 
 
-def interrupting(at: int | None) -> tuple[Callable[..., Any], list[int]]:
-    """A trace function (``sys.settrace``) that counts the lines run in the library's own
-    code on this thread and raises ``KeyboardInterrupt`` at line ``at`` (counts only if
-    ``None``), as a signal handler's exception lands between any two lines; and the count
-    (a one-element list)."""
-    count = [0]
+T = TypeVar("T")
+
+
+def cut_at(at: int | None, call: Callable[[], T]) -> tuple[T | None, int]:
+    """``call()`` on this thread with ``KeyboardInterrupt`` raised at its line ``at`` of
+    the library's own code (lines elsewhere are not counted), as a signal handler's
+    exception lands between any two lines; ``None``: not cut. Returns what it returned,
+    ``None`` if it was cut short, and how many of the library's lines it ran."""
+    count = 0
     package = str(Path(torchrec_cnr.__file__).parent)
 
-    def local(frame: Any, event: str, arg: Any) -> Any:
+    def line(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
         if event == "line":
-            count[0] += 1
-            if count[0] == at:
+            count += 1
+            if count == at:
                 raise KeyboardInterrupt
-        return local
+        return line
 
     def calls(frame: Any, event: str, arg: Any) -> Any:
-        return local if frame.f_code.co_filename.startswith(package) else None
+        return line if frame.f_code.co_filename.startswith(package) else None
 
-    return calls, count
+    sys.settrace(calls)
+    try:
+        return call(), count
+    except KeyboardInterrupt:
+        return None, count
+    finally:
+        sys.settrace(None)

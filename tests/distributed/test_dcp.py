@@ -484,9 +484,7 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def _stagings_interrupted_anywhere() -> None:
-    import sys
-
-    from tests.faults import interrupting
+    from tests.faults import cut_at
     from torchrec_cnr.interop import DcpStager
     from torchrec_cnr.tracking import model_state
 
@@ -498,20 +496,13 @@ def _stagings_interrupted_anywhere() -> None:
     def state() -> dict[str, Any]:  # TorchRec's recipe, as DCP hands it to the stager
         return {"model": job.model.state_dict(), "optim": job.model.fused_optimizer.state_dict()}
 
-    def staged_at(at: int | None) -> tuple[Any, list[int]]:
-        trace, lines = interrupting(at)
-        sys.settrace(trace)
-        try:
-            return stager.stage(state()), lines
-        except KeyboardInterrupt:
-            return None, lines
-        finally:
-            sys.settrace(None)
+    def staged_at(at: int | None) -> tuple[Any, int]:
+        return cut_at(at, lambda: stager.stage(state()))
 
     future, lines = staged_at(None)
     future.result()
     cut = 0
-    for at in sorted({*range(1, 9), *(i * lines[0] // 13 for i in range(1, 13))}):
+    for at in sorted({*range(1, 9), *(i * lines // 13 for i in range(1, 13))}):
         job.train(1)
         future, _ = staged_at(at)
         cut += future is None
@@ -519,7 +510,7 @@ def _stagings_interrupted_anywhere() -> None:
             future.result()
         stager._executor.submit(lambda: None).result()  # what it may have queued has run
         hooked = [lk for lk in lookups.values() if lk is not None and lk.listened]
-        assert not hooked, f"staging cut at line {at} of {lines[0]} left a hook copying rows"
+        assert not hooked, f"staging cut at line {at} of {lines} left a hook copying rows"
     assert cut >= 16, f"only {cut} stagings were cut short"
     # Staging goes on as before: a copy of the state at the call, whatever training does.
     job.train(1)

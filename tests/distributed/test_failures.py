@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import torch.multiprocessing as mp
 
 from cnr_train.workload import TableSpec
 from tests import reference
-from tests.faults import Fault, FaultyStorage, interrupting
+from tests.faults import Fault, FaultyStorage, cut_at
 from tests.jobs import Job, assert_restores, make_job, restores_exactly, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointError, Timeouts
@@ -115,20 +114,6 @@ def test_an_interrupted_wait_raises_the_interrupt_and_the_checkpoint_still_commi
     run_ranks(2, _restores_latest, root, str(refs), 2)
 
 
-def _traced_save(job: Job, at: int | None) -> int | None:
-    """``job``'s save of its step, interrupted at line ``at`` of the library's code:
-    the lines it ran if it ran to the end, else ``None``."""
-    trace, lines = interrupting(at)
-    sys.settrace(trace)
-    try:
-        assert job.ckpt.save(job.data.position)
-    except KeyboardInterrupt:
-        return None
-    finally:
-        sys.settrace(None)
-    return lines[0]
-
-
 def _saves_interrupted_anywhere(
     root: str, refs: str, cuts: int, staging: str, background: str
 ) -> None:
@@ -145,12 +130,12 @@ def _saves_interrupted_anywhere(
             job.train(1)  # rows an interrupted save may have cleared the bits of
             save_reference(job, refs, job.data.position)  # its job may run on and commit
             at = (i * lines // cuts if i < cuts else lines - (i - cuts)) if interrupt else None
-            ran = _traced_save(job, at or None)
+            saved, ran = cut_at(at or None, lambda: job.ckpt.save(job.data.position))
             job.ckpt.wait()  # the job, if it started: it commits
-            if interrupt:
-                interrupted += ran is None
-            else:
-                assert ran is not None
+            assert saved is None or saved, "a save was skipped"
+            interrupted += saved is None
+            if not interrupt:
+                assert saved is not None
                 lines = ran
     assert interrupted >= cuts + 8, f"only {interrupted} of {cuts + 12} saves were interrupted"
     job.ckpt.close()
@@ -187,15 +172,11 @@ def _compact_interrupted(job: Job, refs: str, at: int | None) -> int | None:
         job.train(1)
         job.ckpt.save(job.data.position)
         save_reference(job, refs, job.data.position)
-    trace, lines = interrupting(at)
-    sys.settrace(trace)
-    try:
-        assert job.ckpt.compact()
-    except KeyboardInterrupt:
+    compacted, lines = cut_at(at, job.ckpt.compact)
+    if compacted is None:
         return None
-    finally:
-        sys.settrace(None)
-    return lines[0]
+    assert compacted
+    return lines
 
 
 def _compactions_interrupted_anywhere(root: str, refs: str) -> None:
