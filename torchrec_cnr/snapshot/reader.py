@@ -105,8 +105,8 @@ def _get(
 SMALL_BYTES = 64 << 10
 """A piece at most this large is not read on its own: the small pieces of one object that
 one call begins, each within a request's worth of bytes (:attr:`Storage.request_bytes`)
-of the next, are read with one request into a scratch buffer and copied out (a compaction
-or a restore of small tables made a request per tensor: 1,200 GETs where 300 do)."""
+of the next, are read with one request into a scratch buffer and copied out (a restore of
+small tables made a request per tensor: in the tests' S3 resumes, 774 GETs where 318 do)."""
 
 
 class _Deferred(Future[int]):
@@ -115,10 +115,10 @@ class _Deferred(Future[int]):
 
     def __init__(self, flush: Callable[[], None]) -> None:
         super().__init__()
-        self.flush = flush
+        self._flush = flush
 
     def result(self, timeout: float | None = None) -> int:
-        self.flush()
+        self._flush()
         return super().result(timeout)
 
 
