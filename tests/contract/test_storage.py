@@ -4,6 +4,7 @@ folders list, measure and delete alike."""
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -126,3 +127,27 @@ def test_unsupported_roots_are_refused_naming_what_works() -> None:
         CheckpointConfig(path="hdfs://namenode/run")
     with pytest.raises(ValueError, match="storage_options must be a dict"):
         CheckpointConfig(path="gs://bucket/run", storage_options="key=x")  # type: ignore[arg-type]
+
+
+def test_s3_roots_share_one_client_per_process_until_the_settings_change(
+    s3_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """boto3's clients are thread-safe and cost milliseconds of CPU to build: every thread
+    and root of a process uses one, and other ``AWS_*`` settings get one of their own."""
+    from torchrec_cnr.storage.s3 import shared_client
+
+    a, b = open_storage(s3_root), open_storage(s3_root)
+    a.create()
+    a.write("x", b"1")
+    with ThreadPoolExecutor(16) as pool:
+        clients = set(pool.map(lambda _: id(shared_client()), range(64)))
+        reads = list(pool.map(lambda i: (a if i % 2 else b).read("x"), range(64)))
+    assert len(clients) == 1
+    assert [r[0] for r in reads if r is not None] == [b"1"] * 64
+    first = shared_client()
+    key = os.environ["AWS_ACCESS_KEY_ID"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "someone-else")
+    assert shared_client() is not first
+    assert (a.read("x") or (b"",))[0] == b"1"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
+    assert shared_client() is first

@@ -12,12 +12,57 @@ store that does not would return an error rather than overwrite silently.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
 from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage, _Any, truncated
 
-__all__ = ["S3Storage", "split_url"]
+__all__ = ["S3Storage", "shared_client", "split_url"]
+
+POOL_CONNECTIONS = 64
+"""Connections the shared client keeps open: more than the I/O threads of the few I/O
+contexts a process runs at once (8 each by default), so that none is dropped after use."""
+
+KEPT_CLIENTS = 4
+"""Clients kept for settings no longer current (their connections open): the oldest go."""
+
+_clients: dict[tuple[object, ...], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def shared_client() -> Any:
+    """This process's S3 client for the environment's settings (the ``AWS_*`` variables),
+    shared by every thread and root: boto3's clients are thread-safe, but building one
+    costs some 5-100 ms of CPU (its service model, endpoint rules and credentials), which
+    a client per thread and root paid again for each new reader, writer and follower
+    update. A variable that changes (another endpoint, other credentials) gets a client of
+    its own, and a forked child builds its own.
+
+    Raises:
+        RuntimeError: boto3 is not installed (``pip install torchrec_cnr[s3]``).
+    """
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    key = (os.getpid(), env)
+    client = _clients.get(key)
+    if client is not None:
+        return client
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError as e:
+        raise RuntimeError(
+            "s3:// checkpoint roots need boto3: pip install 'torchrec_cnr[s3]'"
+        ) from e
+    with _clients_lock:  # boto3's sessions, which build clients, are not thread-safe
+        client = _clients.get(key)
+        if client is None:
+            forked = [k for k in _clients if k[0] != key[0]]  # the parent's, before a fork
+            for old in forked + list(_clients)[: max(0, len(_clients) - KEPT_CLIENTS)]:
+                _clients.pop(old, None)
+            config = Config(max_pool_connections=POOL_CONNECTIONS)
+            client = _clients[key] = boto3.session.Session().client("s3", config=config)
+    return client
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -50,21 +95,10 @@ class S3Storage(Storage):
         self.url = url
         self.bucket = bucket
         self.prefix = prefix
-        self._local = threading.local()
 
     @property
     def _client(self) -> Any:
-        # One client per thread: boto3 clients are cheap to reuse and not to rebuild.
-        client = getattr(self._local, "client", None)
-        if client is None:
-            try:
-                import boto3
-            except ImportError as e:
-                raise RuntimeError(
-                    "s3:// checkpoint roots need boto3: pip install 'torchrec_cnr[s3]'"
-                ) from e
-            client = self._local.client = boto3.client("s3")
-        return client
+        return shared_client()
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if name else self.prefix
