@@ -443,23 +443,40 @@ def mapped(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized tensor of a MiB or more in anonymous memory of its own,
     page-aligned (a whole stored tensor is read straight into it with ``O_DIRECT``), whose
     storage is exactly its bytes: DCP's writer writes it without the copy it makes of a
-    view, and frees it once written (:func:`_free`). The memory of a block already written
-    where one of up to twice the size is spare, whose pages are in memory: a fresh mapping's
-    first touch cost a third of a cold read of 1 GB here (0.3 of 0.9 s). Smaller ones, and
-    any past :data:`MAX_MAPPED`, as ``torch.empty`` gives them."""
+    view, and frees it once written (:func:`_free`). Smaller ones, and any past
+    :data:`MAX_MAPPED`, as ``torch.empty`` gives them.
+
+    It takes the memory of a block already written, of up to twice its size, where one is
+    spare: its pages are in memory, where a fresh mapping's first touch cost a third of a
+    cold read of 1 GB here (0.3 of 0.9 s). Where none fits, every spare block's pages go
+    back to the system first: the memory held stays that of the blocks being read and
+    written, as without spares."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < DIRECT_MIN_BYTES or len(_MAPPED) >= MAX_MAPPED:
         return torch.empty(shape, dtype=dtype)
+    memory = _take_spare(nbytes)
+    if memory is None:
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+    _MAPPED[t.data_ptr()] = memory
+    return t
+
+
+def _take_spare(nbytes: int) -> mmap.mmap | None:
+    """The smallest spare mapping of ``nbytes`` to twice that, holding pages for ``nbytes``
+    only, or ``None`` once every spare one's pages are returned (:func:`_return_spare`)."""
     with _spare_lock:
         fits = [m for m in _spare if nbytes <= len(m) <= 2 * nbytes]
         memory = min(fits, key=len) if fits else None
         if memory is not None:
             _spare.remove(memory)
     if memory is None:
-        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    t = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
-    _MAPPED[t.data_ptr()] = memory
-    return t
+        _return_spare()
+        return None
+    tail = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    if tail < len(memory):  # pages past the block go back: it holds its own bytes only
+        memory.madvise(mmap.MADV_DONTNEED, tail, len(memory) - tail)
+    return memory
 
 
 def _free(t: torch.Tensor) -> None:
@@ -479,7 +496,8 @@ def _free(t: torch.Tensor) -> None:
 
 
 def _return_spare() -> None:
-    """The spare mappings' pages back to the system, once a write is over."""
+    """The spare mappings' pages back to the system (where none fits a block, and once a
+    write is over)."""
     with _spare_lock:
         spare = _spare[:]
         _spare.clear()
