@@ -4,6 +4,7 @@ them, at the asked phase past a page boundary, and trimmed to what one round too
 from __future__ import annotations
 
 import gc
+import os
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from torchrec_cnr.snapshot import buffers
 from torchrec_cnr.snapshot.buffers import Buffers
+from torchrec_cnr.snapshot.reader import page_aligned
 from torchrec_cnr.storage import DIRECT_ALIGN
 
 
@@ -87,3 +89,40 @@ def test_a_round_checks_each_buffer_once_at_its_trim_not_at_each_read(
     # 8 KiB each (4 KiB and SLACK): no round after the first made any.
     assert pool.nbytes == n * 2 * 4096
     assert checks <= 3 * n
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping of this process that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+    reason="a kernel without transparent huge pages",
+)
+@pytest.mark.parametrize("phase", [0, 256])
+def test_read_memory_of_a_huge_page_or_more_is_a_mapping_of_its_own_advised_for_huge_pages(
+    phase: int,
+) -> None:
+    big = page_aligned(buffers.HUGE_PAGE, torch.uint8, phase=phase)
+    assert big.data_ptr() % DIRECT_ALIGN == phase and big.numel() == buffers.HUGE_PAGE
+    assert "hg" in _vm_flags(big.data_ptr())  # MADV_HUGEPAGE
+    big.fill_(7)
+    view = big[-10:]
+    del big
+    gc.collect()
+    assert torch.equal(view, torch.full((10,), 7, dtype=torch.uint8)), "its mapping outlives a view"
+    small = page_aligned(buffers.HUGE_PAGE // 2, torch.uint8)
+    assert small.data_ptr() % DIRECT_ALIGN == 0
+    assert "hg" not in _vm_flags(small.data_ptr())
+    taken = Buffers().take(buffers.HUGE_PAGE, torch.uint8)
+    assert "hg" in _vm_flags(taken.data_ptr())

@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from torchrec_cnr.errors import CheckpointReadError, CnrError
+from torchrec_cnr.snapshot.buffers import anonymous
 from torchrec_cnr.snapshot.objects import load_object
 from torchrec_cnr.storage import DIRECT_MIN_BYTES
 
@@ -456,7 +457,7 @@ def mapped(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     memory = _take_spare(nbytes)
     if memory is None:
-        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        memory = anonymous(nbytes)
     t = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
     _MAPPED[t.data_ptr()] = memory
     return t

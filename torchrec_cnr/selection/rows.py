@@ -214,7 +214,7 @@ def resume_chain(
     if policy.cumulative:
         for shard, mask in zip(shards, from_deltas):
             if shard.words is not None:
-                bitmap.set_bits(shard.words, mask.nonzero().flatten())
+                shard.words |= bitmap.from_mask(mask)
             if requantized and shard.words is not None and shard.recent is not None:
-                bitmap.set_bits(shard.recent, mask.nonzero().flatten())
+                shard.recent |= bitmap.from_mask(mask)
     return chain

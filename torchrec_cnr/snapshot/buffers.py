@@ -16,6 +16,7 @@ replayed, rows an accept gate kept) is never handed out again.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import mmap
 import sys
 import threading
@@ -24,7 +25,27 @@ import torch
 
 from torchrec_cnr.storage import DIRECT_ALIGN, DIRECT_MIN_BYTES
 
-__all__ = ["Buffers"]
+__all__ = ["Buffers", "anonymous"]
+
+HUGE_PAGE = 2 << 20
+"""The size of a huge page (x86-64, and arm64 with 4 KiB pages)."""
+
+
+def anonymous(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of private anonymous memory, page-aligned, that the kernel may back with
+    huge pages where it holds one (``madvise(MADV_HUGEPAGE)``; the host's transparent huge
+    page setting rules, ``never`` turns it off).
+
+    The first touch of fresh memory costs a page fault per page, the kernel zeroing each:
+    0.49 s per GB in 4 KiB pages here against 0.10 s in 2 MiB ones, as long as a cold read
+    of the same gigabyte from this machine's disk takes with ``O_DIRECT`` into memory
+    already touched."""
+    memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes >= HUGE_PAGE:
+        with contextlib.suppress(OSError):  # a kernel built without huge pages
+            memory.madvise(mmap.MADV_HUGEPAGE)
+    return memory
+
 
 MIN_BYTES = DIRECT_MIN_BYTES
 """Reads smaller than this go into fresh memory: their pages cost little, and a reader of
@@ -40,7 +61,7 @@ def _references(buffers: list[mmap.mmap], i: int) -> int:
     return sys.getrefcount(buffers[i])
 
 
-_IDLE = _references([mmap.mmap(-1, DIRECT_ALIGN)], 0)
+_IDLE = _references([anonymous(DIRECT_ALIGN)], 0)
 """The reference count :func:`_references` sees of a mapping held by its list alone."""
 
 
@@ -76,7 +97,7 @@ class Buffers:
                 chosen = self._idle.pop(at)
             else:
                 size = -(-int(need * SLACK) // DIRECT_ALIGN) * DIRECT_ALIGN
-                chosen = mmap.mmap(-1, max(size, DIRECT_ALIGN))
+                chosen = anonymous(max(size, DIRECT_ALIGN))
                 self._maps.append(chosen)
             self._taken += len(chosen)
             raw = torch.frombuffer(chosen, dtype=torch.uint8, count=need)  # in use from here

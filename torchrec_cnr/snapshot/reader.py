@@ -25,7 +25,7 @@ import torch
 
 from torchrec_cnr.errors import CheckpointReadError
 from torchrec_cnr.schema import SNAPSHOT_MARKER, app_path, dense_path, rows_path
-from torchrec_cnr.snapshot.buffers import Buffers
+from torchrec_cnr.snapshot.buffers import HUGE_PAGE, Buffers, anonymous
 from torchrec_cnr.snapshot.checksum import (
     as_bytes,
     check,
@@ -56,10 +56,16 @@ def page_aligned(numel: int, dtype: torch.dtype, pin: bool = False, phase: int =
     between it and the disk with ``O_DIRECT``, without a bounce copy. ``pin``:
     page-locked (for asynchronous copies from CUDA). ``phase``: starts that many bytes
     (mod 4 KiB) past one instead, as the bytes read into it lie in their file, which
-    ``O_DIRECT`` then reads straight in past their first block."""
-    raw = torch.empty(numel * dtype.itemsize + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
+    ``O_DIRECT`` then reads straight in past their first block. A huge page or more
+    unpinned is memory of its own, advised for huge pages (:func:`anonymous`)."""
+    nbytes = numel * dtype.itemsize
+    if not pin and nbytes >= HUGE_PAGE:
+        skip = phase % DIRECT_ALIGN
+        raw = torch.frombuffer(anonymous(skip + nbytes), dtype=torch.uint8, count=skip + nbytes)
+        return raw[skip:].view(dtype)
+    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
     skip = (phase - raw.data_ptr()) % DIRECT_ALIGN
-    return raw[skip : skip + numel * dtype.itemsize].view(dtype)
+    return raw[skip : skip + nbytes].view(dtype)
 
 
 T = TypeVar("T")

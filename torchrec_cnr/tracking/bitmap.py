@@ -115,7 +115,12 @@ def to_indices(words: torch.Tensor, num_rows: int) -> torch.Tensor:
 def from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Packs a ``(num_rows,)`` bool mask into an int64 bitmap."""
     words = torch.zeros(num_words(mask.numel()), dtype=torch.int64, device=mask.device)
-    set_bits(words, mask.nonzero().flatten())
+    if mask.device.type != "cpu":
+        set_bits(words, mask.nonzero().flatten())
+        return words
+    # numpy packs 8 rows per byte in C, where a sort of the set rows would cost 10x.
+    packed = np.packbits(mask.contiguous().numpy().view(np.uint8), bitorder="little")
+    words.numpy().view(np.uint8)[: packed.size] = packed
     return words
 
 
