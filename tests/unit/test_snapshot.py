@@ -17,6 +17,7 @@ from torchsnapshot.manifest import ChunkedTensorEntry, SnapshotMetadata, TensorE
 
 from torchrec_cnr.errors import CheckpointReadError, ChecksumError
 from torchrec_cnr.snapshot import (
+    RankPart,
     SnapshotReader,
     SnapshotWriter,
     app_path,
@@ -32,7 +33,7 @@ from torchrec_cnr.snapshot.index import ChunkedTensorEntry as IndexChunks
 from torchrec_cnr.snapshot.index import OtherEntry, PrimitiveEntry, index_part, parse_index
 from torchrec_cnr.snapshot.index import TensorEntry as IndexTensor
 from torchrec_cnr.snapshot.reader import _spans, span_bytes
-from torchrec_cnr.storage import CountingStorage, StorageWrapper, open_storage
+from torchrec_cnr.storage import CountingStorage, Storage, StorageWrapper, open_storage
 
 IO = ThreadPoolExecutor(4, thread_name_prefix="test-io")
 PIECE = 32 << 10  # bytes per object and per read: the tensors below span several
@@ -170,18 +171,24 @@ def test_our_reader_checks_every_piece_and_reads_rows_alone(
     )
 
 
+def _in_blocks(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Storage, RankPart]:
+    """Rank 0's ``s0.w`` alone, in checksummed blocks of 128 rows."""
+    monkeypatch.setattr(snapshot_writer, "BLOCK_BYTES", 8 << 10)  # 128 rows of s0.w
+    storage = open_storage(str(root))
+    storage.create()
+    writer = SnapshotWriter(storage, "ckpt", "0", IO, PIECE)
+    writer.write(rows_path(0, "s0.w"), _tensors()[rows_path(0, "s0.w")])
+    part = writer.finish()
+    write_index(storage, "ckpt", [part.index], world_size=1)
+    return storage, part
+
+
 def test_rows_in_a_window_are_read_and_checked_in_their_blocks_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(snapshot_writer, "BLOCK_BYTES", 8 << 10)  # 128 rows of s0.w
-    storage = open_storage(str(tmp_path))
-    storage.create()
+    storage, part = _in_blocks(tmp_path, monkeypatch)
     logical = rows_path(0, "s0.w")
     whole = _tensors()[logical]
-    writer = SnapshotWriter(storage, "ckpt", "0", IO, PIECE)
-    writer.write(logical, whole)
-    part = writer.finish()
-    write_index(storage, "ckpt", [part.index], world_size=1)
     assert part.checksums[logical] == crc32(whole)  # combined from the blocks'
     blocks = part.blocks[logical]
     assert blocks[0] == 128 and len(blocks) == 1 + 6 * 4  # 6 objects of 4 blocks (3000 rows)
@@ -207,6 +214,38 @@ def test_rows_in_a_window_are_read_and_checked_in_their_blocks_alone(
     assert got is not None and torch.equal(got, whole[900:1024])
     with pytest.raises(ChecksumError, match=r"ckpt/0/rows/s0.w is corrupt"):
         reader.rows_window(0, "s0.w", 1100, 1101, blocks)
+
+
+def test_a_window_read_into_place_fails_only_once_every_block_has_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A restore reads windows straight into the model: no block may be read into it after
+    # the window's read failed (the restore then falls back to an older checkpoint).
+    storage, part = _in_blocks(tmp_path, monkeypatch)
+    reader = SnapshotReader(storage, "ckpt", IO, PIECE, part.checksums)
+    chunked = reader._entries[rows_path(0, "s0.w")]
+    assert isinstance(chunked, IndexChunks)
+    gone = next(c.tensor.location for c in chunked.chunks if c.offsets[0] == 0)
+    finished: list[str] = []
+
+    class FirstObjectGone(StorageWrapper):
+        def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
+            if name.endswith(gone):
+                raise OSError("its object is gone")
+            time.sleep(0.05)
+            super().read_into(name, offset, out, cached)
+            finished.append(name)
+
+    reader = SnapshotReader(FirstObjectGone(storage), "ckpt", IO, PIECE, part.checksums)
+    into = torch.zeros(3000, 16)
+    finish = reader.begin_window(0, "s0.w", 0, 3000, part.blocks[rows_path(0, "s0.w")], out=into)
+    assert finish is not None
+    reader.flush()
+    with pytest.raises(CheckpointReadError, match="its object is gone"):
+        finish()
+    ended = len(finished)
+    time.sleep(0.5)
+    assert ended > 0 and len(finished) == ended, "a block was read into after the window failed"
 
 
 def test_a_tensor_whose_chunks_leave_a_gap_is_refused(tmp_path: Path) -> None:
@@ -308,6 +347,36 @@ def test_a_failed_piece_raises_only_once_every_other_piece_has_ended(
     ended = len(finished)
     time.sleep(0.5)
     assert ended > 0 and len(finished) == ended, "a piece ended after the read had failed"
+
+
+def test_read_many_raises_only_once_every_tensor_it_began_has_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A restore reads its baseline into the staging buffers, which the next save stages
+    # into: no tensor may still be read into them after the restore failed.
+    checksums, _ = _write(tmp_path, monkeypatch)
+    entry = SnapshotReader(open_storage(str(tmp_path)), "ckpt", IO, PIECE, checksums)._entries[
+        rows_path(1, "s1.momentum1")
+    ]
+    assert isinstance(entry, IndexChunks)
+    failing = {chunk.tensor.location for chunk in entry.chunks}
+    finished: list[str] = []
+
+    class OneTensorFails(StorageWrapper):
+        def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
+            if any(name.endswith(location) for location in failing):
+                raise OSError("its object is gone")
+            time.sleep(0.05)
+            super().read_into(name, offset, out, cached)
+            finished.append(name)
+
+    storage = OneTensorFails(open_storage(str(tmp_path)))
+    reader = SnapshotReader(storage, "ckpt", IO, PIECE, checksums)
+    with pytest.raises(CheckpointReadError, match="its object is gone"):
+        reader.read_many([(1, "s1.momentum1"), (0, "s0.w")])
+    ended = len(finished)
+    time.sleep(0.5)
+    assert ended > 0 and len(finished) == ended, "a tensor was read into after read_many failed"
 
 
 def _small_tables(root: Path) -> tuple[dict[str, torch.Tensor], dict[str, int]]:

@@ -10,6 +10,7 @@ before it changes anything).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -22,6 +23,7 @@ from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.manifest import Manifest, Summary
 from torchrec_cnr.read.items import ReadItem, TensorKey
 from torchrec_cnr.snapshot import SnapshotReader
+from torchrec_cnr.snapshot.reader import settle
 from torchrec_cnr.storage import Root, Storage, as_storage
 
 __all__ = ["ChainReader", "TensorKey", "find_ids", "missing_step"]
@@ -309,24 +311,32 @@ class ChainReader:
         (see :meth:`~torchrec_cnr.snapshot.SnapshotReader.begin_window`)."""
         into: list[torch.Tensor | None] = list(out) if out is not None else [None] * len(items)
         started = []
-        for item, dst in zip(items, into):
-            assert item.span is not None
-            reader = self.reader(item.link)
-            finish = reader.begin_window(
-                item.rank, item.tensor, *item.span, item.blocks, cached, dst
-            )
-            started.append((item, dst, finish))
+        try:
+            for item, dst in zip(items, into):
+                assert item.span is not None
+                reader = self.reader(item.link)
+                finish = reader.begin_window(
+                    item.rank, item.tensor, *item.span, item.blocks, cached, dst
+                )
+                started.append((item, dst, finish))
+        except Exception:  # what began ends before this raises: none writes into ``out`` after
+            with contextlib.suppress(Exception):
+                settle([finish for _, _, finish in started if finish is not None])
+            raise
         for link in {item.link for item in items}:
             self.reader(link).flush()  # their small pieces, read together
-        got = []
-        for item, dst, finish in started:
-            if finish is not None:
-                got.append(finish())
-                continue
-            lo, hi = item.span or (0, 0)
-            rows = self.reader(item.link).rows(item.rank, item.tensor)[lo:hi]
-            got.append(rows if dst is None else dst.copy_(rows))
-        return got
+        return settle([functools.partial(self._window, *each) for each in started])
+
+    def _window(
+        self, item: ReadItem, dst: torch.Tensor | None, finish: Callable[[], torch.Tensor] | None
+    ) -> torch.Tensor:
+        """A span's rows, waited for (``finish``), else read whole and cut (the record has
+        no checksums of its blocks)."""
+        if finish is not None:
+            return finish()
+        lo, hi = item.span or (0, 0)
+        rows = self.reader(item.link).rows(item.rank, item.tensor)[lo:hi]
+        return rows if dst is None else dst.copy_(rows)
 
     def check(self, item: ReadItem, window_bytes: int) -> None:
         """Reads ``item`` only to check it, about ``window_bytes`` at a time, through the

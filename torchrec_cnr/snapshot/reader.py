@@ -13,6 +13,7 @@ and checked against the one recorded at save time.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import math
 import threading
@@ -590,9 +591,9 @@ class SnapshotReader:
             self._queue(read, target, f"{self.name}/{tensor.location}", start, check, cached)
             reads.append((read, row0, rows, crc))
 
-        def finish() -> torch.Tensor:
-            for read, row0, rows, crc in reads:
-                self._finish(read, check=check, expected=crc)
+        def finish() -> torch.Tensor:  # every block ended, even after one failed
+            settle([functools.partial(self._finish, r, check, crc) for r, _, _, crc in reads])
+            for read, row0, rows, _ in reads:
                 if out is not None and not (lo <= row0 and row0 + rows <= hi):
                     a, b = max(lo, row0), min(hi, row0 + rows)
                     out[a - lo : b - lo].copy_(read.value[a - row0 : b - row0])
@@ -869,13 +870,18 @@ class SnapshotReader:
         """Reads many shard tensors ``(rank, name)`` at once, every piece in parallel.
 
         ``alloc(key, shape, dtype)``, if given, may give the tensor to read ``key`` into
-        (a reused buffer, whose pages are already faulted in).
+        (a reused buffer, whose pages are already faulted in). Where one fails, every
+        read begun has ended when it raises: none writes into such a buffer after.
         """
-        reads = {
-            key: self._begin_logical(
-                rows_path(*key), alloc=None if alloc is None else functools.partial(alloc, key)
-            )
-            for key in wanted
-        }
+        reads: dict[tuple[int, str], _Read | Any] = {}
+        try:
+            for key in wanted:
+                into = None if alloc is None else functools.partial(alloc, key)
+                reads[key] = self._begin_logical(rows_path(*key), alloc=into)
+        except Exception:
+            with contextlib.suppress(Exception):
+                settle([functools.partial(self._finish, read, False) for read in reads.values()])
+            raise
         self.flush()
-        return {key: self._finish(read) for key, read in reads.items()}
+        values = settle([functools.partial(self._finish, read) for read in reads.values()])
+        return dict(zip(reads, values))
