@@ -75,7 +75,7 @@ RUNS: tuple[Run, ...] = (
     Run("history", "torchrun", "history_consecutive.json", "--policies consecutive"),
     Run("shards", "python", "shards.json"),
     Run("offline", "torchrun", "offline.json"),
-    Run("dcp_interop", "torchrun", "dcp_interop.json"),
+    Run("dcp_interop", "torchrun", "dcp_interop.json", "--rounds 5"),
     Run("dcp_stager", "torchrun", "dcp_stager.json"),
     Run("serving", "python", "serving.json"),
     Run("serving", "python", "serving_5s.json", "--interval-steps 30 --steps 300 --modes copy"),
