@@ -3,8 +3,8 @@
 
 A restore plans before it reads: first the saved ids it places rows by, then every stored
 tensor (or span of rows of one) its placed shards need. :func:`carry_out` reads a plan:
-what fits the :class:`~torchrec_cnr.read.items.MemoryBudget` is read (each link's reads
-in parallel) and held by the reader it returns; the rest is only verified, a few pieces at
+what fits the :class:`~torchrec_cnr.read.items.MemoryBudget` is read (every link's reads
+at once) and held by the reader it returns; the rest is only verified, a few pieces at
 a time within what the budget leaves, to be read again where it is used. The export and
 the follower cut their reads into pieces by the same budget
 (:meth:`~torchrec_cnr.read.items.MemoryBudget.rows`).
@@ -16,6 +16,7 @@ waits for each, so that the next table is planned while they run.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ import torch
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.read.items import Alloc, MemoryBudget, ReadItem, ReadPlan, TensorKey
 from torchrec_cnr.snapshot.buffers import Buffers
+from torchrec_cnr.snapshot.reader import settle
 
 __all__ = ["Held", "carry_out", "stream"]
 
@@ -62,8 +64,8 @@ def carry_out(
     chain: ChainReader, plan: ReadPlan, budget: MemoryBudget, alloc: Alloc | None = None
 ) -> Held:
     """Reads ``plan``: each group that fits ``budget`` (in the plan's order) is read and
-    held, the reads of each link in parallel; each item of the others is read only to verify
-    it, within what the budget leaves.
+    held, every link's reads at once (a failure raised once all have ended); each item of
+    the others is read only to verify it, within what the budget leaves.
 
     Raises:
         CheckpointReadError: a stored tensor cannot be read.
@@ -82,11 +84,18 @@ def carry_out(
                 to_read.setdefault(item.link, []).append(item)
         else:
             deferred += todo
-    for n, items in sorted(to_read.items()):
-        spans = [item for item in items if item.span is not None]
-        held.update(zip((item.key for item in spans), chain.windows(spans)))
-        whole = {(item.rank, item.tensor): item for item in items if item.span is None}
-        got = chain.reader(n).read_many(list(whole), _into(whole, alloc))
+    begun: list[tuple[int, Callable[[], dict[tuple[int, str], torch.Tensor]]]] = []
+    try:  # every link's reads at once, the later links' beside the baseline's
+        for n, items in sorted(to_read.items()):
+            spans = [item for item in items if item.span is not None]
+            held.update(zip((item.key for item in spans), chain.windows(spans)))
+            whole = {(item.rank, item.tensor): item for item in items if item.span is None}
+            begun.append((n, chain.reader(n).begin_many(list(whole), _into(whole, alloc))))
+    except Exception:  # what began ends before this raises
+        with contextlib.suppress(Exception):
+            settle([finish for _, finish in begun])
+        raise
+    for n, got in zip([n for n, _ in begun], settle([finish for _, finish in begun])):
         held.update({(n, *key): tensor for key, tensor in got.items()})
     spare = budget.left
     for item in deferred:  # read again where used: checked now, before anything changes

@@ -873,6 +873,16 @@ class SnapshotReader:
         (a reused buffer, whose pages are already faulted in). Where one fails, every
         read begun has ended when it raises: none writes into such a buffer after.
         """
+        return self.begin_many(wanted, alloc)()
+
+    def begin_many(
+        self,
+        wanted: list[tuple[int, str]],
+        alloc: Callable[[tuple[int, str], list[int], torch.dtype], torch.Tensor | None]
+        | None = None,
+    ) -> Callable[[], dict[tuple[int, str], torch.Tensor]]:
+        """Begins :meth:`read_many`'s reads; the call it returns waits for every one and
+        returns the tensors (raising the first failure once all have ended)."""
         reads: dict[tuple[int, str], _Read | Any] = {}
         try:
             for key in wanted:
@@ -883,5 +893,9 @@ class SnapshotReader:
                 settle([functools.partial(self._finish, read, False) for read in reads.values()])
             raise
         self.flush()
-        values = settle([functools.partial(self._finish, read) for read in reads.values()])
-        return dict(zip(reads, values))
+
+        def finish() -> dict[tuple[int, str], torch.Tensor]:
+            values = settle([functools.partial(self._finish, read) for read in reads.values()])
+            return dict(zip(reads, values))
+
+        return finish
