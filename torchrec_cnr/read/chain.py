@@ -10,7 +10,6 @@ before it changes anything).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -23,7 +22,7 @@ from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.manifest import Manifest, Summary
 from torchrec_cnr.read.items import ReadItem, TensorKey
 from torchrec_cnr.snapshot import SnapshotReader
-from torchrec_cnr.snapshot.reader import settle
+from torchrec_cnr.snapshot.reader import ending_first, settle
 from torchrec_cnr.storage import Root, Storage, as_storage
 
 __all__ = ["ChainReader", "TensorKey", "find_ids", "missing_step"]
@@ -311,7 +310,8 @@ class ChainReader:
         (see :meth:`~torchrec_cnr.snapshot.SnapshotReader.begin_window`)."""
         into: list[torch.Tensor | None] = list(out) if out is not None else [None] * len(items)
         started = []
-        try:
+        begun: list[Callable[[], object]] = []
+        with ending_first(begun):  # none writes into ``out`` after this raised
             for item, dst in zip(items, into):
                 assert item.span is not None
                 reader = self.reader(item.link)
@@ -319,10 +319,8 @@ class ChainReader:
                     item.rank, item.tensor, *item.span, item.blocks, cached, dst
                 )
                 started.append((item, dst, finish))
-        except Exception:  # what began ends before this raises: none writes into ``out`` after
-            with contextlib.suppress(Exception):
-                settle([finish for _, _, finish in started if finish is not None])
-            raise
+                if finish is not None:
+                    begun.append(finish)
         for link in {item.link for item in items}:
             self.reader(link).flush()  # their small pieces, read together
         return settle([functools.partial(self._window, *each) for each in started])

@@ -16,7 +16,6 @@ waits for each, so that the next table is planned while they run.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ import torch
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.read.items import Alloc, MemoryBudget, ReadItem, ReadPlan, TensorKey
 from torchrec_cnr.snapshot.buffers import Buffers
-from torchrec_cnr.snapshot.reader import settle
+from torchrec_cnr.snapshot.reader import ending_first, settle
 
 __all__ = ["Held", "carry_out", "stream"]
 
@@ -84,18 +83,16 @@ def carry_out(
                 to_read.setdefault(item.link, []).append(item)
         else:
             deferred += todo
-    begun: list[tuple[int, Callable[[], dict[tuple[int, str], torch.Tensor]]]] = []
-    try:  # every link's reads at once, the later links' beside the baseline's
+    links: list[int] = []
+    begun: list[Callable[[], dict[tuple[int, str], torch.Tensor]]] = []
+    with ending_first(begun):  # every link's reads at once, the deltas' beside the baseline's
         for n, items in sorted(to_read.items()):
             spans = [item for item in items if item.span is not None]
             held.update(zip((item.key for item in spans), chain.windows(spans)))
             whole = {(item.rank, item.tensor): item for item in items if item.span is None}
-            begun.append((n, chain.reader(n).begin_many(list(whole), _into(whole, alloc))))
-    except Exception:  # what began ends before this raises
-        with contextlib.suppress(Exception):
-            settle([finish for _, finish in begun])
-        raise
-    for n, got in zip([n for n, _ in begun], settle([finish for _, finish in begun])):
+            begun.append(chain.reader(n).begin_many(list(whole), _into(whole, alloc)))
+            links.append(n)
+    for n, got in zip(links, settle(begun)):
         held.update({(n, *key): tensor for key, tensor in got.items()})
     spare = budget.left
     for item in deferred:  # read again where used: checked now, before anything changes

@@ -17,7 +17,7 @@ import contextlib
 import functools
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -84,6 +84,19 @@ def settle(reads: list[Callable[[], T]]) -> list[T]:
     if failed is not None:
         raise failed
     return out
+
+
+@contextlib.contextmanager
+def ending_first(begun: Sequence[Callable[[], object]]) -> Iterator[None]:
+    """Where the block raises, waits for each of ``begun`` (the waits of the reads it
+    began so far, their failures dropped) before the failure goes on: no read it began
+    still writes into its target after."""
+    try:
+        yield
+    except Exception:
+        with contextlib.suppress(Exception):
+            settle(list(begun))
+        raise
 
 
 def _failed(e: Exception) -> Future[None]:
@@ -884,14 +897,12 @@ class SnapshotReader:
         """Begins :meth:`read_many`'s reads; the call it returns waits for every one and
         returns the tensors (raising the first failure once all have ended)."""
         reads: dict[tuple[int, str], _Read | Any] = {}
-        try:
+        begun: list[Callable[[], object]] = []
+        with ending_first(begun):
             for key in wanted:
                 into = None if alloc is None else functools.partial(alloc, key)
                 reads[key] = self._begin_logical(rows_path(*key), alloc=into)
-        except Exception:
-            with contextlib.suppress(Exception):
-                settle([functools.partial(self._finish, read, False) for read in reads.values()])
-            raise
+                begun.append(functools.partial(self._finish, reads[key], False))
         self.flush()
 
         def finish() -> dict[tuple[int, str], torch.Tensor]:
