@@ -216,6 +216,29 @@ def test_rows_in_a_window_are_read_and_checked_in_their_blocks_alone(
         reader.rows_window(0, "s0.w", 1100, 1101, blocks)
 
 
+class ObjectsGone(StorageWrapper):
+    """Reads of the objects named ``gone`` fail; the others are slow, and each one that
+    ends is recorded (``finished``)."""
+
+    def __init__(self, inner: Storage, gone: set[str]) -> None:
+        super().__init__(inner)
+        self.gone = gone
+        self.finished: list[str] = []
+
+    def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
+        if any(name.endswith(location) for location in self.gone):
+            raise OSError("its object is gone")
+        time.sleep(0.05)
+        super().read_into(name, offset, out, cached)
+        self.finished.append(name)
+
+    def assert_none_ends_later(self) -> None:
+        """Some read ended, and none ends from now on."""
+        ended = len(self.finished)
+        time.sleep(0.5)
+        assert ended > 0 and len(self.finished) == ended, "a read ended after the call failed"
+
+
 def test_a_window_read_into_place_fails_only_once_every_block_has_ended(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -225,27 +248,17 @@ def test_a_window_read_into_place_fails_only_once_every_block_has_ended(
     reader = SnapshotReader(storage, "ckpt", IO, PIECE, part.checksums)
     chunked = reader._entries[rows_path(0, "s0.w")]
     assert isinstance(chunked, IndexChunks)
-    gone = next(c.tensor.location for c in chunked.chunks if c.offsets[0] == 0)
-    finished: list[str] = []
-
-    class FirstObjectGone(StorageWrapper):
-        def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
-            if name.endswith(gone):
-                raise OSError("its object is gone")
-            time.sleep(0.05)
-            super().read_into(name, offset, out, cached)
-            finished.append(name)
-
-    reader = SnapshotReader(FirstObjectGone(storage), "ckpt", IO, PIECE, part.checksums)
+    gone = ObjectsGone(
+        storage, {next(c.tensor.location for c in chunked.chunks if not c.offsets[0])}
+    )
+    reader = SnapshotReader(gone, "ckpt", IO, PIECE, part.checksums)
     into = torch.zeros(3000, 16)
     finish = reader.begin_window(0, "s0.w", 0, 3000, part.blocks[rows_path(0, "s0.w")], out=into)
     assert finish is not None
     reader.flush()
     with pytest.raises(CheckpointReadError, match="its object is gone"):
         finish()
-    ended = len(finished)
-    time.sleep(0.5)
-    assert ended > 0 and len(finished) == ended, "a block was read into after the window failed"
+    gone.assert_none_ends_later()  # none is read into ``into`` after
 
 
 def test_a_tensor_whose_chunks_leave_a_gap_is_refused(tmp_path: Path) -> None:
@@ -359,24 +372,11 @@ def test_read_many_raises_only_once_every_tensor_it_began_has_ended(
         rows_path(1, "s1.momentum1")
     ]
     assert isinstance(entry, IndexChunks)
-    failing = {chunk.tensor.location for chunk in entry.chunks}
-    finished: list[str] = []
-
-    class OneTensorFails(StorageWrapper):
-        def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
-            if any(name.endswith(location) for location in failing):
-                raise OSError("its object is gone")
-            time.sleep(0.05)
-            super().read_into(name, offset, out, cached)
-            finished.append(name)
-
-    storage = OneTensorFails(open_storage(str(tmp_path)))
-    reader = SnapshotReader(storage, "ckpt", IO, PIECE, checksums)
+    gone = ObjectsGone(open_storage(str(tmp_path)), {c.tensor.location for c in entry.chunks})
+    reader = SnapshotReader(gone, "ckpt", IO, PIECE, checksums)
     with pytest.raises(CheckpointReadError, match="its object is gone"):
         reader.read_many([(1, "s1.momentum1"), (0, "s0.w")])
-    ended = len(finished)
-    time.sleep(0.5)
-    assert ended > 0 and len(finished) == ended, "a tensor was read into after read_many failed"
+    gone.assert_none_ends_later()
 
 
 def _small_tables(root: Path) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
