@@ -41,8 +41,7 @@ class Run:
     out: str
     """The result file, relative to the output folder (``experiments/cpr.json``)."""
     args: str = ""
-    """The arguments before ``--out``, as typed in a shell; ``{out}`` stands for the output
-    folder."""
+    """The arguments before ``--out``, as typed in a shell."""
 
     def argv(self, nproc: int = 2, out: str = OUT) -> list[str]:
         """The command, as printed: ``OMP_NUM_THREADS=1``, then the launcher's words."""
@@ -51,7 +50,7 @@ class Run:
             "torchrun1": [f"{BIN}/torchrun", "--standalone", "--nproc_per_node=1"],
             "python": [f"{BIN}/python"],
         }[self.launcher]
-        args = shlex.split(self.args.replace("{out}", out))
+        args = shlex.split(self.args)
         return ["OMP_NUM_THREADS=1", *launcher, "-m", f"benchmarks.{self.module}", *args,
                 "--out", f"{out}/{self.out}"]  # fmt: skip
 
@@ -100,10 +99,6 @@ RUNS: tuple[Run, ...] = (
     Run("serving", "python", "serving_fanout_s3.json",
         "--policies consecutive --served fp32 --modes copy --followers 1 4 --nproc 1 "
         "--interval-steps 48 --steps 1200 --requests-per-s 1 --storage s3"),
-    Run("overhead", "torchrun1", "overhead_1rank.json"),
-    Run("overhead", "torchrun", "overhead.json",
-        "--intervals 5 30 --merge {out}/overhead_1rank.json"),
-    Run("overhead", "torchrun1", "overhead_1rank_30.json", "--intervals 30 --rounds 3"),
     Run("overhead", "torchrun1", "overhead_paired_1rank.json", "--paired --intervals 5 10 30"),
     Run("overhead", "torchrun", "overhead_paired_2rank.json", "--paired --intervals 5 10 30"),
     Run("overhead", "torchrun1", "save_cost.json", "--save-cost --saves 16"),

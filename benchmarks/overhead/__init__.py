@@ -1,8 +1,8 @@
-"""End-to-end overhead: the training throughput that checkpointing costs, asked five ways of
+"""End-to-end overhead: the training throughput that checkpointing costs, asked four ways of
 one training job (the DLRM of :mod:`cnr_train.workload`, Zipf ids, the tracker on in
 every arm), fp32 or 4-bit checkpoints, on 1 training rank (a core free for the writer) or 2.
+One flag picks the question:
 
-- By default: a checkpoint every K steps at each of ``--intervals`` (:mod:`.arms`).
 - ``--save-cost``: one full checkpoint's cost, measured alone many times (:mod:`.save_cost`).
 - ``--paired``: the loss at each interval, resolving 1% (:mod:`.paired`).
 - ``--gil``: which threads hold the GIL while commits run back to back (:mod:`.gil`).

@@ -52,16 +52,16 @@ EXPERIMENTS = sorted(m.split(".", 1)[1] for m in _MODULES if m.startswith("exper
 SINGLE_PROCESS = {m for m, alone in _MODULES.items() if alone}
 """Cases run by ``python -m`` in one process (serving, shards...); the others by torchrun."""
 
-CASE_EXTRA = {"checkpoint": ("--policies", "full", "intermittent")}
+CASE_EXTRA = {"checkpoint": ("--policies", "full", "intermittent"), "overhead": ("--paired",)}
 """Arguments a case's smoke run adds, as its recorded runs do (``benchmarks.runs --list``):
 the checkpoint case's two policies (each policy is the same code path, and the four of
-``measure.POLICIES`` took two minutes on two busy cores)."""
+``measure.POLICIES`` took two minutes on two busy cores); the overhead case's question (one
+flag of four, each run below)."""
 
 RUNS = [
     *((c, f"benchmarks.{c}", CASE_EXTRA.get(c, ())) for c in CASES),
     ("quantization_vs_greedy", "benchmarks.quantization", ("--vs-greedy",)),
     ("save_cost", "benchmarks.overhead", ("--save-cost",)),
-    ("overhead_paired", "benchmarks.overhead", ("--paired",)),
     ("overhead_gil", "benchmarks.overhead", ("--gil",)),
     # One interval, as the recorded 2-rank floor runs: each interval builds a manager per
     # format, which with a writer process starts a process (and imports torchrec) per rank.
