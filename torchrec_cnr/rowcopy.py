@@ -5,9 +5,11 @@ element: 80k rows of 64 fp32 into a 1M-row table take 15-17 ms here against 2-5 
 numpy's assignment of the same rows seen as fixed-size records, and a memcpy of their
 bytes 1.4-2 ms. A follower writes every update so, a restore every delta, compaction
 every merged delta, and lazy staging's torch copier (where the compiled one is not used)
-the rows it copies before their update. A small C loop (``_rowcopy.c``) that asks for
-each row's cache lines a few rows ahead halves numpy's time where rows land scattered
-over a large table; numpy's assignment runs where it was not built. Both release the GIL.
+the rows it copies before their update. A small C loop (``_rowcopy.c``) writes them
+with non-temporal stores into a table of :data:`STREAM_BYTES` or more (a memcpy's time:
+no cache line is read before it is filled), and asks for each row's cache lines a few
+rows ahead into a smaller one; numpy's assignment runs where it was not built. Both
+release the GIL.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ import torch
 
 from torchrec_cnr.native import load_library
 
-__all__ = ["put_rows", "run_start"]
+__all__ = ["STREAM_BYTES", "put_rows", "run_start"]
+
+STREAM_BYTES = 32 << 20
+"""Tables of this many bytes or more, larger than a CPU's caches, are written with
+non-temporal stores (x86-64, rows 16-byte aligned); smaller ones through the caches,
+where the rows may still be when they are next read."""
 
 
 def _records(t: torch.Tensor) -> Any:
@@ -48,7 +55,7 @@ def _library() -> ctypes.CDLL | None:
         lib.cnr_put_rows.restype = ctypes.c_int64
         lib.cnr_put_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                     ctypes.c_int64, ctypes.c_int64]  # fmt: skip
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # fmt: skip
     return lib
 
 
@@ -65,7 +72,7 @@ def _scatter(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
     row_bytes = size * (dst[0].numel() if dst.dim() > 1 else 1)
     done = lib.cnr_put_rows(dst.data_ptr(), dst.shape[0], dst.stride(0) * size,
                             src.data_ptr(), src.stride(0) * size, index.data_ptr(),
-                            index.numel(), row_bytes)  # fmt: skip
+                            index.numel(), row_bytes, STREAM_BYTES)  # fmt: skip
     if done < 0:
         raise IndexError(f"row {int(index[-1 - done])} of a table of {dst.shape[0]} rows")
 

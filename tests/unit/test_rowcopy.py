@@ -1,5 +1,6 @@
 """``put_rows`` writes exactly what ``index_copy_`` writes, on every layout it meets,
-with its compiled loop and with numpy's assignment (where the loop was not built)."""
+with its compiled loop (non-temporal stores into a large table, the cached loop into a
+small one) and with numpy's assignment (where the loop was not built)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from torchrec_cnr import rowcopy
 from torchrec_cnr.rowcopy import put_rows
 
 
-@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+@pytest.fixture(autouse=True, params=["streamed", "cached", "numpy"])
 def _writer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    if request.param == "compiled":
-        assert rowcopy._library() is not None, "_rowcopy_lib is not built"
-    else:
+    if request.param == "numpy":
         monkeypatch.setattr(rowcopy, "_library", lambda: None)
+    else:
+        assert rowcopy._library() is not None, "_rowcopy_lib is not built"
+        # Every table of these tests is small: streamed, each counts as past the caches.
+        monkeypatch.setattr(rowcopy, "STREAM_BYTES", 0 if request.param == "streamed" else 2**62)
     yield
 
 
@@ -28,7 +31,7 @@ def _expected(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torc
 @pytest.mark.parametrize(
     ("shape", "dtype"),
     [((1000, 64), torch.float32), ((1000, 7), torch.bfloat16), ((1000, 36), torch.uint8),
-     ((1000,), torch.float32), ((1000, 4, 3), torch.float16)],
+     ((1000,), torch.float32), ((1000, 4, 3), torch.float16), ((1000, 8), torch.float16)],
 )  # fmt: skip
 def test_put_rows_matches_index_copy(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
@@ -55,6 +58,16 @@ def test_put_rows_on_a_column_slice_writes_only_those_columns() -> None:
     before = table.clone()
     put_rows(table[:, 2:4], torch.tensor([1, 8]), torch.full((2, 2), -1.0))
     before[[1, 8], 2:4] = -1.0
+    assert torch.equal(table, before)
+
+
+def test_put_rows_on_an_aligned_column_slice_writes_only_those_columns() -> None:
+    # 16-byte rows at a 16-byte offset and a 48-byte stride: streamed where the table
+    # counts as large.
+    table = torch.arange(12_000.0).view(1000, 12)
+    before = table.clone()
+    put_rows(table[:, 4:8], torch.tensor([999, 3, 500]), torch.full((3, 4), -1.0))
+    before[[999, 3, 500], 4:8] = -1.0
     assert torch.equal(table, before)
 
 
