@@ -39,6 +39,7 @@ from cnr_train.workload import BatchStream, TableSpec, dlrm
 from torchrec_cnr import FloatTarget, Follower, QuantizedTarget, shutdown
 from torchrec_cnr.offline import CheckpointInfo, list_checkpoints, root_info
 from torchrec_cnr.serving import ServingTarget, UpdateReport
+from torchrec_cnr.snapshot.buffers import advise_huge_pages
 from torchrec_cnr.storage import Storage
 
 __all__ = ["RequestLoop", "Server", "StepRows", "freshness", "serving_model", "serving_target"]
@@ -67,12 +68,14 @@ def serving_model(tables: list[TableSpec], num_dense: int, dtype: ServeDtype) ->
     """
     cpu = torch.device("cpu")
     # Tables built without drawing initial values (seconds at 1 GB), which the first
-    # update overwrites: zeros until then.
+    # update overwrites: zeros until then, in huge pages (advised before the zeros touch
+    # them: an update writes rows at random places of the tables).
     model = dlrm(tables, num_dense, torch.device("meta"), cpu)
     ebc = model.sparse_arch.embedding_bag_collection
     ebc.to_empty(device=cpu)
     with torch.no_grad():
         for weight in ebc.parameters():
+            advise_huge_pages(weight)
             weight.zero_()
     model.eval()
     quantized = DTYPES[dtype]

@@ -33,3 +33,17 @@ def logged(name: str = "torchrec_cnr", level: int = logging.INFO) -> Iterator[li
         yield messages
     finally:
         logging.getLogger(name).removeHandler(handler)
+
+
+def vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping of this process that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests import vm_flags
 from torchrec_cnr.snapshot import buffers
 from torchrec_cnr.snapshot.buffers import Buffers
 from torchrec_cnr.snapshot.reader import page_aligned
@@ -91,20 +92,6 @@ def test_a_round_checks_each_buffer_once_at_its_trim_not_at_each_read(
     assert checks <= 3 * n
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The ``VmFlags`` of the mapping of this process that holds ``address``."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 @pytest.mark.skipif(
     not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
     reason="a kernel without transparent huge pages",
@@ -115,7 +102,7 @@ def test_read_memory_of_a_huge_page_or_more_is_a_mapping_of_its_own_advised_for_
 ) -> None:
     big = page_aligned(buffers.HUGE_PAGE, torch.uint8, phase=phase)
     assert big.data_ptr() % DIRECT_ALIGN == phase and big.numel() == buffers.HUGE_PAGE
-    assert "hg" in _vm_flags(big.data_ptr())  # MADV_HUGEPAGE
+    assert "hg" in vm_flags(big.data_ptr())  # MADV_HUGEPAGE
     big.fill_(7)
     view = big[-10:]
     del big
@@ -123,6 +110,25 @@ def test_read_memory_of_a_huge_page_or_more_is_a_mapping_of_its_own_advised_for_
     assert torch.equal(view, torch.full((10,), 7, dtype=torch.uint8)), "its mapping outlives a view"
     small = page_aligned(buffers.HUGE_PAGE // 2, torch.uint8)
     assert small.data_ptr() % DIRECT_ALIGN == 0
-    assert "hg" not in _vm_flags(small.data_ptr())
+    assert "hg" not in vm_flags(small.data_ptr())
     taken = Buffers().take(buffers.HUGE_PAGE, torch.uint8)
-    assert "hg" in _vm_flags(taken.data_ptr())
+    assert "hg" in vm_flags(taken.data_ptr())
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+    reason="a kernel without transparent huge pages",
+)
+def test_memory_of_another_allocator_is_advised_for_the_huge_pages_inside_it() -> None:
+    table = torch.empty(3 * buffers.HUGE_PAGE, dtype=torch.uint8)  # torch's own, untouched
+    first = -(-table.data_ptr() // buffers.HUGE_PAGE) * buffers.HUGE_PAGE
+    assert "hg" not in vm_flags(first)
+    buffers.advise_huge_pages(table[1:])  # a view: its storage is advised
+    assert "hg" in vm_flags(first)
+    buffers.advise_huge_pages(torch.empty(1000))  # no huge page inside: nothing, no error
+    table.random_(0, 256)
+    copy = buffers.huge_page_copy(table.view(3, -1))
+    assert copy.shape == (3, buffers.HUGE_PAGE) and torch.equal(copy.flatten(), table)
+    assert copy.data_ptr() != table.data_ptr() and "hg" in vm_flags(copy.data_ptr())
+    small = buffers.huge_page_copy(table[:100])
+    assert torch.equal(small, table[:100]) and small.data_ptr() != table.data_ptr()

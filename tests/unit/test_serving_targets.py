@@ -18,6 +18,7 @@ from torchrec import (
 from torchrec.inference.modules import quantize_embeddings
 from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
 
+from tests import vm_flags
 from torchrec_cnr.quantization import UNIFORM_METHODS, QuantizedRows, quantize
 from torchrec_cnr.serving import (
     FloatTarget,
@@ -27,6 +28,7 @@ from torchrec_cnr.serving import (
     TableSlot,
 )
 from torchrec_cnr.serving.rows import finite_rows_of
+from torchrec_cnr.snapshot.buffers import HUGE_PAGE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -460,6 +462,29 @@ def test_swap_mode_writes_aside_and_serves_every_table_at_once(bits: int | None)
     target.sync_spare()
     target.swap()
     assert all(torch.equal(a, b) for a, b in zip(swapped, _lookups(sparse)))
+
+
+def test_a_large_table_is_advised_for_huge_pages_and_its_swap_copy_made_in_them() -> None:
+    # Rows written at random places of a table: fewer misses in the TLB in huge pages.
+    big = EmbeddingBagConfig(name="big", embedding_dim=64, num_embeddings=16_384,
+                             feature_names=["f"])  # 4 MiB  # fmt: skip
+    model = nn.ModuleDict({"ebc": EmbeddingBagCollection(tables=[big], device=torch.device("cpu"))})
+    key = "ebc.embedding_bags.big.weight"
+    first = model.get_parameter(key).data_ptr()
+    before = model.get_parameter(key).detach().clone()
+    target = FloatTarget(model)
+    assert "hg" in vm_flags(-(-first // HUGE_PAGE) * HUGE_PAGE), "the served table is advised"
+    assert target.enable_swap() == before.numel() * 4
+    ids = torch.tensor([5, 9000, 16_383])
+    rows = _gaussian(len(ids), 64, 0)
+    target.write_prepared(key, ids, target.prepare(key, StoredRows.fp32(rows)), spare=True)
+    assert torch.equal(model.get_parameter(key), before), "the spare is not served"
+    target.swap()
+    served = model.get_parameter(key)
+    assert served.data_ptr() != first and "hg" in vm_flags(served.data_ptr())
+    expected = before.clone()
+    expected[ids] = rows
+    assert torch.equal(served, expected) and torch.equal(target.read_rows(key, ids), rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

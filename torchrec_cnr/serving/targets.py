@@ -62,6 +62,7 @@ from torchrec_cnr.serving.tbe import (
     tbe_tables,
     weights_buffer,
 )
+from torchrec_cnr.snapshot.buffers import advise_huge_pages, huge_page_copy
 
 __all__ = [
     "FloatTarget",
@@ -127,7 +128,7 @@ class ServingTarget(abc.ABC):
         :meth:`swap` makes it the served copy in a few pointer assignments. Returns the
         bytes it took."""
         if self._spare is None:
-            self._spare = {name: t.detach().clone() for name, t in self._buffers().items()}
+            self._spare = {name: huge_page_copy(t) for name, t in self._buffers().items()}
         return sum(t.numel() * t.element_size() for t in self._spare.values())
 
     def swap(self) -> None:
@@ -146,6 +147,13 @@ class ServingTarget(abc.ABC):
         with torch.no_grad():
             for name, live in self._buffers().items():
                 self._spare[name].copy_(live)
+
+    def _advise_huge_pages(self) -> None:
+        """The tables' memory advised for huge pages (an update writes rows at random
+        places of them); a swap mode's spare copy is made in huge pages
+        (:meth:`enable_swap`)."""
+        for t in self._buffers().values():
+            advise_huge_pages(t)
 
     def _spare_view(self, view: Tensor) -> Tensor:
         """The spare copy's view of what ``view`` (into a served buffer) covers."""
@@ -374,6 +382,7 @@ class FloatTarget(ServingTarget):
         for key, w in self._weights.items():
             self._tables[key] = TableSlot(int(w.shape[0]), int(w.shape[1]), "fp32")
         self._collect_dense(model, owners)
+        self._advise_huge_pages()
 
     def _prepare(self, key: str, rows: StoredRows, ids: Tensor | None) -> tuple[Tensor, ...]:
         return (_float_values(rows, self._weights[key]),)
@@ -429,6 +438,7 @@ class QuantizedTarget(ServingTarget):
         for key, w in self._weights.items():
             self._tables[key] = TableSlot(int(w.shape[0]), int(w.shape[1]), "fp32")
         self._collect_dense(model, owners)
+        self._advise_huge_pages()
 
     def _prepare(self, key: str, rows: StoredRows, ids: Tensor | None) -> tuple[Tensor, ...]:
         if key in self._weights:
