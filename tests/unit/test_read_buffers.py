@@ -132,3 +132,5 @@ def test_memory_of_another_allocator_is_advised_for_the_huge_pages_inside_it() -
     assert copy.data_ptr() != table.data_ptr() and "hg" in vm_flags(copy.data_ptr())
     small = buffers.huge_page_copy(table[:100])
     assert torch.equal(small, table[:100]) and small.data_ptr() != table.data_ptr()
+    elsewhere = torch.empty(3 * buffers.HUGE_PAGE, dtype=torch.uint8, device="meta")
+    assert buffers.huge_page_copy(elsewhere).device == elsewhere.device  # another device's own

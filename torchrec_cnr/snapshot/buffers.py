@@ -76,10 +76,10 @@ def advise_huge_pages(tensor: torch.Tensor) -> None:
 
 
 def huge_page_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of CPU ``tensor`` in memory of its own (:func:`anonymous`), which
-    the kernel backs with huge pages as it is written."""
+    """A contiguous copy of ``tensor``: on the CPU, from a huge page up, in memory of its
+    own (:func:`anonymous`), which the kernel backs with huge pages as it is written."""
     nbytes = tensor.numel() * tensor.element_size()
-    if nbytes < HUGE_PAGE:
+    if nbytes < HUGE_PAGE or tensor.device.type != "cpu":
         return tensor.detach().clone(memory_format=torch.contiguous_format)
     raw = torch.frombuffer(anonymous(nbytes), dtype=torch.uint8, count=nbytes)
     copy = raw.view(tensor.dtype).view(tensor.shape)
