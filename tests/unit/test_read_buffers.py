@@ -126,11 +126,3 @@ def test_memory_of_another_allocator_is_advised_for_the_huge_pages_inside_it() -
     buffers.advise_huge_pages(table[1:])  # a view: its storage is advised
     assert "hg" in vm_flags(first)
     buffers.advise_huge_pages(torch.empty(1000))  # no huge page inside: nothing, no error
-    table.random_(0, 256)
-    copy = buffers.huge_page_copy(table.view(3, -1))
-    assert copy.shape == (3, buffers.HUGE_PAGE) and torch.equal(copy.flatten(), table)
-    assert copy.data_ptr() != table.data_ptr() and "hg" in vm_flags(copy.data_ptr())
-    small = buffers.huge_page_copy(table[:100])
-    assert torch.equal(small, table[:100]) and small.data_ptr() != table.data_ptr()
-    elsewhere = torch.empty(3 * buffers.HUGE_PAGE, dtype=torch.uint8, device="meta")
-    assert buffers.huge_page_copy(elsewhere).device == elsewhere.device  # another device's own

@@ -26,6 +26,7 @@ from torchrec_cnr.serving import (
     ServingFormat,
     StoredRows,
     TableSlot,
+    targets,
 )
 from torchrec_cnr.serving.rows import finite_rows_of
 from torchrec_cnr.snapshot.buffers import HUGE_PAGE
@@ -485,6 +486,8 @@ def test_a_large_table_is_advised_for_huge_pages_and_its_swap_copy_made_in_them(
     expected = before.clone()
     expected[ids] = rows
     assert torch.equal(served, expected) and torch.equal(target.read_rows(key, ids), rows)
+    elsewhere = torch.empty(3 * HUGE_PAGE, dtype=torch.uint8, device="meta")
+    assert targets._copy_aside(elsewhere).device == elsewhere.device  # another device's own
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

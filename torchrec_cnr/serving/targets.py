@@ -62,7 +62,8 @@ from torchrec_cnr.serving.tbe import (
     tbe_tables,
     weights_buffer,
 )
-from torchrec_cnr.snapshot.buffers import advise_huge_pages, huge_page_copy
+from torchrec_cnr.snapshot import page_aligned
+from torchrec_cnr.snapshot.buffers import advise_huge_pages
 
 __all__ = [
     "FloatTarget",
@@ -91,6 +92,14 @@ class TableSlot:
     def bits(self) -> int | None:
         """Code width of an ``int*`` format, ``None`` for float formats."""
         return BITS.get(self.format)
+
+
+def _copy_aside(t: Tensor) -> Tensor:
+    """Swap mode's copy of a served buffer, on its device; on the CPU in page-aligned
+    memory, which from a huge page up is advised for huge pages (:func:`page_aligned`)."""
+    if t.device.type != "cpu":
+        return t.detach().clone()
+    return page_aligned(t.numel(), t.dtype).view(t.shape).copy_(t.detach())
 
 
 class ServingTarget(abc.ABC):
@@ -128,7 +137,7 @@ class ServingTarget(abc.ABC):
         :meth:`swap` makes it the served copy in a few pointer assignments. Returns the
         bytes it took."""
         if self._spare is None:
-            self._spare = {name: huge_page_copy(t) for name, t in self._buffers().items()}
+            self._spare = {name: _copy_aside(t) for name, t in self._buffers().items()}
         return sum(t.numel() * t.element_size() for t in self._spare.values())
 
     def swap(self) -> None:

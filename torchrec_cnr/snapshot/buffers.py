@@ -27,7 +27,7 @@ import torch
 
 from torchrec_cnr.storage import DIRECT_ALIGN, DIRECT_MIN_BYTES
 
-__all__ = ["Buffers", "advise_huge_pages", "anonymous", "huge_page_copy"]
+__all__ = ["Buffers", "advise_huge_pages", "anonymous"]
 
 HUGE_PAGE = 2 << 20
 """The size of a huge page (x86-64, and arm64 with 4 KiB pages)."""
@@ -73,18 +73,6 @@ def advise_huge_pages(tensor: torch.Tensor) -> None:
     end = (start + storage.nbytes()) // HUGE_PAGE * HUGE_PAGE
     if end > first:
         _libc().madvise(first, end - first, mmap.MADV_HUGEPAGE)  # EINVAL where not built in
-
-
-def huge_page_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``tensor``: on the CPU, from a huge page up, in memory of its
-    own (:func:`anonymous`), which the kernel backs with huge pages as it is written."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes < HUGE_PAGE or tensor.device.type != "cpu":
-        return tensor.detach().clone(memory_format=torch.contiguous_format)
-    raw = torch.frombuffer(anonymous(nbytes), dtype=torch.uint8, count=nbytes)
-    copy = raw.view(tensor.dtype).view(tensor.shape)
-    copy.copy_(tensor.detach())
-    return copy
 
 
 @functools.cache
