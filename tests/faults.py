@@ -14,7 +14,8 @@ The points used most:
 - ``Fault("write_object", ...)``, ``Fault("write", "manifest.json")``,
   ``Fault("write", "lease.json")``: an object, the manifest, the lease.
 
-:func:`cut_at` cuts the training thread's own calls short instead, at a chosen line of
+:class:`SlowReads` slows reads and fails some, for the tests that a read which fails ends
+only once every read begun beside it has. :func:`cut_at` cuts the training thread's own calls short instead, at a chosen line of
 the library's code, as a signal handler's exception (``KeyboardInterrupt``) would.
 """
 
@@ -25,6 +26,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +81,35 @@ class FaultyStorage(StorageWrapper):
             if fault.action == "hold" and not fault.released.wait(120):
                 raise TimeoutError(f"injected hold of {op} {name} was never released")
             return
+
+
+class SlowReads(StorageWrapper):
+    """Reads of ``inner`` that take ``delay`` s each (those ``slow`` picks by the object's
+    name), and fail with ``OSError("its object is gone")`` where ``fails(name)``: for the
+    tests that a read which fails ends only once every other read begun beside it has.
+    Each read's start and end are recorded (``began``, ``ended``: name and time)."""
+
+    def __init__(self, inner: Storage, fails: Callable[[str], bool], delay: float = 0.05,
+                 slow: Callable[[str], bool] = lambda name: True) -> None:  # fmt: skip
+        super().__init__(inner)
+        self.fails, self.delay, self.slow = fails, delay, slow
+        self.began: list[tuple[str, float]] = []
+        self.ended: list[tuple[str, float]] = []
+
+    def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
+        if self.slow(name):
+            self.began.append((name, time.monotonic()))
+            time.sleep(self.delay)
+        if self.fails(name):
+            raise OSError("its object is gone")
+        super().read_into(name, offset, out, cached)
+        self.ended.append((name, time.monotonic()))
+
+    def assert_none_ends_later(self) -> None:
+        """Some read ended, and none ends from now on."""
+        ended = len(self.ended)
+        time.sleep(0.5)
+        assert ended > 0 and len(self.ended) == ended, "a read ended after the call failed"
 
 
 T = TypeVar("T")

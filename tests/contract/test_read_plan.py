@@ -7,20 +7,20 @@ rows are streamed (``stream``), as stored, and never held."""
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from cnr_train.workload import TableSpec
+from tests.faults import SlowReads
 from tests.jobs import make_job
 from tests.multiprocess import run_ranks
 from torchrec_cnr.errors import CheckpointReadError, ChecksumError
 from torchrec_cnr.read import ChainReader, MemoryBudget, ReadItem, ReadPlan, carry_out
 from torchrec_cnr.read.plan import stream
 from torchrec_cnr.snapshot import rows_path
-from torchrec_cnr.storage import StorageWrapper, open_storage
+from torchrec_cnr.storage import open_storage
 
 pytestmark = pytest.mark.dist
 
@@ -131,28 +131,18 @@ def test_the_links_are_read_at_once_and_a_failure_raises_once_every_read_has_end
     # a delta's read fails, none may still read into them (the next save stages there).
     with ChainReader.open(saved) as chain:
         gone = chain.links[1].id
-    began: dict[str, float] = {}  # the first read of each link's objects
-    ended: dict[str, float] = {}  # the last read of each link's objects
-    finished: list[str] = []
 
-    class DeltaGone(StorageWrapper):
-        def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
-            link = "delta" if gone in name else "baseline"
-            if "/data/" in name:
-                began.setdefault(link, time.monotonic())
-                time.sleep(0.2)
-                if link == "delta":
-                    raise OSError("its object is gone")
-            super().read_into(name, offset, out, cached)
-            ended[link] = time.monotonic()
-            finished.append(name)
+    def data(name: str) -> bool:
+        return "/data/" in name
 
-    with ChainReader.open(DeltaGone(open_storage(saved))) as chain:
+    storage = SlowReads(open_storage(saved), lambda name: data(name) and gone in name, 0.2, data)
+    with ChainReader.open(storage) as chain:
         plan = ReadPlan(tuple((item,) for item in _items(chain)))
-        finished.clear()
+        storage.began.clear()
+        storage.ended.clear()
         with pytest.raises(CheckpointReadError, match="its object is gone"):
             carry_out(chain, plan, MemoryBudget(None))
-        count = len(finished)
-    time.sleep(0.5)
-    assert count > 0 and len(finished) == count, "a read ended after carry_out had failed"
-    assert began["delta"] < ended["baseline"], "the delta's reads waited for the baseline's"
+        storage.assert_none_ends_later()
+    delta_began = min(t for name, t in storage.began if gone in name)
+    baseline_ended = max(t for name, t in storage.ended if gone not in name)
+    assert delta_began < baseline_ended, "the delta's reads waited for the baseline's"

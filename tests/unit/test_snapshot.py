@@ -3,9 +3,9 @@ own reader and by ours, with whole-tensor checksums combined from the pieces'.""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,6 +15,7 @@ import torch
 from torchsnapshot import Snapshot, StateDict
 from torchsnapshot.manifest import ChunkedTensorEntry, SnapshotMetadata, TensorEntry
 
+from tests.faults import SlowReads
 from torchrec_cnr.errors import CheckpointReadError, ChecksumError
 from torchrec_cnr.snapshot import (
     RankPart,
@@ -33,7 +34,7 @@ from torchrec_cnr.snapshot.index import ChunkedTensorEntry as IndexChunks
 from torchrec_cnr.snapshot.index import OtherEntry, PrimitiveEntry, index_part, parse_index
 from torchrec_cnr.snapshot.index import TensorEntry as IndexTensor
 from torchrec_cnr.snapshot.reader import _spans, span_bytes
-from torchrec_cnr.storage import CountingStorage, Storage, StorageWrapper, open_storage
+from torchrec_cnr.storage import CountingStorage, Storage, open_storage
 
 IO = ThreadPoolExecutor(4, thread_name_prefix="test-io")
 PIECE = 32 << 10  # bytes per object and per read: the tensors below span several
@@ -216,29 +217,6 @@ def test_rows_in_a_window_are_read_and_checked_in_their_blocks_alone(
         reader.rows_window(0, "s0.w", 1100, 1101, blocks)
 
 
-class ObjectsGone(StorageWrapper):
-    """Reads of the objects named ``gone`` fail; the others are slow, and each one that
-    ends is recorded (``finished``)."""
-
-    def __init__(self, inner: Storage, gone: set[str]) -> None:
-        super().__init__(inner)
-        self.gone = gone
-        self.finished: list[str] = []
-
-    def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
-        if any(name.endswith(location) for location in self.gone):
-            raise OSError("its object is gone")
-        time.sleep(0.05)
-        super().read_into(name, offset, out, cached)
-        self.finished.append(name)
-
-    def assert_none_ends_later(self) -> None:
-        """Some read ended, and none ends from now on."""
-        ended = len(self.finished)
-        time.sleep(0.5)
-        assert ended > 0 and len(self.finished) == ended, "a read ended after the call failed"
-
-
 def test_a_window_read_into_place_fails_only_once_every_block_has_ended(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -248,9 +226,8 @@ def test_a_window_read_into_place_fails_only_once_every_block_has_ended(
     reader = SnapshotReader(storage, "ckpt", IO, PIECE, part.checksums)
     chunked = reader._entries[rows_path(0, "s0.w")]
     assert isinstance(chunked, IndexChunks)
-    gone = ObjectsGone(
-        storage, {next(c.tensor.location for c in chunked.chunks if not c.offsets[0])}
-    )
+    first = next(c.tensor.location for c in chunked.chunks if not c.offsets[0])
+    gone = SlowReads(storage, lambda name: name.endswith(first))
     reader = SnapshotReader(gone, "ckpt", IO, PIECE, part.checksums)
     into = torch.zeros(3000, 16)
     finish = reader.begin_window(0, "s0.w", 0, 3000, part.blocks[rows_path(0, "s0.w")], out=into)
@@ -341,25 +318,12 @@ def test_a_failed_piece_raises_only_once_every_other_piece_has_ended(
 ) -> None:
     # A tensor read into the live model must not be written into after its read failed.
     checksums, _ = _write(tmp_path, monkeypatch)
-    finished: list[int] = []
-
-    class FirstFails(StorageWrapper):
-        calls = 0
-
-        def read_into(self, name: str, offset: int, out: memoryview, cached: bool = False) -> None:
-            self.calls += 1
-            if self.calls == 1:
-                raise OSError("the first piece failed")
-            time.sleep(0.05)
-            super().read_into(name, offset, out, cached)
-            finished.append(offset)
-
-    reader = SnapshotReader(FirstFails(open_storage(str(tmp_path))), "ckpt", IO, PIECE, checksums)
-    with pytest.raises(CheckpointReadError, match="the first piece failed"):
+    calls = itertools.count()
+    first_fails = SlowReads(open_storage(str(tmp_path)), lambda name: next(calls) == 0)
+    reader = SnapshotReader(first_fails, "ckpt", IO, PIECE, checksums)
+    with pytest.raises(CheckpointReadError, match="its object is gone"):
         reader.rows(0, "s0.w")
-    ended = len(finished)
-    time.sleep(0.5)
-    assert ended > 0 and len(finished) == ended, "a piece ended after the read had failed"
+    first_fails.assert_none_ends_later()
 
 
 def test_read_many_raises_only_once_every_tensor_it_began_has_ended(
@@ -372,7 +336,8 @@ def test_read_many_raises_only_once_every_tensor_it_began_has_ended(
         rows_path(1, "s1.momentum1")
     ]
     assert isinstance(entry, IndexChunks)
-    gone = ObjectsGone(open_storage(str(tmp_path)), {c.tensor.location for c in entry.chunks})
+    failing = {c.tensor.location for c in entry.chunks}
+    gone = SlowReads(open_storage(str(tmp_path)), lambda name: any(map(name.endswith, failing)))
     reader = SnapshotReader(gone, "ckpt", IO, PIECE, checksums)
     with pytest.raises(CheckpointReadError, match="its object is gone"):
         reader.read_many([(1, "s1.momentum1"), (0, "s0.w")])
