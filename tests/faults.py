@@ -15,8 +15,9 @@ The points used most:
   ``Fault("write", "lease.json")``: an object, the manifest, the lease.
 
 :class:`SlowReads` slows reads and fails some, for the tests that a read which fails ends
-only once every read begun beside it has. :func:`cut_at` cuts the training thread's own calls short instead, at a chosen line of
-the library's code, as a signal handler's exception (``KeyboardInterrupt``) would.
+only once every read begun beside it has. :func:`cut_at` cuts the training thread's own
+calls short instead, at a chosen line of the library's code, as a signal handler's
+exception (``KeyboardInterrupt``) would.
 """
 
 from __future__ import annotations
