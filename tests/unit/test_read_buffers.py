@@ -4,6 +4,7 @@ them, at the asked phase past a page boundary, and trimmed to what one round too
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 from typing import Any
 
@@ -120,7 +121,10 @@ def test_read_memory_of_a_huge_page_or_more_is_a_mapping_of_its_own_advised_for_
     reason="a kernel without transparent huge pages",
 )
 def test_memory_of_another_allocator_is_advised_for_the_huge_pages_inside_it() -> None:
-    table = torch.empty(3 * buffers.HUGE_PAGE, dtype=torch.uint8)  # torch's own, untouched
+    # Another allocator's mapping, never advised: torch's own memory may come from a heap
+    # that an earlier test in this process advised (advice outlives the tensor it was for).
+    other = mmap.mmap(-1, 3 * buffers.HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    table = torch.frombuffer(other, dtype=torch.uint8)
     first = -(-table.data_ptr() // buffers.HUGE_PAGE) * buffers.HUGE_PAGE
     assert "hg" not in vm_flags(first)
     buffers.advise_huge_pages(table[1:])  # a view: its storage is advised
