@@ -110,7 +110,8 @@ class IOOptions:
     compaction's window (``TORCHREC_CNR_READ_MEMORY_MB``). A reader's own option wins where
     set (``restore_memory_mb``, ``FollowerOptions.memory_budget_mb``,
     ``ExportOptions.budget_mb``); ``None``: each reader's own default (:meth:`read_budget`).
-    At least 1/1024 (a KiB)."""
+    Reads at once in one process share it (:class:`~torchrec_cnr.read.MemoryBudget`). At
+    least 1/1024 (a KiB)."""
     object_kb: InitVar[float | None] = None
     """Deprecated: :attr:`object_mb` in KiB (it sets ``object_mb = object_kb / 1024``, with
     a ``DeprecationWarning``)."""

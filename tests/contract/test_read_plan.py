@@ -18,6 +18,7 @@ from tests.jobs import make_job
 from tests.multiprocess import run_ranks
 from torchrec_cnr.errors import CheckpointReadError, ChecksumError
 from torchrec_cnr.read import ChainReader, MemoryBudget, ReadItem, ReadPlan, carry_out
+from torchrec_cnr.read.items import held_by_reads
 from torchrec_cnr.read.plan import stream
 from torchrec_cnr.snapshot import rows_path
 from torchrec_cnr.storage import open_storage
@@ -90,6 +91,35 @@ def test_hold_all_holds_over_the_budget_and_counts_it(saved: str) -> None:
         held = carry_out(chain, ReadPlan(((items[0],),), hold_all=True), budget)
         assert set(held.chain.held) == {items[0].key}
         assert budget.used == chain.nbytes(*items[0].key) and budget.left == 0
+
+
+def test_reads_at_once_share_one_budget_and_give_back_what_they_held(saved: str) -> None:
+    before = held_by_reads()
+    with ChainReader.open(saved) as chain:
+        items = _items(chain)
+        sizes = {item.key: chain.nbytes(*item.key) for item in items}
+        bound = 2 * sizes[items[0].key]
+        other = MemoryBudget(bound)  # another read of the process: a compaction, say
+        assert other.take(sizes[items[0].key] + 1)
+        assert held_by_reads() == before + sizes[items[0].key] + 1
+        with MemoryBudget(bound) as budget:  # alone, the item would fit this bound
+            held = carry_out(chain, ReadPlan(((items[0],),)), budget)
+            assert held.deferred == (items[0],) and not held.chain.held
+            assert held.spare_bytes == budget.left == bound - sizes[items[0].key] - 1
+            assert budget.share() == bound - sizes[items[0].key] - 1  # all the rest
+            late = MemoryBudget(bound)
+            assert late.share() == bound // 4, "all of it held: a read goes on in a quarter"
+            del late
+        assert held_by_reads() == before + sizes[items[0].key] + 1, "given back as it ends"
+        del other  # a dropped budget gives back what it took
+        assert held_by_reads() == before
+        with MemoryBudget(bound) as budget:
+            assert carry_out(chain, ReadPlan(((items[0],),)), budget).deferred == ()
+        unbounded = MemoryBudget(None)
+        assert unbounded.take(10**12) and unbounded.share() is None, "never refused"
+        assert held_by_reads() == before + 10**12 and MemoryBudget(bound).left == 0
+        unbounded.release()
+    assert held_by_reads() == before
 
 
 def test_a_damaged_deferred_tensor_fails_the_plan(saved: str, tmp_path: Path) -> None:

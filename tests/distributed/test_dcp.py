@@ -31,7 +31,7 @@ from torchrec_cnr import (
     read_table,
 )
 from torchrec_cnr.interop import ExportOptions
-from torchrec_cnr.read import ChainReader
+from torchrec_cnr.read import ChainReader, MemoryBudget
 from torchrec_cnr.storage import CountingStorage, open_storage
 from torchrec_cnr.storage.fs import tree_bytes
 
@@ -167,6 +167,11 @@ def _target(kind: str, layouts: dict[str, str], how: str, src: str, root: str, o
 
 def _export(root: str, out: str) -> None:
     options = ExportOptions(budget_mb=40_000 / 2**20)  # blocks of 40,000 bytes
+    # On the last of several ranks another read of the process holds the whole budget: that
+    # rank's share is a quarter of it, and every rank writes blocks of the least share.
+    other = MemoryBudget(40_000)
+    if 0 < dist.get_rank() == dist.get_world_size() - 1:
+        assert other.take(40_000)
     export_dcp(root, out, STEP, options, group=dist.group.WORLD)
 
 
@@ -336,18 +341,23 @@ def test_an_export_in_blocks_smaller_than_the_saved_shards_equals_one_in_whole_t
     with ChainReader.open(root) as chain:
         assert len(chain.links) > 1, "a baseline and deltas"
     got, blocks = {}, {}
+    other = MemoryBudget(2048)
     tiny = IOOptions(read_memory_mb=1 / 512)  # the bound of every read, where none is given
     for name, options, io in (
         ("small", ExportOptions(budget_mb=1 / 512), None),
         ("threads", ExportOptions(budget_mb=1 / 512, threads=3), None),
         ("io", ExportOptions(), tiny),
         ("whole", ExportOptions(budget_mb=64), tiny),  # the export's own budget wins
+        ("shared", ExportOptions(budget_mb=1 / 512), None),
     ):
+        if name == "shared":  # another read of the process holds the whole budget
+            assert other.take(2048)  # (1 / 512 MB): the export takes a quarter of it
         blocks[name] = export_dcp(root, str(tmp_path / name), options=options, io=io).blocks
         dcp_to_torch_save(str(tmp_path / name), str(tmp_path / f"{name}.pt"))
         got[name] = torch.load(str(tmp_path / f"{name}.pt"), weights_only=False)
     assert blocks["io"] == blocks["small"] > blocks["whole"], blocks
-    for name in ("small", "threads", "io"):
+    assert blocks["shared"] > blocks["small"], blocks
+    for name in ("small", "threads", "io", "shared"):
         assert models.differences(got["whole"], got[name]) == [], name
     for spec in CHAIN_TABLES:
         key = f"sparse_arch.embedding_bag_collection.embedding_bags.{spec.name}.weight"

@@ -15,6 +15,7 @@ from tests import reference
 from tests.jobs import Job, assert_restore_refused, make_job, save_reference
 from tests.multiprocess import run_ranks
 from torchrec_cnr import ModelMismatchError
+from torchrec_cnr.read import MemoryBudget
 from torchrec_cnr.storage import CountingStorage, open_storage
 
 MIXED = [
@@ -87,9 +88,14 @@ def _refuses(tables, root: str, expected: type[Exception], needles: list[str]) -
 ROW_WISE = [TableSpec("r", 20000, 16, "row_wise"), TableSpec("s", 12000, 16, "row_wise")]
 
 
-def _restore_counting(root: str, refs: str, step: int, out: str, budget_mb: float | None) -> None:
+def _restore_counting(
+    root: str, refs: str, step: int, out: str, budget_mb: float | None, held: bool = False
+) -> None:
     import torch.distributed as dist
 
+    other = MemoryBudget(None)
+    if held:  # another read of the process (a compaction, say) holds all of the budget
+        assert budget_mb is not None and other.take(int(budget_mb * 2**20))
     storage = CountingStorage(open_storage(root))
     job = _job(ROW_WISE, root, seed=50, storage=storage, restore_memory_mb=budget_mb)
     assert job.ckpt.restore(step=step) == step
@@ -182,20 +188,23 @@ def test_the_bound_of_every_read_bounds_a_restore_and_its_own_budget_wins(
 ) -> None:
     """``TORCHREC_CNR_READ_MEMORY_MB`` (``IOOptions.read_memory_mb``) under one table's
     window: a restore holds only what fits, so it reads its windows twice (checked, then
-    again while applying), exactly; ``restore_memory_mb`` set wins over it."""
+    again while applying), exactly; ``restore_memory_mb`` set wins over it, within what
+    the process's other reads leave of it."""
     monkeypatch.setenv("TORCHREC_CNR_OBJECT_MB", SMALL_OBJECTS)
     root, refs = str(tmp_path / "ckpt"), tmp_path / "refs"
     refs.mkdir()
     run_ranks(2, _save, TABLE_WISE, root, str(refs), (2,))
     read = {}
     for name, bound, own in (("unbounded", None, None), ("bounded", "0.2", None),
-                             ("own", "0.2", 1000.0)):  # fmt: skip
+                             ("own", "0.2", 1000.0), ("shared", "0.2", 1000.0)):  # fmt: skip
         if bound is not None:
             monkeypatch.setenv("TORCHREC_CNR_READ_MEMORY_MB", bound)
         out = tmp_path / name
         out.mkdir()
-        run_ranks(2, _restore_counting, root, str(refs), 2, str(out), own)
+        run_ranks(2, _restore_counting, root, str(refs), 2, str(out), own, name == "shared")
         read[name] = [int((out / f"rank{r}").read_text()) for r in range(2)]
-    assert all(b > 1.8 * u for b, u in zip(read["bounded"], read["unbounded"])), read
+    # Within what the process's other reads leave of the budget: none of it, as bounded.
+    for name in ("bounded", "shared"):
+        assert all(b > 1.8 * u for b, u in zip(read[name], read["unbounded"])), (name, read)
     # Read once, as unbounded (the root's metadata may differ by a few bytes between reads).
     assert all(o < 1.1 * u for o, u in zip(read["own"], read["unbounded"])), read

@@ -34,7 +34,7 @@ from torchrec_cnr.read import ChainReader
 from torchrec_cnr.serving import FloatTarget, PendingUpdate, RefusedUpdate
 from torchrec_cnr.serving.apply import Applier, SharedLock
 from torchrec_cnr.serving.counters import Counters
-from torchrec_cnr.serving.fetch import UpdateReader
+from torchrec_cnr.serving.fetch import UpdateReader, _need
 from torchrec_cnr.serving.locate import read_table
 from torchrec_cnr.serving.plan import plan_update
 from torchrec_cnr.serving.poller import Poller
@@ -152,6 +152,15 @@ def test_fetch_reads_an_update_over_the_budget_in_pieces_each_shown_to_the_gate(
         return "third piece" if refuse and len(seen) == 3 else None
 
     budget = 100 * (2 * 4 * 8 + 8)  # 100 rows of dim 8 in each piece
+    # While the process holds the whole update (another read, as far as the ledger of
+    # reads knows), a read within the budget gets a quarter of it: pieces of 25 rows.
+    refuse = False
+    shared = UpdateReader(storage, io, target, gate, budget, str(tmp_path))
+    update = shared.read(manifest, latest, None)
+    assert update is not None and update.spill is not None and update.count == whole.count
+    assert len(seen) == 24 + 17 and update.spill.held_bytes <= budget // 4
+    count = whole.count
+    del whole, update  # what they held is given back
     for refuse in (False, True):
         seen.clear()
         reader = UpdateReader(storage, io, target, gate, budget, str(tmp_path))
@@ -163,13 +172,14 @@ def test_fetch_reads_an_update_over_the_budget_in_pieces_each_shown_to_the_gate(
             spilled = sum(int(ids.numel()) for _, ids, _ in update.spill.pieces)
             assert spilled == 200  # two pieces of table a; the refused one not spilled
         else:
-            assert update.refused is None and update.count == whole.count
+            assert update.refused is None and update.count == count
             assert update.spill.held_bytes <= budget
             assert len(seen) == 6 + 5  # 600 rows, then 401, 100 at a time
+        del update  # not held while the next is read
 
 
 def test_fetch_counts_only_the_rows_a_warm_update_reads_against_the_budget(
-    stored: tuple[Storage, Expected], io: IOContext, tmp_path: Path
+    stored: tuple[Storage, Expected], io: IOContext
 ) -> None:
     storage, _ = stored
     manifest = Manifest.load(storage)
@@ -180,12 +190,10 @@ def test_fetch_counts_only_the_rows_a_warm_update_reads_against_the_budget(
     assert plan is not None and not plan.cold
     unchanged = next(t for t in plan.rows if t.endswith(".c"))
     del plan.rows[unchanged]  # a warm plan that does not name a table reads none of it
-    target = FloatTarget(serving_model(TABLES, 4, "fp32"))
     budget = 100 * (2 * 4 * 8 + 8)  # 100 rows of dim 8: table a's 60 fit, c's 401 do not
-    reader = UpdateReader(storage, io, target, None, budget, str(tmp_path))
-    assert reader._spill_for(plan, latest) is None
+    assert _need(plan, latest) <= budget
     plan.cold = True  # every row of both tables: over the budget
-    assert reader._spill_for(plan, latest) is not None
+    assert _need(plan, latest) > budget
 
 
 def test_apply_serves_exactly_the_step_applied_in_copy_and_swap_mode(

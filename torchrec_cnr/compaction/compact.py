@@ -15,7 +15,8 @@ A shard is merged a window of its rows at a time, merged as stored or decoded: e
 ids are read first (:mod:`torchrec_cnr.read.plan`), then each window's rows of every link
 (the checked blocks they lie in, each read once), in parallel, and the window is written
 before the next is read, so memory is about ``IOOptions.read_memory_mb`` where set, else
-:data:`WINDOW_OBJECTS` data objects, whatever the shard's size.
+:data:`WINDOW_OBJECTS` data objects, whatever the shard's size: what the process's other
+reads leave of it (:class:`~torchrec_cnr.read.MemoryBudget`).
 
 Crash safety is that of a save: the new directory counts only once the manifest names
 it; killed mid-compaction, the old chain stays the restore target.
@@ -334,7 +335,8 @@ def compact_part(
     entry = chain.entry
     writer = SnapshotWriter(chain.storage, new_id, f"r{rank}", io.io, io.object_bytes)
     out = CompactedPart()
-    window_bytes = io.options.read_budget(None, WINDOW_OBJECTS * io.options.object_mb)
+    memory = MemoryBudget(io.options.read_budget(None, WINDOW_OBJECTS * io.options.object_mb))
+    window_bytes = memory.share()  # what the process's other reads leave of the bound
     assert window_bytes is not None
     for i, target in enumerate(chain.manifest.shards(entry)):
         if target.spec.rank % world != rank:

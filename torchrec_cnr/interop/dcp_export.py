@@ -21,8 +21,9 @@ written: ``fused_optimizer.state_dict()`` does not hold them.
 Every table is written in blocks, each read from the chain only as DCP's writer reaches the
 block before it (with one writer thread, the next block is read while one is written: two
 blocks of at most half ``ExportOptions.budget_mb`` each; with more, one block of at most
-``budget_mb`` per thread). Under ``torchrun`` every rank writes its share of the
-blocks into its own files in parallel; rank 0 writes the metadata.
+``budget_mb`` per thread), within what the process's other reads leave of it
+(:class:`~torchrec_cnr.read.MemoryBudget`). Under ``torchrun`` every rank writes its share
+of the blocks into its own files in parallel; rank 0 writes the metadata.
 """
 
 from __future__ import annotations
@@ -313,7 +314,14 @@ def export_dcp(
     with everywhere(lambda: ChainReader.open(root, step, io=io)) as chain:
         read = _Reads(chain, options.progress)
         tables = chain.entry.tables
-        block_bytes = options.budget(chain.io.options) // (2 if options.threads == 1 else 1)
+        memory = MemoryBudget(options.budget(chain.io.options))
+        share = memory.share()  # what the process's other reads leave of the budget
+        assert share is not None
+        if ranks is not None:  # one layout of blocks on every rank: the least share
+            share = min(ranks.gather(share))
+            memory.release()
+            memory.take(share, always=True)
+        block_bytes = share // (2 if options.threads == 1 else 1)
         groups = everywhere(
             lambda: [
                 g

@@ -5,6 +5,8 @@ under (carried out by :mod:`torchrec_cnr.read.plan`).
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -12,7 +14,7 @@ import torch
 
 from torchrec_cnr.encoding import ShardRecord
 
-__all__ = ["Alloc", "MemoryBudget", "ReadItem", "ReadPlan", "TensorKey"]
+__all__ = ["Alloc", "MemoryBudget", "ReadItem", "ReadPlan", "TensorKey", "held_by_reads"]
 
 TensorKey = tuple[int, int, str]
 """(link index in the chain, storage rank, stored name)."""
@@ -67,27 +69,77 @@ class ReadPlan:
     plan depends on (a restore's saved ids)."""
 
 
+_LEDGER = threading.Lock()
+_LIVE: weakref.WeakSet[MemoryBudget] = weakref.WeakSet()
+"""Every budget of the process not yet dropped: the ledger of what its reads hold."""
+
+SHARE_FLOOR = 0.25
+"""The least share of its bound a read that sizes its own pieces takes (:meth:`MemoryBudget.
+share`), however much the process's other reads hold: it goes on in smaller pieces, not
+one row at a time."""
+
+
+def held_by_reads() -> int:
+    """The bytes every read of this process holds now, by the ledger."""
+    with _LEDGER:
+        return sum(b.used for b in _LIVE)
+
+
 class MemoryBudget:
-    """The host memory a read may hold, in bytes (``None``: no bound), and what it holds."""
+    """The host memory a read may hold, in bytes (``None``: no bound), and what it holds.
+
+    Every read of a process (a restore, a follower's update, an export, a compaction) holds
+    its bytes in one ledger, and takes more only while what all of them hold together stays
+    within its bound: two at once (a background compaction beside a restore, say) share
+    ``IOOptions.read_memory_mb`` instead of holding it twice. What a read took is given back
+    when it ends (:meth:`release`, or ``with``) or when its budget is dropped.
+    """
 
     def __init__(self, limit: int | None) -> None:
         self.limit = limit
         self.used = 0
+        with _LEDGER:
+            _LIVE.add(self)
+
+    def __enter__(self) -> MemoryBudget:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     @property
     def left(self) -> int | None:
-        """Bytes not yet taken (``None``: no bound)."""
-        return None if self.limit is None else max(0, self.limit - self.used)
+        """Bytes of the bound that no read of the process holds (``None``: no bound)."""
+        return None if self.limit is None else max(0, self.limit - held_by_reads())
 
     def take(self, nbytes: int, always: bool = False) -> bool:
-        """Takes ``nbytes`` if they fit (or ``always``); whether they were taken."""
-        if always or self.limit is None or self.used + nbytes <= self.limit:
-            self.used += nbytes
-            return True
-        return False
+        """Takes ``nbytes`` if the process's reads, this one's included, stay within the
+        bound with them (or ``always``); whether they were taken."""
+        with _LEDGER:
+            held = sum(b.used for b in _LIVE)
+            if always or self.limit is None or held + nbytes <= self.limit:
+                self.used += nbytes
+                return True
+            return False
+
+    def share(self) -> int | None:
+        """What this read may hold in pieces it sizes itself, taken (in place of what it
+        held): what the process's other reads leave of the bound, and at least
+        :data:`SHARE_FLOOR` of it; ``None``: no bound."""
+        if self.limit is None:
+            return None
+        with _LEDGER:
+            others = sum(b.used for b in _LIVE if b is not self)
+            self.used = max(self.limit - others, int(self.limit * SHARE_FLOOR), 1)
+            return self.used
+
+    def release(self) -> None:
+        """Gives back everything this read took."""
+        with _LEDGER:
+            self.used = 0
 
     def rows(self, row_bytes: int) -> int:
-        """Rows of ``row_bytes`` each in one piece of at most the budget; at least one."""
+        """Rows of ``row_bytes`` each in one piece of at most the bound; at least one."""
         assert self.limit is not None, "an unbounded budget is read whole"
         return max(1, self.limit // max(1, row_bytes))
 

@@ -119,6 +119,8 @@ class PreparedRestore:
     spare_bytes: int | None = None
     """The budget left over what is held (``None``: no budget): windows verified but not
     held are read again while applying, about this many bytes at a time."""
+    budget: MemoryBudget | None = field(default=None, compare=False)
+    """What it holds, in the process's ledger of reads until it is dropped."""
 
 
 def own_part_suffices(chain: ChainReader, shards: list[LocalShard], rank: int) -> bool:
@@ -338,7 +340,7 @@ def read_chain(
             )
         if app_rank == 0 and world_size is not None and world_size < world:
             notes.append(_dropped_app_state(chain, world_size, options))
-    return PreparedRestore(chain, steps, dense, app_state, notes, held.spare_bytes)
+    return PreparedRestore(chain, steps, dense, app_state, notes, held.spare_bytes, budget)
 
 
 def _dropped_app_state(chain: ChainReader, world_size: int, options: ReadOptions) -> str:

@@ -14,7 +14,7 @@ import torch
 
 from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.manifest import Entry, Manifest, Summary
-from torchrec_cnr.read import ChainReader
+from torchrec_cnr.read import ChainReader, MemoryBudget
 from torchrec_cnr.restore import check_serving
 from torchrec_cnr.serving.gate import AcceptGate, PendingUpdate
 from torchrec_cnr.serving.locate import Read, read_table
@@ -40,8 +40,9 @@ class UpdateReader:
         accept: the accept gate; ``None`` accepts everything. Over the memory budget it
             sees each piece as it is read; otherwise the follower shows it the whole
             update.
-        memory_budget: the most bytes an update's rows take in memory; a larger update is
-            read in pieces and spilled (:mod:`.spill`). ``None``: no bound.
+        memory_budget: the most bytes an update's rows take in memory, with what the
+            process's other reads hold (:class:`~torchrec_cnr.read.MemoryBudget`); a larger
+            update is read in pieces and spilled (:mod:`.spill`). ``None``: no bound.
         spill_dir: where the spilled files go; the temporary folder if ``None``.
     """
 
@@ -84,11 +85,14 @@ class UpdateReader:
         plan = plan_update(manifest, chain, served, None if served is None else served.id)
         if plan is None:
             return None
-        update = PendingUpdate(plan, spill=self._spill_for(plan, entry))
-        if update.spill is None:
+        memory = MemoryBudget(self.memory_budget)
+        update = PendingUpdate(plan, memory=memory)
+        if memory.take(_need(plan, entry)):  # within what the process's other reads leave
             self._read_whole(update, chain, entry)
-        elif not self._read_pieces(update, chain, entry):
-            return update  # a piece was refused
+        else:
+            update.spill = Spill(self.target, self.spill_dir)
+            if not self._read_pieces(update, chain, entry):
+                return update  # a piece was refused
         if plan.dense or plan.cold:
             shapes, dense = self.target.tables(), self.target.dense_names()
             read = chain.dense([n for n in entry.dense if n in dense or n in shapes])
@@ -125,28 +129,19 @@ class UpdateReader:
     def _read_pieces(self, update: PendingUpdate, chain: ChainReader, latest: Entry) -> bool:
         """Over the memory budget: each table's rows read a piece at a time, each shown to
         the gate and spilled before the next is read; False if the gate refused one."""
-        assert self.memory_budget is not None
+        assert update.memory is not None
+        share = update.memory.share()
+        assert share is not None  # unbounded, every update is read whole
         for table, shape in latest.tables.items():
             wanted = _wanted(update.plan, table)
             if wanted is not None and not wanted.numel():
                 continue
             every = torch.arange(shape.num_embeddings) if wanted is None else wanted
-            for part in every.split(piece_rows(self.memory_budget, shape.embedding_dim)):
+            for part in every.split(piece_rows(share, shape.embedding_dim)):
                 reads = read_table(chain, table, part, update.plan.newer)
                 if not self._take(update, shape.state_dict_key, settle(reads)):
                     return False
         return True
-
-    def _spill_for(self, plan: UpdatePlan, latest: Entry) -> Spill | None:
-        """A spill for an update whose rows would take more than the memory budget."""
-        if self.memory_budget is None:
-            return None
-        need = 0
-        for table, shape in latest.tables.items():
-            wanted = _wanted(plan, table)
-            rows = shape.num_embeddings if wanted is None else int(wanted.numel())
-            need += rows * piece_bytes(shape.embedding_dim)
-        return Spill(self.target, self.spill_dir) if need > self.memory_budget else None
 
     def _take(
         self, update: PendingUpdate, key: str, pieces: list[tuple[torch.Tensor, StoredRows]]
@@ -163,6 +158,16 @@ class UpdateReader:
                 return False
         update.spill.add(rows)
         return True
+
+
+def _need(plan: UpdatePlan, latest: Entry) -> int:
+    """What an update's rows take while it is prepared (:func:`piece_bytes` a row)."""
+    need = 0
+    for table, shape in latest.tables.items():
+        wanted = _wanted(plan, table)
+        rows = shape.num_embeddings if wanted is None else int(wanted.numel())
+        need += rows * piece_bytes(shape.embedding_dim)
+    return need
 
 
 def _wanted(plan: UpdatePlan, table: str) -> torch.Tensor | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torchrec_cnr.read import MemoryBudget
 from torchrec_cnr.serving.plan import UpdatePlan
 from torchrec_cnr.serving.rows import StoredRows
 from torchrec_cnr.serving.spill import Spill
@@ -48,6 +49,8 @@ class PendingUpdate:
     its own with the same plan)."""
     refused: str | None = None
     """Why the gate refused one of its pieces, if it did."""
+    memory: MemoryBudget | None = field(default=None, compare=False, repr=False)
+    """What it holds, in the process's ledger of reads until it is dropped."""
 
     @property
     def step(self) -> int:
