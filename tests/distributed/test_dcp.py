@@ -6,6 +6,8 @@ an unsharded model and through ``dcp_to_torch_save``, and trains on bit-identica
 from __future__ import annotations
 
 import pickle
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ from torchrec_cnr import (
     read_table,
 )
 from torchrec_cnr.interop import ExportOptions
-from torchrec_cnr.read import ChainReader, MemoryBudget
+from torchrec_cnr.read import ChainReader, MemoryBudget, held_by_reads
 from torchrec_cnr.storage import CountingStorage, open_storage
 from torchrec_cnr.storage.fs import tree_bytes
 
@@ -330,8 +332,8 @@ def test_an_export_in_blocks_smaller_than_the_saved_shards_equals_one_in_whole_t
 ) -> None:
     """A chain of deltas (cumulative ones store their latest rows last, out of order),
     quantized or not: blocks of 1 KiB read each saved shard's landing rows alone (by one
-    writer thread or by three at once), the whole tables read each saved shard whole; all
-    give the same tensors."""
+    writer thread or by three at once, or beside another read of the process), the whole
+    tables read each saved shard whole; all give the same tensors."""
     monkeypatch.setenv("TORCHREC_CNR_OBJECT_MB", str(4 / 1024))
     quantize = (
         QuantizeConfig(method="adaptive", bits=bits, min_rows=0) if bits else QuantizeConfig()
@@ -357,6 +359,36 @@ def test_an_export_in_blocks_smaller_than_the_saved_shards_equals_one_in_whole_t
         got[name] = torch.load(str(tmp_path / f"{name}.pt"), weights_only=False)
     assert blocks["io"] == blocks["small"] > blocks["whole"], blocks
     assert blocks["shared"] > blocks["small"], blocks
+    other.release()
+    # Two exports at once in one process share the budget: the second, begun while the
+    # first holds all of it, cuts blocks of a quarter; both give back what they held.
+    before = held_by_reads()
+    first_holds, second_wrote = threading.Event(), threading.Event()
+
+    def export(which: int) -> int:
+        def progress(done: int, total: int) -> None:
+            if which == 0:
+                first_holds.set()
+                assert second_wrote.wait(120), "the second export wrote nothing"
+            else:
+                second_wrote.set()
+
+        options = ExportOptions(budget_mb=1 / 512, progress=progress)
+        name = f"at_once{which}"
+        done = export_dcp(root, str(tmp_path / name), options=options).blocks
+        dcp_to_torch_save(str(tmp_path / name), str(tmp_path / f"{name}.pt"))
+        got[name] = torch.load(str(tmp_path / f"{name}.pt"), weights_only=False)
+        return done
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(export, 0)
+        assert first_holds.wait(120), "the first export wrote nothing"
+        second = pool.submit(export, 1)
+        at_once = [first.result(timeout=300), second.result(timeout=300)]
+    assert at_once == [blocks["small"], blocks["shared"]], (at_once, blocks)
+    assert held_by_reads() == before
+    for name in ("at_once0", "at_once1"):
+        assert models.differences(got["whole"], got[name]) == [], name
     for name in ("small", "threads", "io", "shared"):
         assert models.differences(got["whole"], got[name]) == [], name
     for spec in CHAIN_TABLES:
