@@ -28,7 +28,7 @@ from torchrec_cnr.iocontext import IOContext
 from torchrec_cnr.launch import warn_if_restarts_unsafe
 from torchrec_cnr.read import Intact
 from torchrec_cnr.recovery import SaveSchedule
-from torchrec_cnr.restore import LocalModel, ModelLoader, Restored, RestoreScope
+from torchrec_cnr.restore import DeferredSignals, LocalModel, ModelLoader, Restored, RestoreScope
 from torchrec_cnr.selection import Policy
 from torchrec_cnr.selection.rows import ClearedBits
 from torchrec_cnr.snapshot.objects import check_app_state, resolve_globals
@@ -308,16 +308,19 @@ class CheckpointManager:
         if step is None:
             step = self.config.restore_step
         fall_back = self.config.on_damaged != "raise" and not scope.partial
-        found = self._loader.restore(self._fence.manifest, step, scope, fall_back)
-        if found is None:
-            self._nothing_to_restore()
-            return None
-        restored = found.loaded
-        if found.passed:
-            self._passed_over(found)
-        if restored.chain is not None:
-            self._background.restart_chain(restored.chain)
-            self._fence.restored(restored.next_seq)
-            self._schedule.saved(restored.entry.step)
-        self._fence.count_restore()
+        # A signal that raises waits from the model's first change until the manager has
+        # taken the restored chain: it is raised here, with the restore whole.
+        with DeferredSignals() as signals:
+            found = self._loader.restore(self._fence.manifest, step, scope, fall_back, signals)
+            if found is None:
+                self._nothing_to_restore()
+                return None
+            restored = found.loaded
+            if found.passed:
+                self._passed_over(found)
+            if restored.chain is not None:
+                self._background.restart_chain(restored.chain)
+                self._fence.restored(restored.next_seq)
+                self._schedule.saved(restored.entry.step)
+            self._fence.count_restore()
         return restored.entry.step

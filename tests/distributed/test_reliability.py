@@ -10,18 +10,25 @@ restores that fail without touching the model.
   does not fit) leaves the weights, every optimizer state, the dense parameters and every
   ``app_state`` object bit-identical; an uninitialized TorchRec ``KeyedOptimizer`` in
   ``app_state`` is initialized before it loads.
+- A SIGINT while a restore reads stops it with nothing changed; one while it changes the
+  model is raised once the model, its optimizer state and the manager's chain are whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
+import importlib
 import os
 import shutil
+import signal
 import subprocess
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -367,3 +374,70 @@ def test_an_uninitialized_keyed_optimizer_in_app_state_is_initialized_before_it_
 ) -> None:
     run_ranks(2, _keyed_optimizer_saves, root)
     run_ranks(2, _keyed_optimizer_restores, root)
+
+
+# -- a signal while a restore runs ----------------------------------------------
+
+
+@contextlib.contextmanager
+def _sigint_inside(target: str) -> Iterator[list[int]]:
+    """``target`` (a module's function, by dotted name) sends this process SIGINT the first
+    time it is called, then runs; yields the calls it sent one in."""
+    module, name = target.rsplit(".", 1)
+    real = getattr(importlib.import_module(module), name)
+    sent: list[int] = []
+
+    def sends(*args: Any, **kwargs: Any) -> Any:
+        if not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    # Python's own SIGINT handler, as in a process started in the foreground (one started
+    # in the background by a shell ignores SIGINT).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with mock.patch(target, sends):
+            yield sent
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _restore_interrupted(root: str) -> None:
+    job = _job(root, seed=5, policy="consecutive")
+    for step in (2, 4):
+        job.train(2)
+        job.ckpt.save(step)
+    job.ckpt.wait()
+    at_4 = capture(job.model, job.app_state)
+    job.train(3)
+    moved = capture(job.model, job.app_state)
+    # While the checkpoint is read: raised at once, nothing changed.
+    with _sigint_inside("torchrec_cnr.restore.collective.read_chain") as sent:
+        with pytest.raises(KeyboardInterrupt):
+            job.ckpt.restore()
+    assert sent and not differences(moved, capture(job.model, job.app_state))
+    # While the delta's rows are copied in: raised from restore() once the model, its
+    # optimizer state and the manager's chain are those of step 4, whole.
+    with _sigint_inside("torchrec_cnr.restore.apply.scatter_weight") as sent:
+        with pytest.raises(KeyboardInterrupt):
+            job.ckpt.restore()
+    assert sent and not differences(at_4, capture(job.model, job.app_state))
+    job.train(2)
+    job.ckpt.save(6)  # a delta on the restored chain
+    job.ckpt.wait()
+    at_6 = capture(job.model, job.app_state)
+    job.train(1)
+    assert job.ckpt.restore() == 6
+    assert not differences(at_6, capture(job.model, job.app_state))
+    job.ckpt.close()
+
+
+@pytest.mark.dist
+def test_a_sigint_inside_restore_is_raised_at_once_while_reading_and_after_the_model_is_whole(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C under torchrun reaches every rank: arriving while a restore reads, it stops it
+    with nothing changed; arriving while it copies rows in, it is raised once the restore
+    is whole, and training on from it saves and restores exactly."""
+    run_ranks(2, _restore_interrupted, str(tmp_path / "root"))

@@ -35,6 +35,7 @@ from torchrec_cnr.restore.apply import (
 )
 from torchrec_cnr.restore.compat import check_compatible
 from torchrec_cnr.restore.partial import RestoreScope, select_shards
+from torchrec_cnr.restore.signals import DeferredSignals
 from torchrec_cnr.snapshot.objects import serialize_app_state
 from torchrec_cnr.tracking.shard import LocalShard
 
@@ -130,13 +131,15 @@ def restore_entry(
     model: LocalModel,
     scope: RestoreScope,
     options: ReadOptions,
+    signals: DeferredSignals | None = None,
 ) -> list[torch.Tensor]:
     """Restores ``chain`` into this rank's ``model``.
 
     A partial ``scope`` is a partial recovery: only its shards reload, and dense tensors,
     ``app_state`` and the kernels' step counters keep their live values. ``options``: the
     memory budget, the staging buffers to read the baseline into and the types
-    ``app_state`` may hold (see :func:`read_chain`).
+    ``app_state`` may hold (see :func:`read_chain`). ``signals``: held from the first
+    change on (see :mod:`torchrec_cnr.restore.signals`).
 
     Returns:
         For each local shard, a ``(rows,)`` bool mask of rows that came from a delta.
@@ -174,6 +177,8 @@ def restore_entry(
         error = e
     group.agree(error)
     assert prepared is not None
+    if signals is not None:
+        signals.hold()  # every rank read and verified all of it: from here on, it changes
     load_app_state(group, {} if partial else app_state, prepared.app_state, dense)
     touched: list[torch.Tensor] = []
     error = None

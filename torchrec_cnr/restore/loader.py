@@ -18,6 +18,7 @@ from torchrec_cnr.read import ChainReader, Intact, load_committed, load_newest_i
 from torchrec_cnr.restore.apply import ReadOptions
 from torchrec_cnr.restore.collective import LocalModel, restore_entry
 from torchrec_cnr.restore.partial import RestoreScope
+from torchrec_cnr.restore.signals import DeferredSignals
 from torchrec_cnr.selection import ChainState, Policy
 from torchrec_cnr.selection.rows import resume_chain
 from torchrec_cnr.snapshot.objects import resolve_globals
@@ -75,11 +76,13 @@ class ModelLoader:
         step: int | None,
         scope: RestoreScope,
         fall_back: bool = False,
+        signals: DeferredSignals | None = None,
     ) -> Intact[Restored] | None:
         """Restores the committed checkpoint of ``step`` (the latest if ``None``); partly,
         CPR's partial recovery, with a partial ``scope`` (see :func:`restore_entry`).
         ``fall_back``: where ``step`` is ``None`` and the latest is damaged, the newest
         intact one before it (see :func:`~torchrec_cnr.read.load_newest_intact`).
+        ``signals``: held from the model's first change on.
 
         Returns:
             What was restored; ``None`` if ``step`` is ``None`` and the root holds none.
@@ -89,7 +92,7 @@ class ModelLoader:
             reader = self.group.agree_on(
                 lambda: ChainReader(self.storage, current, entry, self.io, self.verify)
             )
-            touched = restore_entry(self.group, reader, self.model, scope, self.options)
+            touched = restore_entry(self.group, reader, self.model, scope, self.options, signals)
             chain: ChainState | None = None
             if not scope.partial:
                 # A partial restore keeps the live chain: the reloaded rows hold checkpointed
