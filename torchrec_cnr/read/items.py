@@ -82,7 +82,12 @@ one row at a time."""
 def held_by_reads() -> int:
     """The bytes every read of this process holds now, by the ledger."""
     with _LEDGER:
-        return sum(b.used for b in _LIVE)
+        return _held()
+
+
+def _held(but: MemoryBudget | None = None) -> int:
+    """What the ledger's budgets (but ``but``) hold; the caller holds :data:`_LEDGER`."""
+    return sum(b.used for b in _LIVE if b is not but)
 
 
 class MemoryBudget:
@@ -116,8 +121,7 @@ class MemoryBudget:
         """Takes ``nbytes`` if the process's reads, this one's included, stay within the
         bound with them (or ``always``); whether they were taken."""
         with _LEDGER:
-            held = sum(b.used for b in _LIVE)
-            if always or self.limit is None or held + nbytes <= self.limit:
+            if always or self.limit is None or _held() + nbytes <= self.limit:
                 self.used += nbytes
                 return True
             return False
@@ -129,8 +133,7 @@ class MemoryBudget:
         if self.limit is None:
             return None
         with _LEDGER:
-            others = sum(b.used for b in _LIVE if b is not self)
-            self.used = max(self.limit - others, int(self.limit * SHARE_FLOOR), 1)
+            self.used = max(self.limit - _held(but=self), int(self.limit * SHARE_FLOOR), 1)
             return self.used
 
     def release(self) -> None:
