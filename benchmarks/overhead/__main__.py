@@ -23,7 +23,12 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         ask.add_argument(flag, action="store_true", help=f"ask overhead.{module}'s question")
     p.add_argument("--saves", type=int, default=8, help="--save-cost: checkpoints per arm")
     p.add_argument("--before", type=int, default=100, help="--save-cost: steps before a save")
-    p.add_argument("--after", type=int, default=200, help="--save-cost: steps after it")
+    p.add_argument(
+        "--after",
+        type=int,
+        default=200,
+        help="--save-cost: steps after it (again, while its commit has not landed)",
+    )
     p.add_argument("--pair-s", type=float, default=90.0, help="--paired: seconds of pairs")
     p.add_argument("--busy-steps", type=int, default=60, help="--paired: steps per busy stretch")
     p.add_argument("--busy-pairs", type=int, default=5, help="--paired: pairs per busy arm")
