@@ -6,7 +6,9 @@ rows are streamed (``stream``), as stored, and never held."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from tests.jobs import make_job
 from tests.multiprocess import run_ranks
 from torchrec_cnr.errors import CheckpointReadError, ChecksumError
 from torchrec_cnr.read import ChainReader, MemoryBudget, ReadItem, ReadPlan, carry_out
+from torchrec_cnr.read import items as items_module
 from torchrec_cnr.read.items import held_by_reads
 from torchrec_cnr.read.plan import stream
 from torchrec_cnr.snapshot import rows_path
@@ -120,6 +123,25 @@ def test_reads_at_once_share_one_budget_and_give_back_what_they_held(saved: str)
         assert held_by_reads() == before + 10**12 and MemoryBudget(bound).left == 0
         unbounded.release()
     assert held_by_reads() == before
+
+
+def test_a_forked_child_starts_a_ledger_of_its_own_even_if_a_thread_held_its_lock() -> None:
+    parent = MemoryBudget(1000)
+    assert parent.take(1000)
+    with items_module._LEDGER:  # a thread of the parent in the ledger as it forks
+        pid = os.fork()
+        if pid == 0:  # the child: any failure, or a wait on the inherited lock, exits non-zero
+            signal.alarm(10)
+            ok = False
+            try:
+                child = MemoryBudget(1000)
+                ok = child.take(600) and held_by_reads() == 600 and child.share() == 1000
+            finally:
+                os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert held_by_reads() >= 1000, "the parent's ledger is as it was"
+    parent.release()
 
 
 def test_a_damaged_deferred_tensor_fails_the_plan(saved: str, tmp_path: Path) -> None:

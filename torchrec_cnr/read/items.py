@@ -5,6 +5,7 @@ under (carried out by :mod:`torchrec_cnr.read.plan`).
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -73,6 +74,16 @@ _LEDGER = threading.Lock()
 _LIVE: weakref.WeakSet[MemoryBudget] = weakref.WeakSet()
 """Every budget of the process not yet dropped: the ledger of what its reads hold."""
 
+
+def _forked() -> None:
+    """A forked child (a data loader's worker, say) starts a ledger of its own: its
+    parent's reads are not its, and a thread of the parent may have held the lock."""
+    global _LEDGER, _LIVE
+    _LEDGER, _LIVE = threading.Lock(), weakref.WeakSet()
+
+
+os.register_at_fork(after_in_child=_forked)
+
 SHARE_FLOOR = 0.25
 """The least share of its bound a read that sizes its own pieces takes (:meth:`MemoryBudget.
 share`), however much the process's other reads hold: it goes on in smaller pieces, not
@@ -97,7 +108,8 @@ class MemoryBudget:
     its bytes in one ledger, and takes more only while what all of them hold together stays
     within its bound: two at once (a background compaction beside a restore, say) share
     ``IOOptions.read_memory_mb`` instead of holding it twice. What a read took is given back
-    when it ends (:meth:`release`, or ``with``) or when its budget is dropped.
+    when it ends (:meth:`release`, or ``with``) or when its budget is dropped. A forked
+    child starts with a ledger of its own, empty.
     """
 
     def __init__(self, limit: int | None) -> None:
