@@ -217,13 +217,14 @@ def children_cpu_s() -> float:
 
 class Peak:
     """``fn`` that notes the most resident memory its calls added over their start, MB (this
-    rank's; the peak reset at each call)."""
+    rank's; the peak reset at each call), and what ``kept()`` says, in MB, that they found
+    held for them from an earlier call (memory an export keeps for the next)."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn, self.mb = fn, 0.0
+    def __init__(self, fn: Callable[..., Any], kept: Callable[[], float] | None = None) -> None:
+        self.fn, self.mb, self.kept = fn, 0.0, kept
 
     def __call__(self, *args: Any) -> Any:
-        before = reset_peak_rss()
+        before = reset_peak_rss() - (self.kept() if self.kept is not None else 0.0)
         got = self.fn(*args)
         self.mb = max(self.mb, proc_status_mb("VmHWM") - before)
         return got

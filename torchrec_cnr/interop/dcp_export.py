@@ -22,8 +22,10 @@ Every table is written in blocks, each read from the chain only as DCP's writer 
 block before it (with one writer thread, the next block is read while one is written: two
 blocks of at most half ``ExportOptions.budget_mb`` each; with more, one block of at most
 ``budget_mb`` per thread), within what the process's other reads leave of it
-(:class:`~torchrec_cnr.read.MemoryBudget`). Under ``torchrun`` every rank writes its share
-of the blocks into its own files in parallel; rank 0 writes the metadata.
+(:class:`~torchrec_cnr.read.MemoryBudget`). The blocks' memory is kept for the process's
+next export when this one ends, its pages lazily freed (the kernel takes them back when it
+needs memory). Under ``torchrun`` every rank writes its share of the blocks into its own
+files in parallel; rank 0 writes the metadata.
 """
 
 from __future__ import annotations

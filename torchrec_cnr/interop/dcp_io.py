@@ -9,12 +9,14 @@ planner interface and file-system storage, so the files are DCP's own:
   any block of a tensor, and the objects under a key, unpickled as a restore unpickles
   ``app_state`` (nothing but the types it is told to allow);
 - :func:`write_blocks` writes tensors given as groups of blocks read on demand (memory:
-  the group written and the next, read meanwhile; a block's memory is returned once it
-  is written) and objects, under nested keys that ``dcp_to_torch_save`` rebuilds.
+  the group written and the next, read meanwhile; a block's memory takes the next block
+  once it is written, and is kept for the next write when this one ends) and objects,
+  under nested keys that ``dcp_to_torch_save`` rebuilds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import mmap
@@ -337,7 +339,7 @@ def write_blocks(
     finally:
         if ahead is not None:
             ahead.close()
-        _return_spare()
+        _keep_spare()
 
 
 def _write_blocks(
@@ -435,7 +437,8 @@ usual, and copied once before they are written."""
 
 
 MAX_SPARE = 8
-"""Written blocks' mappings kept for the next blocks (:func:`_free`) at most."""
+"""Written blocks' mappings kept for the next blocks (:func:`_free`), and for the next
+write once one ends (:func:`_keep_spare`), at most."""
 _spare: list[mmap.mmap] = []
 _spare_lock = threading.Lock()
 
@@ -496,9 +499,21 @@ def _free(t: torch.Tensor) -> None:
     memory.madvise(mmap.MADV_DONTNEED)
 
 
+def _keep_spare() -> None:
+    """Once a write is over: the spare mappings kept for the next write (an export after
+    this one), their pages lazily freed (``MADV_FREE``). The kernel takes them back when it
+    needs the memory; until then the next write reads into them without a fault, where
+    fresh pages cost it the kernel's zeroing (and, on a VM that hands freed memory back to
+    its host, the host's faults: 1.4-1.9 s against 0.8 s for an export of 1 GB here). None
+    is in use: a block takes a spare one under the lock this holds."""
+    with _spare_lock:
+        for memory in _spare:
+            with contextlib.suppress(OSError, AttributeError):  # a kernel without MADV_FREE
+                memory.madvise(mmap.MADV_FREE)
+
+
 def _return_spare() -> None:
-    """The spare mappings' pages back to the system (where none fits a block, and once a
-    write is over)."""
+    """The spare mappings' pages back to the system (where none fits a block)."""
     with _spare_lock:
         spare = _spare[:]
         _spare.clear()
