@@ -163,7 +163,7 @@ def test_each_group_is_read_while_the_one_before_it_is_written(tmp_path: Path) -
         assert torch.equal(out, value)
 
 
-def test_mapped_blocks_are_written_as_they_are_their_memory_reused_then_returned(
+def test_mapped_blocks_are_written_as_they_are_their_memory_reused_then_kept_for_the_next(
     tmp_path: Path,
 ) -> None:
     n = DIRECT_MIN_BYTES // 16  # rows of a block of a MiB
