@@ -453,9 +453,9 @@ def mapped(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     It takes the memory of a block already written, of up to twice its size, where one is
     spare (in this write, or kept from an earlier one: :func:`_keep_spare`): its pages are
     in memory unless the kernel took them back, where a fresh mapping's first touch cost a
-    third of a cold read of 1 GB here (0.3 of 0.9 s). Where none fits, every spare block's pages go
-    back to the system first: the memory held stays that of the blocks being read and
-    written, as without spares."""
+    third of a cold read of 1 GB here (0.3 of 0.9 s). Where none fits, every spare block's
+    pages go back to the system first: the memory held stays that of the blocks being read
+    and written, as without spares."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < DIRECT_MIN_BYTES or len(_MAPPED) >= MAX_MAPPED:
         return torch.empty(shape, dtype=dtype)
