@@ -8,11 +8,11 @@ while it reads C's chain and writes one full checkpoint F of C's step. The first
 job after every rank has written its part *lands* F: F is committed in the same manifest
 write as that job's own checkpoint, right after C (the same step, ``compacted_from`` C: a
 restore of that step reads F), the checkpoints committed since C link to F instead of C
-(:meth:`~torchrec_cnr.commit.manifest.Manifest.land`), and that job's checkpoint, and every
+(:meth:`~torchrec_cnr.manifest.store.Manifest.land`), and that job's checkpoint, and every
 later one, continues the chain from F (:func:`rebase`): ``keep_last`` retires C's chain as
 it would any other. Until it lands, the manifest keeps C's chain (retention) and the
 checkpoints from C on out of the sealed history
-(:class:`~torchrec_cnr.commit.manifest.Keep`). :class:`CompactionHook` plugs all this into
+(:class:`~torchrec_cnr.manifest.store.Keep`). :class:`CompactionHook` plugs all this into
 the save's commit job (:func:`~torchrec_cnr.commit.job.commit_job`).
 
 A compaction that failed on some rank is reported after the job's own checkpoint, which

@@ -120,7 +120,7 @@ class Summary:
     which :meth:`torchrec_cnr.manifest.Manifest.record` reads."""
 
     id: str
-    """Its directory name (see :func:`torchrec_cnr.storage.checkpoint_id`)."""
+    """Its directory name (see :func:`torchrec_cnr.schema.checkpoint_id`)."""
     seq: int
     step: int
     kind: Kind
@@ -322,7 +322,7 @@ def parse_segment(data: bytes, where: str) -> tuple[list[Summary], SegmentRef | 
 
 class ManifestRecord:
     """The parsed manifest of a checkpoint root (reading and writing it, and the parts it
-    names: :class:`torchrec_cnr.commit.Manifest`).
+    names: :class:`torchrec_cnr.manifest.store.Manifest`).
 
     It holds the latest checkpoints (:attr:`tail`) and names the newest sealed history
     segment (:attr:`history`), which holds the ones before; :attr:`checkpoints` is all of

@@ -1,7 +1,7 @@
 """A read-only view of a root's committed checkpoints: steps, kinds, chains, bytes, tables.
 
 This is the public way to look into a root without a model or a process group; the
-manifest it is read from (:mod:`torchrec_cnr.commit.manifest`) stays internal, so its
+manifest it is read from (:mod:`torchrec_cnr.manifest`) stays internal, so its
 format can change without breaking callers.
 
 Example::
