@@ -8,8 +8,8 @@ docstring and ``docs/design.md`` say the same; ``tests/unit/test_layers.py`` che
 3. ``staging``: the copy to host memory, the only stall (the stager chooses, per shard,
    copy-on-write or an eager copy);
 4. ``encoding``: formats, per-row quantization (``quantization``) and the shard writer;
-5. ``commit``: the manifest, the commit, this job's fence on the root (lease,
-   generation), retention, the background writer;
+5. ``commit``: the commit that makes a checkpoint exist, this job's fence on the root
+   (lease, generation), retention, the background writer;
 6. ``read``: committed checkpoints read back for every use (the chain reader, where saved
    rows land, a table's rows without a model, the retry);
 7. ``restore``: a chain loaded into the live model (compatibility, partial recovery,
@@ -20,10 +20,11 @@ docstring and ``docs/design.md`` say the same; ``tests/unit/test_layers.py`` che
 
 Beneath the stages: ``schema`` is the on-disk contract (every persisted type and name);
 ``storage`` the backends (file systems, S3, fsspec) and ``snapshot`` one checkpoint
-directory's tensors; ``iocontext`` the I/O options and the thread pools every reader and
-writer runs on. Beside them: ``recovery`` CPR's interval choice and the save schedule;
-``writer_process`` the writer in a process of its own; ``interop`` PyTorch's DCP format (import,
-export, the stager); ``manager`` only sequences the stages.
+directory's tensors; ``manifest`` the root's index of checkpoints, as plain records, that
+the commit writes and every reader reads; ``iocontext`` the I/O options and the thread
+pools every reader and writer runs on. Beside them: ``recovery`` CPR's interval choice and
+the save schedule; ``writer_process`` the writer in a process of its own; ``interop``
+PyTorch's DCP format (import, export, the stager); ``manager`` only sequences the stages.
 
 ``__all__`` holds what a training or serving job imports: the manager, its configuration,
 the sharders, the follower, the offline restores and the errors to catch. The rest is

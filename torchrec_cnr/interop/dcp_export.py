@@ -236,6 +236,48 @@ def _share(groups: list[list[Block]], rank: int, world: int) -> list[list[Block]
     return mine
 
 
+def _prepare(target: Path, overwrite: bool) -> None:
+    """Makes ``target`` an empty directory: refused where it holds anything, unless
+    ``overwrite``."""
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        if not overwrite:
+            raise FileExistsError(
+                f"{target} exists; ExportOptions(overwrite=True) (cnr: --overwrite) replaces it"
+            )
+        if target.is_dir():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
+    target.mkdir(parents=True, exist_ok=True)
+
+
+def _objects(chain: ChainReader, options: ExportOptions) -> dict[str, Any]:
+    """Rank 0's part: the dense state and its ``app_state`` objects."""
+    allowed = resolve_globals(options.safe_globals)
+    app = load_object(chain.app_state(0), allowed, "app_state of rank 0")
+    clash = {MODEL, OPTIM} & set(app)
+    if clash:
+        raise ValueError(f"app_state names {sorted(clash)} clash with DCP's recipe keys")
+    return {MODEL: chain.dense(), **app}
+
+
+def _blocks_budget(
+    chain: ChainReader, options: ExportOptions, ranks: Collective | None
+) -> tuple[MemoryBudget, int]:
+    """The export's memory, held in the process's ledger of reads while the caller keeps
+    it: its budget, within what the process's other reads leave of it (the least such share
+    over ``ranks``: one layout of blocks on every rank); and the most bytes of one block,
+    that share halved for one writer thread (the next block is read while one is written)."""
+    memory = MemoryBudget(options.budget(chain.io.options))
+    share = memory.share()
+    assert share is not None
+    if ranks is not None:
+        share = min(ranks.gather(share))
+        memory.release()
+        memory.take(share, always=True)
+    return memory, share // (2 if options.threads == 1 else 1)
+
+
 def export_dcp(
     root: Root,
     out: str | Path,
@@ -286,29 +328,7 @@ def export_dcp(
         """``fn()``, raising on every rank if it failed on any (none waits in DCP's save)."""
         return fn() if ranks is None else ranks.agree_on(fn)
 
-    def prepare() -> None:
-        if target.exists() and (not target.is_dir() or any(target.iterdir())):
-            if not options.overwrite:
-                raise FileExistsError(
-                    f"{target} exists; ExportOptions(overwrite=True) (cnr: --overwrite) replaces it"
-                )
-            if target.is_dir():
-                shutil.rmtree(target)
-            else:
-                target.unlink()
-        target.mkdir(parents=True, exist_ok=True)
-
-    def objects(chain: ChainReader) -> dict[str, Any]:
-        """Rank 0's: the dense state and its ``app_state`` objects."""
-        if rank != 0:
-            return {}
-        allowed = resolve_globals(options.safe_globals)
-        app = load_object(chain.app_state(0), allowed, "app_state of rank 0")
-        clash = {MODEL, OPTIM} & set(app)
-        if clash:
-            raise ValueError(f"app_state names {sorted(clash)} clash with DCP's recipe keys")
-        return {MODEL: chain.dense(), **app}
-
+    prepare = partial(_prepare, target, options.overwrite)
     if ranks is None:
         prepare()
     else:
@@ -316,14 +336,7 @@ def export_dcp(
     with everywhere(lambda: ChainReader.open(root, step, io=io)) as chain:
         read = _Reads(chain, options.progress)
         tables = chain.entry.tables
-        memory = MemoryBudget(options.budget(chain.io.options))
-        share = memory.share()  # what the process's other reads leave of the budget
-        assert share is not None
-        if ranks is not None:  # one layout of blocks on every rank: the least share
-            share = min(ranks.gather(share))
-            memory.release()
-            memory.take(share, always=True)
-        block_bytes = share // (2 if options.threads == 1 else 1)
+        memory, block_bytes = _blocks_budget(chain, options, ranks)
         groups = everywhere(
             lambda: [
                 g
@@ -333,8 +346,9 @@ def export_dcp(
         )
         mine = _share(groups, rank, world)
         read.total = sum(map(len, mine))
-        saved = everywhere(lambda: objects(chain))
+        saved = everywhere(lambda: _objects(chain, options) if rank == 0 else {})
         write_blocks(target, mine, saved, group, options.threads)
+        memory.release()
         keys = sorted({b.fqn for g in groups for b in g})
         nbytes = sum(4 * int(torch.Size(b.sizes).numel()) for g in mine for b in g)
         return DcpExport(chain.entry.step, read.total, nbytes, len(tables), keys)
