@@ -81,6 +81,17 @@ def _check_method_bits(where: str, method: str, bits: int | str) -> None:
         raise ValueError(f"{where} bits must be one of {BITS} or 'auto', got {bits!r}")
 
 
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_count(name: str, value: object, what: str = "a positive int or None") -> None:
+    """``value`` is ``None`` or an int of at least 1."""
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
 def _parse_override(spec: str) -> tuple[str, int | str]:
     """``"adaptive:4"`` -> ``("adaptive", 4)``; ``"none"`` -> ``("none", "auto")``."""
     method, _, bits = spec.partition(":")
@@ -132,7 +143,8 @@ class QuantizeConfig:
             raise ValueError(f"quantize.min_rows must be >= 0, got {self.min_rows}")
         if self.optimizer_state not in STATE_DTYPES:
             raise ValueError(
-                f"quantize.optimizer_state must be one of {STATE_DTYPES}, got {self.optimizer_state!r}"
+                f"quantize.optimizer_state must be one of {STATE_DTYPES}, got "
+                f"{self.optimizer_state!r}"
             )
         try:
             check_thresholds(self.thresholds)
@@ -349,6 +361,12 @@ class CheckpointConfig:
         async_mode: str | None,
     ) -> None:
         self._torchtitan_names(interval, keep_latest_k, load_step, async_mode)
+        self._check_root_and_parts()
+        self._check_schedule()
+        self._check_modes()
+        self._check_memory_and_restore()
+
+    def _check_root_and_parts(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"path must be a non-empty string, got {self.path!r}")
         check_root(self.path, self.storage_options)
@@ -362,48 +380,22 @@ class CheckpointConfig:
                     f"{part} must be given as {kind.__name__}(...) (every default: "
                     f"{kind.__name__}()), got {value!r}"
                 )
+        object.__setattr__(self, "safe_globals", checked_safe_globals(self.safe_globals))
+
+    def _check_schedule(self) -> None:
+        """The policy, when checkpoints are taken, and how many are kept."""
         check_policy(self.policy, self.baseline_rule)
-        if (
-            self.interval_steps is not None
-            and self.interval_steps != "auto"
-            and (not isinstance(self.interval_steps, int) or self.interval_steps < 1)
-        ):
-            raise ValueError(
-                f"interval_steps must be a positive int, 'auto' or None, got {self.interval_steps!r}"
-            )
-        if self.keep_last is not None and (
-            not isinstance(self.keep_last, int) or self.keep_last < 1
-        ):
-            raise ValueError(f"keep_last must be a positive int or None, got {self.keep_last!r}")
-        if self.compact_every is not None and (
-            not isinstance(self.compact_every, int) or self.compact_every < 1
-        ):
-            raise ValueError(
-                f"compact_every must be a positive int or None, got {self.compact_every!r}"
-            )
+        if self.interval_steps != "auto":
+            _check_count("interval_steps", self.interval_steps, "a positive int, 'auto' or None")
+        _check_count("keep_last", self.keep_last)
+        _check_count("compact_every", self.compact_every)
         if self.compact_every is not None and self.policy != "consecutive":
             warnings.warn(
                 f"compact_every applies to policy='consecutive' only: a {self.policy!r} chain "
                 "holds at most a baseline and one delta, and is never compacted on its own "
                 "(CheckpointManager.compact() compacts it)",
-                stacklevel=3,
+                stacklevel=4,
             )
-        object.__setattr__(self, "safe_globals", checked_safe_globals(self.safe_globals))
-        if self.staging not in STAGING:
-            raise ValueError(f"staging must be one of {STAGING}, got {self.staging!r}")
-        if self.background not in BACKGROUND:
-            raise ValueError(f"background must be one of {BACKGROUND}, got {self.background!r}")
-        if self.background == "process" and self.staging_memory_mb is not None:
-            raise ValueError(
-                "background='process' stages every checkpoint whole: staging_memory_mb must "
-                f"be None, got {self.staging_memory_mb}"
-            )
-        if self.on_damaged not in ON_DAMAGED:
-            raise ValueError(f"on_damaged must be one of {ON_DAMAGED}, got {self.on_damaged!r}")
-        if self.on_damaged == "retire" and self.read_only:
-            raise ValueError("on_damaged='retire' writes the root: read_only must be False")
-        if self.on_busy not in ON_BUSY:
-            raise ValueError(f"on_busy must be one of {ON_BUSY}, got {self.on_busy!r}")
         if self.priority_budget_mb is not None:
             if self.priority_budget_mb <= 0:
                 raise ValueError(
@@ -413,8 +405,24 @@ class CheckpointConfig:
                 raise ValueError(
                     f"priority_budget_mb needs policy 'consecutive', got {self.policy!r}"
                 )
+
+    def _check_modes(self) -> None:
+        """The named choices, and the pairs of them that exclude each other."""
+        _check_choice("staging", self.staging, STAGING)
+        _check_choice("background", self.background, BACKGROUND)
+        if self.background == "process" and self.staging_memory_mb is not None:
+            raise ValueError(
+                "background='process' stages every checkpoint whole: staging_memory_mb must "
+                f"be None, got {self.staging_memory_mb}"
+            )
+        _check_choice("on_damaged", self.on_damaged, ON_DAMAGED)
+        if self.on_damaged == "retire" and self.read_only:
+            raise ValueError("on_damaged='retire' writes the root: read_only must be False")
+        _check_choice("on_busy", self.on_busy, ON_BUSY)
         if self.read_only and self.take_over:
             raise ValueError("read_only=True claims nothing: take_over must be False")
+
+    def _check_memory_and_restore(self) -> None:
         if self.restore_memory_mb is not None and self.restore_memory_mb < 0:
             raise ValueError(
                 f"restore_memory_mb must be >= 0 or None, got {self.restore_memory_mb}"
