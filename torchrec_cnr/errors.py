@@ -70,6 +70,15 @@ class UnsafeObjectError(CheckpointReadError):
     (see ``CheckpointConfig.safe_globals``); nothing of it ran."""
 
 
+def brief(e: BaseException) -> str:
+    """``e`` in a line, for a message that names it: a decoding error says where it failed,
+    not the whole input it holds (a damaged file's every byte)."""
+    if isinstance(e, UnicodeDecodeError):
+        return f"UnicodeDecodeError: not {e.encoding} at byte {e.start} ({e.reason})"
+    text = repr(e)
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
 E = TypeVar("E", bound=BaseException)
 
 

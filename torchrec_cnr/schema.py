@@ -50,7 +50,7 @@ from typing import Any, Literal
 
 import torch
 
-from torchrec_cnr.errors import ManifestError
+from torchrec_cnr.errors import ManifestError, brief
 
 __all__ = [
     "FORMAT_VERSION",
@@ -505,7 +505,7 @@ def parse_part(data: bytes, where: str, checksum: str) -> list[ShardRecord]:
         with without_gc():
             return [ShardRecord.from_json(s) for s in raw["shards"]]
     except (KeyError, TypeError, ValueError) as e:
-        raise ManifestError(f"{where} is malformed: {e!r}") from e
+        raise ManifestError(f"{where} is malformed: {brief(e)}") from e
 
 
 # -- the writer's lease -----------------------------------------------------------------

@@ -172,6 +172,26 @@ def test_our_reader_checks_every_piece_and_reads_rows_alone(
     )
 
 
+def test_a_damaged_index_is_named_in_a_line_not_with_every_byte_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A byte of ``.snapshot_metadata`` that is not UTF-8: the error names the file and
+    where it failed, not the whole file (which a decoding error carries)."""
+    checksums, _ = _write(tmp_path, monkeypatch)
+    index = tmp_path / "ckpt" / ".snapshot_metadata"
+    data = bytearray(index.read_bytes())
+    at = len(data) // 2
+    data[at] = 0x87
+    index.write_bytes(bytes(data))
+    with pytest.raises(CheckpointReadError) as failed:
+        SnapshotReader(open_storage(str(tmp_path)), "ckpt", IO, PIECE, checksums)
+    message = str(failed.value)
+    assert f"ckpt/.snapshot_metadata is damaged: UnicodeDecodeError: not utf-8 at byte {at}" in (
+        message
+    ), message
+    assert len(message) < 400, message
+
+
 def _in_blocks(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Storage, RankPart]:
     """Rank 0's ``s0.w`` alone, in checksummed blocks of 128 rows."""
     monkeypatch.setattr(snapshot_writer, "BLOCK_BYTES", 8 << 10)  # 128 rows of s0.w

@@ -19,7 +19,7 @@ from typing import Any, Self, TypeVar
 
 import torch
 
-from torchrec_cnr.errors import ManifestError
+from torchrec_cnr.errors import ManifestError, brief
 from torchrec_cnr.schema import (
     FORMAT_VERSION,
     IntervalDecision,
@@ -272,7 +272,7 @@ def parse_record(data: bytes, where: str, ckpt_id: str) -> Entry:
         with without_gc():
             entry = Entry.from_json(raw["entry"], raw["format_version"])
     except (KeyError, TypeError, ValueError) as e:
-        raise ManifestError(f"{where} is malformed: {e!r}") from e
+        raise ManifestError(f"{where} is malformed: {brief(e)}") from e
     if entry.id != ckpt_id:
         raise ManifestError(f"{where} is the record of {entry.id}, not of {ckpt_id}")
     return entry
@@ -317,7 +317,7 @@ def parse_segment(data: bytes, where: str) -> tuple[list[Summary], SegmentRef | 
         entries = [Summary.from_summary(e) for e in raw["checkpoints"]]
         return entries, SegmentRef.from_json(raw["previous"])
     except (KeyError, TypeError, ValueError) as e:
-        raise ManifestError(f"{where} is malformed: {e!r}") from e
+        raise ManifestError(f"{where} is malformed: {brief(e)}") from e
 
 
 class ManifestRecord:
@@ -405,7 +405,7 @@ class ManifestRecord:
                 history=SegmentRef.from_json(raw.get("history")),
             )
         except (KeyError, TypeError, ValueError) as e:
-            raise ManifestError(f"{where} is malformed: {e!r}") from e
+            raise ManifestError(f"{where} is malformed: {brief(e)}") from e
         manifest.read_format = version
         return manifest
 

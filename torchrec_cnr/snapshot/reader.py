@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from torchrec_cnr.errors import CheckpointReadError
+from torchrec_cnr.errors import CheckpointReadError, brief
 from torchrec_cnr.schema import SNAPSHOT_MARKER, app_path, dense_path, rows_path
 from torchrec_cnr.snapshot.buffers import HUGE_PAGE, Buffers, anonymous
 from torchrec_cnr.snapshot.checksum import (
@@ -299,7 +299,9 @@ class SnapshotReader:
         try:
             self._entries = parse_index(got[0])
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointReadError(f"{self.path}/{SNAPSHOT_MARKER} is damaged: {e!r}") from e
+            raise CheckpointReadError(
+                f"{self.path}/{SNAPSHOT_MARKER} is damaged: {brief(e)}"
+            ) from e
         self._sums: Mapping[str, int] = {} if checksums is None else checksums
         self._small: list[_Small] = []
         self._small_lock = threading.Lock()
