@@ -32,6 +32,7 @@ from torchrec_cnr import (
     export_dcp,
     read_table,
 )
+from torchrec_cnr.errors import ChecksumError
 from torchrec_cnr.interop import ExportOptions
 from torchrec_cnr.read import ChainReader, MemoryBudget, held_by_reads
 from torchrec_cnr.storage import CountingStorage, open_storage
@@ -394,6 +395,40 @@ def test_an_export_in_blocks_smaller_than_the_saved_shards_equals_one_in_whole_t
     for spec in CHAIN_TABLES:
         key = f"sparse_arch.embedding_bag_collection.embedding_bags.{spec.name}.weight"
         assert torch.equal(got["small"]["model"][key], read_table(root, spec.name))
+
+
+def _export_of_damaged_root(root: str, out: str) -> None:
+    with pytest.raises(ChecksumError):
+        options = ExportOptions(overwrite=True)
+        export_dcp(root, out, options=options, group=dist.group.WORLD)
+
+
+@pytest.mark.dist
+def test_an_export_that_fails_leaves_the_earlier_export_whole_and_nothing_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """With ``overwrite``, an export of a root damaged since the earlier export fails on
+    every rank (2, as under torchrun); the earlier export stays whole at ``out``, and no
+    partial folder is left beside it."""
+    root, out = str(tmp_path / "root"), tmp_path / "exports" / "out"
+    run_ranks(2, _chain, root, "consecutive", QuantizeConfig())
+    export_dcp(root, str(out))
+    dcp_to_torch_save(str(out), str(tmp_path / "before.pt"))
+    latest = Path(root, ChainReader.open(root).entry.id)
+    objects = [p for p in (latest / "data").rglob("*") if p.is_file()]
+    largest = max(objects, key=lambda p: p.stat().st_size)
+    with open(largest, "r+b") as f:  # one byte of the latest checkpoint's largest object
+        f.seek(largest.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    run_ranks(2, _export_of_damaged_root, root, str(out))
+    assert [p.name for p in out.parent.iterdir()] == ["out"]
+    dcp_to_torch_save(str(out), str(tmp_path / "after.pt"))
+    before, after = (
+        torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("before", "after")
+    )
+    assert models.differences(before, after) == []
 
 
 def _wrong_model(dcp_dir: str, root: str) -> None:

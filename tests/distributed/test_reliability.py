@@ -40,9 +40,11 @@ from tests.faults import Fault, FaultyStorage
 from tests.jobs import Job, make_job, restores_exactly, save_reference
 from tests.models import capture, differences
 from tests.multiprocess import run_ranks
-from torchrec_cnr import CheckpointConfig, CheckpointError, CheckpointManager
+from torchrec_cnr import CheckpointConfig, CheckpointError, CheckpointManager, export_dcp
+from torchrec_cnr.interop import ExportOptions
 from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.manifest.records import record_bytes
+from torchrec_cnr.offline import export_state_dict, save_export
 from torchrec_cnr.schema import part_bytes, part_path, record_path
 from torchrec_cnr.storage import open_storage
 
@@ -253,6 +255,66 @@ def test_a_real_full_tmpfs_fails_saves_cleanly_restores_and_recovers(tmp_path: P
         last = Manifest.load(root).steps()[-1]
         run_ranks(2, restores_exactly, TABLES, root, str(refs), last, latest=True, seed=91,
                   data_seed=4, policy="full")  # fmt: skip
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        shutil.rmtree(mnt, ignore_errors=True)
+
+
+EXPORTED = {"small": TABLES[:1], "large": [TableSpec("big", 20_000, 32, "table_wise")]}
+"""The roots exported onto a full disk: one that fits in 1 MB, one that does not."""
+
+
+def _save_and_export(tmp: str, out: str) -> None:
+    """A DCP export that does not fit fails on every rank saying so, and leaves the
+    export that was there (even with ``overwrite``) and nothing of its own."""
+    for name, tables in EXPORTED.items():
+        job = make_job(tables, f"{tmp}/{name}", seed=1, policy="full")
+        job.ckpt.save(2)
+        job.ckpt.close()
+    group = dist.group.WORLD
+    export_dcp(f"{tmp}/small", out, group=group)
+    before = sorted(p.name for p in Path(out).iterdir())
+    for overwrite in (False, True):
+        with pytest.raises(OSError) as failed:
+            options = ExportOptions(overwrite=overwrite)
+            export_dcp(f"{tmp}/large", out, options=options, group=group)
+        if overwrite:
+            assert failed.value.errno == errno.ENOSPC, failed.value
+            assert "no space left on device" in str(failed.value), failed.value
+        else:
+            assert isinstance(failed.value, FileExistsError), failed.value
+        dist.barrier()  # every rank has failed: then nothing of it is left
+        listed = sorted(p.name for p in Path(out).parent.iterdir())
+        assert listed == ["out"], (overwrite, listed, failed.value)
+        assert sorted(p.name for p in Path(out).iterdir()) == before
+        dist.barrier()  # every rank has looked before the next export begins
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_exports_that_do_not_fit_a_real_full_tmpfs_fail_saying_so_and_keep_the_earlier_one(
+    tmp_path: Path,
+) -> None:
+    """``export_dcp`` (2 ranks) and ``save_export`` on a 1 MB tmpfs: a clear ENOSPC where
+    torch's writer says ``unexpected pos``, the export that was there unchanged, and no
+    half-written files."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if not _mount(mnt, "1m"):
+        pytest.skip("this machine does not let root mount a tmpfs")
+    try:
+        out = mnt / "dcp" / "out"
+        run_ranks(2, _save_and_export, str(tmp_path), str(out))
+        shutil.rmtree(mnt / "dcp")
+        small = export_state_dict(str(tmp_path / "small"))
+        save_export(small, mnt / "model.pt")
+        with pytest.raises(OSError) as failed:
+            save_export(export_state_dict(str(tmp_path / "large")), mnt / "model.pt")
+        assert failed.value.errno == errno.ENOSPC, failed.value
+        assert sorted(p.name for p in mnt.iterdir()) == ["model.pt"]
+        assert differences(torch.load(mnt / "model.pt"), small) == []
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
         shutil.rmtree(mnt, ignore_errors=True)

@@ -26,10 +26,16 @@ blocks of at most half ``ExportOptions.budget_mb`` each; with more, one block of
 next export when this one ends, its pages lazily freed (the kernel takes them back when it
 needs memory). Under ``torchrun`` every rank writes its share of the blocks into its own
 files in parallel; rank 0 writes the metadata.
+
+The export is written into a hidden folder beside ``out`` (``.NAME.partial``), which takes
+``out``'s name once every rank has written its part: an export that fails (a full disk
+says so) leaves ``out`` as it was and removes what it wrote.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -52,6 +58,7 @@ from torchrec_cnr.read.tables import table_block
 from torchrec_cnr.schema import ShardRecord
 from torchrec_cnr.snapshot.objects import load_object, resolve_globals
 from torchrec_cnr.storage import Root
+from torchrec_cnr.storage.fs import fsync_dir
 from torchrec_cnr.tracking.shard import ShardSpec
 from torchrec_cnr.units import check_size_mb
 
@@ -90,8 +97,9 @@ class ExportOptions:
     (in the checksummed blocks they lie in; in roots written before block checksums, the
     saved shard whole). At least 1 KiB (``1 / 1024``)."""
     overwrite: bool = False
-    """Replace ``out`` if it exists; otherwise an existing ``out`` is refused before anything
-    is written."""
+    """Replace ``out`` if it exists, once the new export is whole (one that fails leaves it
+    as it was; meanwhile the disk holds both); otherwise an existing ``out`` is refused
+    before anything is written."""
     safe_globals: tuple[str | type, ...] = ()
     """Types ``app_state`` may hold beyond the built-in ones, as
     :attr:`~torchrec_cnr.CheckpointConfig.safe_globals` (``"package.module.Name"`` or the
@@ -236,19 +244,58 @@ def _share(groups: list[list[Block]], rank: int, world: int) -> list[list[Block]
     return mine
 
 
+def _partial(target: Path) -> Path:
+    """Where an export to ``target`` is written before it takes that name: a hidden folder
+    beside it, on its file system. A mount point (or ``.``) is written in place."""
+    if target.name in ("", ".", "..") or os.path.ismount(target):
+        return target
+    return target.with_name(f".{target.name}.partial")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 def _prepare(target: Path, overwrite: bool) -> None:
-    """Makes ``target`` an empty directory: refused where it holds anything, unless
-    ``overwrite``."""
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        if not overwrite:
-            raise FileExistsError(
-                f"{target} exists; ExportOptions(overwrite=True) (cnr: --overwrite) replaces it"
-            )
-        if target.is_dir():
-            shutil.rmtree(target)
-        else:
-            target.unlink()
-    target.mkdir(parents=True, exist_ok=True)
+    """Refuses a ``target`` that holds anything, unless ``overwrite``; makes the export's
+    partial folder, empty (a killed export's is removed)."""
+    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
+        raise FileExistsError(
+            f"{target} exists; ExportOptions(overwrite=True) (cnr: --overwrite) replaces it"
+        )
+    partial = _partial(target)
+    if partial == target:
+        for child in target.iterdir():
+            _remove(child)
+        return
+    _remove(partial)
+    partial.mkdir(parents=True)
+
+
+def _publish(target: Path) -> None:
+    """The written export takes ``target``'s name; what held it before is removed only
+    then, so that an export that fails leaves it as it was."""
+    partial = _partial(target)
+    if partial == target:
+        return
+    old = target.with_name(f".{target.name}.old")
+    _remove(old)
+    if target.exists() or target.is_symlink():
+        os.rename(target, old)
+    os.rename(partial, target)
+    fsync_dir(target.parent)
+    _remove(old)
+
+
+def _discard(target: Path) -> None:
+    """What a failed export wrote."""
+    partial = _partial(target)
+    for path in list(partial.iterdir()) if partial == target else [partial]:
+        with contextlib.suppress(OSError):
+            _remove(path)
 
 
 def _objects(chain: ChainReader, options: ExportOptions) -> dict[str, Any]:
@@ -311,6 +358,8 @@ def export_dcp(
         ValueError: no such step, ``options`` not an :class:`ExportOptions`, or an
             ``app_state`` named ``model`` or ``optim``.
         UnsafeObjectError: ``app_state`` holds a type not in ``options.safe_globals``.
+        OSError: the export could not be written (``ENOSPC``, saying so, where the disk is
+            full); ``out`` is as it was.
 
     Example::
 
@@ -328,27 +377,37 @@ def export_dcp(
         """``fn()``, raising on every rank if it failed on any (none waits in DCP's save)."""
         return fn() if ranks is None else ranks.agree_on(fn)
 
-    prepare = partial(_prepare, target, options.overwrite)
-    if ranks is None:
-        prepare()
-    else:
-        ranks.on_rank0(prepare)
-    with everywhere(lambda: ChainReader.open(root, step, io=io)) as chain:
-        read = _Reads(chain, options.progress)
-        tables = chain.entry.tables
-        memory, block_bytes = _blocks_budget(chain, options, ranks)
-        groups = everywhere(
-            lambda: [
-                g
-                for name in sorted(tables)
-                for g in _table_blocks(chain, name, tables[name], block_bytes, read)
-            ]
-        )
-        mine = _share(groups, rank, world)
-        read.total = sum(map(len, mine))
-        saved = everywhere(lambda: _objects(chain, options) if rank == 0 else {})
-        write_blocks(target, mine, saved, group, options.threads)
-        memory.release()
-        keys = sorted({b.fqn for g in groups for b in g})
-        nbytes = sum(4 * int(torch.Size(b.sizes).numel()) for g in mine for b in g)
-        return DcpExport(chain.entry.step, read.total, nbytes, len(tables), keys)
+    def on_rank0(fn: Callable[[], None]) -> None:
+        """``fn()`` by rank 0 alone, its failure raised on every rank."""
+        if ranks is None:
+            fn()
+        else:
+            ranks.on_rank0(fn)
+
+    on_rank0(partial(_prepare, target, options.overwrite))
+    try:
+        with everywhere(lambda: ChainReader.open(root, step, io=io)) as chain:
+            read = _Reads(chain, options.progress)
+            tables = chain.entry.tables
+            memory, block_bytes = _blocks_budget(chain, options, ranks)
+            groups = everywhere(
+                lambda: [
+                    g
+                    for name in sorted(tables)
+                    for g in _table_blocks(chain, name, tables[name], block_bytes, read)
+                ]
+            )
+            mine = _share(groups, rank, world)
+            read.total = sum(map(len, mine))
+            saved = everywhere(lambda: _objects(chain, options) if rank == 0 else {})
+            write_blocks(_partial(target), mine, saved, group, options.threads)
+            memory.release()
+            exported = chain.entry.step
+        on_rank0(partial(_publish, target))
+    except BaseException:
+        if rank == 0:
+            _discard(target)
+        raise
+    keys = sorted({b.fqn for g in groups for b in g})
+    nbytes = sum(4 * int(torch.Size(b.sizes).numel()) for g in mine for b in g)
+    return DcpExport(exported, read.total, nbytes, len(tables), keys)

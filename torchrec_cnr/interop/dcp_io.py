@@ -52,16 +52,19 @@ from torch.distributed.checkpoint.planner import (
     LoadPlan,
     ReadItem,
     SavePlan,
+    SavePlanner,
     TensorWriteData,
     WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.storage import WriteResult
 
 from torchrec_cnr.errors import CheckpointReadError, CnrError
 from torchrec_cnr.snapshot.buffers import anonymous
 from torchrec_cnr.snapshot.objects import load_object
 from torchrec_cnr.storage import DIRECT_MIN_BYTES
+from torchrec_cnr.storage.fs import out_of_space
 
 __all__ = ["Block", "DcpReader", "fused_state_path", "mapped", "write_blocks"]
 
@@ -360,12 +363,28 @@ def _write_blocks(
         else:
             values[fqn] = value
     planner = _WriteBlocks(blocks, values, {b.fqn: b.path for b in blocks} | mappings)
-    writer = FileSystemWriter(str(path), thread_count=threads, sync_files=True)
+    writer = _Writer(str(path), thread_count=threads, sync_files=True)
     try:
         dcp.save({}, storage_writer=writer, planner=planner, process_group=group,
                  no_dist=group is None)  # fmt: skip
     except CheckpointException as e:
         raise _cause(e) from None  # the same error on every rank
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file system writer, whose failures on a full disk say so."""
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.folder = path
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
+        with out_of_space(self.folder, f"the DCP checkpoint at {self.folder}"):
+            return super().write_data(plan, planner)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with out_of_space(self.folder, f"the DCP checkpoint's metadata at {self.folder}"):
+            super().finish(metadata, results)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.read.tables import table_name, table_values
 from torchrec_cnr.storage import Root
+from torchrec_cnr.storage.fs import fsync_dir, out_of_space
 
 __all__ = ["EXPORT_FORMATS", "ExportFormat", "export_state_dict", "save_export"]
 
@@ -88,26 +89,41 @@ def save_export(
     """Writes an exported state dict.
 
     ``torch`` writes one ``torch.save`` file; ``safetensors`` one safetensors file
-    (needs the ``safetensors`` package).
+    (needs the ``safetensors`` package). The file is written beside ``out`` and renamed
+    to it once whole and durable: ``out`` is never seen half written, and a write that
+    fails leaves it as it was.
 
     Raises:
         ValueError: an unknown format.
+        OSError: the file could not be written (``ENOSPC``, saying so, where the disk is
+            full).
     """
-    path = Path(out)
-    if fmt == "torch":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state_dict, path)
-    elif fmt == "safetensors":
-        from safetensors.torch import save_file
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(path))
-        # safetensors creates it owner-only (0600); as any other file, it follows the umask.
-        mask = os.umask(0)
-        os.umask(mask)
-        path.chmod(0o666 & ~mask)
-    else:
+    if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format must be one of {EXPORT_FORMATS}, got {fmt!r}")
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside it, then renamed: a failed write (a full disk) leaves ``out`` as it was.
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        with out_of_space(partial, f"the export {path}"):
+            if fmt == "torch":
+                torch.save(state_dict, partial)
+            else:
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in state_dict.items()}, str(partial))
+                # safetensors creates it owner-only (0600); as any other file, it follows
+                # the umask.
+                mask = os.umask(0)
+                os.umask(mask)
+                partial.chmod(0o666 & ~mask)
+            with open(partial, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def progress_line(text: str, last: bool) -> None:

@@ -35,7 +35,7 @@ import numpy as np
 
 from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage, _Any, truncated
 
-__all__ = ["FsStorage", "fsync_dir", "tree_bytes"]
+__all__ = ["FsStorage", "fsync_dir", "out_of_space", "tree_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +198,36 @@ class _Direct:
             if got < want:
                 break
         return done
+
+
+FULL_BYTES = 1 << 20
+"""Less room than this left on a file system after a write failed: the disk was full."""
+
+
+@contextlib.contextmanager
+def out_of_space(path: str | os.PathLike[str], what: str) -> Iterator[None]:
+    """Raises what the block raises, or, where the file system of ``path`` (or of its
+    nearest existing folder) has less than :data:`FULL_BYTES` left after it failed, an
+    ``OSError`` (ENOSPC) saying that ``what`` does not fit, from the error: torch's
+    serializers report a write that a full disk cut short as a bad position
+    (``unexpected pos``), not as a full disk."""
+    try:
+        yield
+    except Exception as e:
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or not _full(path):
+            raise
+        raise OSError(errno.ENOSPC, f"no space left on device: {what} does not fit") from e
+
+
+def _full(path: str | os.PathLike[str]) -> bool:
+    at = Path(path).absolute()
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    try:
+        st = os.statvfs(at)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < FULL_BYTES
 
 
 def tree_bytes(path: str | os.PathLike[str]) -> int:
