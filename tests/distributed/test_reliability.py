@@ -6,6 +6,8 @@ restores that fail without touching the model.
   cannot write fails as it is built, naming the cause, and one that only restores
   (``read_only``) restores exactly; saving resumes once space returns. On a real tmpfs (root only) and, with injected ENOSPC at
   an object, the manifest and the lease, on every backend.
+- An export (DCP, or a file) that does not fit a real full tmpfs fails saying so (ENOSPC),
+  keeps the export that was there, even with ``overwrite``, and leaves nothing of its own.
 - A restore that fails (an ``app_state`` that refuses its state on one rank, data that
   does not fit) leaves the weights, every optimizer state, the dense parameters and every
   ``app_state`` object bit-identical; an uninitialized TorchRec ``KeyedOptimizer`` in
