@@ -244,7 +244,7 @@ def _share(groups: list[list[Block]], rank: int, world: int) -> list[list[Block]
     return mine
 
 
-def _partial(target: Path) -> Path:
+def _draft(target: Path) -> Path:
     """Where an export to ``target`` is written before it takes that name: a hidden folder
     beside it, on its file system. A mount point (or ``.``) is written in place."""
     if target.name in ("", ".", "..") or os.path.ismount(target):
@@ -261,39 +261,39 @@ def _remove(path: Path) -> None:
 
 def _prepare(target: Path, overwrite: bool) -> None:
     """Refuses a ``target`` that holds anything, unless ``overwrite``; makes the export's
-    partial folder, empty (a killed export's is removed)."""
+    draft folder, empty (a killed export's is removed)."""
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
         raise FileExistsError(
             f"{target} exists; ExportOptions(overwrite=True) (cnr: --overwrite) replaces it"
         )
-    partial = _partial(target)
-    if partial == target:
+    draft = _draft(target)
+    if draft == target:
         for child in target.iterdir():
             _remove(child)
         return
-    _remove(partial)
-    partial.mkdir(parents=True)
+    _remove(draft)
+    draft.mkdir(parents=True)
 
 
 def _publish(target: Path) -> None:
     """The written export takes ``target``'s name; what held it before is removed only
     then, so that an export that fails leaves it as it was."""
-    partial = _partial(target)
-    if partial == target:
+    draft = _draft(target)
+    if draft == target:
         return
     old = target.with_name(f".{target.name}.old")
     _remove(old)
     if target.exists() or target.is_symlink():
         os.rename(target, old)
-    os.rename(partial, target)
+    os.rename(draft, target)
     fsync_dir(target.parent)
     _remove(old)
 
 
 def _discard(target: Path) -> None:
     """What a failed export wrote."""
-    partial = _partial(target)
-    for path in list(partial.iterdir()) if partial == target else [partial]:
+    draft = _draft(target)
+    for path in list(draft.iterdir()) if draft == target else [draft]:
         with contextlib.suppress(OSError):
             _remove(path)
 
@@ -400,7 +400,7 @@ def export_dcp(
             mine = _share(groups, rank, world)
             read.total = sum(map(len, mine))
             saved = everywhere(lambda: _objects(chain, options) if rank == 0 else {})
-            write_blocks(_partial(target), mine, saved, group, options.threads)
+            write_blocks(_draft(target), mine, saved, group, options.threads)
             memory.release()
             exported = chain.entry.step
         on_rank0(partial(_publish, target))
