@@ -408,9 +408,11 @@ def test_an_export_that_fails_leaves_the_earlier_export_whole_and_nothing_of_its
     tmp_path: Path,
 ) -> None:
     """With ``overwrite``, an export of a root damaged since the earlier export fails on
-    every rank (2, as under torchrun); the earlier export stays whole at ``out``, and no
-    partial folder is left beside it."""
+    every rank (2, as under torchrun); the earlier export stays whole at ``out`` (a link to
+    a folder, which stays a link), and no partial folder is left beside it."""
     root, out = str(tmp_path / "root"), tmp_path / "exports" / "out"
+    (tmp_path / "exports" / "real").mkdir(parents=True)
+    out.symlink_to(tmp_path / "exports" / "real")
     run_ranks(2, _chain, root, "consecutive", QuantizeConfig())
     export_dcp(root, str(out))
     dcp_to_torch_save(str(out), str(tmp_path / "before.pt"))
@@ -423,7 +425,8 @@ def test_an_export_that_fails_leaves_the_earlier_export_whole_and_nothing_of_its
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
     run_ranks(2, _export_of_damaged_root, root, str(out))
-    assert [p.name for p in out.parent.iterdir()] == ["out"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out", "real"]
+    assert out.is_symlink() and (out / ".metadata").exists()
     dcp_to_torch_save(str(out), str(tmp_path / "after.pt"))
     before, after = (
         torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("before", "after")

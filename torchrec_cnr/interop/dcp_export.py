@@ -371,7 +371,7 @@ def export_dcp(
         raise ValueError(f"options must be an ExportOptions or None, got {options!r}")
     ranks = Collective(group) if group is not None else None
     rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
-    target = Path(out)
+    target = Path(out).resolve() if Path(out).is_symlink() else Path(out)  # a link: its folder
 
     def everywhere(fn: Callable[[], T]) -> T:
         """``fn()``, raising on every rank if it failed on any (none waits in DCP's save)."""

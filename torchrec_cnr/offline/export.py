@@ -100,7 +100,7 @@ def save_export(
     """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format must be one of {EXPORT_FORMATS}, got {fmt!r}")
-    path = Path(out)
+    path = Path(out).resolve() if Path(out).is_symlink() else Path(out)  # a link: its file
     path.parent.mkdir(parents=True, exist_ok=True)
     # Written beside it, then renamed: a failed write (a full disk) leaves ``out`` as it was.
     partial = path.with_name(f".{path.name}.partial")
