@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import sys
 from collections import defaultdict
@@ -362,6 +363,16 @@ def _run(args: argparse.Namespace) -> int:
     except (CnrError, ValueError, FileExistsError) as e:  # no such step, table or format
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in _ENVIRONMENT:
+            raise
+        print(f"error: {e}", file=sys.stderr)  # the machine's, not the command's
+        return 1
+
+
+_ENVIRONMENT = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
+"""Failures of the machine a command runs on (a full disk, a quota, permissions, a
+read-only file system): a line on stderr and exit status 1, not a traceback."""
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from tests.jobs import Job, make_job, restores_exactly, save_reference
 from tests.models import capture, differences
 from tests.multiprocess import run_ranks
 from torchrec_cnr import CheckpointConfig, CheckpointError, CheckpointManager, export_dcp
+from torchrec_cnr.cli import main as cnr
 from torchrec_cnr.interop import ExportOptions
 from torchrec_cnr.manifest import Manifest
 from torchrec_cnr.manifest.records import record_bytes
@@ -295,11 +296,11 @@ def _save_and_export(tmp: str, out: str) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_exports_that_do_not_fit_a_real_full_tmpfs_fail_saying_so_and_keep_the_earlier_one(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``export_dcp`` (2 ranks) and ``save_export`` on a 1 MB tmpfs: a clear ENOSPC where
-    torch's writer says ``unexpected pos``, the export that was there unchanged, and no
-    half-written files."""
+    """``export_dcp`` (2 ranks), ``save_export`` and ``cnr export`` on a 1 MB tmpfs: a clear
+    ENOSPC where torch's writer says ``unexpected pos``, the export that was there
+    unchanged, and no half-written files."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
     mnt = tmp_path / "mnt"
@@ -317,6 +318,12 @@ def test_exports_that_do_not_fit_a_real_full_tmpfs_fail_saying_so_and_keep_the_e
         assert failed.value.errno == errno.ENOSPC, failed.value
         assert sorted(p.name for p in mnt.iterdir()) == ["model.pt"]
         assert differences(torch.load(mnt / "model.pt"), small) == []
+        # The command line says so in a line, exit status 1, no traceback.
+        assert cnr(["export", str(tmp_path / "large"), "--out", str(mnt / "model.pt")]) == 1
+        said = capsys.readouterr().err
+        assert "\nerror: [Errno 28] no space left on device" in said, said
+        assert "Traceback" not in said, said
+        assert sorted(p.name for p in mnt.iterdir()) == ["model.pt"]
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
         shutil.rmtree(mnt, ignore_errors=True)
