@@ -170,6 +170,23 @@ def _mount(path: Path, size: str, remount: bool = False) -> bool:
     return done.returncode == 0
 
 
+@contextlib.contextmanager
+def _tmpfs_of_1mb(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MB tmpfs, unmounted at the end; the test is skipped where root cannot
+    mount one."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if not _mount(mnt, "1m"):
+        pytest.skip("this machine does not let root mount a tmpfs")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        shutil.rmtree(mnt, ignore_errors=True)
+
+
 def _fill(path: Path) -> None:
     """Takes every byte left on the file system of ``path``."""
     try:
@@ -238,16 +255,10 @@ def _save_after_growth(root: str, refs: str) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_a_real_full_tmpfs_fails_saves_cleanly_restores_and_recovers(tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if not _mount(mnt, "1m"):
-        pytest.skip("this machine does not let root mount a tmpfs")
     refs = tmp_path / "refs"
     refs.mkdir()
-    root = str(mnt / "ckpt")
-    try:
+    with _tmpfs_of_1mb(tmp_path) as mnt:
+        root = str(mnt / "ckpt")
         run_ranks(2, _save_until_full, root, str(refs))
         _fill(mnt)  # nothing left, not even for a lease
         run_ranks(2, _restore_on_full_disk, root, str(refs))
@@ -258,9 +269,6 @@ def test_a_real_full_tmpfs_fails_saves_cleanly_restores_and_recovers(tmp_path: P
         last = Manifest.load(root).steps()[-1]
         run_ranks(2, restores_exactly, TABLES, root, str(refs), last, latest=True, seed=91,
                   data_seed=4, policy="full")  # fmt: skip
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-        shutil.rmtree(mnt, ignore_errors=True)
 
 
 EXPORTED = {"small": TABLES[:1], "large": [TableSpec("big", 20_000, 32, "table_wise")]}
@@ -301,13 +309,7 @@ def test_exports_that_do_not_fit_a_real_full_tmpfs_fail_saying_so_and_keep_the_e
     """``export_dcp`` (2 ranks), ``save_export`` and ``cnr export`` on a 1 MB tmpfs: a clear
     ENOSPC where torch's writer says ``unexpected pos``, the export that was there
     unchanged, and no half-written files."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if not _mount(mnt, "1m"):
-        pytest.skip("this machine does not let root mount a tmpfs")
-    try:
+    with _tmpfs_of_1mb(tmp_path) as mnt:
         out = mnt / "dcp" / "out"
         run_ranks(2, _save_and_export, str(tmp_path), str(out))
         shutil.rmtree(mnt / "dcp")
@@ -324,9 +326,6 @@ def test_exports_that_do_not_fit_a_real_full_tmpfs_fail_saying_so_and_keep_the_e
         assert "\nerror: [Errno 28] no space left on device" in said, said
         assert "Traceback" not in said, said
         assert sorted(p.name for p in mnt.iterdir()) == ["model.pt"]
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-        shutil.rmtree(mnt, ignore_errors=True)
 
 
 # -- restores that fail change nothing ------------------------------------------
