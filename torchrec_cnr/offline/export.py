@@ -30,7 +30,7 @@ from torchrec_cnr.iocontext import IOContext, IOOptions
 from torchrec_cnr.read.chain import ChainReader
 from torchrec_cnr.read.tables import table_name, table_values
 from torchrec_cnr.storage import Root
-from torchrec_cnr.storage.fs import fsync_dir, out_of_space
+from torchrec_cnr.storage.fs import out_of_space, replacing
 
 __all__ = ["EXPORT_FORMATS", "ExportFormat", "export_state_dict", "save_export"]
 
@@ -103,27 +103,18 @@ def save_export(
     path = Path(out).resolve() if Path(out).is_symlink() else Path(out)  # a link: its file
     path.parent.mkdir(parents=True, exist_ok=True)
     # Written beside it, then renamed: a failed write (a full disk) leaves ``out`` as it was.
-    partial = path.with_name(f".{path.name}.partial")
-    try:
-        with out_of_space(partial, f"the export {path}"):
-            if fmt == "torch":
-                torch.save(state_dict, partial)
-            else:
-                from safetensors.torch import save_file
+    with replacing(path) as draft, out_of_space(path, f"the export {path}"):
+        if fmt == "torch":
+            torch.save(state_dict, draft)
+        else:
+            from safetensors.torch import save_file
 
-                save_file({k: v.contiguous() for k, v in state_dict.items()}, str(partial))
-                # safetensors creates it owner-only (0600); as any other file, it follows
-                # the umask.
-                mask = os.umask(0)
-                os.umask(mask)
-                partial.chmod(0o666 & ~mask)
-            with open(partial, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+            save_file({k: v.contiguous() for k, v in state_dict.items()}, str(draft))
+            # safetensors creates it owner-only (0600); as any other file, it follows the
+            # umask.
+            mask = os.umask(0)
+            os.umask(mask)
+            draft.chmod(0o666 & ~mask)
 
 
 def progress_line(text: str, last: bool) -> None:

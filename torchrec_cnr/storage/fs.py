@@ -35,7 +35,7 @@ import numpy as np
 
 from torchrec_cnr.storage.backend import ANY, PreconditionFailed, Storage, _Any, truncated
 
-__all__ = ["FsStorage", "fsync_dir", "out_of_space", "tree_bytes"]
+__all__ = ["FsStorage", "fsync_dir", "out_of_space", "replacing", "tree_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,27 @@ class _Direct:
         return done
 
 
+@contextlib.contextmanager
+def replacing(target: Path) -> Iterator[Path]:
+    """A file beside ``target`` for the block to write; once it ends, made durable and
+    renamed over ``target``, its folder synced: a reader finds the old file or the whole
+    new one, never part of it. Where the block or the sync fails, ``target`` stays as it
+    was and the file is removed."""
+    draft = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        yield draft
+        fd = os.open(draft, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(draft, target)
+    except BaseException:
+        draft.unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
+
+
 FULL_BYTES = 1 << 20
 """Less room than this left on a file system after a write failed: the disk was full."""
 
@@ -308,13 +329,8 @@ class FsStorage(Storage):
                         f"{target}: expected version {expect}, found {found or 'no object'}"
                     )
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-            fsync_dir(target.parent)
+            with replacing(target) as draft:
+                draft.write_bytes(data)
         return _digest(data)
 
     def write_object(self, name: str, data: memoryview) -> None:
