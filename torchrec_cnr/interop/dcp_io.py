@@ -374,16 +374,12 @@ def _write_blocks(
 class _Writer(FileSystemWriter):
     """DCP's file system writer, whose failures on a full disk say so."""
 
-    def __init__(self, path: str, **kwargs: Any) -> None:
-        super().__init__(path, **kwargs)
-        self.folder = path
-
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
-        with out_of_space(self.folder, f"the DCP checkpoint at {self.folder}"):
+        with out_of_space(self.path, f"the DCP checkpoint at {self.path}"):
             return super().write_data(plan, planner)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        with out_of_space(self.folder, f"the DCP checkpoint's metadata at {self.folder}"):
+        with out_of_space(self.path, f"the DCP checkpoint's metadata at {self.path}"):
             super().finish(metadata, results)
 
 
